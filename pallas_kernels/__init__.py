@@ -1,0 +1,1 @@
+"""Pallas kernels: fused flash attention and block-sparse layers (importable without zeroflow)."""
