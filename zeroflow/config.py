@@ -1,0 +1,151 @@
+"""Typed, nested run configuration.
+
+Every field has a one-line doc (the string after it). YAML files fill these dataclasses; the
+command line overrides them with dotted keys (``train.steps=100``). Loading and validation live
+in ``zeroflow.config_io``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    "Vocabulary size; 256 for byte-level tokens (set from the tokenizer when known)."
+    seq_len: int = 128
+    "Context length in tokens (also the training sequence length)."
+    num_layers: int = 2
+    "Number of decoder blocks (stacked with nn.scan)."
+    embed_dim: int = 128
+    "Model width (d_model)."
+    num_heads: int = 4
+    "Attention (query) heads."
+    num_kv_heads: int = 0
+    "Key/value heads for grouped-query attention; 0 means the same as num_heads."
+    head_dim: int = 0
+    "Per-head width; 0 means embed_dim // num_heads."
+    mlp_dim: int = 512
+    "Hidden width of the MLP."
+    mlp_activation: str = "swiglu"
+    "MLP kind: 'swiglu' or 'gelu'."
+    norm: str = "rmsnorm"
+    "Normalisation: 'rmsnorm' or 'layernorm'."
+    tie_embeddings: bool = True
+    "Share the input embedding with the output projection."
+    rope_base: float = 10000.0
+    "Rotary position embedding base frequency."
+    remat: str = "none"
+    "Rematerialisation policy for each block: 'none', 'full' or 'save_dots'."
+    attention: str = "xla"
+    "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
+    mlp: str = "dense"
+    "MLP projections: 'dense' or 'block_sparse'."
+    mlp_density: float = 0.25
+    "Fraction of weight blocks kept when mlp is 'block_sparse'."
+    mlp_block_size: int = 32
+    "Block size of block-sparse MLP weights."
+    dropout: float = 0.0
+    "Dropout rate (0 disables it)."
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    "Where text comes from: 'stdlib' (the interpreter's standard library .py files), a path to a text file or folder, or a .bin token file made by scripts/prepare_data.py."
+    val_fraction: float = 0.05
+    "Fraction of files held out for validation (split by file, deterministic)."
+    max_bytes: int = 0
+    "Cap on corpus bytes read (0 = no cap)."
+    tokenizer: str = "byte"
+    "'byte' for byte-level tokens; a path to a SentencePiece .model otherwise."
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    "Number of optimizer steps."
+    batch_size: int = 16
+    "Global batch size in sequences (split over the data axis and grad_accum)."
+    lr: float = 3e-3
+    "Peak learning rate."
+    min_lr_ratio: float = 0.1
+    "Final learning rate as a fraction of the peak (cosine decay)."
+    warmup_steps: int = 20
+    "Linear warmup steps."
+    weight_decay: float = 0.1
+    "AdamW weight decay (masked off norms and biases)."
+    b1: float = 0.9
+    "Adam beta1."
+    b2: float = 0.95
+    "Adam beta2."
+    grad_clip: float = 1.0
+    "Global gradient-norm clip (0 disables it)."
+    seed: int = 0
+    "Seed for parameters and data order."
+    log_every: int = 10
+    "Steps between metric lines in metrics.jsonl."
+    eval_every: int = 100
+    "Steps between evaluations (0 = only at the end)."
+    eval_batches: int = 4
+    "Validation batches per evaluation."
+
+
+@dataclass
+class ParallelConfig:
+    data: int = -1
+    "Devices on the data axis (-1 = all remaining)."
+    model: int = 1
+    "Devices on the model (tensor-parallel) axis."
+    zero_stage: int = 0
+    "ZeRO stage 0, 1, 2 or 3."
+    grad_accum: int = 1
+    "Micro-batches per step."
+    offload: str = "none"
+    "Host offload: 'none', 'optimizer' or 'optimizer+params'."
+    update_on: str = "device"
+    "Where the offloaded optimizer update runs: 'device' or 'host'."
+
+
+@dataclass
+class PrecisionConfig:
+    params: str = "fp32"
+    "Compute weight dtype: 'fp32', 'bf16' or 'fp16'."
+    master: str = "fp32"
+    "Master weight dtype (fp32)."
+    loss_scale: str = "none"
+    "'none', 'dynamic' or a number (static scale)."
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    "Steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)."
+    keep: int = 3
+    "How many recent checkpoints to keep."
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/tiny"
+    "Output folder: resolved config, metrics.jsonl, checkpoints/."
+    tensorboard: bool = False
+    "Also write TensorBoard event files to run.dir/tb."
+    progress: bool = True
+    "Show a progress bar."
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
