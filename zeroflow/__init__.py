@@ -1,0 +1,19 @@
+"""zeroflow: ZeRO-sharded, mixed-precision training for JAX.
+
+    import zeroflow as zf
+    mesh  = zf.make_mesh(data=-1, model=1)
+    prec  = zf.Precision(params="bf16", master="fp32", loss_scale="none")
+    plan  = zf.ZeroPlan(mesh, stage=2)
+    state = zf.init_train_state(params, tx, plan, prec)
+    step  = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=1)
+    state, metrics = step(state, batch)
+"""
+from zeroflow.mesh import make_mesh
+from zeroflow.plan import ZeroPlan
+from zeroflow.precision import LossScaleState, Precision
+from zeroflow.state import TrainState, init_train_state
+from zeroflow.step import make_train_step
+
+__all__ = ["make_mesh", "Precision", "LossScaleState", "ZeroPlan", "TrainState",
+           "init_train_state", "make_train_step"]
+__version__ = "0.1.0"

@@ -1,0 +1,197 @@
+"""The ZeRO train step: one jitted, state-donating ``train_step(state, batch)``.
+
+Forward and backward run inside ``shard_map`` over the ``data`` axis so that the collectives
+are explicit and the same on every backend:
+- stage 0/1: local gradients are all-reduced (``psum``) once per step;
+- stage 2:   each micro-batch's gradients are reduce-scattered (``psum_scatter``) onto the
+             device that owns that slice of the master weights, never held whole;
+- stage 3:   compute weights arrive sharded and are all-gathered on use; the transpose of that
+             gather is the reduce-scatter of their gradients.
+The optimizer update then runs on the sharded fp32 arrays outside ``shard_map``, so any optax
+transform (global-norm clipping included) sees the true global gradient. ``model`` stays an
+automatic axis, which is how tensor-parallel rules compose with ZeRO.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zeroflow.mesh import DATA
+from zeroflow.plan import LeafLayout, ZeroPlan, path_str
+from zeroflow.precision import Precision
+from zeroflow.state import TrainState, state_shardings
+
+LossFn = Callable[[Any, Any], Any]
+
+
+def _is_layout(x) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def _varying(x):
+    """Mark ``x`` as differing across ``data`` so its gradient stays local (no implicit psum)."""
+    try:
+        return jax.lax.pcast(x, DATA, to="varying")
+    except ValueError:  # already varying; how that is spelled on the aval differs by jax version
+        return x
+
+
+def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError("batch has no array leaves")
+    sizes = {path_str(p): (jnp.shape(x)[0] if jnp.ndim(x) else None) for p, x in leaves}
+    if None in sizes.values():
+        raise ValueError("every batch leaf needs a leading batch axis; scalars found at "
+                         + ", ".join(k for k, v in sizes.items() if v is None))
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch leaves disagree on the leading batch size: {sizes}")
+    size = next(iter(sizes.values()))
+    if size % divisor:
+        raise ValueError(f"batch size {size} does not divide by data axis size {data_size} x "
+                         f"grad_accum {grad_accum} = {divisor}")
+
+
+def _split_loss(out):
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    if len(jnp.shape(loss)) != 0:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+    if not isinstance(aux, dict):
+        raise ValueError(f"loss_fn's aux must be a dict of metrics, got {type(aux).__name__}")
+    return jnp.asarray(loss, jnp.float32), aux
+
+
+def _gather(x, lay: LeafLayout, plan: ZeroPlan):
+    if not plan.shards_compute or lay.zero_dim is None:
+        return x
+    return jax.lax.all_gather(x, DATA, axis=lay.zero_dim, tiled=True)
+
+
+def _reduce_now(g, lay: LeafLayout, plan: ZeroPlan):
+    """Per micro-batch reduction: stage >= 2 reduce-scatters every leaf ZeRO can split."""
+    if lay.zero_dim is None or not plan.shards_grads:
+        return g  # reduced once, after accumulation
+    if plan.shards_compute:
+        return g  # the all-gather's transpose already reduce-scattered it
+    return jax.lax.psum_scatter(g, DATA, scatter_dimension=lay.zero_dim, tiled=True)
+
+
+def _reduce_at_end(g, lay: LeafLayout, plan: ZeroPlan):
+    if lay.zero_dim is not None and plan.shards_grads:
+        return g
+    return jax.lax.psum(g, DATA)
+
+
+def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int):
+    """Runs per device inside shard_map: gradients of the (scaled) loss on the local batch."""
+    params = jax.tree.map(_varying, params)
+
+    def grads_of(micro):
+        def scaled_loss(p):
+            full = jax.tree.map(lambda x, lay: _gather(x, lay, plan), p, layouts)
+            loss, aux = _split_loss(loss_fn(full, micro))
+            return loss * scale, (loss, aux)
+
+        (_, (loss, aux)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        g = jax.tree.map(lambda x, lay: _reduce_now(x.astype(jnp.float32), lay, plan), g, layouts)
+        return g, loss, aux
+
+    if grad_accum == 1:
+        grads, loss, aux = grads_of(batch)
+    else:
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(grads_of, first)
+        zeros = jax.tree.map(lambda s: _varying(jnp.zeros(s.shape, s.dtype)), shapes)
+
+        def body(acc, mb):
+            out = grads_of(mb)
+            return jax.tree.map(jnp.add, acc, out), None
+
+        (grads, loss, aux), _ = jax.lax.scan(body, zeros, micro)
+        loss = loss / grad_accum
+        aux = jax.tree.map(lambda a: a / grad_accum, aux)
+    grads = jax.tree.map(lambda g, lay: _reduce_at_end(g, lay, plan), grads, layouts)
+    return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
+
+
+def _place(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+
+
+def _on_device(tree, shardings):
+    """Offloaded arrays are brought to device memory for the update (explicit transfer)."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
+
+
+def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
+               plan: ZeroPlan, prec: Precision, grad_accum: int):
+    """One optimizer step on a global batch; returns ``(new_state, metrics)``."""
+    n = plan.data_size
+    check_batch(batch, n * grad_accum, n, grad_accum)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.master)
+    layouts = plan.layouts(abstract)
+    shard = state_shardings(abstract, tx, plan, prec)
+    batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch)
+
+    # Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
+    # stage 3 they are whole on every device (fp32 compute gathers them from the master here).
+    compute_sh = plan.compute_shardings(abstract, memory_kind=None)
+    params = _place(state.params, compute_sh)
+    scale = state.loss_scale.scale if state.loss_scale is not None else jnp.ones((), jnp.float32)
+
+    specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute), layouts, is_leaf=_is_layout)
+    specs_grad = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_grads), layouts, is_leaf=_is_layout)
+    batch_specs = jax.tree.map(lambda _: P(DATA), batch)
+    local = functools.partial(_local_grads, loss_fn=loss_fn, layouts=layouts, plan=plan,
+                              grad_accum=grad_accum)
+    grads, loss, aux = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P()),
+        out_specs=(specs_grad, P(), P()), axis_names={DATA})(params, batch, scale)
+
+    # Unscale in fp32 and average over devices and micro-batches.
+    grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    grad_norm = optax.global_norm(grads)
+
+    master, opt_state = state.master, state.opt_state
+    if plan.offload != "none":
+        master, opt_state = _on_device(master, shard.master), _on_device(opt_state, shard.opt_state)
+    updates, new_opt = tx.update(grads, opt_state, master)
+    new_master = optax.apply_updates(master, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731  a skipped step changes nothing
+    new_master = jax.tree.map(keep, new_master, master)
+    new_opt = jax.tree.map(keep, new_opt, opt_state)
+    new_compute = None if state.compute is None else jax.tree.map(
+        lambda x: x.astype(prec.compute_dtype), new_master)
+
+    new_state = TrainState(step=state.step + 1, master=new_master, compute=new_compute,
+                           opt_state=new_opt, loss_scale=prec.next_loss_scale(state.loss_scale, finite))
+    new_state = _place(new_state, shard)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale,
+               "skipped": jnp.logical_not(finite).astype(jnp.int32), **aux}
+    return new_state, metrics
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: ZeroPlan,
+                    prec: Precision, grad_accum: int = 1, *, donate: bool = True):
+    """A ``jax.jit``-compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
+
+    ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
+    pytree whose leaves share a leading global batch axis divisible by data size x grad_accum.
+    """
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
+    if not isinstance(plan, ZeroPlan):
+        raise ValueError(f"plan must be a zf.ZeroPlan, got {type(plan).__name__}")
+    if not isinstance(prec, Precision):
+        raise ValueError(f"prec must be a zf.Precision, got {type(prec).__name__}")
+    step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
+                             grad_accum=grad_accum)
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
