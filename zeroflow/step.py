@@ -67,10 +67,31 @@ def _split_loss(out):
     return jnp.asarray(loss, jnp.float32), aux
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_weight(x, dim: int):
+    """All-gather a stage-3 weight shard for use; its gradient is reduce-scattered back."""
+    return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+
+
+def _gather_fwd(x, dim):
+    return gather_weight(x, dim), None
+
+
+def _gather_bwd(dim, _, cotangent):
+    # Reduce in fp32 whatever the compute dtype: sums over many devices lose less, and the
+    # numerics match stage 2, which reduces fp32 gradients too. (XLA:CPU also rejects a
+    # bf16 reduce-scatter.)
+    summed = jax.lax.psum_scatter(cotangent.astype(jnp.float32), DATA, scatter_dimension=dim, tiled=True)
+    return (summed.astype(cotangent.dtype),)
+
+
+gather_weight.defvjp(_gather_fwd, _gather_bwd)
+
+
 def _gather(x, lay: LeafLayout, plan: ZeroPlan):
     if not plan.shards_compute or lay.zero_dim is None:
         return x
-    return jax.lax.all_gather(x, DATA, axis=lay.zero_dim, tiled=True)
+    return gather_weight(x, lay.zero_dim)
 
 
 def _reduce_now(g, lay: LeafLayout, plan: ZeroPlan):
@@ -158,7 +179,7 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     # Unscale in fp32 and average over devices and micro-batches.
     grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
 
     master, opt_state = state.master, state.opt_state
     if plan.offload != "none":

@@ -1,0 +1,277 @@
+"""The engine on 8 emulated CPU devices, with a small Flax model that is not zeroflow's own."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeroflow as zf
+
+N_DEV = 8
+
+
+class MLP(nn.Module):
+    hidden: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(self.hidden)(x))
+        x = nn.gelu(nn.Dense(self.hidden)(x))
+        # 10 outputs: its bias (10,) cannot be split over 8 devices and must still work.
+        return nn.Dense(10)(x)
+
+
+MODEL = MLP()
+
+
+def make_batch(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, 24)).astype(np.float32),
+            "y": rng.normal(size=(n, 10)).astype(np.float32)}
+
+
+def init_params():
+    return MODEL.init(jax.random.PRNGKey(0), jnp.zeros((1, 24)))["params"]
+
+
+def loss_fn(params, batch):
+    pred = MODEL.apply({"params": params}, batch["x"].astype(jax.tree.leaves(params)[0].dtype))
+    loss = jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
+    return loss, {"pred_mean": jnp.mean(pred.astype(jnp.float32))}
+
+
+def make_tx():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.01))
+
+
+def optax_reference(params, batches):
+    tx = make_tx()
+    opt = tx.init(params)
+    losses = []
+    for b in batches:
+        (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(params, b)
+        upd, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, upd)
+        losses.append(float(loss))
+    return np.array(losses), params
+
+
+def run_zero(stage, batches, prec=None, grad_accum=1, mesh=None):
+    mesh = mesh or zf.make_mesh(data=-1, model=1)
+    prec = prec or zf.Precision()
+    plan = zf.ZeroPlan(mesh, stage=stage)
+    tx = make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec)
+    step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=grad_accum)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state, step, metrics
+
+
+BATCHES = [make_batch(seed=s) for s in range(4)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return optax_reference(init_params(), BATCHES)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_stage_matches_plain_optax(stage, reference):
+    ref_losses, ref_params = reference
+    losses, state, _, metrics = run_zero(stage, BATCHES)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(state.master), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert state.compute is None and state.params is state.master  # fp32: one copy only
+    assert int(state.step) == len(BATCHES)
+    assert set(metrics) >= {"loss", "grad_norm", "loss_scale", "skipped", "pred_mean"}
+    assert int(metrics["skipped"]) == 0
+
+
+def test_grad_accumulation_equals_one_big_batch(reference):
+    ref_losses, ref_params = reference
+    losses, state, _, _ = run_zero(2, BATCHES, grad_accum=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(state.master), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _bytes_on_device0(tree):
+    dev = jax.devices()[0]
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == dev)
+    return total
+
+
+def _global_bytes(tree):
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def _wide_params():
+    # Wider than MLP() so the unsplittable (10,) bias is a negligible share, as in real models.
+    return MLP(hidden=256).init(jax.random.PRNGKey(0), jnp.zeros((1, 24)))["params"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_per_device_memory_of_each_stage(stage):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage)
+    prec = zf.Precision(params="bf16")
+    state = zf.init_train_state(_wide_params(), optax.adam(1e-3), plan, prec)
+    model_states = (state.master, state.opt_state)
+    ratio = _bytes_on_device0(model_states) / _global_bytes(model_states)
+    compute_ratio = _bytes_on_device0(state.compute) / _global_bytes(state.compute)
+    if stage == 0:
+        assert ratio == pytest.approx(1.0)
+    else:
+        assert ratio == pytest.approx(1 / N_DEV, rel=0.05)
+    if stage == 3:
+        assert compute_ratio == pytest.approx(1 / N_DEV, rel=0.05)
+    else:
+        assert compute_ratio == pytest.approx(1.0)
+    assert jax.tree.leaves(state.params)[0].dtype == jnp.bfloat16
+
+
+def _collectives(stage):
+    _, state, step, _ = run_zero(stage, BATCHES[:1])
+    hlo = step.lower(state, BATCHES[0]).compile().as_text()
+    return {op for op in ("reduce-scatter", "all-gather", "all-reduce") if op in hlo}
+
+
+@pytest.mark.parametrize("stage,expected,absent", [
+    (0, {"all-reduce"}, {"reduce-scatter", "all-gather"}),
+    (1, {"all-reduce", "all-gather"}, {"reduce-scatter"}),
+    (2, {"reduce-scatter", "all-gather"}, set()),
+    (3, {"reduce-scatter", "all-gather"}, set()),
+])
+def test_compiled_collectives(stage, expected, absent):
+    ops = _collectives(stage)
+    assert expected <= ops, ops
+    assert not (absent & ops), ops
+
+
+def test_bf16_trains_close_to_fp32(reference):
+    ref_losses, _ = reference
+    losses, state, _, _ = run_zero(3, BATCHES, prec=zf.Precision(params="bf16"))
+    assert jax.tree.leaves(state.master)[0].dtype == jnp.float32
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.params))
+    np.testing.assert_allclose(losses, ref_losses, rtol=3e-2)
+
+
+def _linear_loss(factor):
+    def loss(params, batch):
+        return factor * jnp.sum(params["w"].astype(jnp.float32) * batch["x"].astype(jnp.float32).mean(0))
+    return loss
+
+
+def _scaled_run(loss, prec, steps=1, **plan_kw):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=2, **plan_kw)
+    tx = optax.sgd(1.0)
+    params = {"w": jnp.ones((64,), jnp.float32)}
+    state = zf.init_train_state(params, tx, plan, prec)
+    step = zf.make_train_step(loss, tx, plan, prec)
+    batch = {"x": np.ones((16, 64), np.float32)}
+    history = []
+    for _ in range(steps):
+        before = np.asarray(state.master["w"])
+        state, m = step(state, batch)
+        history.append((before, m))
+    return state, history
+
+
+def test_fp16_overflow_skips_update_and_halves_scale():
+    # d(loss)/dw = 10 per element; scaled by 2**15 that is 327680 > fp16 max (65504): inf.
+    prec = zf.Precision(params="fp16", loss_scale="dynamic")
+    state, [(before, m)] = _scaled_run(_linear_loss(10.0), prec)
+    assert int(m["skipped"]) == 1
+    assert float(m["loss_scale"]) == 2.0 ** 15
+    assert float(state.loss_scale.scale) == 2.0 ** 14
+    np.testing.assert_array_equal(np.asarray(state.master["w"]), before)
+
+
+def test_fp16_scale_recovers_and_grows():
+    prec = zf.Precision(params="fp16", loss_scale="dynamic", growth_interval=2)
+    state, hist = _scaled_run(_linear_loss(10.0), prec, steps=5)
+    skipped = [int(m["skipped"]) for _, m in hist]
+    scales = [float(m["loss_scale"]) for _, m in hist]
+    # 2**15 and 2**14 overflow (327680, 163840), 2**13 * 10 = 81920 still does; 2**12 fits.
+    assert skipped == [1, 1, 1, 0, 0]
+    assert scales == [2.0 ** 15, 2.0 ** 14, 2.0 ** 13, 2.0 ** 12, 2.0 ** 12]
+    assert float(state.loss_scale.scale) == 2.0 ** 13  # doubled after 2 clean steps
+    assert not np.allclose(np.asarray(state.master["w"]), hist[2][0])  # clean steps updated
+
+
+def test_fp16_small_gradients_survive_only_with_dynamic_scaling():
+    # d(loss)/dw = 1e-8 per element: below fp16's smallest subnormal (~6e-8), so it flushes to
+    # zero unless the loss is scaled up first.
+    tiny = _linear_loss(1e-8)
+    _, [(_, m_dyn)] = _scaled_run(tiny, zf.Precision(params="fp16", loss_scale="dynamic"))
+    _, [(_, m_none)] = _scaled_run(tiny, zf.Precision(params="fp16", loss_scale="none"))
+    expected_norm = 1e-8 * np.sqrt(64)
+    assert float(m_dyn["grad_norm"]) == pytest.approx(expected_norm, rel=1e-2)
+    assert float(m_none["grad_norm"]) == 0.0
+
+
+def test_static_loss_scale():
+    prec = zf.Precision(params="fp16", loss_scale=128.0)
+    state, [(_, m)] = _scaled_run(_linear_loss(1.0), prec)
+    assert float(m["loss_scale"]) == 128.0 and float(state.loss_scale.scale) == 128.0
+    assert float(m["grad_norm"]) == pytest.approx(8.0, rel=1e-3)
+
+
+def test_step_is_jitted_and_donates_state():
+    _, state, step, _ = run_zero(1, BATCHES[:1])
+    assert hasattr(step, "lower")
+    old_master = jax.tree.leaves(state.master)[0]
+    step(state, BATCHES[1])
+    assert old_master.is_deleted()
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_mesh_must_match_device_count():
+    with pytest.raises(ValueError, match="needs 3 devices, but 8"):
+        zf.make_mesh(data=3, model=1)
+    with pytest.raises(ValueError, match="do not divide"):
+        zf.make_mesh(data=-1, model=3)
+
+
+def test_stage_outside_range():
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        zf.ZeroPlan(zf.make_mesh(), stage=4)
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown params dtype 'fp8'"):
+        zf.Precision(params="fp8")
+    with pytest.raises(ValueError, match="loss_scale"):
+        zf.Precision(loss_scale="sometimes")
+
+
+def test_batch_not_divisible():
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    prec, tx = zf.Precision(), make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec)
+    step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=2)
+    with pytest.raises(ValueError, match="batch size 24 does not divide by data axis size 8 x grad_accum 2"):
+        step(state, make_batch(n=24))
+
+
+def test_non_float_params():
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    params = {"w": jnp.ones((8, 8)), "ids": jnp.arange(8)}
+    with pytest.raises(ValueError, match="non-float leaves: ids"):
+        zf.init_train_state(params, make_tx(), plan, zf.Precision())
+
+
+def test_loss_must_be_scalar():
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=0)
+    prec, tx = zf.Precision(), make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec)
+    step = zf.make_train_step(lambda p, b: (MODEL.apply({"params": p}, b["x"]) - b["y"]) ** 2,
+                              tx, plan, prec)
+    with pytest.raises(ValueError, match="scalar loss"):
+        step(state, make_batch())
