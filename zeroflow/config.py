@@ -9,6 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+CHOICES = "choices"
+"Field-metadata key holding the allowed values of an enumerated field (checked by config_io)."
+
+
+def one_of(*choices):
+    """A dataclass field whose value must be one of ``choices``; the first one is the default."""
+    return field(default=choices[0], metadata={CHOICES: tuple(choices)})
+
 
 @dataclass
 class ModelConfig:
@@ -28,19 +36,19 @@ class ModelConfig:
     "Per-head width; 0 means embed_dim // num_heads."
     mlp_dim: int = 512
     "Hidden width of the MLP."
-    mlp_activation: str = "swiglu"
+    mlp_activation: str = one_of("swiglu", "gelu")
     "MLP kind: 'swiglu' or 'gelu'."
-    norm: str = "rmsnorm"
+    norm: str = one_of("rmsnorm", "layernorm")
     "Normalisation: 'rmsnorm' or 'layernorm'."
     tie_embeddings: bool = True
     "Share the input embedding with the output projection."
     rope_base: float = 10000.0
     "Rotary position embedding base frequency."
-    remat: str = "none"
+    remat: str = one_of("none", "full", "save_dots")
     "Rematerialisation policy for each block: 'none', 'full' or 'save_dots'."
-    attention: str = "xla"
+    attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
-    mlp: str = "dense"
+    mlp: str = one_of("dense", "block_sparse")
     "MLP projections: 'dense' or 'block_sparse'."
     mlp_density: float = 0.25
     "Fraction of weight blocks kept when mlp is 'block_sparse'."
@@ -98,21 +106,21 @@ class ParallelConfig:
     "Devices on the data axis (-1 = all remaining)."
     model: int = 1
     "Devices on the model (tensor-parallel) axis."
-    zero_stage: int = 0
+    zero_stage: int = one_of(0, 1, 2, 3)
     "ZeRO stage 0, 1, 2 or 3."
     grad_accum: int = 1
     "Micro-batches per step."
-    offload: str = "none"
+    offload: str = one_of("none", "optimizer", "optimizer+params")
     "Host offload: 'none', 'optimizer' or 'optimizer+params'."
-    update_on: str = "device"
+    update_on: str = one_of("device", "host")
     "Where the offloaded optimizer update runs: 'device' or 'host'."
 
 
 @dataclass
 class PrecisionConfig:
-    params: str = "fp32"
+    params: str = one_of("fp32", "bf16", "fp16")
     "Compute weight dtype: 'fp32', 'bf16' or 'fp16'."
-    master: str = "fp32"
+    master: str = one_of("fp32")
     "Master weight dtype (fp32)."
     loss_scale: str = "none"
     "'none', 'dynamic' or a number (static scale)."
