@@ -11,9 +11,11 @@
 from zeroflow.mesh import make_mesh
 from zeroflow.plan import ZeroPlan
 from zeroflow.precision import LossScaleState, Precision
-from zeroflow.state import TrainState, init_train_state
+from zeroflow.state import TrainState, init_train_state, state_shardings
+from zeroflow.checkpoint import restore_checkpoint, save_checkpoint
 from zeroflow.step import make_train_step
 
 __all__ = ["make_mesh", "Precision", "LossScaleState", "ZeroPlan", "TrainState",
-           "init_train_state", "make_train_step"]
+           "init_train_state", "state_shardings", "make_train_step", "save_checkpoint",
+           "restore_checkpoint"]
 __version__ = "0.1.0"

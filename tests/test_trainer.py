@@ -1,0 +1,129 @@
+"""The trainer through its real entry points, on a shrunk config of the embedded corpus."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from zeroflow.config_io import load_config
+from zeroflow.trainer import build_run, train
+from zeroflow.trainer.checkpoints import RunCheckpoints
+
+REPO = Path(__file__).resolve().parents[1]
+SHRUNK = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.mlp_dim=64",
+          "model.seq_len=32", "train.batch_size=8", "data.max_bytes=400000", "train.eval_batches=1",
+          "train.log_every=1", "train.warmup_steps=2", "run.progress=false"]
+
+
+def cli(*args, env_extra=None, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    env.pop("XLA_FLAGS", None)  # the CLI must work on a plain single-device CPU
+    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_cli_smoke_trains_and_writes_outputs(tmp_path):
+    proc = cli("--config", "configs/tiny.yaml", *SHRUNK, "train.steps=8", "train.eval_every=4",
+               f"run.dir={tmp_path}")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    losses = read_losses(tmp_path)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1]
+    assert load_config(tmp_path / "config.yaml").train.steps == 8
+    assert RunCheckpoints(tmp_path / "checkpoints", 3).steps() == [8]
+    evals = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_bpb" in l]
+    assert [e["step"] for e in evals] == [4, 8] and all(np.isfinite(e["eval_bpb"]) for e in evals)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.stpes=3", "did you mean 'train.steps'? valid keys in train: steps"),
+    ("train.steps=many", "train.steps"),
+    ("model.norm=batchnorm", "rmsnorm, layernorm"),
+])
+def test_cli_bad_config_is_one_line(override, needle, tmp_path):
+    proc = cli("--config", "configs/tiny.yaml", override, f"run.dir={tmp_path}")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert needle in lines[0] and "Traceback" not in err
+
+
+def test_cli_mesh_that_does_not_fit_is_one_line(tmp_path):
+    proc = cli("--config", "configs/tiny.yaml", "parallel.data=4", f"run.dir={tmp_path}")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("zeroflow.train: error: mesh data=4")
+
+
+def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
+    common = ["--config", "configs/tiny.yaml", *SHRUNK, "train.steps=16", "train.eval_every=0"]
+    straight = tmp_path / "straight"
+    p = cli(*common, f"run.dir={straight}")
+    assert p.wait(timeout=600) == 0, p.stderr.read()
+
+    stopped = tmp_path / "stopped"
+    p = cli(*common, f"run.dir={stopped}")
+    deadline = time.time() + 600
+    while time.time() < deadline:  # interrupt once a few steps have been logged
+        metrics = stopped / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    saved = RunCheckpoints(stopped / "checkpoints", 3).steps()
+    if p.returncode == 0:  # it finished before the signal landed: nothing to resume
+        pytest.fail("run finished before SIGTERM; make it longer")
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert len(saved) == 1 and 3 <= saved[0] < 16
+    assert "SIGTERM: saved a checkpoint" in err
+
+    p = cli(*common, f"run.dir={stopped}")
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    assert f"resumed from step {saved[0]}" in err
+    want, got = read_losses(straight), read_losses(stopped)
+    assert sorted(got) == sorted(want) == list(range(1, 17))
+    np.testing.assert_allclose([got[s] for s in range(1, 17)], [want[s] for s in range(1, 17)],
+                               rtol=1e-6)
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
+    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=4", "checkpoint.every=2",
+                                                             "train.eval_every=0", f"run.dir={tmp_path}"])
+    train(cfg)
+    ckpts = RunCheckpoints(tmp_path / "checkpoints", 3)
+    assert ckpts.steps() == [2, 4]
+    # Truncate every data file of the latest checkpoint's state, as a crash mid-copy would.
+    for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "ocdbt" not in f.name.lower() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    like = build_run(cfg).init_state()
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        state, meta = ckpts.restore_latest(like)
+    assert int(state.step) == 2 and meta["step"] == 2
+    assert "step 4" in caplog.text and "falling back to step 2" in caplog.text
+
+
+def test_resume_onto_another_zero_stage(tmp_path):
+    """parallel.* may change between a run and its resume (the same portable checkpoints)."""
+    base = SHRUNK + ["train.steps=3", "train.eval_every=0", f"run.dir={tmp_path}"]
+    train(load_config(REPO / "configs/tiny.yaml", base))
+    cfg = load_config(REPO / "configs/tiny.yaml", base + ["train.steps=5", "parallel.zero_stage=3",
+                                                           "precision.params=bf16"])
+    result = train(cfg)
+    assert result.step == 5 and sorted(result.losses) == [4, 5]
+    assert jax.device_count() == 8  # conftest: the resumed run really was sharded 8 ways

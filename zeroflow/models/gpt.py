@@ -1,0 +1,310 @@
+"""GPT-style decoder (flax.linen) driven by ``ModelConfig``.
+
+Precision follows the parameters: the training engine passes params already cast to the compute
+dtype (fp32, bf16 or fp16), every matmul runs in that dtype, norms / rotary angles / softmax
+statistics run in fp32 internally, and logits come back as fp32. Layers never name a dtype
+except fp32 for freshly initialised (master) parameters.
+
+Decoder blocks are stacked with ``nn.scan`` so every block parameter has a leading ``layers``
+axis of size ``num_layers``; ZeRO-3 can then gather one layer's slice at a time.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zeroflow.config import ModelConfig
+from zeroflow.models.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, VOCAB
+
+INIT_STD = 0.02
+
+_CHOICES = {
+    "norm": ("rmsnorm", "layernorm"),
+    "mlp_activation": ("swiglu", "gelu"),
+    "remat": ("none", "full", "save_dots"),
+    "attention": ("xla", "cudnn", "pallas"),
+    "mlp": ("dense", "block_sparse"),
+}
+
+
+def num_kv_heads(cfg: ModelConfig) -> int:
+    return cfg.num_kv_heads or cfg.num_heads
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.embed_dim // cfg.num_heads
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Fail fast on settings the model cannot run, naming the valid ones."""
+    for field, valid in _CHOICES.items():
+        if getattr(cfg, field) not in valid:
+            raise ValueError(f"model.{field}={getattr(cfg, field)!r}; expected one of {valid}")
+    if cfg.num_heads % num_kv_heads(cfg):
+        raise ValueError(
+            f"model.num_heads={cfg.num_heads} must be a multiple of "
+            f"num_kv_heads={num_kv_heads(cfg)}")
+    if head_dim(cfg) <= 0 or head_dim(cfg) % 2:
+        raise ValueError(f"head dim {head_dim(cfg)} must be positive and even (rotary embedding)")
+
+
+def _pallas_kernel(attr: str, setting: str):
+    """Lazily fetch a kernel from the sibling ``pallas_kernels`` package."""
+    try:
+        import pallas_kernels
+        return getattr(pallas_kernels, attr)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(
+            f"model.{setting} needs pallas_kernels.{attr}, which could not be imported ({err}); "
+            "install the pallas_kernels package or choose another setting") from err
+
+
+def _param(module: nn.Module, name: str, init, shape, names):
+    """A freshly initialised fp32 parameter tagged with logical axis names."""
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+class Dense(nn.Module):
+    """Bias-free projection ``x[..., *in] @ kernel[*in, *features]`` in the kernel's dtype."""
+
+    features: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    contract: int = 1
+    "How many trailing input dimensions are contracted."
+    stddev: float = INIT_STD
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = (*x.shape[x.ndim - self.contract:], *self.features)
+        init = nn.initializers.normal(self.stddev)
+        kernel = _param(self, "kernel", init, shape, self.kernel_axes)
+        x_dims = tuple(range(x.ndim - self.contract, x.ndim))
+        return lax.dot_general(x.astype(kernel.dtype), kernel,
+                               ((x_dims, tuple(range(self.contract))), ((), ())))
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm; statistics in fp32, output in the input's dtype."""
+
+    kind: str
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        width = (x.shape[-1],)
+        scale = _param(self, "scale", nn.initializers.ones, width, (NORM,))
+        y = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            y = y - y.mean(-1, keepdims=True)
+        y = y * lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + self.eps)
+        y = y * scale.astype(jnp.float32)
+        if self.kind == "layernorm":
+            y = y + _param(self, "bias", nn.initializers.zeros, width, (NORM,)).astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form)."""
+    seq, dim = x.shape[-3], x.shape[-1]
+    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq  # [seq, dim/2]
+    sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
+    """q [B, S, H, D], k/v [B, S, KV, D] with H a multiple of KV -> [B, S, H, D]."""
+    if implementation == "pallas":
+        return _pallas_kernel("flash_attention", "attention='pallas'")(q, k, v, causal=True)
+    if implementation == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
+        raise ValueError(
+            f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the JAX backend "
+            f"is {jax.default_backend()!r}; use attention='xla' here")
+    if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"model.attention='cudnn' needs bf16 or fp16 params, got {q.dtype}; "
+                         "set precision.params to bf16/fp16 or use attention='xla'")
+    # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        heads, kv_heads, dim = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
+        q = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), name="query")(x)
+        k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), name="key")(x)
+        v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), name="value")(x)
+        q, k = apply_rope(q, cfg.rope_base), apply_rope(k, cfg.rope_base)
+        out = causal_attention(q, k, v, cfg.attention)
+        # Row-parallel output projection, init scaled down so the residual stream does not grow
+        # with depth.
+        return Dense((cfg.embed_dim,), (HEADS, HEAD_DIM, EMBED), contract=2,
+                     stddev=_output_std(cfg), name="out")(out)
+
+
+def _output_std(cfg: ModelConfig) -> float:
+    return INIT_STD / math.sqrt(2 * cfg.num_layers)
+
+
+class Mlp(nn.Module):
+    cfg: ModelConfig
+
+    def _projection(self, features: int, kernel_axes, stddev: float, name: str, layout_seed: int):
+        if self.cfg.mlp == "block_sparse":
+            block_sparse_dense = _pallas_kernel("BlockSparseDense", "mlp='block_sparse'")
+            return block_sparse_dense(features, block_size=self.cfg.mlp_block_size,
+                                      density=self.cfg.mlp_density, layout_seed=layout_seed,
+                                      kernel_axes=kernel_axes, stddev=stddev, name=name)
+        return Dense((features,), kernel_axes, stddev=stddev, name=name)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        up = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "up", layout_seed=0)(x)
+        if cfg.mlp_activation == "swiglu":
+            gate = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "gate", layout_seed=1)(x)
+            hidden = nn.silu(gate) * up
+        else:
+            hidden = nn.gelu(up)
+        return self._projection(cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down",
+                                layout_seed=2)(hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block; ``(x, None)`` in and out so nn.scan can stack it."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
+        cfg = self.cfg
+        drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
+        x = x + drop(Attention(cfg, name="attn")(Norm(cfg.norm, name="attn_norm")(x)))
+        x = x + drop(Mlp(cfg, name="mlp")(Norm(cfg.norm, name="mlp_norm")(x)))
+        return x, None
+
+
+def _rematted(block: type[nn.Module], remat: str) -> type[nn.Module]:
+    # prevent_cse=False is safe (and faster) because the block runs inside a scan.
+    if remat == "full":
+        return nn.remat(block, prevent_cse=False)
+    if remat == "save_dots":
+        # Keep the projection matmul outputs; recompute attention scores, which are O(seq^2).
+        return nn.remat(block, prevent_cse=False,
+                        policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return block
+
+
+class GPT(nn.Module):
+    """``tokens [B, S] int32 -> logits [B, S, vocab] float32``."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        cfg = self.cfg
+        check_config(cfg)
+        embedding = _param(self, "embedding", nn.initializers.normal(INIT_STD),
+                           (cfg.vocab_size, cfg.embed_dim), (VOCAB, EMBED))
+        x = jnp.take(embedding, tokens, axis=0)
+        x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+        stack = nn.scan(
+            _rematted(Block, cfg.remat),
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: LAYERS},
+        )
+        x, _ = stack(cfg, deterministic, name="layers")(x)
+        x = Norm(cfg.norm, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            unembed, spec = embedding, "bsd,vd->bsv"
+        else:
+            unembed = _param(self, "lm_head", nn.initializers.normal(INIT_STD),
+                             (cfg.embed_dim, cfg.vocab_size), (EMBED, VOCAB))
+            spec = "bsd,dv->bsv"
+        logits = jnp.einsum(spec, x.astype(unembed.dtype), unembed,
+                            preferred_element_type=jnp.float32)
+        return logits.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: init without boxes, shapes without allocation, logical axes.
+
+
+def _boxed_init(cfg: ModelConfig, rng: jax.Array):
+    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    return GPT(cfg).init({"params": rng}, tokens)["params"]
+
+
+def param_init_fn(cfg: ModelConfig) -> Callable[[jax.Array], Any]:
+    """``rng -> plain fp32 params``; jit it with ``out_shardings`` to build sharded params."""
+    return lambda rng: nn.unbox(_boxed_init(cfg, rng))
+
+
+def logical_axes(cfg: ModelConfig):
+    """Tree parallel to the params with one tuple of axis names per leaf (no allocation).
+
+    Tuples are pytrees: map over it with ``jax.tree.map(f, params, axes)`` (params first) or
+    ``is_leaf=zeroflow.models.axes.is_axis_names``.
+    """
+    boxed = jax.eval_shape(functools.partial(_boxed_init, cfg), jax.random.key(0))
+    return jax.tree.map(lambda box: tuple(box.names), boxed,
+                        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array):
+    """``(params, logical_axes)``: plain fp32 arrays and their axis-name tuples."""
+    return jax.jit(param_init_fn(cfg))(rng), logical_axes(cfg)
+
+
+def abstract_params(cfg: ModelConfig):
+    """``(ShapeDtypeStruct tree, logical_axes)`` without allocating any parameter."""
+    return jax.eval_shape(param_init_fn(cfg), jax.random.key(0)), logical_axes(cfg)
+
+
+def count_params(params) -> int:
+    """Number of scalars in a params tree (arrays or ShapeDtypeStructs)."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
+def decay_mask(params):
+    """True where AdamW weight decay applies: every parameter except norm scales and biases.
+
+    Decided by the leaf's name, not its rank: stacked norm scales are 2-D [layers, embed].
+    """
+    def decays(path, _):
+        return getattr(path[-1], "key", None) not in ("scale", "bias")
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training (forward + backward) FLOPs per token, for an MFU estimate.
+
+    ``6 * N + 12 * num_layers * num_heads * head_dim * seq_len`` (Kaplan et al. 2020; PaLM,
+    Chowdhery et al. 2022, appendix B), where N counts the matmul weights a token passes through:
+    the attention and MLP projections of every layer plus the output (logits) projection, tied or
+    not. The input embedding is a gather and the norms are negligible, so neither is counted. The
+    attention term counts the full seq x seq score matrix (causal masking is not subtracted) and
+    remat recomputation is not counted, following the usual MFU convention. Block-sparse MLP
+    weights count only their kept fraction (mlp_density).
+    """
+    heads_width = cfg.num_heads * head_dim(cfg)
+    kv_width = num_kv_heads(cfg) * head_dim(cfg)
+    attn = cfg.embed_dim * (2 * heads_width + 2 * kv_width)  # query, key, value, out
+    mlp = (3 if cfg.mlp_activation == "swiglu" else 2) * cfg.embed_dim * cfg.mlp_dim
+    if cfg.mlp == "block_sparse":
+        mlp *= cfg.mlp_density
+    matmul_weights = cfg.num_layers * (attn + mlp) + cfg.embed_dim * cfg.vocab_size
+    return 6.0 * matmul_weights + 12.0 * cfg.num_layers * heads_width * cfg.seq_len

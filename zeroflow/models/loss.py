@@ -1,0 +1,36 @@
+"""Next-token cross-entropy for the GPT model."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zeroflow.config import ModelConfig
+from zeroflow.models.gpt import GPT
+
+
+def cross_entropy_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None):
+    """Mean next-token loss in nats, in fp32; ``mask`` (same shape as targets) weights it."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    if mask is None:
+        return losses.mean()
+    mask = mask.astype(jnp.float32)
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT):
+    """``batch["tokens"]`` int32 [B, S+1] -> ``(loss, {"accuracy"})``; an rng turns dropout on."""
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    rngs = {} if rng is None else {"dropout": rng}
+    logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == targets)
+    return cross_entropy_loss(logits, targets), {"accuracy": accuracy}
+
+
+def make_loss_fn(cfg: ModelConfig):
+    """``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": ...})`` for ``jax.value_and_grad``
+    with ``has_aux=True``; params may be fp32, bf16 or fp16 (the model computes in their dtype)."""
+    return functools.partial(lm_loss, model=GPT(cfg))

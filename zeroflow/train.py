@@ -1,0 +1,40 @@
+"""``python -m zeroflow.train --config configs/tiny.yaml [section.key=value ...]``
+
+Trains (or resumes) the GPT described by the config. Outputs go to ``run.dir``: the resolved
+``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` (and ``tb/`` with run.tensorboard=true).
+Set ZEROFLOW_TRACEBACK=1 to see full tracebacks instead of one-line errors.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zeroflow.cli import run_cli, set_cpu_devices
+from zeroflow.config_io import add_config_arguments, config_from_args
+
+PROG = "zeroflow.train"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                   help="emulate N CPU devices (testing data/model parallelism without a GPU)")
+    return add_config_arguments(p)
+
+
+def main_args(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # ConfigError is a ValueError: one line, exit 2
+    set_cpu_devices(args.cpu_devices)
+    from zeroflow.trainer import train
+    result = train(cfg)
+    if result.stopped_by:
+        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.stopped_by, 0)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(PROG, main_args, parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""The trainer behind ``python -m zeroflow.train``."""
+from zeroflow.trainer.loop import TrainingDiverged, TrainResult, train
+from zeroflow.trainer.setup import Run, build_run
+
+__all__ = ["train", "TrainResult", "TrainingDiverged", "Run", "build_run"]

@@ -1,0 +1,197 @@
+"""The training loop: ``train(cfg)`` runs (or resumes) a run described by a Config."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroflow.config import Config
+from zeroflow.config_io import save_config
+from zeroflow.data import bits_per_byte, eval_batches, train_batch
+from zeroflow.models import flops_per_token
+from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.reporting import Reporter
+from zeroflow.trainer.setup import Run, build_run
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss that loss scaling cannot explain."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    "Steps completed (the state's step)."
+    losses: dict[int, float]
+    "Training loss of every step this process ran, keyed by 1-based step."
+    eval: dict[str, float]
+    "Last evaluation: eval_loss and eval_bpb."
+    stopped_by: str | None = None
+    "Signal name when a SIGTERM/SIGINT ended the run early."
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and returns at the next step."""
+    caught: list[int] = []
+    previous = {}
+
+    def handler(signum, _frame):
+        caught.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread (e.g. some notebook runners): no handler
+            pass
+    try:
+        yield caught
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _make_eval(run: Run):
+    @jax.jit
+    def eval_loss(params, batch):
+        return run.loss_fn(params, batch)[0]
+
+    def evaluate(state) -> dict[str, float]:
+        cfg = run.cfg
+        if run.data is None or len(run.data.val) <= cfg.model.seq_len or cfg.train.eval_batches <= 0:
+            return {}
+        batches = eval_batches(run.data.val, num_batches=cfg.train.eval_batches,
+                               global_batch=cfg.train.batch_size, seq_len=cfg.model.seq_len,
+                               process_index=jax.process_index(), process_count=jax.process_count())
+        losses = [float(eval_loss(state.params, run.global_batch(b))) for b in batches]
+        loss = float(np.mean(losses))
+        return {"eval_loss": loss, "eval_bpb": bits_per_byte(loss, run.data.tokens_per_byte)}
+    return evaluate
+
+
+def _host_metrics(metrics) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def _check_finite(step: int, m: dict[str, float], run: Run, checkpoints: RunCheckpoints) -> None:
+    if math.isfinite(m["loss"]):
+        if m["skipped"] and not run.prec.dynamic:
+            raise TrainingDiverged(
+                f"step {step}: non-finite gradients with finite loss {m['loss']:.4g} and no dynamic "
+                f"loss scaling (precision.loss_scale={run.prec.loss_scale}); the update was skipped "
+                f"and nothing was saved. Last checkpoint: {_last(checkpoints)}")
+        return
+    raise TrainingDiverged(
+        f"step {step}: loss is {m['loss']} (the forward pass itself is non-finite, which loss "
+        f"scaling cannot cause); stopped without saving. Last checkpoint: {_last(checkpoints)}. "
+        f"Try a lower train.lr or precision.params=bf16/fp32")
+
+
+def _last(checkpoints: RunCheckpoints) -> str:
+    steps = checkpoints.steps()
+    return f"step {steps[-1]} in {checkpoints.directory}" if steps else "none"
+
+
+def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
+    """Train (or resume) the run in ``cfg.run.dir``; returns losses and the last evaluation."""
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = build_run(cfg)
+    if jax.process_index() == 0:
+        save_config(cfg, run_dir / "config.yaml")
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep)
+    state = run.init_state()
+    restored = checkpoints.restore_latest(state)
+    if restored is not None:
+        state, _ = restored
+    start = int(state.step)
+    tcfg = cfg.train
+    reporter = Reporter(run_dir, tcfg.steps, start, progress=cfg.run.progress if progress is None else progress,
+                        tensorboard=cfg.run.tensorboard, flops_per_token=flops_per_token(run.model_cfg),
+                        num_devices=jax.device_count())
+    if restored is not None:
+        reporter.print(f"resumed from step {start} ({checkpoints.directory})")
+    reporter.print(f"{run.data.summary() if run.data else ''}  params: "
+                   f"{sum(x.size for x in jax.tree.leaves(state.master)):,}  mesh: {dict(run.plan.mesh.shape)}  "
+                   f"ZeRO stage {run.plan.stage}  precision: {run.prec.params}")
+    step_fn = run.make_step()
+    evaluate = _make_eval(run)
+    meta = lambda s: {"step": s, "seed": tcfg.seed}  # noqa: E731
+    tokens_per_step = tcfg.batch_size * cfg.model.seq_len
+    losses: dict[int, float] = {}
+    last_eval: dict[str, float] = {}
+    stopped_by = None
+
+    def batch_for(step: int):
+        local = train_batch(run.data.train, step, global_batch=tcfg.batch_size, seq_len=cfg.model.seq_len,
+                            seed=tcfg.seed, process_index=jax.process_index(),
+                            process_count=jax.process_count())
+        return run.global_batch(local)
+
+    def finish_step(step: int, metrics, seconds: float):
+        m = _host_metrics(metrics)
+        _check_finite(step, m, run, checkpoints)
+        losses[step] = m["loss"]
+        m["step_time"] = seconds
+        m["tokens_per_s"] = tokens_per_step / max(seconds, 1e-9)
+        m["mfu"] = reporter.mfu(m["tokens_per_s"])
+        m["lr"] = float(run_lr(step))
+        reporter.step(step, m, log_line=step % tcfg.log_every == 0 or step == tcfg.steps)
+
+    from zeroflow.trainer.optim import lr_schedule
+    run_lr = lr_schedule(tcfg)
+
+    try:
+        with _stop_on_signals() as caught:
+            pending = None
+            t_last = time.perf_counter()
+            for step in range(start, tcfg.steps):
+                state, metrics = step_fn(state, batch_for(step))
+                # Fetch the previous step's metrics while this one runs: one step in flight.
+                if pending is not None:
+                    finish_step(*pending)
+                now = time.perf_counter()
+                pending = (step + 1, metrics, now - t_last)
+                t_last = now
+                done = step + 1
+                is_eval = tcfg.eval_every > 0 and done % tcfg.eval_every == 0 and done < tcfg.steps
+                is_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0
+                if is_eval or is_ckpt or caught or done == tcfg.steps:
+                    jax.block_until_ready(state)
+                    finish_step(*pending)
+                    pending = None
+                    t_last = time.perf_counter()
+                if is_eval:
+                    last_eval = evaluate(state)
+                    reporter.write(done, last_eval)
+                    reporter.print(f"step {done}: eval loss {last_eval.get('eval_loss', float('nan')):.4f}, "
+                                   f"{last_eval.get('eval_bpb', float('nan')):.3f} bits/byte")
+                if is_ckpt or caught:
+                    checkpoints.save(done, state, meta(done))
+                if caught:
+                    stopped_by = signal.Signals(caught[0]).name
+                    reporter.print(f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command")
+                    break
+            if pending is not None:
+                finish_step(*pending)
+            end = int(state.step)
+            if stopped_by is None:
+                checkpoints.save(end, state, meta(end))
+                last_eval = evaluate(state)
+                if last_eval:
+                    reporter.write(end, last_eval)
+                    reporter.print(f"final: train loss {losses.get(end, float('nan')):.4f}, eval loss "
+                                   f"{last_eval['eval_loss']:.4f}, {last_eval['eval_bpb']:.3f} bits/byte")
+    finally:
+        reporter.close()
+        checkpoints.close()
+    return TrainResult(run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval,
+                       stopped_by=stopped_by)

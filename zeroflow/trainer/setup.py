@@ -1,0 +1,86 @@
+"""Everything a run needs, built from a Config: data, model, mesh, plan, optimizer, state."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import zeroflow as zf
+from zeroflow.config import Config, ModelConfig
+from zeroflow.data import TokenData, load_data
+from zeroflow.models import abstract_params, decay_mask, make_loss_fn, param_init_fn
+from zeroflow.models.rules import gpt_tensor_rules
+from zeroflow.trainer.optim import make_optimizer
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    model_cfg: ModelConfig
+    data: TokenData | None
+    plan: zf.ZeroPlan
+    prec: zf.Precision
+    tx: optax.GradientTransformation
+    loss_fn: Any
+
+    def init_state(self) -> zf.TrainState:
+        """A fresh sharded state; parameters are created directly in their shards."""
+        init = param_init_fn(self.model_cfg)
+        rng = jax.random.key(self.cfg.train.seed)
+        return zf.init_train_state(lambda: init(rng), self.tx, self.plan, self.prec)
+
+    def abstract_state(self) -> zf.TrainState:
+        """Shapes and shardings of the state, with nothing allocated (restore targets)."""
+        shapes = jax.eval_shape(self.init_state)
+        shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan, self.prec)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+
+    def make_step(self):
+        return zf.make_train_step(self.loss_fn, self.tx, self.plan, self.prec,
+                                  grad_accum=self.cfg.parallel.grad_accum)
+
+    def global_batch(self, local_tokens: np.ndarray) -> dict[str, jax.Array]:
+        """This process's rows of the batch -> one global array sharded over ``data``."""
+        return {"tokens": jax.make_array_from_process_local_data(self.plan.batch_sharding(), local_tokens)}
+
+
+def lm_loss_fn(model_cfg: ModelConfig, seed: int):
+    """The engine's ``loss_fn(params, batch)``; with dropout, the key comes from the batch."""
+    loss = make_loss_fn(model_cfg)
+    if model_cfg.dropout <= 0:
+        return lambda params, batch: loss(params, {"tokens": batch["tokens"]})
+
+    def with_dropout(params, batch):
+        # A key derived from this micro-batch's tokens and the seed: deterministic on resume,
+        # different on every device and step.
+        mix = jnp.sum(batch["tokens"][:, :8].astype(jnp.uint32) * jnp.uint32(2654435761))
+        rng = jax.random.fold_in(jax.random.key(seed), mix)
+        return loss(params, {"tokens": batch["tokens"]}, rng)
+    return with_dropout
+
+
+def build_run(cfg: Config, *, with_data: bool = True) -> Run:
+    data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
+    model_cfg = cfg.model
+    if data is not None and data.vocab_size != model_cfg.vocab_size:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=data.vocab_size)
+    par = cfg.parallel
+    mesh = zf.make_mesh(data=par.data, model=par.model)
+    rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
+    plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
+                       tensor_rules=rules)
+    prec = zf.Precision(params=cfg.precision.params, master=cfg.precision.master,
+                        loss_scale=cfg.precision.loss_scale)
+    global_batch = cfg.train.batch_size
+    if global_batch % (plan.data_size * par.grad_accum):
+        raise ValueError(f"train.batch_size {global_batch} does not divide by data axis size "
+                         f"{plan.data_size} x parallel.grad_accum {par.grad_accum}")
+    shapes, _ = abstract_params(model_cfg)
+    tx = make_optimizer(cfg.train, decay_mask(shapes))
+    return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
+               loss_fn=lm_loss_fn(model_cfg, cfg.train.seed))
