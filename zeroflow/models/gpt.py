@@ -145,7 +145,9 @@ class Attention(nn.Module):
         k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), name="key")(x)
         v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), name="value")(x)
         q, k = apply_rope(q, cfg.rope_base), apply_rope(k, cfg.rope_base)
-        out = causal_attention(q, k, v, cfg.attention)
+        # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
+        # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
+        out = causal_attention(q, k, v, "xla" if self.is_initializing() else cfg.attention)
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
         return Dense((cfg.embed_dim,), (HEADS, HEAD_DIM, EMBED), contract=2,

@@ -1,0 +1,69 @@
+"""``python -m zeroflow.sample --run RUN_DIR --prompt "def "``: continue a prompt with the latest
+checkpoint of a run (restored onto one device, whatever mesh and ZeRO stage trained it)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from zeroflow.cli import run_cli
+
+PROG = "zeroflow.sample"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__)
+    p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--tokens", type=int, default=200, help="how many tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def load_params(run_dir: Path):
+    """(model config, tokenizer, fp32 params) of the latest checkpoint, on one device."""
+    from zeroflow.config_io import load_config
+    from zeroflow.trainer import build_run
+    from zeroflow.trainer.checkpoints import RunCheckpoints
+
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a zeroflow run folder?")
+    cfg = load_config(run_dir / "config.yaml")
+    single = dataclasses.replace(cfg.parallel, data=1, model=1, zero_stage=0, offload="none",
+                                 update_on="device", grad_accum=1)
+    cfg = dataclasses.replace(cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32"))
+    run = build_run(cfg)
+    restored = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep).restore_latest(run.init_state())
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
+    state, meta = restored
+    return run.model_cfg, run.data.tokenizer, state.master, meta["step"]
+
+
+def main_args(args) -> int:
+    import jax
+
+    from zeroflow.models import generate
+
+    if args.tokens < 1:
+        raise ValueError("--tokens must be at least 1")
+    model_cfg, tokenizer, params, step = load_params(Path(args.run))
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ValueError("the prompt encodes to no tokens")
+    new = generate(params, model_cfg, prompt, max_new_tokens=args.tokens, temperature=args.temperature,
+                   top_k=args.top_k or None, rng=jax.random.key(args.seed))
+    print(f"[step {step}]", file=sys.stderr)
+    print(args.prompt + tokenizer.decode(new))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(PROG, main_args, parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
