@@ -1,1 +1,34 @@
-"""Pallas kernels: fused flash attention and block-sparse layers (importable without zeroflow)."""
+"""Pallas kernels: fused flash attention and block-sparse layers (importable without zeroflow).
+
+On a GPU the kernels compile with the Pallas Triton backend; elsewhere they run in the Pallas
+interpreter (see `pallas_kernels._backend`).
+"""
+from pallas_kernels.block_sparse import (
+    block_sparse_matmul,
+    from_dense,
+    reference_block_sparse_matmul,
+    to_dense,
+)
+from pallas_kernels.attention import BlockSizes, flash_attention, reference_attention
+from pallas_kernels.layers import BlockSparseDense
+from pallas_kernels.layouts import (
+    banded_layout,
+    block_diagonal_layout,
+    random_layout,
+    strided_layout,
+)
+
+__all__ = [
+    "BlockSizes",
+    "BlockSparseDense",
+    "banded_layout",
+    "block_diagonal_layout",
+    "block_sparse_matmul",
+    "flash_attention",
+    "from_dense",
+    "random_layout",
+    "reference_attention",
+    "reference_block_sparse_matmul",
+    "strided_layout",
+    "to_dense",
+]
