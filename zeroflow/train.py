@@ -2,7 +2,8 @@
 
 Trains (or resumes) the GPT described by the config. Outputs go to ``run.dir``: the resolved
 ``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` (and ``tb/`` with run.tensorboard=true).
-Set ZEROFLOW_TRACEBACK=1 to see full tracebacks instead of one-line errors.
+Set ZEROFLOW_TRACEBACK=1 to see full tracebacks instead of one-line errors. Multi-process
+runs: ``python -m zeroflow.launch`` or SLURM, see docs/multihost.md.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 from zeroflow.cli import run_cli, set_cpu_devices
 from zeroflow.config_io import add_config_arguments, config_from_args
+from zeroflow.distributed import initialize_from_env
 
 PROG = "zeroflow.train"
 
@@ -25,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
 def main_args(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # ConfigError is a ValueError: one line, exit 2
     set_cpu_devices(args.cpu_devices)
+    # Joins a multi-process job when ZEROFLOW_*/SLURM variables describe one; like the line
+    # above, this must come before anything starts a jax backend.
+    initialize_from_env()
     from zeroflow.trainer import train
     result = train(cfg)
     if result.stopped_by:

@@ -15,6 +15,7 @@ import numpy as np
 from zeroflow.config import Config
 from zeroflow.config_io import save_config
 from zeroflow.data import bits_per_byte, eval_batches, train_batch
+from zeroflow.distributed import StopVote
 from zeroflow.models import flops_per_token
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.reporting import Reporter
@@ -149,6 +150,7 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     from zeroflow.trainer.optim import lr_schedule
     run_lr = lr_schedule(tcfg)
 
+    stop_vote = StopVote(run.plan.mesh)  # every process must stop at the same step
     try:
         with _stop_on_signals() as caught:
             pending = None
@@ -161,10 +163,11 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
                 now = time.perf_counter()
                 pending = (step + 1, metrics, now - t_last)
                 t_last = now
+                stop = stop_vote.cast(caught[0] if caught else 0)
                 done = step + 1
                 is_eval = tcfg.eval_every > 0 and done % tcfg.eval_every == 0 and done < tcfg.steps
                 is_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0
-                if is_eval or is_ckpt or caught or done == tcfg.steps:
+                if is_eval or is_ckpt or stop or done == tcfg.steps:
                     jax.block_until_ready(state)
                     finish_step(*pending)
                     pending = None
@@ -174,10 +177,10 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
                     reporter.write(done, last_eval)
                     reporter.print(f"step {done}: eval loss {last_eval.get('eval_loss', float('nan')):.4f}, "
                                    f"{last_eval.get('eval_bpb', float('nan')):.3f} bits/byte")
-                if is_ckpt or caught:
+                if is_ckpt or stop:
                     checkpoints.save(done, state, meta(done))
-                if caught:
-                    stopped_by = signal.Signals(caught[0]).name
+                if stop:
+                    stopped_by = signal.Signals(stop).name
                     reporter.print(f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command")
                     break
             if pending is not None:
