@@ -14,8 +14,9 @@ from zeroflow.precision import LossScaleState, Precision
 from zeroflow.state import TrainState, init_train_state, state_shardings
 from zeroflow.checkpoint import restore_checkpoint, save_checkpoint
 from zeroflow.step import make_train_step
+from zeroflow import memory, offload  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
 __all__ = ["make_mesh", "Precision", "LossScaleState", "ZeroPlan", "TrainState",
            "init_train_state", "state_shardings", "make_train_step", "save_checkpoint",
-           "restore_checkpoint"]
+           "restore_checkpoint", "memory", "offload"]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from zeroflow import offload
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -146,9 +147,18 @@ def _place(tree, shardings):
     return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
 
 
-def _on_device(tree, shardings):
-    """Offloaded arrays are brought to device memory for the update (explicit transfer)."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
+def _update(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
+            compute_dtype):
+    """The optimizer update on sharded fp32 arrays; a non-finite step changes nothing.
+    Returns ``(new_master, new_opt_state, new_compute)`` (``new_compute`` None for fp32)."""
+    updates, new_opt = tx.update(grads, opt_state, master)
+    new_master = optax.apply_updates(master, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_master = jax.tree.map(keep, new_master, master)
+    new_opt = jax.tree.map(keep, new_opt, opt_state)
+    new_compute = None if compute_dtype is None else jax.tree.map(
+        lambda x: x.astype(compute_dtype), new_master)
+    return new_master, new_opt, new_compute
 
 
 def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -163,8 +173,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
 
     # Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
     # stage 3 they are whole on every device (fp32 compute gathers them from the master here).
-    compute_sh = plan.compute_shardings(abstract, memory_kind=None)
-    params = _place(state.params, compute_sh)
+    compute_sh = plan.compute_shardings(abstract, memory_kind=None if plan.offload == "none" else "device")
+    params = _place(state.params, compute_sh)  # offloaded weights stream in here
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.ones((), jnp.float32)
 
     specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute), layouts, is_leaf=_is_layout)
@@ -181,16 +191,23 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     grad_norm = optax.tree.norm(grads)
 
-    master, opt_state = state.master, state.opt_state
-    if plan.offload != "none":
-        master, opt_state = _on_device(master, shard.master), _on_device(opt_state, shard.opt_state)
-    updates, new_opt = tx.update(grads, opt_state, master)
-    new_master = optax.apply_updates(master, updates)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731  a skipped step changes nothing
-    new_master = jax.tree.map(keep, new_master, master)
-    new_opt = jax.tree.map(keep, new_opt, opt_state)
-    new_compute = None if state.compute is None else jax.tree.map(
-        lambda x: x.astype(prec.compute_dtype), new_master)
+    update = functools.partial(_update, tx=tx,
+                               compute_dtype=None if state.compute is None else prec.compute_dtype)
+    if plan.offload == "none":
+        new_master, new_opt, new_compute = update(grads, state.master, state.opt_state, finite)
+    elif plan.update_on == "device":
+        # Stream master + optimizer state in, update on the device; _place below streams them
+        # back. Nothing but the update reads them, so XLA may start the copies during backward.
+        master = offload.to_memory(state.master, shard.master, "device")
+        opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
+        new_master, new_opt, new_compute = update(grads, master, opt_state, finite)
+    else:
+        # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs
+        # there, and only the compute-dtype weights travel back (via _place below).
+        host_grads = offload.to_memory(grads, shard.master, "pinned_host")
+        host_finite = offload.to_memory(finite, plan.replicated(), "pinned_host")
+        new_master, new_opt, new_compute = offload.on_host(update)(
+            host_grads, state.master, state.opt_state, host_finite)
 
     new_state = TrainState(step=state.step + 1, master=new_master, compute=new_compute,
                            opt_state=new_opt, loss_scale=prec.next_loss_scale(state.loss_scale, finite))

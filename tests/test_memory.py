@@ -1,0 +1,189 @@
+"""Memory planning: the ZeRO paper's figures, estimate vs the real sharded state, XLA's
+memory analysis, the activation formula, the command line and its errors."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeroflow as zf
+from zeroflow import memory
+from zeroflow.config import Config
+from zeroflow.memory.__main__ import main
+from zeroflow.memory.measure import abstract_setup
+
+GB = 1e9
+
+# ZeRO paper (Rajbhandari et al. 2020), Table 1: per-device model-state memory in GB for
+# P_os, P_os+g, P_os+g+p (stages 1, 2, 3) by data-parallel degree; row "1" is stage 0.
+PAPER_TABLE_1 = {
+    7.5e9: {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
+            256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 16: (608, 368, 128), 64: (536, 284, 32),
+            256: (518, 263, 8), 1024: (513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000), 4: (7000, 5500, 4000), 16: (4750, 2875, 1000),
+           64: (4187, 2218, 250), 256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)},
+}
+
+
+def test_paper_figure_1():
+    """7.5B parameters on 64 devices: 120 / 31.4 / 16.6 / 1.9 GB for stages 0-3."""
+    got = [memory.estimate(num_params=7.5e9, num_devices=64, stage=s).device_bytes / GB for s in range(4)]
+    assert got[0] == pytest.approx(120, rel=0.01)
+    assert got[1] == pytest.approx(31.4, rel=0.01)
+    assert got[2] == pytest.approx(16.6, rel=0.01)
+    assert got[3] == pytest.approx(1.88, rel=0.01)  # Table 1's value; Figure 1 rounds it to 1.9
+    assert round(got[3], 1) == 1.9
+
+
+@pytest.mark.parametrize("num_params", sorted(PAPER_TABLE_1))
+def test_paper_table_1(num_params):
+    for devices, expected in PAPER_TABLE_1[num_params].items():
+        for stage, want in zip((1, 2, 3), expected):
+            got = memory.estimate(num_params=num_params, num_devices=devices, stage=stage,
+                                  precision=zf.Precision(params="fp16"))
+            # The paper prints 2-3 significant digits (0.12 for 0.117): allow for its rounding.
+            assert got.device_bytes / GB == pytest.approx(want, rel=0.01, abs=0.005), (devices, stage)
+
+
+def test_breakdown_and_fp32_accounting():
+    est = memory.estimate(num_params=1000, num_devices=4, stage=1, precision="bf16")
+    assert est.device == memory.ModelStates(compute_weights=2000, gradients=2000, master=1000, optimizer=2000)
+    fp32 = [memory.estimate(num_params=1000, num_devices=4, stage=s, precision="fp32") for s in range(4)]
+    assert fp32[0].device_bytes == 16 * 1000  # 4 weights (= master) + 4 grads + 8 moments
+    assert fp32[0].device.master == 0 and fp32[0].between_steps_bytes == 12 * 1000
+    assert fp32[1].device == memory.ModelStates(4000, 4000, 1000, 2000)  # weights gathered per step
+    assert fp32[1].between_steps_bytes == 3000  # only the master and moment shards persist
+    assert fp32[3].device_bytes == 16 * 1000 / 4
+
+
+def test_offload_moves_master_and_optimizer_to_host():
+    kw = dict(num_params=8e9, num_devices=8, stage=3, devices_per_process=8)
+    plain = memory.estimate(**kw)
+    host = memory.estimate(**kw, offload="optimizer", update_on="host")
+    device = memory.estimate(**kw, offload="optimizer", update_on="device")
+    params = memory.estimate(**kw, offload="optimizer+params", update_on="host")
+    assert host.host_bytes == pytest.approx(12 * 8e9)  # 8 devices x 12 bytes x P / 8
+    assert host.device_bytes == pytest.approx(4 * 8e9 / 8)  # compute weights + gradients
+    assert device.update_bytes == pytest.approx(plain.device_bytes)  # streamed in for the update
+    assert params.host_bytes == pytest.approx(14 * 8e9)
+    assert params.between_steps_bytes == 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(stage=4), "unknown ZeRO stage 4"),
+    (dict(num_params=-1), "num_params must be a number >= 0"),
+    (dict(num_devices=0), "num_devices must be an int >= 1"),
+    (dict(offload="gpu"), "unknown offload 'gpu'"),
+    (dict(update_on="host"), "update_on='host' needs offload"),
+    (dict(precision="fp8"), "unknown precision 'fp8'"),
+])
+def test_estimate_rejects_bad_input(kwargs, message):
+    args = dict(num_params=1e9, num_devices=8, stage=1) | kwargs
+    with pytest.raises(ValueError, match=message):
+        memory.estimate(**args)
+
+
+def test_parse_bytes():
+    assert memory.parse_bytes("80GB") == 80 * 10**9
+    assert memory.parse_bytes("80GiB") == 80 * 2**30
+    assert memory.parse_bytes("1.5 TB") == 1.5e12
+    for bad in ("80XB", "GB", "-3GB", ""):
+        with pytest.raises(ValueError, match="bad memory size"):
+            memory.parse_bytes(bad)
+
+
+# --------------------------------------------------------------------------- activations
+def _small_config(**model):
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, **model)
+    cfg.precision.params = "bf16"
+    return cfg
+
+
+def test_activation_formula_orders_remat_policies():
+    model = _small_config(num_layers=8).model
+    none, dots, full = (memory.activations(model, micro_batch=4, remat=r, precision="bf16")
+                        for r in ("none", "save_dots", "full"))
+    assert full < dots < none
+    # Linear in the micro-batch.
+    assert memory.activations(model, micro_batch=8, remat="none") == pytest.approx(
+        2 * memory.activations(model, micro_batch=4, remat="none"))
+    with pytest.raises(ValueError, match="unknown remat policy 'some'"):
+        memory.activations(model, micro_batch=1, remat="some")
+
+
+def test_count_gpt_params_matches_model():
+    from zeroflow.models import abstract_params, count_params
+    for model in (_small_config().model,
+                  _small_config(mlp_activation="gelu", norm="layernorm", tie_embeddings=False,
+                                num_kv_heads=2).model):
+        assert memory.count_gpt_params(model) == count_params(abstract_params(model)[0])
+
+
+# ------------------------------------------------------------------ estimate vs the real state
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_estimate_matches_sharded_gpt_state(stage):
+    """Model states per device: the estimate against the shard bytes of the GPT's abstract
+    sharded TrainState (shardings from ZeroPlan, shapes from eval_shape: nothing allocated)."""
+    cfg = _small_config(num_layers=2, embed_dim=64, mlp_dim=256, vocab_size=256)
+    for offload in ("none", "optimizer", "optimizer+params"):
+        setup = abstract_setup(cfg, num_devices=8, stage=stage, offload=offload,
+                               update_on="device", remat="none")
+        got = memory.state_bytes(setup.state)
+        est = memory.estimate_config(cfg, num_devices=8, stage=stage, offload=offload)
+        assert est.num_params == setup.num_params
+        # abs: the state's scalars (step counter, Adam's count) are not model states.
+        assert got.get("device", 0) == pytest.approx(est.between_steps_bytes, rel=0.05, abs=64), offload
+        assert got.get("pinned_host", 0) == pytest.approx(est.host_bytes / 8, rel=0.05, abs=64), offload
+
+
+def test_measure_reports_xla_memory_analysis():
+    """argument bytes per device = the state's shard bytes + the batch's (CPU counts the
+    pinned_host arrays as arguments too)."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, offload="optimizer", update_on="device")
+    prec = zf.Precision(params="bf16")
+    tx = optax.adam(1e-3)
+    params = {"w": jnp.ones((64, 128), jnp.float32), "v": jnp.ones((128, 16), jnp.float32)}
+    state = zf.init_train_state(params, tx, plan, prec)
+    step = zf.make_train_step(lambda p, b: jnp.mean((b["x"].astype(jnp.bfloat16) @ p["w"] @ p["v"]) ** 2),
+                              tx, plan, prec)
+    batch = {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=plan.batch_sharding())}
+    got = memory.measure(step, state, batch)
+    kinds = memory.state_bytes(state)
+    assert set(kinds) == {"device", "pinned_host"}
+    assert got.argument_bytes == pytest.approx(sum(kinds.values()) + 16 * 64 * 4 / 8, rel=0.05)
+    assert got.total_bytes == got.argument_bytes + got.output_bytes + got.temp_bytes - got.alias_bytes
+    assert got.temp_bytes > 0 and got.alias_bytes > 0  # the donated state is written in place
+
+
+# --------------------------------------------------------------------------- command line
+def test_cli_prints_table_and_cheapest_fit(capsys):
+    assert main(["--devices", "8", "--device-memory", "10MB", "--measure", "never",
+                 "precision.params=bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer+params" in out and "save_dots" in out
+    assert ("Cheapest choice that fits in 10.00 MB: parallel.zero_stage=1 "
+            "parallel.offload=none model.remat=none") in out
+
+
+def test_cli_nothing_fits(capsys):
+    main(["--devices", "8", "--device-memory", "1KB", "--measure", "never"])
+    assert "Nothing fits in 1.00 KB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device-memory", "80XB"], "bad memory size '80XB'"),
+    (["--stages", "5"], "unknown stage '5'"),
+    (["--remats", "sometimes"], "unknown remat 'sometimes'"),
+    (["parallel.zero_stage=7"], "parallel.zero_stage must be one of 0, 1, 2, 3"),
+    (["--devices", "-2"], "--devices must be >= 1"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--measure", "never", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err and err.startswith("python -m zeroflow.memory: error:")

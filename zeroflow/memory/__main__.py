@@ -1,0 +1,186 @@
+"""``python -m zeroflow.memory --config X [--devices N --device-memory 80GB] [key=value ...]``
+
+Prints every ZeRO stage x offload x remat choice for the GPT model of a trainer config, with
+the estimated bytes per device and per host process and, where the step can be compiled here
+(small configs, enough devices: the CPU backend emulates them), what XLA says it needs, then
+names the cheapest choice that fits. Nothing model-sized is allocated: the measured column
+comes from ahead-of-time compilation with abstract inputs.
+
+"Cheapest" ranks choices by their usual cost in step time: no offload before offload
+(PCIe traffic), then remat none < save_dots < full (recompute), then a lower stage (stage 3
+adds an all-gather per use). A choice fits when max(estimate, measured) <= --device-memory.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+from zeroflow.memory.estimate import (OFFLOADS, REMATS, STAGES, count_gpt_params, estimate_config,
+                                      format_bytes, parse_bytes)
+
+MEASURE_MAX_PARAMS = 50_000_000
+"'--measure auto' compiles only models up to this many parameters..."
+MEASURE_MAX_DEVICES = 16
+"... and only meshes up to this many devices (CPU compile time grows with both)."
+REMAT_COST = {"none": 0, "save_dots": 1, "full": 2}
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    stage: int
+    offload: str
+    remat: str
+    estimate: object  # MemoryEstimate
+    measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
+    note: str = ""
+
+    @property
+    def need_bytes(self) -> float:
+        est = self.estimate.device_bytes
+        return est if self.measured_bytes is None else max(est, self.measured_bytes)
+
+    @property
+    def cost(self) -> tuple:
+        return (OFFLOADS.index(self.offload), REMAT_COST[self.remat], self.stage)
+
+
+def _choices(text: str, valid: Sequence, name: str, cast=str) -> list:
+    out = []
+    for item in text.split(","):
+        try:
+            value = cast(item.strip())
+        except ValueError:
+            value = item.strip()
+        if value not in valid:
+            raise ValueError(f"unknown {name} {item.strip()!r}; choose from {', '.join(map(str, valid))}")
+        out.append(value)
+    return out
+
+
+def _measured_device_bytes(cfg, devices: int, stage: int, offload: str, remat: str) -> float:
+    import jax
+
+    from zeroflow.memory.measure import measure_config
+    update_on = cfg.parallel.update_on if offload != "none" else "device"
+    got, kinds = measure_config(cfg, num_devices=devices, stage=stage, offload=offload,
+                                update_on=update_on, remat=remat)
+    total = got.total_bytes
+    if got.host_argument_bytes == 0 and jax.default_backend() == "cpu":
+        # The CPU backend counts pinned_host arguments (aliased by their outputs) as device ones.
+        total -= kinds.get("pinned_host", 0)
+    return float(total)
+
+
+def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
+              measure: str = "auto", devices_per_process: int | None = None, log=None) -> list[Row]:
+    """One Row per choice: the estimate, and the measured bytes where compiled."""
+    num_params = count_gpt_params(cfg.model)
+    if measure == "auto":
+        measure = "always" if (num_params <= MEASURE_MAX_PARAMS and
+                               devices * cfg.parallel.model <= MEASURE_MAX_DEVICES) else "never"
+    rows = []
+    for stage in stages:
+        for offload in offloads:
+            for remat in remats:
+                est = estimate_config(cfg, num_devices=devices, stage=stage, offload=offload,
+                                      remat=remat, devices_per_process=devices_per_process)
+                measured, note = None, ""
+                if measure == "always":
+                    if log:
+                        log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
+                    try:
+                        measured = _measured_device_bytes(cfg, devices, stage, offload, remat)
+                    except Exception as e:  # a choice that cannot compile is reported, not fatal
+                        note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                rows.append(Row(stage, offload, remat, est, measured, note))
+    return rows
+
+
+def cheapest_fit(rows: Sequence[Row], device_memory: float) -> Row | None:
+    fitting = [r for r in rows if r.need_bytes <= device_memory]
+    return min(fitting, key=lambda r: r.cost) if fitting else None
+
+
+def render(rows: Sequence[Row], device_memory: float, title: str, console=None) -> Row | None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(Console().width, 150))
+    table = Table(title=title)
+    for name in ("stage", "offload", "remat", "model states/dev", "activations/dev",
+                 "est. peak/dev", "measured/dev", "host/process", "fits"):
+        table.add_column(name, justify="right" if "/" in name else "left")
+    best = cheapest_fit(rows, device_memory)
+    for r in rows:
+        e = r.estimate
+        measured = format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
+        fits = "yes" if r.need_bytes <= device_memory else "no"
+        style = "bold green" if r is best else None
+        table.add_row(str(r.stage), r.offload, r.remat, format_bytes(e.model_state_bytes),
+                      format_bytes(e.activation_bytes), format_bytes(e.device_bytes), measured,
+                      format_bytes(e.host_bytes), fits, style=style)
+    console.print(table)
+    if best is None:
+        console.print(f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
+                      "shrink train.batch_size or raise parallel.grad_accum.")
+    else:
+        console.print(f"Cheapest choice that fits in {format_bytes(device_memory)}: "
+                      f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
+                      f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)")
+    return best
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from zeroflow.config_io import ConfigError, add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--devices", type=int, default=None,
+                        help="data-parallel devices (default: parallel.data, or all devices)")
+    parser.add_argument("--device-memory", default="80GB", help="memory per device, e.g. 80GB, 24GiB")
+    parser.add_argument("--devices-per-process", type=int, default=None,
+                        help="devices sharing one host's memory (default: min(devices, 8))")
+    parser.add_argument("--measure", choices=("auto", "always", "never"), default="auto",
+                        help=f"compile to measure (auto: models <= {MEASURE_MAX_PARAMS:,} params "
+                             f"on <= {MEASURE_MAX_DEVICES} devices)")
+    parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--offloads", default=",".join(OFFLOADS))
+    parser.add_argument("--remats", default=",".join(REMATS))
+    add_config_arguments(parser)
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        device_memory = parse_bytes(args.device_memory)
+        stages = _choices(args.stages, STAGES, "stage", int)
+        offloads = _choices(args.offloads, OFFLOADS, "offload")
+        remats = _choices(args.remats, REMATS, "remat")
+        if args.devices is not None and args.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {args.devices}")
+        devices = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else None)
+        wanted = (devices or 1) * cfg.parallel.model
+        if args.measure != "never" and devices and wanted <= MEASURE_MAX_DEVICES:
+            # Emulate the devices on the CPU backend (read when jax first starts a backend).
+            # Nothing is run, so XLA may skip its slow LLVM passes (buffers are the same).
+            flags = os.environ.get("XLA_FLAGS", "")
+            if "xla_force_host_platform_device_count" not in flags:
+                flags += f" --xla_force_host_platform_device_count={wanted} {FAST_CPU_COMPILE}"
+                os.environ["XLA_FLAGS"] = flags.strip()
+        if devices is None:
+            import jax
+            devices = jax.device_count() // cfg.parallel.model
+        title = (f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
+                 f"{devices} devices, batch {cfg.train.batch_size}, {cfg.precision.params}")
+        rows = plan_rows(cfg, devices=devices, stages=stages, offloads=offloads, remats=remats,
+                         measure=args.measure, devices_per_process=args.devices_per_process,
+                         log=lambda m: print(m, file=sys.stderr))
+    except (ValueError, ConfigError) as e:
+        parser.error(str(e))
+    render(rows, device_memory, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

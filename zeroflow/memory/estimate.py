@@ -1,0 +1,271 @@
+"""Analytic memory per device (and per host process) for ZeRO stages, offload and remat.
+
+Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3.1): with
+mixed-precision Adam every parameter costs 2 bytes of compute weights, 2 bytes of gradients and
+K = 12 bytes of fp32 master weights + two fp32 moments. Stage 1 divides the 12 by the number of
+data-parallel devices N, stage 2 also the gradients, stage 3 also the compute weights:
+
+    stage 0: (2 + 2 + 12) P      stage 2: 2 P + (2 + 12) P / N
+    stage 1: (2 + 2) P + 12 P / N    stage 3: (2 + 2 + 12) P / N
+
+fp32 training keeps one fp32 copy of the weights, shared by compute and optimizer, so 4 + 4
+(gradients) + 8 (moments) = 16 bytes per parameter at stage 0. At stages 1 and 2 the shared
+copy is stored sharded and gathered whole for the forward/backward pass, so the gathered 4 P
+counts as compute weights and the stored 4 P / N as master; at stage 3 compute and storage
+share one sharded layout again (4 P / N).
+
+The activation formula for the GPT model and the meaning of each field are in docs/memory.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+UPDATE_ONS = ("device", "host")
+REMATS = ("none", "full", "save_dots")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAM_BYTES = 8
+"Optimizer-state bytes per parameter for Adam/AdamW: two fp32 moments."
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '512MB', '1.5TB', or a plain number of bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"memory size must be >= 0, got {text}")
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"bad memory size {text!r}; use a number with a unit such as "
+                         "80GB, 80GiB, 512MB or 1.5TB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, as the ZeRO paper uses: 1 GB = 1e9 bytes."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStates:
+    """Bytes of each kind of model state (per device, or per process for host memory)."""
+    compute_weights: float = 0.0
+    gradients: float = 0.0
+    master: float = 0.0
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute_weights + self.gradients + self.master + self.optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """What one choice of stage / offload / remat needs.
+
+    ``device``: model states on each device during forward and backward; ``host``: model
+    states in each process's pinned host memory; ``update_bytes``: model states on each device
+    while the optimizer update runs (with ``update_on="device"`` the offloaded master and
+    optimizer state are streamed in for it; this is the bound where all of it is resident at
+    once); ``activation_bytes``: saved activations per device for one micro-batch (0 when no
+    model config was given). ``between_steps_bytes``: what stays on each device between steps
+    (the TrainState's device-memory arrays: compute weights, and master + optimizer state when
+    not offloaded).
+    """
+    num_params: int
+    num_devices: int
+    stage: int
+    offload: str
+    update_on: str
+    precision: str
+    device: ModelStates
+    host: ModelStates
+    update_bytes: float
+    between_steps_bytes: float
+    activation_bytes: float = 0.0
+    remat: str | None = None
+
+    @property
+    def model_state_bytes(self) -> float:
+        """Per-device model states at the step's peak, without activations."""
+        return max(self.device.total, self.update_bytes)
+
+    @property
+    def device_bytes(self) -> float:
+        """Per-device peak: forward/backward (model states + activations) or the update."""
+        return max(self.device.total + self.activation_bytes, self.update_bytes)
+
+    @property
+    def host_bytes(self) -> float:
+        """Per-process pinned host memory for offloaded model states."""
+        return self.host.total
+
+
+def _precision_name(precision: Any) -> str:
+    name = getattr(precision, "params", precision)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; use a zf.Precision or one of "
+                         f"{sorted(DTYPE_BYTES)}")
+    return name
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "none",
+             update_on: str = "device", precision: Any = "bf16", devices_per_process: int | None = None,
+             gradient_bytes: int | None = None, optimizer_bytes: int = ADAM_BYTES,
+             activation_bytes: float = 0.0, remat: str | None = None) -> MemoryEstimate:
+    """Model-state memory of ZeRO ``stage`` with ``num_devices`` data-parallel devices.
+
+    ``precision``: a ``zf.Precision`` or its params string ("bf16", "fp16", "fp32").
+    ``devices_per_process``: how many devices share one host process's memory (default: all
+    devices up to 8, one process per 8-accelerator host). ``gradient_bytes``: bytes per
+    gradient element; default the compute dtype's (the paper's accounting; zeroflow's engine
+    reduces gradients in fp32, pass 4 for its peak). ``optimizer_bytes``: per parameter,
+    8 for Adam. ``activation_bytes``: per device and micro-batch, see ``activations``.
+    """
+    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
+        raise ValueError(f"num_params must be a number >= 0, got {num_params!r}")
+    n = _check_int("num_devices", num_devices, 1)
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"unknown ZeRO stage {stage!r}; choose one of {list(STAGES)}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"unknown offload {offload!r}; choose one of {list(OFFLOADS)}")
+    if update_on not in UPDATE_ONS:
+        raise ValueError(f"unknown update_on {update_on!r}; choose one of {list(UPDATE_ONS)}")
+    if update_on == "host" and offload == "none":
+        raise ValueError("update_on='host' needs offload='optimizer' or 'optimizer+params'")
+    per_process = min(n, 8) if devices_per_process is None else _check_int(
+        "devices_per_process", devices_per_process, 1)
+    if activation_bytes < 0:
+        raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes!r}")
+    name = _precision_name(precision)
+    width = DTYPE_BYTES[name]
+    grad_width = width if gradient_bytes is None else _check_int("gradient_bytes", gradient_bytes, 1)
+    p = float(num_params)
+
+    def split(sharded: bool) -> float:
+        return 1.0 / n if sharded else 1.0
+
+    compute = width * p * split(stage >= 3)  # on the device during forward/backward
+    # fp32: one copy serves compute and optimizer. Where storage and compute layouts agree
+    # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
+    # gathered from the sharded master for each step and dropped after it.
+    shared = name == "fp32" and stage in (0, 3)
+    gathered = name == "fp32" and stage in (1, 2)
+    master = 0.0 if shared else 4 * p * split(stage >= 1)
+    grads = grad_width * p * split(stage >= 2)
+    opt = optimizer_bytes * p * split(stage >= 1)
+    stored_weights = 0.0 if gathered else compute  # the weight copy kept between steps
+
+    offloaded = offload != "none"
+    host_compute = stored_weights if (offload == "optimizer+params" or (shared and offloaded)) else 0.0
+    # Offloaded weights are streamed in whole for the step (the granularity zeroflow achieves),
+    # so forward/backward still holds all compute weights on the device.
+    device = ModelStates(compute_weights=compute, gradients=grads,
+                         master=0.0 if offloaded else master, optimizer=0.0 if offloaded else opt)
+    if not offloaded or update_on == "device":
+        update = compute + grads + master + opt
+    else:
+        update = compute + grads  # the update runs on the host
+    between = stored_weights - host_compute + (0.0 if offloaded else master + opt)
+    host = ModelStates(compute_weights=host_compute * per_process,
+                       master=(master if offloaded else 0.0) * per_process,
+                       optimizer=(opt if offloaded else 0.0) * per_process)
+    return MemoryEstimate(num_params=int(p), num_devices=n, stage=stage, offload=offload,
+                          update_on=update_on, precision=name, device=device, host=host,
+                          update_bytes=update, between_steps_bytes=between,
+                          activation_bytes=float(activation_bytes), remat=remat)
+
+
+# --------------------------------------------------------------------------- activations
+def activations(model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16") -> float:
+    """Saved activations of the GPT model per device for one micro-batch of ``micro_batch``
+    sequences, under ``remat`` (default ``model.remat``). The formula is in docs/memory.md."""
+    remat = model.remat if remat is None else remat
+    if remat not in REMATS:
+        raise ValueError(f"unknown remat policy {remat!r}; choose one of {list(REMATS)}")
+    _check_int("micro_batch", micro_batch, 1)
+    width = DTYPE_BYTES[_precision_name(precision)]
+    b, s, h, f, v = micro_batch, model.seq_len, model.embed_dim, model.mlp_dim, model.vocab_size
+    heads = model.num_heads
+    head = model.head_dim or h // heads
+    kv = (model.num_kv_heads or heads) * head
+    q = heads * head
+    swiglu = model.mlp_activation == "swiglu"
+    tokens = b * s
+    # Everything one block keeps for its backward pass when nothing is recomputed:
+    # two norm inputs + two norm outputs (4h), q/k/v (q + 2kv), attention output (q),
+    # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs.
+    per_layer_none = (width * tokens * (4 * h + 2 * q + 2 * kv + (3 if swiglu else 2) * f)
+                      + b * heads * s * s * (4 + width))
+    # save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus
+    # the block input; attention scores and norms are recomputed.
+    per_layer_dots = width * tokens * (h + q + 2 * kv + h + (2 if swiglu else 1) * f + h)
+    per_layer_full = width * tokens * h  # only the block input (the scan carry)
+    layers = model.num_layers
+    if remat == "none":
+        blocks = layers * per_layer_none
+    elif remat == "save_dots":
+        blocks = layers * per_layer_dots + per_layer_none  # + one block being recomputed
+    else:
+        blocks = layers * per_layer_full + per_layer_none
+    # Embedding output, final norm in/out, fp32 logits and the fp32 softmax of the loss.
+    head_bytes = width * tokens * 3 * h + 2 * 4 * tokens * v
+    return float(blocks + head_bytes)
+
+
+def count_gpt_params(model) -> int:
+    """Parameter count of the GPT model from its config, without building it."""
+    h, f, v, layers = model.embed_dim, model.mlp_dim, model.vocab_size, model.num_layers
+    head = model.head_dim or h // model.num_heads
+    q = model.num_heads * head
+    kv = (model.num_kv_heads or model.num_heads) * head
+    mlp = (3 if model.mlp_activation == "swiglu" else 2) * h * f
+    norms = 2 * h * (2 if model.norm == "layernorm" else 1)
+    block = h * (2 * q + 2 * kv) + mlp + norms
+    final = h * (2 if model.norm == "layernorm" else 1)
+    head_params = 0 if model.tie_embeddings else h * v
+    return layers * block + v * h + final + head_params
+
+
+def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = None,
+                    offload: str | None = None, update_on: str | None = None,
+                    remat: str | None = None, devices_per_process: int | None = None) -> MemoryEstimate:
+    """Estimate for a trainer ``zeroflow.config.Config``; keyword arguments override its
+    ``parallel.*`` / ``model.remat`` choices. Gradients are counted in fp32 (4 bytes), as
+    zeroflow's engine reduces them, and activations per micro-batch are included."""
+    par = cfg.parallel
+    n = num_devices if num_devices is not None else (par.data if par.data > 0 else None)
+    if n is None:
+        raise ValueError("parallel.data is -1 (all devices); pass num_devices")
+    offload = par.offload if offload is None else offload
+    update_on = (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    micro = cfg.train.batch_size // (n * par.grad_accum)
+    if micro < 1:
+        raise ValueError(f"train.batch_size {cfg.train.batch_size} is smaller than data devices "
+                         f"{n} x grad_accum {par.grad_accum}")
+    remat = cfg.model.remat if remat is None else remat
+    acts = activations(cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params)
+    model_parallel = max(par.model, 1)
+    # Tensor parallelism splits the weights it covers over `model` too; treat all as split.
+    return estimate(num_params=math.ceil(count_gpt_params(cfg.model) / model_parallel),
+                    num_devices=n, stage=par.zero_stage if stage is None else stage,
+                    offload=offload, update_on=update_on, precision=cfg.precision.params,
+                    devices_per_process=devices_per_process, gradient_bytes=4,
+                    activation_bytes=acts, remat=remat)
