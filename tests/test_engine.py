@@ -223,6 +223,19 @@ def test_static_loss_scale():
     assert float(m["grad_norm"]) == pytest.approx(8.0, rel=1e-3)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_state_keeps_its_layout_and_compiles_once(stage):
+    plan, prec, tx = zf.ZeroPlan(zf.make_mesh(), stage=stage), zf.Precision(params="bf16"), make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec)
+    want = zf.state_shardings(state.master, tx, plan, prec)
+    step = zf.make_train_step(loss_fn, tx, plan, prec)
+    for b in BATCHES[:3]:
+        state, _ = step(state, b)
+    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        assert got.sharding.is_equivalent_to(expected, got.ndim)
+    assert step.jitted(state)._cache_size() == 1  # no recompile after the first step
+
+
 def test_step_is_jitted_and_donates_state():
     _, state, step, _ = run_zero(1, BATCHES[:1])
     assert hasattr(step, "lower")

@@ -51,8 +51,11 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
     master = plan.storage_shardings(abstract_params)
     host = plan.storage_memory_kind
     opt_abstract = jax.eval_shape(tx.init, abstract_master(abstract_params))
-    opt = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, master,
-                                transform_non_params=lambda _: plan.replicated(host))
+    # tree_map_params runs tx.init on a dummy to learn the state's structure, creating a few
+    # scalars on the default device; allow that even under a caller's transfer guard.
+    with jax.transfer_guard("allow"):
+        opt = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, master,
+                                    transform_non_params=lambda _: plan.replicated(host))
     compute = None if prec.params == "fp32" else plan.compute_shardings(abstract_params)
     scalar = plan.replicated()
     loss_scale = None if not prec.scaled else LossScaleState(scale=scalar, good_steps=scalar)

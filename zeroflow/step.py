@@ -217,12 +217,47 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     return new_state, metrics
 
 
+class TrainStep:
+    """``step(state, batch) -> (state, metrics)``: one ``jax.jit`` per state layout.
+
+    The jit is built on the first call, when the state's shapes are known, so that its
+    ``out_shardings`` are exactly the plan's (``state_shardings``): the new state comes back in
+    the layout it went in, the next call hits the compile cache, and donation can reuse every
+    buffer. ``lower``/``trace`` and ``jitted(state)`` give the usual AOT access.
+    """
+
+    def __init__(self, fn, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision, donate: bool):
+        self._fn, self._tx, self._plan, self._prec = fn, tx, plan, prec
+        self._donate = (0,) if donate else ()
+        self._by_layout: dict[Any, Any] = {}
+
+    def jitted(self, state: TrainState):
+        """The ``jax.jit`` object for states shaped like ``state``."""
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.master)
+        key = (jax.tree.structure(state), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes)))
+        if key not in self._by_layout:
+            out = (state_shardings(shapes, self._tx, self._plan, self._prec), self._plan.replicated())
+            self._by_layout[key] = jax.jit(self._fn, donate_argnums=self._donate, out_shardings=out)
+        return self._by_layout[key]
+
+    def __call__(self, state: TrainState, batch):
+        return self.jitted(state)(state, batch)
+
+    def lower(self, state: TrainState, batch):
+        return self.jitted(state).lower(state, batch)
+
+    def trace(self, state: TrainState, batch):
+        return self.jitted(state).trace(state, batch)
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: ZeroPlan,
-                    prec: Precision, grad_accum: int = 1, *, donate: bool = True):
-    """A ``jax.jit``-compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
+                    prec: Precision, grad_accum: int = 1, *, donate: bool = True) -> TrainStep:
+    """A compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
     pytree whose leaves share a leading global batch axis divisible by data size x grad_accum.
+    The result is a ``TrainStep``: a ``jax.jit`` with the plan's output shardings, with
+    ``.lower(state, batch)`` for ahead-of-time compilation.
     """
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
@@ -232,4 +267,4 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
         raise ValueError(f"prec must be a zf.Precision, got {type(prec).__name__}")
     step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
                              grad_accum=grad_accum)
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+    return TrainStep(step, tx, plan, prec, donate)
