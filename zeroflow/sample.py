@@ -25,6 +25,8 @@ def parser() -> argparse.ArgumentParser:
 
 def load_params(run_dir: Path):
     """(model config, tokenizer, fp32 params) of the latest checkpoint, on one device."""
+    import jax
+
     from zeroflow.config_io import load_config
     from zeroflow.trainer import build_run
     from zeroflow.trainer.checkpoints import RunCheckpoints
@@ -35,7 +37,7 @@ def load_params(run_dir: Path):
     single = dataclasses.replace(cfg.parallel, data=1, model=1, zero_stage=0, offload="none",
                                  update_on="device", grad_accum=1)
     cfg = dataclasses.replace(cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32"))
-    run = build_run(cfg)
+    run = build_run(cfg, devices=jax.devices()[:1])
     restored = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep).restore_latest(run.init_state())
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")

@@ -64,13 +64,14 @@ def lm_loss_fn(model_cfg: ModelConfig, seed: int):
     return with_dropout
 
 
-def build_run(cfg: Config, *, with_data: bool = True) -> Run:
+def build_run(cfg: Config, *, with_data: bool = True, devices=None) -> Run:
+    """``devices``: the devices the mesh spans (default: all)."""
     data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
     model_cfg = cfg.model
     if data is not None and data.vocab_size != model_cfg.vocab_size:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=data.vocab_size)
     par = cfg.parallel
-    mesh = zf.make_mesh(data=par.data, model=par.model)
+    mesh = zf.make_mesh(data=par.data, model=par.model, devices=devices)
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
                        tensor_rules=rules)
