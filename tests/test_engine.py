@@ -216,6 +216,20 @@ def test_fp16_small_gradients_survive_only_with_dynamic_scaling():
     assert float(m_none["grad_norm"]) == 0.0
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_sum_over_devices_is_not_rounded_to_fp16(stage):
+    # Each device's scaled gradient, 1 * 2**15, fits fp16 (max 65504); their sum over 8 devices
+    # does not. Every stage must sum in fp32 and take the step.
+    def loss(params, batch):
+        return jnp.sum(params["w"].astype(jnp.float32) * batch["x"].astype(jnp.float32).mean(0))
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage)
+    prec, tx = zf.Precision(params="fp16", loss_scale="dynamic"), optax.sgd(0.1)
+    state = zf.init_train_state({"w": jnp.ones((64,), jnp.float32)}, tx, plan, prec)
+    state, m = zf.make_train_step(loss, tx, plan, prec)(state, {"x": np.ones((16, 64), np.float32)})
+    assert int(m["skipped"]) == 0 and float(m["grad_norm"]) == pytest.approx(8.0)
+    np.testing.assert_allclose(np.asarray(state.master["w"]), 0.9)
+
+
 def test_static_loss_scale():
     prec = zf.Precision(params="fp16", loss_scale=128.0)
     state, [(_, m)] = _scaled_run(_linear_loss(1.0), prec)

@@ -68,31 +68,32 @@ def _split_loss(out):
     return jnp.asarray(loss, jnp.float32), aux
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gather_weight(x, dim: int):
-    """All-gather a stage-3 weight shard for use; its gradient is reduce-scattered back."""
-    return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_weight(shard_f32, dim: int, dtype):
+    """All-gather a stage-3 weight shard in the compute ``dtype`` for use.
+
+    The shard comes in as fp32 (an exact upcast of the compute-dtype shard) so that its
+    gradient, the reduce-scatter of the devices' gradients, is summed and returned in fp32 and
+    never rounded to bf16/fp16 (whose range a sum over many devices can overflow).
+    """
+    return jax.lax.all_gather(shard_f32.astype(dtype), DATA, axis=dim, tiled=True)
 
 
-def _gather_fwd(x, dim):
-    return gather_weight(x, dim), None
+def _gather_fwd(shard_f32, dim, dtype):
+    return gather_weight(shard_f32, dim, dtype), None
 
 
-def _gather_bwd(dim, _, cotangent):
-    # Reduce in fp32 whatever the compute dtype: sums over many devices lose less, and the
-    # numerics match stage 2, which reduces fp32 gradients too. (XLA:CPU also rejects a
+def _gather_bwd(dim, dtype, _, cotangent):
+    # Reduce in fp32 whatever the compute dtype, as stage 2 does. (XLA:CPU also rejects a
     # bf16 reduce-scatter.)
-    summed = jax.lax.psum_scatter(cotangent.astype(jnp.float32), DATA, scatter_dimension=dim, tiled=True)
-    return (summed.astype(cotangent.dtype),)
+    return (jax.lax.psum_scatter(cotangent.astype(jnp.float32), DATA, scatter_dimension=dim, tiled=True),)
 
 
 gather_weight.defvjp(_gather_fwd, _gather_bwd)
 
 
-def _gather(x, lay: LeafLayout, plan: ZeroPlan):
-    if not plan.shards_compute or lay.zero_dim is None:
-        return x
-    return gather_weight(x, lay.zero_dim)
+def _gathered_on_use(lay: LeafLayout, plan: ZeroPlan) -> bool:
+    return plan.shards_compute and lay.zero_dim is not None
 
 
 def _reduce_now(g, lay: LeafLayout, plan: ZeroPlan):
@@ -100,7 +101,7 @@ def _reduce_now(g, lay: LeafLayout, plan: ZeroPlan):
     if lay.zero_dim is None or not plan.shards_grads:
         return g  # reduced once, after accumulation
     if plan.shards_compute:
-        return g  # the all-gather's transpose already reduce-scattered it
+        return g  # gather_weight's backward already reduce-scattered it
     return jax.lax.psum_scatter(g, DATA, scatter_dimension=lay.zero_dim, tiled=True)
 
 
@@ -112,11 +113,16 @@ def _reduce_at_end(g, lay: LeafLayout, plan: ZeroPlan):
 
 def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int):
     """Runs per device inside shard_map: gradients of the (scaled) loss on the local batch."""
-    params = jax.tree.map(_varying, params)
+    dtypes = jax.tree.map(lambda x: x.dtype, params)
+    # Stage-3 shards are differentiated as fp32 upcasts (see gather_weight); the rest as is.
+    params = jax.tree.map(lambda x, lay: _varying(x.astype(jnp.float32) if _gathered_on_use(lay, plan) else x),
+                          params, layouts)
 
     def grads_of(micro):
         def scaled_loss(p):
-            full = jax.tree.map(lambda x, lay: _gather(x, lay, plan), p, layouts)
+            full = jax.tree.map(
+                lambda x, lay, dt: gather_weight(x, lay.zero_dim, dt) if _gathered_on_use(lay, plan) else x,
+                p, layouts, dtypes)
             loss, aux = _split_loss(loss_fn(full, micro))
             return loss * scale, (loss, aux)
 
@@ -151,11 +157,16 @@ def _update(grads, master, opt_state, finite, *, tx: optax.GradientTransformatio
             compute_dtype):
     """The optimizer update on sharded fp32 arrays; a non-finite step changes nothing.
     Returns ``(new_master, new_opt_state, new_compute)`` (``new_compute`` None for fp32)."""
-    updates, new_opt = tx.update(grads, opt_state, master)
-    new_master = optax.apply_updates(master, updates)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    new_master = jax.tree.map(keep, new_master, master)
-    new_opt = jax.tree.map(keep, new_opt, opt_state)
+    def apply(grads, master, opt_state):
+        updates, new_opt = tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), new_opt
+
+    def keep(grads, master, opt_state):
+        return master, opt_state
+
+    # A cond, not jnp.where over the results: the skipped branch is never computed, and XLA can
+    # update the optimizer state in place instead of copying it.
+    new_master, new_opt = jax.lax.cond(finite, apply, keep, grads, master, opt_state)
     new_compute = None if compute_dtype is None else jax.tree.map(
         lambda x: x.astype(compute_dtype), new_master)
     return new_master, new_opt, new_compute
@@ -188,8 +199,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
 
     # Unscale in fp32 and average over devices and micro-batches.
     grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
 
     update = functools.partial(_update, tx=tx,
                                compute_dtype=None if state.compute is None else prec.compute_dtype)
