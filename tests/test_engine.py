@@ -92,6 +92,16 @@ def test_fp32_stage_matches_plain_optax(stage, reference):
     assert int(metrics["skipped"]) == 0
 
 
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_one_device_matches_plain_optax(grad_accum, reference):
+    ref_losses, ref_params = reference
+    one = zf.make_mesh(devices=jax.devices()[:1])
+    losses, state, _, _ = run_zero(0, BATCHES, grad_accum=grad_accum, mesh=one)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(state.master), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_grad_accumulation_equals_one_big_batch(reference):
     ref_losses, ref_params = reference
     losses, state, _, _ = run_zero(2, BATCHES, grad_accum=2)

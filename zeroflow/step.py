@@ -111,11 +111,30 @@ def _reduce_at_end(g, lay: LeafLayout, plan: ZeroPlan):
     return jax.lax.psum(g, DATA)
 
 
-def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int):
-    """Runs per device inside shard_map: gradients of the (scaled) loss on the local batch."""
+def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
+                 collective: bool = True):
+    """Runs per device inside shard_map: gradients of the (scaled) loss on the local batch.
+
+    ``collective=False`` is the one-device case, run without shard_map: nothing to reduce, and
+    XLA:CPU does not remove a single-participant all-reduce by itself.
+    """
+    if not collective:
+        grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
+                                              plan=plan, grad_accum=grad_accum, varying=lambda x: x)
+        return grads, loss, aux
+    grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
+                                          plan=plan, grad_accum=grad_accum, varying=_varying)
+    grads = jax.tree.map(lambda g, lay: _reduce_at_end(g, lay, plan), grads, layouts)
+    return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
+
+
+def _accumulated_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
+                       varying):
+    """Gradients summed over micro-batches (reduced per micro-batch at stage >= 2), with the
+    mean loss and aux over micro-batches."""
     dtypes = jax.tree.map(lambda x: x.dtype, params)
     # Stage-3 shards are differentiated as fp32 upcasts (see gather_weight); the rest as is.
-    params = jax.tree.map(lambda x, lay: _varying(x.astype(jnp.float32) if _gathered_on_use(lay, plan) else x),
+    params = jax.tree.map(lambda x, lay: varying(x.astype(jnp.float32) if _gathered_on_use(lay, plan) else x),
                           params, layouts)
 
     def grads_of(micro):
@@ -136,7 +155,7 @@ def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad
         micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
         first = jax.tree.map(lambda x: x[0], micro)
         shapes = jax.eval_shape(grads_of, first)
-        zeros = jax.tree.map(lambda s: _varying(jnp.zeros(s.shape, s.dtype)), shapes)
+        zeros = jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)), shapes)
 
         def body(acc, mb):
             out = grads_of(mb)
@@ -145,8 +164,7 @@ def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad
         (grads, loss, aux), _ = jax.lax.scan(body, zeros, micro)
         loss = loss / grad_accum
         aux = jax.tree.map(lambda a: a / grad_accum, aux)
-    grads = jax.tree.map(lambda g, lay: _reduce_at_end(g, lay, plan), grads, layouts)
-    return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
+    return grads, loss, aux
 
 
 def _place(tree, shardings):
@@ -193,9 +211,12 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     batch_specs = jax.tree.map(lambda _: P(DATA), batch)
     local = functools.partial(_local_grads, loss_fn=loss_fn, layouts=layouts, plan=plan,
                               grad_accum=grad_accum)
-    grads, loss, aux = jax.shard_map(
-        local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P()),
-        out_specs=(specs_grad, P(), P()), axis_names={DATA})(params, batch, scale)
+    if n == 1:  # one device on the data axis: no shard_map, no collectives to place
+        grads, loss, aux = local(params, batch, scale, collective=False)
+    else:
+        grads, loss, aux = jax.shard_map(
+            local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P()),
+            out_specs=(specs_grad, P(), P()), axis_names={DATA})(params, batch, scale)
 
     # Unscale in fp32 and average over devices and micro-batches.
     grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
@@ -244,9 +265,10 @@ class TrainStep:
 
     def jitted(self, state: TrainState):
         """The ``jax.jit`` object for states shaped like ``state``."""
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.master)
-        key = (jax.tree.structure(state), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes)))
+        leaves, treedef = jax.tree.flatten(state)
+        key = (treedef, tuple(x.shape for x in leaves))  # cheap: this runs on every step
         if key not in self._by_layout:
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.master)
             out = (state_shardings(shapes, self._tx, self._plan, self._prec), self._plan.replicated())
             self._by_layout[key] = jax.jit(self._fn, donate_argnums=self._donate, out_shardings=out)
         return self._by_layout[key]
