@@ -41,7 +41,7 @@ class Reporter:
             self.tb = SummaryWriter(str(run_dir / "tb"))
         self.progress = None
         if progress and self.is_main:
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
                                      console=self.console, transient=False)
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
@@ -56,8 +56,8 @@ class Reporter:
         """``m``: host floats for one finished step (1-based ``step``)."""
         if self.progress is not None:
             mfu = m.get("mfu")
-            stats = (f"loss {m['loss']:.3f} | {m['tokens_per_s']:,.0f} tok/s | {m['step_time'] * 1e3:.0f} ms"
-                     f" | scale {m['loss_scale']:g} | MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a"))
+            stats = (f"loss {m['loss']:.3f} {m['tokens_per_s']:,.0f} tok/s {m['step_time'] * 1e3:.0f} ms"
+                     f" scale {m['loss_scale']:g} MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a"))
             self.progress.update(self.task, completed=step, stats=stats)
         if log_line:
             self.write(step, m)
