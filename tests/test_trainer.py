@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from zeroflow.config_io import load_config
-from zeroflow.trainer import build_run, train
+from zeroflow.trainer import TrainingDiverged, build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +69,12 @@ def test_cli_mesh_that_does_not_fit_is_one_line(tmp_path):
 
 
 def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
-    common = ["--config", "configs/tiny.yaml", *SHRUNK, "train.steps=16", "train.eval_every=0"]
+    # Wide enough that a step takes ~0.1 s on 2 CPU cores: the signal lands seconds before the
+    # 60-step run could finish, however fast the machine is.
+    n = 60
+    common = ["--config", "configs/tiny.yaml", *SHRUNK, "model.embed_dim=128", "model.mlp_dim=384",
+              "model.seq_len=128", "train.batch_size=16", "data.max_bytes=2000000",
+              f"train.steps={n}", "train.eval_every=0"]
     straight = tmp_path / "straight"
     p = cli(*common, f"run.dir={straight}")
     assert p.wait(timeout=600) == 0, p.stderr.read()
@@ -88,7 +93,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     if p.returncode == 0:  # it finished before the signal landed: nothing to resume
         pytest.fail("run finished before SIGTERM; make it longer")
     assert p.returncode == 128 + signal.SIGTERM, err
-    assert len(saved) == 1 and 3 <= saved[0] < 16
+    assert len(saved) == 1 and 3 <= saved[0] < n
     assert "SIGTERM: saved a checkpoint" in err
 
     p = cli(*common, f"run.dir={stopped}")
@@ -96,8 +101,8 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     assert p.returncode == 0, err
     assert f"resumed from step {saved[0]}" in err
     want, got = read_losses(straight), read_losses(stopped)
-    assert sorted(got) == sorted(want) == list(range(1, 17))
-    np.testing.assert_allclose([got[s] for s in range(1, 17)], [want[s] for s in range(1, 17)],
+    assert sorted(got) == sorted(want) == list(range(1, n + 1))
+    np.testing.assert_allclose([got[s] for s in range(1, n + 1)], [want[s] for s in range(1, n + 1)],
                                rtol=1e-6)
 
 
@@ -127,3 +132,35 @@ def test_resume_onto_another_zero_stage(tmp_path):
     result = train(cfg)
     assert result.step == 5 and sorted(result.losses) == [4, 5]
     assert jax.device_count() == 8  # conftest: the resumed run really was sharded 8 ways
+
+
+def test_diverging_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
+    # lr=1e30 blows the weights up on the first update, so the second step's loss or gradients
+    # are inf/nan without any loss scaling to blame. The run must stop, say so, save nothing.
+    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=6", "train.lr=1e30", "train.grad_clip=0",
+                                                             "train.warmup_steps=0", "train.eval_every=0",
+                                                             f"run.dir={tmp_path}"])
+    with pytest.raises(TrainingDiverged, match=r"step 2: .*(loss is (nan|inf)|non-finite gradients).*"
+                                               r"(stopped without saving|nothing was saved)\. Last checkpoint: none"):
+        train(cfg)
+    assert RunCheckpoints(tmp_path / "checkpoints", 3).steps() == []
+
+
+def test_sample_and_export_from_a_run(tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    from zeroflow import export, sample
+    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=2", "train.eval_every=0",
+                                                             "parallel.zero_stage=3", f"run.dir={tmp_path}"])
+    result = train(cfg)
+    assert sample.main(["--run", str(tmp_path), "--prompt", "def ", "--tokens", "12", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("def ") and len(printed.rstrip("\n")) >= 4
+    out = tmp_path / "weights.safetensors"
+    assert export.main(["--run", str(tmp_path), "--out", str(out)]) == 0
+    weights = load_file(str(out))
+    assert "layers/attn/query/kernel" in weights and weights["embedding"].dtype == np.float32
+    assert weights["layers/attn/query/kernel"].shape[0] == 1  # stacked layer axis kept
+    assert result.step == 2
+    assert export.main(["--run", str(tmp_path), "--out", str(tmp_path / "w.bin")]) == 2
+    assert "must end in .safetensors or .npz" in capsys.readouterr().err
