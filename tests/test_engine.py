@@ -312,3 +312,36 @@ def test_loss_must_be_scalar():
                               tx, plan, prec)
     with pytest.raises(ValueError, match="scalar loss"):
         step(state, make_batch())
+
+
+def test_flax_nnx_model_at_stage3_matches_plain_optax():
+    from flax import nnx
+
+    class NnxMLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(24, 32, rngs=rngs), nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.gelu(self.l1(x)))
+
+    graphdef, params = nnx.split(NnxMLP(nnx.Rngs(0)), nnx.Param)
+
+    def nnx_loss(p, batch):
+        return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
+
+    tx = optax.adam(1e-2)
+    opt, ref_params, ref = tx.init(params), params, []
+    for b in BATCHES:
+        loss, g = jax.value_and_grad(nnx_loss)(ref_params, b)
+        upd, opt = tx.update(g, opt, ref_params)
+        ref_params = optax.apply_updates(ref_params, upd)
+        ref.append(float(loss))
+    plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=3), zf.Precision()
+    state = zf.init_train_state(params, tx, plan, prec)
+    step = zf.make_train_step(nnx_loss, tx, plan, prec)
+    losses = []
+    for b in BATCHES:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-6)
+    assert type(state.master) is type(params)  # the nnx State tree comes back as such
