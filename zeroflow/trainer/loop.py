@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zeroflow.config import Config
@@ -18,6 +17,7 @@ from zeroflow.data import bits_per_byte, eval_batches, train_batch
 from zeroflow.distributed import StopVote
 from zeroflow.models import flops_per_token
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.optim import lr_schedule
 from zeroflow.trainer.reporting import Reporter
 from zeroflow.trainer.setup import Run, build_run
 
@@ -126,6 +126,7 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     step_fn = run.make_step()
     evaluate = _make_eval(run)
     meta = lambda s: {"step": s, "seed": tcfg.seed}  # noqa: E731
+    learning_rate = lr_schedule(tcfg)
     tokens_per_step = tcfg.batch_size * cfg.model.seq_len
     losses: dict[int, float] = {}
     last_eval: dict[str, float] = {}
@@ -144,11 +145,8 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         m["step_time"] = seconds
         m["tokens_per_s"] = tokens_per_step / max(seconds, 1e-9)
         m["mfu"] = reporter.mfu(m["tokens_per_s"])
-        m["lr"] = float(run_lr(step))
+        m["lr"] = float(learning_rate(step - 1))  # the rate this (1-based) step applied
         reporter.step(step, m, log_line=step % tcfg.log_every == 0 or step == tcfg.steps)
-
-    from zeroflow.trainer.optim import lr_schedule
-    run_lr = lr_schedule(tcfg)
 
     stop_vote = StopVote(run.plan.mesh)  # every process must stop at the same step
     try:
