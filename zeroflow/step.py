@@ -112,7 +112,7 @@ def _reduce_at_end(g, lay: LeafLayout, plan: ZeroPlan):
 
 
 def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
-                 collective: bool = True):
+                 per_layer: str | None, collective: bool = True):
     """Runs per device inside shard_map: gradients of the (scaled) loss on the local batch.
 
     ``collective=False`` is the one-device case, run without shard_map: nothing to reduce, and
@@ -120,29 +120,48 @@ def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad
     """
     if not collective:
         grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
-                                              plan=plan, grad_accum=grad_accum, varying=lambda x: x)
+                                              plan=plan, grad_accum=grad_accum, varying=lambda x: x,
+                                              per_layer=per_layer)
         return grads, loss, aux
     grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
-                                          plan=plan, grad_accum=grad_accum, varying=_varying)
+                                          plan=plan, grad_accum=grad_accum, varying=_varying,
+                                          per_layer=per_layer)
     grads = jax.tree.map(lambda g, lay: _reduce_at_end(g, lay, plan), grads, layouts)
     return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
 
 
+def _per_layer_flags(layouts, plan: ZeroPlan, prefix: str | None):
+    """True for stage-3 leaves under ``prefix`` (stacked layers, leading layer axis) whose ZeRO
+    dimension is not the layer axis: the loss gathers those one layer at a time."""
+    def flag(path, lay):
+        return (prefix is not None and _gathered_on_use(lay, plan) and lay.zero_dim > 0
+                and (path_str(path) + "/").startswith(prefix + "/"))
+    return jax.tree_util.tree_map_with_path(flag, layouts, is_leaf=_is_layout)
+
+
 def _accumulated_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
-                       varying):
+                       varying, per_layer: str | None = None):
     """Gradients summed over micro-batches (reduced per micro-batch at stage >= 2), with the
     mean loss and aux over micro-batches."""
     dtypes = jax.tree.map(lambda x: x.dtype, params)
+    lazy = _per_layer_flags(layouts, plan, per_layer)
     # Stage-3 shards are differentiated as fp32 upcasts (see gather_weight); the rest as is.
     params = jax.tree.map(lambda x, lay: varying(x.astype(jnp.float32) if _gathered_on_use(lay, plan) else x),
                           params, layouts)
 
+    def gather_layer(layer_params):
+        """One layer's slice of ``params[per_layer]`` -> its gathered compute weights."""
+        return jax.tree.map(lambda x, lay, dt, late: gather_weight(x, lay.zero_dim - 1, dt) if late else x,
+                            layer_params, layouts[per_layer], dtypes[per_layer], lazy[per_layer])
+
     def grads_of(micro):
         def scaled_loss(p):
             full = jax.tree.map(
-                lambda x, lay, dt: gather_weight(x, lay.zero_dim, dt) if _gathered_on_use(lay, plan) else x,
-                p, layouts, dtypes)
-            loss, aux = _split_loss(loss_fn(full, micro))
+                lambda x, lay, dt, late: gather_weight(x, lay.zero_dim, dt)
+                if _gathered_on_use(lay, plan) and not late else x,
+                p, layouts, dtypes, lazy)
+            out = loss_fn(full, micro) if per_layer is None else loss_fn(full, micro, gather_layer)
+            loss, aux = _split_loss(out)
             return loss * scale, (loss, aux)
 
         (_, (loss, aux)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
@@ -191,7 +210,7 @@ def _update(grads, master, opt_state, finite, *, tx: optax.GradientTransformatio
 
 
 def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
-               plan: ZeroPlan, prec: Precision, grad_accum: int):
+               plan: ZeroPlan, prec: Precision, grad_accum: int, per_layer: str | None = None):
     """One optimizer step on a global batch; returns ``(new_state, metrics)``."""
     n = plan.data_size
     check_batch(batch, n * grad_accum, n, grad_accum)
@@ -209,8 +228,10 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute), layouts, is_leaf=_is_layout)
     specs_grad = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_grads), layouts, is_leaf=_is_layout)
     batch_specs = jax.tree.map(lambda _: P(DATA), batch)
+    if per_layer is not None and per_layer not in state.master:
+        raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
     local = functools.partial(_local_grads, loss_fn=loss_fn, layouts=layouts, plan=plan,
-                              grad_accum=grad_accum)
+                              grad_accum=grad_accum, per_layer=per_layer)
     if n == 1:  # one device on the data axis: no shard_map, no collectives to place
         grads, loss, aux = local(params, batch, scale, collective=False)
     else:
@@ -284,11 +305,19 @@ class TrainStep:
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: ZeroPlan,
-                    prec: Precision, grad_accum: int = 1, *, donate: bool = True) -> TrainStep:
+                    prec: Precision, grad_accum: int = 1, *, donate: bool = True,
+                    gather_per_layer: str | None = None) -> TrainStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
     pytree whose leaves share a leading global batch axis divisible by data size x grad_accum.
+
+    ``gather_per_layer``: the top-level key of stacked layer weights (leading layer axis, e.g.
+    the GPT's ``"layers"`` from ``nn.scan``). Then ``loss_fn(params, batch, gather_layer)`` is
+    given those weights still sharded, and must call ``gather_layer(one_layer_params)`` inside
+    its layer loop: at stage 3 each layer is all-gathered just before it runs (and again in the
+    backward pass under remat) instead of the whole model at once. Below stage 3
+    ``gather_layer`` returns its input.
     The result is a ``TrainStep``: a ``jax.jit`` with the plan's output shardings, with
     ``.lower(state, batch)`` for ahead-of-time compilation.
     """
@@ -299,5 +328,5 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
     if not isinstance(prec, Precision):
         raise ValueError(f"prec must be a zf.Precision, got {type(prec).__name__}")
     step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
-                             grad_accum=grad_accum)
+                             grad_accum=grad_accum, per_layer=gather_per_layer)
     return TrainStep(step, tx, plan, prec, donate)

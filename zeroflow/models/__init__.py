@@ -9,7 +9,7 @@ from zeroflow.models.gpt import (
     logical_axes,
     param_init_fn,
 )
-from zeroflow.models.loss import cross_entropy_loss, make_loss_fn
+from zeroflow.models.loss import cross_entropy_loss, make_layerwise_loss_fn, make_loss_fn
 from zeroflow.models.sampling import generate
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "generate",
     "init_params",
     "logical_axes",
+    "make_layerwise_loss_fn",
     "make_loss_fn",
     "param_init_fn",
 ]

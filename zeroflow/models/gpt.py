@@ -212,17 +212,24 @@ class GPT(nn.Module):
     """``tokens [B, S] int32 -> logits [B, S, vocab] float32``."""
 
     cfg: ModelConfig
+    layer_transform: Callable[[Any], Any] | None = None
+    "Applied to each layer's params inside the scan: ZeRO-3 gathers one layer at a time with it."
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
         cfg = self.cfg
         check_config(cfg)
+        block = Block
+        if self.layer_transform is not None and not self.is_initializing():
+            transform = self.layer_transform
+            block = nn.map_variables(Block, "params",
+                                     trans_in_fn=lambda v: {**v, "params": transform(v["params"])})
         embedding = _param(self, "embedding", nn.initializers.normal(INIT_STD),
                            (cfg.vocab_size, cfg.embed_dim), (VOCAB, EMBED))
         x = jnp.take(embedding, tokens, axis=0)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         stack = nn.scan(
-            _rematted(Block, cfg.remat),
+            _rematted(block, cfg.remat),
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
             length=cfg.num_layers,

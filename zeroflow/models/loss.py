@@ -20,11 +20,13 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | 
     return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT):
+def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, gather_layer=None):
     """``batch["tokens"]`` int32 [B, S+1] -> ``(loss, {"accuracy"})``; an rng turns dropout on."""
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     rngs = {} if rng is None else {"dropout": rng}
+    if gather_layer is not None:
+        model = model.clone(layer_transform=gather_layer)
     logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
     accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == targets)
     return cross_entropy_loss(logits, targets), {"accuracy": accuracy}
@@ -34,3 +36,14 @@ def make_loss_fn(cfg: ModelConfig):
     """``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": ...})`` for ``jax.value_and_grad``
     with ``has_aux=True``; params may be fp32, bf16 or fp16 (the model computes in their dtype)."""
     return functools.partial(lm_loss, model=GPT(cfg))
+
+
+def make_layerwise_loss_fn(cfg: ModelConfig):
+    """``loss_fn(params, batch, gather_layer, rng=None)`` for ``zf.make_train_step(...,
+    gather_per_layer="layers")``: at ZeRO stage 3 each scanned layer is gathered just before
+    it runs instead of the whole model at the start of the step."""
+    model = GPT(cfg)
+
+    def loss_fn(params, batch, gather_layer, rng=None):
+        return lm_loss(params, batch, rng, model=model, gather_layer=gather_layer)
+    return loss_fn

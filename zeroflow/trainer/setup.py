@@ -12,7 +12,7 @@ import optax
 import zeroflow as zf
 from zeroflow.config import Config, ModelConfig
 from zeroflow.data import TokenData, load_data
-from zeroflow.models import abstract_params, decay_mask, make_loss_fn, param_init_fn
+from zeroflow.models import abstract_params, decay_mask, make_layerwise_loss_fn, param_init_fn
 from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.trainer.optim import make_optimizer
 
@@ -42,7 +42,7 @@ class Run:
 
     def make_step(self):
         return zf.make_train_step(self.loss_fn, self.tx, self.plan, self.prec,
-                                  grad_accum=self.cfg.parallel.grad_accum)
+                                  grad_accum=self.cfg.parallel.grad_accum, gather_per_layer="layers")
 
     def global_batch(self, local_tokens: np.ndarray) -> dict[str, jax.Array]:
         """This process's rows of the batch -> one global array sharded over ``data``."""
@@ -50,18 +50,19 @@ class Run:
 
 
 def lm_loss_fn(model_cfg: ModelConfig, seed: int):
-    """The engine's ``loss_fn(params, batch)``; with dropout, the key comes from the batch."""
-    loss = make_loss_fn(model_cfg)
-    if model_cfg.dropout <= 0:
-        return lambda params, batch: loss(params, {"tokens": batch["tokens"]})
+    """The engine's ``loss_fn(params, batch, gather_layer=None)``; ``gather_layer`` lets ZeRO-3
+    gather one scanned layer at a time. With dropout, the key comes from the batch."""
+    loss = make_layerwise_loss_fn(model_cfg)
 
-    def with_dropout(params, batch):
-        # A key derived from this micro-batch's tokens and the seed: deterministic on resume,
-        # different on every device and step.
-        mix = jnp.sum(batch["tokens"][:, :8].astype(jnp.uint32) * jnp.uint32(2654435761))
-        rng = jax.random.fold_in(jax.random.key(seed), mix)
-        return loss(params, {"tokens": batch["tokens"]}, rng)
-    return with_dropout
+    def lm_loss(params, batch, gather_layer=None):
+        rng = None
+        if model_cfg.dropout > 0:
+            # A key derived from this micro-batch's tokens and the seed: deterministic on
+            # resume, different on every device and step.
+            mix = jnp.sum(batch["tokens"][:, :8].astype(jnp.uint32) * jnp.uint32(2654435761))
+            rng = jax.random.fold_in(jax.random.key(seed), mix)
+        return loss(params, {"tokens": batch["tokens"]}, gather_layer, rng)
+    return lm_loss
 
 
 def build_run(cfg: Config, *, with_data: bool = True, devices=None) -> Run:
