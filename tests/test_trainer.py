@@ -35,7 +35,7 @@ def read_losses(run_dir: Path) -> dict[int, float]:
 
 def test_cli_smoke_trains_and_writes_outputs(tmp_path):
     proc = cli("--config", "configs/tiny.yaml", *SHRUNK, "train.steps=8", "train.eval_every=4",
-               f"run.dir={tmp_path}")
+               "run.tensorboard=true", f"run.dir={tmp_path}")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     losses = read_losses(tmp_path)
@@ -45,6 +45,7 @@ def test_cli_smoke_trains_and_writes_outputs(tmp_path):
     assert RunCheckpoints(tmp_path / "checkpoints", 3).steps() == [8]
     evals = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_bpb" in l]
     assert [e["step"] for e in evals] == [4, 8] and all(np.isfinite(e["eval_bpb"]) for e in evals)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # TensorBoard option
 
 
 @pytest.mark.parametrize("override,needle", [
