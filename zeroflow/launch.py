@@ -188,6 +188,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            parser().parse_args(["--help"])  # prints usage and every option, then exits 0
         parser().error("give the command after --, e.g. -- python -m zeroflow.train --config configs/tiny.yaml")
     split = argv.index("--")
     args, command = parser().parse_args(argv[:split]), argv[split + 1:]
