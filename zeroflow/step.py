@@ -118,14 +118,11 @@ def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad
     ``collective=False`` is the one-device case, run without shard_map: nothing to reduce, and
     XLA:CPU does not remove a single-participant all-reduce by itself.
     """
-    if not collective:
-        grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
-                                              plan=plan, grad_accum=grad_accum, varying=lambda x: x,
-                                              per_layer=per_layer)
-        return grads, loss, aux
     grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
-                                          plan=plan, grad_accum=grad_accum, varying=_varying,
-                                          per_layer=per_layer)
+                                          plan=plan, grad_accum=grad_accum, per_layer=per_layer,
+                                          varying=_varying if collective else (lambda x: x))
+    if not collective:
+        return grads, loss, aux
     grads = jax.tree.map(lambda g, lay: _reduce_at_end(g, lay, plan), grads, layouts)
     return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
 
