@@ -71,6 +71,23 @@ def test_offload_moves_master_and_optimizer_to_host():
     assert params.between_steps_bytes == 0
 
 
+def test_streamed_layers_leave_only_layers_in_flight_on_the_device():
+    """optimizer+params: the device holds the weights outside the layer stack plus two layers
+    (the one running, the next coming in); "optimizer" still holds every weight."""
+    kw = dict(num_params=1000, num_devices=1, stage=0, update_on="host")
+    streamed = memory.estimate(**kw, offload="optimizer+params", resident_params=100)
+    assert streamed.device.compute_weights == 2 * 100
+    assert streamed.update_bytes == 2 * 1000  # gradients only: the update runs on the host
+    assert memory.estimate(**kw, offload="optimizer", resident_params=100).device.compute_weights == 2 * 1000
+
+    cfg = _small_config(num_layers=12, embed_dim=64, mlp_dim=256, vocab_size=256)
+    total = memory.count_gpt_params(cfg.model)
+    rest = 256 * 64 + 64  # embedding + final norm (tied head)
+    block = (total - rest) // 12
+    est = memory.estimate_config(cfg, num_devices=1, stage=0, offload="optimizer+params")
+    assert est.device.compute_weights == 2 * (rest + 2 * block)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(stage=4), "unknown ZeRO stage 4"),
     (dict(num_params=-1), "num_params must be a number >= 0"),

@@ -135,6 +135,21 @@ def test_resume_onto_another_zero_stage(tmp_path):
     assert jax.device_count() == 8  # conftest: the resumed run really was sharded 8 ways
 
 
+def test_offloaded_run_trains_evaluates_and_checkpoints_like_a_plain_one(tmp_path):
+    """parallel.offload=optimizer+params: weights and optimizer state in host memory, layers
+    streamed in by the train step and by evaluation; same numbers as without offload."""
+    def run(name, *extra):
+        base = SHRUNK + ["model.num_layers=2", "parallel.zero_stage=3", "precision.params=bf16",
+                         "train.steps=3", "train.eval_every=3", f"run.dir={tmp_path / name}"]
+        result = train(load_config(REPO / "configs/tiny.yaml", base + list(extra)))
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return result.losses, [r["eval_loss"] for r in rows if "eval_loss" in r]
+
+    offloaded = run("offloaded", "parallel.offload=optimizer+params", "parallel.update_on=host")
+    assert offloaded == run("plain")
+    assert RunCheckpoints(tmp_path / "offloaded" / "checkpoints", 3).steps() == [3]
+
+
 def test_diverging_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
     # lr=1e30 blows the weights up on the first update, so the second step's loss or gradients
     # are inf/nan without any loss scaling to blame. The run must stop, say so, save nothing.

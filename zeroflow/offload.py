@@ -2,8 +2,9 @@
 host inside a jitted step.
 
 Every host<->device move in the engine goes through ``to_memory`` (an explicit
-``jax.device_put`` to a sharding of the named memory kind), so a reader can find each transfer
-by searching for it. ``on_host`` runs a function with ``compute_on("device_host")``: its inputs
+``jax.device_put`` to a sharding of the named memory kind) or ``to_device`` (the same inside a
+loop body, where only the memory space changes), so a reader can find each transfer by
+searching for them. ``on_host`` runs a function with ``compute_on("device_host")``: its inputs
 must already be in ``pinned_host`` memory, and its outputs stay there.
 """
 from __future__ import annotations
@@ -28,6 +29,12 @@ def to_memory(tree, shardings, kind: str):
     if isinstance(shardings, Sharding):
         return jax.tree.map(lambda x: jax.device_put(x, shardings.with_memory_kind(kind)), tree)
     return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(kind)), tree, shardings)
+
+
+def to_device(tree):
+    """Every leaf of ``tree`` in device memory, its sharding unchanged (a no-op for leaves already
+    there). Used inside traced code, e.g. on one layer's slice of host-resident weights."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
 
 
 def on_host(fn: Callable) -> Callable:

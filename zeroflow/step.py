@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -112,14 +112,14 @@ def _reduce_at_end(g, lay: LeafLayout, plan: ZeroPlan):
 
 
 def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
-                 per_layer: str | None, collective: bool = True):
+                 per_layer: str | None, from_host: bool = False, collective: bool = True):
     """Runs per device inside shard_map: gradients of the (scaled) loss on the local batch.
 
     ``collective=False`` is the one-device case, run without shard_map: nothing to reduce, and
     XLA:CPU does not remove a single-participant all-reduce by itself.
     """
     grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
-                                          plan=plan, grad_accum=grad_accum, per_layer=per_layer,
+                                          plan=plan, grad_accum=grad_accum, per_layer=per_layer, from_host=from_host,
                                           varying=_varying if collective else (lambda x: x))
     if not collective:
         return grads, loss, aux
@@ -127,36 +127,94 @@ def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad
     return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
 
 
-def _per_layer_flags(layouts, plan: ZeroPlan, prefix: str | None):
-    """True for stage-3 leaves under ``prefix`` (stacked layers, leading layer axis) whose ZeRO
-    dimension is not the layer axis: the loss gathers those one layer at a time."""
-    def flag(path, lay):
-        return (prefix is not None and _gathered_on_use(lay, plan) and lay.zero_dim > 0
-                and (path_str(path) + "/").startswith(prefix + "/"))
-    return jax.tree_util.tree_map_with_path(flag, layouts, is_leaf=_is_layout)
+def _per_layer_flags(layouts, plan: ZeroPlan, prefix: str | None, from_host: bool):
+    """Which leaves the loss's ``gather_layer`` handles, as two trees of bools.
+
+    ``lazy``: stage-3 leaves under ``prefix`` (stacked layers, leading layer axis) whose ZeRO
+    dimension is not the layer axis; they are all-gathered one layer at a time.
+    ``streamed``: if ``from_host`` (compute weights stored in host memory), the leaves under
+    ``prefix`` that can be taken one layer at a time (all but stage-3 leaves split along the
+    layer axis); they stay in host memory and each layer's slice is copied to the device when
+    that layer runs.
+    """
+    def under(path):
+        return prefix is not None and (path_str(path) + "/").startswith(prefix + "/")
+
+    def lazy(path, lay):
+        return under(path) and _gathered_on_use(lay, plan) and lay.zero_dim > 0
+
+    def streamed(path, lay):
+        return (from_host and under(path)
+                and not (_gathered_on_use(lay, plan) and lay.zero_dim == 0))
+
+    return (jax.tree_util.tree_map_with_path(lazy, layouts, is_leaf=_is_layout),
+            jax.tree_util.tree_map_with_path(streamed, layouts, is_leaf=_is_layout))
+
+
+class _Streamed(NamedTuple):
+    """A layer-stacked weight kept in host memory, with the device-side stand-in its gradient is
+    taken against. ``nn.scan`` slices both fields, so ``gather_layer`` gets one layer of each."""
+    host: jax.Array
+    delta: jax.Array
+
+
+@jax.custom_vjp
+def _stream_in(host, delta):
+    """``host`` (one layer's slice, in host memory) copied to the device as ``delta.dtype``.
+
+    The gradient goes to ``delta``, a device array of zeros standing in for the weight: jax
+    types a host value's cotangent as host memory, so differentiating ``host`` itself would
+    ship every layer's gradient to the host and mix memory spaces in the backward pass. The
+    forward never reads ``delta``, so XLA drops it; only its gradient, built one layer at a
+    time on the device like any other weight's, is used.
+    """
+    return offload.to_device(host).astype(delta.dtype)
+
+
+def _stream_in_fwd(host, delta):
+    return _stream_in(host, delta), None
+
+
+def _stream_in_bwd(_, cotangent):
+    return None, cotangent  # host is never differentiated (None: a symbolic zero)
+
+
+_stream_in.defvjp(_stream_in_fwd, _stream_in_bwd)
 
 
 def _accumulated_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
-                       varying, per_layer: str | None = None):
+                       varying, per_layer: str | None = None, from_host: bool = False):
     """Gradients summed over micro-batches (reduced per micro-batch at stage >= 2), with the
     mean loss and aux over micro-batches."""
     dtypes = jax.tree.map(lambda x: x.dtype, params)
-    lazy = _per_layer_flags(layouts, plan, per_layer)
-    # Stage-3 shards are differentiated as fp32 upcasts (see gather_weight); the rest as is.
-    params = jax.tree.map(lambda x, lay: varying(x.astype(jnp.float32) if _gathered_on_use(lay, plan) else x),
-                          params, layouts)
+    lazy, streamed = _per_layer_flags(layouts, plan, per_layer, from_host)
+    host = params  # streamed leaves are read from here; the rest are differentiated directly
+
+    def differentiable(x, lay, stream):
+        # Stage-3 shards are differentiated as fp32 upcasts (see gather_weight); streamed leaves
+        # through a device-side stand-in (see _stream_in); the rest as they are.
+        dtype = jnp.float32 if _gathered_on_use(lay, plan) else x.dtype
+        return varying(jnp.zeros(x.shape, dtype) if stream else x.astype(dtype))
+
+    params = jax.tree.map(differentiable, params, layouts, streamed)
 
     def gather_layer(layer_params):
-        """One layer's slice of ``params[per_layer]`` -> its gathered compute weights."""
-        return jax.tree.map(lambda x, lay, dt, late: gather_weight(x, lay.zero_dim - 1, dt) if late else x,
-                            layer_params, layouts[per_layer], dtypes[per_layer], lazy[per_layer])
+        """One layer's slice of ``params[per_layer]`` -> its compute weights on the device."""
+        def one(lay, x, dt, late, stream):
+            # Below stage 3 the host copy is the same on every device, but its result must vary
+            # over data like ``delta`` (whose gradient stays local) for the cotangent to fit.
+            x = _stream_in(varying(x.host), x.delta) if stream else x
+            return gather_weight(x, lay.zero_dim - 1, dt) if late else x
+        return jax.tree.map(one, layouts[per_layer], layer_params, dtypes[per_layer],
+                            lazy[per_layer], streamed[per_layer], is_leaf=_is_layout)
 
     def grads_of(micro):
         def scaled_loss(p):
-            full = jax.tree.map(
-                lambda x, lay, dt, late: gather_weight(x, lay.zero_dim, dt)
-                if _gathered_on_use(lay, plan) and not late else x,
-                p, layouts, dtypes, lazy)
+            def use(x, h, lay, dt, late, stream):
+                if stream:
+                    return _Streamed(h, x)
+                return gather_weight(x, lay.zero_dim, dt) if _gathered_on_use(lay, plan) and not late else x
+            full = jax.tree.map(use, p, host, layouts, dtypes, lazy, streamed)
             out = loss_fn(full, micro) if per_layer is None else loss_fn(full, micro, gather_layer)
             loss, aux = _split_loss(out)
             return loss * scale, (loss, aux)
@@ -216,19 +274,26 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     shard = state_shardings(abstract, tx, plan, prec)
     batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch)
 
+    if per_layer is not None and per_layer not in state.master:
+        raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
     # Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
     # stage 3 they are whole on every device (fp32 compute gathers them from the master here).
-    compute_sh = plan.compute_shardings(abstract, memory_kind=None if plan.offload == "none" else "device")
-    params = _place(state.params, compute_sh)  # offloaded weights stream in here
+    # Offloaded weights stream in here, whole, except the layer stacks that the loss fetches
+    # one layer at a time (gather_layer): those stay in host memory.
+    # fp32 at stages 1-2 keeps no compute copy: it is gathered from the master on the device.
+    from_host = plan.offload == "optimizer+params" and (state.compute is not None or plan.stage in (0, 3))
+    _, streamed = _per_layer_flags(layouts, plan, per_layer, from_host)
+    compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
+                              plan.compute_shardings(abstract, memory_kind=None if plan.offload == "none" else "device"),
+                              plan.compute_shardings(abstract), streamed)
+    params = _place(state.params, compute_sh)
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.ones((), jnp.float32)
 
     specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute), layouts, is_leaf=_is_layout)
     specs_grad = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_grads), layouts, is_leaf=_is_layout)
     batch_specs = jax.tree.map(lambda _: P(DATA), batch)
-    if per_layer is not None and per_layer not in state.master:
-        raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
     local = functools.partial(_local_grads, loss_fn=loss_fn, layouts=layouts, plan=plan,
-                              grad_accum=grad_accum, per_layer=per_layer)
+                              grad_accum=grad_accum, per_layer=per_layer, from_host=from_host)
     if n == 1:  # one device on the data axis: no shard_map, no collectives to place
         grads, loss, aux = local(params, batch, scale, collective=False)
     else:
@@ -314,7 +379,11 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
     given those weights still sharded, and must call ``gather_layer(one_layer_params)`` inside
     its layer loop: at stage 3 each layer is all-gathered just before it runs (and again in the
     backward pass under remat) instead of the whole model at once. Below stage 3
-    ``gather_layer`` returns its input.
+    ``gather_layer`` returns its input, except with ``offload="optimizer+params"``: then the
+    layer weights stay in host memory and ``gather_layer`` copies each layer to the device
+    when it runs. The loss must treat ``params[gather_per_layer]`` as opaque until
+    ``gather_layer`` returns: scan over it (a leaf may be a pair of host copy and gradient
+    stand-in) and hand each layer's slice to ``gather_layer``.
     The result is a ``TrainStep``: a ``jax.jit`` with the plan's output shardings, with
     ``.lower(state, batch)`` for ahead-of-time compilation.
     """

@@ -129,7 +129,8 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "none",
              update_on: str = "device", precision: Any = "bf16", devices_per_process: int | None = None,
              gradient_bytes: int | None = None, optimizer_bytes: int = ADAM_BYTES,
-             activation_bytes: float = 0.0, remat: str | None = None) -> MemoryEstimate:
+             activation_bytes: float = 0.0, remat: str | None = None,
+             resident_params: int | None = None) -> MemoryEstimate:
     """Model-state memory of ZeRO ``stage`` with ``num_devices`` data-parallel devices.
 
     ``precision``: a ``zf.Precision`` or its params string ("bf16", "fp16", "fp32").
@@ -138,6 +139,9 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     gradient element; default the compute dtype's (the paper's accounting; zeroflow's engine
     reduces gradients in fp32, pass 4 for its peak). ``optimizer_bytes``: per parameter,
     8 for Adam. ``activation_bytes``: per device and micro-batch, see ``activations``.
+    ``resident_params``: with ``offload="optimizer+params"``, how many parameters' compute
+    weights are on the device at once during forward/backward when the layer stack is
+    streamed in one layer at a time (default: all, as when nothing is streamed).
     """
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"num_params must be a number >= 0, got {num_params!r}")
@@ -175,14 +179,17 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
 
     offloaded = offload != "none"
     host_compute = stored_weights if (offload == "optimizer+params" or (shared and offloaded)) else 0.0
-    # Offloaded weights are streamed in whole for the step (the granularity zeroflow achieves),
-    # so forward/backward still holds all compute weights on the device.
-    device = ModelStates(compute_weights=compute, gradients=grads,
+    # Weights kept on the host come in for forward/backward, the streamed layers one at a time.
+    resident = p if resident_params is None else min(float(resident_params), p)
+    streamed = offload == "optimizer+params" and host_compute > 0 and p > 0
+    forward = compute * resident / p if streamed else compute
+    device = ModelStates(compute_weights=forward, gradients=grads,
                          master=0.0 if offloaded else master, optimizer=0.0 if offloaded else opt)
     if not offloaded or update_on == "device":
-        update = compute + grads + master + opt
+        update = compute + grads + master + opt  # new compute weights are made on the device
     else:
-        update = compute + grads  # the update runs on the host
+        # The update runs on the host; compute weights stored there stay there.
+        update = compute - host_compute + grads
     between = stored_weights - host_compute + (0.0 if offloaded else master + opt)
     host = ModelStates(compute_weights=host_compute * per_process,
                        master=(master if offloaded else 0.0) * per_process,
@@ -230,9 +237,9 @@ def activations(model, *, micro_batch: int, remat: str | None = None, precision:
     return float(blocks + head_bytes)
 
 
-def count_gpt_params(model) -> int:
-    """Parameter count of the GPT model from its config, without building it."""
-    h, f, v, layers = model.embed_dim, model.mlp_dim, model.vocab_size, model.num_layers
+def _gpt_param_counts(model) -> tuple[int, int]:
+    """``(parameters per scanned block, parameters outside the blocks)`` of the GPT model."""
+    h, f, v = model.embed_dim, model.mlp_dim, model.vocab_size
     head = model.head_dim or h // model.num_heads
     q = model.num_heads * head
     kv = (model.num_kv_heads or model.num_heads) * head
@@ -241,7 +248,17 @@ def count_gpt_params(model) -> int:
     block = h * (2 * q + 2 * kv) + mlp + norms
     final = h * (2 if model.norm == "layernorm" else 1)
     head_params = 0 if model.tie_embeddings else h * v
-    return layers * block + v * h + final + head_params
+    return block, v * h + final + head_params
+
+
+def count_gpt_params(model) -> int:
+    """Parameter count of the GPT model from its config, without building it."""
+    block, rest = _gpt_param_counts(model)
+    return model.num_layers * block + rest
+
+
+LAYERS_IN_FLIGHT = 2
+"Streamed layers on the device at once: the one running and the next one being copied in."
 
 
 def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = None,
@@ -264,7 +281,12 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
     acts = activations(cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params)
     model_parallel = max(par.model, 1)
     # Tensor parallelism splits the weights it covers over `model` too; treat all as split.
+    # optimizer+params streams the scanned blocks in one at a time (the trainer's train step
+    # and evaluation both do); everything outside them comes in whole.
+    block, rest = _gpt_param_counts(cfg.model)
+    resident = rest + min(LAYERS_IN_FLIGHT, cfg.model.num_layers) * block
     return estimate(num_params=math.ceil(count_gpt_params(cfg.model) / model_parallel),
+                    resident_params=math.ceil(resident / model_parallel),
                     num_devices=n, stage=par.zero_stage if stage is None else stage,
                     offload=offload, update_on=update_on, precision=cfg.precision.params,
                     devices_per_process=devices_per_process, gradient_bytes=4,

@@ -104,7 +104,7 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     """Build the GPT train step of ``cfg`` on the first ``num_devices`` devices with abstract
     state and batch: parameters are never materialised."""
     import zeroflow as zf
-    from zeroflow.models import make_loss_fn, param_init_fn
+    from zeroflow.models import make_layerwise_loss_fn, param_init_fn
     from zeroflow.state import state_shardings
 
     model_parallel = cfg.parallel.model
@@ -129,8 +129,11 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
                          shapes, shardings)
     batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, model.seq_len + 1), np.int32,
                                             sharding=plan.batch_sharding())}
-    loss = make_loss_fn(model)
-    step = zf.make_train_step(lambda p, b: loss(p, b), tx, plan, prec, grad_accum=cfg.parallel.grad_accum)
+    # The trainer's step: scanned layers gathered (stage 3) and streamed (optimizer+params)
+    # one at a time.
+    loss = make_layerwise_loss_fn(model)
+    step = zf.make_train_step(lambda p, b, gather_layer: loss(p, b, gather_layer), tx, plan, prec,
+                              grad_accum=cfg.parallel.grad_accum, gather_per_layer="layers")
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes.master))
     return StepSetup(step=step, state=state, batch=batch, plan=plan, num_params=num_params)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from zeroflow import offload
 from zeroflow.config import Config
 from zeroflow.config_io import save_config
 from zeroflow.data import bits_per_byte, eval_batches, train_batch
@@ -63,7 +64,10 @@ def _stop_on_signals():
 def _make_eval(run: Run):
     @jax.jit
     def eval_loss(params, batch):
-        return run.loss_fn(params, batch)[0]
+        # Offloaded weights are read from host memory like the train step reads them: the
+        # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
+        params = {k: v if k == "layers" else offload.to_device(v) for k, v in params.items()}
+        return run.loss_fn(params, batch, offload.to_device)[0]
 
     def evaluate(state) -> dict[str, float]:
         cfg = run.cfg
