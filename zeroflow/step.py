@@ -119,7 +119,8 @@ def _local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad
     XLA:CPU does not remove a single-participant all-reduce by itself.
     """
     grads, loss, aux = _accumulated_grads(params, batch, scale, loss_fn=loss_fn, layouts=layouts,
-                                          plan=plan, grad_accum=grad_accum, per_layer=per_layer, from_host=from_host,
+                                          plan=plan, grad_accum=grad_accum, per_layer=per_layer,
+                                          from_host=from_host,
                                           varying=_varying if collective else (lambda x: x))
     if not collective:
         return grads, loss, aux
@@ -283,9 +284,9 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     # fp32 at stages 1-2 keeps no compute copy: it is gathered from the master on the device.
     from_host = plan.offload == "optimizer+params" and (state.compute is not None or plan.stage in (0, 3))
     _, streamed = _per_layer_flags(layouts, plan, per_layer, from_host)
+    on_device = plan.compute_shardings(abstract, memory_kind=None if plan.offload == "none" else "device")
     compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
-                              plan.compute_shardings(abstract, memory_kind=None if plan.offload == "none" else "device"),
-                              plan.compute_shardings(abstract), streamed)
+                              on_device, plan.compute_shardings(abstract), streamed)
     params = _place(state.params, compute_sh)
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.ones((), jnp.float32)
 
