@@ -113,26 +113,26 @@ def _visible(q_start, k_start, shape, band: _Band, kv_len: int | None):
     return keep
 
 
-def _kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks: int, band: _Band):
-    """[lo, hi) of the kv blocks that a q block can see; the rest is skipped, not masked."""
-    lo, hi = 0, num_kv_blocks
-    if band.left is not None:
-        lo = lax.div(jnp.maximum(q_start - band.left, 0), block_k)
-    if band.right is not None:
-        last_key = q_start + block_q - 1 + band.right
-        hi = jnp.minimum(lax.div(last_key, block_k) + 1, num_kv_blocks)
+def _visible_blocks(start, block: int, other_block: int, num_other: int, behind, ahead):
+    """[lo, hi) of the other axis's blocks that a block of ``block`` rows beginning at row
+    ``start`` can see, when row r sees columns r - behind .. r + ahead (None: no limit). The
+    rest is skipped, not masked."""
+    lo, hi = 0, num_other
+    if behind is not None:
+        lo = lax.div(jnp.maximum(start - behind, 0), other_block)
+    if ahead is not None:
+        hi = jnp.minimum(lax.div(start + block - 1 + ahead, other_block) + 1, num_other)
     return _backend.traced_bounds(lo, hi)
+
+
+def _kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks: int, band: _Band):
+    """[lo, hi) of the kv blocks that a q block can see."""
+    return _visible_blocks(q_start, block_q, block_k, num_kv_blocks, band.left, band.right)
 
 
 def _q_block_range(k_start, block_q: int, block_k: int, num_q_blocks: int, band: _Band):
-    """[lo, hi) of the q blocks that can see a kv block (the transpose of `_kv_block_range`)."""
-    lo, hi = 0, num_q_blocks
-    if band.right is not None:
-        lo = lax.div(jnp.maximum(k_start - band.right, 0), block_q)
-    if band.left is not None:
-        last_query = k_start + block_k - 1 + band.left
-        hi = jnp.minimum(lax.div(last_query, block_q) + 1, num_q_blocks)
-    return _backend.traced_bounds(lo, hi)
+    """[lo, hi) of the q blocks that can see a kv block: the same band seen from the keys."""
+    return _visible_blocks(k_start, block_k, block_q, num_q_blocks, band.right, band.left)
 
 
 # --------------------------------------------------------------------------- kernels

@@ -58,7 +58,7 @@ def build(cfg, offload: str, update_on: str):
     import optax
 
     import zeroflow as zf
-    from zeroflow.models import make_layerwise_loss_fn, param_init_fn
+    from zeroflow.models import LAYER_STACK, make_layerwise_loss_fn, param_init_fn
 
     mesh = zf.make_mesh(data=-1, model=1)
     plan = zf.ZeroPlan(mesh, stage=cfg.parallel.zero_stage, offload=offload,
@@ -69,7 +69,7 @@ def build(cfg, offload: str, update_on: str):
     state = zf.init_train_state(lambda: init(jax.random.key(0)), tx, plan, prec)
     loss = make_layerwise_loss_fn(cfg.model)  # as the trainer: layers gathered/streamed one at a time
     step = zf.make_train_step(lambda p, b, gather_layer: loss(p, b, gather_layer), tx, plan, prec,
-                              gather_per_layer="layers")
+                              gather_per_layer=LAYER_STACK)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
                                                (cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
     batch = {"tokens": jax.device_put(tokens, plan.batch_sharding())}

@@ -89,6 +89,7 @@ def test_streamed_layers_leave_only_layers_in_flight_on_the_device():
 
 
 @pytest.mark.parametrize("kwargs,message", [
+    (dict(resident_params=-1), "resident_params must be an int >= 0, got -1"),
     (dict(stage=4), "unknown ZeRO stage 4"),
     (dict(num_params=-1), "num_params must be a number >= 0"),
     (dict(num_devices=0), "num_devices must be an int >= 1"),

@@ -180,7 +180,7 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     offloaded = offload != "none"
     host_compute = stored_weights if (offload == "optimizer+params" or (shared and offloaded)) else 0.0
     # Weights kept on the host come in for forward/backward, the streamed layers one at a time.
-    resident = p if resident_params is None else min(float(resident_params), p)
+    resident = p if resident_params is None else min(float(_check_int("resident_params", resident_params, 0)), p)
     streamed = offload == "optimizer+params" and host_compute > 0 and p > 0
     forward = compute * resident / p if streamed else compute
     device = ModelStates(compute_weights=forward, gradients=grads,

@@ -104,7 +104,7 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     """Build the GPT train step of ``cfg`` on the first ``num_devices`` devices with abstract
     state and batch: parameters are never materialised."""
     import zeroflow as zf
-    from zeroflow.models import make_layerwise_loss_fn, param_init_fn
+    from zeroflow.models import LAYER_STACK, make_layerwise_loss_fn, param_init_fn
     from zeroflow.state import state_shardings
 
     model_parallel = cfg.parallel.model
@@ -133,7 +133,7 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     # one at a time.
     loss = make_layerwise_loss_fn(model)
     step = zf.make_train_step(lambda p, b, gather_layer: loss(p, b, gather_layer), tx, plan, prec,
-                              grad_accum=cfg.parallel.grad_accum, gather_per_layer="layers")
+                              grad_accum=cfg.parallel.grad_accum, gather_per_layer=LAYER_STACK)
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes.master))
     return StepSetup(step=step, state=state, batch=batch, plan=plan, num_params=num_params)
 

@@ -1,6 +1,7 @@
 """GPT model, its parameters and logical axes, loss and sampling."""
 from zeroflow.models.gpt import (
     GPT,
+    LAYER_STACK,
     abstract_params,
     count_params,
     decay_mask,
@@ -14,6 +15,7 @@ from zeroflow.models.sampling import generate
 
 __all__ = [
     "GPT",
+    "LAYER_STACK",
     "abstract_params",
     "count_params",
     "cross_entropy_loss",

@@ -208,6 +208,10 @@ def _rematted(block: type[nn.Module], remat: str) -> type[nn.Module]:
     return block
 
 
+LAYER_STACK = "layers"
+"Top-level params key of the scanned blocks (leading layer axis): ``gather_per_layer`` of the engine."
+
+
 class GPT(nn.Module):
     """``tokens [B, S] int32 -> logits [B, S, vocab] float32``."""
 
@@ -235,7 +239,7 @@ class GPT(nn.Module):
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: LAYERS},
         )
-        x, _ = stack(cfg, deterministic, name="layers")(x)
+        x, _ = stack(cfg, deterministic, name=LAYER_STACK)(x)
         x = Norm(cfg.norm, name="final_norm")(x)
         if cfg.tie_embeddings:
             unembed, spec = embedding, "bsd,vd->bsv"

@@ -16,7 +16,7 @@ from zeroflow.config import Config
 from zeroflow.config_io import save_config
 from zeroflow.data import bits_per_byte, eval_batches, train_batch
 from zeroflow.distributed import StopVote
-from zeroflow.models import flops_per_token
+from zeroflow.models import LAYER_STACK, flops_per_token
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.optim import lr_schedule
 from zeroflow.trainer.reporting import Reporter
@@ -66,7 +66,7 @@ def _make_eval(run: Run):
     def eval_loss(params, batch):
         # Offloaded weights are read from host memory like the train step reads them: the
         # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
-        params = {k: v if k == "layers" else offload.to_device(v) for k, v in params.items()}
+        params = {k: v if k == LAYER_STACK else offload.to_device(v) for k, v in params.items()}
         return run.loss_fn(params, batch, offload.to_device)[0]
 
     def evaluate(state) -> dict[str, float]:

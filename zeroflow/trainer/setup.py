@@ -12,7 +12,8 @@ import optax
 import zeroflow as zf
 from zeroflow.config import Config, ModelConfig
 from zeroflow.data import TokenData, load_data
-from zeroflow.models import abstract_params, decay_mask, make_layerwise_loss_fn, param_init_fn
+from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
+                             param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.trainer.optim import make_optimizer
 
@@ -42,7 +43,8 @@ class Run:
 
     def make_step(self):
         return zf.make_train_step(self.loss_fn, self.tx, self.plan, self.prec,
-                                  grad_accum=self.cfg.parallel.grad_accum, gather_per_layer="layers")
+                                  grad_accum=self.cfg.parallel.grad_accum,
+                                  gather_per_layer=LAYER_STACK)
 
     def global_batch(self, local_tokens: np.ndarray) -> dict[str, jax.Array]:
         """This process's rows of the batch -> one global array sharded over ``data``."""
