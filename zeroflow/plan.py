@@ -127,6 +127,22 @@ class ZeroPlan:
     def shards_compute(self) -> bool:
         return self.stage >= 3
 
+    # -- offload -----------------------------------------------------------------------------
+    @property
+    def offloads(self) -> bool:
+        """Master weights and optimizer state live in pinned host memory."""
+        return self.offload != "none"
+
+    @property
+    def offloads_params(self) -> bool:
+        """The compute-dtype weights live in pinned host memory too."""
+        return self.offload == "optimizer+params"
+
+    @property
+    def updates_on_host(self) -> bool:
+        """The optimizer update runs on the host CPU (ZeRO-Offload)."""
+        return self.offloads and self.update_on == "host"
+
     # -- per-leaf layout ---------------------------------------------------------------------
     def _tensor_spec(self, path: str, shape) -> tuple:
         for pattern, spec in self.tensor_rules:
@@ -162,11 +178,11 @@ class ZeroPlan:
 
     @property
     def storage_memory_kind(self) -> str | None:
-        return "pinned_host" if self.offload != "none" else None
+        return "pinned_host" if self.offloads else None
 
     @property
     def compute_memory_kind(self) -> str | None:
-        return "pinned_host" if self.offload == "optimizer+params" else None
+        return "pinned_host" if self.offloads_params else None
 
     def storage_shardings(self, params, memory_kind: str | None | bool = True):
         """Shardings of fp32 master weights (and so of the optimizer state)."""

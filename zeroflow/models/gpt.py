@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeroflow.config import ModelConfig
+from zeroflow.grads.collectives import save_all_but_fetched
 from zeroflow.models.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, VOCAB
 
 INIT_STD = 0.02
@@ -197,14 +198,20 @@ class Block(nn.Module):
         return x, None
 
 
-def _rematted(block: type[nn.Module], remat: str) -> type[nn.Module]:
+def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Module]:
+    """``block`` under the ``remat`` policy. ``fetched``: the engine fetches each layer's
+    weights inside the block (``layer_transform``); they are then never kept for the backward
+    pass, even with remat "none" (the engine fetches them again, see ``zeroflow.grads``)."""
     # prevent_cse=False is safe (and faster) because the block runs inside a scan.
     if remat == "full":
         return nn.remat(block, prevent_cse=False)
     if remat == "save_dots":
         # Keep the projection matmul outputs; recompute attention scores, which are O(seq^2).
+        # Fetched weights are no dot outputs, so they are recomputed too.
         return nn.remat(block, prevent_cse=False,
                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if fetched:
+        return nn.remat(block, prevent_cse=False, policy=save_all_but_fetched)
     return block
 
 
@@ -233,7 +240,7 @@ class GPT(nn.Module):
         x = jnp.take(embedding, tokens, axis=0)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         stack = nn.scan(
-            _rematted(block, cfg.remat),
+            _rematted(block, cfg.remat, fetched=block is not Block),
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
             length=cfg.num_layers,

@@ -1,0 +1,139 @@
+"""The per-device collectives of the ZeRO gradient computation, as differentiable functions.
+
+Each runs inside ``shard_map`` over the ``data`` axis:
+- ``gather_weight``: a stage-3 weight shard all-gathered for use; its gradient is the
+  reduce-scatter of the devices' gradients, summed in fp32;
+- ``scatter_grad_on_use``: a whole (stage-2) weight passed through unchanged whose gradient is
+  reduce-scattered the moment the backward pass has produced it, so the full-size local
+  gradient of a leaf is a transient, never held for all leaves at once;
+- ``stream_in``: one layer of a host-resident weight copied to the device.
+
+Gradients are reduced in fp32 whatever the compute dtype: a sum over many devices can overflow
+bf16/fp16's range and rounds away their low bits (XLA:CPU also rejects a bf16 reduce-scatter).
+The full-size local gradient of one leaf is therefore fp32 for the moment of its reduction.
+
+The three are ``custom_jvp``s whose tangent map is linear in a stand-in (fp32 where it is
+reduced) and whose primal is plain jax: so ``jax.checkpoint`` sees the gather or copy and can
+recompute it (``save_all_but_fetched``), and the gradient comes from transposing the tangent
+map (an all-gather transposes to the reduce-scatter, in the tangent's fp32).
+"""
+from __future__ import annotations
+
+import functools
+import jax
+import jax.numpy as jnp
+
+from zeroflow import offload
+from zeroflow.mesh import DATA
+
+
+def varying(x):
+    """Mark ``x`` as differing across ``data`` so its gradient stays local (no implicit psum).
+    Outside ``shard_map`` (the one-device step) there is no ``data`` axis: ``x`` as it is."""
+    try:
+        return jax.lax.pcast(x, DATA, to="varying")
+    except ValueError:  # already varying; how that is spelled on the aval differs by jax version
+        return x
+    except NameError:  # unbound axis name: not inside shard_map over data
+        return x
+
+
+def all_gather(shard, dim: int, dtype):
+    """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``)."""
+    return jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True)
+
+
+def reduce_scatter(grad, dim: int):
+    """This device's slice (along ``dim``) of the sum over devices of ``grad``, in fp32."""
+    return jax.lax.psum_scatter(grad.astype(jnp.float32), DATA, scatter_dimension=dim, tiled=True)
+
+
+def _gathered_tangent(tangent, dim: int, dtype):
+    # Linear in ``tangent`` (fp32): its transpose reduce-scatters the cotangent in fp32.
+    return jax.lax.all_gather(tangent, DATA, axis=dim, tiled=True).astype(dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def gather_weight(shard_f32, dim: int, dtype):
+    """All-gather a stage-3 weight shard in the compute ``dtype`` for use.
+
+    The shard comes in as fp32 (an exact upcast of the compute-dtype shard) so that its
+    gradient, the reduce-scatter of the devices' gradients, is summed and returned in fp32.
+    """
+    return all_gather(shard_f32, dim, dtype)
+
+
+@gather_weight.defjvp
+def _gather_jvp(dim, dtype, primals, tangents):
+    (shard,), (d_shard,) = primals, tangents
+    return all_gather(shard, dim, dtype), _gathered_tangent(d_shard, dim, dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def scatter_grad_on_use(weight, stand_in, dim: int):
+    """``weight`` unchanged; its gradient, reduce-scattered along ``dim``, goes to ``stand_in``.
+
+    ``stand_in`` is an fp32 array of zeros shaped like this device's shard of ``weight``, never
+    read: differentiating it instead of ``weight`` gives the gradient the sharded type, so the
+    reduce-scatter runs inside the backward pass as soon as this leaf's gradient is complete
+    (ZeRO-2), and the gradient that leaves the backward pass is already 1/N of the leaf.
+    """
+    del stand_in, dim
+    return weight
+
+
+@scatter_grad_on_use.defjvp
+def _scatter_jvp(dim, primals, tangents):
+    (weight, _), (_, d_stand_in) = primals, tangents
+    return weight, _gathered_tangent(d_stand_in, dim, weight.dtype)
+
+
+@jax.custom_jvp
+def stream_in(host, delta):
+    """``host`` (one layer's slice, in host memory) copied to the device as ``delta.dtype``.
+
+    The gradient goes to ``delta``, a device array of zeros standing in for the weight: jax
+    types a host value's cotangent as host memory, so differentiating ``host`` itself would
+    ship every layer's gradient to the host and mix memory spaces in the backward pass. The
+    forward never reads ``delta``, so XLA drops it; only its gradient, built one layer at a
+    time on the device like any other weight's, is used.
+    """
+    return offload.to_device(varying(host)).astype(delta.dtype)
+
+
+@stream_in.defjvp
+def _stream_in_jvp(primals, tangents):
+    (host, delta), (_, d_delta) = primals, tangents
+    return offload.to_device(varying(host)).astype(delta.dtype), d_delta
+
+
+_FETCHING = frozenset({"all_gather", "device_put", "pcast", "pvary"})
+
+
+def save_all_but_fetched(prim, *_, **__) -> bool:
+    """A ``jax.checkpoint`` policy: save whatever the backward pass needs, except weights being
+    fetched (all-gathered, copied in from the host). Those are fetched again in the backward
+    pass, from the shard or host slice the forward pass read, so a scanned layer stack keeps no
+    whole per-layer weight for the backward pass."""
+    return prim.name not in _FETCHING
+
+
+def widens_half_precision(mesh) -> bool:
+    """XLA:CPU multiplies and gathers bf16/fp16 arrays in fp32, on converted copies that it
+    holds as temporaries; GPUs and TPUs work on half-precision arrays natively. Where this is
+    true the engine orders such work so that one converted copy exists at a time."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+_FLIP = 0x8000
+
+
+def as_words(x, move):
+    """``move(x)`` (a gather or reshard) applied to a bf16/fp16 array's raw 16-bit words, so
+    that the backend moves 2 bytes per element. The words' sign bit is flipped on the way
+    there and back: XLA folds a bare pair of bitcasts around a collective and then, on CPU,
+    widens the collective to fp32 again."""
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2):
+        return move(x)
+    words = jax.lax.bitcast_convert_type(x, jnp.uint16) ^ jnp.uint16(_FLIP)
+    return jax.lax.bitcast_convert_type(move(words) ^ jnp.uint16(_FLIP), x.dtype)

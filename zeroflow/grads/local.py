@@ -1,0 +1,241 @@
+"""Per-device gradients of the loss, run inside ``shard_map`` over ``data``: how each weight
+reaches the loss, how its gradient leaves the backward pass, and accumulation over micro-batches.
+
+Every parameter takes one ``Route`` (decided once from its layout and the plan):
+- stage 3: the weight is a shard, all-gathered on use and again for the backward pass
+  (``gather_on_use`` for any model; inside the layer loop one layer at a time with
+  ``gather_per_layer``); its gradient comes out reduce-scattered;
+- stage 2: the weight is whole, and its gradient is reduce-scattered inside the backward pass as
+  soon as it is complete (``scatter_grad_on_use``; per layer inside the layer loop);
+- stages 0-1: whole weight, whole gradient, all-reduced once per step;
+- with ``offload="optimizer+params"`` the layer stack stays in host memory and each layer is
+  copied in when it runs (``stream_in``).
+A gradient that leaves the backward pass sharded is fp32 and already summed over devices; a
+whole one is summed over micro-batches locally and reduced at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from zeroflow import offload
+from zeroflow.grads import gather_on_use
+from zeroflow.grads.collectives import (gather_weight, scatter_grad_on_use, stream_in,
+                                        varying as _varying, widens_half_precision)
+from zeroflow.mesh import DATA
+from zeroflow.plan import LeafLayout, ZeroPlan, path_str
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one parameter reaches the loss and how its gradient leaves the backward pass."""
+    dim: int | None
+    "ZeRO dimension of the (stacked) leaf, None when it is kept whole."
+    gather: bool
+    "Stage 3: a shard, gathered on use."
+    scatter: bool
+    "Stage 2: whole, gradient reduce-scattered on use."
+    per_layer: bool
+    "Handed to the loss's ``gather_layer`` one layer at a time (leading layer axis)."
+    stream: bool
+    "Kept in host memory, copied to the device one layer at a time."
+    on_use: bool
+    "Fetched by ``gather_on_use`` just before each use (outside the layer loop)."
+
+    @property
+    def reduced_on_use(self) -> bool:
+        """The gradient leaves the backward pass already summed over devices and sharded
+        (a stage-2 stack split along its layer axis cannot be reduced one layer at a time)."""
+        return self.gather or (self.scatter and (not self.per_layer or self.dim > 0))
+
+    @property
+    def layer_dim(self) -> int:
+        return self.dim - 1
+
+
+def routes(layouts, plan: ZeroPlan, prefix: str | None, from_host: bool, fetch_whole: bool = False):
+    """A ``Route`` per leaf of ``layouts``. ``prefix``: the top-level key of the layer stack
+    handed to ``gather_layer`` (or None); ``from_host``: compute weights live in host memory;
+    ``fetch_whole``: whole weights go through ``gather_on_use`` too (see ``fetches_whole``)."""
+    def route(path, lay: LeafLayout) -> Route:
+        under = prefix is not None and (path_str(path) + "/").startswith(prefix + "/")
+        split = lay.zero_dim is not None
+        gather = plan.shards_compute and split
+        scatter = plan.shards_grads and not plan.shards_compute and split
+        within_layer = under and split and lay.zero_dim > 0  # a layer's slice is itself split
+        # A stage-3 stack split along its layer axis cannot be fetched one layer at a time.
+        stream = from_host and under and not (gather and not within_layer)
+        per_layer = under and (((gather or scatter) and within_layer) or stream)
+        on_use = not per_layer and (gather or fetch_whole)
+        return Route(lay.zero_dim, gather, scatter, per_layer, stream, on_use)
+    return jax.tree_util.tree_map_with_path(route, layouts, is_leaf=_is_layout)
+
+
+def fetches_whole(plan: ZeroPlan, dtype) -> bool:
+    """Whether whole (stage 0-2) weights should also be fetched on use: on XLA:CPU, which
+    multiplies half-precision matrices in fp32 on converted copies and, because the forward and
+    backward pass read the same weight, keeps each copy alive between them (4 bytes per
+    parameter of every weight at once). Fetched on use, each use converts its own copy. GPUs
+    multiply bf16/fp16 natively, so there it would only cost a pass over the weights."""
+    return jnp.dtype(dtype).itemsize < 4 and widens_half_precision(plan.mesh)
+
+
+def _is_layout(x) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def _is_route(x) -> bool:
+    return isinstance(x, Route)
+
+
+class Detached(NamedTuple):
+    """A weight handed to the loss as its ``value`` (whole, or in host memory) together with
+    the zero ``stand_in`` its gradient is taken against (see ``scatter_grad_on_use`` and
+    ``stream_in``). ``nn.scan`` slices both fields, so ``gather_layer`` gets one layer of each."""
+    value: jax.Array
+    stand_in: jax.Array
+
+
+def _shard_shape(shape, dim: int, n: int) -> tuple[int, ...]:
+    return tuple(s // n if d == dim else s for d, s in enumerate(shape))
+
+
+def split_loss(out):
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    if len(jnp.shape(loss)) != 0:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+    if not isinstance(aux, dict):
+        raise ValueError(f"loss_fn's aux must be a dict of metrics, got {type(aux).__name__}")
+    return jnp.asarray(loss, jnp.float32), aux
+
+
+def local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
+                per_layer: str | None, from_host: bool = False, collective: bool = True):
+    """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
+    over devices. ``collective=False`` is the one-device case, run without shard_map."""
+    varying = _varying if collective else (lambda x: x)
+    compute_dtype = jax.tree.leaves(params)[0].dtype if params else jnp.float32
+    route_tree = routes(layouts, plan, per_layer, from_host, fetches_whole(plan, compute_dtype))
+    grads, loss, aux = _accumulated(params, batch, scale, loss_fn=loss_fn, routes=route_tree,
+                                    plan=plan, grad_accum=grad_accum, per_layer=per_layer,
+                                    varying=varying)
+    if not collective:
+        return grads, loss, aux
+    grads = jax.tree.map(lambda g, r: g if r.reduced_on_use or _scattered_late(r, plan)
+                         else jax.lax.psum(g, DATA), grads, route_tree)
+    return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
+
+
+def _scattered_late(route: Route, plan: ZeroPlan) -> bool:
+    """A stage-2 gradient that could not be reduced on use: reduce-scattered per micro-batch."""
+    return plan.shards_grads and route.dim is not None and not route.reduced_on_use
+
+
+def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
+                 per_layer: str | None, varying):
+    """Gradients summed over micro-batches, with the mean loss and aux over micro-batches."""
+    n = plan.data_size
+    dtypes = jax.tree.map(lambda x: x.dtype, params)
+    stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
+
+    def differentiable(x, r: Route):
+        if r.gather and not r.stream:
+            return varying(x.astype(jnp.float32))  # gathered in the compute dtype, reduced in fp32
+        if r.gather or (r.scatter and r.reduced_on_use):
+            shape = x.shape if r.gather else _shard_shape(x.shape, r.dim, n)
+            return varying(jnp.zeros(shape, jnp.float32))
+        if r.stream:
+            return varying(jnp.zeros(x.shape, x.dtype))
+        return varying(x)
+
+    params = jax.tree.map(differentiable, params, routes)
+
+    def visible(x, w, r: Route):
+        """What the loss sees for one leaf (stage-3 top-level shards stay shards here)."""
+        if r.per_layer and r.stream:
+            return Detached(w, x)
+        if r.per_layer and r.scatter:
+            return Detached(varying(w), x)
+        if r.scatter and r.on_use:
+            return Detached(varying(w), x)  # gather_on_use.Whole(dim) reduce-scatters into x
+        if r.scatter and not r.stream:
+            return scatter_grad_on_use(varying(w), x, r.dim)
+        return x
+
+    def gather_layer(layer_params):
+        """One layer's slice of ``params[per_layer]`` -> its compute weights on the device.
+        Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again."""
+        def one(r: Route, x, dt):
+            if not r.per_layer:
+                return x
+            if r.stream:
+                if r.gather:
+                    return gather_weight(stream_in(x.value, x.stand_in), r.layer_dim, dt)
+                if r.reduced_on_use:  # stage 2, reduced one layer at a time
+                    weight = offload.to_device(varying(x.value))
+                    return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)
+                return stream_in(x.value, x.stand_in)
+            if r.gather:
+                return gather_weight(x, r.layer_dim, dt)
+            return scatter_grad_on_use(x.value, x.stand_in, r.layer_dim)
+        return jax.tree.map(one, routes[per_layer], layer_params, dtypes[per_layer],
+                            is_leaf=_is_route)
+
+    def grads_of(micro):
+        def scaled_loss(p):
+            seen = jax.tree.map(visible, p, stored, routes)
+            out = _call_gathering(loss_fn, seen, routes, dtypes, micro,
+                                  gather_layer if per_layer is not None else None)
+            loss, aux = split_loss(out)
+            return loss * scale, (loss, aux)
+
+        (_, (loss, aux)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        g = jax.tree.map(lambda x, r: _reduce_late(x.astype(jnp.float32), r, plan), g, routes)
+        return g, loss, aux
+
+    if grad_accum == 1:
+        return grads_of(batch)
+    micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)),
+                         jax.eval_shape(grads_of, first))
+
+    def body(acc, mb):
+        return jax.tree.map(jnp.add, acc, grads_of(mb)), None
+
+    (grads, loss, aux), _ = jax.lax.scan(body, zeros, micro)
+    return grads, loss / grad_accum, jax.tree.map(lambda a: a / grad_accum, aux)
+
+
+def _reduce_late(g, r: Route, plan: ZeroPlan):
+    """Per micro-batch: a stage-2 gradient the backward pass left whole is reduce-scattered."""
+    if _scattered_late(r, plan):
+        return jax.lax.psum_scatter(g, DATA, scatter_dimension=r.dim, tiled=True)
+    return g
+
+
+def _source(r: Route, dtype) -> gather_on_use.Source | None:
+    if not r.on_use:
+        return None
+    if r.gather:
+        return gather_on_use.Sharded(r.dim, dtype)
+    return gather_on_use.Whole(r.dim if r.scatter else None)
+
+
+def _call_gathering(loss_fn, seen, routes, dtypes, micro, gather_layer):
+    """``loss_fn(seen, micro[, gather_layer])`` with the weights routed ``on_use`` fetched just
+    before each use (``gather_on_use``)."""
+    call = (lambda p, b: loss_fn(p, b)) if gather_layer is None else (
+        lambda p, b: loss_fn(p, b, gather_layer))
+    top = jax.tree.map(lambda r, dt: _source(r, dt), routes, dtypes, is_leaf=_is_route)
+    is_detached = lambda x: isinstance(x, Detached)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(seen, is_leaf=is_detached)
+    specs = treedef.flatten_up_to(top)
+    if not any(specs):
+        return call(seen, micro)
+    return gather_on_use.call(lambda ls, b: call(jax.tree.unflatten(treedef, ls), b),
+                              leaves, specs, micro)
+
