@@ -82,15 +82,18 @@ def _default_shardings(abstract) -> Any:
     return jax.tree.map(lambda _: one, abstract)
 
 
-def load_params(path: str | os.PathLike, model_cfg: ModelConfig, converter: Converter, *,
-                dtype: str = "fp32", shardings: Any = None,
+def load_params(path: str | os.PathLike, model_cfg: ModelConfig, *,
+                converter: Converter | None = None, dtype: str = "fp32", shardings: Any = None,
                 reader: SafetensorsReader | None = None) -> Any:
     """The params tree of ``model_cfg`` read from the checkpoint folder ``path``.
 
-    ``shardings``: a tree of ``jax.sharding.Sharding`` matching the params (e.g. a plan's
-    ``storage_shardings``); default: everything on the first device.
+    ``converter``: the architecture's (default: the one config.json names). ``shardings``: a
+    tree of ``jax.sharding.Sharding`` matching the params (e.g. a plan's
+    ``storage_shardings``); default: everything on the first device. ``reader``: where the
+    tensors come from (default: the folder's safetensors).
     """
     np_dtype = _dtype(dtype)
+    converter = converter or CONVERTERS[read_config(path).architecture]
     reader = reader or SafetensorsReader(path, converter.key_prefixes)
     abstract = abstract_params(model_cfg)[0]
     maps = {m.ours: m for m in converter.tensor_maps(model_cfg)}
@@ -126,6 +129,6 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "fp32", *, plan: ZeroP
     model_cfg = cfg.model if seq_len is None else dataclasses.replace(cfg.model, seq_len=seq_len)
     if shardings is None and plan is not None:
         shardings = plan.storage_shardings(abstract_params(model_cfg)[0])
-    params = load_params(path, model_cfg, CONVERTERS[cfg.architecture], dtype=dtype,
+    params = load_params(path, model_cfg, converter=CONVERTERS[cfg.architecture], dtype=dtype,
                          shardings=shardings)
     return GPT(model_cfg), params, dataclasses.replace(cfg, model=model_cfg)
