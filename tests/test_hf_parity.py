@@ -101,6 +101,7 @@ def saved(tmp_path_factory):
         model.save_pretrained(folder)
         tokens = tokens_for(model.config.vocab_size)
         out[name] = (folder, model_class, tokens, torch_logits(model, tokens))
+        out[name + "/numel"] = sum(p.numel() for p in model.parameters())  # tied counted once
     return out
 
 
@@ -117,6 +118,15 @@ def test_logits_match_transformers_and_round_trip(name, saved, tmp_path):
     hf.save_pretrained(model, params, cfg, tmp_path / "out")
     back = model_class.from_pretrained(tmp_path / "out").eval()
     np.testing.assert_allclose(torch_logits(back, tokens), reference, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_memory_estimator_counts_every_parameter(name, saved):
+    """The estimator's closed form (biases, learned positions, untied heads included) against
+    transformers' own parameter count."""
+    from zeroflow.memory import count_gpt_params
+    cfg = hf.read_config(saved[name][0]).model
+    assert count_gpt_params(cfg) == saved[name + "/numel"]
 
 
 def _legacy_rope_keys(config: dict) -> dict:

@@ -10,6 +10,7 @@ rebuild each Hugging Face tensor one layer at a time (``to_hf``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -85,38 +86,61 @@ def _normalize(index: Sequence[slice], shape: Sequence[int]) -> list[tuple[int, 
     return out
 
 
+def _runs(sizes: tuple[int, ...], ranges: list[tuple[int, int]], offset: int):
+    """Contiguous runs of one Hugging Face dimension that cover the view ranges of the
+    dimensions it splits into: ``[(hf_slice, leading_view_indices)]``.
+
+    The dimensions after the last partial one are whole, so each run spans that partial
+    dimension's range times the whole inner block; the dimensions before it are stepped one
+    index at a time (one run each).
+    """
+    last = max([j for j, (r, n) in enumerate(zip(ranges, sizes)) if r != (0, n)], default=0)
+    strides = [math.prod(sizes[j + 1:]) for j in range(len(sizes))]
+    runs = []
+    for lead in itertools.product(*(range(*ranges[j]) for j in range(last))):
+        base = offset + sum(i * strides[j] for j, i in enumerate(lead))
+        start, stop = ranges[last]
+        runs.append((slice(base + start * strides[last], base + stop * strides[last]),
+                     tuple(i - ranges[j][0] for j, i in enumerate(lead))))
+    return runs
+
+
 def read_region(m: TensorMap, shape: Sequence[int], index: Sequence[slice],
                 read: Callable[[str, tuple], np.ndarray]) -> np.ndarray:
-    """Our ``leaf[index]`` (``leaf`` of ``shape``), reading only what it covers through
-    ``read(hf_key, hf_slices)``.
+    """Our ``leaf[index]`` (``leaf`` of ``shape``), reading exactly what it covers through
+    ``read(hf_key, hf_slices)``, which gets one Hugging Face key and a tuple of slices of it.
 
-    ``read`` gets one Hugging Face key and a tuple of slices of that tensor. Along a split
-    dimension the read covers the outermost view dimension's range with the inner ones whole
-    (a contiguous run of rows), and the inner ranges are cut here.
+    A slice along a whole-row dimension is one read; a slice that cuts an inner split
+    dimension (say a bias [heads * head_dim] sharded along head_dim) becomes one read per row.
     """
     ranges = _normalize(index, shape)
+    layers = [None]
     if m.stacked:
         layers, ranges = range(*ranges[0]), ranges[1:]
-    view_ranges: list[tuple[int, int]] = [None] * len(m.perm)  # type: ignore[list-item]
+    view_ranges: list[tuple[int, int]] = [(0, 0)] * len(m.perm)
     for ours_dim, view_dim in enumerate(m.perm):
         view_ranges[view_dim] = ranges[ours_dim]
-    hf_slices, cut, grouped = [], [], []
-    first = 0
+    per_dim, first = [], 0
     for dim, group in enumerate(m.split):
-        (start, stop), inner = view_ranges[first], math.prod(group[1:])
         offset = m.part[1] if m.part is not None and m.part[0] == dim else 0
-        hf_slices.append(slice(offset + start * inner, offset + stop * inner))
-        grouped += [stop - start, *group[1:]]
-        cut += [slice(None)] + [slice(*r) for r in view_ranges[first + 1:first + len(group)]]
+        per_dim.append(_runs(group, view_ranges[first:first + len(group)], offset))
         first += len(group)
+    view_shape = tuple(stop - start for start, stop in view_ranges)
 
     def one_layer(key: str) -> np.ndarray:
-        block = read(key, tuple(hf_slices)).reshape(grouped)[tuple(cut)]
-        return block.transpose(m.perm)
+        out = None
+        for combo in itertools.product(*per_dim):
+            block = read(key, tuple(run for run, _ in combo))
+            if out is None:
+                out = np.empty(view_shape, block.dtype)
+            where = []
+            for (_, lead), group in zip(combo, m.split):
+                where += [*lead, *([slice(None)] * (len(group) - len(lead)))]
+            target = out[tuple(where)]
+            target[...] = block.reshape(target.shape)
+        return out.transpose(m.perm)
 
-    if not m.stacked:
-        return one_layer(m.key(None))
-    return np.stack([one_layer(m.key(i)) for i in layers])
+    return np.stack([one_layer(m.key(i)) for i in layers]) if m.stacked else one_layer(m.key(None))
 
 
 def to_hf(m: TensorMap, layer_value: np.ndarray) -> np.ndarray:
