@@ -237,3 +237,24 @@ def test_bare_gpt2_keys_without_the_transformer_prefix(tmp_path):
         theirs = model(tokens).logits.numpy()
     ours = np.asarray(ours_model.apply({"params": params}, jnp.asarray(tokens.numpy(), jnp.int32)))
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_offloaded_plan_loads_straight_into_pinned_host_memory(tmp_path):
+    save_hf(LLAMA, tmp_path)
+    plan = zf.ZeroPlan(zf.make_mesh(data=8), stage=3, offload="optimizer", update_on="host")
+    _, params, _ = hf.from_pretrained(tmp_path, plan=plan)
+    reference = hf.load_params(tmp_path, hf.read_config(tmp_path).model)
+    for leaf, whole in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        assert leaf.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(whole))
+
+
+def test_llama_3_1_8b_config_has_its_published_parameter_count():
+    """configs/hf/llama-3.1-8b/config.json (what docs/hf.md plans with) is read into a model of
+    exactly Llama 3.1 8B's 8,030,261,248 parameters."""
+    from pathlib import Path
+
+    from zeroflow.memory import count_gpt_params
+    cfg = hf.read_config(Path(__file__).resolve().parents[1] / "configs/hf/llama-3.1-8b")
+    assert cfg.model.rope_scaling == "llama3" and cfg.model.num_kv_heads == 8
+    assert count_gpt_params(cfg.model) == 8_030_261_248
