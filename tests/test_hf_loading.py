@@ -65,7 +65,8 @@ def _load_counted(folder, plan):
     return cfg, converter, params, reader.reads, abstract
 
 
-@pytest.mark.parametrize("spec,mesh", [(QWEN2, dict(data=8, model=1)), (GPT2, dict(data=8, model=1)),
+@pytest.mark.parametrize("spec,mesh", [(QWEN2, dict(data=8, model=1)),
+                                       (GPT2, dict(data=8, model=1)),
                                        (QWEN2, dict(data=4, model=2))],
                          ids=["qwen2-zero3", "gpt2-zero3", "qwen2-zero3-tp2"])
 def test_each_device_gets_only_its_shard_and_each_tensor_is_read_once(spec, mesh, tmp_path):

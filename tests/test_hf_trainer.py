@@ -41,8 +41,8 @@ def tiny_llama(tmp_path_factory):
 def torch_next_token_loss(model, tokens: np.ndarray) -> float:
     with torch.no_grad():
         out = model(torch.tensor(tokens[:, :-1], dtype=torch.long)).logits
-        return float(torch.nn.functional.cross_entropy(
-            out.reshape(-1, out.shape[-1]), torch.tensor(tokens[:, 1:], dtype=torch.long).reshape(-1)))
+        targets = torch.tensor(tokens[:, 1:], dtype=torch.long).reshape(-1)
+        return float(torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets))
 
 
 def test_finetune_config_trains_samples_and_exports_for_transformers(tiny_llama, tmp_path, capsys):
@@ -129,7 +129,8 @@ def test_prepare_data_tokenizes_with_the_models_tokenizer(tiny_llama, tmp_path):
 ])
 def test_bad_init_from_is_one_line(override, needle, tiny_llama, tmp_path, capsys):
     (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
+    bert = {"architectures": ["BertForMaskedLM"]}
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(bert))
     override = override.format(missing=tmp_path / "nope", unsupported=tmp_path / "bert")
     code = train_cli.main(["--config", str(REPO / "configs/finetune-llama.yaml"), override,
                            f"data.tokenizer={tiny_llama}", f"run.dir={tmp_path / 'run'}"])

@@ -69,7 +69,8 @@ def converter_for_model(cfg: ModelConfig) -> Converter:
         if reason is None:
             return converter
         reasons.append(f"{converter.architecture}: {reason}")
-    raise HFCheckpointError("no Hugging Face architecture fits this model (" + "; ".join(reasons) + ")")
+    raise HFCheckpointError("no Hugging Face architecture fits this model ("
+                            + "; ".join(reasons) + ")")
 
 
 def with_run_fields(architecture: ModelConfig, run: ModelConfig) -> ModelConfig:

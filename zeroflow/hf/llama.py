@@ -103,12 +103,13 @@ class LlamaFamily(Converter):
         attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
         rows = [tensor_map("embedding", "model.embed_tokens.weight", [[v], [e]]),
                 tensor_map("final_norm/scale", "model.norm.weight", [[e]]),
-                tensor_map("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight", [[e]]),
+                tensor_map("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight",
+                           [[e]]),
                 tensor_map("layers/mlp_norm/scale",
                            "model.layers.{i}.post_attention_layernorm.weight", [[e]])]
         for name, proj, heads in (("query", "q_proj", h), ("key", "k_proj", kv),
                                   ("value", "v_proj", kv)):
-            # [heads * head_dim, embed] -> view [heads, head_dim, embed] -> ours [embed, heads, head_dim]
+            # [heads * head_dim, embed] -> view [heads, head_dim, embed] -> [embed, heads, head_dim]
             rows.append(tensor_map(f"layers/attn/{name}/kernel", f"{attn}.{proj}.weight",
                                    [[heads, d], [e]], (2, 0, 1)))
             if cfg.attn_bias in ("qkv", "all"):

@@ -34,7 +34,7 @@ def _index(folder: Path) -> dict[str, str]:
     if not files:
         found = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) or "nothing"
         raise HFCheckpointError(f"{folder} has no *.safetensors weights (found: {found}); "
-                              "pytorch_model.bin checkpoints are not read, save them as safetensors")
+                              "pytorch_model.bin is not read, save it as safetensors")
     weight_map = {}
     for path in files:
         with safe_open(path, framework="numpy") as f:

@@ -57,8 +57,9 @@ class TensorMap:
         return self.hf.replace(LAYER, str(layer)) if self.stacked else self.hf
 
 
-def tensor_map(ours: str, hf: str, split: Sequence[Sequence[int]], perm: Sequence[int] | None = None,
-               *, fused: tuple[int, int, int] | None = None) -> TensorMap:
+def tensor_map(ours: str, hf: str, split: Sequence[Sequence[int]],
+               perm: Sequence[int] | None = None, *,
+               fused: tuple[int, int, int] | None = None) -> TensorMap:
     """A table row; ``fused=(dim, offset, whole_size)`` when the part is a slice of a bigger
     Hugging Face tensor along ``dim``."""
     split = tuple(tuple(int(s) for s in group) for group in split)

@@ -61,7 +61,8 @@ def check_config(cfg: ModelConfig) -> None:
     if head_dim(cfg) <= 0 or (cfg.positions == "rope" and head_dim(cfg) % 2):
         raise ValueError(f"head dim {head_dim(cfg)} must be positive and even (rotary embedding)")
     if cfg.mlp == "block_sparse" and cfg.mlp_bias:
-        raise ValueError("model.mlp_bias needs model.mlp='dense' (block-sparse layers have no bias)")
+        raise ValueError("model.mlp_bias needs model.mlp='dense' (block-sparse layers have no "
+                         "bias)")
     if cfg.sliding_window and cfg.attention == "pallas":
         raise ValueError("model.sliding_window needs attention='xla' or 'cudnn'; the pallas "
                          "kernel has no window")
