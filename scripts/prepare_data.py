@@ -2,17 +2,19 @@
 
     python scripts/prepare_data.py --input ~/my_text --out data/my_text
     python scripts/prepare_data.py --input stdlib --out data/stdlib_sp --tokenizer sentencepiece
+    python scripts/prepare_data.py --input ~/my_text --out data/my_llama --tokenizer HF_MODEL_DIR
 
 Then train with ``data.source=data/my_text``. Which files of a folder are used, and how the
 split by file works, is described in zeroflow/data/corpus.py. With ``--tokenizer sentencepiece``
 a BPE model is trained on a sample of the training lines (seconds) and saved as
-DIR/tokenizer.model; ``--tokenizer PATH.model`` reuses an existing model instead.
+DIR/tokenizer.model; ``--tokenizer PATH.model`` reuses an existing model instead, and
+``--tokenizer`` a Hugging Face model folder (or its tokenizer.json) tokenizes with that
+model's tokenizer, copied to DIR/tokenizer.json (each document ends with its eos token).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,6 +32,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 
 from zeroflow.data import (ByteTokenizer, TokenDirWriter, encode_document, iter_documents,
                            list_source_files, load_tokenizer, train_sentencepiece)
+from zeroflow.data.tokenizers import copy_tokenizer
 from zeroflow.data.corpus import STDLIB, cap_files, split_files
 
 TOKENIZER_FILE = "tokenizer.model"
@@ -87,10 +90,9 @@ def prepare(input_path: str, out_dir: str, *, tokenizer: str = "byte", vocab_siz
             progress.update(task, description=f"training sentencepiece on {len(lines):,} lines")
             tok, spec = train_sentencepiece(lines, out / TOKENIZER_FILE,
                                             vocab_size=vocab_size), TOKENIZER_FILE
-        else:
-            if os.path.abspath(tokenizer) != os.path.abspath(out / TOKENIZER_FILE):
-                shutil.copyfile(load_tokenizer(tokenizer).name, out / TOKENIZER_FILE)
-            tok, spec = load_tokenizer(out / TOKENIZER_FILE), TOKENIZER_FILE
+        else:  # an existing SentencePiece model or Hugging Face tokenizer, copied beside the data
+            spec = copy_tokenizer(load_tokenizer(tokenizer), out, TOKENIZER_FILE)
+            tok = load_tokenizer(out / spec)
 
         task = progress.add_task("tokenizing", total=total_bytes)
         source = STDLIB if input_path == STDLIB else os.path.abspath(input_path)
@@ -109,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a text file, a folder of text files, or 'stdlib'")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--tokenizer", default="byte",
-                        help="'byte' (default), 'sentencepiece' (train one here), or a .model path")
+                        help="'byte' (default), 'sentencepiece' (train one here), a .model path, "
+                             "or a Hugging Face model folder / tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=4096,
                         help="vocabulary of a newly trained SentencePiece model (default 4096)")
     parser.add_argument("--val-fraction", type=float, default=0.05,

@@ -131,6 +131,13 @@ def test_choices_live_in_field_metadata():
     (["model.num_heads=3"], "model.num_heads (3) must divide model.embed_dim (128)"),
     (["model.num_kv_heads=3"], "model.num_kv_heads (3) must divide model.num_heads (4)"),
     (["train.batch_size=6", "parallel.grad_accum=4"], "must be divisible by parallel.grad_accum"),
+    (["model.sliding_window=-1"], "model.sliding_window must be >= 0"),
+    (["model.norm_eps=0"], "model.norm_eps must be positive"),
+    (["model.max_positions=-5"], "model.max_positions must be >= 0"),
+    (["model.rope_low_freq_factor=4", "model.rope_high_freq_factor=1"],
+     "0 < model.rope_low_freq_factor < model.rope_high_freq_factor"),
+    (["model.positions=alibi"], "model.positions must be one of rope, learned"),
+    (["model.attn_bias=out"], "model.attn_bias must be one of none, qkv, all"),
 ])
 def test_sanity_checks(overrides, expected):
     assert expected in error_of(overrides)

@@ -137,6 +137,46 @@ def test_tied_untied_and_norm_activation_variants():
     assert not mask["final_norm"]["bias"] and not mask["layers"]["attn_norm"]["scale"]
 
 
+def test_hugging_face_options_shapes_axes_and_decay():
+    """Biases, learned positions: the parameters the Hugging Face architectures add, with
+    logical axes the tensor-parallel rules understand and no weight decay on biases."""
+    cfg = tiny(attn_bias="all", mlp_bias=True, positions="learned", max_positions=24,
+               norm="layernorm", mlp_activation="gelu_exact", num_kv_heads=2)
+    params, axes = numpy_params(cfg), abstract_params(cfg)[1]
+    attn = params["layers"]["attn"]
+    assert attn["query"]["bias"].shape == (2, 4, 8) and attn["key"]["bias"].shape == (2, 2, 8)
+    assert axes["layers"]["attn"]["key"]["bias"] == ("layers", "kv_heads", "head_dim")
+    assert attn["out"]["bias"].shape == (2, 32)
+    assert params["layers"]["mlp"]["up"]["bias"].shape == (2, 64)
+    assert params["position_embedding"].shape == (24, 32)
+    assert axes["position_embedding"] == ("positions", "embed")
+    assert not decay_mask(params)["layers"]["attn"]["query"]["bias"]
+    assert "bias" not in abstract_params(tiny(attn_bias="qkv"))[0]["layers"]["attn"]["out"]
+
+
+def test_learned_positions_move_the_output_and_have_a_length_limit():
+    cfg = tiny(positions="learned", max_positions=16)
+    params = numpy_params(cfg)
+    tokens = random_tokens(cfg)
+    shifted = dict(params, position_embedding=params["position_embedding"] + 0.5)
+    assert not np.allclose(forward(cfg, params, tokens), forward(cfg, shifted, tokens))
+    with pytest.raises(ValueError, match="sequence of 17 tokens is longer than the 16 learned"):
+        GPT(cfg).apply({"params": params}, random_tokens(cfg, extra=1))
+
+
+def test_sliding_window_only_sees_recent_tokens(tiny_params):
+    params, _ = tiny_params
+    cfg = tiny(sliding_window=4)
+    tokens = random_tokens(cfg)
+    changed = tokens.at[:, 2].set((tokens[:, 2] + 1) % cfg.vocab_size)
+    before, after = forward(cfg, params, tokens), forward(cfg, params, changed)
+    # Two layers of a 4-token window: position 2 reaches at most 2 * 3 positions ahead.
+    np.testing.assert_array_equal(before[:, 9:], after[:, 9:])
+    assert not np.allclose(before[:, 2:9], after[:, 2:9])
+    with pytest.raises(ValueError, match="sliding_window needs attention='xla' or 'cudnn'"):
+        GPT(tiny(sliding_window=4, attention="pallas")).apply({"params": params}, tokens)
+
+
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_matches_no_remat(tiny_params, remat):
     params, _ = tiny_params

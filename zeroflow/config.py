@@ -36,8 +36,8 @@ class ModelConfig:
     "Per-head width; 0 means embed_dim // num_heads."
     mlp_dim: int = 512
     "Hidden width of the MLP."
-    mlp_activation: str = one_of("swiglu", "gelu")
-    "MLP kind: 'swiglu' or 'gelu'."
+    mlp_activation: str = one_of("swiglu", "gelu", "gelu_exact")
+    "MLP kind: 'swiglu', 'gelu' (tanh approximation, Hugging Face's gelu_new) or 'gelu_exact' (erf)."
     norm: str = one_of("rmsnorm", "layernorm")
     "Normalisation: 'rmsnorm' or 'layernorm'."
     tie_embeddings: bool = True
@@ -56,6 +56,30 @@ class ModelConfig:
     "Block size of block-sparse MLP weights."
     dropout: float = 0.0
     "Dropout rate (0 disables it)."
+    positions: str = one_of("rope", "learned")
+    "Position information: 'rope' (rotary) or 'learned' (a table of max_positions vectors added to the embedding, as GPT-2)."
+    max_positions: int = 0
+    "Longest sequence the model supports (the learned position table's size; config.json's max_position_embeddings); 0 = seq_len."
+    norm_eps: float = 1e-6
+    "Epsilon added to the variance inside every norm."
+    rope_scaling: str = one_of("none", "llama3")
+    "Rotary frequency scaling: 'none' or 'llama3' (Llama 3.1's long-context rescaling)."
+    rope_scaling_factor: float = 8.0
+    "llama3 rope scaling: how much the low frequencies are slowed down."
+    rope_low_freq_factor: float = 1.0
+    "llama3 rope scaling: wavelengths above original_max_positions / this are scaled fully."
+    rope_high_freq_factor: float = 4.0
+    "llama3 rope scaling: wavelengths below original_max_positions / this are kept."
+    rope_original_max_positions: int = 8192
+    "llama3 rope scaling: the context length the model was pretrained with."
+    attn_bias: str = one_of("none", "qkv", "all")
+    "Biases in attention: 'none', 'qkv' (query/key/value, as Qwen2) or 'all' (also the output projection)."
+    mlp_bias: bool = False
+    "Biases on the MLP projections (GPT-2)."
+    sliding_window: int = 0
+    "Attend to at most this many most recent tokens, the current one included (Mistral); 0 = all."
+    init_from: str = ""
+    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout)."
 
 
 @dataclass
@@ -67,7 +91,7 @@ class DataConfig:
     max_bytes: int = 0
     "Cap on corpus bytes read (0 = no cap)."
     tokenizer: str = "byte"
-    "'byte' for byte-level tokens; a path to a SentencePiece .model otherwise."
+    "'byte' for byte-level tokens; a SentencePiece .model path; a Hugging Face tokenizer.json or a folder holding one."
 
 
 @dataclass

@@ -274,10 +274,18 @@ def validate_config(cfg: Config) -> Config:
         (0 < m.mlp_density <= 1, f"model.mlp_density must be in (0, 1]; got {m.mlp_density}"),
         (m.mlp_block_size > 0, "model.mlp_block_size must be positive"),
         (0 <= m.dropout < 1, f"model.dropout must be in [0, 1); got {m.dropout}"),
+        (m.max_positions >= 0, "model.max_positions must be >= 0 (0 = seq_len)"),
+        (m.norm_eps > 0, "model.norm_eps must be positive"),
+        (m.sliding_window >= 0, "model.sliding_window must be >= 0 (0 = attend to all)"),
+        (m.rope_scaling_factor > 0 and m.rope_original_max_positions > 0
+         and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+         "model.rope_scaling_factor and model.rope_original_max_positions must be positive and "
+         "0 < model.rope_low_freq_factor < model.rope_high_freq_factor"),
         (bool(d.source), "data.source must not be empty"),
         (0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1); got {d.val_fraction}"),
         (d.max_bytes >= 0, "data.max_bytes must be >= 0 (0 = no cap)"),
-        (bool(d.tokenizer), "data.tokenizer must be 'byte' or a SentencePiece .model path"),
+        (bool(d.tokenizer), "data.tokenizer must be 'byte', a SentencePiece .model path or a "
+                            "Hugging Face tokenizer.json (or its folder)"),
         (t.steps > 0, f"train.steps must be positive; got {t.steps}"),
         (t.batch_size > 0, f"train.batch_size must be positive; got {t.batch_size}"),
         (t.lr >= 0, "train.lr must be >= 0"),

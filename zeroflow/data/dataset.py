@@ -10,10 +10,10 @@ import numpy as np
 from zeroflow.config import DataConfig
 from zeroflow.data.corpus import STDLIB, iter_documents
 from zeroflow.data.token_files import find_meta, read_token_dir
-from zeroflow.data.tokenizers import Tokenizer, load_tokenizer, token_dtype
+from zeroflow.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
 
 SEPARATOR = "\n"
-"Text after every document; byte tokens have no spare id for a special end-of-document token."
+"Text after every document when the tokenizer has no end-of-document token (bytes have none)."
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,9 +47,15 @@ def bits_per_byte(loss_nats, tokens_per_byte: float):
 
 
 def encode_document(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, int]:
-    """Tokens of ``text`` followed by the separator, and the UTF-8 bytes they stand for."""
-    tokens = np.concatenate([tokenizer.encode_array(text), tokenizer.encode_array(SEPARATOR)])
-    return tokens, len(text.encode("utf-8")) + len(SEPARATOR.encode("utf-8"))
+    """Tokens of ``text`` followed by the tokenizer's end-of-document token (``eos_id``, a
+    Hugging Face tokenizer's) or else the separator, and the UTF-8 bytes they stand for."""
+    tokens = tokenizer.encode_array(text)
+    num_bytes = len(text.encode("utf-8"))
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None:
+        return np.append(tokens, np.asarray(eos, tokens.dtype)), num_bytes
+    tokens = np.concatenate([tokens, tokenizer.encode_array(SEPARATOR)])
+    return tokens, num_bytes + len(SEPARATOR.encode("utf-8"))
 
 
 def _from_text(cfg: DataConfig) -> TokenData:
@@ -72,8 +78,7 @@ def _from_text(cfg: DataConfig) -> TokenData:
 
 def _from_token_dir(cfg: DataConfig, meta_path) -> TokenData:
     arrays, meta = read_token_dir(meta_path)
-    if cfg.tokenizer != "byte" and os.path.realpath(cfg.tokenizer) != os.path.realpath(
-            meta["tokenizer"]):
+    if cfg.tokenizer != "byte" and not same_tokenizer(cfg.tokenizer, meta["tokenizer"]):
         raise ValueError(f"data.tokenizer={cfg.tokenizer!r} but {cfg.source} was tokenized with "
                          f"{meta['tokenizer']!r}; drop data.tokenizer or re-run prepare_data.py")
     tokenizer = load_tokenizer(meta["tokenizer"])

@@ -1,16 +1,24 @@
-"""Tokenizers: bytes by default, SentencePiece when ``data.tokenizer`` names a ``.model`` file.
+"""Tokenizers: bytes by default, SentencePiece when ``data.tokenizer`` names a ``.model`` file,
+Hugging Face ``tokenizers`` when it names a ``tokenizer.json`` (or a folder holding one).
 
-Both give ``encode(str) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` and
+All give ``encode(str) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` and
 ``encode_array(str) -> np.ndarray`` (the fast path used to build token arrays).
 """
 from __future__ import annotations
 
 import io
+import json
 import os
+import shutil
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+"Beside tokenizer.json: names the special tokens (eos_token), which tokenizer.json does not."
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -69,14 +77,111 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
-def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | SentencePieceTokenizer:
-    """``'byte'`` -> ByteTokenizer; a SentencePiece ``.model`` path -> SentencePieceTokenizer."""
+def _special_token(value) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``).
+
+    ``encode`` applies the tokenizer's own template (Llama's adds its begin-of-text token);
+    ``eos_id`` comes from ``tokenizer_config.json`` beside the file, when there is one, and
+    ends each document in the data pipeline. ``backend`` is the ``tokenizers.Tokenizer``.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as Backend
+
+        self.name = os.fspath(path)
+        try:
+            self.backend = Backend.from_file(self.name)
+        except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"cannot read Hugging Face tokenizer {self.name}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        self.vocab_size = int(self.backend.get_vocab_size(with_added_tokens=True))
+        self._dtype = token_dtype(self.vocab_size)
+        self.eos_id = self._eos_id(Path(self.name).with_name(HF_TOKENIZER_CONFIG))
+
+    def _eos_id(self, config: Path) -> int | None:
+        if not config.is_file():
+            return None
+        try:
+            eos = _special_token(json.loads(config.read_text()).get("eos_token"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {config}: {e}") from None
+        return None if eos is None else self.backend.token_to_id(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.backend.encode(text).ids, dtype=self._dtype)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def files(self) -> list[Path]:
+        """tokenizer.json and the tokenizer_config.json beside it (if any): what to copy."""
+        config = Path(self.name).with_name(HF_TOKENIZER_CONFIG)
+        return [Path(self.name)] + ([config] if config.is_file() else [])
+
+
+def hf_tokenizer_file(spec: str | os.PathLike) -> Path | None:
+    """``spec`` as a Hugging Face tokenizer.json: the file itself or a folder holding one."""
+    path = Path(spec)
+    if path.is_dir() and (path / HF_TOKENIZER_FILE).is_file():
+        return path / HF_TOKENIZER_FILE
+    if path.is_file() and path.suffix == ".json":
+        return path
+    return None
+
+
+def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | SentencePieceTokenizer | HFTokenizer:
+    """``'byte'`` -> ByteTokenizer; a SentencePiece ``.model`` -> SentencePieceTokenizer; a
+    ``tokenizer.json`` or a folder holding one (a Hugging Face model folder) -> HFTokenizer."""
     if os.fspath(spec) == "byte":
         return ByteTokenizer()
+    hf_file = hf_tokenizer_file(spec)
+    if hf_file is not None:
+        return HFTokenizer(hf_file)
     if not os.path.isfile(spec):
-        raise ValueError(f"tokenizer not found: {os.fspath(spec)!r} "
-                         "(use 'byte' or a path to a SentencePiece .model file)")
+        raise ValueError(f"tokenizer not found: {os.fspath(spec)!r} (use 'byte', a SentencePiece "
+                         ".model file, or a Hugging Face tokenizer.json or a folder holding one)")
     return SentencePieceTokenizer(spec)
+
+
+def tokenizer_files(tokenizer) -> list[Path]:
+    """The files that define ``tokenizer`` (none for bytes)."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.files
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return [Path(tokenizer.name)]
+    return []
+
+
+def copy_tokenizer(tokenizer, out_dir: str | os.PathLike, model_name: str = "tokenizer.model"
+                   ) -> str:
+    """Copy the tokenizer's files into ``out_dir``; returns the spec to load it from there,
+    relative to ``out_dir`` ('byte' for bytes). A SentencePiece model is named ``model_name``."""
+    out = Path(out_dir)
+    files = tokenizer_files(tokenizer)
+    if not files:
+        return "byte"
+    names = [f.name for f in files] if isinstance(tokenizer, HFTokenizer) else [model_name]
+    for source, name in zip(files, names):
+        if source.resolve() != (out / name).resolve():
+            shutil.copyfile(source, out / name)
+    return names[0]
+
+
+def same_tokenizer(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two tokenizer specs name the same tokenizer (same file contents)."""
+    files = [tokenizer_files(load_tokenizer(spec)) for spec in (a, b)]
+    if not files[0] or not files[1]:
+        return not files[0] and not files[1]
+    return files[0][0].read_bytes() == files[1][0].read_bytes()
 
 
 def train_sentencepiece(lines: Iterable[str], model_path: str | os.PathLike, *,

@@ -153,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.model.init_from:  # the architecture is the checkpoint's config.json
+            from zeroflow.trainer.setup import run_model_config
+            cfg = dataclasses.replace(cfg, model=run_model_config(cfg))
         device_memory = parse_bytes(args.device_memory)
         stages = _choices(args.stages, STAGES, "stage", int)
         offloads = _choices(args.offloads, OFFLOADS, "offload")

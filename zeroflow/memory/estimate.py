@@ -243,12 +243,21 @@ def _gpt_param_counts(model) -> tuple[int, int]:
     head = model.head_dim or h // model.num_heads
     q = model.num_heads * head
     kv = (model.num_kv_heads or model.num_heads) * head
-    mlp = (3 if model.mlp_activation == "swiglu" else 2) * h * f
+    projections = 3 if model.mlp_activation == "swiglu" else 2
+    mlp = projections * h * f
     norms = 2 * h * (2 if model.norm == "layernorm" else 1)
-    block = h * (2 * q + 2 * kv) + mlp + norms
+    # Biases (Qwen2's q/k/v, GPT-2's everywhere) and GPT-2's learned positions.
+    biases = ((q + 2 * kv) if model.attn_bias in ("qkv", "all") else 0)
+    biases += h if model.attn_bias == "all" else 0
+    if model.mlp_bias:
+        biases += (projections - 1) * f + h
+    block = h * (2 * q + 2 * kv) + mlp + norms + biases
     final = h * (2 if model.norm == "layernorm" else 1)
     head_params = 0 if model.tie_embeddings else h * v
-    return block, v * h + final + head_params
+    positions = 0
+    if model.positions == "learned":
+        positions = (model.max_positions or model.seq_len) * h
+    return block, v * h + final + head_params + positions
 
 
 def count_gpt_params(model) -> int:

@@ -21,6 +21,8 @@ LAYERS = "layers"
 "The stacked decoder-block axis that nn.scan adds in front of every block parameter."
 NORM = "norm"
 "Norm scale and bias vectors."
+POSITIONS = "positions"
+"Rows of a learned position-embedding table."
 
 
 def is_axis_names(x) -> bool:

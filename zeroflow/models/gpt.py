@@ -21,16 +21,20 @@ from jax import lax
 
 from zeroflow.config import ModelConfig
 from zeroflow.grads.collectives import save_all_but_fetched
-from zeroflow.models.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, VOCAB
+from zeroflow.models.axes import (EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITIONS,
+                                  VOCAB)
 
 INIT_STD = 0.02
 
 _CHOICES = {
     "norm": ("rmsnorm", "layernorm"),
-    "mlp_activation": ("swiglu", "gelu"),
+    "mlp_activation": ("swiglu", "gelu", "gelu_exact"),
     "remat": ("none", "full", "save_dots"),
     "attention": ("xla", "cudnn", "pallas"),
     "mlp": ("dense", "block_sparse"),
+    "positions": ("rope", "learned"),
+    "rope_scaling": ("none", "llama3"),
+    "attn_bias": ("none", "qkv", "all"),
 }
 
 
@@ -42,6 +46,10 @@ def head_dim(cfg: ModelConfig) -> int:
     return cfg.head_dim or cfg.embed_dim // cfg.num_heads
 
 
+def max_positions(cfg: ModelConfig) -> int:
+    return cfg.max_positions or cfg.seq_len
+
+
 def check_config(cfg: ModelConfig) -> None:
     """Fail fast on settings the model cannot run, naming the valid ones."""
     for field, valid in _CHOICES.items():
@@ -51,8 +59,14 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(
             f"model.num_heads={cfg.num_heads} must be a multiple of "
             f"num_kv_heads={num_kv_heads(cfg)}")
-    if head_dim(cfg) <= 0 or head_dim(cfg) % 2:
+    if head_dim(cfg) <= 0 or (cfg.positions == "rope" and head_dim(cfg) % 2):
         raise ValueError(f"head dim {head_dim(cfg)} must be positive and even (rotary embedding)")
+    if cfg.mlp == "block_sparse" and cfg.mlp_bias:
+        raise ValueError("model.mlp_bias needs model.mlp='dense' (block-sparse layers have no "
+                         "bias)")
+    if cfg.sliding_window and cfg.attention == "pallas":
+        raise ValueError("model.sliding_window needs attention='xla' or 'cudnn'; the pallas "
+                         "kernel has no window")
 
 
 def _pallas_kernel(attr: str, setting: str):
@@ -72,13 +86,15 @@ def _param(module: nn.Module, name: str, init, shape, names):
 
 
 class Dense(nn.Module):
-    """Bias-free projection ``x[..., *in] @ kernel[*in, *features]`` in the kernel's dtype."""
+    """Projection ``x[..., *in] @ kernel[*in, *features] (+ bias[*features])`` in the kernel's
+    dtype; bias-free unless ``use_bias``."""
 
     features: tuple[int, ...]
     kernel_axes: tuple[str, ...]
     contract: int = 1
     "How many trailing input dimensions are contracted."
     stddev: float = INIT_STD
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -86,8 +102,13 @@ class Dense(nn.Module):
         init = nn.initializers.normal(self.stddev)
         kernel = _param(self, "kernel", init, shape, self.kernel_axes)
         x_dims = tuple(range(x.ndim - self.contract, x.ndim))
-        return lax.dot_general(x.astype(kernel.dtype), kernel,
-                               ((x_dims, tuple(range(self.contract))), ((), ())))
+        y = lax.dot_general(x.astype(kernel.dtype), kernel,
+                            ((x_dims, tuple(range(self.contract))), ((), ())))
+        if self.use_bias:
+            bias_axes = self.kernel_axes[len(self.kernel_axes) - len(self.features):]
+            y = y + _param(self, "bias", nn.initializers.zeros, self.features,
+                           bias_axes).astype(y.dtype)
+        return y
 
 
 class Norm(nn.Module):
@@ -110,18 +131,46 @@ class Norm(nn.Module):
         return y.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, base: float) -> jax.Array:
+def llama3_scaled(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Llama 3.1's long-context rope rescaling of the inverse frequencies.
+
+    Wavelengths shorter than ``original / high_freq_factor`` are kept, those longer than
+    ``original / low_freq_factor`` are slowed down by ``factor``, and the band between is
+    blended linearly in ``original / wavelength`` (Meta's llama-models ``apply_scaling``).
+    """
+    factor, original = cfg.rope_scaling_factor, cfg.rope_original_max_positions
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelength < original / high, inv_freq,
+                     jnp.where(wavelength > original / low, inv_freq / factor, blended))
+
+
+def rope_inv_freq(dim: int, base: float, cfg: ModelConfig | None = None) -> jax.Array:
+    """The ``dim / 2`` rotary inverse frequencies, rescaled as ``cfg.rope_scaling`` says."""
+    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    if cfg is not None and cfg.rope_scaling == "llama3":
+        inv_freq = llama3_scaled(inv_freq, cfg)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, base: float, cfg: ModelConfig | None = None) -> jax.Array:
     """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form)."""
     seq, dim = x.shape[-3], x.shape[-1]
-    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    inv_freq = rope_inv_freq(dim, base, cfg)
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq  # [seq, dim/2]
     sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
-    """q [B, S, H, D], k/v [B, S, KV, D] with H a multiple of KV -> [B, S, H, D]."""
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
+                     window: int = 0) -> jax.Array:
+    """q [B, S, H, D], k/v [B, S, KV, D] with H a multiple of KV -> [B, S, H, D].
+
+    ``window > 0`` lets each query see only the ``window`` most recent keys, itself included.
+    """
     if implementation == "pallas":
         return _pallas_kernel("flash_attention", "attention='pallas'")(q, k, v, causal=True)
     if implementation == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
@@ -132,7 +181,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
         raise ValueError(f"model.attention='cudnn' needs bf16 or fp16 params, got {q.dtype}; "
                          "set precision.params to bf16/fp16 or use attention='xla'")
     # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    local = (window - 1, 0) if window else None
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        implementation=implementation)
 
 
 class Attention(nn.Module):
@@ -142,17 +193,21 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         heads, kv_heads, dim = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
-        q = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), name="query")(x)
-        k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), name="key")(x)
-        v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), name="value")(x)
-        q, k = apply_rope(q, cfg.rope_base), apply_rope(k, cfg.rope_base)
+        qkv_bias = cfg.attn_bias in ("qkv", "all")
+        q = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), use_bias=qkv_bias, name="query")(x)
+        k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="key")(x)
+        v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias,
+                  name="value")(x)
+        if cfg.positions == "rope":
+            q, k = apply_rope(q, cfg.rope_base, cfg), apply_rope(k, cfg.rope_base, cfg)
         # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
-        out = causal_attention(q, k, v, "xla" if self.is_initializing() else cfg.attention)
+        out = causal_attention(q, k, v, "xla" if self.is_initializing() else cfg.attention,
+                               cfg.sliding_window)
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
         return Dense((cfg.embed_dim,), (HEADS, HEAD_DIM, EMBED), contract=2,
-                     stddev=_output_std(cfg), name="out")(out)
+                     stddev=_output_std(cfg), use_bias=cfg.attn_bias == "all", name="out")(out)
 
 
 def _output_std(cfg: ModelConfig) -> float:
@@ -168,7 +223,8 @@ class Mlp(nn.Module):
             return block_sparse_dense(features, block_size=self.cfg.mlp_block_size,
                                       density=self.cfg.mlp_density, layout_seed=layout_seed,
                                       kernel_axes=kernel_axes, stddev=stddev, name=name)
-        return Dense((features,), kernel_axes, stddev=stddev, name=name)
+        return Dense((features,), kernel_axes, stddev=stddev, use_bias=self.cfg.mlp_bias,
+                     name=name)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -177,8 +233,8 @@ class Mlp(nn.Module):
         if cfg.mlp_activation == "swiglu":
             gate = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "gate", layout_seed=1)(x)
             hidden = nn.silu(gate) * up
-        else:
-            hidden = nn.gelu(up)
+        else:  # 'gelu' is the tanh approximation (GPT-2's gelu_new), 'gelu_exact' the erf form
+            hidden = nn.gelu(up, approximate=cfg.mlp_activation == "gelu")
         return self._projection(cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down",
                                 layout_seed=2)(hidden)
 
@@ -193,8 +249,8 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
         cfg = self.cfg
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
-        x = x + drop(Attention(cfg, name="attn")(Norm(cfg.norm, name="attn_norm")(x)))
-        x = x + drop(Mlp(cfg, name="mlp")(Norm(cfg.norm, name="mlp_norm")(x)))
+        x = x + drop(Attention(cfg, name="attn")(Norm(cfg.norm, cfg.norm_eps, name="attn_norm")(x)))
+        x = x + drop(Mlp(cfg, name="mlp")(Norm(cfg.norm, cfg.norm_eps, name="mlp_norm")(x)))
         return x, None
 
 
@@ -238,6 +294,8 @@ class GPT(nn.Module):
         embedding = _param(self, "embedding", nn.initializers.normal(INIT_STD),
                            (cfg.vocab_size, cfg.embed_dim), (VOCAB, EMBED))
         x = jnp.take(embedding, tokens, axis=0)
+        if cfg.positions == "learned":
+            x = x + self._learned_positions(tokens.shape[-1]).astype(x.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         stack = nn.scan(
             _rematted(block, cfg.remat, fetched=block is not Block),
@@ -247,7 +305,7 @@ class GPT(nn.Module):
             metadata_params={nn.PARTITION_NAME: LAYERS},
         )
         x, _ = stack(cfg, deterministic, name=LAYER_STACK)(x)
-        x = Norm(cfg.norm, name="final_norm")(x)
+        x = Norm(cfg.norm, cfg.norm_eps, name="final_norm")(x)
         if cfg.tie_embeddings:
             unembed, spec = embedding, "bsd,vd->bsv"
         else:
@@ -257,6 +315,15 @@ class GPT(nn.Module):
         logits = jnp.einsum(spec, x.astype(unembed.dtype), unembed,
                             preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32)
+
+    def _learned_positions(self, length: int) -> jax.Array:
+        """The first ``length`` rows of the learned position table (GPT-2's ``wpe``)."""
+        table = _param(self, "position_embedding", nn.initializers.normal(INIT_STD),
+                       (max_positions(self.cfg), self.cfg.embed_dim), (POSITIONS, EMBED))
+        if length > table.shape[0]:
+            raise ValueError(f"sequence of {length} tokens is longer than the "
+                             f"{table.shape[0]} learned positions (model.max_positions)")
+        return table[:length]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,14 +29,23 @@ class Run:
     loss_fn: Any
 
     def init_state(self) -> zf.TrainState:
-        """A fresh sharded state; parameters are created directly in their shards."""
+        """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
+        from the Hugging Face checkpoint) directly in their shards."""
+        if self.model_cfg.init_from:
+            from zeroflow import hf
+            shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
+            params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
+            return zf.init_train_state(params, self.tx, self.plan, self.prec)
+        return self._random_state()
+
+    def _random_state(self) -> zf.TrainState:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
         return zf.init_train_state(lambda: init(rng), self.tx, self.plan, self.prec)
 
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
-        shapes = jax.eval_shape(self.init_state)
+        shapes = jax.eval_shape(self._random_state)
         shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan, self.prec)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
@@ -67,11 +76,23 @@ def lm_loss_fn(model_cfg: ModelConfig, seed: int):
     return lm_loss
 
 
+def run_model_config(cfg: Config) -> ModelConfig:
+    """``cfg.model``, or with ``model.init_from`` the checkpoint's architecture (config.json)
+    with this run's seq_len, remat, attention and dropout."""
+    if not cfg.model.init_from:
+        return cfg.model
+    from zeroflow import hf
+    return hf.with_run_fields(hf.read_config(cfg.model.init_from).model, cfg.model)
+
+
 def build_run(cfg: Config, *, with_data: bool = True, devices=None) -> Run:
     """``devices``: the devices the mesh spans (default: all)."""
+    model_cfg = run_model_config(cfg)
     data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
-    model_cfg = cfg.model
-    if data is not None and data.vocab_size != model_cfg.vocab_size:
+    if data is not None and model_cfg.init_from and data.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"data.tokenizer has {data.vocab_size} tokens but {model_cfg.init_from} "
+                         f"embeds {model_cfg.vocab_size}; use that model's tokenizer")
+    if data is not None and data.vocab_size != model_cfg.vocab_size and not model_cfg.init_from:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=data.vocab_size)
     par = cfg.parallel
     mesh = zf.make_mesh(data=par.data, model=par.model, devices=devices)

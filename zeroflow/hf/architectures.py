@@ -1,0 +1,82 @@
+"""The table of supported architectures and how a config.json picks one."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from zeroflow.config import ModelConfig
+from zeroflow.hf.convert import RUNTIME_FIELDS, Converter, HFConfig
+from zeroflow.hf.gpt2 import GPT2
+from zeroflow.hf.llama import LLAMA, MISTRAL, QWEN2
+from zeroflow.hf.reader import HFCheckpointError
+
+CONFIG_FILE = "config.json"
+CONVERTERS: dict[str, Converter] = {c.architecture: c for c in (LLAMA, MISTRAL, QWEN2, GPT2)}
+"Architecture name (config.json ``architectures[0]``) -> converter."
+_BY_MODEL_TYPE = {c.model_type: c for c in CONVERTERS.values()}
+
+
+def _supported() -> str:
+    return ", ".join(CONVERTERS)
+
+
+def converter_for(raw: dict, where: str) -> Converter:
+    """The converter config.json names (``architectures``, else ``model_type``)."""
+    names = raw.get("architectures") or []
+    if names:
+        if names[0] not in CONVERTERS:
+            raise HFCheckpointError(f"{where}: architecture {names[0]!r} is not supported; "
+                                    f"supported: {_supported()}")
+        return CONVERTERS[names[0]]
+    model_type = raw.get("model_type")
+    if model_type not in _BY_MODEL_TYPE:
+        raise HFCheckpointError(f"{where}: config.json names no supported architecture "
+                                f"(architectures={names}, model_type={model_type!r}); "
+                                f"supported: {_supported()}")
+    return _BY_MODEL_TYPE[model_type]
+
+
+def config_file(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    file = path / CONFIG_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise HFCheckpointError(f"no Hugging Face config at {os.fspath(path)!r} (expected a folder "
+                                f"holding {CONFIG_FILE}, or the file itself)")
+    return file
+
+
+def read_config(path: str | os.PathLike) -> HFConfig:
+    """A checkpoint folder's (or a config.json file's) architecture and ModelConfig."""
+    file = config_file(path)
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise HFCheckpointError(f"cannot read {file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise HFCheckpointError(f"{file} does not hold a JSON object")
+    converter = converter_for(raw, os.fspath(file))
+    return HFConfig(converter.architecture, converter.model_config(raw, os.fspath(file)), raw)
+
+
+def converter_for_model(cfg: ModelConfig) -> Converter:
+    """The first architecture that can express ``cfg`` (to export a model trained from
+    scratch): Llama for zeroflow's default GPT, GPT-2 for a learned-position LayerNorm one."""
+    reasons = []
+    for converter in CONVERTERS.values():
+        reason = converter.unsupported(cfg)
+        if reason is None:
+            return converter
+        reasons.append(f"{converter.architecture}: {reason}")
+    raise HFCheckpointError("no Hugging Face architecture fits this model ("
+                            + "; ".join(reasons) + ")")
+
+
+def with_run_fields(architecture: ModelConfig, run: ModelConfig) -> ModelConfig:
+    """A checkpoint's architecture with the run's own choices (``RUNTIME_FIELDS``)."""
+    cfg = dataclasses.replace(architecture, **{f: getattr(run, f) for f in RUNTIME_FIELDS})
+    if cfg.positions == "learned" and cfg.seq_len > cfg.max_positions:
+        raise HFCheckpointError(f"model.seq_len={cfg.seq_len} is longer than the "
+                                f"{cfg.max_positions} learned positions of {run.init_from}")
+    return cfg

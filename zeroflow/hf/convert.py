@@ -1,0 +1,144 @@
+"""The converter contract, the config it produces, and the config.json helpers they share.
+
+A converter is one object per Hugging Face architecture (STYLE item 14): ``model_config``
+reads config.json into our ``ModelConfig``, ``hf_config`` writes one back, ``unsupported``
+says why a ``ModelConfig`` has no form in that architecture, and ``tensor_maps`` is the table
+between the two parameter trees. Anything config.json says that we cannot run is refused with
+one line naming the key, never approximated.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from zeroflow.config import ModelConfig
+from zeroflow.hf.reader import HFCheckpointError
+from zeroflow.hf.tensors import TensorMap
+
+RUNTIME_FIELDS = ("seq_len", "remat", "attention", "dropout", "init_from")
+"ModelConfig fields a run chooses for itself; config.json decides every other one."
+
+_REQUIRED = object()
+DROP = object()
+"A config.json key to remove when writing (``merged``)."
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConfig:
+    """What ``from_pretrained`` read: the architecture, our model config, and config.json."""
+    architecture: str
+    "e.g. 'LlamaForCausalLM'."
+    model: ModelConfig
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    "config.json as read; keys zeroflow does not model (token ids, ...) are written back as is."
+
+
+def get(raw: Mapping[str, Any], key: str, where: str, kind: type = int, default: Any = _REQUIRED):
+    """``raw[key]`` checked to be a ``kind``; a missing or null key takes ``default``."""
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise HFCheckpointError(f"{where}: config.json has no {key!r}")
+        return default
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise HFConfigValueError(where, key, value, f"a {kind.__name__}")
+    return value
+
+
+class HFConfigValueError(HFCheckpointError):
+    def __init__(self, where: str, key: str, value: Any, supported: str):
+        super().__init__(f"{where}: config.json {key}={value!r} is not supported; "
+                         f"zeroflow supports {supported}")
+
+
+def refuse(where: str, key: str, value: Any, supported: str) -> HFConfigValueError:
+    """The one-line error for a config.json value we cannot run."""
+    return HFConfigValueError(where, key, value, supported)
+
+
+# --- rotary embeddings: transformers 4's rope_theta/rope_scaling and 5's rope_parameters -----
+
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor"}
+
+
+def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """config.json's rotary settings -> ModelConfig fields (rope_base, rope_scaling, ...)."""
+    params = raw.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = raw.get("rope_scaling") or {}, "rope_scaling"
+    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+        raise refuse(where, key, params, "one rope setting for all layers (a mapping of scalars)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise refuse(where, f"{key}.rope_type", kind, f"rope types {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise refuse(where, "partial_rotary_factor", partial, "1.0 (rotary on the whole head)")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    fields: dict[str, Any] = {"rope_base": get({"rope_theta": theta}, "rope_theta", where, float),
+                              "rope_scaling": "none"}
+    if kind == "llama3":
+        fields["rope_scaling"] = "llama3"
+        for hf_key, ours in _LLAMA3_KEYS.items():
+            fields[ours] = get(params, hf_key, f"{where} ({key})", float)
+        fields["rope_original_max_positions"] = get(
+            params, "original_max_position_embeddings", f"{where} ({key})", int,
+            raw.get("max_position_embeddings"))
+    return fields
+
+
+def write_rope(cfg: ModelConfig, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The rotary keys of config.json, in the style the source used (transformers 5's
+    rope_parameters when it had them, else rope_theta/rope_scaling, which 4.x and 5.x read)."""
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                   "low_freq_factor": cfg.rope_low_freq_factor,
+                   "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_positions}
+    if "rope_parameters" in raw:
+        params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_base}
+        return {"rope_parameters": params, "rope_theta": DROP, "rope_scaling": DROP}
+    return {"rope_theta": cfg.rope_base, "rope_scaling": scaling, "rope_parameters": DROP}
+
+
+class Converter(abc.ABC):
+    """One Hugging Face architecture: config.json both ways and the tensor table."""
+
+    architecture: str
+    "The config.json ``architectures`` entry, e.g. 'LlamaForCausalLM'."
+    model_type: str
+    "The config.json ``model_type``, e.g. 'llama'."
+    key_prefixes: tuple[str, ...] = ()
+    "Leading key components some exports drop (tried when a key is missing as named)."
+
+    @abc.abstractmethod
+    def model_config(self, raw: Mapping[str, Any], where: str) -> ModelConfig:
+        """config.json -> ModelConfig (seq_len = the model's context length)."""
+
+    @abc.abstractmethod
+    def hf_config(self, cfg: ModelConfig, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """ModelConfig -> config.json, keeping ``raw``'s keys that we do not model."""
+
+    @abc.abstractmethod
+    def unsupported(self, cfg: ModelConfig) -> str | None:
+        """Why ``cfg`` has no form in this architecture, or None."""
+
+    @abc.abstractmethod
+    def tensor_maps(self, cfg: ModelConfig) -> list[TensorMap]:
+        """One row per zeroflow parameter."""
+
+
+def merged(raw: Mapping[str, Any], updates: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` updated; keys set to ``DROP`` in ``updates`` are removed."""
+    out = {k: v for k, v in raw.items() if k not in updates}
+    out.update({k: v for k, v in updates.items() if v is not DROP})
+    return out

@@ -1,0 +1,86 @@
+"""Lazy reads from a Hugging Face checkpoint folder's safetensors files.
+
+Nothing is read when the folder is opened: the file index (``model.safetensors.index.json``,
+or the headers of the ``*.safetensors`` files) says which file holds each tensor, and
+``read(key, slices)`` memory-maps only the requested slice (safetensors' ``get_slice``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors reads BF16 through it)
+import numpy as np
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class HFCheckpointError(ValueError):
+    """A checkpoint folder that cannot be read as asked, described in one line."""
+
+
+def _index(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name."""
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        try:
+            return dict(json.loads(index_path.read_text())["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HFCheckpointError(f"cannot read {index_path}: {e}") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) or "nothing"
+        raise HFCheckpointError(f"{folder} has no *.safetensors weights (found: {found}); "
+                              "pytorch_model.bin is not read, save it as safetensors")
+    weight_map = {}
+    for path in files:
+        with safe_open(path, framework="numpy") as f:
+            weight_map.update({key: path.name for key in f.keys()})
+    return weight_map
+
+
+class SafetensorsReader:
+    """Tensor slices from one checkpoint folder; ``prefixes`` are leading key components that
+    some exports drop (GPT-2's ``transformer.``), tried when a key is not found as named."""
+
+    def __init__(self, folder: str | os.PathLike, prefixes: Iterable[str] = ()):
+        self.folder = Path(folder)
+        self.weight_map = _index(self.folder)
+        self.prefixes = tuple(prefixes)
+        self._handles: dict[str, object] = {}
+
+    def resolve(self, key: str) -> str:
+        if key in self.weight_map:
+            return key
+        for prefix in self.prefixes:
+            if key.startswith(prefix) and key[len(prefix):] in self.weight_map:
+                return key[len(prefix):]
+        sample = ", ".join(sorted(self.weight_map)[:4])
+        raise HFCheckpointError(f"{self.folder}: tensor {key!r} not found among its "
+                              f"{len(self.weight_map)} tensors (e.g. {sample})")
+
+    def _slice(self, key: str):
+        name = self.weight_map[key]
+        if name not in self._handles:
+            path = self.folder / name
+            if not path.is_file():
+                raise HFCheckpointError(f"{path} (listed in {INDEX_FILE}) is missing")
+            self._handles[name] = safe_open(path, framework="numpy")
+        return self._handles[name].get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(self.resolve(key)).get_shape())
+
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name, e.g. 'BF16'."""
+        return self._slice(self.resolve(key)).get_dtype()
+
+    def read(self, key: str, slices: tuple[slice, ...]) -> np.ndarray:
+        """``tensor[slices]`` as a numpy array in the stored dtype (bf16 via ml_dtypes)."""
+        return np.asarray(self._slice(self.resolve(key))[slices])
+
+    def close(self) -> None:
+        self._handles.clear()
