@@ -1,0 +1,93 @@
+"""The markdown report and the JSON summary, both rebuilt from the records alone (so that the
+records of several runs can be merged and rendered again: ``gpu_report.py --render``)."""
+from __future__ import annotations
+
+import dataclasses
+
+from gpureport import targets
+from gpureport.profiles import STAGE_ORDER
+from gpureport.stages import STAGES
+from gpureport.tables import failure_lines, of_stage, table
+
+META = "meta"
+BUDGET_SKIP = "skipped: time budget"
+
+
+def metas(records: list[dict]) -> list[dict]:
+    return [r["result"] for r in records if r["stage"] == META]
+
+
+def env_result(records: list[dict]) -> dict | None:
+    return next((r["result"] for r in records if r["stage"] == "env" and r["status"] == "ok"), None)
+
+
+def remaining_stages(records: list[dict]) -> list[str]:
+    """Stages with an item whose latest record says it was skipped for lack of time, in run
+    order: what a second call should run (records of several runs may be merged)."""
+    latest = {(r["stage"], r["item"]): r for r in records if r["stage"] not in (META, "env")}
+    pending = {stage for (stage, _), r in latest.items()
+               if r["status"] == "skipped" and (r.get("note") or "").startswith(BUDGET_SKIP)}
+    return [s for s in STAGE_ORDER if s in pending]
+
+
+def _header(records: list[dict]) -> list[str]:
+    lines = ["# zeroflow GPU report", ""]
+    for meta in metas(records):
+        lines += [f"- run {meta['started']}: `{meta['command']}` (profile `{meta['profile']}`, "
+                  f"stages {', '.join(meta['stages'])}, time limit {meta['time_limit_s']:.0f} s)",
+                  f"  - git {meta.get('git') or 'not available (no .git in this tree)'}; python "
+                  f"{meta['python']}; {meta['cpu_count']} CPU cores; host memory "
+                  f"{meta.get('mem_total_bytes', 0) / 1e9:.0f} GB; "
+                  f"nvidia-smi: {meta.get('nvidia_smi') or 'not available'}"]
+    return lines + [""]
+
+
+def is_smoke_test(records: list[dict]) -> bool:
+    runs = metas(records)
+    return bool(runs) and all(meta["profile"] == "quick" for meta in runs)
+
+
+def _targets(records: list[dict]) -> list[str]:
+    smoke = is_smoke_test(records)
+    mark = {True: "met", False: "**not met**", None: "-"}
+    rows = [[t.name, t.goal, t.value, "n/a (smoke test)" if smoke else mark[t.met]]
+            for t in targets.evaluate(records)]
+    note = (["**Quick profile: tiny shapes on a CPU, kernels interpreted. No number here says "
+             "anything about speed; the report only shows that every stage runs.**", ""] if smoke else [])
+    return ["## Targets", ""] + note + table(["target", "goal", "measured", "met"], rows) + [""]
+
+
+def _section(name: str, records: list[dict]) -> list[str]:
+    stage = STAGES[name]
+    lines = [f"## {stage.TITLE}", ""]
+    try:
+        body = stage.render(records)
+    except Exception as err:  # one stage's odd record must not cost the report
+        body = [f"_Could not render this section: {type(err).__name__}: {err}_"]
+    own = of_stage(records, name)
+    if not own:
+        body = body or ["_Not run._"]
+    lines += body + [""]
+    failures = failure_lines(own)
+    if failures:
+        lines += ["Not measured:", ""] + failures + [""]
+    return lines
+
+
+def render(records: list[dict]) -> str:
+    lines = _header(records) + _targets(records)
+    for name in STAGE_ORDER:
+        lines += _section(name, records)
+    left = remaining_stages(records)
+    if left:
+        lines += ["## Left for another call", "",
+                  "Items were skipped for lack of time. On the GPU machine, run:", "",
+                  f"    PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages {','.join(left)}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def summarize(records: list[dict]) -> dict:
+    return {"meta": metas(records), "env": env_result(records),
+            "targets": [dataclasses.asdict(t) for t in targets.evaluate(records)],
+            "remaining_stages": remaining_stages(records),
+            "records": [r for r in records if r["stage"] != META]}
