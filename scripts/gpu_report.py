@@ -15,17 +15,9 @@ run it on the GPU machine and what each stage measures: docs/gpu_report.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -36,8 +28,7 @@ for _path in (str(REPO), str(SCRIPTS)):  # zeroflow and benchlib, however this f
 
 from gpureport import files, render  # noqa: E402
 from gpureport.profiles import PROFILES, STAGE_ORDER  # noqa: E402
-from gpureport.runner import Context, Runner  # noqa: E402
-from gpureport.stages import STAGES  # noqa: E402
+from gpureport.session import RunOptions, run_report  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,89 +76,12 @@ def _budgets(pairs: list[str]) -> dict[str, float]:
     return out
 
 
-# --------------------------------------------------------------------------- host facts
-def _run(cmd: list[str], cwd: Path = REPO) -> str | None:
-    try:
-        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def _meminfo() -> dict[str, int]:
-    try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-    except OSError:
-        return {}
-    fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in lines if line.endswith("kB")}
-    return {"mem_total_bytes": fields.get("MemTotal"), "mem_available_bytes": fields.get("MemAvailable")}
-
-
-def host_metadata(args, profile) -> tuple[dict, str | None]:
-    """Facts about the host (never touching the GPU) and the full nvidia-smi output."""
-    git = None
-    if (REPO / ".git").exists():
-        commit = _run(["git", "rev-parse", "--short=12", "HEAD"])
-        dirty = _run(["git", "status", "--porcelain"])
-        git = commit and f"{commit}{' (with uncommitted changes)' if dirty else ''}"
-    smi_full = _run(["nvidia-smi"])
-    smi = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,power.limit,clocks.max.sm",
-                "--format=csv,noheader"])
-    versions = {}
-    for name in ("jax", "jaxlib", "flax", "optax"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "scripts/gpu_report.py", *sys.argv[1:]]),
-            "profile": profile.name, "stages": args.stage_list, "time_limit_s": args.time_limit,
-            "git": git, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "nvidia_smi": smi, "versions": versions, **_meminfo()}
-    return meta, smi_full
-
-
-# --------------------------------------------------------------------------- the run
-def _gpu_missing(records: list[dict]) -> str | None:
-    env = render.env_result(records)
-    if env is None:
-        return "the environment stage failed (see errors.log)"
-    if env["backend"] != "gpu":
-        return f"no GPU: jax's backend is {env['backend']!r}; use --quick on a CPU (or --allow-cpu)"
-    return None
-
-
 def run(args) -> int:
     profile = PROFILES["quick" if args.quick else "full"]
-    args.time_limit = args.time_limit or profile.time_limit_s
-    deadline = time.monotonic() + args.time_limit
-    child_base = dict(os.environ)
-    os.environ["JAX_PLATFORMS"] = "cpu"  # this process must never take the GPU from its children
-    report = files.ReportFiles(args.out, render.render, render.summarize)
-    meta, smi_full = host_metadata(args, profile)
-    report.write_text(files.NVIDIA_SMI, smi_full or "nvidia-smi not available\n")
-    report.add({"stage": render.META, "item": "run", "case": "", "status": "ok", "seconds": 0.0,
-                "elapsed_s": 0.0, "result": meta, "error": None, "note": None, "attempt": 1})
-    workdir = Path(tempfile.mkdtemp(prefix="gpu_report_"))
-    runner = Runner(report.add, report.log, deadline=deadline, workdir=workdir,
-                    child_vars=profile.child_vars, base_env=child_base, item_filter=args.items)
-    ctx = Context(profile=profile, host=meta, records=report.records)
-    try:
-        for name in args.stage_list:
-            budget = args.budgets.get(name, profile.budgets[name])
-            if name != "env" and not args.quick and not args.allow_cpu and (why := _gpu_missing(report.records)):
-                report.add({"stage": name, "item": "(stage)", "case": "", "status": "skipped", "seconds": 0.0,
-                            "elapsed_s": 0.0, "result": None, "error": None, "note": why, "attempt": 1})
-                continue
-            runner.run_stage(name, STAGES[name].plan, ctx, budget)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    for target in render.summarize(report.records)["targets"]:
-        report.log(f"target: {target['name']}: {target['value']} (goal {target['goal']})")
-    left = render.remaining_stages(report.records)
-    if left:
-        report.log(f"left for another call: --stages {','.join(left)}")
-    report.log(f"wrote {args.out}/{files.REPORT_MD} and {files.REPORT_JSON}, {files.RESULTS}")
+    options = RunOptions(out=args.out, command=shlex.join(["python", "scripts/gpu_report.py", *sys.argv[1:]]),
+                         stages=tuple(args.stage_list), time_limit_s=args.time_limit, items=args.items,
+                         budgets=args.budgets, require_gpu=not (args.quick or args.allow_cpu))
+    run_report(profile, options)
     return 0
 
 

@@ -58,16 +58,16 @@ def _targets(records: list[dict]) -> list[str]:
 
 
 def _section(name: str, records: list[dict]) -> list[str]:
+    """The stage's section; none for a stage this run (or these merged runs) did not select."""
+    own = of_stage(records, name)
+    if not own:
+        return []
     stage = STAGES[name]
-    lines = [f"## {stage.TITLE}", ""]
     try:
         body = stage.render(records)
     except Exception as err:  # one stage's odd record must not cost the report
         body = [f"_Could not render this section: {type(err).__name__}: {err}_"]
-    own = of_stage(records, name)
-    if not own:
-        body = body or ["_Not run._"]
-    lines += body + [""]
+    lines = [f"## {stage.TITLE}", ""] + body + [""]
     failures = failure_lines(own)
     if failures:
         lines += ["Not measured:", ""] + failures + [""]

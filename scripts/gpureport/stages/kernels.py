@@ -14,10 +14,12 @@ ATTENTION, BLOCK_SPARSE, TILES = "attention", "block-sparse matmul", "attention 
 def plan(ctx: Context):
     p = ctx.profile
     budget = p.budgets["kernels"]
-    yield Item(ATTENTION, "benchlib.attention:timing_cases", p.attention_timing, timeout_s=budget,
-               case_timeout_s=90, min_s=10)
-    yield Item(BLOCK_SPARSE, "benchlib.block_sparse:timing_cases", p.block_sparse_timing,
-               timeout_s=budget, case_timeout_s=90, min_s=10)
+    if p.attention_timing["configs"]:
+        yield Item(ATTENTION, "benchlib.attention:timing_cases", p.attention_timing, timeout_s=budget,
+                   case_timeout_s=90, min_s=10)
+    if p.block_sparse_timing["block_sizes"]:
+        yield Item(BLOCK_SPARSE, "benchlib.block_sparse:timing_cases", p.block_sparse_timing,
+                   timeout_s=budget, case_timeout_s=90, min_s=10)
     tiles = p.attention_tiles
     for config in tiles["configs"]:
         kwargs = {"config": config, **{k: v for k, v in tiles.items() if k != "configs"}}
