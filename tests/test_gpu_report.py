@@ -201,10 +201,10 @@ def _broken_plan(ctx):
     raise ZeroDivisionError("plan bug")
 
 
-def _runner(out, budget_for_time):
+def _runner(out, budget_for_time, item_filter=None):
     report = files.ReportFiles(out, render.render, render.summarize, echo=lambda line: None)
     runner = Runner(report.add, report.log, deadline=time.monotonic() + budget_for_time,
-                    workdir=out / "work", child_vars={})
+                    workdir=out / "work", child_vars={}, item_filter=item_filter)
     return report, runner
 
 
@@ -246,27 +246,36 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path):
     errors = (tmp_path / "out" / files.ERRORS).read_text()
     assert "RuntimeError: boom" in errors and "Traceback" in errors
     assert render.remaining_stages(report.records) == ["training"]
-    assert "--stages training" in (tmp_path / "out" / files.REPORT_MD).read_text()
+    command = render.next_command(report.records)
+    assert command.endswith("--stages training --items '^(raises|oom|exits|segfaults|hangs|cases)'")
+    assert command in (tmp_path / "out" / files.REPORT_MD).read_text()
 
 
 def test_a_second_call_merged_in_clears_what_was_left(tmp_path):
     module = tmp_path / "faulty.py"
     module.write_text(FAULTY)
 
-    def plan(ctx):
-        yield Item("fine", f"{module}:fine", {"value": 1})
+    def plan_needing(seconds):
+        def plan(ctx):
+            yield Item("done before", f"{module}:fine", {"value": 2})
+            yield Item("fine", f"{module}:fine", {"value": 1}, min_s=seconds)
+        return plan
 
     first, runner = _runner(tmp_path / "one", 60)
-    runner.run_stage("training", plan, Context(QUICK, {}, first.records), budget_s=0)
-    second, runner = _runner(tmp_path / "two", 60)
-    runner.run_stage("training", plan, Context(QUICK, {}, second.records), budget_s=60)
-    assert render.remaining_stages(first.records) == ["training"]
+    runner.run_stage("training", plan_needing(1e6), Context(QUICK, {}, first.records), budget_s=30)
+    assert [(r["item"], r["status"]) for r in first.records] == [("done before", "ok"), ("fine", "skipped")]
+    assert render.next_command(first.records).endswith("--stages training --items '^(fine)'")
+    second, runner = _runner(tmp_path / "two", 60, item_filter="^(fine)")
+    runner.run_stage("training", plan_needing(0), Context(QUICK, {}, second.records), budget_s=30)
+    assert [r["item"] for r in second.records] == ["fine"]  # what the filter left out is not recorded
     done = _script("--render", str(tmp_path / "one" / files.RESULTS), str(tmp_path / "two" / files.RESULTS),
                    "--out", str(tmp_path / "merged"))
     assert done.returncode == 0, done.stderr
     merged = json.loads((tmp_path / "merged" / files.REPORT_JSON).read_text())
-    assert merged["remaining_stages"] == []
-    assert [r["status"] for r in merged["records"]] == ["skipped", "ok"]
+    assert merged["remaining_stages"] == [] and merged["next_command"] is None
+    assert [(r["item"], r["status"]) for r in merged["records"]] == [
+        ("done before", "ok"), ("fine", "skipped"), ("fine", "ok")]
+    assert "Not measured" not in (tmp_path / "merged" / files.REPORT_MD).read_text()
 
 
 def test_full_profile_without_a_gpu_skips_the_gpu_stages(tmp_path):
@@ -345,3 +354,55 @@ def test_targets_from_records():
     assert offload_target.met and "optimizer/host 1.40x" in offload_target.value
     assert got["largest trainable GPT with offload / without"].value.startswith("2.06x")
     assert got["autocast bf16 tokens/s vs fp32 and vs hand bf16"].value == "not measured"
+
+
+# --------------------------------------------------------------------------- before a GPU visit
+def _kernel_inputs_of_the_gpu_profile():
+    """(name, fn, abstract args) of every kernel shape the full profile compiles."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchlib.attention import DTYPES, attention_fn
+    from benchlib.timing import forward_and_backward
+    from gpureport.profiles import FULL
+    from pallas_kernels import block_sparse_matmul, random_layout
+    sds = jax.ShapeDtypeStruct
+    for spec in FULL.attention_checks:
+        q = sds((spec["batch"], spec["q_len"], spec["heads"], spec["head_dim"]), DTYPES[spec["dtype"]])
+        kv = sds((spec["batch"], spec["kv_len"], spec["kv_heads"], spec["head_dim"]), DTYPES[spec["dtype"]])
+        fn = attention_fn("pallas", causal=spec["causal"], window=spec["window"] and tuple(spec["window"]),
+                          block_sizes=spec["block_sizes"], interpret=False)
+        yield spec["name"], forward_and_backward(fn), (q, kv, kv, q)
+    tiles = FULL.attention_tiles
+    for config in FULL.attention_timing["configs"] + tiles["configs"]:
+        shape = (config["tokens"] // config["seq"], config["seq"], config["width"] // config["head_dim"],
+                 config["head_dim"])
+        q = sds(shape, jnp.bfloat16)
+        for blocks in [None] + (tiles["candidates"] if config in tiles["configs"] else []):
+            fn = attention_fn("pallas", causal=config["causal"], block_sizes=blocks, interpret=False)
+            yield f"{config} {blocks}", forward_and_backward(fn), (q, q, q, q)
+    timing = FULL.block_sparse_timing
+    checks = [dict(c) for c in FULL.block_sparse_checks] + [
+        dict(m=timing["m"], k=timing["k"], n=timing["n"], block=b, density=1 - s, dtype="bf16", block_m=64)
+        for b in timing["block_sizes"] for s in timing["sparsities"]]
+    for spec in checks:
+        layout = random_layout(spec["k"] // spec["block"], spec["n"] // spec["block"], spec["density"], seed=0)
+        fn = functools.partial(block_sparse_matmul, layout=layout, block_size=spec["block"],
+                               block_m=spec["block_m"], interpret=False)
+        dtype = DTYPES[spec["dtype"]]
+        args = (sds((spec["m"], spec["k"]), dtype), sds((int(layout.sum()), spec["block"], spec["block"]), dtype),
+                sds((spec["m"], spec["n"]), dtype))
+        yield str(spec), forward_and_backward(fn), args
+
+
+def test_every_kernel_shape_of_the_gpu_profile_lowers_to_triton():
+    """What can be checked without a GPU: each shape the report will compile lowers for CUDA
+    and its Triton IR verifies (ptxas, shared memory and speed are only checked on the GPU)."""
+    from pallas_kernels._backend import lower_for_cuda
+    count = 0
+    for name, fn, args in _kernel_inputs_of_the_gpu_profile():
+        assert len(lower_for_cuda(fn, *args)) == 3, name  # forward + two backward kernels
+        count += 1
+    assert count > 40

@@ -24,11 +24,14 @@ BACKWARD_FLOPS_FACTOR = 3.5
 "fwd+bwd FLOPs / fwd FLOPs: the backward pass does 2.5x the forward's matmul work."
 
 
-def attention_fn(impl: str, *, causal: bool, window=None, block_sizes: dict | None = None):
-    """``(q, k, v) -> out`` for one implementation, [B, S, H, D] layout."""
+def attention_fn(impl: str, *, causal: bool, window=None, block_sizes: dict | None = None,
+                 interpret: bool | None = None):
+    """``(q, k, v) -> out`` for one implementation, [B, S, H, D] layout. ``interpret``: the
+    Pallas kernel's (None: compiled on a GPU, interpreted elsewhere)."""
     if impl == "pallas":
         blocks = BlockSizes(**block_sizes) if block_sizes else None
-        return functools.partial(flash_attention, causal=causal, window=window, block_sizes=blocks)
+        return functools.partial(flash_attention, causal=causal, window=window, block_sizes=blocks,
+                                 interpret=interpret)
     if impl in ("cudnn", "xla"):
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                  local_window_size=window, implementation=impl)

@@ -3,6 +3,8 @@ records of several runs can be merged and rendered again: ``gpu_report.py --rend
 from __future__ import annotations
 
 import dataclasses
+import re
+import shlex
 
 from gpureport import targets
 from gpureport.profiles import STAGE_ORDER
@@ -21,13 +23,39 @@ def env_result(records: list[dict]) -> dict | None:
     return next((r["result"] for r in records if r["stage"] == "env" and r["status"] == "ok"), None)
 
 
+def latest(records: list[dict]) -> list[dict]:
+    """The last record of each (stage, item, case), in the order they were last written: when
+    runs are merged, a later measurement replaces an earlier one (or its skip)."""
+    out: dict[tuple, dict] = {}
+    for i, r in enumerate(records):
+        key = (r["stage"], r["item"], r["case"]) if r["stage"] != META else (META, i)
+        out.pop(key, None)
+        out[key] = r
+    return list(out.values())
+
+
+def _left_for_later(records: list[dict]) -> list[dict]:
+    return [r for r in latest(records) if r["stage"] not in (META, "env") and r["status"] == "skipped"
+            and (r.get("note") or "").startswith(BUDGET_SKIP)]
+
+
 def remaining_stages(records: list[dict]) -> list[str]:
     """Stages with an item whose latest record says it was skipped for lack of time, in run
-    order: what a second call should run (records of several runs may be merged)."""
-    latest = {(r["stage"], r["item"]): r for r in records if r["stage"] not in (META, "env")}
-    pending = {stage for (stage, _), r in latest.items()
-               if r["status"] == "skipped" and (r.get("note") or "").startswith(BUDGET_SKIP)}
+    order: what a second call should run."""
+    pending = {r["stage"] for r in _left_for_later(records)}
     return [s for s in STAGE_ORDER if s in pending]
+
+
+def next_command(records: list[dict]) -> str | None:
+    """The call that measures exactly what was skipped for lack of time (a search's probes are
+    selected by the search's name, since the next call picks its own layer counts)."""
+    stages = remaining_stages(records)
+    if not stages:
+        return None
+    names = dict.fromkeys(re.sub(r" L=\d+$", "", r["item"]) for r in _left_for_later(records))
+    pattern = "^(" + "|".join(re.escape(name) for name in names) + ")"
+    return (f"PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages {','.join(stages)} "
+            f"--items {shlex.quote(pattern)}")
 
 
 def _header(records: list[dict]) -> list[str]:
@@ -75,19 +103,24 @@ def _section(name: str, records: list[dict]) -> list[str]:
 
 
 def render(records: list[dict]) -> str:
+    records = latest(records)
     lines = _header(records) + _targets(records)
     for name in STAGE_ORDER:
         lines += _section(name, records)
-    left = remaining_stages(records)
-    if left:
+    command = next_command(records)
+    if command:
         lines += ["## Left for another call", "",
-                  "Items were skipped for lack of time. On the GPU machine, run:", "",
-                  f"    PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages {','.join(left)}", ""]
+                  "Items were skipped for lack of time. On the GPU machine, run:", "", f"    {command}", "",
+                  "then merge: `python scripts/gpu_report.py --render first/results.jsonl "
+                  "second/results.jsonl --out experiments/results/gpu` (docs/gpu_report.md).", ""]
     return "\n".join(lines) + "\n"
 
 
 def summarize(records: list[dict]) -> dict:
-    return {"meta": metas(records), "env": env_result(records),
-            "targets": [dataclasses.asdict(t) for t in targets.evaluate(records)],
-            "remaining_stages": remaining_stages(records),
+    """report.json: the targets and the next call are computed from the latest records; all
+    records are kept."""
+    current = latest(records)
+    return {"meta": metas(records), "env": env_result(current),
+            "targets": [dataclasses.asdict(t) for t in targets.evaluate(current)],
+            "remaining_stages": remaining_stages(records), "next_command": next_command(records),
             "records": [r for r in records if r["stage"] != META]}

@@ -113,7 +113,8 @@ class Runner:
     # ----------------------------------------------------------------------- one item
     def _run_item(self, stage: str, item: Item, stage_deadline: float) -> Outcome:
         if self._filter and not self._filter.search(item.name):
-            return self._skip(stage, item, "not selected (--items)")
+            self._log(f"   not selected (--items): {item.name}")  # no record: it was not asked for
+            return Outcome("skipped", [])
         if item.key is not None and item.key in self._by_key:
             source = self._by_key[item.key]
             record = self._record(stage, item.name, SINGLE, "reused", 0.0, result=source["result"],
