@@ -345,7 +345,11 @@ def test_targets_from_records():
     offload += [_record("offload", f"largest {o}/{u}", {"offload": o, "update_on": u, "largest_fits": n,
                                                         "largest_params": p})
                 for o, u, n, p in (("none", "device", 70, 3.6e9), ("optimizer", "host", 150, 7.4e9))]
-    got = {t.name.split(",")[0].split(" (")[0]: t for t in targets.evaluate(attention + sparse + training + offload)}
+    checks = [_record("correctness", "flash attention", {"passed": ok}, case=case) for case, ok in (("a", True), ("b", False))]
+    got = {t.name.split(",")[0].split(" (")[0]: t
+           for t in targets.evaluate(checks + attention + sparse + training + offload)}
+    correct = got["Pallas kernels compiled on the device match the references"]
+    assert (correct.value, correct.met) == ("1/2 pass; failing: b", False)
     flash = got["flash attention vs cuDNN"]
     assert flash.met is False and flash.value.startswith("0.75x at S=2048")  # S=1024 does not count
     assert got["block-sparse at 90% sparsity vs dense"].met is False  # fwd 6.25x but fwd+bwd 4x

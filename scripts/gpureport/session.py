@@ -120,8 +120,8 @@ def run_report(profile: Profile, options: RunOptions) -> list[dict]:
         shutil.rmtree(workdir, ignore_errors=True)
     for target in render.summarize(report.records)["targets"]:
         report.log(f"target: {target['name']}: {target['value']} (goal {target['goal']})")
-    command = render.next_command(report.records)
-    if command:
-        report.log(f"left for another call: {command}")
     report.log(f"wrote {options.out}/{files.REPORT_MD}, {files.REPORT_JSON} and {files.RESULTS}")
+    command = render.next_command(report.records)
+    if command:  # the last line of the output: what the device tool shows first
+        report.log(f"left for another call: {command}")
     return report.records

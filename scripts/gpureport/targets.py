@@ -20,6 +20,20 @@ class Target:
     met: bool | None = None
 
 
+def kernels_correct(records: list[dict]) -> Target:
+    name, goal = "Pallas kernels compiled on the device match the references", "every case passes"
+    checks = good(of_stage(records, "correctness"))
+    if not checks:
+        return Target(name, goal)
+    passed = [r for r in checks if r["result"]["passed"]]
+    failed = [r["case"] for r in checks if not r["result"]["passed"]]
+    value = f"{len(passed)}/{len(checks)} pass" + (f"; failing: {', '.join(failed)}" if failed else "")
+    errors = [r for r in of_stage(records, "correctness") if r["status"] not in ("ok", "reused")]
+    if errors:
+        value += f"; {len(errors)} did not run to a result"
+    return Target(name, goal, value, not failed and not errors)
+
+
 def flash_vs_cudnn(records: list[dict]) -> Target:
     name, goal = "flash attention vs cuDNN, S >= 2k (worst config, fwd and fwd+bwd)", ">= 0.8x"
     ratios = [(impls["pallas"]["tflops"] / impls["cudnn"]["tflops"], key)
@@ -90,7 +104,7 @@ def autocast_speed(records: list[dict]) -> Target:
                   res["vs_fp32"] >= 1.4 and res["vs_hand_bf16"] >= 0.95)
 
 
-CHECKS = (flash_vs_cudnn, block_sparse_90, mfu_1b, offload_ratio, largest_ratio, autocast_speed)
+CHECKS = (kernels_correct, flash_vs_cudnn, block_sparse_90, mfu_1b, offload_ratio, largest_ratio, autocast_speed)
 
 
 def evaluate(records: list[dict]) -> list[Target]:
