@@ -410,3 +410,15 @@ def test_every_kernel_shape_of_the_gpu_profile_lowers_to_triton():
         assert len(lower_for_cuda(fn, *args)) == 3, name  # forward + two backward kernels
         count += 1
     assert count > 40
+
+
+def test_next_command_names_the_skipped_items_and_shares_the_time_limit():
+    skip = {"status": "skipped", "note": render.BUDGET_SKIP + " (3 s left)", "case": "", "result": None}
+    records = [{"stage": render.META, "item": "run", "case": "", "status": "ok", "result": {"profile": "full"}},
+               {"stage": "offload", "item": "ratio optimizer/host", "case": "", "status": "ok", "result": {}},
+               {"stage": "offload", "item": "largest none/device L=74", **skip},
+               {"stage": "autocast", "item": "autocast bf16", **skip}]
+    # budgets offload 240 + autocast 100 stretched to 540 - 60 / 2 = 510 s: x1.5
+    assert render.next_command(records) == (
+        "PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages offload,autocast "
+        "--items '^(largest\\ none/device|autocast\\ bf16)' --budget offload=360 --budget autocast=150")

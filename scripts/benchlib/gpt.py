@@ -10,6 +10,7 @@ trainer's own (``zeroflow.trainer.setup.build_run``: layer-wise loss, AdamW with
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -98,6 +99,16 @@ def _build(spec: dict):
     return cfg, run, state, run.global_batch(tokens)
 
 
+@contextlib.contextmanager
+def phase(name: str):
+    """Prefix an error with the phase it happened in ("init: RESOURCE_EXHAUSTED ..."): an
+    out-of-memory error while building the state is not one while training."""
+    try:
+        yield
+    except Exception as err:
+        raise RuntimeError(f"{name}: {type(err).__name__}: {err}") from err
+
+
 def train_case(**spec) -> dict:
     """Runs in a child process: compile once ahead of time, then warm-up and timed steps with
     the compiled executable. Out-of-memory surfaces as an exception (the parent calls it OOM)."""
@@ -106,11 +117,14 @@ def train_case(**spec) -> dict:
     from benchlib.hardware import peak_bf16_flops
     from benchlib.timing import time_steps
     from zeroflow.models import flops_per_token
-    cfg, run, state, batch = _build(spec)
+    with phase("init"):
+        cfg, run, state, batch = _build(spec)
     start = time.perf_counter()
-    compiled = run.make_step().lower(state, batch).compile()
+    with phase("compile"):
+        compiled = run.make_step().lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    state, metrics, times = time_steps(compiled, state, batch, warmup=spec["warmup"], steps=spec["steps"])
+    with phase("step"):
+        state, metrics, times = time_steps(compiled, state, batch, warmup=spec["warmup"], steps=spec["steps"])
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     step_s = statistics.median(times) if times else None

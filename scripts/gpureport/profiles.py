@@ -122,7 +122,7 @@ FULL = Profile(
     largest=dict(
         base=train_spec(PRESETS["gpt-1b"], batch=8, attention="cudnn", remat="full", steps=1, warmup=1),
         searches=[["none", "device"], ["optimizer", "host"]], fit_by="run", max_layers=400,
-        max_probes=5, host_memory_fraction=0.85),
+        max_probes=4, host_memory_fraction=0.85),
     autocast=dict(
         base=train_spec(PRESETS["gpt-125m"], batch=32, attention="xla", remat="none", steps=10, warmup=3),
         modes=[["fp32", "fp32", None], ["autocast bf16", "fp32", "bf16"], ["hand bf16", "bf16", None]]),

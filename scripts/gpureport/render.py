@@ -7,7 +7,7 @@ import re
 import shlex
 
 from gpureport import targets
-from gpureport.profiles import STAGE_ORDER
+from gpureport.profiles import PROFILES, STAGE_ORDER
 from gpureport.stages import STAGES
 from gpureport.tables import failure_lines, of_stage, table
 
@@ -55,7 +55,20 @@ def next_command(records: list[dict]) -> str | None:
     names = dict.fromkeys(re.sub(r" L=\d+$", "", r["item"]) for r in _left_for_later(records))
     pattern = "^(" + "|".join(re.escape(name) for name in names) + ")"
     return (f"PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages {','.join(stages)} "
-            f"--items {shlex.quote(pattern)}")
+            f"--items {shlex.quote(pattern)}{_budget_flags(records, stages)}")
+
+
+def _budget_flags(records: list[dict], stages: list[str]) -> str:
+    """Give the stages of the next call the whole time limit, shared as the profile shares it."""
+    runs = metas(records)
+    profile = PROFILES.get(runs[-1]["profile"]) if runs else None
+    if profile is None:
+        return ""
+    spare = profile.time_limit_s - profile.budgets["env"] / 2  # env takes a few seconds
+    scale = spare / sum(profile.budgets[s] for s in stages)
+    if scale <= 1:
+        return ""
+    return "".join(f" --budget {s}={profile.budgets[s] * scale:.0f}" for s in stages)
 
 
 def _header(records: list[dict]) -> list[str]:
