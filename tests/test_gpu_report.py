@@ -178,12 +178,18 @@ FAULTY = textwrap.dedent("""
         yield Case("a", lambda: {"n": 1})
         yield Case("b", lambda: os._exit(9))
         yield Case("c", lambda: {"n": 3})
+
+    def slow_cases():
+        yield Case("a", lambda: {"n": 1})
+        yield Case("b", lambda: time.sleep(60))
+        yield Case("c", lambda: {"n": 3})
 """)
 
 
 def _faulty_plan(path):
     def plan(ctx):
         target = lambda name: f"{path}:{name}"  # noqa: E731
+        yield Item("reuse first", target("fine"), {"value": 42}, key="k", reuse_only=True)
         yield Item("raises", target("raises"), {})
         yield Item("oom", target("oom"), {})
         yield Item("exits", target("exits"), {})
@@ -191,6 +197,7 @@ def _faulty_plan(path):
         yield Item("hangs", target("hangs"), {}, case_timeout_s=2)
         outcome = yield Item("cases", target("cases"), {})
         yield Summary("saw", {"statuses": [r["status"] for r in outcome.records]})
+        yield Item("slow", target("slow_cases"), {}, timeout_s=4)
         yield Item("fine", target("fine"), {"value": 42}, key="k")
         yield Item("fine again", target("fine"), {"value": 42}, key="k")
     return plan
@@ -231,6 +238,9 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path):
     assert got("cases") == [("a", "ok"), ("b", "crash"), ("c", "ok")]
     assert [r["attempt"] for r in by_item[("correctness", "cases")]] == [1, 1, 2]
     assert by_item[("correctness", "saw")][0]["result"] == {"statuses": ["ok", "crash", "ok"]}
+    assert got("reuse first") == [("", "skipped")]  # nothing to reuse yet: left for later
+    # The item's own time ran out inside case b: b is a timeout, and c is not silently lost.
+    assert got("slow") == [("a", "ok"), ("b", "timeout"), ("(cases not started)", "skipped")]
     assert got("fine") == [("", "ok")] and got("fine again") == [("", "reused")]
     assert by_item[("correctness", "fine again")][0]["result"] == {"value": 42}
     assert got("bad target", "kernels") == [("", "crash")]
@@ -245,9 +255,10 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path):
     # Failures keep their tracebacks / child output; the reports name what is left to run.
     errors = (tmp_path / "out" / files.ERRORS).read_text()
     assert "RuntimeError: boom" in errors and "Traceback" in errors
-    assert render.remaining_stages(report.records) == ["training"]
+    assert render.remaining_stages(report.records) == ["correctness", "training"]
     command = render.next_command(report.records)
-    assert command.endswith("--stages training --items '^(raises|oom|exits|segfaults|hangs|cases)'")
+    assert command.endswith("--stages correctness,training "
+                            "--items '^(reuse\\ first|slow|raises|oom|exits|segfaults|hangs|cases)'")
     assert command in (tmp_path / "out" / files.REPORT_MD).read_text()
 
 

@@ -8,11 +8,11 @@ import shlex
 
 from gpureport import targets
 from gpureport.profiles import PROFILES, STAGE_ORDER
+from gpureport.runner import BUDGET_SKIP
 from gpureport.stages import STAGES
 from gpureport.tables import failure_lines, of_stage, table
 
 META = "meta"
-BUDGET_SKIP = "skipped: time budget"
 
 
 def metas(records: list[dict]) -> list[dict]:

@@ -22,6 +22,8 @@ from benchlib.isolate import SINGLE, ItemOutcome, child_env, run_isolated
 MAX_ATTEMPTS = 3
 "Child starts per item: after a crash or a case timeout the rest of its cases get two more tries."
 GOOD = ("ok", "reused")
+BUDGET_SKIP = "skipped: time budget"
+"How a record left for another call starts its note (render.next_command looks for it)."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,8 @@ class Item:
     "Not started with less time than this left in the stage or the run: it would not finish."
     key: str | None = None
     "Items with the same key measure the same thing; a later one reuses the earlier result."
+    reuse_only: bool = False
+    "Never run: reuse the result of an earlier item with the same key, or be left for later."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,8 @@ class Context:
     profile: Any
     host: dict
     records: list[dict]
+    stages: tuple[str, ...] = ()
+    "The stages this run was asked for."
 
     def env(self) -> dict | None:
         for record in self.records:
@@ -120,10 +126,12 @@ class Runner:
             record = self._record(stage, item.name, SINGLE, "reused", 0.0, result=source["result"],
                                   note=f"same configuration as {source['stage']} / {source['item']}")
             return Outcome("reused", [record])
+        if item.reuse_only:
+            return self._skip(stage, item, f"{BUDGET_SKIP} (measured with the item it reuses, which has not run)")
         left = min(stage_deadline, self._deadline) - self._clock()
         if left < max(item.min_s, 1.0):
-            return self._skip(stage, item, f"skipped: time budget ({max(left, 0):.0f} s left, "
-                                           f"item needs ~{item.min_s:.0f} s)")
+            return self._skip(stage, item, f"{BUDGET_SKIP} ({max(left, 0):.0f} s left, item needs "
+                                           f"~{item.min_s:.0f} s)")
         records: list[dict] = []
         done: list[str] = []
         item_deadline = min(self._clock() + item.timeout_s, self._deadline)
@@ -139,8 +147,12 @@ class Runner:
             if not self._retry(outcome, item_deadline):
                 break
             self._log(f"   restarting {item.name!r} without the {len(done)} case(s) already recorded")
-        status = "ok" if records and all(r["status"] == "ok" for r in records) else (
-            records[-1]["status"] if records else "error")
+        if not outcome.finished and item_deadline - self._clock() <= 5.0 and done and SINGLE not in done:
+            # The item's time ran out with cases not yet started: say so, or they would vanish.
+            records.append(self._record(stage, item.name, "(cases not started)", "skipped", 0.0,
+                                        note=f"{BUDGET_SKIP} (the item's time ran out after {len(done)} case(s))"))
+        failed = [r["status"] for r in records if r["status"] != "ok"]
+        status = "ok" if records and not failed else (failed[0] if failed else "error")
         if status == "ok" and item.key is not None and len(records) == 1:
             self._by_key[item.key] = records[0]
         return Outcome(status, records)

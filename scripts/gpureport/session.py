@@ -109,7 +109,7 @@ def run_report(profile: Profile, options: RunOptions) -> list[dict]:
     workdir = Path(tempfile.mkdtemp(prefix="gpu_report_"))
     runner = Runner(report.add, report.log, deadline=deadline, workdir=workdir, child_vars=profile.child_vars,
                     base_env=child_base, item_filter=options.items)
-    ctx = Context(profile=profile, host=meta, records=report.records)
+    ctx = Context(profile=profile, host=meta, records=report.records, stages=tuple(options.stages))
     try:
         for name in [s for s in STAGE_ORDER if s == "env" or s in options.stages]:
             if name != "env" and options.require_gpu and (why := _gpu_missing(report.records)):

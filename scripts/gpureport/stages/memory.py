@@ -4,7 +4,9 @@ allocator actually reached (``memory_stats()['peak_bytes_in_use']``, one process
 configuration so that the peak is that configuration's)."""
 from __future__ import annotations
 
-from gpureport.runner import Context
+import dataclasses
+
+from gpureport.runner import Context, Summary
 from gpureport.stages.training import gpt_item
 from gpureport.tables import size, good, num, table
 
@@ -13,9 +15,17 @@ _SOURCES = ("memory", "offload")
 
 
 def plan(ctx: Context):
+    """With the training stage in the same run, only reuse its results (a configuration it did
+    not reach is left for the next call of both); without it, measure each configuration."""
     budget = ctx.profile.budgets["memory"]
-    for label, spec in ctx.profile.training_runs:  # reused from the training stage when it ran
-        yield gpt_item(label, {**spec, "steps": 1, "warmup": 1}, budget)
+    with_training = "training" in ctx.stages
+    for label, spec in ctx.profile.training_runs:
+        trained = [r for r in ctx.records if r["stage"] == "training" and r["item"] == label]
+        if with_training and trained and trained[-1]["status"] not in ("ok", "skipped"):
+            yield Summary(label, status="skipped", note="its training item did not produce a result")
+            continue
+        item = gpt_item(label, {**spec, "steps": 1, "warmup": 1}, budget)
+        yield dataclasses.replace(item, reuse_only=with_training)
 
 
 def render(records: list[dict]) -> list[str]:
