@@ -367,7 +367,7 @@ def test_targets_from_records():
     assert got["MFU of the ~1B GPT"].value.startswith("47.0%") and got["MFU of the ~1B GPT"].met
     offload_target = got["optimizer offload step time / no offload"]
     assert offload_target.met and "optimizer/host 1.40x" in offload_target.value
-    assert got["largest trainable GPT with offload / without"].value.startswith("2.06x")
+    assert got["largest trainable GPT with offload / without"].value == "2.06x (7.40B with optimizer/host vs 3.60B)"
     assert got["autocast bf16 tokens/s vs fp32 and vs hand bf16"].value == "not measured"
 
 
@@ -433,3 +433,50 @@ def test_next_command_names_the_skipped_items_and_shares_the_time_limit():
     assert render.next_command(records) == (
         "PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages offload,autocast "
         "--items '^(largest\\ none/device|autocast\\ bf16)' --budget offload=360 --budget autocast=150")
+
+
+def test_the_gpu_profile_plans_every_stage(tmp_path):
+    """Drive each stage's plan of the full (GPU) profile with made-up outcomes, as if on an
+    80 GB GPU where a model trains up to 80 layers: every item is runnable as planned, and the
+    largest-model search brackets the limit without ever exceeding the host's memory."""
+    from benchlib import gpt
+    from benchlib.isolate import load_target
+    from gpureport.profiles import FULL
+    from gpureport.runner import Outcome
+    from gpureport.stages import autocast, offload
+    env = {"stage": "env", "item": "environment", "case": "", "status": "ok",
+           "result": {"backend": "gpu", "bytes_limit": 0.92 * 80e9}}
+    ctx = Context(FULL, host={"mem_available_bytes": 120e9}, records=[env], stages=STAGE_ORDER)
+    planned = {}
+    for name in STAGE_ORDER:
+        steps, sent = STAGES[name].plan(ctx), None
+        while True:
+            try:
+                step = steps.send(sent)
+            except StopIteration:
+                break
+            planned.setdefault(name, []).append(step)
+            if isinstance(step, Summary):
+                sent = None
+                continue
+            load_target(step.target)
+            json.dumps(step.kwargs)
+            layers = step.kwargs.get("model", {}).get("num_layers", 0)
+            status = "oom" if step.name.startswith("largest") and layers > 80 else "ok"
+            sent = Outcome(status, [{"status": status, "result": {"fits": True}}])
+    names = {name: [s.name for s in steps] for name, steps in planned.items()}
+    assert names["training"] == [label for label, _ in FULL.training_runs] == names["memory"]
+    assert all(s.reuse_only for s in planned["memory"])  # the training stage runs in the same call
+    assert names["offload"][:3] == ["ratio none/device", "ratio optimizer/device", "ratio optimizer/host"]
+    summaries = {s.name: s.result for s in planned["offload"] if isinstance(s, Summary)}
+    host_limit = 120e9 * FULL.largest["host_memory_fraction"]
+    for name, found in summaries.items():
+        assert found["largest_fits"] <= 80 and (found["smallest_fails"] or 10**9) > 80, name
+        assert 0 < len(found["probes"]) <= FULL.largest["max_probes"]
+        assert found["predicted_layers"] > 20  # the estimator's guess for 73.6 GB, width 2048
+        for layers, _ in found["probes"]:
+            spec = offload._with(FULL.largest["base"], found["offload"], found["update_on"], layers)
+            assert gpt.estimate(spec).host_bytes <= host_limit
+    expected = ([label for label, *_ in FULL.autocast["modes"]] if autocast.autocast_available()
+                else ["autocast"])
+    assert names["autocast"] == expected

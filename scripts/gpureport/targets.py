@@ -6,7 +6,7 @@ import dataclasses
 import statistics
 
 from gpureport.stages import autocast, kernels, offload
-from gpureport.tables import good, of_stage
+from gpureport.tables import good, of_stage, params
 
 ONE_B = 0.8e9
 "A training run counts as '~1B' from this many parameters."
@@ -91,8 +91,8 @@ def largest_ratio(records: list[dict]) -> Target:
         return Target(name, goal)
     best = max(others, key=lambda r: r["largest_params"])
     ratio = best["largest_params"] / base["largest_params"]
-    return Target(name, goal, f"{ratio:.2f}x ({best['largest_params'] / 1e9:.2f}B with {best['offload']}/"
-                              f"{best['update_on']} vs {base['largest_params'] / 1e9:.2f}B)", ratio >= 2.0)
+    return Target(name, goal, f"{ratio:.2f}x ({params(best['largest_params'])} with {best['offload']}/"
+                              f"{best['update_on']} vs {params(base['largest_params'])})", ratio >= 2.0)
 
 
 def autocast_speed(records: list[dict]) -> Target:

@@ -119,8 +119,10 @@ def render(records: list[dict]) -> list[str]:
                 if res["smallest_fails"] else "none up to the limit")
         probes = ", ".join(f"{layers}:{'fits' if v else 'OOM' if v is False else 'failed'}"
                            for layers, v in res["probes"])
+        capped = res["smallest_fails"] is None and res.get("host_cap_layers") == res["largest_fits"]
+        note = res.get("stopped") or ("host memory limit: larger models were not probed" if capped else "")
         rows.append([f"{res['offload']}/{res['update_on']}", f"{res['largest_fits']} ({params(res['largest_params'])})",
-                     fail, res["predicted_layers"], probes, res.get("stopped") or ""])
+                     fail, res["predicted_layers"], probes, note])
     if rows:
         width = largest_rows(records)[0]["width"]
         lines += [f"**Largest GPT that trains** (width {width}; layers that fit (params); fit means two "
