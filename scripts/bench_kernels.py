@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def profile_for(args):
     if args.quick:
-        return dataclasses.replace(QUICK, attention_tiles={**QUICK.attention_tiles,
-                                                           "configs": QUICK.attention_tiles["configs"] if args.tiles else []})
+        tiles = QUICK.attention_tiles if args.tiles else {**QUICK.attention_tiles, "configs": []}
+        return dataclasses.replace(QUICK, attention_tiles=tiles)
     masks = {"causal": [True], "full": [False], "both": [False, True]}[args.masks]
     m, k, n = (int(x) for x in args.matmul.lower().split("x"))
     configs = [dict(seq=s, head_dim=d, causal=c, tokens=args.tokens, width=args.width)
@@ -73,14 +73,14 @@ def profile_for(args):
                                  block_sizes=[] if "block_sparse" in args.skip else args.block_sizes,
                                  sparsities=[float(x) for x in args.sparsities.split(",")],
                                  passes=["fwd", "fwd+bwd"], **timing),
-        attention_tiles={**FULL.attention_tiles, "configs": FULL.attention_tiles["configs"] if args.tiles else [],
-                         **timing})
+        attention_tiles={**FULL.attention_tiles, **timing,
+                         "configs": FULL.attention_tiles["configs"] if args.tiles else []})
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    options = RunOptions(out=args.out, command=shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]]),
-                         stages=("kernels",), require_gpu=not args.quick)
+    command = shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]])
+    options = RunOptions(out=args.out, command=command, stages=("kernels",), require_gpu=not args.quick)
     run_report(profile_for(args), options)
     print((args.out / "report.md").read_text())
     return 0

@@ -37,7 +37,8 @@ from gpureport.session import RunOptions, run_report  # noqa: E402
 NO_LIMIT_S = 4 * 3600.0
 RATIO_CHOICES = [["none", "device"], ["optimizer", "device"], ["optimizer", "host"],
                  ["optimizer+params", "device"], ["optimizer+params", "host"]]
-SEARCHES = [["none", "device"], ["optimizer", "device"], ["optimizer", "host"], ["optimizer+params", "host"]]
+SEARCHES = [["none", "device"], ["optimizer", "device"], ["optimizer", "host"],
+            ["optimizer+params", "host"]]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,14 +82,17 @@ def profile_for(args):
                                                       warmup=1, **common),
                    "searches": SEARCHES, "fit_by": args.fit_by, "compile_budget": args.device_memory,
                    "max_layers": args.max_layers, "max_probes": args.max_probes}
-    return dataclasses.replace(base, offload_ratio={**ratio, "choices": ratio["choices"] if args.mode != "largest" else []},
-                               largest={**largest, "searches": largest["searches"] if args.mode != "ratio" else []})
+    if args.mode == "largest":
+        ratio = {**ratio, "choices": []}
+    if args.mode == "ratio":
+        largest = {**largest, "searches": []}
+    return dataclasses.replace(base, offload_ratio=ratio, largest=largest)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    options = RunOptions(out=args.out, command=shlex.join(["python", "scripts/bench_offload.py", *sys.argv[1:]]),
-                         stages=("offload",), require_gpu=not args.quick)
+    command = shlex.join(["python", "scripts/bench_offload.py", *sys.argv[1:]])
+    options = RunOptions(out=args.out, command=command, stages=("offload",), require_gpu=not args.quick)
     run_report(profile_for(args), options)
     print((args.out / "report.md").read_text())
     return 0

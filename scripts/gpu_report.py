@@ -33,11 +33,13 @@ from gpureport.session import RunOptions, run_report  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--out", type=Path, required=True, help="folder for the report files")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (smoke test)")
     parser.add_argument("--stages", default="all",
-                        help=f"comma-separated stages to run (env always runs first); any of {', '.join(STAGE_ORDER)}")
+                        help="comma-separated stages to run (env always runs first); any of "
+                             + ", ".join(STAGE_ORDER))
     parser.add_argument("--items", default=None, help="only items whose name matches this regex")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for the whole run (default: the profile's, 540 on the GPU)")
@@ -59,7 +61,8 @@ def _stages(text: str) -> list[str]:
     wanted = STAGE_ORDER if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in wanted if s not in STAGE_ORDER]
     if unknown:
-        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; choose from all, {', '.join(STAGE_ORDER)}")
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; "
+                         f"choose from all, {', '.join(STAGE_ORDER)}")
     return [s for s in STAGE_ORDER if s == "env" or s in wanted]
 
 
@@ -68,7 +71,8 @@ def _budgets(pairs: list[str]) -> dict[str, float]:
     for pair in pairs:
         stage, _, seconds = pair.partition("=")
         if stage not in STAGE_ORDER:
-            raise ValueError(f"--budget {pair!r}: unknown stage {stage!r}; choose from {', '.join(STAGE_ORDER)}")
+            raise ValueError(f"--budget {pair!r}: unknown stage {stage!r}; "
+                             f"choose from {', '.join(STAGE_ORDER)}")
         try:
             out[stage] = float(seconds)
         except ValueError:
@@ -78,9 +82,10 @@ def _budgets(pairs: list[str]) -> dict[str, float]:
 
 def run(args) -> int:
     profile = PROFILES["quick" if args.quick else "full"]
-    options = RunOptions(out=args.out, command=shlex.join(["python", "scripts/gpu_report.py", *sys.argv[1:]]),
-                         stages=tuple(args.stage_list), time_limit_s=args.time_limit, items=args.items,
-                         budgets=args.budgets, require_gpu=not (args.quick or args.allow_cpu))
+    command = shlex.join(["python", "scripts/gpu_report.py", *sys.argv[1:]])
+    options = RunOptions(out=args.out, command=command, stages=tuple(args.stage_list),
+                         time_limit_s=args.time_limit, items=args.items, budgets=args.budgets,
+                         require_gpu=not (args.quick or args.allow_cpu))
     run_report(profile, options)
     return 0
 

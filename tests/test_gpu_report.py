@@ -24,6 +24,7 @@ from gpureport.profiles import QUICK, STAGE_ORDER  # noqa: E402
 from gpureport.runner import Context, Item, Runner, Summary  # noqa: E402
 from gpureport.stages import STAGES  # noqa: E402
 
+GOOD = ("ok", "reused")
 STATUSES = {"ok", "reused", "error", "oom", "timeout", "crash", "skipped", "unavailable"}
 
 
@@ -44,7 +45,7 @@ def quick(tmp_path_factory):
 
 def _results(report, stage, item_prefix=""):
     return [r for r in report["records"]
-            if r["stage"] == stage and r["item"].startswith(item_prefix) and r["status"] in ("ok", "reused")]
+            if r["stage"] == stage and r["item"].startswith(item_prefix) and r["status"] in GOOD]
 
 
 # --------------------------------------------------------------------------- the quick run
@@ -78,7 +79,8 @@ def test_quick_markdown_has_each_section_and_its_table(quick):
     for header in ("| target | goal | measured | met |", "| case | out | dq | dk | dv |",
                    "| S | D | B | H | mask | pass | pallas | cudnn | xla |", "| block | sparsity |",
                    "| run | params | tokens/step |", "| configuration | estimate | compiled |",
-                   "| offload/update_on | params | step s |", "| offload/update_on | largest that fit |"):
+                   "| offload/update_on | params | step s |",
+                   "| offload/update_on | largest that fit (params) |"):
         assert header in text, header
     assert "n/a (smoke test)" in text and "| met |" in text
 
@@ -130,7 +132,8 @@ def test_quick_offload_ratio_and_largest_model_search(quick):
     budget = QUICK.largest["compile_budget"]
     for offload, update_on in QUICK.largest["searches"]:
         name = f"largest {offload}/{update_on}"
-        probes = {int(r["item"].split("L=")[1]): r["result"] for r in _results(report, "offload", name + " L=")}
+        probes = {int(r["item"].split("L=")[1]): r["result"]
+                  for r in _results(report, "offload", name + " L=")}
         assert probes and all(res["fits"] == (res["need_bytes"] <= budget) for res in probes.values())
         summary = next(r["result"] for r in _results(report, "offload") if r["item"] == name)
         fitting = [layers for layers, res in probes.items() if res["fits"]]
@@ -226,14 +229,18 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path):
     by_item = {}
     for r in report.records:
         by_item.setdefault((r["stage"], r["item"]), []).append(r)
-    got = lambda item, stage="correctness": [(r["case"], r["status"]) for r in by_item[(stage, item)]]  # noqa: E731
+    def got(item, stage="correctness"):
+        return [(r["case"], r["status"]) for r in by_item[(stage, item)]]
+
+    def error(item):
+        return by_item[("correctness", item)][0]["error"]
+
     assert got("raises") == [("", "error")]
-    assert by_item[("correctness", "raises")][0]["error"] == "RuntimeError: boom"
+    assert error("raises") == "RuntimeError: boom"
     assert got("oom") == [("", "oom")]
-    assert got("exits") == [("", "crash")] and "exit code 7" in by_item[("correctness", "exits")][0]["error"]
-    assert got("segfaults") == [("", "crash")]
-    assert "SIGSEGV" in by_item[("correctness", "segfaults")][0]["error"]
-    assert got("hangs") == [("", "timeout")] and "case time limit" in by_item[("correctness", "hangs")][0]["error"]
+    assert got("exits") == [("", "crash")] and "exit code 7" in error("exits")
+    assert got("segfaults") == [("", "crash")] and "SIGSEGV" in error("segfaults")
+    assert got("hangs") == [("", "timeout")] and "case time limit" in error("hangs")
     # The child died in case b; a second child ran the rest.
     assert got("cases") == [("a", "ok"), ("b", "crash"), ("c", "ok")]
     assert [r["attempt"] for r in by_item[("correctness", "cases")]] == [1, 1, 2]
@@ -346,17 +353,19 @@ def test_targets_from_records():
                                         (1024, "fwd", "pallas", 10), (1024, "fwd", "cudnn", 400)]]
     sparse = [_record("kernels", "block-sparse matmul", {"kind": "dense", "pass": p, "ms": 10.0})
               for p in ("fwd", "fwd+bwd")]
-    sparse += [_record("kernels", "block-sparse matmul", {"kind": "sparse", "pass": p, "ms": ms, "block": 64,
-                                                          "sparsity": 0.9, "kept_blocks": 1, "total_blocks": 10})
+    kept = {"block": 64, "sparsity": 0.9, "kept_blocks": 1, "total_blocks": 10}
+    sparse += [_record("kernels", "block-sparse matmul", {"kind": "sparse", "pass": p, "ms": ms, **kept})
                for p, ms in (("fwd", 1.6), ("fwd+bwd", 2.5))]
     training = [_record("training", "1b", {"mfu": 0.47, "params": 1.0e9}),
                 _record("training", "125m", {"mfu": 0.6, "params": 1.2e8})]
     offload = [_record("offload", f"ratio {o}/{u}", {"step_s": s})
-               for o, u, s in (("none", "device", 0.2), ("optimizer", "device", 0.5), ("optimizer", "host", 0.28))]
+               for o, u, s in (("none", "device", 0.2), ("optimizer", "device", 0.5),
+                               ("optimizer", "host", 0.28))]
     offload += [_record("offload", f"largest {o}/{u}", {"offload": o, "update_on": u, "largest_fits": n,
                                                         "largest_params": p})
                 for o, u, n, p in (("none", "device", 70, 3.6e9), ("optimizer", "host", 150, 7.4e9))]
-    checks = [_record("correctness", "flash attention", {"passed": ok}, case=case) for case, ok in (("a", True), ("b", False))]
+    checks = [_record("correctness", "flash attention", {"passed": ok}, case=case)
+              for case, ok in (("a", True), ("b", False))]
     got = {t.name.split(",")[0].split(" (")[0]: t
            for t in targets.evaluate(checks + attention + sparse + training + offload)}
     correct = got["Pallas kernels compiled on the device match the references"]
@@ -367,7 +376,8 @@ def test_targets_from_records():
     assert got["MFU of the ~1B GPT"].value.startswith("47.0%") and got["MFU of the ~1B GPT"].met
     offload_target = got["optimizer offload step time / no offload"]
     assert offload_target.met and "optimizer/host 1.40x" in offload_target.value
-    assert got["largest trainable GPT with offload / without"].value == "2.06x (7.40B with optimizer/host vs 3.60B)"
+    largest = got["largest trainable GPT with offload / without"]
+    assert largest.value == "2.06x (7.40B with optimizer/host vs 3.60B)" and largest.met
     assert got["autocast bf16 tokens/s vs fp32 and vs hand bf16"].value == "not measured"
 
 
@@ -403,11 +413,12 @@ def _kernel_inputs_of_the_gpu_profile():
         dict(m=timing["m"], k=timing["k"], n=timing["n"], block=b, density=1 - s, dtype="bf16", block_m=64)
         for b in timing["block_sizes"] for s in timing["sparsities"]]
     for spec in checks:
-        layout = random_layout(spec["k"] // spec["block"], spec["n"] // spec["block"], spec["density"], seed=0)
+        block = spec["block"]
+        layout = random_layout(spec["k"] // block, spec["n"] // block, spec["density"], seed=0)
         fn = functools.partial(block_sparse_matmul, layout=layout, block_size=spec["block"],
                                block_m=spec["block_m"], interpret=False)
         dtype = DTYPES[spec["dtype"]]
-        args = (sds((spec["m"], spec["k"]), dtype), sds((int(layout.sum()), spec["block"], spec["block"]), dtype),
+        args = (sds((spec["m"], spec["k"]), dtype), sds((int(layout.sum()), block, block), dtype),
                 sds((spec["m"], spec["n"]), dtype))
         yield str(spec), forward_and_backward(fn), args
 
@@ -425,8 +436,9 @@ def test_every_kernel_shape_of_the_gpu_profile_lowers_to_triton():
 
 def test_next_command_names_the_skipped_items_and_shares_the_time_limit():
     skip = {"status": "skipped", "note": render.BUDGET_SKIP + " (3 s left)", "case": "", "result": None}
-    records = [{"stage": render.META, "item": "run", "case": "", "status": "ok", "result": {"profile": "full"}},
-               {"stage": "offload", "item": "ratio optimizer/host", "case": "", "status": "ok", "result": {}},
+    done = {"status": "ok", "case": ""}
+    records = [{"stage": render.META, "item": "run", "result": {"profile": "full"}, **done},
+               {"stage": "offload", "item": "ratio optimizer/host", "result": {}, **done},
                {"stage": "offload", "item": "largest none/device L=74", **skip},
                {"stage": "autocast", "item": "autocast bf16", **skip}]
     # budgets offload 240 + autocast 100 stretched to 540 - 60 / 2 = 510 s: x1.5

@@ -114,7 +114,8 @@ def time_attention(config: dict, impl: str, pass_: str, *, warmup: int, iters: i
                    block_sizes: dict | None = None) -> dict:
     seq, head_dim, causal = config["seq"], config["head_dim"], config["causal"]
     batch, heads = config_shape(config)
-    q, k, v, d_out = random_qkv(batch, seq, seq, heads, heads, head_dim, DTYPES[config.get("dtype", "bf16")])
+    dtype = DTYPES[config.get("dtype", "bf16")]
+    q, k, v, d_out = random_qkv(batch, seq, seq, heads, heads, head_dim, dtype)
     fn = attention_fn(impl, causal=causal, block_sizes=block_sizes)
     if pass_ == "fwd":
         seconds = median_seconds(jax.jit(fn), q, k, v, warmup=warmup, iters=iters)
@@ -135,8 +136,8 @@ def timing_cases(configs: list[dict], impls: list[str], passes: list[str], warmu
     for config in configs:
         for impl in impls:
             for pass_ in passes:
-                yield Case(f"{config_label(config)} {impl} {pass_}",
-                           functools.partial(time_attention, config, impl, pass_, warmup=warmup, iters=iters))
+                run = functools.partial(time_attention, config, impl, pass_, warmup=warmup, iters=iters)
+                yield Case(f"{config_label(config)} {impl} {pass_}", run)
 
 
 def tile_label(blocks: dict) -> str:

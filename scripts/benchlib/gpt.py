@@ -18,10 +18,11 @@ import time
 
 # Shapes close to GPT-2 small / medium and a 1B model (SwiGLU, RMSNorm, rotary, tied 32k
 # vocabulary); parameter counts are exact in every report (zeroflow.memory.count_gpt_params).
+_VOCAB_32K = dict(vocab_size=32000, seq_len=1024)
 PRESETS: dict[str, dict] = {
-    "gpt-125m": dict(num_layers=12, embed_dim=768, num_heads=12, mlp_dim=2048, vocab_size=32000, seq_len=1024),
-    "gpt-350m": dict(num_layers=24, embed_dim=1024, num_heads=16, mlp_dim=2816, vocab_size=32000, seq_len=1024),
-    "gpt-1b": dict(num_layers=18, embed_dim=2048, num_heads=16, mlp_dim=5632, vocab_size=32000, seq_len=1024),
+    "gpt-125m": dict(num_layers=12, embed_dim=768, num_heads=12, mlp_dim=2048, **_VOCAB_32K),
+    "gpt-350m": dict(num_layers=24, embed_dim=1024, num_heads=16, mlp_dim=2816, **_VOCAB_32K),
+    "gpt-1b": dict(num_layers=18, embed_dim=2048, num_heads=16, mlp_dim=5632, **_VOCAB_32K),
     "tiny": dict(num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128, vocab_size=256, seq_len=32),
 }
 TIMING_FIELDS = ("steps", "warmup")
@@ -124,7 +125,8 @@ def train_case(**spec) -> dict:
         compiled = run.make_step().lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     with phase("step"):
-        state, metrics, times = time_steps(compiled, state, batch, warmup=spec["warmup"], steps=spec["steps"])
+        state, metrics, times = time_steps(compiled, state, batch, warmup=spec["warmup"],
+                                           steps=spec["steps"])
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     step_s = statistics.median(times) if times else None

@@ -70,7 +70,8 @@ def child_env(extra: dict[str, str] | None = None, base: dict[str, str] | None =
     """``base`` (default: this process's environment) with the repository and ``scripts/``
     importable, updated with ``extra``."""
     env = dict(os.environ if base is None else base)
-    paths = [str(REPO_ROOT), str(SCRIPTS_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [str(REPO_ROOT), str(SCRIPTS_DIR), *inherited]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.update(extra or {})
     return env

@@ -107,7 +107,8 @@ class Runner:
             while True:
                 step = steps.send(sent)
                 if isinstance(step, Summary):
-                    self._record(stage, step.name, SINGLE, step.status, 0.0, result=step.result, note=step.note)
+                    self._record(stage, step.name, SINGLE, step.status, 0.0, result=step.result,
+                                 note=step.note)
                     sent = None
                 else:
                     sent = self._run_item(stage, step, stage_deadline)
@@ -127,7 +128,8 @@ class Runner:
                                   note=f"same configuration as {source['stage']} / {source['item']}")
             return Outcome("reused", [record])
         if item.reuse_only:
-            return self._skip(stage, item, f"{BUDGET_SKIP} (measured with the item it reuses, which has not run)")
+            return self._skip(stage, item, f"{BUDGET_SKIP} (measured with the item it reuses, "
+                                           "which has not run)")
         left = min(stage_deadline, self._deadline) - self._clock()
         if left < max(item.min_s, 1.0):
             return self._skip(stage, item, f"{BUDGET_SKIP} ({max(left, 0):.0f} s left, item needs "
@@ -149,8 +151,8 @@ class Runner:
             self._log(f"   restarting {item.name!r} without the {len(done)} case(s) already recorded")
         if not outcome.finished and item_deadline - self._clock() <= 5.0 and done and SINGLE not in done:
             # The item's time ran out with cases not yet started: say so, or they would vanish.
-            records.append(self._record(stage, item.name, "(cases not started)", "skipped", 0.0,
-                                        note=f"{BUDGET_SKIP} (the item's time ran out after {len(done)} case(s))"))
+            note = f"{BUDGET_SKIP} (the item's time ran out after {len(done)} case(s))"
+            records.append(self._record(stage, item.name, "(cases not started)", "skipped", 0.0, note=note))
         failed = [r["status"] for r in records if r["status"] != "ok"]
         status = "ok" if records and not failed else (failed[0] if failed else "error")
         if status == "ok" and item.key is not None and len(records) == 1:
@@ -162,7 +164,8 @@ class Runner:
         progress) and there is time left."""
         if outcome.finished or not outcome.cases:
             return False
-        died_in_case = outcome.cases[-1].status in ("crash", "timeout") and outcome.cases[-1].case not in (SINGLE, "(setup)")
+        last = outcome.cases[-1]
+        died_in_case = last.status in ("crash", "timeout") and last.case not in (SINGLE, "(setup)")
         return died_in_case and item_deadline - self._clock() > 5.0
 
     def _skip(self, stage: str, item: Item, why: str) -> Outcome:

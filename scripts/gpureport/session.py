@@ -107,8 +107,8 @@ def run_report(profile: Profile, options: RunOptions) -> list[dict]:
     report.write_text(files.NVIDIA_SMI, smi_full or "nvidia-smi not available\n")
     report.add(_parent_record(render.META, "run", "ok", result=meta))
     workdir = Path(tempfile.mkdtemp(prefix="gpu_report_"))
-    runner = Runner(report.add, report.log, deadline=deadline, workdir=workdir, child_vars=profile.child_vars,
-                    base_env=child_base, item_filter=options.items)
+    runner = Runner(report.add, report.log, deadline=deadline, workdir=workdir,
+                    child_vars=profile.child_vars, base_env=child_base, item_filter=options.items)
     ctx = Context(profile=profile, host=meta, records=report.records, stages=tuple(options.stages))
     try:
         for name in [s for s in STAGE_ORDER if s == "env" or s in options.stages]:

@@ -75,7 +75,8 @@ def mfu_1b(records: list[dict]) -> Target:
 def offload_ratio(records: list[dict]) -> Target:
     name, goal = "optimizer offload step time / no offload, ~1B (best of update on device/host)", "<= 1.5x"
     rows = {row["item"]: row["ratio"] for row in offload.ratio_rows(records) if row["ratio"] is not None}
-    found = {k.removeprefix(offload.RATIO + " "): v for k, v in rows.items() if k.startswith(f"{offload.RATIO} optimizer/")}
+    found = {k.removeprefix(offload.RATIO + " "): v for k, v in rows.items()
+             if k.startswith(f"{offload.RATIO} optimizer/")}
     if not found:
         return Target(name, goal)
     best = min(found.values())
@@ -104,7 +105,8 @@ def autocast_speed(records: list[dict]) -> Target:
                   res["vs_fp32"] >= 1.4 and res["vs_hand_bf16"] >= 0.95)
 
 
-CHECKS = (kernels_correct, flash_vs_cudnn, block_sparse_90, mfu_1b, offload_ratio, largest_ratio, autocast_speed)
+CHECKS = (kernels_correct, flash_vs_cudnn, block_sparse_90, mfu_1b, offload_ratio, largest_ratio,
+          autocast_speed)
 
 
 def evaluate(records: list[dict]) -> list[Target]:

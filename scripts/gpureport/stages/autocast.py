@@ -31,8 +31,10 @@ def plan(ctx: Context):
 
 def speedups(records: list[dict]) -> dict[str, dict]:
     """{label: result + vs_fp32 + vs_hand_bf16}."""
-    results = {r["item"]: r["result"] for r in good(of_stage(records, "autocast")) if "tokens_per_s" in r["result"]}
-    fp32, hand = results.get("fp32", {}).get("tokens_per_s"), results.get("hand bf16", {}).get("tokens_per_s")
+    results = {r["item"]: r["result"] for r in good(of_stage(records, "autocast"))
+               if "tokens_per_s" in r["result"]}
+    fp32 = results.get("fp32", {}).get("tokens_per_s")
+    hand = results.get("hand bf16", {}).get("tokens_per_s")
     return {label: {**res, "vs_fp32": res["tokens_per_s"] / fp32 if fp32 else None,
                     "vs_hand_bf16": res["tokens_per_s"] / hand if hand else None}
             for label, res in results.items()}
@@ -40,9 +42,11 @@ def speedups(records: list[dict]) -> dict[str, dict]:
 
 def render(records: list[dict]) -> list[str]:
     rows = [[label, num(res["tokens_per_s"], "{:,.0f}"), num(res["vs_fp32"], "{:.2f}x"),
-             num(res["vs_hand_bf16"], "{:.2f}x"), f"{res['loss']:.3f}", res.get("matmul_precision") or "default"]
+             num(res["vs_hand_bf16"], "{:.2f}x"), f"{res['loss']:.3f}",
+             res.get("matmul_precision") or "default"]
             for label, res in speedups(records).items()]
     if not rows:
         return []
-    return (["Same GPT, same batch; issue 12's goal on a GPU: autocast >= 1.4x fp32 and >= 0.95x hand bf16.", ""]
+    return (["Same GPT, same batch; issue 12's goal on a GPU: autocast >= 1.4x fp32 and >= 0.95x "
+             "hand bf16.", ""]
             + table(["mode", "tokens/s", "vs fp32", "vs hand bf16", "loss", "fp32 matmul precision"], rows))

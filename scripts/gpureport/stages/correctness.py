@@ -35,5 +35,6 @@ def render(records: list[dict]) -> list[str]:
             rows.append([r["case"], *(_cell(res["errors"][o]) for o in outputs),
                          res.get("triton_calls", "-"), "pass" if res["passed"] else "**FAIL**"])
         if rows:
-            lines += [f"**{kernel}**", ""] + table(["case", *outputs, "Triton calls", "result"], rows) + [""]
+            headers = ["case", *outputs, "Triton calls", "result"]
+            lines += [f"**{kernel}**", ""] + table(headers, rows) + [""]
     return lines

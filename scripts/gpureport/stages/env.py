@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from gpureport.runner import Context, Item
-from gpureport.tables import size, good, num, of_stage
+from gpureport.tables import good, num, of_stage, size
 
 TITLE = "Environment"
 

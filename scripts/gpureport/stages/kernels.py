@@ -27,18 +27,21 @@ def plan(ctx: Context):
                    kwargs, timeout_s=budget, case_timeout_s=90, min_s=15)
 
 
+def _item_results(records: list[dict], item: str) -> list[dict]:
+    return [r["result"] for r in good(of_stage(records, "kernels")) if r["item"] == item]
+
+
 def attention_rows(records: list[dict]) -> dict[tuple, dict[str, dict]]:
     """{(seq, head_dim, causal, pass): {impl: result}} from the attention timing records."""
     rows: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for r in good([r for r in of_stage(records, "kernels") if r["item"] == ATTENTION]):
-        res = r["result"]
+    for res in _item_results(records, ATTENTION):
         rows[(res["seq"], res["head_dim"], res["causal"], res["pass"])][res["impl"]] = res
     return rows
 
 
 def block_sparse_speedups(records: list[dict]) -> list[dict]:
     """One row per (block, sparsity, pass): sparse ms, dense ms, speedup."""
-    results = [r["result"] for r in good([r for r in of_stage(records, "kernels") if r["item"] == BLOCK_SPARSE])]
+    results = _item_results(records, BLOCK_SPARSE)
     dense = {res["pass"]: res["ms"] for res in results if res["kind"] == "dense"}
     rows = []
     for res in results:
@@ -61,7 +64,8 @@ def _attention_table(records: list[dict]) -> list[str]:
         return []
     return (["**Attention** (bf16; TFLOP/s counts 4·B·H·S²·D forward, half when causal, x3.5 "
              "forward+backward; median of timed calls)", ""]
-            + table(["S", "D", "B", "H", "mask", "pass", "pallas", "cudnn", "xla", "pallas / cudnn"], rows) + [""])
+            + table(["S", "D", "B", "H", "mask", "pass", "pallas", "cudnn", "xla", "pallas / cudnn"], rows)
+            + [""])
 
 
 def _block_sparse_table(records: list[dict]) -> list[str]:
@@ -71,19 +75,22 @@ def _block_sparse_table(records: list[dict]) -> list[str]:
     if not rows:
         return []
     return (["**Block-sparse matmul** vs a dense `jnp.dot` of the same shape (random layouts)", ""]
-            + table(["block", "sparsity", "blocks kept", "pass", "dense ms", "sparse ms", "speedup"], rows) + [""])
+            + table(["block", "sparsity", "blocks kept", "pass", "dense ms", "sparse ms", "speedup"], rows)
+            + [""])
 
 
 def _tiles_table(records: list[dict]) -> list[str]:
     lines = []
     for r_item in sorted({r["item"] for r in of_stage(records, "kernels") if r["item"].startswith(TILES)}):
-        results = [r["result"] for r in good([r for r in of_stage(records, "kernels") if r["item"] == r_item])]
+        results = _item_results(records, r_item)
         for pass_ in ("fwd", "fwd+bwd"):
-            ranked = sorted((res for res in results if res["pass"] == pass_), key=lambda res: -res["tflops"])
+            ranked = sorted((res for res in results if res["pass"] == pass_),
+                            key=lambda res: -res["tflops"])
             if ranked:
                 rows = [[", ".join(f"{k}={v}" for k, v in sorted(res["block_sizes"].items())),
                          f"{res['tflops']:.1f}", f"{res['ms']:.3f}"] for res in ranked]
-                lines += [f"**{r_item}, {pass_}** (best first)", ""] + table(["BlockSizes", "TFLOP/s", "ms"], rows) + [""]
+                lines += [f"**{r_item}, {pass_}** (best first)", ""]
+                lines += table(["BlockSizes", "TFLOP/s", "ms"], rows) + [""]
     return lines
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 from gpureport.runner import Context, Summary
 from gpureport.stages.training import gpt_item
-from gpureport.tables import size, good, num, table
+from gpureport.tables import good, num, size, table
 
 TITLE = "Memory: estimate vs compiled vs allocated"
 _SOURCES = ("memory", "offload")

@@ -8,7 +8,8 @@ import copy
 from benchlib import gpt
 from benchlib.search import layer_search, predicted_max_layers
 from gpureport.runner import Context, Item, Outcome, Summary
-from gpureport.tables import size, good, num, of_stage, params, table
+from gpureport.stages.training import gpt_item
+from gpureport.tables import good, num, of_stage, params, size, table
 
 TITLE = "Offload"
 RATIO, LARGEST = "ratio", "largest"
@@ -26,9 +27,8 @@ def plan(ctx: Context):
     p = ctx.profile
     budget = p.budgets["offload"]
     for offload, update_on in p.offload_ratio["choices"]:
-        spec = _with(p.offload_ratio["base"], offload, update_on)
-        yield Item(f"{RATIO} {offload}/{update_on}", "benchlib.gpt:train_case", spec, key=gpt.spec_key(spec),
-                   timeout_s=min(budget, 400), case_timeout_s=min(budget, 380), min_s=min(30.0, budget / 4))
+        yield gpt_item(f"{RATIO} {offload}/{update_on}", _with(p.offload_ratio["base"], offload, update_on),
+                       budget)
     for offload, update_on in p.largest["searches"]:
         yield from _largest(ctx, offload, update_on)
 
@@ -82,11 +82,13 @@ def _largest(ctx: Context, offload: str, update_on: str):
         except StopIteration as stop:
             found = stop.value
             break
-    largest, smallest_fail = found["largest_fits"], found["smallest_fails"]
+    def params_at(layers):
+        return gpt.num_params(_with(base, offload, update_on, layers)) if layers else None
+
     yield Summary(name, {
         **found, "offload": offload, "update_on": update_on, "fit_by": settings["fit_by"],
-        "largest_params": gpt.num_params(_with(base, offload, update_on, largest)) if largest else 0,
-        "smallest_fail_params": gpt.num_params(_with(base, offload, update_on, smallest_fail)) if smallest_fail else None,
+        "largest_params": params_at(found["largest_fits"]) or 0,
+        "smallest_fail_params": params_at(found["smallest_fails"]),
         "predicted_layers": predicted, "host_cap_layers": host_cap if host_bytes is not None else None,
         "device_bytes": device_bytes, "host_bytes": host_bytes,
         "width": base["model"]["embed_dim"]})
@@ -112,7 +114,8 @@ def render(records: list[dict]) -> list[str]:
             for res in ratio_rows(records)]
     if rows:
         lines += ["**Step time with offload** (median step; ratio to no offload)", ""]
-        lines += table(["offload/update_on", "params", "step s", "vs none", "tokens/s", "loss"], rows) + [""]
+        lines += table(["offload/update_on", "params", "step s", "vs none", "tokens/s", "loss"], rows)
+        lines += [""]
     rows = []
     for res in largest_rows(records):
         fail = (f"{res['smallest_fails']} ({params(res['smallest_fail_params'])})"
@@ -120,15 +123,18 @@ def render(records: list[dict]) -> list[str]:
         probes = ", ".join(f"{layers}:{'fits' if v else 'OOM' if v is False else 'failed'}"
                            for layers, v in res["probes"])
         capped = res["smallest_fails"] is None and res.get("host_cap_layers") == res["largest_fits"]
-        note = res.get("stopped") or ("host memory limit: larger models were not probed" if capped else "")
-        rows.append([f"{res['offload']}/{res['update_on']}", f"{res['largest_fits']} ({params(res['largest_params'])})",
-                     fail, res["predicted_layers"], probes, note])
+        note = res.get("stopped") or ("host memory limit: no larger model probed" if capped else "")
+        fits = f"{res['largest_fits']} ({params(res['largest_params'])})"
+        choice = f"{res['offload']}/{res['update_on']}"
+        rows.append([choice, fits, fail, res["predicted_layers"], probes, note])
     if rows:
-        width = largest_rows(records)[0]["width"]
-        lines += [f"**Largest GPT that trains** (width {width}; layers that fit (params); fit means two "
-                  "real steps ran" if largest_rows(records)[0]["fit_by"] == "run" else
-                  f"**Largest GPT that fits** (width {width}; by XLA's memory analysis against "
-                  f"{size(largest_rows(records)[0]['device_bytes'])}: a CPU smoke test)", ""]
-        lines += table(["offload/update_on", "largest that fit", "smallest that did not", "estimator's guess",
-                        "probes (layers: verdict)", "note"], rows)
+        first = largest_rows(records)[0]
+        if first["fit_by"] == "run":
+            title = f"**Largest GPT that trains** (width {first['width']}; fits = two real steps ran)"
+        else:
+            title = (f"**Largest GPT that fits** (width {first['width']}; by XLA's memory analysis "
+                     f"against {size(first['device_bytes'])}: a CPU smoke test)")
+        headers = ["offload/update_on", "largest that fit (params)", "smallest that did not",
+                   "estimator's guess", "probes (layers: verdict)", "note"]
+        lines += [title, ""] + table(headers, rows)
     return lines

@@ -21,9 +21,10 @@ def plan(ctx: Context):
 
 def row(r: dict) -> list:
     res = r["result"]
-    return [r["item"], params(res["params"]), f"{res['tokens_per_step']:,}", num(res["step_s"] and res["step_s"] * 1e3, "{:.1f}"),
-            num(res["tokens_per_s"], "{:,.0f}"), num(res["mfu"], "{:.1%}"),
-            f"{res['loss']:.3f}" + ("" if res["loss_finite"] else " **not finite**"), f"{res['compile_s']:.0f}"]
+    step_ms = res["step_s"] and res["step_s"] * 1e3
+    loss = f"{res['loss']:.3f}" + ("" if res["loss_finite"] else " **not finite**")
+    return [r["item"], params(res["params"]), f"{res['tokens_per_step']:,}", num(step_ms, "{:.1f}"),
+            num(res["tokens_per_s"], "{:,.0f}"), num(res["mfu"], "{:.1%}"), loss, f"{res['compile_s']:.0f}"]
 
 
 def render(records: list[dict]) -> list[str]:
@@ -32,4 +33,5 @@ def render(records: list[dict]) -> list[str]:
         return []
     return (["MFU = flops_per_token (6N + 12·L·H·D·S, no remat recompute) x tokens/s / the bf16 "
              "peak in the environment section. Median of the timed steps, each synchronised.", ""]
-            + table(["run", "params", "tokens/step", "step ms", "tokens/s", "MFU", "loss", "compile s"], rows))
+            + table(["run", "params", "tokens/step", "step ms", "tokens/s", "MFU", "loss", "compile s"],
+                    rows))
