@@ -492,3 +492,11 @@ def test_the_gpu_profile_plans_every_stage(tmp_path):
     expected = ([label for label, *_ in FULL.autocast["modes"]] if autocast.autocast_available()
                 else ["autocast"])
     assert names["autocast"] == expected
+
+
+def test_mfu_falls_back_to_the_measured_matmul_for_an_unknown_gpu():
+    env = _record("env", "environment", {"backend": "gpu", "matmul_bf16_flops": 500e12})
+    run = _record("training", "1b", {"mfu": None, "params": 1.0e9, "tokens_per_s": 40000.0,
+                                     "flops_per_token": 6.0e9})
+    [target] = [t for t in targets.evaluate([env, run]) if t.name.startswith("MFU")]
+    assert target.value.startswith("48.0%* (1b)") and target.met  # 6e9 * 4e4 / 5e14

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from gpureport.stages import autocast, kernels, offload
+from gpureport.stages import autocast, kernels, offload, training
 from gpureport.tables import good, of_stage, params
 
 ONE_B = 0.8e9
@@ -64,12 +64,15 @@ def block_sparse_90(records: list[dict]) -> Target:
 
 def mfu_1b(records: list[dict]) -> Target:
     name, goal = "MFU of the ~1B GPT, one device (best run)", ">= 45%"
-    runs = [(r["result"]["mfu"], r["item"]) for r in good(of_stage(records, "training"))
-            if r["result"].get("mfu") is not None and r["result"]["params"] >= ONE_B]
+    env = training.env_of(records)
+    runs = [(*training.mfu(r["result"], env), r["item"]) for r in good(of_stage(records, "training"))
+            if r["result"]["params"] >= ONE_B]
+    runs = [run for run in runs if run[0] is not None]
     if not runs:
         return Target(name, goal)
-    best, item = max(runs)
-    return Target(name, goal, f"{best:.1%} ({item})", best >= 0.45)
+    best, mark, item = max(runs)
+    basis = " (* vs the measured bf16 matmul, the device is not in the peak table)" if mark else ""
+    return Target(name, goal, f"{best:.1%}{mark} ({item}){basis}", best >= 0.45)
 
 
 def offload_ratio(records: list[dict]) -> Target:

@@ -120,7 +120,8 @@ def render(records: list[dict]) -> list[str]:
     for res in largest_rows(records):
         fail = (f"{res['smallest_fails']} ({params(res['smallest_fail_params'])})"
                 if res["smallest_fails"] else "none up to the limit")
-        probes = ", ".join(f"{layers}:{'fits' if v else 'OOM' if v is False else 'failed'}"
+        over = "OOM" if res["fit_by"] == "run" else "over"
+        probes = ", ".join(f"{layers}:{'fits' if v else over if v is False else 'failed'}"
                            for layers, v in res["probes"])
         capped = res["smallest_fails"] is None and res.get("host_cap_layers") == res["largest_fits"]
         note = res.get("stopped") or ("host memory limit: no larger model probed" if capped else "")
