@@ -1,183 +1,90 @@
-"""Benchmark the Pallas kernels on a GPU; prints markdown tables (optionally written to --out).
+"""Benchmark the Pallas kernels: flash attention against cuDNN and XLA, block-sparse matmul
+against dense, optionally a sweep of attention tile sizes.
 
-    PYTHONPATH=. python scripts/bench_kernels.py --out docs/bench_h100.md   # GPU, ~10-20 min
-    PYTHONPATH=. python scripts/bench_kernels.py --quick                    # CPU smoke test, <1 min
+    PYTHONPATH=. python scripts/bench_kernels.py --out /tmp/kernels             # on a GPU
+    PYTHONPATH=. python scripts/bench_kernels.py --out /tmp/kernels --tiles     # + tile sweep
+    PYTHONPATH=. python scripts/bench_kernels.py --quick --out /tmp/kernels     # CPU smoke test
 
-Attention: TFLOP/s of pallas_kernels.flash_attention vs jax.nn.dot_product_attention with
-implementation="xla" and "cudnn", at B*S = 16k tokens and H*D = 2048, S = 512..16384, head_dim
-64 and 128, causal or not. Forward FLOPs = 4*B*H*S*S*D (half when causal); forward+backward
-counts 3.5x that. Block-sparse: time of block_sparse_matmul vs a dense jnp.dot of the same
-shape, in bf16, forward and forward+backward.
-
-Every number is the median of --iters timed calls after --warmup calls, each ending in
-block_until_ready. --quick shrinks every size so that the kernels run in the Pallas
-interpreter on a CPU: its numbers only show that the script works.
+This is the GPU report's kernels stage (scripts/gpu_report.py) with sizes chosen on the
+command line and no time limit to speak of: each measurement runs in its own process (an OOM
+or a compile crash costs one cell), every number is the median of --iters synchronised calls
+after --warmup calls, and report.md / report.json / results.jsonl land in --out as they come.
+Attention is bf16 with B*S = --tokens and H*D = --width; TFLOP/s counts 4*B*H*S*S*D forward
+FLOPs (half when causal) and 3.5x that forward+backward. --quick shrinks every size so the
+kernels run in the Pallas interpreter on a CPU: its numbers only show that the script works.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
-import statistics
-import time
-from collections.abc import Callable
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from pallas_kernels import block_sparse_matmul, flash_attention, random_layout
+from gpureport.profiles import FULL, QUICK  # noqa: E402
+from gpureport.session import RunOptions, run_report  # noqa: E402
 
-FULL = dict(
-    tokens=16384, width=2048, seq_lens=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128),
-    matmul=(4096, 4096, 4096), sparsities=(0.5, 0.75, 0.9, 0.95), block_sizes=(32, 64, 128),
-)
-QUICK = dict(
-    tokens=64, width=64, seq_lens=(64,), head_dims=(32,),
-    matmul=(64, 128, 128), sparsities=(0.5, 0.75), block_sizes=(32,),
-)
+NO_LIMIT_S = 4 * 3600.0
 
 
-def median_seconds(fn: Callable, *args, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
-def forward_and_backward(attention: Callable) -> Callable:
-    """jit(q, k, v, d_out -> (out, dq, dk, dv)): one forward and one backward pass."""
-    def run(q, k, v, d_out):
-        out, vjp = jax.vjp(attention, q, k, v)
-        return out, vjp(d_out)
-    return jax.jit(run)
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--out", type=Path, required=True, help="folder for report.md and the raw records")
+    p.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
+    p.add_argument("--seq-lens", type=_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=_ints, default=[64, 128])
+    p.add_argument("--masks", choices=("causal", "full", "both"), default="both")
+    p.add_argument("--impls", default="pallas,cudnn,xla", help="attention implementations to time")
+    p.add_argument("--tokens", type=int, default=16384, help="B*S of every attention call")
+    p.add_argument("--width", type=int, default=2048, help="H*D of every attention call")
+    p.add_argument("--matmul", default="4096x4096x4096", help="M x K x N of the block-sparse matmul")
+    p.add_argument("--sparsities", default="0.5,0.75,0.9,0.95")
+    p.add_argument("--block-sizes", type=_ints, default=[32, 64, 128])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--skip", choices=("attention", "block_sparse"), action="append", default=[],
+                   help="leave out one benchmark (repeatable)")
+    p.add_argument("--tiles", action="store_true", help="also sweep the attention tile sizes of the report")
+    return p.parse_args(argv)
 
 
-def attention_impls(causal: bool) -> dict[str, Callable]:
-    return {
-        "pallas": functools.partial(flash_attention, causal=causal),
-        "xla": functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                 implementation="xla"),
-        "cudnn": functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                   implementation="cudnn"),
-    }
+def profile_for(args):
+    if args.quick:
+        tiles = QUICK.attention_tiles if args.tiles else {**QUICK.attention_tiles, "configs": []}
+        return dataclasses.replace(QUICK, attention_tiles=tiles)
+    masks = {"causal": [True], "full": [False], "both": [False, True]}[args.masks]
+    m, k, n = (int(x) for x in args.matmul.lower().split("x"))
+    configs = [dict(seq=s, head_dim=d, causal=c, tokens=args.tokens, width=args.width)
+               for d in args.head_dims for s in args.seq_lens for c in masks]
+    timing = dict(warmup=args.warmup, iters=args.iters)
+    return dataclasses.replace(
+        FULL, time_limit_s=NO_LIMIT_S, budgets={**FULL.budgets, "kernels": NO_LIMIT_S},
+        attention_timing=dict(configs=[] if "attention" in args.skip else configs,
+                              impls=args.impls.split(","), passes=["fwd", "fwd+bwd"], **timing),
+        block_sparse_timing=dict(m=m, k=k, n=n, dtype="bf16",
+                                 block_sizes=[] if "block_sparse" in args.skip else args.block_sizes,
+                                 sparsities=[float(x) for x in args.sparsities.split(",")],
+                                 passes=["fwd", "fwd+bwd"], **timing),
+        attention_tiles={**FULL.attention_tiles, **timing,
+                         "configs": FULL.attention_tiles["configs"] if args.tiles else []})
 
 
-def _describe_failure(err: Exception) -> str:
-    text = str(err)
-    if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
-        return "OOM"
-    return "n/a"
-
-
-def bench_attention(sizes: dict, dtype, warmup: int, iters: int) -> list[str]:
-    rows = ["| S | B | H | D | causal | pass | pallas TFLOP/s | xla TFLOP/s | cudnn TFLOP/s |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    print("\n".join(rows), flush=True)
-    rng = np.random.default_rng(0)
-    for head_dim in sizes["head_dims"]:
-        heads = sizes["width"] // head_dim
-        for seq in sizes["seq_lens"]:
-            batch = max(1, sizes["tokens"] // seq)
-            shape = (batch, seq, heads, head_dim)
-            q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-                              for _ in range(4))
-            for causal in (False, True):
-                fwd_flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
-                for name, flops in (("fwd", fwd_flops), ("fwd+bwd", 3.5 * fwd_flops)):
-                    cells = []
-                    for impl, attention in attention_impls(causal).items():
-                        if name == "fwd":
-                            fn, args = jax.jit(attention), (q, k, v)
-                        else:
-                            fn, args = forward_and_backward(attention), (q, k, v, d_out)
-                        try:
-                            seconds = median_seconds(fn, *args, warmup=warmup, iters=iters)
-                            cells.append(f"{flops / seconds / 1e12:.3g}")
-                        except Exception as err:  # cudnn absent, OOM, unsupported shape
-                            cells.append(_describe_failure(err))
-                    rows.append(f"| {seq} | {batch} | {heads} | {head_dim} | {causal} | {name} | "
-                                + " | ".join(cells) + " |")
-                    print(rows[-1], flush=True)
-    return rows
-
-
-def bench_block_sparse(sizes: dict, dtype, warmup: int, iters: int) -> list[str]:
-    m, k, n = sizes["matmul"]
-    rows = [f"M x K x N = {m} x {k} x {n}, {jnp.dtype(dtype).name}", "",
-            "| block | sparsity | blocks kept | dense fwd ms | sparse fwd ms | fwd speedup | "
-            "dense fwd+bwd ms | sparse fwd+bwd ms | fwd+bwd speedup |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    print("\n".join(rows), flush=True)
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
-    dy = jnp.asarray(rng.standard_normal((m, n), np.float32), dtype)
-    w = jnp.asarray(rng.standard_normal((k, n), np.float32) / np.sqrt(k), dtype)
-    dense = lambda x, w: jnp.dot(x, w)
-    time_of = lambda fn, *args: median_seconds(fn, *args, warmup=warmup, iters=iters)
-    dense_fwd = time_of(jax.jit(dense), x, w)
-    dense_both = time_of(jax.jit(lambda x, w, dy: jax.vjp(dense, x, w)[1](dy)), x, w, dy)
-    for block in sizes["block_sizes"]:
-        for sparsity in sizes["sparsities"]:
-            layout = random_layout(k // block, n // block, 1.0 - sparsity, seed=0)
-            blocks = jnp.asarray(
-                rng.standard_normal((int(layout.sum()), block, block), np.float32) / np.sqrt(k),
-                dtype)
-            sparse = functools.partial(block_sparse_matmul, layout=layout, block_size=block)
-            sparse_fwd = time_of(jax.jit(sparse), x, blocks)
-            sparse_both = time_of(jax.jit(lambda x, b, dy: jax.vjp(sparse, x, b)[1](dy)),
-                                  x, blocks, dy)
-            rows.append(
-                f"| {block} | {sparsity:.0%} | {int(layout.sum())}/{layout.size} | "
-                f"{dense_fwd * 1e3:.3f} | {sparse_fwd * 1e3:.3f} | {dense_fwd / sparse_fwd:.2f}x | "
-                f"{dense_both * 1e3:.3f} | {sparse_both * 1e3:.3f} | "
-                f"{dense_both / sparse_both:.2f}x |")
-            print(rows[-1], flush=True)
-    return rows
-
-
-def header(quick: bool) -> list[str]:
-    device = jax.devices()[0]
-    mode = "interpret mode (--quick smoke test, not a performance number)" if quick else "compiled"
-    return [
-        "# Kernel benchmarks", "",
-        f"- device: {device.device_kind} ({jax.default_backend()}, {jax.device_count()} device(s))",
-        f"- jax {jax.__version__}, date {datetime.date.today().isoformat()}",
-        f"- kernels: {mode}", "",
-    ]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes; runs on CPU")
-    parser.add_argument("--out", help="also write the markdown report to this file")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--skip", choices=("attention", "block_sparse"), action="append",
-                        default=[], help="leave out one benchmark (repeatable)")
-    args = parser.parse_args()
-    sizes = QUICK if args.quick else FULL
-    warmup, iters = (1, 2) if args.quick else (args.warmup, args.iters)
-
-    report = header(args.quick)
-    print("\n".join(report), flush=True)
-    if "attention" not in args.skip:
-        print("## Attention (bf16)\n", flush=True)
-        report += ["## Attention (bf16)", ""]
-        report += bench_attention(sizes, jnp.bfloat16, warmup, iters) + [""]
-    if "block_sparse" not in args.skip:
-        print("\n## Block-sparse matmul\n", flush=True)
-        report += ["## Block-sparse matmul", ""]
-        report += bench_block_sparse(sizes, jnp.bfloat16, warmup, iters) + [""]
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(report))
-        print(f"wrote {args.out}")
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]])
+    options = RunOptions(out=args.out, command=command, stages=("kernels",), require_gpu=not args.quick)
+    run_report(profile_for(args), options)
+    print((args.out / "report.md").read_text())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

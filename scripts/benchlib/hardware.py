@@ -1,0 +1,80 @@
+"""What machine a measurement ran on, and the peak FLOP/s an MFU figure divides by."""
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+
+# Dense (not 2:4 sparse) bf16 tensor-core peaks from NVIDIA's datasheets: the H100 datasheet
+# lists 1,979 TFLOP/s "with sparsity" for H100 SXM (989.4 dense), 1,671 for H100 NVL (835.5)
+# and 1,513 for H100 PCIe (756.5); the H200 datasheet gives the same 1,979 as H100 SXM; the
+# A100 datasheet 312 dense. Matched in order against jax's device_kind.
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756.5e12),
+    ("H100 NVL", 835.5e12),
+    ("GH200", 989.4e12),
+    ("H200", 989.4e12),
+    ("H100", 989.4e12),  # SXM: device_kind "NVIDIA H100 80GB HBM3"
+    ("A100", 312e12),
+)
+PEAK_SOURCE = "NVIDIA datasheet, dense bf16 tensor-core peak (half the 'with sparsity' figure)"
+CPU_MATMUL_MAX = 512
+"Largest matmul side the environment probe runs on a CPU."
+PACKAGE_PREFIXES = ("jax", "flax", "optax", "orbax", "numpy", "triton", "nvidia-cudnn",
+                    "nvidia-cublas", "nvidia-cuda-runtime", "nvidia-nccl", "ml-dtypes")
+
+
+def peak_bf16_flops(device_kind: str) -> tuple[float | None, str | None]:
+    """``(FLOP/s, where the number comes from)`` for a known GPU, else ``(None, None)``."""
+    for needle, flops in PEAK_BF16_FLOPS:
+        if needle in device_kind:
+            return flops, PEAK_SOURCE
+    return None, None
+
+
+def package_versions() -> dict[str, str]:
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith(PACKAGE_PREFIXES):
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
+def measure_matmul_flops(size: int, iters: int = 10) -> float:
+    """Achieved FLOP/s of one bf16 ``size^3`` matmul: what the vendor library reaches here."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchlib.timing import median_seconds
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (size, size), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (size, size), jnp.bfloat16)
+    seconds = median_seconds(jax.jit(jnp.matmul), a, b, warmup=2, iters=iters)
+    return 2 * size**3 / seconds
+
+
+def environment(matmul_size: int) -> dict:
+    """Runs in a child: the accelerator as jax sees it, package versions, a matmul probe."""
+    import jax
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    peak, source = peak_bf16_flops(device.device_kind)
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "bytes_limit": stats.get("bytes_limit"),
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": package_versions(),
+        "default_matmul_precision": jax.config.jax_default_matmul_precision,
+        "peak_bf16_flops": peak,
+        "peak_source": source,
+        "matmul_size": matmul_size,
+        # A GPU-sized matmul would take minutes on a CPU, where the figure means nothing anyway.
+        "matmul_bf16_flops": (measure_matmul_flops(matmul_size)
+                              if jax.default_backend() != "cpu" or matmul_size <= CPU_MATMUL_MAX else None),
+    }

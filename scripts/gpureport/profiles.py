@@ -1,0 +1,169 @@
+"""What the report measures: the GPU profile (``full``) and its CPU smoke-test twin (``quick``).
+
+Both run the same stages and code paths; ``quick`` shrinks every shape so the Pallas kernels
+run in the interpreter on a CPU in seconds. Items come in priority order within each stage:
+when a budget runs out, the tail is what is skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from benchlib.gpt import PRESETS, train_spec
+
+STAGE_ORDER = ("env", "correctness", "kernels", "training", "memory", "offload", "autocast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    time_limit_s: float
+    "The whole run; the device tool kills a command at 600 s."
+    budgets: dict
+    "Seconds per stage; an item is not started when its stage's budget is spent."
+    child_vars: dict
+    "Environment of every child process."
+    matmul_size: int
+    "Side of the bf16 matmul that measures what the vendor library reaches (env stage)."
+    attention_checks: tuple
+    block_sparse_checks: tuple
+    attention_timing: dict
+    "configs (seq, head_dim, causal, tokens, width), impls, passes, warmup, iters."
+    attention_tiles: dict
+    "configs, candidate BlockSizes, passes, warmup, iters."
+    block_sparse_timing: dict
+    training_runs: tuple
+    "(label, spec) pairs; the memory stage measures the same configurations."
+    offload_ratio: dict
+    "base spec and the (offload, update_on) choices; the first choice is the baseline."
+    largest: dict
+    "base spec (layers vary), searches, fit_by ('run' or 'compile'), limits."
+    autocast: dict
+    "base spec and the modes (label, params dtype, autocast dtype)."
+    device_memory: float
+    "Device bytes assumed when the env stage did not report the allocator's limit."
+
+
+def _attn(name, *, batch=2, q_len, kv_len=None, heads, kv_heads=None, head_dim, dtype="bf16",
+          causal=True, window=None, block_sizes=None) -> dict:
+    return dict(name=name, batch=batch, q_len=q_len, kv_len=kv_len or q_len, heads=heads,
+                kv_heads=kv_heads or heads, head_dim=head_dim, dtype=dtype, causal=causal,
+                window=window, block_sizes=block_sizes)
+
+
+def _sparse(name, *, m, k, n, block, density, dtype="bf16", block_m=64) -> dict:
+    return dict(name=name, m=m, k=k, n=n, block=block, density=density, dtype=dtype, block_m=block_m)
+
+
+def _gpt_runs(entries, steps: int, warmup: int) -> tuple:
+    runs = []
+    for preset, attention, remat, batch in entries:
+        label = f"{preset} {attention} remat={remat} batch={batch}"
+        runs.append((label, train_spec(PRESETS[preset], batch=batch, attention=attention, remat=remat,
+                                       steps=steps, warmup=warmup)))
+    return tuple(runs)
+
+
+FULL = Profile(
+    name="full",
+    time_limit_s=540,
+    budgets={"env": 60, "correctness": 75, "kernels": 130, "training": 170, "memory": 60,
+             "offload": 240, "autocast": 100},
+    # The allocator takes 92% of the GPU instead of 75%: the largest-model search needs it.
+    child_vars={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"},
+    matmul_size=8192,
+    attention_checks=(
+        _attn("causal MHA bf16 S=1024 D=64", q_len=1024, heads=8, head_dim=64),
+        _attn("causal GQA 16q/4kv bf16 S=2048 D=128", q_len=2048, heads=16, kv_heads=4, head_dim=128),
+        _attn("full MQA fp16 S=1024 D=128", q_len=1024, heads=8, kv_heads=1, head_dim=128, dtype="fp16",
+              causal=False),
+        _attn("causal fp16 tail S=1000 D=64", q_len=1000, heads=8, head_dim=64, dtype="fp16"),
+        _attn("full bf16 q=384 kv=640 D=80 (padded head)", q_len=384, kv_len=640, heads=4, head_dim=80,
+              causal=False),
+        _attn("causal window 256 bf16 S=2048 D=64", q_len=2048, heads=8, head_dim=64, window=[256, 0]),
+        _attn("window +-128 bf16 S=1024 D=128", q_len=1024, heads=4, head_dim=128, causal=False,
+              window=[128, 128]),
+        _attn("causal bf16 S=4096 D=128 tiles 64/32", batch=1, q_len=4096, heads=8, head_dim=128,
+              block_sizes={"block_q": 64, "block_k": 32, "block_q_bwd": 32, "block_k_bwd": 32}),
+    ),
+    block_sparse_checks=(
+        _sparse("bf16 block 64 density 25%", m=1024, k=1024, n=2048, block=64, density=0.25),
+        _sparse("bf16 block 128 density 10%", m=2048, k=2048, n=2048, block=128, density=0.1),
+        _sparse("fp16 block 32 density 50% tail rows m=1000", m=1000, k=512, n=1024, block=32,
+                density=0.5, dtype="fp16"),
+        _sparse("bf16 block 16 density 25%", m=512, k=512, n=512, block=16, density=0.25),
+    ),
+    attention_timing=dict(
+        configs=[dict(seq=s, head_dim=d, causal=True, tokens=16384, width=2048)
+                 for s in (2048, 4096, 8192) for d in (64, 128)]
+        + [dict(seq=4096, head_dim=128, causal=False, tokens=16384, width=2048)],
+        impls=["pallas", "cudnn", "xla"], passes=["fwd", "fwd+bwd"], warmup=2, iters=10),
+    attention_tiles=dict(
+        configs=[dict(seq=4096, head_dim=d, causal=True, tokens=16384, width=2048) for d in (128, 64)],
+        candidates=[
+            {"block_q": 128, "block_k": 64},  # today's default
+            {"block_q": 128, "block_k": 64, "num_warps": 4},
+            {"block_q": 128, "block_k": 64, "num_stages": 3},
+            {"block_q": 128, "block_k": 128, "num_warps": 8},
+            {"block_q": 64, "block_k": 64},
+            {"block_q": 64, "block_k": 128},
+            {"block_q": 128, "block_k": 64, "block_q_bwd": 128, "block_k_bwd": 64},
+            {"block_q": 128, "block_k": 64, "block_q_bwd": 64, "block_k_bwd": 128},
+        ],
+        passes=["fwd", "fwd+bwd"], warmup=2, iters=10),
+    block_sparse_timing=dict(m=4096, k=4096, n=4096, dtype="bf16", block_sizes=[128, 64],
+                             sparsities=[0.9, 0.75, 0.5], passes=["fwd", "fwd+bwd"], warmup=2, iters=10),
+    training_runs=_gpt_runs([("gpt-1b", "cudnn", "none", 16), ("gpt-1b", "pallas", "none", 16),
+                             ("gpt-125m", "cudnn", "none", 32), ("gpt-350m", "cudnn", "none", 16),
+                             ("gpt-1b", "cudnn", "full", 16), ("gpt-1b", "cudnn", "save_dots", 16),
+                             ("gpt-350m", "pallas", "none", 16)], steps=10, warmup=3),
+    offload_ratio=dict(
+        base=train_spec(PRESETS["gpt-1b"], batch=16, attention="cudnn", remat="none", steps=6, warmup=2),
+        choices=[["none", "device"], ["optimizer", "device"], ["optimizer", "host"]]),
+    largest=dict(
+        base=train_spec(PRESETS["gpt-1b"], batch=8, attention="cudnn", remat="full", steps=1, warmup=1),
+        searches=[["none", "device"], ["optimizer", "host"]], fit_by="run", max_layers=400,
+        max_probes=4, host_memory_fraction=0.85),
+    autocast=dict(
+        base=train_spec(PRESETS["gpt-125m"], batch=32, attention="xla", remat="none", steps=10, warmup=3),
+        modes=[["fp32", "fp32", None], ["autocast bf16", "fp32", "bf16"], ["hand bf16", "bf16", None]]),
+    device_memory=80e9,
+)
+
+_TINY_TILES = {"block_q": 16, "block_k": 16, "block_q_bwd": 16, "block_k_bwd": 16}
+
+QUICK = Profile(
+    name="quick",
+    time_limit_s=600,
+    budgets={"env": 60, "correctness": 120, "kernels": 120, "training": 120, "memory": 60,
+             "offload": 180, "autocast": 120},
+    child_vars={"JAX_PLATFORMS": "cpu",
+                # Compile fast: the smoke test checks that every path runs, not CPU speed.
+                "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"},
+    matmul_size=128,
+    # One case covering causal masking, GQA, a sequence tail and a padded head dim (bf16: XLA:CPU
+    # has no fp16 x fp16 -> fp32 dot for the comparison).
+    attention_checks=(_attn("causal GQA 4q/2kv bf16 S=40 D=24", batch=1, q_len=40, heads=4, kv_heads=2,
+                            head_dim=24, block_sizes=_TINY_TILES),),
+    block_sparse_checks=(_sparse("bf16 block 16 density 50%", m=40, k=64, n=64, block=16, density=0.5,
+                                 block_m=16),),
+    attention_timing=dict(configs=[dict(seq=32, head_dim=16, causal=True, tokens=32, width=32)],
+                          impls=["pallas", "xla"], passes=["fwd", "fwd+bwd"], warmup=1, iters=1),
+    attention_tiles=dict(configs=[dict(seq=32, head_dim=16, causal=True, tokens=32, width=32)],
+                         candidates=[_TINY_TILES], passes=["fwd"], warmup=1, iters=1),
+    block_sparse_timing=dict(m=32, k=64, n=64, dtype="bf16", block_sizes=[16], sparsities=[0.75],
+                             passes=["fwd", "fwd+bwd"], warmup=1, iters=1),
+    training_runs=_gpt_runs([("tiny", "xla", "none", 4), ("tiny", "pallas", "none", 4)], steps=2, warmup=1),
+    offload_ratio=dict(
+        base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="none", steps=2, warmup=1),
+        choices=[["none", "device"], ["optimizer", "device"], ["optimizer", "host"]]),
+    largest=dict(
+        base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="none", steps=1, warmup=1),
+        searches=[["none", "device"], ["optimizer", "host"]], fit_by="compile", compile_budget=5e6,
+        max_layers=6, max_probes=3, host_memory_fraction=0.85),
+    autocast=dict(
+        base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="none", steps=2, warmup=1),
+        modes=[["fp32", "fp32", None], ["autocast bf16", "fp32", "bf16"], ["hand bf16", "bf16", None]]),
+    device_memory=80e9,
+)
+
+PROFILES = {"full": FULL, "quick": QUICK}
