@@ -14,9 +14,11 @@ from zeroflow.precision import LossScaleState, Precision
 from zeroflow.state import TrainState, init_train_state, state_shardings
 from zeroflow.checkpoint import restore_checkpoint, save_checkpoint
 from zeroflow.step import make_train_step
+from zeroflow.autocast import AutocastPolicy, autocast, autocast_report, scaled_value_and_grad
 from zeroflow import memory, offload  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
 __all__ = ["make_mesh", "Precision", "LossScaleState", "ZeroPlan", "TrainState",
            "init_train_state", "state_shardings", "make_train_step", "save_checkpoint",
-           "restore_checkpoint", "memory", "offload"]
+           "restore_checkpoint", "memory", "offload", "autocast", "AutocastPolicy",
+           "autocast_report", "scaled_value_and_grad"]
 __version__ = "0.1.0"
