@@ -8,7 +8,10 @@ Every element costs its dtype's width each time it is read or written. For a mat
   dot, and (training) in the two backward dots, each of which touches all three again:
   ``2 * (n_a + n_b + n_out)`` per pass, 3 passes;
 - spent: every fp32 operand not yet cast is read at 4 and written at 2 (6 bytes per element)
-  in the forward pass, and its gradient is cast back up in the backward pass (6 more);
+  in the forward pass, and its gradient is cast back up in the backward pass (6 more). That
+  holds for an operand read from memory (a weight, an input). An operand that an elementwise
+  op computes right here is cast by the same fused kernel, which only writes the extra half
+  copy (2 bytes per element, and 2 for its gradient);
 - avoided: a half operand that the fp32 op would have to cast up (the same 6 + 6 bytes).
 
 A weight already cast for an earlier use costs nothing more. A loop-invariant weight used in a
@@ -37,7 +40,10 @@ class Operand:
     cast_ready: bool
     "An fp32 operand whose half copy already exists (another use cast it)."
     cast_share: float = 1.0
-    "Fraction of a cast this op pays (1 / trip count for a loop-invariant weight)."
+    "Fraction of a cast this op pays (1 / trip count for a loop-invariant weight, 1 / uses for"
+    " an operand several matmuls read)."
+    at_rest: bool = True
+    "Read from memory (weights, inputs); False for a value computed by a fusible op here."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +60,16 @@ class Verdict:
 
 def judge(operands: list[Operand], out_size: int, *, train: bool) -> Verdict:
     passes = 3 if train else 1
-    casts_per_element = CAST_BYTES * (2 if train else 1)
+    cast_passes = 2 if train else 1  # the forward cast, and its gradient's cast back
     sizes = sum(op.size for op in operands) + out_size
     saved = passes * (FULL_BYTES - HALF_BYTES) * sizes
     spent = avoided = 0.0
     for op in operands:
+        per_element = cast_passes * (CAST_BYTES if op.at_rest else HALF_BYTES)
         if op.is_low:
-            avoided += casts_per_element * op.size
+            avoided += per_element * op.size
         elif not op.cast_ready:
-            spent += casts_per_element * op.size * op.cast_share
+            spent += per_element * op.size * op.cast_share
     return Verdict(convert=spent <= saved + avoided, saved_bytes=saved + avoided, cast_bytes=spent)
 
 

@@ -12,6 +12,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -61,8 +62,8 @@ def literal_as(value, dtype):
     """A typed literal: finite values beyond the half range clip to its largest finite value
     (a -1e9 mask stays a large negative number in fp16 instead of becoming -inf)."""
     value = np.asarray(value)
-    if np.issubdtype(dtype, np.floating) and np.issubdtype(value.dtype, np.floating):
-        big = np.finfo(dtype).max
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(value.dtype, jnp.floating):
+        big = jnp.finfo(dtype).max
         value = np.where(np.isfinite(value), np.clip(value, -big, big), value)
     return np.asarray(value, dtype)
 

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -37,8 +38,8 @@ def norm(dtype):
 
 
 def is_float(dtype) -> bool:
-    dtype = norm(dtype)
-    return isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating)
+    dtype = norm(dtype)  # jnp.issubdtype: numpy does not count bfloat16 as floating
+    return isinstance(dtype, np.dtype) and bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def dtype_of(x):
@@ -64,6 +65,9 @@ class Value:
     literal: bool = False
     cast_share: float = 1.0
     "Fraction of a cast a use pays (1 / trip count for loop-invariant values)."
+    at_rest: bool = True
+    "Read from memory (an input, a weight, an opaque op's result), so casting it is a pass of its"
+    " own; False for a value an elementwise op computes here, whose cast XLA fuses into that op."
 
 
 class Groups:
@@ -300,7 +304,7 @@ def run_at(eqn, ins, ctx: Ctx, floats, dtype, decision: str, reason: str, *,
         if is_float(out_dtype) and out_dtype in float_in:
             out_dtype = widened(out_dtype) if decision == "fp32" else np.dtype(dtype)
         outs.append(Value(dtype=out_dtype, group=ctx.groups.new(out_dtype),
-                          sensitive=sensitive and is_float(out_dtype)))
+                          sensitive=sensitive and is_float(out_dtype), at_rest=False))
     return EqnPlan(eqn, decision, reason, tuple(in_dtypes), tuple(outs), params=params)
 
 
@@ -337,7 +341,8 @@ def _paint_allow(eqn, ins, ctx: Ctx, floats, forced: bool) -> EqnPlan:
         operands = [cost.Operand(size=cost.size_of(eqn.invars[i].aval),
                                  is_low=np.dtype(ins[i].dtype) == low,
                                  cast_ready=ins[i].literal or ctx.groups.has(ins[i].group, low),
-                                 cast_share=ins[i].cast_share) for i in floats]
+                                 cast_share=ins[i].cast_share, at_rest=ins[i].at_rest)
+                    for i in floats]
         out_size = sum(cost.size_of(v.aval) for v in eqn.outvars)
         verdict = cost.judge(operands, out_size, train=ctx.policy.train)
         if not verdict.convert:
@@ -382,11 +387,22 @@ def _paint_neutral(eqn, ins, ctx: Ctx, floats, fp32_only: set) -> EqnPlan:
     comparison = eqn.primitive.name in lists.COMPARISONS
     if len(dtypes) == 1:
         dtype = dtypes.pop()
+        only = ins[arrays[0]]
+        if (len(arrays) == 1 and dtype != ctx.low and not (only.sensitive or only.pinned)
+                and ctx.groups.has(only.group, ctx.low)):
+            # e.g. ``w.T`` after ``w`` was cast for another matmul: move the half copy, not
+            # the fp32 one, so the weight is not cast a second time.
+            return run_at(eqn, ins, ctx, floats, ctx.low, "low", "uses the half copy made earlier")
         if comparison and dtype == ctx.low and not all(
                 _low_compatible(ins[i], eqn.invars[i], ctx.low) for i in floats):
             return run_at(eqn, ins, ctx, floats, F32, "fp32", "compares with a constant in fp32")
-        return run_at(eqn, ins, ctx, floats, dtype, "neutral", "takes its input's dtype",
+        plan = run_at(eqn, ins, ctx, floats, dtype, "neutral", "takes its input's dtype",
                       sensitive=any(ins[i].sensitive for i in arrays))
+        if len(arrays) == 1 and len(plan.outs) == 1 and only.at_rest and (
+                cost.size_of(eqn.outvars[0].aval) == cost.size_of(eqn.invars[arrays[0]].aval)):
+            # a transpose / reshape of a weight: casting it reads the whole weight as before
+            plan.outs = (dataclasses.replace(plan.outs[0], at_rest=True),)
+        return plan
     if comparison:
         return run_at(eqn, ins, ctx, floats, F32, "fp32", "compares mixed dtypes in fp32")
     return _paint_follow(eqn, ins, ctx, floats, fp32_only)
