@@ -72,6 +72,34 @@ def test_forward_dots_are_half_and_exp_log_sums_stay_fp32():
     assert all(in_dtypes(e) == [F32, F32] for e in eqns(mlp_loss, params, x, labels, name="dot_general"))
 
 
+def test_fp32_list_ops_stay_fp32_even_when_a_matmul_uses_them():
+    def fn(w, x):
+        h = x @ w
+        sums = jnp.sum(h, axis=-1, keepdims=True)
+        feats = jnp.exp(h) + jnp.log(jnp.abs(h) + 1.0) + jax.lax.rsqrt(h * h + 1.0) + h ** 2.5 + sums
+        return jnp.tanh(feats @ w).mean()
+    w, x = normal(32, 32), normal(256, 32).astype(BF16)
+    found = eqns(zf.autocast(fn), w, x)
+    for name in ("exp", "log", "rsqrt", "pow", "reduce_sum"):
+        ops = [e for e in found if e.primitive.name == name]
+        assert ops and all(set(in_dtypes(e) + out_dtypes(e)) == {F32} for e in ops), name
+    # the h * h under rsqrt feeds fp32 ops only, so it runs in fp32 too (fp16 would overflow)
+    squares = [e for e in found if e.primitive.name in ("mul", "square", "integer_pow")
+               and e.outvars[0].aval.shape == (256, 32)]
+    assert squares and all(out_dtypes(e) == [F32] for e in squares)
+    dots = [e for e in found if e.primitive.name == "dot_general"]
+    assert [in_dtypes(e) for e in dots] == [[BF16, BF16]] * 2
+    np.testing.assert_allclose(zf.autocast(fn)(w, x), fn(w, x), rtol=2e-2)
+
+
+def test_softmax_shift_runs_in_fp32_across_calls():
+    params, x, labels = mlp_setup()
+    found = eqns(zf.autocast(mlp_loss), params, x, labels)
+    (exp,) = [e for e in found if e.primitive.name == "exp"]
+    (shift,) = [e for e in found if e.outvars[0] is exp.invars[0]]  # logits - max, inside jit
+    assert shift.primitive.name == "sub" and set(in_dtypes(shift)) == {F32}
+
+
 def test_backward_matmuls_are_half_and_gradients_keep_their_dtype():
     params, x, labels = mlp_setup()
     grad = jax.grad(zf.autocast(mlp_loss))
