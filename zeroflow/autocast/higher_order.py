@@ -76,7 +76,7 @@ class CallPlan:
 
 def paint_call(eqn, ins, ctx: Ctx) -> EqnPlan:
     jaxpr, consts = _open(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
-    body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), ins, ctx.inside(ctx.path + "/"))
+    body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), ins, ctx.into_call(ctx.path + "/"))
     name = eqn.params.get("name", eqn.primitive.name)
     return EqnPlan(eqn, "call", f"inlined {eqn.primitive.name} '{name}'", (None,) * len(ins),
                    tuple(body.outs), sub=CallPlan(body, consts))

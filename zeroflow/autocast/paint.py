@@ -134,9 +134,18 @@ class Ctx:
     groups: Groups
     path: str = ""
     scope: str = ""
+    fp32_outs: frozenset = frozenset()
+    "Outputs of the jaxpr being painted whose every use outside ends in an fp32-list op."
+    eqn_fp32_outs: frozenset = frozenset()
+    "While painting one eqn: the indices of its outputs whose every use ends in fp32 ops."
 
     def inside(self, path: str, scope: str = "") -> "Ctx":
-        return dataclasses.replace(self, path=path, scope=join_scope(self.scope, scope))
+        return dataclasses.replace(self, path=path, scope=join_scope(self.scope, scope),
+                                   fp32_outs=frozenset(), eqn_fp32_outs=frozenset())
+
+    def into_call(self, path: str) -> "Ctx":
+        """The context of an inlined call's body: its outputs' uses are the call's."""
+        return dataclasses.replace(self, path=path, fp32_outs=self.eqn_fp32_outs)
 
 
 def join_scope(outer: str, inner: str) -> str:
@@ -171,13 +180,15 @@ def paint_jaxpr(jaxpr, const_values, in_values, ctx: Ctx, out_targets=None) -> P
             return literal_value(atom, ctx.groups)
         return env[atom]
 
-    fp32_only = uses_only_fp32(jaxpr, ctx.policy)
+    fp32_only = uses_only_fp32(jaxpr, ctx.policy, ctx.fp32_outs)
     allow_uses = count_allow_uses(jaxpr, ctx.policy)
     plans = []
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) if isinstance(v, jcore.Literal) else _share(read(v), allow_uses.get(v, 1))
                for v in eqn.invars]
-        sub_ctx = ctx.inside(f"{ctx.path}{eqn.primitive.name}#{i}", str(eqn.source_info.name_stack))
+        sub_ctx = dataclasses.replace(
+            ctx.inside(f"{ctx.path}{eqn.primitive.name}#{i}", str(eqn.source_info.name_stack)),
+            eqn_fp32_outs=frozenset(k for k, v in enumerate(eqn.outvars) if v in fp32_only))
         painter = higher_order.PAINTERS.get(eqn.primitive.name)
         if painter is not None:
             plan = painter(eqn, ins, sub_ctx)
@@ -214,19 +225,31 @@ def count_allow_uses(jaxpr, policy: AutocastPolicy) -> dict:
     return counts
 
 
-def uses_only_fp32(jaxpr, policy: AutocastPolicy) -> set:
-    """Vars whose every use ends in an fp32-list op through follow/neutral ops only, e.g. the
-    ``x * x`` under a variance or the ``x - max`` under a softmax's ``exp``."""
+CALLS = ("jit", "pjit", "closed_call", "core_call")
+
+
+def uses_only_fp32(jaxpr, policy: AutocastPolicy, fp32_outs=frozenset()) -> set:
+    """Vars whose every use ends in an fp32-list op through follow/neutral ops (and inlined
+    calls) only, e.g. the ``x * x`` under a variance or the ``x - max`` under a softmax's
+    ``exp``. ``fp32_outs``: indices of outputs that count as such a use (the caller of an
+    inlined call says so)."""
     consumers: dict = {}
     for eqn in jaxpr.eqns:
-        for v in eqn.invars:
+        for k, v in enumerate(eqn.invars):
             if not isinstance(v, jcore.Literal):
-                consumers.setdefault(v, []).append(eqn)
-    outputs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+                consumers.setdefault(v, []).append((eqn, k))
+    outs = [(k, v) for k, v in enumerate(jaxpr.outvars) if not isinstance(v, jcore.Literal)]
+    other_outputs = {v for k, v in outs if k not in fp32_outs}
+    fp32_outputs = {v for k, v in outs if k in fp32_outs}
     result: set = set()
 
-    def feeds_fp32(eqn) -> bool:
-        kind = policy.category(eqn.primitive.name)
+    def feeds_fp32(eqn, k) -> bool:
+        name = eqn.primitive.name
+        if name in CALLS:
+            inner = _callee(eqn)
+            inner_outs = frozenset(j for j, v in enumerate(eqn.outvars) if v in result)
+            return inner.invars[k] in _uses_only_fp32_cached(inner, policy, inner_outs)
+        kind = policy.category(name)
         if kind == "fp32":
             return True
         if kind not in ("follow", "neutral"):
@@ -234,14 +257,36 @@ def uses_only_fp32(jaxpr, policy: AutocastPolicy) -> set:
         return all(v in result for v in eqn.outvars
                    if not isinstance(v, jcore.DropVar) and is_float(v.aval.dtype))
 
+    def decide(v) -> None:
+        if isinstance(v, jcore.DropVar) or v in other_outputs or not is_float(v.aval.dtype):
+            return
+        uses = consumers.get(v, [])
+        if (uses or v in fp32_outputs) and all(feeds_fp32(c, k) for c, k in uses):
+            result.add(v)
+
     for eqn in reversed(jaxpr.eqns):
         for v in eqn.outvars:
-            if isinstance(v, jcore.DropVar) or v in outputs or not is_float(v.aval.dtype):
-                continue
-            uses = consumers.get(v, [])
-            if uses and all(feeds_fp32(c) for c in uses):
-                result.add(v)
+            decide(v)
+    for v in jaxpr.invars:
+        decide(v)
     return result
+
+
+_FP32_CACHE: dict = {}
+
+
+def _uses_only_fp32_cached(jaxpr, policy, fp32_outs) -> set:
+    key = (id(jaxpr), policy, fp32_outs)
+    if key not in _FP32_CACHE or _FP32_CACHE[key][0] is not jaxpr:
+        if len(_FP32_CACHE) > 4096:
+            _FP32_CACHE.clear()
+        _FP32_CACHE[key] = (jaxpr, uses_only_fp32(jaxpr, policy, fp32_outs))
+    return _FP32_CACHE[key][1]
+
+
+def _callee(eqn):
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
 
 
 # --------------------------------------------------------------------------- first-order ops
