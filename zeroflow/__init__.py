@@ -7,6 +7,8 @@
     state = zf.init_train_state(params, tx, plan, prec)
     step  = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=1)
     state, metrics = step(state, batch)
+
+    f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
 from zeroflow.mesh import make_mesh
 from zeroflow.plan import ZeroPlan
