@@ -331,6 +331,64 @@ def test_custom_vjp_and_logsumexp():
     ref = np.asarray(x, np.float64).T @ (2.0 + soft)
     np.testing.assert_allclose(g, ref, atol=1e-2 * np.abs(ref).max())  # a bf16 backward matmul
     assert all(set(in_dtypes(e)) == {F32} for e in eqns(cast, w, x) if e.primitive.name in ("exp", "log"))
+    # opted in: the rounding runs in bf16, the straight-through gradient is still the rule's
+    opted = zf.autocast(fn, policy=zf.AutocastPolicy(custom_calls=("straight_through_round",)))
+    (call,) = eqns(opted, w, x, name="custom_vjp_call")
+    assert in_dtypes(call) == [BF16]
+    np.testing.assert_allclose(jax.grad(opted, 0)(w, x), ref, atol=1e-2 * np.abs(ref).max())
+
+
+def test_fp16_literals_clip_instead_of_overflowing():
+    def masked_softmax(w, x):
+        scores = x @ w
+        keep = jnp.arange(scores.shape[0])[:, None] % 4 != 0  # every 4th row fully masked
+        return jax.nn.softmax(jnp.where(keep, scores, -1e9), axis=-1)
+    w, x = normal(32, 32), normal(64, 32, scale=1.0).astype(jnp.float16)
+    got = zf.autocast(masked_softmax, dtype="fp16", policy=zf.AutocastPolicy(cost_model=False))(w, x)
+    assert bool(jnp.isfinite(got).all())  # -1e9 -> -65504, not -inf (which would give NaN rows)
+    np.testing.assert_allclose(got, masked_softmax(w, x), atol=1e-2)
+
+
+def test_pallas_call_keeps_its_declared_dtypes():
+    from jax.experimental import pallas as pl
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    def fn(w, x):
+        h = x @ w
+        doubled = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype),
+                                 interpret=True)(h)
+        return jnp.tanh(doubled @ w).sum()
+    w, x = normal(32, 32), normal(128, 32).astype(BF16)
+    found = eqns(zf.autocast(fn), w, x)
+    (call,) = [e for e in found if e.primitive.name == "pallas_call"]
+    assert in_dtypes(call) == out_dtypes(call) == [F32]
+    assert [in_dtypes(e) for e in found if e.primitive.name == "dot_general"] == [[BF16, BF16]] * 2
+    np.testing.assert_allclose(zf.autocast(fn)(w, x), fn(w, x), rtol=2e-2)
+
+
+def test_bf16_weights_in_an_fp32_model_stay_half():
+    """Weights stored in bf16 and a model that adds fp32 positional features: jnp promotes
+    every matmul after that back to fp32; autocast keeps them in bf16 and casts no weight."""
+    def fn(params, tokens):
+        x = jnp.take(params["embed"], tokens, axis=0)
+        angles = jnp.arange(tokens.shape[-1], dtype=jnp.float32)[:, None] / 100.0
+        x = x + jnp.sin(angles + jnp.arange(x.shape[-1], dtype=jnp.float32))  # now fp32
+        h = jnp.tanh(x @ params["w1"])
+        return jnp.mean((h @ params["w2"]) ** 2)
+    params = {"embed": normal(64, 32).astype(BF16), "w1": normal(32, 64).astype(BF16),
+              "w2": normal(64, 32).astype(BF16)}
+    tokens = jnp.asarray(RNG.integers(0, 64, (8, 32)), jnp.int32)
+    plain = eqns(fn, params, tokens, name="dot_general")
+    assert all(F32 in in_dtypes(e) for e in plain)  # control: jnp made them fp32 matmuls
+    closed = jax.make_jaxpr(zf.autocast(fn))(params, tokens)
+    dots = [e for e in walk(closed) if e.primitive.name == "dot_general"]
+    assert [in_dtypes(e) for e in dots] == [[BF16, BF16]] * 2
+    weights = set(closed.jaxpr.invars[:3])
+    assert not [e for e in walk(closed) if e.primitive.name == "convert_element_type"
+                and e.invars[0] in weights]  # the weights' own bf16 copies are used
+    np.testing.assert_allclose(zf.autocast(fn)(params, tokens), fn(params, tokens), rtol=3e-2)
 
 
 # --------------------------------------------------------------------------- arguments
