@@ -266,6 +266,15 @@ def test_inside_jit_vmap_and_shard_map():
     got = jax.jit(jax.vmap(cast, in_axes=(None, 0, 0)))(params, x.reshape(8, 8, -1), labels.reshape(8, 8))
     np.testing.assert_allclose(got, ref, rtol=2e-2)
 
+    # called inside remat and inside a scan body
+    g = jax.grad(jax.checkpoint(cast))(params, x, labels)
+    np.testing.assert_allclose(g["w2"], jax.grad(mlp_loss)(params, x, labels)["w2"], atol=3e-2 * float(
+        jnp.abs(g["w2"]).max()))
+    total, _ = lax.scan(lambda c, xy: (c + cast(params, *xy), None), jnp.zeros(()),
+                        (x.reshape(4, 16, -1), labels.reshape(4, 16)))
+    ref_total = sum(mlp_loss(params, a, b) for a, b in zip(x.reshape(4, 16, -1), labels.reshape(4, 16)))
+    np.testing.assert_allclose(total, ref_total, rtol=2e-2)
+
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
     def per_device(params, x, labels):
