@@ -105,7 +105,7 @@ def grampax_loss(loss_fn):
     """``loss_fn`` under grampax's autocast, or the reason it is not available."""
     try:
         import grampax
-    except Exception as err:  # noqa: BLE001  (any import failure: report it, run the rest)
+    except Exception as err:
         return None, f"grampax not importable: {type(err).__name__}: {err}"
     return grampax.autocast(loss_fn, dtype=jnp.bfloat16), ""
 
@@ -141,7 +141,7 @@ def drop_failing(runs: list[Variant], notes: list[str]) -> list[Variant]:
             with contextlib.redirect_stdout(io.StringIO()):  # grampax prints while it fails
                 jax.block_until_ready(v.run())
             kept.append(v)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             if v.name.startswith("fp32 (default") or v.name.startswith("hand-written"):
                 raise
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""

@@ -40,8 +40,7 @@ class Operand:
     cast_ready: bool
     "An fp32 operand whose half copy already exists (another use cast it)."
     cast_share: float = 1.0
-    "Fraction of a cast this op pays (1 / trip count for a loop-invariant weight, 1 / uses for"
-    " an operand several matmuls read)."
+    "Fraction of a cast this op pays (1 / trip count: loop-invariant; 1 / k: read by k matmuls)."
     at_rest: bool = True
     "Read from memory (weights, inputs); False for a value computed by a fusible op here."
 

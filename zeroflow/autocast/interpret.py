@@ -26,7 +26,7 @@ class Copies:
     """One value and its casts, by dtype. A loop body sees the copies made outside the loop
     (``parent``) but keeps the casts it makes itself: they belong to the body's trace."""
 
-    def __init__(self, array=None, *, parent: "Copies | None" = None, literal: bool = False):
+    def __init__(self, array=None, *, parent: Copies | None = None, literal: bool = False):
         self.arrays: dict = {} if array is None else {paint.dtype_of(array): array}
         self.parent = parent
         self.literal = literal
@@ -78,7 +78,7 @@ class Slot(NamedTuple):
         return self.copies.get(self.dtype)
 
     @classmethod
-    def of(cls, array) -> "Slot":
+    def of(cls, array) -> Slot:
         return cls(Copies(array), paint.dtype_of(array))
 
 

@@ -66,8 +66,7 @@ class Value:
     cast_share: float = 1.0
     "Fraction of a cast a use pays (1 / trip count for loop-invariant values)."
     at_rest: bool = True
-    "Read from memory (an input, a weight, an opaque op's result), so casting it is a pass of its"
-    " own; False for a value an elementwise op computes here, whose cast XLA fuses into that op."
+    "Read from memory (input, weight, opaque op's result): casting it is a pass of its own."
 
 
 class Groups:
@@ -88,12 +87,12 @@ class Groups:
     def add(self, gid: int, dtype) -> None:
         self.held[gid].add(norm(dtype))
 
-    def trial(self) -> "Groups":
+    def trial(self) -> Groups:
         twin = copy.copy(self)
         twin.held = {k: set(v) for k, v in self.held.items()}
         return twin
 
-    def adopt(self, other: "Groups") -> None:
+    def adopt(self, other: Groups) -> None:
         self.held, self._ids = other.held, other._ids
 
 
@@ -139,11 +138,11 @@ class Ctx:
     eqn_fp32_outs: frozenset = frozenset()
     "While painting one eqn: the indices of its outputs whose every use ends in fp32 ops."
 
-    def inside(self, path: str, scope: str = "") -> "Ctx":
+    def inside(self, path: str, scope: str = "") -> Ctx:
         return dataclasses.replace(self, path=path, scope=join_scope(self.scope, scope),
                                    fp32_outs=frozenset(), eqn_fp32_outs=frozenset())
 
-    def into_call(self, path: str) -> "Ctx":
+    def into_call(self, path: str) -> Ctx:
         """The context of an inlined call's body: its outputs' uses are the call's."""
         return dataclasses.replace(self, path=path, fp32_outs=self.eqn_fp32_outs)
 

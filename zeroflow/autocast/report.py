@@ -22,8 +22,7 @@ class Decision:
     "Declared input types, with ``->dtype`` where autocast casts an input."
     outputs: str
     decision: str
-    "``low``, ``fp32``, ``neutral``, ``declared`` (as the program wrote it), ``alias`` (a cast "
-    "of the program's own), or the kind of a higher-order primitive."
+    "low, fp32, neutral, declared (as written), alias (the program's own cast), or a structure."
     reason: str
 
 
