@@ -148,6 +148,8 @@ class PrecisionConfig:
     "Master weight dtype (fp32)."
     loss_scale: str = "none"
     "'none', 'dynamic' or a number (static scale)."
+    autocast: str = one_of("none", "bf16", "fp16")
+    "Run the unmodified model under zf.autocast: 'none', 'bf16' or 'fp16' (fp16 needs loss_scale)."
 
 
 @dataclass

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+AUTOCAST = ("none", "bf16", "fp16")
 
 
 @struct.dataclass
@@ -21,7 +22,8 @@ class LossScaleState:
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """``params``: compute dtype of the weights the forward pass uses; ``master``: dtype of the
-    weights the optimizer updates; ``loss_scale``: "none", "dynamic" or a positive float."""
+    weights the optimizer updates; ``loss_scale``: "none", "dynamic" or a positive float;
+    ``autocast``: "none", or "bf16" / "fp16" to run the loss under ``zf.autocast``."""
     params: str = "fp32"
     master: str = "fp32"
     loss_scale: Any = "none"
@@ -31,6 +33,8 @@ class Precision:
     "Clean steps after which a dynamic scale doubles."
     min_scale: float = 1.0
     "Dynamic scale never halves below this."
+    autocast: str = "none"
+    "Run the loss under zf.autocast in this dtype: 'none', 'bf16' or 'fp16'."
 
     def __post_init__(self):
         if self.params not in DTYPES:
@@ -51,6 +55,19 @@ class Precision:
             raise ValueError(f"a static loss_scale must be positive, got {self.loss_scale!r}")
         if self.growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
+        self._check_autocast()
+
+    def _check_autocast(self):
+        if self.autocast not in AUTOCAST:
+            raise ValueError(f"unknown autocast {self.autocast!r}; choose one of {list(AUTOCAST)}")
+        if self.autocast == "none":
+            return
+        if self.params not in ("fp32", self.autocast):
+            raise ValueError(f"autocast={self.autocast!r} with params={self.params!r} mixes two half "
+                             f"types; use params='fp32' or params={self.autocast!r}")
+        if self.autocast == "fp16" and not self.scaled:
+            raise ValueError("autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
+                             "in fp16); set loss_scale='dynamic' or a number")
 
     @property
     def compute_dtype(self):

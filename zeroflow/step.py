@@ -249,6 +249,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
         raise ValueError(f"plan must be a zf.ZeroPlan, got {type(plan).__name__}")
     if not isinstance(prec, Precision):
         raise ValueError(f"prec must be a zf.Precision, got {type(prec).__name__}")
+    if prec.autocast != "none":  # half-precision compute for a model written in fp32
+        from zeroflow.autocast import autocast
+        loss_fn = autocast(loss_fn, dtype=prec.autocast)
     step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
                              grad_accum=grad_accum, per_layer=gather_per_layer)
     return TrainStep(step, tx, plan, prec, donate)

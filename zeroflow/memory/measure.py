@@ -120,7 +120,8 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
         rules = gpt_tensor_rules(model, model_parallel)
     plan = zf.ZeroPlan(mesh, stage=stage, offload=offload,
                        update_on=update_on if offload != "none" else "device", tensor_rules=rules)
-    prec = zf.Precision(params=cfg.precision.params, loss_scale=cfg.precision.loss_scale)
+    prec = zf.Precision(params=cfg.precision.params, loss_scale=cfg.precision.loss_scale,
+                        autocast=cfg.precision.autocast)
     tx = _optimizer(cfg.train)
     init = param_init_fn(model)
     shapes = jax.eval_shape(lambda: zf.init_train_state(lambda: init(jax.random.key(0)), tx, plan, prec))

@@ -100,7 +100,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None) -> Run:
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
                        tensor_rules=rules)
     prec = zf.Precision(params=cfg.precision.params, master=cfg.precision.master,
-                        loss_scale=cfg.precision.loss_scale)
+                        loss_scale=cfg.precision.loss_scale, autocast=cfg.precision.autocast)
     global_batch = cfg.train.batch_size
     if global_batch % (plan.data_size * par.grad_accum):
         raise ValueError(f"train.batch_size {global_batch} does not divide by data axis size "

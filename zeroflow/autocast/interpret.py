@@ -1,0 +1,200 @@
+"""The interpreter: trace ``fn`` to a jaxpr, paint it, and replay it with the planned casts.
+
+A small loop in the manner of jax's "Writing custom interpreters" notebook: an environment
+from jaxpr variables to values, each equation bound with its params. Because every step binds
+ordinary jax primitives, ``jax.grad`` of the interpreted function derives the backward pass
+from the half-precision forward (a low ``dot_general`` transposes into low dots), and the
+result composes with ``jit``, ``shard_map``, ``vmap`` and the rest.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from zeroflow.autocast import lists, paint
+from zeroflow.autocast.policy import AutocastPolicy
+
+
+class Copies:
+    """One value and its casts, by dtype. A loop body sees the copies made outside the loop
+    (``parent``) but keeps the casts it makes itself: they belong to the body's trace."""
+
+    def __init__(self, array=None, *, parent: Copies | None = None, literal: bool = False):
+        self.arrays: dict = {} if array is None else {paint.dtype_of(array): array}
+        self.parent = parent
+        self.literal = literal
+
+    def _find(self, dtype):
+        node = self
+        while node is not None:
+            if dtype in node.arrays:
+                return node.arrays[dtype]
+            node = node.parent
+        return None
+
+    def _widest(self):
+        node, best = self, None
+        while node is not None:
+            for dtype, array in node.arrays.items():
+                if best is None or dtype.itemsize > paint.dtype_of(best).itemsize:
+                    best = array
+            node = node.parent
+        return best
+
+    def get(self, dtype):
+        dtype = paint.norm(dtype)
+        found = self._find(dtype)
+        if found is None:
+            source = self._widest()  # cast from the most precise copy
+            found = literal_as(source, dtype) if self.literal else lax.convert_element_type(source, dtype)
+            self.arrays[dtype] = found
+        return found
+
+
+def literal_as(value, dtype):
+    """A typed literal: finite values beyond the half range clip to its largest finite value
+    (a -1e9 mask stays a large negative number in fp16 instead of becoming -inf)."""
+    value = np.asarray(value)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(value.dtype, jnp.floating):
+        big = jnp.finfo(dtype).max
+        value = np.where(np.isfinite(value), np.clip(value, -big, big), value)
+    return np.asarray(value, dtype)
+
+
+class Slot(NamedTuple):
+    """A jaxpr variable's copies and the dtype the painting says it currently has."""
+    copies: Copies
+    dtype: Any
+
+    @property
+    def value(self):
+        return self.copies.get(self.dtype)
+
+    @classmethod
+    def of(cls, array) -> Slot:
+        return cls(Copies(array), paint.dtype_of(array))
+
+
+def const_slots(consts) -> list[Slot]:
+    return [Slot.of(c if hasattr(c, "dtype") else np.asarray(c)) for c in consts]
+
+
+def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> list[Slot]:
+    """Replay ``painting`` on ``ins``; returns one ``Slot`` per jaxpr output."""
+    from zeroflow.autocast import higher_order
+
+    jaxpr = painting.jaxpr
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, ins))
+
+    def read(atom) -> Slot:
+        if isinstance(atom, jcore.Literal):
+            dtype = paint.norm(atom.aval.dtype)
+            return Slot(Copies(np.asarray(atom.val, dtype), literal=True), dtype)
+        return env[atom]
+
+    for plan in painting.eqns:
+        eqn = plan.eqn
+        slots = [read(v) for v in eqn.invars]
+        context = source_info_util.user_context(
+            eqn.source_info.traceback,
+            name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack)
+        with context, eqn.ctx.manager:
+            if plan.decision == "alias":
+                outs = [Slot(slots[0].copies, paint.norm(plan.outs[0].dtype))]
+            elif eqn.primitive.name in higher_order.RUNNERS and plan.sub is not None:
+                outs = higher_order.RUNNERS[eqn.primitive.name](plan, slots)
+            else:
+                outs = _bind(plan, slots)
+        for var, slot in zip(eqn.outvars, outs):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = slot
+
+    outs = [read(v) for v in jaxpr.outvars]
+    return [slot if target is None else Slot(slot.copies, paint.norm(target))
+            for slot, target in zip(outs, painting.out_dtypes)]
+
+
+def bind(primitive, args, params):
+    """``primitive.bind`` as ``jax.core.eval_jaxpr`` does it: some primitives (custom_jvp_call)
+    store params in a form that ``get_bind_params`` turns back into bind arguments."""
+    return primitive.bind(*args, **primitive.get_bind_params(params))
+
+
+def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
+    eqn = plan.eqn
+    args = [slot.value if dtype is None else slot.copies.get(dtype)
+            for slot, dtype in zip(slots, plan.in_dtypes)]
+    out = bind(eqn.primitive, args, plan.params if plan.params is not None else eqn.params)
+    out = out if eqn.primitive.multiple_results else [out]
+    result = []
+    for array, value in zip(out, plan.outs):
+        if paint.dtype_of(array) != paint.norm(value.dtype):  # a primitive typed its result unlike
+            array = lax.convert_element_type(array, value.dtype)  # the painting: keep the plan
+        result.append(Slot.of(array))
+    return result
+
+
+# --------------------------------------------------------------------------- the transform
+def _is_traced_leaf(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def trace(fn, args, kwargs):
+    """``fn`` as a closed jaxpr of its array leaves; everything else (callables, None, Python
+    scalars, strings) is closed over as a static value. Returns ``(closed_jaxpr, arrays,
+    out_tree)``."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    traced = [_is_traced_leaf(x) for x in leaves]
+    arrays = [x for x, t in zip(leaves, traced) if t]
+    out_tree = []
+
+    def flat_fn(*dynamic):
+        it = iter(dynamic)
+        full = [next(it) if t else x for x, t in zip(leaves, traced)]
+        a, k = jax.tree.unflatten(tree, full)
+        out_leaves, treedef = jax.tree.flatten(fn(*a, **k))
+        out_tree.append(treedef)
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fn)(*arrays)
+    return closed, arrays, out_tree[0]
+
+
+def paint_closed(closed, low, policy: AutocastPolicy) -> paint.Painting:
+    groups = paint.Groups()
+    ctx = paint.Ctx(low=low, policy=policy, groups=groups)
+    consts = [paint.Value(dtype=paint.dtype_of(c), group=groups.new(paint.dtype_of(c)))
+              for c in closed.consts]
+    ins = [paint.Value(dtype=paint.norm(v.aval.dtype), group=groups.new(v.aval.dtype))
+           for v in closed.jaxpr.invars]
+    declared_out = [v.aval.dtype for v in closed.jaxpr.outvars]
+    return paint.paint_jaxpr(closed.jaxpr, consts, ins, ctx, out_targets=declared_out)
+
+
+def autocast(fn, dtype="bf16", policy: AutocastPolicy | None = None):
+    """``fn`` with half-precision compute and no change to the model: same signature, same
+    output dtypes. See ``docs/autocast.md``."""
+    low = lists.parse_dtype(dtype)
+    policy = AutocastPolicy() if policy is None else policy
+    if not isinstance(policy, AutocastPolicy):
+        raise ValueError(f"policy must be a zf.AutocastPolicy, got {type(policy).__name__}")
+    if not callable(fn):
+        raise ValueError(f"autocast needs a callable, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def cast_fn(*args, **kwargs):
+        closed, arrays, out_tree = trace(fn, args, kwargs)
+        painting = paint_closed(closed, low, policy)
+        outs = run_jaxpr(painting, const_slots(closed.consts), [Slot.of(a) for a in arrays])
+        return jax.tree.unflatten(out_tree, [slot.value for slot in outs])
+
+    cast_fn.autocast_dtype = low
+    return cast_fn
