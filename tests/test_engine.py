@@ -146,20 +146,24 @@ def test_per_device_memory_of_each_stage(stage):
     assert jax.tree.leaves(state.params)[0].dtype == jnp.bfloat16
 
 
-def _collectives(stage):
-    _, state, step, _ = run_zero(stage, BATCHES[:1])
+def _collectives(stage, grad_accum=1):
+    _, state, step, _ = run_zero(stage, BATCHES[:1], grad_accum=grad_accum)
     hlo = step.lower(state, BATCHES[0]).compile().as_text()
     return {op for op in ("reduce-scatter", "all-gather", "all-reduce") if op in hlo}
 
 
-@pytest.mark.parametrize("stage,expected,absent", [
-    (0, {"all-reduce"}, {"reduce-scatter", "all-gather"}),
-    (1, {"all-reduce", "all-gather"}, {"reduce-scatter"}),
-    (2, {"reduce-scatter", "all-gather"}, set()),
-    (3, {"reduce-scatter", "all-gather"}, set()),
+@pytest.mark.parametrize("stage,grad_accum,expected,absent", [
+    (0, 1, {"all-reduce"}, {"reduce-scatter", "all-gather"}),
+    # Stage 1 reduces once per step: on use with one micro-batch (a reduce-scatter, as stage 2),
+    # after accumulating whole gradients with several (an all-reduce).
+    (1, 1, {"reduce-scatter", "all-gather"}, set()),
+    (1, 2, {"all-reduce", "all-gather"}, {"reduce-scatter"}),
+    (2, 1, {"reduce-scatter", "all-gather"}, set()),
+    (2, 2, {"reduce-scatter", "all-gather"}, set()),
+    (3, 1, {"reduce-scatter", "all-gather"}, set()),
 ])
-def test_compiled_collectives(stage, expected, absent):
-    ops = _collectives(stage)
+def test_compiled_collectives(stage, grad_accum, expected, absent):
+    ops = _collectives(stage, grad_accum)
     assert expected <= ops, ops
     assert not (absent & ops), ops
 

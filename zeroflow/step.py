@@ -128,8 +128,9 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     # one layer at a time (gather_layer): those stay in host memory.
     # fp32 at stages 1-2 keeps no compute copy: it is gathered from the master on the device.
     from_host = plan.offloads_params and (state.compute is not None or plan.stage in (0, 3))
-    streamed = jax.tree.map(lambda r: r.stream, routes(layout.layouts, plan, per_layer, from_host),
-                            is_leaf=lambda x: isinstance(x, Route))
+    is_route = lambda x: isinstance(x, Route)  # noqa: E731
+    route_tree = routes(layout.layouts, plan, per_layer, from_host, grad_accum=grad_accum)
+    streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
     compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
                               layout.compute_on_device, layout.compute_stored, streamed)
     params = _place(state.params, compute_sh)
@@ -143,8 +144,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
         specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
                                 layout.layouts, is_leaf=is_layout)
-        specs_grad = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_grads),
-                                  layout.layouts, is_leaf=is_layout)
+        specs_grad = jax.tree.map(lambda lay, r: lay.data_only_spec(r.sharded_grad),
+                                  layout.layouts, route_tree, is_leaf=is_layout)
         batch_specs = jax.tree.map(lambda _: P(DATA), batch)
         grads, loss, aux = jax.shard_map(
             local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P()),
@@ -156,7 +157,9 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
 
     shard = layout.state
-    one_by_one = state.compute is not None and widens_half_precision(plan.mesh)
+    # Whole compute weights are gathered from the updated shards at stages 1-2 (see one_at_a_time).
+    one_by_one = (state.compute is not None and not plan.shards_compute
+                  and widens_half_precision(plan.mesh))
     update = functools.partial(_update, tx=tx,
                                compute_dtype=None if state.compute is None else prec.compute_dtype)
     if not plan.offloads:

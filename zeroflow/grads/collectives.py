@@ -2,7 +2,7 @@
 
 Each runs inside ``shard_map`` over the ``data`` axis:
 - ``gather_weight``: a stage-3 weight shard all-gathered for use; its gradient is the
-  reduce-scatter of the devices' gradients, summed in fp32;
+  reduce-scatter of the devices' gradients, summed in fp32 into a stand-in;
 - ``scatter_grad_on_use``: a whole (stage-2) weight passed through unchanged whose gradient is
   reduce-scattered the moment the backward pass has produced it, so the full-size local
   gradient of a leaf is a transient, never held for all leaves at once;
@@ -12,8 +12,9 @@ Gradients are reduced in fp32 whatever the compute dtype: a sum over many device
 bf16/fp16's range and rounds away their low bits (XLA:CPU also rejects a bf16 reduce-scatter).
 The full-size local gradient of one leaf is therefore fp32 for the moment of its reduction.
 
-The three are ``custom_jvp``s whose tangent map is linear in a stand-in (fp32 where it is
-reduced) and whose primal is plain jax: so ``jax.checkpoint`` sees the gather or copy and can
+The three are ``custom_jvp``s whose tangent map is linear in a stand-in (zeros shaped like
+the gradient that leaves the backward pass, fp32 where it is reduced; never read, so XLA drops
+it) and whose primal is plain jax: so ``jax.checkpoint`` sees the gather or copy and can
 recompute it (``save_all_but_fetched``), and the gradient comes from transposing the tangent
 map (an all-gather transposes to the reduce-scatter, in the tangent's fp32).
 """
@@ -53,20 +54,23 @@ def _gathered_tangent(tangent, dim: int, dtype):
     return jax.lax.all_gather(tangent, DATA, axis=dim, tiled=True).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def gather_weight(shard_f32, dim: int, dtype):
-    """All-gather a stage-3 weight shard in the compute ``dtype`` for use.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def gather_weight(shard, stand_in, dim: int, dtype):
+    """All-gather a stage-3 weight ``shard`` in the compute ``dtype`` for use.
 
-    The shard comes in as fp32 (an exact upcast of the compute-dtype shard) so that its
-    gradient, the reduce-scatter of the devices' gradients, is summed and returned in fp32.
+    The gradient goes to ``stand_in``, fp32 zeros shaped like the shard and never read: it is
+    the reduce-scatter of the devices' gradients, summed and returned in fp32 (bf16/fp16 sums
+    over many devices overflow and round), while the shard itself stays in its stored dtype
+    (no fp32 copy of the weights is made to differentiate).
     """
-    return all_gather(shard_f32, dim, dtype)
+    del stand_in
+    return all_gather(shard, dim, dtype)
 
 
 @gather_weight.defjvp
 def _gather_jvp(dim, dtype, primals, tangents):
-    (shard,), (d_shard,) = primals, tangents
-    return all_gather(shard, dim, dtype), _gathered_tangent(d_shard, dim, dtype)
+    (shard, _), (_, d_stand_in) = primals, tangents
+    return all_gather(shard, dim, dtype), _gathered_tangent(d_stand_in, dim, dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

@@ -51,16 +51,17 @@ class Source(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
-    """ZeRO-3: an fp32 shard split along ``dim``, all-gathered as ``dtype``; the gradient is
-    reduce-scattered in fp32."""
+    """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
+    all-gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in."""
     dim: int
     dtype: Any
 
-    def fetch(self, shard):
-        return all_gather(shard, self.dim, self.dtype)
+    def fetch(self, stored):
+        return all_gather(stored[0], self.dim, self.dtype)
 
-    def give_back(self, shard, grad):
-        return reduce_scatter(grad, self.dim)
+    def give_back(self, stored, grad):
+        shard, _ = stored
+        return type(stored)(jnp.zeros_like(shard), reduce_scatter(grad, self.dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +261,8 @@ def after(values, anchors):
         or a.dtype == jnp.bool_)]
     if not readable:
         return values
-    first = jnp.ravel(readable[0])[0]
+    anchor = readable[0]
+    first = jax.lax.slice(anchor, (0,) * anchor.ndim, (1,) * anchor.ndim).reshape(())
     first = first.astype(jnp.uint8) if first.dtype == jnp.bool_ else first
     bits = jax.lax.bitcast_convert_type(first, _UINT[jnp.dtype(first.dtype).itemsize])
     live = (bits | 1) != 0

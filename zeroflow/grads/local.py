@@ -37,7 +37,7 @@ class Route:
     gather: bool
     "Stage 3: a shard, gathered on use."
     scatter: bool
-    "Stage 2: whole, gradient reduce-scattered on use."
+    "Stage 2 (and 1 without accumulation): whole, gradient reduce-scattered on use."
     per_layer: bool
     "Handed to the loss's ``gather_layer`` one layer at a time (leading layer axis)."
     stream: bool
@@ -52,19 +52,34 @@ class Route:
         return self.gather or (self.scatter and (not self.per_layer or self.dim > 0))
 
     @property
+    def sharded_grad(self) -> bool:
+        """The gradient leaves ``local_grads`` split over ``data`` (reduced on use, or
+        reduce-scattered after each micro-batch), else whole and all-reduced."""
+        return self.gather or self.scatter
+
+    @property
     def layer_dim(self) -> int:
         return self.dim - 1
 
 
-def routes(layouts, plan: ZeroPlan, prefix: str | None, from_host: bool, fetch_whole: bool = False):
+def routes(layouts, plan: ZeroPlan, prefix: str | None, from_host: bool, fetch_whole: bool = False,
+           grad_accum: int = 1):
     """A ``Route`` per leaf of ``layouts``. ``prefix``: the top-level key of the layer stack
     handed to ``gather_layer`` (or None); ``from_host``: compute weights live in host memory;
-    ``fetch_whole``: whole weights go through ``gather_on_use`` too (see ``fetches_whole``)."""
+    ``fetch_whole``: whole weights go through ``gather_on_use`` too (see ``fetches_whole``).
+
+    Stage 1 reduces gradients once per step: with one micro-batch that is on use, as stage 2
+    (a reduce-scatter moves half the bytes of an all-reduce and leaves each device the slice
+    its optimizer shard needs); with several it accumulates whole gradients and reduces them
+    once at the end, where stage 2 reduce-scatters every micro-batch's.
+    """
+    reduces_on_use = plan.shards_grads or (plan.shards_storage and grad_accum == 1)
+
     def route(path, lay: LeafLayout) -> Route:
         under = prefix is not None and (path_str(path) + "/").startswith(prefix + "/")
         split = lay.zero_dim is not None
         gather = plan.shards_compute and split
-        scatter = plan.shards_grads and not plan.shards_compute and split
+        scatter = reduces_on_use and not plan.shards_compute and split
         within_layer = under and split and lay.zero_dim > 0  # a layer's slice is itself split
         # A stage-3 stack split along its layer axis cannot be fetched one layer at a time.
         stream = from_host and under and not (gather and not within_layer)
@@ -118,20 +133,16 @@ def local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_
     over devices. ``collective=False`` is the one-device case, run without shard_map."""
     varying = _varying if collective else (lambda x: x)
     compute_dtype = jax.tree.leaves(params)[0].dtype if params else jnp.float32
-    route_tree = routes(layouts, plan, per_layer, from_host, fetches_whole(plan, compute_dtype))
+    route_tree = routes(layouts, plan, per_layer, from_host, fetches_whole(plan, compute_dtype),
+                        grad_accum)
     grads, loss, aux = _accumulated(params, batch, scale, loss_fn=loss_fn, routes=route_tree,
                                     plan=plan, grad_accum=grad_accum, per_layer=per_layer,
                                     varying=varying)
     if not collective:
         return grads, loss, aux
-    grads = jax.tree.map(lambda g, r: g if r.reduced_on_use or _scattered_late(r, plan)
-                         else jax.lax.psum(g, DATA), grads, route_tree)
+    grads = jax.tree.map(lambda g, r: g if r.sharded_grad else jax.lax.psum(g, DATA),
+                         grads, route_tree)
     return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
-
-
-def _scattered_late(route: Route, plan: ZeroPlan) -> bool:
-    """A stage-2 gradient that could not be reduced on use: reduce-scattered per micro-batch."""
-    return plan.shards_grads and route.dim is not None and not route.reduced_on_use
 
 
 def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
@@ -142,8 +153,8 @@ def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
 
     def differentiable(x, r: Route):
-        if r.gather and not r.stream:
-            return varying(x.astype(jnp.float32))  # gathered in the compute dtype, reduced in fp32
+        # Zeros shaped like the gradient that leaves the backward pass stand in for the weight
+        # (see zeroflow.grads.collectives): fp32 shards where it is reduced on use.
         if r.gather or (r.scatter and r.reduced_on_use):
             shape = x.shape if r.gather else _shard_shape(x.shape, r.dim, n)
             return varying(jnp.zeros(shape, jnp.float32))
@@ -154,14 +165,14 @@ def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_
     params = jax.tree.map(differentiable, params, routes)
 
     def visible(x, w, r: Route):
-        """What the loss sees for one leaf (stage-3 top-level shards stay shards here)."""
-        if r.per_layer and r.stream:
+        """What the loss sees for one leaf: the weight as it is, or a ``Detached`` pair of the
+        stored weight (shard, whole or in host memory) and its stand-in ``x``."""
+        if r.stream:
             return Detached(w, x)
-        if r.per_layer and r.scatter:
+        if r.gather or (r.scatter and (r.per_layer or r.on_use)):
+            # gather_layer / gather_on_use.Sharded / gather_on_use.Whole(dim) fetch it
             return Detached(varying(w), x)
-        if r.scatter and r.on_use:
-            return Detached(varying(w), x)  # gather_on_use.Whole(dim) reduce-scatters into x
-        if r.scatter and not r.stream:
+        if r.scatter:
             return scatter_grad_on_use(varying(w), x, r.dim)
         return x
 
@@ -171,16 +182,12 @@ def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_
         def one(r: Route, x, dt):
             if not r.per_layer:
                 return x
-            if r.stream:
-                if r.gather:
-                    return gather_weight(stream_in(x.value, x.stand_in), r.layer_dim, dt)
-                if r.reduced_on_use:  # stage 2, reduced one layer at a time
-                    weight = offload.to_device(varying(x.value))
-                    return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)
+            if r.stream and not r.reduced_on_use:
                 return stream_in(x.value, x.stand_in)
+            weight = offload.to_device(varying(x.value)) if r.stream else x.value
             if r.gather:
-                return gather_weight(x, r.layer_dim, dt)
-            return scatter_grad_on_use(x.value, x.stand_in, r.layer_dim)
+                return gather_weight(weight, x.stand_in, r.layer_dim, dt)
+            return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
         return jax.tree.map(one, routes[per_layer], layer_params, dtypes[per_layer],
                             is_leaf=_is_route)
 
@@ -193,7 +200,7 @@ def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_
             return loss * scale, (loss, aux)
 
         (_, (loss, aux)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-        g = jax.tree.map(lambda x, r: _reduce_late(x.astype(jnp.float32), r, plan), g, routes)
+        g = jax.tree.map(lambda x, r: _reduce_late(x.astype(jnp.float32), r), g, routes)
         return g, loss, aux
 
     if grad_accum == 1:
@@ -210,9 +217,10 @@ def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_
     return grads, loss / grad_accum, jax.tree.map(lambda a: a / grad_accum, aux)
 
 
-def _reduce_late(g, r: Route, plan: ZeroPlan):
-    """Per micro-batch: a stage-2 gradient the backward pass left whole is reduce-scattered."""
-    if _scattered_late(r, plan):
+def _reduce_late(g, r: Route):
+    """Per micro-batch: a gradient to be reduce-scattered that the backward pass left whole (a
+    streamed stack split along its layer axis) is reduce-scattered now."""
+    if r.scatter and not r.reduced_on_use:
         return jax.lax.psum_scatter(g, DATA, scatter_dimension=r.dim, tiled=True)
     return g
 
