@@ -115,8 +115,9 @@ def test_not_streamed_without_layer_hook():
 
 def test_gradient_stand_in_costs_no_memory():
     """The zeros the streamed layers' gradients are taken against are never materialised: the
-    compiled step needs no more temporary memory than the run without offload."""
+    compiled step needs no more temporary memory than the run that offloads only the optimizer
+    state (the same update, the compute weights on the device)."""
     def temp(offload_kind):
         state, step = _setup(3, offload_kind, devices=jax.devices())
         return step.lower(state, BATCHES[0]).compile().memory_analysis().temp_size_in_bytes
-    assert temp("optimizer+params") <= temp("none")
+    assert temp("optimizer+params") <= temp("optimizer")

@@ -5,13 +5,14 @@ and after every step the fp32 master weights and optimizer state must live in pi
 memory, sharded over ``data`` as the stage says.
 """
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import zeroflow as zf
-from zeroflow import offload
+from zeroflow import offload, update
 from zeroflow.state import state_shardings
 
 STEPS = 2
@@ -125,3 +126,92 @@ def test_to_memory_rejects_unknown_kind():
 def test_host_update_needs_offload():
     with pytest.raises(ValueError, match="update_on='host' needs offload"):
         zf.ZeroPlan(zf.make_mesh(), stage=1, update_on="host")
+
+
+# -- update_on="device": the offloaded state streamed through the device one parameter at a time
+
+
+@pytest.fixture
+def separate_host_memory(monkeypatch):
+    """Take the path a GPU takes: on XLA:CPU host and device memory are one, so the engine does
+    not stream there (it would only add copies)."""
+    monkeypatch.setattr(update, "host_memory_is_separate", lambda mesh: True)
+
+
+@pytest.mark.parametrize("tx", [make_tx(), optax.lion(1e-3), optax.sgd(1e-2, momentum=0.9)],
+                         ids=["clip+adamw", "lion", "momentum"])
+def test_streamed_update_equals_the_whole_update(separate_host_memory, tx):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, offload="optimizer")
+    state = zf.init_train_state(init_params(), tx, plan, zf.Precision())
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), state.master)
+    shard = state_shardings(state.master, tx, plan, zf.Precision())
+    for finite in (True, False):
+        streamed = jax.jit(lambda g, m, o, f: update.streamed(
+            g, m, o, f, tx=tx, compute_dtype=jnp.bfloat16, shardings=shard))(
+            grads, state.master, state.opt_state, finite)
+        device = lambda t: offload.to_memory(t, jax.tree.map(  # noqa: E731
+            lambda s: s.with_memory_kind("device"), shard.master), "device")
+        whole = jax.jit(lambda g, m, o, f: update.apply(
+            g, m, o, f, tx=tx, compute_dtype=jnp.bfloat16))(
+            grads, device(state.master), jax.tree.map(lambda x: jax.device_put(
+                x, x.sharding.with_memory_kind("device")), state.opt_state), finite)
+        for got, want in zip(jax.tree.leaves(streamed), jax.tree.leaves(whole)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert offload.memory_kinds(streamed[:2]) == {"pinned_host"}  # back on the host
+
+
+def test_streamed_update_waits_for_the_previous_parameter(separate_host_memory):
+    """Each parameter's offloaded state is used only after the previous parameter's results
+    exist (``after``), so the device holds one parameter's state at a time."""
+    tx = make_tx()
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, offload="optimizer")
+    state = zf.init_train_state(init_params(), tx, plan, zf.Precision())
+    shard = state_shardings(state.master, tx, plan, zf.Precision())
+    grads = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, np.float32),
+                                                  x.sharding.with_memory_kind("device")), state.master)
+    jaxpr = jax.make_jaxpr(lambda g, m, o: update.streamed(
+        g, m, o, jnp.bool_(True), tx=tx, compute_dtype=None, shardings=shard))(
+        grads, state.master, state.opt_state).jaxpr
+    # Every copy of fp32 state to the device, in program order, and what each one's first
+    # use depends on.
+    copies = [e for e in jaxpr.eqns if e.primitive.name == "device_put"
+              and any(getattr(d, "memory_kind", None) == "device" for d in e.params["devices"])]
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def ancestors(var, seen=None):
+        seen = set() if seen is None else seen
+        eqn = made.get(var)
+        if eqn is None or id(eqn) in seen:
+            return seen
+        seen.add(id(eqn))
+        for v in eqn.invars:
+            if not isinstance(v, jax.extend.core.Literal):
+                ancestors(v, seen)
+        return seen
+
+    users = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, jax.extend.core.Literal):
+                users.setdefault(v, []).append(e)
+    n_params = len(jax.tree.leaves(state.master))
+    by_param = [[c for c in copies if c.outvars[0].aval.shape == p.shape] for p in
+                jax.tree.leaves(state.master)]
+    assert all(by_param) and len(copies) >= n_params
+    # The first use of parameter i's state (a select from ``after``) depends on the copy of
+    # parameter i-1's state: the update of i cannot start before i-1's is done.
+    order = sorted(range(n_params), key=lambda i: jaxpr.eqns.index(by_param[i][0]))
+    for before, after in zip(order, order[1:]):
+        first_use = users[by_param[after][0].outvars[0]][0]
+        deps = set().union(*(ancestors(v) for v in first_use.invars
+                             if not isinstance(v, jax.extend.core.Literal)))
+        assert id(by_param[before][0]) in deps, (before, after)
+
+
+def test_update_that_mixes_parameters_is_not_streamed():
+    """A norm over the updates needs every parameter's optimizer state at once."""
+    mixed = optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0))
+    params = jax.tree.map(jnp.asarray, init_params())
+    assert not update.streamable(mixed, params)
+    assert update.streamable(make_tx(), params)

@@ -10,7 +10,7 @@
 
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
-from zeroflow.mesh import make_mesh
+from zeroflow.mesh import make_mesh, planning_mesh
 from zeroflow.plan import ZeroPlan
 from zeroflow.precision import LossScaleState, Precision
 from zeroflow.state import TrainState, init_train_state, state_shardings
@@ -19,7 +19,7 @@ from zeroflow.step import make_train_step
 from zeroflow.autocast import AutocastPolicy, autocast, autocast_report, scaled_value_and_grad
 from zeroflow import memory, offload  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
-__all__ = ["make_mesh", "Precision", "LossScaleState", "ZeroPlan", "TrainState",
+__all__ = ["make_mesh", "planning_mesh", "Precision", "LossScaleState", "ZeroPlan", "TrainState",
            "init_train_state", "state_shardings", "make_train_step", "save_checkpoint",
            "restore_checkpoint", "memory", "offload", "autocast", "AutocastPolicy",
            "autocast_report", "scaled_value_and_grad"]

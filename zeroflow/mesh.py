@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 DATA = "data"
 MODEL = "model"
@@ -39,3 +39,13 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence[jax.Device] |
     # Auto axes: shardings are propagated by the compiler (GSPMD/Shardy); zeroflow places the
     # explicit collectives itself inside shard_map where the HLO must show them.
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def planning_mesh(data: int, model: int = 1) -> AbstractMesh:
+    """A device-free mesh of ``data x model`` devices, for planning and memory estimates of a
+    machine this one is not (``zf.ZeroPlan(planning_mesh(64), stage=3)``): shardings and shard
+    shapes work, steps cannot run on it."""
+    for name, size in ((DATA, data), (MODEL, model)):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must be a positive int, got {size!r}")
+    return AbstractMesh((int(data), int(model)), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflow.mesh import DATA, MODEL
 
@@ -68,6 +68,8 @@ class LeafLayout:
 class ZeroPlan:
     """How a training state is sharded over a ``("data", "model")`` mesh.
 
+    ``mesh`` is a ``jax.sharding.Mesh`` (``zf.make_mesh``), or an ``AbstractMesh``
+    (``zf.planning_mesh``) to plan and estimate memory for devices this machine has not.
     stage 0: all replicated; 1: master weights + optimizer state sharded over ``data``;
     2: also gradients reduce-scattered; 3: also compute weights sharded, gathered on use.
     ``offload``: "none", "optimizer" (master + optimizer state in pinned host memory) or
@@ -82,8 +84,10 @@ class ZeroPlan:
     tensor_rules: Sequence[tuple[str, P]] = ()
 
     def __post_init__(self):
-        if not isinstance(self.mesh, Mesh) or set(self.mesh.axis_names) != {DATA, MODEL}:
-            raise ValueError("ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh")
+        if (not isinstance(self.mesh, (Mesh, AbstractMesh))
+                or set(self.mesh.axis_names) != {DATA, MODEL}):
+            raise ValueError("ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh "
+                             "(or zf.planning_mesh to plan for devices this machine has not)")
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.offload not in OFFLOAD_CHOICES:

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zeroflow import offload
+from zeroflow import offload, update
 from zeroflow.grads import Route, local_grads, routes
-from zeroflow.grads import gather_on_use
-from zeroflow.grads.collectives import as_words, widens_half_precision
+from zeroflow.grads.collectives import widens_half_precision
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -72,44 +71,6 @@ def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPla
 
 def _place(tree, shardings):
     return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
-
-
-def _update(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
-            compute_dtype, compute_shardings=None):
-    """The optimizer update on sharded fp32 arrays; a non-finite step changes nothing.
-    Returns ``(new_master, new_opt_state, new_compute)`` (``new_compute`` None for fp32).
-    ``compute_shardings``: where the new compute weights go, when they should be moved there
-    one leaf after the other (see ``one_at_a_time``)."""
-    def apply(grads, master, opt_state):
-        updates, new_opt = tx.update(grads, opt_state, master)
-        return optax.apply_updates(master, updates), new_opt
-
-    def keep(grads, master, opt_state):
-        return master, opt_state
-
-    # A cond, not jnp.where over the results: the skipped branch is never computed, and XLA can
-    # update the optimizer state in place instead of copying it.
-    new_master, new_opt = jax.lax.cond(finite, apply, keep, grads, master, opt_state)
-    if compute_dtype is None:
-        return new_master, new_opt, None
-    new_compute = jax.tree.map(lambda x: x.astype(compute_dtype), new_master)
-    if compute_shardings:
-        new_compute = one_at_a_time(new_compute, compute_shardings)
-    return new_master, new_opt, new_compute
-
-
-def one_at_a_time(tree, shardings):
-    """``tree`` resharded to ``shardings`` leaf after leaf, each move waiting for the one before
-    it, and half-precision leaves moved as integer words (see ``widens_half_precision``: XLA:CPU
-    would gather them through fp32 temporaries, for every leaf at once)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    moved, previous = [], None
-    for x, s in zip(leaves, treedef.flatten_up_to(shardings)):
-        if previous is not None:
-            x = gather_on_use.after(x, previous)
-        previous = as_words(x, lambda w: jax.lax.with_sharding_constraint(w, s))
-        moved.append(previous)
-    return jax.tree.unflatten(treedef, moved)
 
 
 def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -160,17 +121,23 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     # Whole compute weights are gathered from the updated shards at stages 1-2 (see one_at_a_time).
     one_by_one = (state.compute is not None and not plan.shards_compute
                   and widens_half_precision(plan.mesh))
-    update = functools.partial(_update, tx=tx,
-                               compute_dtype=None if state.compute is None else prec.compute_dtype)
+    compute_dtype = None if state.compute is None else prec.compute_dtype
+    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype)
+    streamed = None
+    if plan.offloads and not plan.updates_on_host and update.host_memory_is_separate(plan.mesh):
+        # Offloaded state updated on the device, one parameter's state brought in at a time.
+        streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
+                                   compute_dtype=compute_dtype, shardings=shard)
     if not plan.offloads:
-        new_master, new_opt, new_compute = update(grads, state.master, state.opt_state, finite,
-                                                  compute_shardings=one_by_one and shard.compute)
+        new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
+                                                 compute_shardings=one_by_one and shard.compute)
+    elif streamed is not None:
+        new_master, new_opt, new_compute = streamed
     elif not plan.updates_on_host:
-        # Stream master + optimizer state in, update on the device; _place below streams them
-        # back. Nothing but the update reads them, so XLA may start the copies during backward.
+        # The optimizer mixes parameters' state (see zeroflow.update): bring all of it in.
         master = offload.to_memory(state.master, shard.master, "device")
         opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
-        new_master, new_opt, new_compute = update(
+        new_master, new_opt, new_compute = apply(
             grads, master, opt_state, finite,
             compute_shardings=one_by_one and not plan.offloads_params and layout.compute_on_device)
     else:
@@ -178,7 +145,7 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         # there, and only the compute-dtype weights travel back (via _place below).
         host_grads = offload.to_memory(grads, shard.master, "pinned_host")
         host_finite = offload.to_memory(finite, plan.replicated(), "pinned_host")
-        new_master, new_opt, new_compute = offload.on_host(update)(
+        new_master, new_opt, new_compute = offload.on_host(apply)(
             host_grads, state.master, state.opt_state, host_finite)
 
     new_state = TrainState(step=state.step + 1, master=new_master, compute=new_compute,

@@ -60,8 +60,7 @@ class Sharded:
         return all_gather(stored[0], self.dim, self.dtype)
 
     def give_back(self, stored, grad):
-        shard, _ = stored
-        return type(stored)(jnp.zeros_like(shard), reduce_scatter(grad, self.dim))
+        return _pair_like(stored, reduce_scatter(grad, self.dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +75,14 @@ class Whole:
     def give_back(self, stored, grad):
         if self.scatter_dim is None:
             return grad
-        weight, _ = stored
-        return type(stored)(jnp.zeros_like(weight), reduce_scatter(grad, self.scatter_dim))
+        return _pair_like(stored, reduce_scatter(grad, self.scatter_dim))
+
+
+def _pair_like(stored, grad):
+    """The cotangent of a ``(weight, stand_in)`` pair: nothing for the weight (its zeros are
+    never materialised: the caller differentiates the stand-in only), ``grad`` for the stand-in."""
+    weight, _ = stored
+    return jax.tree.unflatten(jax.tree.structure(stored), [jnp.zeros_like(weight), grad])
 
 
 @dataclasses.dataclass(frozen=True)

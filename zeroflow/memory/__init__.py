@@ -1,8 +1,10 @@
-"""Memory planning: analytic estimates (ZeRO accounting + GPT activations) and what XLA says.
+"""Memory planning: the step's peak estimated from shapes, the ZeRO paper's model-state
+accounting, and what XLA says.
 
     from zeroflow import memory
-    est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # est.device_bytes ~ 16.6e9
+    peak = memory.estimate_step(loss_fn, params, batch, tx, plan, prec)  # peak.peak_bytes, terms
     got = memory.measure(step, state, batch)                            # AOT memory_analysis()
+    est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # model states ~ 16.6e9
 
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
 offload x remat choice and names the cheapest that fits. See docs/memory.md.
@@ -18,7 +20,9 @@ from zeroflow.memory.estimate import (
     parse_bytes,
 )
 from zeroflow.memory.measure import MeasuredMemory, measure, measure_config, state_bytes
+from zeroflow.memory.peak import PeakEstimate, estimate_config_step, estimate_step
 
-__all__ = ["MemoryEstimate", "ModelStates", "MeasuredMemory", "activations", "count_gpt_params",
-           "estimate", "estimate_config", "format_bytes", "measure", "measure_config",
-           "parse_bytes", "state_bytes"]
+__all__ = ["MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
+           "count_gpt_params", "estimate", "estimate_config", "estimate_config_step",
+           "estimate_step", "format_bytes", "measure", "measure_config", "parse_bytes",
+           "state_bytes"]

@@ -18,8 +18,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from zeroflow.memory.estimate import (OFFLOADS, REMATS, STAGES, count_gpt_params, estimate_config,
-                                      format_bytes, parse_bytes)
+from zeroflow.memory.estimate import (OFFLOADS, REMATS, STAGES, count_gpt_params, format_bytes,
+                                      parse_bytes)
 
 MEASURE_MAX_PARAMS = 50_000_000
 "'--measure auto' compiles only models up to this many parameters..."
@@ -34,14 +34,29 @@ class Row:
     stage: int
     offload: str
     remat: str
-    estimate: object  # MemoryEstimate
+    update_on: str
+    estimate: object  # zeroflow.memory.peak.PeakEstimate
+    devices_per_process: int
     measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
     note: str = ""
 
     @property
     def need_bytes(self) -> float:
-        est = self.estimate.device_bytes
+        est = self.estimate.peak_bytes
         return est if self.measured_bytes is None else max(est, self.measured_bytes)
+
+    @property
+    def host_bytes(self) -> float:
+        """Pinned host memory per process (its devices' offloaded state)."""
+        return self.estimate.host_state * self.devices_per_process
+
+    def as_json(self) -> dict:
+        return {"stage": self.stage, "offload": self.offload, "update_on": self.update_on,
+                "remat": self.remat, "estimated_peak_bytes": round(self.estimate.peak_bytes),
+                "measured_peak_bytes": None if self.measured_bytes is None else round(self.measured_bytes),
+                "peak_phase": self.estimate.phase, "host_bytes_per_process": round(self.host_bytes),
+                "terms": {k: round(v) for k, v in self.estimate.terms().items()},
+                **({"note": self.note} if self.note else {})}
 
     @property
     def cost(self) -> tuple:
@@ -76,18 +91,22 @@ def _measured_device_bytes(cfg, devices: int, stage: int, offload: str, remat: s
 
 
 def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
-              measure: str = "auto", devices_per_process: int | None = None, log=None) -> list[Row]:
-    """One Row per choice: the estimate, and the measured bytes where compiled."""
+              measure: str = "auto", devices_per_process: int | None = None, log=None,
+              backend: str | None = None) -> list[Row]:
+    """One Row per choice: the estimated peak, and the measured peak where compiled."""
+    from zeroflow.memory.peak import estimate_config_step
     num_params = count_gpt_params(cfg.model)
     if measure == "auto":
         measure = "always" if (num_params <= MEASURE_MAX_PARAMS and
                                devices * cfg.parallel.model <= MEASURE_MAX_DEVICES) else "never"
+    per_process = devices_per_process or min(devices, 8)
     rows = []
     for stage in stages:
         for offload in offloads:
             for remat in remats:
-                est = estimate_config(cfg, num_devices=devices, stage=stage, offload=offload,
-                                      remat=remat, devices_per_process=devices_per_process)
+                update_on = cfg.parallel.update_on if offload != "none" else "device"
+                est = estimate_config_step(cfg, num_devices=devices, stage=stage, offload=offload,
+                                           update_on=update_on, remat=remat, backend=backend)
                 measured, note = None, ""
                 if measure == "always":
                     if log:
@@ -96,7 +115,7 @@ def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REM
                         measured = _measured_device_bytes(cfg, devices, stage, offload, remat)
                     except Exception as e:  # a choice that cannot compile is reported, not fatal
                         note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-                rows.append(Row(stage, offload, remat, est, measured, note))
+                rows.append(Row(stage, offload, remat, update_on, est, per_process, measured, note))
     return rows
 
 
@@ -120,9 +139,9 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
         measured = format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
         fits = "yes" if r.need_bytes <= device_memory else "no"
         style = "bold green" if r is best else None
-        table.add_row(str(r.stage), r.offload, r.remat, format_bytes(e.model_state_bytes),
-                      format_bytes(e.activation_bytes), format_bytes(e.device_bytes), measured,
-                      format_bytes(e.host_bytes), fits, style=style)
+        table.add_row(str(r.stage), r.offload, r.remat, format_bytes(e.model_states),
+                      format_bytes(e.activations), format_bytes(e.peak_bytes), measured,
+                      format_bytes(r.host_bytes), fits, style=style)
     console.print(table)
     if best is None:
         console.print(f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
@@ -149,6 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--offloads", default=",".join(OFFLOADS))
     parser.add_argument("--remats", default=",".join(REMATS))
+    parser.add_argument("--backend", choices=("gpu", "cpu"), default=None,
+                        help="estimate for this platform (default: this machine's; 'cpu' adds "
+                             "XLA:CPU's fp32 copies of half-precision weights)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per choice instead of the table")
     add_config_arguments(parser)
     args = parser.parse_intermixed_args(argv)
     try:
@@ -174,14 +198,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if devices is None:
             import jax
             devices = jax.device_count() // cfg.parallel.model
+        import jax
+        backend = args.backend or ("cpu" if jax.default_backend() == "cpu" else "gpu")
         title = (f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
-                 f"{devices} devices, batch {cfg.train.batch_size}, {cfg.precision.params}")
+                 f"{devices} devices, batch {cfg.train.batch_size}, {cfg.precision.params}, "
+                 f"estimated for {backend}")
         rows = plan_rows(cfg, devices=devices, stages=stages, offloads=offloads, remats=remats,
                          measure=args.measure, devices_per_process=args.devices_per_process,
-                         log=lambda m: print(m, file=sys.stderr))
+                         log=lambda m: print(m, file=sys.stderr), backend=backend)
     except (ValueError, ConfigError) as e:
         parser.error(str(e))
-    render(rows, device_memory, title)
+    if args.json:
+        import json
+        for row in rows:
+            print(json.dumps(row.as_json()))
+    else:
+        render(rows, device_memory, title)
     return 0
 
 

@@ -99,42 +99,80 @@ class StepSetup:
     num_params: int
 
 
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """What ``zf.make_train_step`` and ``zf.memory.estimate_step`` take for the trainer's GPT
+    step: abstract fp32 ``params`` and global ``batch`` (nothing allocated)."""
+    loss_fn: Any
+    params: Any
+    batch: Any
+    tx: Any
+    plan: Any
+    prec: Any
+    gather_per_layer: str
+
+
+def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
+                   update_on: str | None = None, remat: str | None = None,
+                   planning: bool = False) -> StepParts:
+    """The trainer's GPT step for ``cfg`` on ``num_devices`` data-parallel devices (times
+    ``parallel.model``); keywords override ``parallel.*`` / ``model.remat``. ``planning``: on a
+    device-free ``zf.planning_mesh`` (for estimates), else on this machine's first devices."""
+    import zeroflow as zf
+    from zeroflow.models import LAYER_STACK, make_layerwise_loss_fn, param_init_fn
+
+    par = cfg.parallel
+    stage = par.zero_stage if stage is None else stage
+    offload = par.offload if offload is None else offload
+    update_on = (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    model = dataclasses.replace(cfg.model, remat=cfg.model.remat if remat is None else remat)
+    if planning:
+        mesh = zf.planning_mesh(num_devices, par.model)
+    else:
+        if jax.device_count() < num_devices * par.model:
+            raise ValueError(f"measuring needs {num_devices * par.model} devices, "
+                             f"{jax.device_count()} available ({jax.default_backend()})")
+        mesh = zf.make_mesh(data=num_devices, model=par.model,
+                            devices=jax.devices()[:num_devices * par.model])
+    rules = ()
+    if par.model > 1:
+        from zeroflow.models.rules import gpt_tensor_rules
+        rules = gpt_tensor_rules(model, par.model)
+    plan = zf.ZeroPlan(mesh, stage=stage, offload=offload, update_on=update_on, tensor_rules=rules)
+    prec = zf.Precision(params=cfg.precision.params, loss_scale=cfg.precision.loss_scale,
+                        autocast=cfg.precision.autocast)
+    if planning and model.attention == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
+        # cuDNN's attention cannot be traced here; our flash kernel keeps the same residuals
+        # for the backward pass (q, k, v, output and per-row softmax statistics).
+        model = dataclasses.replace(model, attention="pallas")
+    params = jax.eval_shape(param_init_fn(model), jax.random.key(0))
+    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, model.seq_len + 1), np.int32)}
+    # The trainer's loss: scanned layers gathered (stage 3) and streamed (optimizer+params) one
+    # at a time through gather_layer.
+    loss = make_layerwise_loss_fn(model)
+    return StepParts(loss_fn=lambda p, b, gather_layer: loss(p, b, gather_layer), params=params,
+                     batch=batch, tx=_optimizer(cfg.train), plan=plan, prec=prec,
+                     gather_per_layer=LAYER_STACK)
+
+
 def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on: str,
                    remat: str) -> StepSetup:
     """Build the GPT train step of ``cfg`` on the first ``num_devices`` devices with abstract
     state and batch: parameters are never materialised."""
     import zeroflow as zf
-    from zeroflow.models import LAYER_STACK, make_layerwise_loss_fn, param_init_fn
     from zeroflow.state import state_shardings
 
-    model_parallel = cfg.parallel.model
-    if jax.device_count() < num_devices * model_parallel:
-        raise ValueError(f"measuring needs {num_devices * model_parallel} devices, "
-                         f"{jax.device_count()} available ({jax.default_backend()})")
-    model = dataclasses.replace(cfg.model, remat=remat)
-    devices = jax.devices()[:num_devices * model_parallel]
-    mesh = zf.make_mesh(data=num_devices, model=model_parallel, devices=devices)
-    rules = ()
-    if model_parallel > 1:
-        from zeroflow.models.rules import gpt_tensor_rules
-        rules = gpt_tensor_rules(model, model_parallel)
-    plan = zf.ZeroPlan(mesh, stage=stage, offload=offload,
-                       update_on=update_on if offload != "none" else "device", tensor_rules=rules)
-    prec = zf.Precision(params=cfg.precision.params, loss_scale=cfg.precision.loss_scale,
-                        autocast=cfg.precision.autocast)
-    tx = _optimizer(cfg.train)
-    init = param_init_fn(model)
-    shapes = jax.eval_shape(lambda: zf.init_train_state(lambda: init(jax.random.key(0)), tx, plan, prec))
+    parts = gpt_step_parts(cfg, num_devices=num_devices, stage=stage, offload=offload,
+                           update_on=update_on, remat=remat)
+    tx, plan, prec = parts.tx, parts.plan, parts.prec
+    shapes = jax.eval_shape(lambda: zf.init_train_state(parts.params, tx, plan, prec))
     shardings = state_shardings(shapes.master, tx, plan, prec)  # master has the params' shapes
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          shapes, shardings)
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, model.seq_len + 1), np.int32,
-                                            sharding=plan.batch_sharding())}
-    # The trainer's step: scanned layers gathered (stage 3) and streamed (optimizer+params)
-    # one at a time.
-    loss = make_layerwise_loss_fn(model)
-    step = zf.make_train_step(lambda p, b, gather_layer: loss(p, b, gather_layer), tx, plan, prec,
-                              grad_accum=cfg.parallel.grad_accum, gather_per_layer=LAYER_STACK)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=plan.batch_sharding()), parts.batch)
+    step = zf.make_train_step(parts.loss_fn, tx, plan, prec, grad_accum=cfg.parallel.grad_accum,
+                              gather_per_layer=parts.gather_per_layer)
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes.master))
     return StepSetup(step=step, state=state, batch=batch, plan=plan, num_params=num_params)
 

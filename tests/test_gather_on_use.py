@@ -1,0 +1,148 @@
+"""zeroflow.grads.gather_on_use: weights fetched just before each use, in a loss zeroflow never
+saw, give the loss and gradients of plain jax on the whole weights."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zeroflow as zf
+from zeroflow.grads import gather_on_use
+from zeroflow.grads.collectives import varying
+from zeroflow.mesh import DATA
+
+N = 8
+
+
+def tricky_loss(w, batch):
+    """Weights used twice (tied), through a transpose and a reshape, inside a nested jit and a
+    remat, against a constant, as a gather table, and as a broadcast bias."""
+    table, proj, bias, scale = w["table"], w["proj"], w["bias"], w["scale"]
+    x = jnp.take(table, batch["ids"], axis=0)                       # [b, s, d]
+    x = x * (scale * jnp.arange(1, 17, dtype=jnp.float32))          # weight x constant
+
+    @jax.jit
+    def layer(x, proj, bias):
+        return jnp.tanh(x @ proj.T.reshape(16, 16) + bias)
+    x = layer(x, proj, bias)
+    x = jax.checkpoint(lambda x, p: jax.nn.gelu(x @ p))(x, proj)
+    logits = x @ table.T                                            # tied with the lookup
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1)) + 0.01 * jnp.sum(proj ** 2)
+
+
+def _weights(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    return {"table": jax.random.normal(k[0], (40, 16)), "proj": jax.random.normal(k[1], (16, 16)) / 4,
+            "bias": jax.random.normal(k[2], (16,)), "scale": jax.random.normal(k[3], (16,))}
+
+
+def _batch():
+    return {"ids": np.random.default_rng(0).integers(0, 40, size=(N * 2, 5)).astype(np.int32)}
+
+
+def _sharded_grads(weights, batch):
+    """Loss and fp32 gradient shards through gather_on_use inside shard_map over data, each
+    leaf split along dim 0 (the engine's stage-3 layout)."""
+    mesh = zf.make_mesh(data=N)
+    sources = [gather_on_use.Sharded(0, jnp.float32) for _ in jax.tree.leaves(weights)]
+    treedef = jax.tree.structure(weights)
+
+    def per_device(shards, batch):
+        stand_ins = [varying(jnp.zeros(s.shape, jnp.float32)) for s in shards]
+
+        def loss(stand_ins):
+            stored = [(varying(s), z) for s, z in zip(shards, stand_ins)]
+            out = gather_on_use.call(lambda ws, b: tricky_loss(jax.tree.unflatten(treedef, ws), b),
+                                     stored, sources, batch)
+            return out
+        value, grads = jax.value_and_grad(loss)(stand_ins)
+        return jax.lax.pmean(value, DATA), grads
+
+    shards = jax.tree.leaves(weights)
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=([P(DATA)] * len(shards), P(DATA)),
+                      out_specs=(P(), [P(DATA)] * len(shards)), axis_names={DATA})
+    value, grads = jax.jit(f)(shards, batch)
+    return value, jax.tree.unflatten(treedef, grads)
+
+
+def test_loss_and_gradients_equal_plain_jax():
+    weights, batch = _weights(), _batch()
+    value, grads = _sharded_grads(weights, batch)
+    # Reference: the mean over devices of each device's loss on its rows, on whole weights.
+    per_device = lambda w: jnp.mean(jnp.stack([  # noqa: E731
+        tricky_loss(w, {"ids": batch["ids"][i * 2:(i + 1) * 2]}) for i in range(N)]))
+    want_value, want_grads = jax.value_and_grad(per_device)(weights)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for name in weights:  # the engine's gradient is the sum over devices
+        np.testing.assert_allclose(grads[name], want_grads[name] * N, rtol=2e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def _gathers_and_producers(jaxpr):
+    """``(all_gather equation, the equation that made its operand)`` pairs, in every sub-jaxpr."""
+    made = {}
+    pairs = []
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            made[var] = eqn
+        if eqn.primitive.name == "all_gather":
+            producer = made.get(eqn.invars[0])
+            while producer is not None and producer.primitive.name == "convert_element_type":
+                producer = made.get(producer.invars[0])
+            pairs.append((eqn, producer))
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                pairs += _gathers_and_producers(inner)
+    return pairs
+
+
+def test_every_gather_waits_for_the_values_it_meets():
+    """Each operation that meets data is one custom_vjp unit, and every all-gather (forward, and
+    backward after differentiation) reads a shard passed through ``after``'s select: none can
+    be hoisted to the start of the step."""
+    weights, batch = _weights(), _batch()
+    jaxpr = jax.make_jaxpr(_sharded_grads)(weights, batch)
+    assert str(jaxpr).count("name=unit") >= 6
+    pairs = _gathers_and_producers(jaxpr.jaxpr)
+    assert len(pairs) >= 12, len(pairs)  # forward and backward fetches
+    def is_select(eqn):  # jnp.where is select_n, or a jit of it named _where
+        return eqn is not None and (eqn.primitive.name == "select_n"
+                                    or "where" in str(eqn.params.get("name", "")))
+    assert all(is_select(p) for _, p in pairs), [getattr(p, "primitive", None) for _, p in pairs]
+
+
+def test_after_orders_without_changing_values():
+    x = jnp.arange(6.0).reshape(2, 3)
+    for anchor in (jnp.array([np.nan]), jnp.array([-np.inf, 1.0]), jnp.array([0], jnp.int32),
+                   jnp.array([False])):
+        np.testing.assert_array_equal(jax.jit(gather_on_use.after)(x, anchor), x)
+    assert gather_on_use.after(x, []) is x  # nothing to wait for
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_bf16_units_reduce_in_fp32(remat):
+    """Half-precision weights are gathered in bf16 but their gradients are summed in fp32: one
+    device's gradient of 256 and seven of 1 sum to 263, which bf16 cannot hold (its spacing
+    there is 2)."""
+    mesh = zf.make_mesh(data=N)
+
+    def loss(w, b):
+        f = (lambda w, b: jnp.sum(w * b)) if not remat else jax.checkpoint(lambda w, b: jnp.sum(w * b))
+        return f(w, b)
+
+    def per_device(shard, batch):
+        def scaled(z):
+            return gather_on_use.call(lambda ws, b: loss(ws[0], b), [(varying(shard), z)],
+                                      [gather_on_use.Sharded(0, jnp.bfloat16)], batch)
+        return jax.grad(scaled)(varying(jnp.zeros(shard.shape, jnp.float32)))
+
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=(P(DATA), P(DATA)), out_specs=P(DATA),
+                      axis_names={DATA})
+    w = jnp.ones((N,), jnp.bfloat16)
+    b = jnp.ones((N, N), jnp.bfloat16).at[0].set(256)  # device i's gradient is its batch row
+    grads = jax.jit(f)(w, b)
+    assert grads.dtype == jnp.float32
+    np.testing.assert_array_equal(grads, np.full((N,), 256 + N - 1, np.float32))

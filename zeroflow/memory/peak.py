@@ -1,0 +1,286 @@
+"""The compiled train step's peak memory per device, estimated from shapes (nothing compiled).
+
+``estimate_step`` adds up named terms, each a kind of buffer the step holds at its peak:
+
+- ``model_states``: the state arrays in device memory (compute weights, fp32 master and
+  optimizer state, as the plan shards and offloads them) and the batch: the step's arguments;
+- ``whole_weights``: fp32 compute at stages 1-2 keeps no compute copy, so each step gathers the
+  whole weights from the master shards for the forward and backward pass;
+- ``gradients``: the fp32 gradients the backward pass leaves, whole where they are all-reduced
+  (stage 0, stage 1 with accumulation) and 1/N where they are reduce-scattered on use;
+- ``activations``: what the backward pass keeps from the forward pass (the residuals of
+  ``jax.vjp`` of the loss on one device's micro-batch, the weights themselves excluded);
+- ``layer_in_flight``: the unit being differentiated: one scanned layer (``gather_per_layer``)
+  or the largest weight otherwise, as fetched for use plus its whole fp32 local gradient
+  before that is reduced;
+- ``widened``: XLA:CPU only: it multiplies half-precision matrices in fp32 and converts a
+  scanned layer stack once, outside the loop (GPUs use bf16/fp16 directly);
+- ``update``: while the optimizer runs: the gradients, the update direction optax builds (one
+  fp32 array per master shard) and, with ``offload="optimizer", update_on="device"``, the
+  master and optimizer state brought in from the host.
+
+The peak is ``model_states + max(backward, update)`` with ``backward = whole_weights +
+gradients + activations + layer_in_flight + widened``. docs/memory.md compares it with
+``memory_analysis()`` for every stage, offload and remat choice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroflow.grads.collectives import platform
+from zeroflow.grads.local import Route, routes
+from zeroflow.plan import ZeroPlan, path_str
+from zeroflow.precision import Precision
+
+F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakEstimate:
+    """Bytes per device of each term (see the module docstring), of the three moments that can
+    set the peak (start and end of the backward pass, the optimizer update; each excluding the
+    model states), and the peak."""
+    model_states: float
+    host_state: float
+    "The state in pinned host memory (offload), per device: not part of the device peak."
+    gathered_weights: float
+    gradients: float
+    activations: float
+    layer_in_flight: float
+    widened: float
+    backward_start: float
+    backward_end: float
+    update: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.model_states + max(self.backward_start, self.backward_end, self.update)
+
+    @property
+    def phase(self) -> str:
+        """The moment that sets the peak: "backward_start", "backward_end" or "update"."""
+        moments = {"backward_start": self.backward_start, "backward_end": self.backward_end,
+                   "update": self.update}
+        return max(moments, key=moments.get)
+
+    def terms(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def _local_elements(shape, sharding) -> int:
+    return math.prod(sharding.shard_shape(tuple(shape)) if sharding is not None else shape)
+
+
+def _kind_bytes(tree, kind: str) -> float:
+    """Bytes one device holds of ``tree``'s leaves in memory ``kind`` (None counts as device)."""
+    total = 0.0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if (getattr(sharding, "memory_kind", None) or "device") == kind:
+            total += _local_elements(leaf.shape, sharding) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _device_bytes(tree) -> float:
+    return _kind_bytes(tree, "device")
+
+
+def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None) -> list:
+    """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the
+    backward pass, the parameters themselves excluded. Traced abstractly: nothing runs."""
+    found: list = []
+
+    def probe(params, batch):
+        def loss(p):
+            out = loss_fn(p, batch) if gather_per_layer is None else loss_fn(p, batch, lambda x: x)
+            return out[0] if isinstance(out, tuple) else out
+        _, vjp = jax.vjp(loss, params)
+        inputs = jax.tree.leaves(params)
+        found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(vjp)
+                     if not any(r is p for p in inputs))
+        return 0
+
+    jax.make_jaxpr(probe)(params, batch)
+    return found
+
+
+def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *,
+                  grad_accum: int = 1, gather_per_layer: str | None = None,
+                  backend: str | None = None, recompute_bytes: float = 0.0) -> PeakEstimate:
+    """The peak of ``zf.make_train_step(loss_fn, tx, plan, prec, grad_accum, gather_per_layer=)``
+    per device, from the abstract fp32 ``params`` and the global ``batch`` (arrays or
+    ``ShapeDtypeStruct``s). ``plan`` may be on a ``zf.planning_mesh`` (no devices needed).
+    ``backend``: the platform the step is compiled for, "gpu" or "cpu" (default: the mesh's,
+    or this machine's for a planning mesh); "cpu" adds XLA:CPU's fp32 copies of
+    half-precision weights and drops the offload copies (host memory is device memory there).
+    ``recompute_bytes``: under remat, what one layer's forward pass makes again in the backward
+    pass (``estimate_config_step`` derives it for the GPT; 0 when unknown)."""
+    from zeroflow.state import abstract_master, state_shardings
+
+    master = abstract_master(params)
+    shard = state_shardings(master, tx, plan, prec)
+    n, model = plan.data_size, plan.model_size
+    layouts = plan.layouts(master)
+    route_tree = routes(layouts, plan, gather_per_layer,
+                        from_host=plan.offloads_params, grad_accum=grad_accum)
+    flat_routes = jax.tree.leaves(route_tree, is_leaf=lambda x: isinstance(x, Route))
+    shapes = [x.shape for x in jax.tree.leaves(master)]
+    compute_sh = jax.tree.leaves(plan.compute_shardings(master, memory_kind=None))
+    whole = [_local_elements(s, sh.update(spec=_without_data(sh.spec))) for s, sh in
+             zip(shapes, compute_sh)]  # elements on a device with data unsplit (TP split kept)
+    half = jnp.dtype(prec.compute_dtype).itemsize < 4
+    backend = backend or platform(plan.mesh)
+    widening = half and backend == "cpu"  # see zeroflow.grads.collectives.widens_half_precision
+    width = jnp.dtype(prec.compute_dtype).itemsize
+    fetched_width = F32 if widening else width
+
+    # Arguments: the state's device-memory arrays and this device's rows of the batch.
+    states = _device_bytes(_with_shardings(master, shard.master)) + _opt_device_bytes(tx, master, shard)
+    if shard.compute is not None:
+        states += _device_bytes(_with_shardings(master, shard.compute, prec.compute_dtype))
+    batch_bytes = sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves(batch)) / n
+    states += batch_bytes
+
+    stored_compute = prec.params != "fp32"
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(master)]
+    stacked = [gather_per_layer is not None and (q + "/").startswith(gather_per_layer + "/")
+               for q in paths]
+    gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None)
+                      else 0.0 for w, r in zip(whole, flat_routes)]
+    if plan.offloads_params:  # weights outside the streamed stack are copied in whole
+        gathered_whole = [g + (width * w if not r.per_layer else 0.0)
+                          for g, w, r in zip(gathered_whole, whole, flat_routes)]
+    grads = [F32 * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
+             for w, r in zip(whole, flat_routes)]
+
+    micro = _micro_batch(batch, n, grad_accum)
+    activations = _residual_bytes(loss_fn, master, micro, prec, gather_per_layer) / model
+
+    layer_stack = [(w, shape) for w, shape, st in zip(whole, shapes, stacked) if st]
+    unit = (sum(w / shape[0] for w, shape in layer_stack) if layer_stack else max(whole))
+    # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
+    # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place.
+    fetched = fetched_width if (plan.shards_compute or layer_stack or widening) else 0
+    widened = 0.0
+    if widening and layer_stack:
+        widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _ in layer_stack)
+
+    # The backward pass peaks at its start (all it keeps from the forward pass, the first layer
+    # being differentiated, and the gradient buffers of a scanned stack, allocated whole up
+    # front) or at its end (every gradient; weights and activations of unstacked layers have
+    # been freed one by one as the pass went back through them).
+    in_flight = max((fetched + F32) * unit, recompute_bytes / model + F32 * unit)
+    at_start = (sum(gathered_whole) + activations + in_flight
+                + sum(g for g, st in zip(grads, stacked) if st) + widened)
+    # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
+    # input gradient is not needed).
+    at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
+              + ((fetched if plan.shards_compute else 0) + F32) * unit + widened)
+    # The update direction: whole where the gradients were all-reduced (XLA keeps the reduced
+    # and the unscaled gradients), fused into each leaf's update where they arrive sharded.
+    local_master = [_local_elements(s, sh) for s, sh in zip(shapes, jax.tree.leaves(shard.master))]
+    all_reduced = not any(r.sharded_grad for r in flat_routes)
+    update_direction = F32 * (sum(local_master) if all_reduced else max(local_master))
+    update = sum(grads) + update_direction
+    if plan.offloads and not plan.updates_on_host and backend != "cpu":
+        # (XLA:CPU's host and device memory are one: nothing is brought in there.)
+        update += _streamed_in_bytes(master, shard, tx)
+    host_state = (_kind_bytes(_with_shardings(master, shard.master), "pinned_host")
+                  + _kind_bytes(_with_shardings(jax.eval_shape(tx.init, master), shard.opt_state),
+                                "pinned_host"))
+    if shard.compute is not None:
+        host_state += _kind_bytes(_with_shardings(master, shard.compute, prec.compute_dtype),
+                                  "pinned_host")
+    return PeakEstimate(model_states=states, host_state=host_state,
+                        gathered_weights=sum(gathered_whole),
+                        gradients=sum(grads), activations=activations,
+                        layer_in_flight=in_flight, widened=widened,
+                        backward_start=at_start, backward_end=at_end, update=update)
+
+
+def _micro_batch(batch, n: int, grad_accum: int):
+    """One device's micro-batch of the global ``batch``, abstract."""
+    rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+    if len(rows) != 1 or next(iter(rows)) % (n * grad_accum):
+        raise ValueError(f"batch of {sorted(rows)} rows does not divide by data axis size {n} x "
+                         f"grad_accum {grad_accum}")
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // (n * grad_accum),)
+                                                       + tuple(np.shape(x)[1:]), x.dtype), batch)
+
+
+def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer) -> float:
+    """Bytes of the loss's residuals on one micro-batch, as the step runs it (autocast too)."""
+    compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
+                                  params)
+    fn = loss_fn
+    if prec.autocast != "none":
+        from zeroflow.autocast import autocast
+        fn = autocast(loss_fn, dtype=prec.autocast)
+    residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer)
+    return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
+
+
+def _with_shardings(shapes, shardings, dtype=None):
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sh),
+                        shapes, shardings)
+
+
+def _without_data(spec):
+    from jax.sharding import PartitionSpec as P
+
+    from zeroflow.mesh import DATA
+    return P(*[None if axis == DATA else axis for axis in spec])
+
+
+def _opt_device_bytes(tx, master, shard) -> float:
+    return _device_bytes(_with_shardings(jax.eval_shape(tx.init, master), shard.opt_state))
+
+
+def _streamed_in_bytes(master, shard, tx) -> float:
+    """Offloaded state an on-device update holds at once: one parameter's master and optimizer
+    state when ``zeroflow.update.streamed`` can split the update, else all of it."""
+    from zeroflow.update import owners, streamable
+    opt = jax.eval_shape(tx.init, master)
+    on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
+    sizes = ([_device_bytes(_with_shardings(m, s)) for m, s in
+              zip(jax.tree.leaves(master), jax.tree.leaves(on_device(shard.master)))]
+             + [_device_bytes(_with_shardings(o, s)) for o, s in
+                zip(jax.tree.leaves(opt), jax.tree.leaves(on_device(shard.opt_state)))])
+    if not streamable(tx, master):
+        return float(sum(sizes))
+    groups = list(range(len(jax.tree.leaves(master)))) + owners(tx, master, opt)
+    per_group: dict = {}
+    for g, size in zip(groups, sizes):
+        per_group[g] = per_group.get(g, 0.0) + size
+    shared = per_group.pop(-1, 0.0)
+    return shared + max(per_group.values(), default=0.0)
+
+
+def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
+                         offload: str | None = None, update_on: str | None = None,
+                         remat: str | None = None, backend: str | None = None) -> PeakEstimate:
+    """``estimate_step`` for the trainer's GPT step of ``cfg`` (a ``zeroflow.config.Config``) on
+    ``num_devices`` data-parallel devices (times ``parallel.model``); keywords override
+    ``parallel.*`` / ``model.remat``. Needs no devices (a planning mesh) and allocates nothing."""
+    from zeroflow.memory.measure import gpt_step_parts
+    parts = gpt_step_parts(cfg, num_devices=num_devices, stage=stage, offload=offload,
+                           update_on=update_on, remat=remat, planning=True)
+    remat = cfg.model.remat if remat is None else remat
+    recompute = 0.0
+    if remat != "none":  # one layer's activations, made again by its remat in the backward pass
+        plain = gpt_step_parts(cfg, num_devices=num_devices, stage=stage, offload=offload,
+                               update_on=update_on, remat="none", planning=True)
+        micro = _micro_batch(parts.batch, parts.plan.data_size, cfg.parallel.grad_accum)
+        kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
+                for p in (plain, parts)]
+        recompute = max(kept[0] - kept[1], 0.0) / cfg.model.num_layers
+    return estimate_step(parts.loss_fn, parts.params, parts.batch, parts.tx, parts.plan,
+                         parts.prec, grad_accum=cfg.parallel.grad_accum,
+                         gather_per_layer=parts.gather_per_layer, backend=backend,
+                         recompute_bytes=recompute)

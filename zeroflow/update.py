@@ -1,0 +1,180 @@
+"""The optimizer update on the sharded fp32 state, wherever the plan keeps that state.
+
+- ``apply``: the optax update where the state already is (device, or host under ``compute_on``);
+  a non-finite gradient changes nothing.
+- ``streamed``: master weights and optimizer state kept in host memory (``offload``) and updated
+  on the device one parameter at a time: each parameter's master and optimizer-state leaves are
+  copied in, updated and copied back before the next parameter's update starts, so the device
+  holds one parameter's state, not the model's. The optax update is traced once and replayed
+  grouped by parameter (the computations that read no offloaded state, such as the global
+  gradient norm of ``clip_by_global_norm`` or the step count, run first); a transform that
+  mixes several parameters' offloaded state (a norm over the updates, say) cannot be split and
+  the update falls back to bringing the whole state in.
+- ``one_at_a_time``: reshard leaf after leaf (see ``widens_half_precision``).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.extend.core import Literal
+
+from zeroflow import offload
+from zeroflow.grads import gather_on_use
+from zeroflow.grads.collectives import as_words, platform
+
+
+def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation, compute_dtype,
+          compute_shardings=None):
+    """The update on fp32 arrays; returns ``(new_master, new_opt_state, new_compute)``
+    (``new_compute`` None for fp32). ``compute_shardings``: where the new compute weights go,
+    when they should be moved there one leaf after the other (see ``one_at_a_time``)."""
+    def step(grads, master, opt_state):
+        updates, new_opt = tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), new_opt
+
+    def keep(grads, master, opt_state):
+        return master, opt_state
+
+    # A cond, not jnp.where over the results: the skipped branch is never computed, and XLA can
+    # update the optimizer state in place instead of copying it.
+    new_master, new_opt = jax.lax.cond(finite, step, keep, grads, master, opt_state)
+    if compute_dtype is None:
+        return new_master, new_opt, None
+    new_compute = jax.tree.map(lambda x: x.astype(compute_dtype), new_master)
+    if compute_shardings:
+        new_compute = one_at_a_time(new_compute, compute_shardings)
+    return new_master, new_opt, new_compute
+
+
+def one_at_a_time(tree, shardings):
+    """``tree`` resharded to ``shardings`` leaf after leaf, each move waiting for the one before
+    it, and half-precision leaves moved as integer words (see ``widens_half_precision``: XLA:CPU
+    would gather them through fp32 temporaries, for every leaf at once)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    moved, previous = [], None
+    for x, s in zip(leaves, treedef.flatten_up_to(shardings)):
+        if previous is not None:
+            x = gather_on_use.after(x, previous)
+        previous = as_words(x, lambda w: jax.lax.with_sharding_constraint(w, s))
+        moved.append(previous)
+    return jax.tree.unflatten(treedef, moved)
+
+
+def host_memory_is_separate(mesh) -> bool:
+    """Whether offloaded state lives in memory the device cannot compute on. XLA:CPU's host
+    and device memory are one: streaming would only add copies there."""
+    return platform(mesh) != "cpu"
+
+
+def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
+    """For each leaf of ``opt_state``, the index of the parameter it belongs to (-1 for state
+    shared by all parameters, such as a step count)."""
+    index = jax.tree.unflatten(jax.tree.structure(master), range(len(jax.tree.leaves(master))))
+    with jax.transfer_guard("allow"):  # tree_map_params runs tx.init on a dummy
+        mapped = optax.tree_map_params(tx, lambda _, i: i, opt_state, index,
+                                       transform_non_params=lambda _: -1)
+    return jax.tree.leaves(mapped)
+
+
+def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
+             compute_dtype, shardings):
+    """The update of host-resident ``master`` / ``opt_state`` on the device, one parameter at a
+    time; returns ``(new_master, new_opt_state, new_compute)`` with the state back in host
+    memory, or None where ``tx`` mixes several parameters' state (see the module docstring).
+    ``shardings``: the state's ``TrainState`` of shardings."""
+    n_grads, master_leaves = len(jax.tree.leaves(grads)), jax.tree.leaves(master)
+    opt_leaves = jax.tree.leaves(opt_state)
+    groups = [-1] * n_grads + list(range(len(master_leaves))) + owners(tx, master, opt_state)
+
+    closed, out_shape = _step_jaxpr(tx, grads, master, opt_state)
+    jaxpr = closed.jaxpr
+    plan = _grouping(jaxpr, groups, n_grads)
+    if plan is None:
+        return None
+    eqn_group, out_group = plan
+
+    stored = jax.tree.leaves(grads) + master_leaves + opt_leaves
+    host_shardings = (jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state))
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    fetched: dict = {}
+
+    def fetch(k, tie):
+        """Input ``k`` on the device: grads are there; offloaded state is copied in, and its
+        use waits for ``tie`` (the previous parameter's results)."""
+        if k < n_grads:
+            return stored[k]
+        value = offload.to_memory(stored[k], host_shardings[k - n_grads], "device")
+        return gather_on_use.after(value, tie) if tie is not None else value
+
+    def read(atom):
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    outs: list = [None] * len(jaxpr.outvars)
+    previous = None
+    for group in [-1] + list(range(len(master_leaves))):
+        tie = previous if group >= 0 else None
+        for k, var in enumerate(jaxpr.invars):
+            if groups[k] == group:
+                fetched[k] = env[var] = fetch(k, tie)
+        for eqn in (e for e, g in zip(jaxpr.eqns, eqn_group) if g == group):
+            for var, value in zip(eqn.outvars, gather_on_use._bind(eqn, [read(a) for a in eqn.invars])):
+                env[var] = value
+        results = []
+        for k, var in enumerate(jaxpr.outvars):
+            if out_group[k] != group:
+                continue
+            before = fetched.get(n_grads + k)  # the output's own input (same tree position)
+            new = read(var)
+            outs[k] = new if before is None else jnp.where(finite, new, before)
+            results.append(outs[k])
+        previous = results or previous
+
+    n_master = len(master_leaves)
+    new_compute = None if compute_dtype is None else [x.astype(compute_dtype) for x in outs[:n_master]]
+    # Results go straight back to host memory, in the state's shardings.
+    back = [offload.to_memory(x, s, "pinned_host") for x, s in zip(outs, host_shardings)]
+    master_tree, opt_tree = out_shape
+    new_master = jax.tree.unflatten(jax.tree.structure(master_tree), back[:n_master])
+    new_opt = jax.tree.unflatten(jax.tree.structure(opt_tree), back[n_master:])
+    if new_compute is not None:
+        new_compute = jax.tree.unflatten(jax.tree.structure(master_tree), new_compute)
+    return new_master, new_opt, new_compute
+
+
+def _step_jaxpr(tx, grads, master, opt_state):
+    def step(grads, master, opt_state):
+        updates, new_opt = tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), new_opt
+
+    on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    return jax.make_jaxpr(step, return_shape=True)(
+        grads, jax.tree.map(on_device, master), jax.tree.map(on_device, opt_state))
+
+
+def streamable(tx: optax.GradientTransformation, master) -> bool:
+    """Whether ``streamed`` can update ``tx``'s state one parameter at a time."""
+    opt_state = jax.eval_shape(tx.init, master)
+    n = len(jax.tree.leaves(master))
+    closed, _ = _step_jaxpr(tx, master, master, opt_state)
+    return _grouping(closed.jaxpr, [-1] * n + list(range(n)) + owners(tx, master, opt_state),
+                     n) is not None
+
+
+def _grouping(jaxpr, groups: list[int], n_grads: int):
+    """The parameter each equation and each output belongs to (-1: none, computed first), from
+    which offloaded inputs they read; None when an equation reads two parameters' state."""
+    owner = {var: g for var, g, k in zip(jaxpr.invars, groups, range(len(groups)))
+             if k >= n_grads and g >= 0}
+    eqn_group = []
+    for eqn in jaxpr.eqns:
+        found = {owner[a] for a in eqn.invars if not isinstance(a, Literal) and a in owner}
+        if len(found) > 1:
+            return None
+        group = found.pop() if found else -1
+        eqn_group.append(group)
+        for var in eqn.outvars:
+            if group >= 0:
+                owner[var] = group
+    out_group = [owner.get(v, -1) if not isinstance(v, Literal) else -1 for v in jaxpr.outvars]
+    return eqn_group, out_group
