@@ -6,7 +6,7 @@
 
 (a) ``one_device``: zeroflow stage 0 on one device vs a plain ``jax.jit(value_and_grad)`` + optax
     step with state donation. Goal: ratio <= 1.05.
-(b) ``stages``: zeroflow stage 3 vs stage 0 over ``--devices`` devices (emulated CPU devices when
+(b) ``stages``: zeroflow stage ``--stage`` (default 3) vs stage 0 over ``--devices`` devices (emulated CPU devices when
     jax runs on CPU; on an accelerator the first ``--devices`` real ones).
 
 Each comparison runs in its own subprocess because the emulated device count is read once,
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comparison", choices=("all",) + COMPARISONS, default="all",
                    help="which comparison to run; 'all' runs each in a subprocess")
     p.add_argument("--devices", type=int, default=8, help="devices of the 'stages' comparison")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
+                   help="the ZeRO stage the 'stages' comparison sets against stage 0")
     p.add_argument("--layers", type=int, default=2, help="decoder blocks")
     p.add_argument("--width", type=int, default=128, help="embedding width")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -231,8 +233,10 @@ def build_runners(args, params, loss_fn, batch):
     if len(devices) < args.devices:
         raise SystemExit(f"--devices {args.devices}: only {len(devices)} devices available")
     baseline = zeroflow_runner("zeroflow stage 0", args, 0, devices, params, loss_fn, batch)
-    candidate = zeroflow_runner("zeroflow stage 3", args, 3, devices, params, loss_fn, batch)
-    return [(f"(b) zeroflow stage 3 vs stage 0 (baseline), {len(devices)} devices", baseline, candidate)]
+    candidate = zeroflow_runner(f"zeroflow stage {args.stage}", args, args.stage, devices, params,
+                                loss_fn, batch)
+    return [(f"(b) zeroflow stage {args.stage} vs stage 0 (baseline), {len(devices)} devices",
+             baseline, candidate)]
 
 
 def run_comparison(args) -> list[dict]:
@@ -258,7 +262,7 @@ def run_comparison(args) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 def child_command(args, comparison: str) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--comparison", comparison, "--json"]
-    for flag in ("devices", "layers", "width", "heads", "seq", "vocab", "batch", "params",
+    for flag in ("devices", "stage", "layers", "width", "heads", "seq", "vocab", "batch", "params",
                  "warmup", "pairs", "dump_hlo"):
         value = getattr(args, flag)
         if value is not None:

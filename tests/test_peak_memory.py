@@ -34,7 +34,7 @@ class DenseStack(nn.Module):
         return nn.Dense(10)(x)
 
 
-def _setup(stage, devices, *, remat=False, offload="none", prec="bf16"):
+def _setup(stage, devices, *, remat=False, offload="none", prec="bf16", grad_accum=1):
     model = DenseStack(remat=remat)
     init = lambda: model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]  # noqa: E731
     params = jax.eval_shape(init)
@@ -55,10 +55,11 @@ def _setup(stage, devices, *, remat=False, offload="none", prec="bf16"):
              "y": jax.ShapeDtypeStruct((BATCH,), jnp.int32)}
     placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                          sharding=plan.batch_sharding()), batch)
-    step = zf.make_train_step(loss_fn, tx, plan, precision)
+    step = zf.make_train_step(loss_fn, tx, plan, precision, grad_accum)
     measured = zf.memory.measure(step, state, placed)
     host = zf.memory.state_bytes(state).get("pinned_host", 0)  # XLA:CPU counts it as device
-    estimate = zf.memory.estimate_step(loss_fn, params, batch, tx, plan, precision)
+    estimate = zf.memory.estimate_step(loss_fn, params, batch, tx, plan, precision,
+                                       grad_accum=grad_accum)
     num_params = sum(x.size for x in jax.tree.leaves(params))
     return measured.total_bytes - host, estimate, num_params
 
@@ -82,8 +83,28 @@ def test_stage2_peak_is_the_zero_formula():
     assert peak <= 1.25 * zero_formula(2, psi, 8), (peak, zero_formula(2, psi, 8))
 
 
+def test_stage2_accumulates_gradient_shards_where_stage1_accumulates_whole_ones():
+    """With two micro-batches stage 1 keeps whole fp32 gradients until the end of the step and
+    stage 2 reduce-scatters each micro-batch's inside the backward pass: the difference is
+    about the whole gradient less its shard (fp32, so that XLA:CPU's converted copies of bf16
+    weights, which it hoists out of the accumulation loop, do not blur it)."""
+    stage2, _, psi = _setup(2, 8, grad_accum=2, prec="fp32")
+    stage1 = _peak(1, 8, grad_accum=2, prec="fp32")
+    assert stage1 - stage2 >= 0.75 * 4 * psi * (1 - 1 / 8)
+
+
 def test_stage3_peak_shrinks_with_devices():
     assert _peak(3, 8) <= 0.4 * _peak(3, 2)
+
+
+def test_without_fetching_whole_weights_on_use_xla_cpu_keeps_fp32_copies(monkeypatch):
+    """The control for stage 2 on XLA:CPU: if whole bf16 weights are not fetched on use, the
+    fp32 copies XLA:CPU makes for its matmuls live from the forward to the backward pass and
+    the stage-2 bound no longer holds."""
+    from zeroflow.grads import local
+    monkeypatch.setattr(local, "fetches_whole", lambda plan, dtype: False)
+    peak, _, psi = _setup(2, 8)
+    assert peak > 1.25 * zero_formula(2, psi, 8)
 
 
 def test_without_ordered_gathers_every_weight_is_gathered_at_once(monkeypatch):

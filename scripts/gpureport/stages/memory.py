@@ -36,14 +36,16 @@ def render(records: list[dict]) -> list[str]:
             continue
         compiled, est = mem.get("compiled") or {}, mem["estimate"]
         allocated = mem.get("allocated_peak")
-        ratio = est["device"] / allocated if allocated else None
-        rows.append([f"{r['stage']}: {r['item']}", size(est["device"]), size(compiled.get("total_bytes")),
+        predicted = est.get("peak", est["device"])
+        ratio = predicted / allocated if allocated else None
+        rows.append([f"{r['stage']}: {r['item']}", size(predicted), size(compiled.get("total_bytes")),
                      size(compiled.get("peak_bytes") or None), size(allocated), num(ratio, "{:.2f}"),
                      size(est["host"]), size(compiled.get("host_argument_bytes"))])
     if not rows:
         return []
-    return (["estimate: `zeroflow.memory.estimate_config` (model states + activations, its "
-             "attention term assumes stored S x S scores); compiled: XLA's memory_analysis "
+    return (["estimate: `zeroflow.memory.estimate_config_step` (the step's peak from shapes: "
+             "model states, gradients, jax's residuals, the layer in flight, the update); "
+             "compiled: XLA's memory_analysis "
              "(arguments + outputs + temporaries - aliased); XLA peak where the backend "
              "reports one; allocated: the allocator's peak in a fresh process after the steps.", ""]
             + table(["configuration", "estimate", "compiled", "XLA peak", "allocated peak",
