@@ -60,8 +60,7 @@ class DenseStack(nn.Module):
 def foreign_row(stage: int, devices: int, offload: str = "none", remat: bool = False) -> dict:
     """Measured and estimated peak of the foreign Flax model's step."""
     model = DenseStack(remat=remat)
-    init = lambda: model.init(jax.random.key(0), jnp.zeros((1, 512)))["params"]  # noqa: E731
-    params = jax.eval_shape(init)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 512)))["params"])
 
     def loss_fn(p, b):
         logits = model.apply({"params": p}, b["x"].astype(jax.tree.leaves(p)[0].dtype))
@@ -71,19 +70,12 @@ def foreign_row(stage: int, devices: int, offload: str = "none", remat: bool = F
     tx, prec = optax.adam(1e-3), zf.Precision(params="bf16")
     plan = zf.ZeroPlan(zf.make_mesh(data=devices, devices=jax.devices()[:devices]), stage=stage,
                        offload=offload)
-    abstract = jax.eval_shape(lambda: zf.init_train_state(init, tx, plan, prec))
-    shardings = zf.state_shardings(abstract.master, tx, plan, prec)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         abstract, shardings)
     batch = {"x": jax.ShapeDtypeStruct((16, 512), jnp.float32),
              "y": jax.ShapeDtypeStruct((16,), jnp.int32)}
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                         sharding=plan.batch_sharding()), batch)
-    measured = zf.memory.measure(zf.make_train_step(loss_fn, tx, plan, prec), state, placed)
+    _, measured = zf.memory.measure_step(loss_fn, params, batch, tx, plan, prec)
     est = zf.memory.estimate_step(loss_fn, params, batch, tx, plan, prec)
-    host = state_bytes(state).get("pinned_host", 0)  # XLA:CPU counts it as device memory
-    return {"measured": measured.total_bytes - host, "estimate": est.peak_bytes,
-            "phase": est.phase, "psi": sum(x.size for x in jax.tree.leaves(params))}
+    return {"measured": measured, "estimate": est.peak_bytes, "phase": est.phase,
+            "psi": sum(x.size for x in jax.tree.leaves(params))}
 
 
 def gpt_row(stage: int, devices: int, offload: str = "none", remat: str = "full") -> dict:

@@ -36,8 +36,7 @@ class DenseStack(nn.Module):
 
 def _setup(stage, devices, *, remat=False, offload="none", prec="bf16", grad_accum=1):
     model = DenseStack(remat=remat)
-    init = lambda: model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]  # noqa: E731
-    params = jax.eval_shape(init)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"])
 
     def loss_fn(p, b):
         logits = model.apply({"params": p}, b["x"].astype(jax.tree.leaves(p)[0].dtype))
@@ -47,21 +46,13 @@ def _setup(stage, devices, *, remat=False, offload="none", prec="bf16", grad_acc
     tx, precision = optax.adam(1e-3), zf.Precision(params=prec)
     plan = zf.ZeroPlan(zf.make_mesh(data=devices, devices=jax.devices()[:devices]), stage=stage,
                        offload=offload)
-    abstract = jax.eval_shape(lambda: zf.init_train_state(init, tx, plan, precision))
-    shardings = zf.state_shardings(abstract.master, tx, plan, precision)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         abstract, shardings)
     batch = {"x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
              "y": jax.ShapeDtypeStruct((BATCH,), jnp.int32)}
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                         sharding=plan.batch_sharding()), batch)
-    step = zf.make_train_step(loss_fn, tx, plan, precision, grad_accum)
-    measured = zf.memory.measure(step, state, placed)
-    host = zf.memory.state_bytes(state).get("pinned_host", 0)  # XLA:CPU counts it as device
+    _, measured = zf.memory.measure_step(loss_fn, params, batch, tx, plan, precision,
+                                         grad_accum=grad_accum)
     estimate = zf.memory.estimate_step(loss_fn, params, batch, tx, plan, precision,
                                        grad_accum=grad_accum)
-    num_params = sum(x.size for x in jax.tree.leaves(params))
-    return measured.total_bytes - host, estimate, num_params
+    return measured, estimate, sum(x.size for x in jax.tree.leaves(params))
 
 
 def _peak(stage, devices, **kwargs):

@@ -19,10 +19,12 @@ from zeroflow.memory.estimate import (
     format_bytes,
     parse_bytes,
 )
-from zeroflow.memory.measure import MeasuredMemory, measure, measure_config, state_bytes
+from zeroflow.memory.measure import (MeasuredMemory, measure, measure_config, measure_step,
+                                     state_bytes)
 from zeroflow.memory.peak import PeakEstimate, estimate_config_step, estimate_step
 
 __all__ = ["MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
            "count_gpt_params", "estimate", "estimate_config", "estimate_config_step",
-           "estimate_step", "format_bytes", "measure", "measure_config", "parse_bytes",
+           "estimate_step", "format_bytes", "measure", "measure_config", "measure_step",
+           "parse_bytes",
            "state_bytes"]

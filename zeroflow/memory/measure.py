@@ -63,6 +63,31 @@ def measure(step, state, batch) -> MeasuredMemory:
     return from_memory_analysis(stats)
 
 
+def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
+                 gather_per_layer: str | None = None) -> tuple[MeasuredMemory, float]:
+    """``(memory_analysis, device peak)`` of ``zf.make_train_step(loss_fn, tx, plan, prec, ...)``
+    for abstract fp32 ``params`` and global ``batch`` (the arguments of ``estimate_step``):
+    the state is built abstractly in the plan's shardings, nothing is allocated or run. The
+    device peak leaves out the offloaded state, which XLA:CPU counts as device arguments."""
+    import zeroflow as zf
+    from zeroflow.state import abstract_master
+
+    master = abstract_master(params)
+    abstract = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec))
+    shardings = zf.state_shardings(master, tx, plan, prec)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         abstract, shardings)
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                         sharding=plan.batch_sharding()), batch)
+    step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum,
+                              gather_per_layer=gather_per_layer)
+    got = measure(step, state, placed)
+    peak = got.total_bytes
+    if got.host_argument_bytes == 0:  # the backend does not separate host memory (XLA:CPU)
+        peak -= state_bytes(state).get("pinned_host", 0)
+    return got, float(peak)
+
+
 def _shard_nbytes(leaf) -> tuple[str, int]:
     sharding = leaf.sharding
     shape = sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else tuple(leaf.shape)
