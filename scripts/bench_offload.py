@@ -52,28 +52,20 @@ def model_config(args, layers: int | None = None):
 
 
 def build(cfg, offload: str, update_on: str):
-    """Real (allocated) state, a step and a device batch for ``cfg`` on all devices."""
+    """Real (allocated) state, a step and a device batch for ``cfg`` on all devices, assembled
+    by the trainer's ``build_run`` (its optimizer, precision and layer-wise gathering)."""
     import jax
     import numpy as np
-    import optax
 
-    import zeroflow as zf
-    from zeroflow.models import LAYER_STACK, make_layerwise_loss_fn, param_init_fn
+    from zeroflow.trainer.setup import build_run
 
-    mesh = zf.make_mesh(data=-1, model=1)
-    plan = zf.ZeroPlan(mesh, stage=cfg.parallel.zero_stage, offload=offload,
-                       update_on=update_on if offload != "none" else "device")
-    prec = zf.Precision(params="bf16")
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, weight_decay=0.1))
-    init = param_init_fn(cfg.model)
-    state = zf.init_train_state(lambda: init(jax.random.key(0)), tx, plan, prec)
-    loss = make_layerwise_loss_fn(cfg.model)  # as the trainer: layers gathered/streamed one at a time
-    step = zf.make_train_step(lambda p, b, gather_layer: loss(p, b, gather_layer), tx, plan, prec,
-                              gather_per_layer=LAYER_STACK)
+    parallel = dataclasses.replace(cfg.parallel, offload=offload,
+                                   update_on=update_on if offload != "none" else "device")
+    run = build_run(dataclasses.replace(cfg, parallel=parallel), with_data=False)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
                                                (cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
-    batch = {"tokens": jax.device_put(tokens, plan.batch_sharding())}
-    return state, step, batch
+    batch = {"tokens": jax.device_put(tokens, run.plan.batch_sharding())}
+    return run.init_state(), run.make_step(), batch
 
 
 def time_steps(cfg, offload: str, update_on: str, steps: int, warmup: int) -> dict:

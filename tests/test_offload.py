@@ -74,7 +74,7 @@ def _assert_same(got, want):
 
 def _check_placement(state, plan):
     # Master + optimizer state: pinned_host, and sharded over data as the stage says.
-    expected = state_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.master),
+    expected = state_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.master_params),
                                make_tx(), plan, PREC)
     for part in ("master", "opt_state"):
         for arr, want in zip(jax.tree.leaves(getattr(state, part)), jax.tree.leaves(getattr(expected, part))):

@@ -148,6 +148,14 @@ class PrecisionConfig:
     "Master weight dtype (fp32)."
     loss_scale: str = "none"
     "'none', 'dynamic' or a number (static scale)."
+    init_scale: float = 32768.0
+    "Starting scale of dynamic loss scaling."
+    growth_interval: int = 2000
+    "Clean steps after which a dynamic loss scale doubles."
+    min_scale: float = 1.0
+    "A dynamic loss scale never halves below this."
+    max_consecutive_skips: int = 20
+    "Consecutive skipped steps (non-finite gradients) after which a dynamically scaled run stops."
 
 
 @dataclass

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zeroflow import offload
+from zeroflow import offload, padding
 from zeroflow.grads import Route, local_grads, routes
 from zeroflow.grads import gather_on_use
 from zeroflow.grads.collectives import as_words, widens_half_precision
 from zeroflow.mesh import DATA
+from zeroflow.padding import NO_PADDING, StatePadding
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import Precision
 from zeroflow.state import TrainState, state_shardings
@@ -53,7 +54,7 @@ def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
 class StepLayout(NamedTuple):
     """Everything about where arrays live that one state layout needs, computed once per layout
     (not per trace): per-leaf layouts, the state's shardings and the compute weights' shardings
-    as the step reads them."""
+    as the step reads them. ``abstract_master`` has the parameters' own (unpadded) shapes."""
     layouts: Any
     state: TrainState
     compute_on_device: Any
@@ -61,13 +62,13 @@ class StepLayout(NamedTuple):
 
 
 def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPlan,
-                prec: Precision) -> StepLayout:
+                prec: Precision, model_state=None, rng=None) -> StepLayout:
     return StepLayout(
         layouts=plan.layouts(abstract_master),
-        state=state_shardings(abstract_master, tx, plan, prec),
-        compute_on_device=plan.compute_shardings(abstract_master,
+        state=state_shardings(abstract_master, tx, plan, prec, model_state, rng),
+        compute_on_device=plan.compute_shardings(abstract_master, padded=True,
                                                  memory_kind="device" if plan.offloads else None),
-        compute_stored=plan.compute_shardings(abstract_master))
+        compute_stored=plan.compute_shardings(abstract_master, padded=True))
 
 
 def _place(tree, shardings):
@@ -75,11 +76,15 @@ def _place(tree, shardings):
 
 
 def _update(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
-            compute_dtype, compute_shardings=None):
+            compute_dtype, compute_shardings=None, pads: StatePadding = NO_PADDING):
     """The optimizer update on sharded fp32 arrays; a non-finite step changes nothing.
     Returns ``(new_master, new_opt_state, new_compute)`` (``new_compute`` None for fp32).
     ``compute_shardings``: where the new compute weights go, when they should be moved there
-    one leaf after the other (see ``one_at_a_time``)."""
+    one leaf after the other (see ``one_at_a_time``). ``pads``: where the stored arrays (and
+    ``grads``, in the master's form) are padded; the optimizer sees them unpadded."""
+    grads, master = padding.unpad(grads, pads.master), padding.unpad(master, pads.master)
+    opt_state = padding.unpad(opt_state, pads.opt_state)
+
     def apply(grads, master, opt_state):
         updates, new_opt = tx.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), new_opt
@@ -90,9 +95,12 @@ def _update(grads, master, opt_state, finite, *, tx: optax.GradientTransformatio
     # A cond, not jnp.where over the results: the skipped branch is never computed, and XLA can
     # update the optimizer state in place instead of copying it.
     new_master, new_opt = jax.lax.cond(finite, apply, keep, grads, master, opt_state)
+    new_compute = None if compute_dtype is None else padding.pad(
+        jax.tree.map(lambda x: x.astype(compute_dtype), new_master), pads.compute, pads.data_size)
+    new_master = padding.pad(new_master, pads.master, pads.data_size)
+    new_opt = padding.pad(new_opt, pads.opt_state, pads.data_size)
     if compute_dtype is None:
         return new_master, new_opt, None
-    new_compute = jax.tree.map(lambda x: x.astype(compute_dtype), new_master)
     if compute_shardings:
         new_compute = one_at_a_time(new_compute, compute_shardings)
     return new_master, new_opt, new_compute
@@ -132,13 +140,21 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
                             is_leaf=lambda x: isinstance(x, Route))
     compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
                               layout.compute_on_device, layout.compute_stored, streamed)
-    params = _place(state.params, compute_sh)
-    scale = state.loss_scale.scale if state.loss_scale is not None else jnp.ones((), jnp.float32)
+    pads = state.padding
+    params = state.stored_params
+    if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
+        params = padding.unpad(params, pads.master)
+    params = _place(params, compute_sh)
+    scale = prec.step_scale(state.loss_scale)
+    # What the loss gets besides weights and data: the step's key (local_grads folds in the
+    # device and micro-batch) and the model state.
+    extras = {**({} if state.model_state is None else {"model_state": state.model_state}),
+              **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
 
     local = functools.partial(local_grads, loss_fn=loss_fn, layouts=layout.layouts, plan=plan,
                               grad_accum=grad_accum, per_layer=per_layer, from_host=from_host)
     if n == 1:  # one device on the data axis: no shard_map, no collectives to place
-        grads, loss, aux = local(params, batch, scale, collective=False)
+        grads, loss, aux, model_state = local(params, batch, scale, extras, collective=False)
     else:
         is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
         specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
@@ -146,18 +162,20 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         specs_grad = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_grads),
                                   layout.layouts, is_leaf=is_layout)
         batch_specs = jax.tree.map(lambda _: P(DATA), batch)
-        grads, loss, aux = jax.shard_map(
-            local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P()),
-            out_specs=(specs_grad, P(), P()), axis_names={DATA})(params, batch, scale)
+        grads, loss, aux, model_state = jax.shard_map(
+            local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P(), P()),
+            out_specs=(specs_grad, P(), P(), P()), axis_names={DATA})(params, batch, scale, extras)
 
     # Unscale in fp32 and average over devices and micro-batches.
     grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
+    if not plan.shards_grads:  # whole gradients: into the master's (padded) form for the update
+        grads = padding.pad(grads, pads.master, n)
 
     shard = layout.state
     one_by_one = state.compute is not None and widens_half_precision(plan.mesh)
-    update = functools.partial(_update, tx=tx,
+    update = functools.partial(_update, tx=tx, pads=pads,
                                compute_dtype=None if state.compute is None else prec.compute_dtype)
     if not plan.offloads:
         new_master, new_opt, new_compute = update(grads, state.master, state.opt_state, finite,
@@ -178,11 +196,19 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         new_master, new_opt, new_compute = offload.on_host(update)(
             host_grads, state.master, state.opt_state, host_finite)
 
-    new_state = TrainState(step=state.step + 1, master=new_master, compute=new_compute,
-                           opt_state=new_opt, loss_scale=prec.next_loss_scale(state.loss_scale, finite))
+    # A skipped step changes nothing, the model state included (its statistics may be NaN).
+    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
+                               state.model_state)
+    loss_scale = prec.next_loss_scale(state.loss_scale, finite)
+    skipped = jnp.logical_not(finite).astype(jnp.int32)
+    new_state = TrainState(step=state.step + 1, applied=state.applied + (1 - skipped),
+                           master=new_master, compute=new_compute, opt_state=new_opt,
+                           loss_scale=loss_scale, model_state=model_state, rng=state.rng,
+                           padding=pads)
     new_state = _place(new_state, shard)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale,
-               "skipped": jnp.logical_not(finite).astype(jnp.int32), **aux}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
+               "applied": new_state.applied,
+               "consecutive_skips": skipped if loss_scale is None else loss_scale.skips, **aux}
     return new_state, metrics
 
 
@@ -205,8 +231,9 @@ class TrainStep:
         leaves, treedef = jax.tree.flatten(state)
         key = (treedef, tuple(x.shape for x in leaves))  # cheap: this runs on every step
         if key not in self._by_layout:
-            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.master)
-            layout = step_layout(shapes, self._tx, self._plan, self._prec)
+            shapes = padding.unpadded_shapes(state.master, state.padding.master)
+            layout = step_layout(shapes, self._tx, self._plan, self._prec, state.model_state,
+                                 state.rng)
             self._by_layout[key] = jax.jit(functools.partial(self._fn, layout=layout),
                                            donate_argnums=self._donate,
                                            out_shardings=(layout.state, self._plan.replicated()))

@@ -52,22 +52,27 @@ class Source(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """ZeRO-3: an fp32 shard split along ``dim``, all-gathered as ``dtype``; the gradient is
-    reduce-scattered in fp32."""
+    reduce-scattered in fp32. ``size``/``padded``: the weight's own and stored length along
+    ``dim`` (they differ when it is stored padded)."""
     dim: int
     dtype: Any
+    size: int | None = None
+    padded: int | None = None
 
     def fetch(self, shard):
-        return all_gather(shard, self.dim, self.dtype)
+        return all_gather(shard, self.dim, self.dtype, self.size)
 
     def give_back(self, shard, grad):
-        return reduce_scatter(grad, self.dim)
+        return reduce_scatter(grad, self.dim, self.padded)
 
 
 @dataclasses.dataclass(frozen=True)
 class Whole:
     """A whole weight used as it is; with ``scatter_dim`` (ZeRO-2) it is stored as a pair
-    ``(weight, stand_in)`` and the gradient is reduce-scattered into the stand-in."""
+    ``(weight, stand_in)`` and the gradient is reduce-scattered into the stand-in (padded to
+    ``padded`` entries along ``scatter_dim`` first, when the stored form is padded)."""
     scatter_dim: int | None = None
+    padded: int | None = None
 
     def fetch(self, stored):
         return stored if self.scatter_dim is None else stored[0]
@@ -76,7 +81,8 @@ class Whole:
         if self.scatter_dim is None:
             return grad
         weight, _ = stored
-        return type(stored)(jnp.zeros_like(weight), reduce_scatter(grad, self.scatter_dim))
+        return type(stored)(jnp.zeros_like(weight),
+                            reduce_scatter(grad, self.scatter_dim, self.padded))
 
 
 @dataclasses.dataclass(frozen=True)

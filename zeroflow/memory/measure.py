@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +83,6 @@ def state_bytes(tree) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- from a Config
-def _optimizer(train) -> optax.GradientTransformation:
-    adamw = optax.adamw(train.lr, b1=train.b1, b2=train.b2, weight_decay=train.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw) if train.grad_clip > 0 else adamw
-
-
 @dataclasses.dataclass(frozen=True)
 class StepSetup:
     """A jitted step with abstract inputs for one stage / offload / remat choice."""
@@ -101,41 +95,27 @@ class StepSetup:
 
 def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on: str,
                    remat: str) -> StepSetup:
-    """Build the GPT train step of ``cfg`` on the first ``num_devices`` devices with abstract
-    state and batch: parameters are never materialised."""
-    import zeroflow as zf
-    from zeroflow.models import LAYER_STACK, make_layerwise_loss_fn, param_init_fn
-    from zeroflow.state import state_shardings
+    """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
+    layer-wise gathering) on the first ``num_devices`` data devices, with abstract state and
+    batch: parameters are never materialised."""
+    from zeroflow.padding import unpadded_shapes
+    from zeroflow.trainer.setup import build_run
 
     model_parallel = cfg.parallel.model
     if jax.device_count() < num_devices * model_parallel:
         raise ValueError(f"measuring needs {num_devices * model_parallel} devices, "
                          f"{jax.device_count()} available ({jax.default_backend()})")
-    model = dataclasses.replace(cfg.model, remat=remat)
-    devices = jax.devices()[:num_devices * model_parallel]
-    mesh = zf.make_mesh(data=num_devices, model=model_parallel, devices=devices)
-    rules = ()
-    if model_parallel > 1:
-        from zeroflow.models.rules import gpt_tensor_rules
-        rules = gpt_tensor_rules(model, model_parallel)
-    plan = zf.ZeroPlan(mesh, stage=stage, offload=offload,
-                       update_on=update_on if offload != "none" else "device", tensor_rules=rules)
-    prec = zf.Precision(params=cfg.precision.params, loss_scale=cfg.precision.loss_scale)
-    tx = _optimizer(cfg.train)
-    init = param_init_fn(model)
-    shapes = jax.eval_shape(lambda: zf.init_train_state(lambda: init(jax.random.key(0)), tx, plan, prec))
-    shardings = state_shardings(shapes.master, tx, plan, prec)  # master has the params' shapes
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         shapes, shardings)
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, model.seq_len + 1), np.int32,
-                                            sharding=plan.batch_sharding())}
-    # The trainer's step: scanned layers gathered (stage 3) and streamed (optimizer+params)
-    # one at a time.
-    loss = make_layerwise_loss_fn(model)
-    step = zf.make_train_step(lambda p, b, gather_layer: loss(p, b, gather_layer), tx, plan, prec,
-                              grad_accum=cfg.parallel.grad_accum, gather_per_layer=LAYER_STACK)
-    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes.master))
-    return StepSetup(step=step, state=state, batch=batch, plan=plan, num_params=num_params)
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, remat=remat),
+        parallel=dataclasses.replace(cfg.parallel, data=num_devices, zero_stage=stage, offload=offload,
+                                     update_on=update_on if offload != "none" else "device"))
+    run = build_run(cfg, with_data=False, devices=jax.devices()[:num_devices * model_parallel])
+    state = run.abstract_state()
+    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                            sharding=run.plan.batch_sharding())}
+    shapes = unpadded_shapes(state.master, state.padding.master)
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan, num_params=num_params)
 
 
 def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
