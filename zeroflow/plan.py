@@ -299,8 +299,9 @@ class PlanDescription:
     "Paths of the leaves stored padded."
 
     def __str__(self) -> str:
+        leaves = lambda k: f"{k} leaf" if k == 1 else f"{k} leaves"  # noqa: E731
         return (f"ZeRO stage {self.stage} on {self.data_size} data devices: fp32 master "
                 f"{self.master_bytes_per_device:,} bytes per device of {self.param_bytes:,} "
                 f"({self.master_bytes_per_device / max(self.param_bytes, 1):.2%}); padding "
-                f"{self.padding_bytes:,} bytes in all ({len(self.padded)} leaves); replicated "
-                f"{self.replicated_fraction:.2%} ({len(self.replicated)} leaves)")
+                f"{self.padding_bytes:,} bytes in all ({leaves(len(self.padded))}); whole on every "
+                f"device {self.replicated_fraction:.2%} ({leaves(len(self.replicated))})")
