@@ -142,3 +142,43 @@ def test_warns_once_when_much_stays_replicated():
     params = {"w": jnp.ones((4, 5)), "v": jnp.ones((64,))}  # (4, 5): no dimension reaches 8
     with pytest.warns(UserWarning, match=r"keeps 23\.8% of the parameters whole on each of 8 devices.*w"):
         zf.init_train_state(params, optax.sgd(0.1), plan, zf.Precision())
+
+
+GPT_ODD = dict(vocab_size=251, seq_len=16, num_layers=3, embed_dim=36, num_heads=2, mlp_dim=60,
+               remat="full")
+
+
+def _gpt_run(stage, offload="none"):
+    from zeroflow.config import ModelConfig
+    from zeroflow.models import init_params, make_layerwise_loss_fn
+    cfg = ModelConfig(**GPT_ODD)
+    params, _ = init_params(cfg, jax.random.key(0))
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage, offload=offload)
+    prec, tx = zf.Precision(), optax.adam(1e-3)
+    state = zf.init_train_state(params, tx, plan, prec)
+    step = zf.make_train_step(make_layerwise_loss_fn(cfg), tx, plan, prec, grad_accum=2,
+                              gather_per_layer="layers")
+    rng = np.random.default_rng(5)
+    losses = []
+    for _ in range(2):
+        state, m = step(state, {"tokens": rng.integers(0, 251, (16, 17)).astype(np.int32)})
+        losses.append(float(m["loss"]))
+    return np.array(losses), state
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return _gpt_run(0)
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "none"), (3, "none"), (3, "optimizer+params")])
+def test_gpt_with_odd_widths_gathers_layer_by_layer_like_stage0(stage, offload, gpt_reference):
+    """Widths 36 / 60 and vocabulary 251 on 8 devices: the layer stack is padded inside each
+    layer (reduce-scattered per layer at stage 2, gathered per layer at stage 3, streamed from
+    the host with optimizer+params) and trains like stage 0."""
+    ref_losses, ref_state = gpt_reference
+    losses, state = _gpt_run(stage, offload)
+    assert state.master["layers"]["mlp"]["up"]["kernel"].shape[-1] == 64  # 60 padded
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
