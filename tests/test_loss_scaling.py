@@ -3,7 +3,6 @@ static scales across checkpoints, and Precision's validation."""
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

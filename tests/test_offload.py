@@ -74,8 +74,8 @@ def _assert_same(got, want):
 
 def _check_placement(state, plan):
     # Master + optimizer state: pinned_host, and sharded over data as the stage says.
-    expected = state_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.master_params),
-                               make_tx(), plan, PREC)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.master_params)
+    expected = state_shardings(shapes, make_tx(), plan, PREC)
     for part in ("master", "opt_state"):
         for arr, want in zip(jax.tree.leaves(getattr(state, part)), jax.tree.leaves(getattr(expected, part))):
             assert arr.sharding.memory_kind == "pinned_host", (part, arr.sharding)

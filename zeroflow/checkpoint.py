@@ -39,8 +39,8 @@ def portable(state: TrainState) -> dict[str, Any]:
     out = {"step": state.step, "applied": state.applied, "master": state.master_params,
            "opt_state": padding.unpad(state.opt_state, state.padding.opt_state)}
     if state.loss_scale is not None:
-        out["loss_scale"] = {"scale": state.loss_scale.scale, "good_steps": state.loss_scale.good_steps,
-                             "skips": state.loss_scale.skips}
+        ls = state.loss_scale
+        out["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}
     if state.model_state is not None:
         out["model_state"] = state.model_state
     if state.rng is not None:
@@ -102,11 +102,12 @@ def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
     compute = None
     if like.compute is not None:
         pads = like.padding
-        cast = jax.tree.map(lambda m, t: m.astype(t.dtype), padding.unpad(master, pads.master), like.compute)
+        cast = jax.tree.map(lambda m, t: m.astype(t.dtype), padding.unpad(master, pads.master),
+                            like.compute)
         compute = jax.tree.map(place, padding.pad(cast, pads.compute, pads.data_size), like.compute)
     step = place(restored["step"], like.step)
-    applied = place(restored["applied"], like.applied) if "applied" in restored else place(
-        restored["step"], like.applied)  # saved before updates were counted apart: assume none skipped
+    # A checkpoint from before updates were counted apart from steps: assume none was skipped.
+    applied = place(restored["applied"] if "applied" in restored else restored["step"], like.applied)
     return TrainState(step=step, applied=applied, master=master, compute=compute,
                       opt_state=opt_state, loss_scale=_loss_scale(restored, like, place),
                       model_state=None if like.model_state is None else jax.tree.map(
@@ -120,7 +121,8 @@ def _loss_scale(restored, like: TrainState, place):
     if ls is None or not ls.dynamic or "loss_scale" not in restored:
         return ls
     saved = restored["loss_scale"]
-    return type(ls)(scale=place(saved["scale"], ls.scale), good_steps=place(saved["good_steps"], ls.good_steps),
+    return type(ls)(scale=place(saved["scale"], ls.scale),
+                    good_steps=place(saved["good_steps"], ls.good_steps),
                     skips=place(saved["skips"], ls.skips) if "skips" in saved else ls.skips,
                     dynamic=True)
 

@@ -256,9 +256,11 @@ class ZeroPlan:
         split = self.shards_storage
         total = sum(math.prod(lay.shape) for _, lay in rows)
         whole = [p for p, lay in rows if lay.zero_dim is None]
-        per_device = sum(4 * math.prod(self._named(lay.spec(split)).shard_shape(lay.stored_shape(split)))
-                         for _, lay in rows)
-        padding = sum(4 * (math.prod(lay.stored_shape(split)) - math.prod(lay.shape)) for _, lay in rows)
+        per_device = sum(
+            4 * math.prod(self._named(lay.spec(split)).shard_shape(lay.stored_shape(split)))
+            for _, lay in rows)
+        padding = sum(4 * (math.prod(lay.stored_shape(split)) - math.prod(lay.shape))
+                      for _, lay in rows)
         kept = sum(math.prod(lay.shape) for _, lay in rows if lay.zero_dim is None)
         return PlanDescription(
             stage=self.stage, data_size=self.data_size, param_bytes=4 * total,

@@ -55,8 +55,9 @@ class Precision:
                         f"loss_scale must be 'none', 'dynamic' or a positive number, got {ls!r}") from None
         elif not _is_number(ls):
             raise ValueError(f"loss_scale must be 'none', 'dynamic' or a positive number, got {ls!r}")
-        if _is_number(self.loss_scale) and not (self.loss_scale > 0 and math.isfinite(self.loss_scale)):
-            raise ValueError(f"a static loss_scale must be a positive finite number, got {self.loss_scale!r}")
+        static = self.loss_scale
+        if _is_number(static) and not (static > 0 and math.isfinite(static)):
+            raise ValueError(f"a static loss_scale must be a positive finite number, got {static!r}")
         self._check_scaling_fields()
 
     def _check_scaling_fields(self):

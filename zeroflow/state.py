@@ -130,16 +130,20 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
         scale=scalar, good_steps=scalar, skips=scalar, dynamic=prec.dynamic)
     return TrainState(step=scalar, applied=scalar, master=master, compute=compute, opt_state=opt,
                       loss_scale=loss_scale,
-                      model_state=None if model_state is None else jax.tree.map(lambda _: scalar, model_state),
+                      model_state=None if model_state is None else jax.tree.map(
+                          lambda _: scalar, model_state),
                       rng=None if rng is None else scalar,
                       padding=state_padding(layouts, plan, prec))
 
 
 def as_key(rng) -> jax.Array:
     """A typed jax key from a typed key or a legacy ``uint32[2]`` ``PRNGKey``."""
-    if isinstance(rng, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    typed = isinstance(rng, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(
+        rng.dtype, jax.dtypes.prng_key)
+    if typed:
         if rng.shape != ():
-            raise ValueError(f"rng must be a single jax key, got an array of keys of shape {rng.shape}")
+            raise ValueError(f"rng must be a single jax key, got an array of keys of shape "
+                             f"{rng.shape}")
         return rng
     shape, dtype = jnp.shape(rng), jnp.result_type(rng) if hasattr(rng, "dtype") else None
     if dtype == jnp.uint32 and shape == (2,):

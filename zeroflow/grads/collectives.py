@@ -88,8 +88,9 @@ def scatter_grad_on_use(weight, stand_in, dim: int):
     """``weight`` unchanged; its gradient, reduce-scattered along ``dim``, goes to ``stand_in``.
 
     ``stand_in`` is an fp32 array of zeros shaped like this device's shard of ``weight`` (of its
-    padded form, when it is stored padded), never read: differentiating it instead of ``weight`` gives the gradient the sharded type, so the
-    reduce-scatter runs inside the backward pass as soon as this leaf's gradient is complete
+    padded form, when it is stored padded), never read: differentiating it instead of ``weight``
+    gives the gradient the sharded type, so the reduce-scatter runs inside the backward pass as
+    soon as this leaf's gradient is complete
     (ZeRO-2), and the gradient that leaves the backward pass is already 1/N of the leaf.
     """
     del stand_in, dim

@@ -134,7 +134,8 @@ def split_loss(out, model_state=None):
                              "(loss, aux, new_model_state)")
         loss, aux, new_state = out
         _check_new_model_state(model_state, new_state)
-        new_state = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), new_state, model_state)
+        new_state = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), new_state,
+                                 model_state)
     else:
         if isinstance(out, tuple) and len(out) == 3:
             raise ValueError("loss_fn returned (loss, aux, new_model_state) but the state carries no "
@@ -156,7 +157,8 @@ def split_loss(out, model_state=None):
 def _check_new_model_state(old, new) -> None:
     old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
     if old_def != new_def:
-        raise ValueError(f"loss_fn's new model_state has structure {new_def}, the state's is {old_def}")
+        raise ValueError(f"loss_fn's new model_state has structure {new_def}, the state's is "
+                         f"{old_def}")
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new)):
         if jnp.shape(a) != jnp.shape(b):
             raise ValueError(f"loss_fn's new model_state {path_str(path)} has shape {jnp.shape(b)}, "
@@ -267,7 +269,8 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
         return g, loss, aux, new_state
 
     model_state, key = extras.get("model_state"), extras.get("rng")
-    micro_key = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))  # noqa: E731
+    def micro_key(i):
+        return None if key is None else jax.random.fold_in(key, i)
     if grad_accum == 1:
         return grads_of(batch, model_state, micro_key(0))
     micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)

@@ -107,7 +107,8 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
                          f"{jax.device_count()} available ({jax.default_backend()})")
     cfg = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, remat=remat),
-        parallel=dataclasses.replace(cfg.parallel, data=num_devices, zero_stage=stage, offload=offload,
+        parallel=dataclasses.replace(cfg.parallel, data=num_devices, zero_stage=stage,
+                                     offload=offload,
                                      update_on=update_on if offload != "none" else "device"))
     run = build_run(cfg, with_data=False, devices=jax.devices()[:num_devices * model_parallel])
     state = run.abstract_state()
@@ -115,7 +116,8 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
                                             sharding=run.plan.batch_sharding())}
     shapes = unpadded_shapes(state.master, state.padding.master)
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-    return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan, num_params=num_params)
+    return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,
+                     num_params=num_params)
 
 
 def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:

@@ -55,8 +55,8 @@ class Run:
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
         shapes = jax.eval_shape(self._random_state)
-        shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan, self.prec,
-                                       rng=self.dropout_key())
+        shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan,
+                                       self.prec, rng=self.dropout_key())
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
 
