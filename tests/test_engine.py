@@ -18,7 +18,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         x = nn.gelu(nn.Dense(self.hidden)(x))
         x = nn.gelu(nn.Dense(self.hidden)(x))
-        # 10 outputs: its bias (10,) cannot be split over 8 devices and must still work.
+        # 10 outputs: its bias (10,) does not divide by 8 devices (stored padded to 16) and must
+        # still match plain optax.
         return nn.Dense(10)(x)
 
 

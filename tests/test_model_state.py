@@ -176,17 +176,29 @@ def test_dropout_masks_differ_per_device_and_micro_batch_and_repeat_on_resume(tm
         assert drawn == want  # the saved key, not like's, and the same per-device folds
 
 
-def test_model_state_survives_a_checkpoint_and_a_new_mesh(tmp_path):
-    _, state = run_engine(CNN(), 3, BATCHES[:1])
+def test_model_state_and_key_survive_a_checkpoint_and_a_new_mesh(tmp_path):
+    _, state = run_engine(CNN(dropout=0.5), 3, BATCHES[:1], key=KEY)
     zf.save_checkpoint(tmp_path / "ckpt", state)
-    params, stats = init(CNN())
+    params, stats = init(CNN(dropout=0.5))
+    # Onto one device, and onto an abstract (4, 2) stage-2 bf16 target (restore targets need
+    # no allocated state).
     one = zf.ZeroPlan(zf.make_mesh(devices=jax.devices()[:1]), stage=0)
-    like = zf.init_train_state(params, TX, one, zf.Precision(), model_state=stats)
-    restored = zf.restore_checkpoint(tmp_path / "ckpt", like)
-    for got, want in zip(jax.tree.leaves(restored.model_state), jax.tree.leaves(state.model_state)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    for got, want in zip(jax.tree.leaves(restored.master), jax.tree.leaves(state.master_params)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    other, bf16 = zf.ZeroPlan(zf.make_mesh(data=4, model=2), stage=2), zf.Precision(params="bf16")
+    shapes = jax.eval_shape(lambda: zf.init_train_state(params, TX, other, bf16, model_state=stats,
+                                                        rng=jax.random.key(0)))
+    shardings = zf.state_shardings(params, TX, other, bf16, model_state=stats, rng=KEY)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+    for like in (zf.init_train_state(params, TX, one, zf.Precision(), model_state=stats,
+                                     rng=jax.random.key(0)), abstract):
+        restored = zf.restore_checkpoint(tmp_path / "ckpt", like)
+        for got, want in zip(jax.tree.leaves(restored.model_state), jax.tree.leaves(state.model_state)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for got, want in zip(jax.tree.leaves(restored.master_params),
+                             jax.tree.leaves(state.master_params)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(KEY))
+        assert int(restored.step) == int(restored.applied) == 1
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -25,7 +25,7 @@ def loss_fn(params, batch):
 
 def init_params():
     rng = np.random.default_rng(0)
-    # bias (10,) does not divide by 8 devices: it stays replicated, and must still be offloaded.
+    # bias (10,) does not divide by 8 devices: it is stored padded, and must still be offloaded.
     return {"w_in": rng.normal(size=(16, 64)).astype(np.float32) * 0.3,
             "w_out": rng.normal(size=(64, 10)).astype(np.float32) * 0.3,
             "bias": np.zeros(10, np.float32)}

@@ -49,10 +49,19 @@ def portable(state: TrainState) -> dict[str, Any]:
 
 
 def _stored_target(like: TrainState) -> dict[str, Any]:
-    """``portable(like)`` but with master and optimizer state in their stored (padded) shapes
-    and shardings: what Orbax reads into."""
-    target = portable(like)
-    target["master"], target["opt_state"] = like.master, like.opt_state
+    """What Orbax reads into: ``portable``'s entries, with master and optimizer state in their
+    stored (padded) shapes and shardings. ``like`` may be abstract (ShapeDtypeStructs)."""
+    target = {"step": like.step, "applied": like.applied, "master": like.master,
+              "opt_state": like.opt_state}
+    if like.loss_scale is not None:
+        ls = like.loss_scale
+        target["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}
+    if like.model_state is not None:
+        target["model_state"] = like.model_state
+    if like.rng is not None:
+        data = jax.eval_shape(jax.random.key_data, like.rng)
+        target["rng"] = jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                             sharding=getattr(like.rng, "sharding", None))
     return target
 
 
@@ -130,8 +139,9 @@ def _loss_scale(restored, like: TrainState, place):
 def _rng(restored, like: TrainState):
     if like.rng is None or "rng" not in restored:
         return like.rng  # a checkpoint without a key resumes with the configured one
-    data = restored["rng"]
-    key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(like.rng))
+    # An abstract ``like`` does not say its key implementation: jax's default then.
+    impl = jax.random.key_impl(like.rng) if isinstance(like.rng, jax.Array) else None
+    key = jax.random.wrap_key_data(restored["rng"], impl=impl)
     sharding = getattr(like.rng, "sharding", None)
     return jax.device_put(key, sharding) if sharding is not None else key
 
