@@ -256,6 +256,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
     pytree whose leaves share a leading global batch axis divisible by data size x grad_accum.
+    When the state carries them, the loss also gets ``model_state=`` (and must then return
+    ``(loss, aux, new_model_state)``) and ``rng=`` (a key of its own per step, device and
+    micro-batch) as keyword arguments. ``aux`` may not reuse a name of the step's metrics.
 
     ``gather_per_layer``: the top-level key of stacked layer weights (leading layer axis, e.g.
     the GPT's ``"layers"`` from ``nn.scan``). Then ``loss_fn(params, batch, gather_layer)`` is
