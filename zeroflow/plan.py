@@ -276,8 +276,9 @@ class ZeroPlan:
         described = self.describe(params)
         if described.replicated_fraction > threshold:
             warnings.warn(f"ZeRO stage {self.stage} keeps {described.replicated_fraction:.1%} of the "
-                          f"parameters whole on each of {self.data_size} devices (every dimension "
-                          f"shorter than {self.data_size}: {', '.join(described.replicated[:4])}"
+                          f"parameters whole on each of {self.data_size} devices (no dimension of "
+                          f"at least {self.data_size} entries free of tensor rules: "
+                          f"{', '.join(described.replicated[:4])}"
                           + (" ..." if len(described.replicated) > 4 else "") + ")",
                           stacklevel=3)
 
