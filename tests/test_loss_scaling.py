@@ -84,6 +84,10 @@ def test_restoring_with_another_static_scale_uses_the_configured_one(tmp_path):
     restored = zf.restore_checkpoint(tmp_path / "dynamic", like)
     assert float(restored.loss_scale.scale) == 2.0 ** 13
     assert int(restored.loss_scale.skips) == 2 and int(restored.applied) == 0
+    # And into a run without loss scaling: the saved scale is read and dropped.
+    like = zf.init_train_state({"w": jnp.ones((64,), jnp.float32)}, tx, plan, zf.Precision())
+    restored = zf.restore_checkpoint(tmp_path / "dynamic", like)
+    assert restored.loss_scale is None and int(restored.step) == 2
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -153,14 +153,13 @@ def restore_target(like: TrainState, saved_keys) -> dict[str, Any]:
     for key in OPTIONAL:
         if key not in saved_keys:
             target.pop(key, None)
-    if "loss_scale" in saved_keys and "loss_scale" not in target:
-        target["loss_scale"] = {"scale": jax.ShapeDtypeStruct((), jnp.float32),
-                                "good_steps": jax.ShapeDtypeStruct((), jnp.int32)}
-    if "loss_scale" in target and "loss_scale" in saved_keys:
+    for key in ("loss_scale", "rng"):  # saved, not wanted here: read as saved, then dropped
+        if key in saved_keys and key not in target:
+            target[key] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+                                       saved_keys[key], is_leaf=lambda m: hasattr(m, "shape"))
+    if "loss_scale" in target and "loss_scale" in saved_keys:  # older ones lack "skips"
         saved_fields = saved_keys["loss_scale"]
         target["loss_scale"] = {k: v for k, v in target["loss_scale"].items() if k in saved_fields}
-    if "rng" in saved_keys and "rng" not in target:
-        target["rng"] = jax.ShapeDtypeStruct(tuple(saved_keys["rng"].shape), jnp.uint32)
     return _abstract_on_device(target)
 
 
