@@ -523,7 +523,7 @@ def test_scaled_value_and_grad_rescues_fp16_gradients():
     np.testing.assert_allclose(g, ref, rtol=2e-2)
     np.testing.assert_allclose(loss, tiny_loss(w, x), rtol=2e-2)
     # overflow: a huge scale gives inf, the step reports it and the scale halves
-    big = zf.precision.LossScaleState(scale=jnp.asarray(2.0 ** 100, jnp.float32), good_steps=jnp.asarray(1))
+    big = state.replace(scale=jnp.asarray(2.0 ** 100, jnp.float32), good_steps=jnp.asarray(1))
     _, after, finite = grad_fn(big, w * 1e30, x)
     assert not bool(finite) and float(after.scale) == 2.0 ** 99 and int(after.good_steps) == 0
     # clean steps: the scale doubles after growth_interval of them

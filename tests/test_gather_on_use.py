@@ -1,6 +1,5 @@
 """zeroflow.grads.gather_on_use: weights fetched just before each use, in a loss zeroflow never
 saw, give the loss and gradients of plain jax on the whole weights."""
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -169,7 +169,7 @@ def _finetune(model, params, plan, tokens: np.ndarray, steps: int = 3):
     for _ in range(steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return state.master, losses  # still sharded over the 8 devices: saved from there
+    return state.master_params, losses  # still sharded over the 8 devices: saved from there
 
 
 @pytest.mark.parametrize("name", FINETUNED)

@@ -34,7 +34,7 @@ def test_per_layer_gather_matches_and_needs_less_memory():
     layered, layered_temp, state = _run(3, per_layer=True)
     np.testing.assert_allclose(layered, ref, rtol=1e-6)
     np.testing.assert_allclose(whole, ref, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.master), jax.tree.leaves(ref_state.master)):
+    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     # Only one layer's weights are whole at a time (XLA's own accounting of the compiled step).
     assert layered_temp < 0.75 * whole_temp, (layered_temp, whole_temp)

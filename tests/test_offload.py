@@ -26,7 +26,7 @@ def loss_fn(params, batch):
 
 def init_params():
     rng = np.random.default_rng(0)
-    # bias (10,) does not divide by 8 devices: it stays replicated, and must still be offloaded.
+    # bias (10,) does not divide by 8 devices: it is stored padded, and must still be offloaded.
     return {"w_in": rng.normal(size=(16, 64)).astype(np.float32) * 0.3,
             "w_out": rng.normal(size=(64, 10)).astype(np.float32) * 0.3,
             "bias": np.zeros(10, np.float32)}
@@ -75,8 +75,8 @@ def _assert_same(got, want):
 
 def _check_placement(state, plan):
     # Master + optimizer state: pinned_host, and sharded over data as the stage says.
-    expected = state_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.master),
-                               make_tx(), plan, PREC)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.master_params)
+    expected = state_shardings(shapes, make_tx(), plan, PREC)
     for part in ("master", "opt_state"):
         for arr, want in zip(jax.tree.leaves(getattr(state, part)), jax.tree.leaves(getattr(expected, part))):
             assert arr.sharding.memory_kind == "pinned_host", (part, arr.sharding)

@@ -51,7 +51,7 @@ def test_mlp_tensor_parallel_matches_data_parallel(stage):
     plan = zf.ZeroPlan(zf.make_mesh(data=4, model=2), stage=stage, tensor_rules=MLP_RULES)
     got, state = _mlp_run(plan, zf.Precision(), BATCHES)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.master), jax.tree.leaves(ref_state.master)):
+    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     kernel = state.master["Dense_0"]["kernel"]
     assert kernel.sharding.spec == P("data", "model")  # column-parallel and ZeRO at once
@@ -64,7 +64,7 @@ def test_gpt_tensor_parallel_matches_data_parallel():
     ref, ref_state = run_gpt(8, 1, stage)
     got, state = run_gpt(4, 2, stage)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.master), jax.tree.leaves(ref_state.master)):
+    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
         # Adam divides by sqrt(nu), so for a weight whose gradient is near zero a different
         # summation order (TP splits the matmuls) can move it by ~1e-5: 0.1% of one lr=1e-2 step.
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

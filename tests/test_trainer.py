@@ -180,3 +180,32 @@ def test_sample_and_export_from_a_run(tmp_path, capsys):
     assert result.step == 2
     assert export.main(["--run", str(tmp_path), "--out", str(tmp_path / "w.bin")]) == 2
     assert "must end in .safetensors or .npz" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_says_so_in_one_line(tmp_path, capsys):
+    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=2", "train.eval_every=0",
+                                                             f"run.dir={tmp_path}"])
+    train(cfg)
+    capsys.readouterr()
+    result = train(cfg)
+    err = capsys.readouterr().err
+    assert "the checkpoint is at step 2, train.steps is 2: nothing to do" in err
+    assert "nan" not in err and result.step == 2 and result.losses == {}
+
+
+def test_dropout_uses_the_engine_rng_and_evaluation_runs_without_it(tmp_path):
+    from zeroflow.trainer.loop import _make_eval
+    base = SHRUNK + ["train.steps=1", "train.eval_every=0", f"run.dir={tmp_path}"]
+    run = build_run(load_config(REPO / "configs/tiny.yaml", base + ["model.dropout=0.5"]))
+    state = run.init_state()
+    assert state.rng is not None  # the engine derives every step's dropout keys from it
+    no_dropout = build_run(load_config(REPO / "configs/tiny.yaml", base))
+    assert no_dropout.init_state().rng is None
+    # Evaluation of the same weights with and without dropout configured: equal (dropout off).
+    assert _make_eval(run)(state) == _make_eval(no_dropout)(state.replace(rng=None))
+    # Training does use dropout: the first step's loss differs from the dropout-free model's.
+    _, with_drop = run.make_step()(state, run.global_batch(np.asarray(
+        run.data.train[: 8 * 33]).reshape(8, 33)))
+    _, without = no_dropout.make_step()(no_dropout.init_state(), run.global_batch(np.asarray(
+        run.data.train[: 8 * 33]).reshape(8, 33)))
+    assert float(with_drop["loss"]) != pytest.approx(float(without["loss"]), rel=1e-4)

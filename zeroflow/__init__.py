@@ -4,23 +4,23 @@
     mesh  = zf.make_mesh(data=-1, model=1)
     prec  = zf.Precision(params="bf16", master="fp32", loss_scale="none")
     plan  = zf.ZeroPlan(mesh, stage=2)
-    state = zf.init_train_state(params, tx, plan, prec)
+    state = zf.init_train_state(params, tx, plan, prec)   # model_state=..., rng=... if any
     step  = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=1)
     state, metrics = step(state, batch)
 
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
 from zeroflow.mesh import make_mesh, planning_mesh
-from zeroflow.plan import ZeroPlan
+from zeroflow.plan import PlanDescription, ZeroPlan
 from zeroflow.precision import LossScaleState, Precision
 from zeroflow.state import TrainState, init_train_state, state_shardings
 from zeroflow.checkpoint import restore_checkpoint, save_checkpoint
 from zeroflow.step import make_train_step
 from zeroflow.autocast import AutocastPolicy, autocast, autocast_report, scaled_value_and_grad
-from zeroflow import memory, offload  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
+from zeroflow import memory, offload, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
-__all__ = ["make_mesh", "planning_mesh", "Precision", "LossScaleState", "ZeroPlan", "TrainState",
-           "init_train_state", "state_shardings", "make_train_step", "save_checkpoint",
-           "restore_checkpoint", "memory", "offload", "autocast", "AutocastPolicy",
-           "autocast_report", "scaled_value_and_grad"]
+__all__ = ["make_mesh", "planning_mesh", "Precision", "LossScaleState", "ZeroPlan",
+           "PlanDescription", "TrainState", "init_train_state", "state_shardings",
+           "make_train_step", "save_checkpoint", "restore_checkpoint", "memory", "offload",
+           "padding", "autocast", "AutocastPolicy", "autocast_report", "scaled_value_and_grad"]
 __version__ = "0.1.0"

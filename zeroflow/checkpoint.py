@@ -1,10 +1,15 @@
 """Checkpoints that load onto any mesh, ZeRO stage, offload or precision.
 
-What is saved is the *portable* part of a TrainState: step, fp32 master weights, optimizer
-state and loss scale, each as a global array. The compute-dtype copy is not saved: it is a
-cast of the master weights and is rebuilt on restore. Restoring reads every array straight into
-the sharding that ``like`` (a state built on the target plan, or its abstract shapes) asks for,
-so a checkpoint written at ZeRO-3 on (8, 1) loads at ZeRO-1 on (4, 2) or on one device.
+What is saved is the *portable* part of a TrainState: step, updates applied, fp32 master
+weights, optimizer state, loss scale, model state and the rng's key data, each as a global
+array in its own (unpadded) shape. The compute-dtype copy is not saved: it is a cast of the
+master weights and is rebuilt on restore. Restoring reads every array straight into the
+sharding that ``like`` (a state built on the target plan, or its abstract shapes) asks for, so a
+checkpoint written at ZeRO-3 on (8, 1) loads at ZeRO-1 on (4, 2) or on one device.
+
+ZeRO padding (``zeroflow.padding``) is never saved: a padded leaf is cut to its own shape for
+the save (which holds that leaf whole on each device for the moment of the save) and restored
+straight into its padded, sharded form (Orbax pads it with zeros as it reads).
 """
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from zeroflow import padding
 from zeroflow.plan import path_str
 from zeroflow.state import TrainState
 
@@ -24,12 +29,39 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or does not fit the target state."""
 
 
+OPTIONAL = ("applied", "rng", "loss_scale")
+"Saved entries a restore can do without (older checkpoints, another precision or no dropout)."
+
+
 def portable(state: TrainState) -> dict[str, Any]:
-    """The saved part of a state; the compute copy is derived, so it is left out."""
-    out = {"step": state.step, "master": state.master, "opt_state": state.opt_state}
+    """The saved part of a state, unpadded; the compute copy is derived, so it is left out."""
+    out = {"step": state.step, "applied": state.applied, "master": state.master_params,
+           "opt_state": padding.unpad(state.opt_state, state.padding.opt_state)}
     if state.loss_scale is not None:
-        out["loss_scale"] = {"scale": state.loss_scale.scale, "good_steps": state.loss_scale.good_steps}
+        ls = state.loss_scale
+        out["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}
+    if state.model_state is not None:
+        out["model_state"] = state.model_state
+    if state.rng is not None:
+        out["rng"] = jax.random.key_data(state.rng)
     return out
+
+
+def _stored_target(like: TrainState) -> dict[str, Any]:
+    """What Orbax reads into: ``portable``'s entries, with master and optimizer state in their
+    stored (padded) shapes and shardings. ``like`` may be abstract (ShapeDtypeStructs)."""
+    target = {"step": like.step, "applied": like.applied, "master": like.master,
+              "opt_state": like.opt_state}
+    if like.loss_scale is not None:
+        ls = like.loss_scale
+        target["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}
+    if like.model_state is not None:
+        target["model_state"] = like.model_state
+    if like.rng is not None:
+        data = jax.eval_shape(jax.random.key_data, like.rng)
+        target["rng"] = jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                             sharding=getattr(like.rng, "sharding", None))
+    return target
 
 
 def _abstract_on_device(tree):
@@ -67,7 +99,8 @@ def check_compatible(saved_meta, target, where: str) -> None:
 
 
 def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
-    """A TrainState on ``like``'s shardings (memory kinds included) from restored arrays."""
+    """A TrainState on ``like``'s shardings (memory kinds included) from restored arrays (master
+    and optimizer state already in their stored, padded shapes)."""
     def place(x, target):
         sharding = getattr(target, "sharding", None)
         return jax.device_put(x, sharding) if sharding is not None else x
@@ -76,24 +109,75 @@ def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
     opt_state = jax.tree.map(place, restored["opt_state"], like.opt_state)
     compute = None
     if like.compute is not None:
-        compute = jax.tree.map(lambda m, t: place(m.astype(t.dtype), t), master, like.compute)
-    loss_scale = like.loss_scale
-    if like.loss_scale is not None and "loss_scale" in restored:
-        loss_scale = type(like.loss_scale)(
-            scale=place(restored["loss_scale"]["scale"], like.loss_scale.scale),
-            good_steps=place(restored["loss_scale"]["good_steps"], like.loss_scale.good_steps))
-    return TrainState(step=place(restored["step"], like.step), master=master, compute=compute,
-                      opt_state=opt_state, loss_scale=loss_scale)
+        pads = like.padding
+        cast = jax.tree.map(lambda m, t: m.astype(t.dtype), padding.unpad(master, pads.master),
+                            like.compute)
+        compute = jax.tree.map(place, padding.pad(cast, pads.compute, pads.data_size), like.compute)
+    step = place(restored["step"], like.step)
+    # A checkpoint from before updates were counted apart from steps: assume none was skipped.
+    applied = place(restored["applied"] if "applied" in restored else restored["step"], like.applied)
+    return TrainState(step=step, applied=applied, master=master, compute=compute,
+                      opt_state=opt_state, loss_scale=_loss_scale(restored, like, place),
+                      model_state=None if like.model_state is None else jax.tree.map(
+                          place, restored["model_state"], like.model_state),
+                      rng=_rng(restored, like), padding=like.padding)
 
 
-def restore_target(like: TrainState, saved_has_loss_scale: bool) -> dict[str, Any]:
-    target = portable(like)
-    if not saved_has_loss_scale:
-        target.pop("loss_scale", None)
-    elif "loss_scale" not in target:  # saved with scaling, restored without: read and drop it
-        target["loss_scale"] = {"scale": jax.ShapeDtypeStruct((), jnp.float32),
-                                "good_steps": jax.ShapeDtypeStruct((), jnp.int32)}
+def _loss_scale(restored, like: TrainState, place):
+    """The saved dynamic scale; a static scale is always the configured one (``like``'s)."""
+    ls = like.loss_scale
+    if ls is None or not ls.dynamic or "loss_scale" not in restored:
+        return ls
+    saved = restored["loss_scale"]
+    return type(ls)(scale=place(saved["scale"], ls.scale),
+                    good_steps=place(saved["good_steps"], ls.good_steps),
+                    skips=place(saved["skips"], ls.skips) if "skips" in saved else ls.skips,
+                    dynamic=True)
+
+
+def _rng(restored, like: TrainState):
+    if like.rng is None or "rng" not in restored:
+        return like.rng  # a checkpoint without a key resumes with the configured one
+    # An abstract ``like`` does not say its key implementation: jax's default then.
+    impl = jax.random.key_impl(like.rng) if isinstance(like.rng, jax.Array) else None
+    key = jax.random.wrap_key_data(restored["rng"], impl=impl)
+    sharding = getattr(like.rng, "sharding", None)
+    return jax.device_put(key, sharding) if sharding is not None else key
+
+
+def restore_target(like: TrainState, saved_keys) -> dict[str, Any]:
+    """What to read: ``like``'s portable entries in their stored shapes and shardings, less the
+    optional ones the checkpoint lacks, plus those it has and ``like`` does not (read, dropped)."""
+    target = _stored_target(like)
+    for key in OPTIONAL:
+        if key not in saved_keys:
+            target.pop(key, None)
+    for key in ("loss_scale", "rng"):  # saved, not wanted here: read as saved, then dropped
+        if key in saved_keys and key not in target:
+            target[key] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+                                       saved_keys[key], is_leaf=lambda m: hasattr(m, "shape"))
+    if "loss_scale" in target and "loss_scale" in saved_keys:  # older ones lack "skips"
+        saved_fields = saved_keys["loss_scale"]
+        target["loss_scale"] = {k: v for k, v in target["loss_scale"].items() if k in saved_fields}
     return _abstract_on_device(target)
+
+
+def checked_target(like: TrainState, meta_tree, where: str) -> dict[str, Any]:
+    """The restore target for a checkpoint whose metadata tree is ``meta_tree``, after checking
+    (in one line naming the difference) that it fits ``like``. Read it with
+    ``StandardRestore(target, strict=False)``: Orbax then pads a leaf ``like`` stores padded."""
+    target = restore_target(like, meta_tree)
+    check_compatible(meta_tree, _logical_target(like, target), where)
+    return target
+
+
+def _logical_target(like: TrainState, target: dict[str, Any]) -> dict[str, Any]:
+    """``target`` with master and optimizer state in their own shapes, to compare with a
+    checkpoint (which is saved unpadded)."""
+    out = dict(target)
+    out["master"] = padding.unpadded_shapes(like.master, like.padding.master)
+    out["opt_state"] = padding.unpadded_shapes(like.opt_state, like.padding.opt_state)
+    return out
 
 
 def save_checkpoint(directory: str | os.PathLike, state: TrainState, *, overwrite: bool = False) -> Path:
@@ -122,10 +206,10 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState) -> TrainS
             raise CheckpointError(f"checkpoint {directory} is unreadable: {type(e).__name__}: {e}") from None
         meta_tree = getattr(meta, "item_metadata", meta)
         meta_tree = getattr(meta_tree, "tree", meta_tree)
-        target = restore_target(like, "loss_scale" in meta_tree)
-        check_compatible(meta_tree, target, str(directory))
+        target = checked_target(like, meta_tree, str(directory))
         try:
-            restored = ckptr.restore(directory, target)
+            # strict=False: Orbax pads a leaf the target stores padded with zeros as it reads it.
+            restored = ckptr.restore(directory, target, strict=False)
         except Exception as e:
             raise CheckpointError(f"checkpoint {directory} could not be read: {type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''}") from None

@@ -150,6 +150,14 @@ class PrecisionConfig:
     "'none', 'dynamic' or a number (static scale)."
     autocast: str = one_of("none", "bf16", "fp16")
     "Run the unmodified model under zf.autocast: 'none', 'bf16' or 'fp16' (fp16 needs loss_scale)."
+    init_scale: float = 32768.0
+    "Starting scale of dynamic loss scaling."
+    growth_interval: int = 2000
+    "Clean steps after which a dynamic loss scale doubles."
+    min_scale: float = 1.0
+    "A dynamic loss scale never halves below this."
+    max_consecutive_skips: int = 20
+    "Consecutive skipped steps (non-finite gradients) after which a dynamically scaled run stops."
 
 
 @dataclass

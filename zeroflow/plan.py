@@ -8,14 +8,19 @@ Two mappings per parameter (STYLE item 4):
 Tensor-parallel rules place dimensions on the ``model`` axis in both.
 
 The ZeRO dimension of a leaf is the largest dimension that divides by the ``data`` axis size
-and is not already split over ``model``. A leaf with no such dimension (say a bias of size 10
-on 8 devices) stays replicated over ``data``; such leaves are small in practice, so memory per
-device stays close to 1/N. ``ZeroPlan.replicated_fraction`` reports how much that is.
+and is not already split over ``model``. A leaf with no such dimension (a 50257 x 100
+embedding, a bias of size 10 on 8 devices) is *padded*: its largest free dimension of at least
+N entries is stored with zeros appended up to a multiple of N and split like any other
+(``LeafLayout.pad``; ``zeroflow.padding`` adds and removes the zeros, and nothing outside the
+engine sees them). Only a leaf whose every free dimension is shorter than N stays replicated
+over ``data``; ``ZeroPlan.describe`` reports the bytes per device and that share.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,16 +49,36 @@ def path_str(path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """Where one parameter lives: its tensor-parallel spec and its ZeRO dimension."""
+    """Where one array lives: its tensor-parallel spec and its ZeRO dimension. ``shape`` is the
+    array's own (logical) shape; split over ``data`` it is stored padded (``stored_shape``)."""
     shape: tuple[int, ...]
     tensor_spec: tuple  # per-dimension mesh axis (MODEL or None), without ZeRO
     zero_dim: int | None  # dimension split over DATA at stages >= 1, None = replicated
+    pad: int = 0  # zeros appended to zero_dim when it is split, so that it divides by N
 
     def spec(self, with_zero: bool) -> P:
+        """The spec of the array as stored (padded, when split)."""
         entries = list(self.tensor_spec)
         if with_zero and self.zero_dim is not None:
             entries[self.zero_dim] = DATA
         return P(*entries)
+
+    def logical_spec(self, with_zero: bool) -> P:
+        """The closest spec an array of the unpadded ``shape`` can take: a padded leaf is whole
+        over ``data``."""
+        return self.spec(with_zero and not self.pad)
+
+    def padding(self, with_zero: bool) -> tuple[int, int] | None:
+        """``(dim, logical size)`` when the stored form is padded, else None."""
+        if with_zero and self.zero_dim is not None and self.pad:
+            return self.zero_dim, self.shape[self.zero_dim]
+        return None
+
+    def stored_shape(self, with_zero: bool) -> tuple[int, ...]:
+        padded = self.padding(with_zero)
+        if padded is None:
+            return self.shape
+        return tuple(s + self.pad if d == padded[0] else s for d, s in enumerate(self.shape))
 
     def data_only_spec(self, with_zero: bool) -> P:
         """The spec restricted to the ``data`` axis, as shard_map over ``data`` wants it."""
@@ -162,14 +187,21 @@ class ZeroPlan:
                 return entries
         return (None,) * len(shape)
 
-    def leaf_layout(self, path: str, shape) -> LeafLayout:
+    def leaf_layout(self, path: str, shape, *, tensor_rules: bool = True) -> LeafLayout:
+        """The ZeRO dimension: the largest free dimension that divides by N; failing that, the
+        largest free dimension of at least N entries, padded up to a multiple of N; failing
+        that (every free dimension shorter than N, or a scalar) none. ``tensor_rules=False``:
+        an array that is not a parameter (optimizer state of its own shape)."""
         shape = tuple(int(d) for d in shape)
-        tspec = self._tensor_spec(path, shape)
+        tspec = self._tensor_spec(path, shape) if tensor_rules else (None,) * len(shape)
         n = self.data_size
-        candidates = [d for d, size in enumerate(shape)
-                      if tspec[d] is None and size % n == 0 and size >= n]
-        zero_dim = max(candidates, key=lambda d: (shape[d], -d)) if candidates and n > 1 else None
-        return LeafLayout(shape, tspec, zero_dim)
+        free = [d for d, size in enumerate(shape) if tspec[d] is None and size >= n]
+        if n == 1 or not free:
+            return LeafLayout(shape, tspec, None)
+        largest = lambda dims: max(dims, key=lambda d: (shape[d], -d))  # noqa: E731
+        even = [d for d in free if shape[d] % n == 0]
+        zero_dim = largest(even) if even else largest(free)
+        return LeafLayout(shape, tspec, zero_dim, pad=-shape[zero_dim] % n)
 
     def layouts(self, params) -> Any:
         """A pytree of ``LeafLayout`` matching ``params`` (arrays or ShapeDtypeStructs)."""
@@ -188,17 +220,26 @@ class ZeroPlan:
     def compute_memory_kind(self) -> str | None:
         return "pinned_host" if self.offloads_params else None
 
-    def storage_shardings(self, params, memory_kind: str | None | bool = True):
-        """Shardings of fp32 master weights (and so of the optimizer state)."""
+    def storage_shardings(self, params, memory_kind: str | None | bool = True, *,
+                          padded: bool = False):
+        """Shardings of fp32 master weights (and so of the optimizer state), for arrays of the
+        parameters' own shapes (a padded leaf whole over ``data``; this is how a loader places
+        parameters before ``init_train_state``); ``padded=True``: for the stored, padded arrays
+        of the training state."""
         kind = self.storage_memory_kind if memory_kind is True else memory_kind
-        return jax.tree.map(lambda lay: self._named(lay.spec(self.shards_storage), kind),
-                            self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout))
+        return self._shardings(params, self.shards_storage, kind, padded)
 
-    def compute_shardings(self, params, memory_kind: str | None | bool = True):
-        """Shardings of the compute-dtype weights as they are stored between steps."""
+    def compute_shardings(self, params, memory_kind: str | None | bool = True, *,
+                          padded: bool = False):
+        """Shardings of the compute-dtype weights as they are stored between steps (``padded``
+        as for ``storage_shardings``)."""
         kind = self.compute_memory_kind if memory_kind is True else memory_kind
-        return jax.tree.map(lambda lay: self._named(lay.spec(self.shards_compute), kind),
-                            self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout))
+        return self._shardings(params, self.shards_compute, kind, padded)
+
+    def _shardings(self, params, with_zero: bool, kind, padded: bool):
+        def one(lay: LeafLayout):
+            return self._named(lay.spec(with_zero) if padded else lay.logical_spec(with_zero), kind)
+        return jax.tree.map(one, self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout))
 
     def replicated(self, memory_kind: str | None = None) -> NamedSharding:
         return self._named(P(), memory_kind)
@@ -207,10 +248,67 @@ class ZeroPlan:
         return self._named(P(DATA))
 
     def replicated_fraction(self, params) -> float:
-        """Fraction of parameter elements that no dimension lets ZeRO split (kept whole)."""
-        total = kept = 0
-        for lay in jax.tree.leaves(self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout)):
-            size = int(np.prod(lay.shape))
-            total += size
-            kept += size if lay.zero_dim is None else 0
-        return kept / max(total, 1)
+        """Fraction of parameter elements that no dimension lets ZeRO split, even padded (kept
+        whole on every device); 1.0 on one data device."""
+        return self.describe(params).replicated_fraction
+
+    def describe(self, params) -> PlanDescription:
+        """Per-device bytes of the fp32 master weights of ``params`` under this plan, what padding
+        adds, and the leaves (and share of elements) kept whole over ``data``."""
+        rows = [(path_str(path), lay) for path, lay in jax.tree_util.tree_leaves_with_path(
+            self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout))]
+        split = self.shards_storage
+        total = sum(math.prod(lay.shape) for _, lay in rows)
+        whole = [p for p, lay in rows if lay.zero_dim is None]
+        per_device = sum(
+            4 * math.prod(self._named(lay.spec(split)).shard_shape(lay.stored_shape(split)))
+            for _, lay in rows)
+        padding = sum(4 * (math.prod(lay.stored_shape(split)) - math.prod(lay.shape))
+                      for _, lay in rows)
+        kept = sum(math.prod(lay.shape) for _, lay in rows if lay.zero_dim is None)
+        return PlanDescription(
+            stage=self.stage, data_size=self.data_size, param_bytes=4 * total,
+            master_bytes_per_device=per_device, padding_bytes=padding,
+            replicated_fraction=kept / max(total, 1), replicated=tuple(whole),
+            padded=tuple(p for p, lay in rows if split and lay.padding(True)))
+
+    def warn_if_replicated(self, params, threshold: float = 0.01) -> None:
+        """One warning (per call site, Python's default filter) when more than ``threshold`` of
+        the parameters stay whole on every device although the plan shards them."""
+        if not self.shards_storage or self.data_size == 1:
+            return
+        described = self.describe(params)
+        if described.replicated_fraction > threshold:
+            warnings.warn(f"ZeRO stage {self.stage} keeps {described.replicated_fraction:.1%} of the "
+                          f"parameters whole on each of {self.data_size} devices (no dimension of "
+                          f"at least {self.data_size} entries free of tensor rules: "
+                          f"{', '.join(described.replicated[:4])}"
+                          + (" ..." if len(described.replicated) > 4 else "") + ")",
+                          stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanDescription:
+    """What ``ZeroPlan.describe`` reports; ``str()`` gives a short summary."""
+    stage: int
+    data_size: int
+    param_bytes: int
+    "fp32 bytes of all parameters (one whole copy)."
+    master_bytes_per_device: int
+    "fp32 master bytes one device stores, padding included (optimizer moments are alike)."
+    padding_bytes: int
+    "fp32 bytes padding adds to the whole stored master (all devices together)."
+    replicated_fraction: float
+    "Share of parameter elements that no dimension lets ZeRO split (1.0 on one data device)."
+    replicated: tuple[str, ...]
+    "Paths of the leaves kept whole over ``data`` at every stage."
+    padded: tuple[str, ...]
+    "Paths of the leaves stored padded."
+
+    def __str__(self) -> str:
+        leaves = lambda k: f"{k} leaf" if k == 1 else f"{k} leaves"  # noqa: E731
+        return (f"ZeRO stage {self.stage} on {self.data_size} data devices: fp32 master "
+                f"{self.master_bytes_per_device:,} bytes per device of {self.param_bytes:,} "
+                f"({self.master_bytes_per_device / max(self.param_bytes, 1):.2%}); padding "
+                f"{self.padding_bytes:,} bytes in all ({leaves(len(self.padded))}); whole on every "
+                f"device {self.replicated_fraction:.2%} ({leaves(len(self.replicated))})")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 import jax
@@ -14,9 +16,13 @@ AUTOCAST = ("none", "bf16", "fp16")
 
 @struct.dataclass
 class LossScaleState:
-    """Current loss scale and the count of clean steps since it last changed."""
+    """Current loss scale, the count of clean steps since it last changed and the count of
+    consecutive skipped steps. ``dynamic`` (static): whether the scale adapts; a static scale is
+    always the configured one, also after restoring a checkpoint saved with another."""
     scale: jax.Array
     good_steps: jax.Array
+    skips: jax.Array
+    dynamic: bool = struct.field(pytree_node=False, default=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +39,13 @@ class Precision:
     "Clean steps after which a dynamic scale doubles."
     min_scale: float = 1.0
     "Dynamic scale never halves below this."
+    max_consecutive_skips: int = 20
+    "Consecutive skipped steps (non-finite gradients) after which the trainer stops."
     autocast: str = "none"
     "Run the loss under zf.autocast in this dtype: 'none', 'bf16' or 'fp16'."
 
     def __post_init__(self):
-        if self.params not in DTYPES:
+        if not isinstance(self.params, str) or self.params not in DTYPES:
             raise ValueError(f"unknown params dtype {self.params!r}; choose one of {sorted(DTYPES)}")
         if self.master != "fp32":
             raise ValueError(f"unknown master dtype {self.master!r}; master weights are 'fp32'")
@@ -49,16 +57,29 @@ class Precision:
                 except ValueError:
                     raise ValueError(
                         f"loss_scale must be 'none', 'dynamic' or a positive number, got {ls!r}") from None
-        elif isinstance(ls, bool) or not isinstance(ls, (int, float)):
+        elif not _is_number(ls):
             raise ValueError(f"loss_scale must be 'none', 'dynamic' or a positive number, got {ls!r}")
-        if isinstance(self.loss_scale, (int, float)) and not self.loss_scale > 0:
-            raise ValueError(f"a static loss_scale must be positive, got {self.loss_scale!r}")
-        if self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
+        static = self.loss_scale
+        if _is_number(static) and not (static > 0 and math.isfinite(static)):
+            raise ValueError(f"a static loss_scale must be a positive finite number, got {static!r}")
+        self._check_scaling_fields()
         self._check_autocast()
 
+    def _check_scaling_fields(self):
+        for name in ("init_scale", "min_scale"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        for name in ("growth_interval", "max_consecutive_skips"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.min_scale > self.init_scale:
+            raise ValueError(f"min_scale ({self.min_scale:g}) must not exceed init_scale "
+                             f"({self.init_scale:g})")
+
     def _check_autocast(self):
-        if self.autocast not in AUTOCAST:
+        if not isinstance(self.autocast, str) or self.autocast not in AUTOCAST:
             raise ValueError(f"unknown autocast {self.autocast!r}; choose one of {list(AUTOCAST)}")
         if self.autocast == "none":
             return
@@ -84,18 +105,38 @@ class Precision:
     def init_loss_scale(self) -> LossScaleState | None:
         if not self.scaled:
             return None
-        start = self.init_scale if self.dynamic else float(self.loss_scale)
-        return LossScaleState(scale=jnp.asarray(start, jnp.float32),
-                              good_steps=jnp.asarray(0, jnp.int32))
+        zero = jnp.asarray(0, jnp.int32)
+        return LossScaleState(scale=jnp.asarray(self.start_scale, jnp.float32), good_steps=zero,
+                              skips=zero, dynamic=self.dynamic)
+
+    @property
+    def start_scale(self) -> float:
+        return self.init_scale if self.dynamic else float(self.loss_scale)
+
+    def step_scale(self, state: LossScaleState | None) -> jax.Array:
+        """The scale a step multiplies the loss by: a static one is always the configured one."""
+        if state is None:
+            return jnp.ones((), jnp.float32)
+        return state.scale if self.dynamic else jnp.asarray(float(self.loss_scale), jnp.float32)
 
     def next_loss_scale(self, state: LossScaleState | None, finite: jax.Array):
-        """Halve on a non-finite gradient, double after ``growth_interval`` clean steps."""
-        if state is None or not self.dynamic:
+        """Halve on a non-finite gradient, double after ``growth_interval`` clean steps; count
+        consecutive skipped steps."""
+        if state is None:
             return state
+        skips = jnp.where(finite, 0, state.skips + 1).astype(jnp.int32)
+        if not self.dynamic:
+            return LossScaleState(scale=self.step_scale(state), good_steps=state.good_steps,
+                                  skips=skips, dynamic=False)
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = good >= self.growth_interval
         scale = jnp.where(finite,
                           jnp.where(grow, state.scale * 2.0, state.scale),
                           jnp.maximum(state.scale * 0.5, self.min_scale))
         return LossScaleState(scale=scale.astype(jnp.float32),
-                              good_steps=jnp.where(grow, 0, good).astype(jnp.int32))
+                              good_steps=jnp.where(grow, 0, good).astype(jnp.int32), skips=skips,
+                              dynamic=True)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -2,31 +2,53 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
 
-from zeroflow.plan import ZeroPlan, path_str
+from zeroflow import padding
+from zeroflow.padding import NO_PADDING, StatePadding
+from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import LossScaleState, Precision
 
 
 @struct.dataclass
 class TrainState:
-    """``master``: fp32 weights (the optimizer's); ``compute``: the compute-dtype copy, or None
-    when the compute dtype is fp32 (then ``params`` is ``master``: one copy only)."""
+    """``step``: steps taken, skipped ones included (the data position; the rng's step);
+    ``applied``: optimizer updates applied (equal to optax's own count, which schedules read);
+    ``master``: fp32 weights (the optimizer's); ``compute``: the compute-dtype copy, or None when
+    the compute dtype is fp32 (then ``params`` is ``master``: one copy only); ``model_state``:
+    mutable model variables (e.g. Flax ``batch_stats``) or None; ``rng``: the base key of the
+    per-step keys, or None. ``padding`` (static) says which stored arrays carry ZeRO padding."""
     step: jax.Array
+    applied: jax.Array
     master: Any
     compute: Any
     opt_state: Any
     loss_scale: LossScaleState | None
+    model_state: Any = None
+    rng: jax.Array | None = None
+    padding: StatePadding = struct.field(pytree_node=False, default=NO_PADDING)
+
+    @property
+    def stored_params(self):
+        """The compute weights as stored (padded where the plan pads them)."""
+        return self.master if self.compute is None else self.compute
 
     @property
     def params(self):
-        """The weights the forward pass uses, in the compute dtype."""
-        return self.master if self.compute is None else self.compute
+        """The weights the forward pass uses, in the compute dtype and their own shapes."""
+        if self.compute is None:
+            return self.master_params
+        return padding.unpad(self.compute, self.padding.compute)
+
+    @property
+    def master_params(self):
+        """The fp32 master weights in their own shapes (ZeRO padding sliced off)."""
+        return padding.unpad(self.master, self.padding.master)
 
 
 def check_float_params(params) -> None:
@@ -45,42 +67,134 @@ def abstract_master(params):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32), params)
 
 
-def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan,
-                    prec: Precision) -> TrainState:
-    """The sharding of every leaf of the state: derived from the parameters, never hand-listed."""
-    master = plan.storage_shardings(abstract_params)
-    host = plan.storage_memory_kind
+class StateLayouts(NamedTuple):
+    """``LeafLayout`` trees of the master weights and of the optimizer state."""
+    master: Any
+    opt_state: Any
+
+
+def state_layouts(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan) -> StateLayouts:
+    """Layouts of the master weights and of every optimizer-state leaf: a leaf that mirrors a
+    parameter (optax's ``tree_map_params`` finds them, and its shape matches) is laid out like
+    that parameter; any other leaf (Adafactor's factored moments, counters) gets its own layout
+    from its shape, without tensor rules: split along a dimension of at least N entries, or
+    whole when it has none."""
+    master = plan.layouts(abstract_params)
     opt_abstract = jax.eval_shape(tx.init, abstract_master(abstract_params))
+
+    def own(x):
+        return plan.leaf_layout("", x.shape, tensor_rules=False)
+
+    def mirrored(x, lay: LeafLayout):
+        return lay if tuple(x.shape) == lay.shape else own(x)
+
     # tree_map_params runs tx.init on a dummy to learn the state's structure, creating a few
     # scalars on the default device; allow that even under a caller's transfer guard.
     with jax.transfer_guard("allow"):
-        opt = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, master,
-                                    transform_non_params=lambda _: plan.replicated(host))
-    compute = None if prec.params == "fp32" else plan.compute_shardings(abstract_params)
+        opt = optax.tree_map_params(tx, mirrored, opt_abstract, master,
+                                    transform_non_params=lambda t: jax.tree.map(own, t),
+                                    is_leaf=lambda x: isinstance(x, LeafLayout))
+    return StateLayouts(master, opt)
+
+
+def _is_layout(x) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision) -> StatePadding:
+    compute = () if prec.params == "fp32" else padding.entries_of(layouts.master, plan.shards_compute)
+    return StatePadding(master=padding.entries_of(layouts.master, plan.shards_storage),
+                        compute=compute,
+                        opt_state=padding.entries_of(layouts.opt_state, plan.shards_storage),
+                        data_size=plan.data_size)
+
+
+def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan,
+                    prec: Precision, model_state=None, rng=None) -> TrainState:
+    """The sharding of every leaf of the state: derived from the parameters, never hand-listed.
+    ``abstract_params`` has the parameters' own shapes; padded leaves get the sharding of their
+    stored (padded) form. ``model_state`` / ``rng``: the state carries them (replicated)."""
+    layouts = state_layouts(abstract_params, tx, plan)
+    host = plan.storage_memory_kind
+
+    def stored(lays, with_zero: bool, kind):
+        return jax.tree.map(lambda lay: plan._named(lay.spec(with_zero), kind), lays,
+                            is_leaf=_is_layout)
+
+    master = stored(layouts.master, plan.shards_storage, host)
+    opt = stored(layouts.opt_state, plan.shards_storage, host)
+    compute = None if prec.params == "fp32" else stored(layouts.master, plan.shards_compute,
+                                                         plan.compute_memory_kind)
     scalar = plan.replicated()
-    loss_scale = None if not prec.scaled else LossScaleState(scale=scalar, good_steps=scalar)
-    return TrainState(step=scalar, master=master, compute=compute, opt_state=opt, loss_scale=loss_scale)
+    loss_scale = None if not prec.scaled else LossScaleState(
+        scale=scalar, good_steps=scalar, skips=scalar, dynamic=prec.dynamic)
+    return TrainState(step=scalar, applied=scalar, master=master, compute=compute, opt_state=opt,
+                      loss_scale=loss_scale,
+                      model_state=None if model_state is None else jax.tree.map(
+                          lambda _: scalar, model_state),
+                      rng=None if rng is None else scalar,
+                      padding=state_padding(layouts, plan, prec))
 
 
-def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan,
-                     prec: Precision) -> TrainState:
+def as_key(rng) -> jax.Array:
+    """A typed jax key from a typed key or a legacy ``uint32[2]`` ``PRNGKey``."""
+    typed = isinstance(rng, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(
+        rng.dtype, jax.dtypes.prng_key)
+    if typed:
+        if rng.shape != ():
+            raise ValueError(f"rng must be a single jax key, got an array of keys of shape "
+                             f"{rng.shape}")
+        return rng
+    shape, dtype = jnp.shape(rng), jnp.result_type(rng) if hasattr(rng, "dtype") else None
+    if dtype == jnp.uint32 and shape == (2,):
+        return jax.random.wrap_key_data(rng)
+    raise ValueError(f"rng must be a jax random key (jax.random.key(seed)), got "
+                     f"{type(rng).__name__} of shape {shape}")
+
+
+def check_model_state(model_state) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(model_state)
+    bad = [path_str(p) for p, x in leaves if not hasattr(x, "shape") or not hasattr(x, "dtype")]
+    if bad:
+        raise ValueError(f"model_state leaves must be arrays; not arrays: {', '.join(bad[:5])}")
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision,
+                     model_state=None, rng=None) -> TrainState:
     """Build the sharded training state.
 
     ``params`` is an fp32 pytree, or a zero-argument function returning one: then nothing is
     ever materialised unsharded, which is how a model larger than one device is initialised.
+    ``model_state``: a pytree of mutable model variables (Flax ``batch_stats``), kept
+    replicated and never touched by the optimizer; ``rng``: a jax key from which every step,
+    device and micro-batch derives its own (dropout). The loss gets them as keywords.
     """
     init_fn: Callable[[], Any] | None = params if callable(params) else None
-    abstract = jax.eval_shape(init_fn) if init_fn else jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    abstract = jax.eval_shape(init_fn) if init_fn else _abstract(params)
     check_float_params(abstract)
-    shardings = state_shardings(abstract, tx, plan, prec)
+    if model_state is not None:
+        check_model_state(model_state)
+    key = None if rng is None else as_key(rng)
+    plan.warn_if_replicated(abstract)
+    shardings = state_shardings(abstract, tx, plan, prec, model_state, key)
+    pads = shardings.padding
 
-    def build(p):
+    def build(p, model_state, key):
         p = init_fn() if init_fn else p
         master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
         compute = None if prec.params == "fp32" else jax.tree.map(
             lambda x: x.astype(prec.compute_dtype), master)
-        return TrainState(step=jnp.zeros((), jnp.int32), master=master, compute=compute,
-                          opt_state=tx.init(master), loss_scale=prec.init_loss_scale())
+        opt_state = tx.init(master)
+        n = plan.data_size
+        return TrainState(step=jnp.zeros((), jnp.int32), applied=jnp.zeros((), jnp.int32),
+                          master=padding.pad(master, pads.master, n),
+                          compute=None if compute is None else padding.pad(compute, pads.compute, n),
+                          opt_state=padding.pad(opt_state, pads.opt_state, n),
+                          loss_scale=prec.init_loss_scale(), model_state=model_state, rng=key,
+                          padding=pads)
 
-    return jax.jit(build, out_shardings=shardings)(None if init_fn else params)
+    return jax.jit(build, out_shardings=shardings)(None if init_fn else params, model_state, key)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zeroflow import offload, update
+from zeroflow import offload, padding, update
 from zeroflow.grads import Route, local_grads, routes
 from zeroflow.grads.collectives import widens_half_precision
 from zeroflow.mesh import DATA
@@ -52,7 +52,7 @@ def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
 class StepLayout(NamedTuple):
     """Everything about where arrays live that one state layout needs, computed once per layout
     (not per trace): per-leaf layouts, the state's shardings and the compute weights' shardings
-    as the step reads them."""
+    as the step reads them. ``abstract_master`` has the parameters' own (unpadded) shapes."""
     layouts: Any
     state: TrainState
     compute_on_device: Any
@@ -60,13 +60,13 @@ class StepLayout(NamedTuple):
 
 
 def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPlan,
-                prec: Precision) -> StepLayout:
+                prec: Precision, model_state=None, rng=None) -> StepLayout:
     return StepLayout(
         layouts=plan.layouts(abstract_master),
-        state=state_shardings(abstract_master, tx, plan, prec),
-        compute_on_device=plan.compute_shardings(abstract_master,
+        state=state_shardings(abstract_master, tx, plan, prec, model_state, rng),
+        compute_on_device=plan.compute_shardings(abstract_master, padded=True,
                                                  memory_kind="device" if plan.offloads else None),
-        compute_stored=plan.compute_shardings(abstract_master))
+        compute_stored=plan.compute_shardings(abstract_master, padded=True))
 
 
 def _place(tree, shardings):
@@ -94,13 +94,21 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
     compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
                               layout.compute_on_device, layout.compute_stored, streamed)
-    params = _place(state.params, compute_sh)
-    scale = state.loss_scale.scale if state.loss_scale is not None else jnp.ones((), jnp.float32)
+    pads = state.padding
+    params = state.stored_params
+    if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
+        params = padding.unpad(params, pads.master)
+    params = _place(params, compute_sh)
+    scale = prec.step_scale(state.loss_scale)
+    # What the loss gets besides weights and data: the step's key (local_grads folds in the
+    # device and micro-batch) and the model state.
+    extras = {**({} if state.model_state is None else {"model_state": state.model_state}),
+              **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
 
     local = functools.partial(local_grads, loss_fn=loss_fn, layouts=layout.layouts, plan=plan,
                               grad_accum=grad_accum, per_layer=per_layer, from_host=from_host)
     if n == 1:  # one device on the data axis: no shard_map, no collectives to place
-        grads, loss, aux = local(params, batch, scale, collective=False)
+        grads, loss, aux, model_state = local(params, batch, scale, extras, collective=False)
     else:
         is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
         specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
@@ -108,26 +116,28 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         specs_grad = jax.tree.map(lambda lay, r: lay.data_only_spec(r.sharded_grad),
                                   layout.layouts, route_tree, is_leaf=is_layout)
         batch_specs = jax.tree.map(lambda _: P(DATA), batch)
-        grads, loss, aux = jax.shard_map(
-            local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P()),
-            out_specs=(specs_grad, P(), P()), axis_names={DATA})(params, batch, scale)
+        grads, loss, aux, model_state = jax.shard_map(
+            local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P(), P()),
+            out_specs=(specs_grad, P(), P(), P()), axis_names={DATA})(params, batch, scale, extras)
 
     # Unscale in fp32 and average over devices and micro-batches.
     grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
+    if not plan.shards_grads:  # whole gradients: into the master's (padded) form for the update
+        grads = padding.pad(grads, pads.master, n)
 
     shard = layout.state
     # Whole compute weights are gathered from the updated shards at stages 1-2 (see one_at_a_time).
     one_by_one = (state.compute is not None and not plan.shards_compute
                   and widens_half_precision(plan.mesh))
     compute_dtype = None if state.compute is None else prec.compute_dtype
-    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype)
+    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads)
     streamed = None
     if plan.offloads and not plan.updates_on_host and update.host_memory_is_separate(plan.mesh):
         # Offloaded state updated on the device, one parameter's state brought in at a time.
         streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
-                                   compute_dtype=compute_dtype, shardings=shard)
+                                   compute_dtype=compute_dtype, shardings=shard, pads=pads)
     if not plan.offloads:
         new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
                                                  compute_shardings=one_by_one and shard.compute)
@@ -148,11 +158,19 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         new_master, new_opt, new_compute = offload.on_host(apply)(
             host_grads, state.master, state.opt_state, host_finite)
 
-    new_state = TrainState(step=state.step + 1, master=new_master, compute=new_compute,
-                           opt_state=new_opt, loss_scale=prec.next_loss_scale(state.loss_scale, finite))
+    # A skipped step changes nothing, the model state included (its statistics may be NaN).
+    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
+                               state.model_state)
+    loss_scale = prec.next_loss_scale(state.loss_scale, finite)
+    skipped = jnp.logical_not(finite).astype(jnp.int32)
+    new_state = TrainState(step=state.step + 1, applied=state.applied + (1 - skipped),
+                           master=new_master, compute=new_compute, opt_state=new_opt,
+                           loss_scale=loss_scale, model_state=model_state, rng=state.rng,
+                           padding=pads)
     new_state = _place(new_state, shard)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale,
-               "skipped": jnp.logical_not(finite).astype(jnp.int32), **aux}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
+               "applied": new_state.applied,
+               "consecutive_skips": skipped if loss_scale is None else loss_scale.skips, **aux}
     return new_state, metrics
 
 
@@ -175,8 +193,9 @@ class TrainStep:
         leaves, treedef = jax.tree.flatten(state)
         key = (treedef, tuple(x.shape for x in leaves))  # cheap: this runs on every step
         if key not in self._by_layout:
-            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.master)
-            layout = step_layout(shapes, self._tx, self._plan, self._prec)
+            shapes = padding.unpadded_shapes(state.master, state.padding.master)
+            layout = step_layout(shapes, self._tx, self._plan, self._prec, state.model_state,
+                                 state.rng)
             self._by_layout[key] = jax.jit(functools.partial(self._fn, layout=layout),
                                            donate_argnums=self._donate,
                                            out_shardings=(layout.state, self._plan.replicated()))
@@ -199,6 +218,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
     pytree whose leaves share a leading global batch axis divisible by data size x grad_accum.
+    When the state carries them, the loss also gets ``model_state=`` (and must then return
+    ``(loss, aux, new_model_state)``) and ``rng=`` (a key of its own per step, device and
+    micro-batch) as keyword arguments. ``aux`` may not reuse a name of the step's metrics.
 
     ``gather_per_layer``: the top-level key of stacked layer weights (leading layer axis, e.g.
     the GPT's ``"layers"`` from ``nn.scan``). Then ``loss_fn(params, batch, gather_layer)`` is

@@ -19,16 +19,22 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import Literal
 
-from zeroflow import offload
+from zeroflow import offload, padding
 from zeroflow.grads import gather_on_use
 from zeroflow.grads.collectives import as_words, platform
+from zeroflow.padding import NO_PADDING, StatePadding
 
 
 def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation, compute_dtype,
-          compute_shardings=None):
+          compute_shardings=None, pads: StatePadding = NO_PADDING):
     """The update on fp32 arrays; returns ``(new_master, new_opt_state, new_compute)``
     (``new_compute`` None for fp32). ``compute_shardings``: where the new compute weights go,
-    when they should be moved there one leaf after the other (see ``one_at_a_time``)."""
+    when they should be moved there one leaf after the other (see ``one_at_a_time``).
+    ``pads``: where the stored arrays (and ``grads``, in the master's form) are padded; the
+    optimizer sees them unpadded."""
+    grads, master = padding.unpad(grads, pads.master), padding.unpad(master, pads.master)
+    opt_state = padding.unpad(opt_state, pads.opt_state)
+
     def step(grads, master, opt_state):
         updates, new_opt = tx.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), new_opt
@@ -39,9 +45,12 @@ def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
     # A cond, not jnp.where over the results: the skipped branch is never computed, and XLA can
     # update the optimizer state in place instead of copying it.
     new_master, new_opt = jax.lax.cond(finite, step, keep, grads, master, opt_state)
+    new_compute = None if compute_dtype is None else padding.pad(
+        jax.tree.map(lambda x: x.astype(compute_dtype), new_master), pads.compute, pads.data_size)
+    new_master = padding.pad(new_master, pads.master, pads.data_size)
+    new_opt = padding.pad(new_opt, pads.opt_state, pads.data_size)
     if compute_dtype is None:
         return new_master, new_opt, None
-    new_compute = jax.tree.map(lambda x: x.astype(compute_dtype), new_master)
     if compute_shardings:
         new_compute = one_at_a_time(new_compute, compute_shardings)
     return new_master, new_opt, new_compute
@@ -78,16 +87,26 @@ def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
 
 
 def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
-             compute_dtype, shardings):
+             compute_dtype, shardings, pads: StatePadding = NO_PADDING):
     """The update of host-resident ``master`` / ``opt_state`` on the device, one parameter at a
     time; returns ``(new_master, new_opt_state, new_compute)`` with the state back in host
     memory, or None where ``tx`` mixes several parameters' state (see the module docstring).
-    ``shardings``: the state's ``TrainState`` of shardings."""
+    ``shardings``: the state's ``TrainState`` of shardings; ``pads`` as for ``apply``."""
     n_grads, master_leaves = len(jax.tree.leaves(grads)), jax.tree.leaves(master)
     opt_leaves = jax.tree.leaves(opt_state)
-    groups = [-1] * n_grads + list(range(len(master_leaves))) + owners(tx, master, opt_state)
+    # Where each input leaf is padded (grads are in the master's form), to cut and re-pad it.
+    entries = (list(pads.master or [None] * n_grads) + list(pads.master or [None] * len(master_leaves))
+               + list(pads.opt_state or [None] * len(opt_leaves)))
+    own = lambda tree, es: jax.tree.unflatten(jax.tree.structure(tree), [  # noqa: E731
+        jax.ShapeDtypeStruct(_own_shape(x.shape, e), x.dtype)
+        for x, e in zip(jax.tree.leaves(tree), es)])
+    groups = [-1] * n_grads + list(range(len(master_leaves))) + owners(
+        tx, own(master, entries[n_grads:n_grads + len(master_leaves)]),
+        own(opt_state, entries[n_grads + len(master_leaves):]))
 
-    closed, out_shape = _step_jaxpr(tx, grads, master, opt_state)
+    closed, out_shape = _step_jaxpr(
+        tx, own(grads, entries[:n_grads]), own(master, entries[n_grads:n_grads + len(master_leaves)]),
+        own(opt_state, entries[n_grads + len(master_leaves):]))
     jaxpr = closed.jaxpr
     plan = _grouping(jaxpr, groups, n_grads)
     if plan is None:
@@ -100,12 +119,13 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     fetched: dict = {}
 
     def fetch(k, tie):
-        """Input ``k`` on the device: grads are there; offloaded state is copied in, and its
-        use waits for ``tie`` (the previous parameter's results)."""
-        if k < n_grads:
-            return stored[k]
-        value = offload.to_memory(stored[k], host_shardings[k - n_grads], "device")
-        return gather_on_use.after(value, tie) if tie is not None else value
+        """Input ``k`` on the device in its own shape: grads are there; offloaded state is
+        copied in, and its use waits for ``tie`` (the previous parameter's results)."""
+        value = stored[k]
+        if k >= n_grads:
+            value = offload.to_memory(value, host_shardings[k - n_grads], "device")
+            value = gather_on_use.after(value, tie) if tie is not None else value
+        return value if entries[k] is None else padding.cut_to(value, *entries[k])
 
     def read(atom):
         return atom.val if isinstance(atom, Literal) else env[atom]
@@ -131,15 +151,25 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
         previous = results or previous
 
     n_master = len(master_leaves)
-    new_compute = None if compute_dtype is None else [x.astype(compute_dtype) for x in outs[:n_master]]
-    # Results go straight back to host memory, in the state's shardings.
-    back = [offload.to_memory(x, s, "pinned_host") for x, s in zip(outs, host_shardings)]
+    repad = lambda x, e: x if e is None else padding.pad_to(  # noqa: E731
+        x, e[0], -(-e[1] // pads.data_size) * pads.data_size)
+    new_compute = None if compute_dtype is None else [
+        repad(x.astype(compute_dtype), e) for x, e in
+        zip(outs[:n_master], pads.compute or [None] * n_master)]
+    # Results go straight back to host memory, in the state's shardings, padded as stored.
+    back = [offload.to_memory(repad(x, e), s, "pinned_host")
+            for x, s, e in zip(outs, host_shardings, entries[n_grads:])]
     master_tree, opt_tree = out_shape
     new_master = jax.tree.unflatten(jax.tree.structure(master_tree), back[:n_master])
     new_opt = jax.tree.unflatten(jax.tree.structure(opt_tree), back[n_master:])
     if new_compute is not None:
         new_compute = jax.tree.unflatten(jax.tree.structure(master_tree), new_compute)
     return new_master, new_opt, new_compute
+
+
+def _own_shape(shape, entry):
+    return tuple(shape) if entry is None else tuple(
+        entry[1] if d == entry[0] else s for d, s in enumerate(shape))
 
 
 def _step_jaxpr(tx, grads, master, opt_state):

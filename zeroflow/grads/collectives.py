@@ -12,6 +12,10 @@ Gradients are reduced in fp32 whatever the compute dtype: a sum over many device
 bf16/fp16's range and rounds away their low bits (XLA:CPU also rejects a bf16 reduce-scatter).
 The full-size local gradient of one leaf is therefore fp32 for the moment of its reduction.
 
+A leaf stored padded (``zeroflow.padding``: its dimension does not divide by N) is gathered
+and then cut to its own size, and its gradient is padded with zeros before the reduce-scatter;
+the loss never sees the padding.
+
 The three are ``custom_jvp``s whose tangent map is linear in a stand-in (zeros shaped like
 the gradient that leaves the backward pass, fp32 where it is reduced; never read, so XLA drops
 it) and whose primal is plain jax: so ``jax.checkpoint`` sees the gather or copy and can
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 
 from zeroflow import offload
 from zeroflow.mesh import DATA
+from zeroflow.padding import cut_to, pad_to
 
 
 def varying(x):
@@ -39,24 +44,33 @@ def varying(x):
         return x
 
 
-def all_gather(shard, dim: int, dtype):
-    """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``)."""
-    return jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True)
+def all_gather(shard, dim: int, dtype, size: int | None = None):
+    """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``), cut to
+    ``size`` entries along ``dim`` when it is stored padded."""
+    whole = jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True)
+    return whole if size is None else cut_to(whole, dim, size)
 
 
-def reduce_scatter(grad, dim: int):
-    """This device's slice (along ``dim``) of the sum over devices of ``grad``, in fp32."""
-    return jax.lax.psum_scatter(grad.astype(jnp.float32), DATA, scatter_dimension=dim, tiled=True)
+def reduce_scatter(grad, dim: int, padded: int | None = None):
+    """This device's slice (along ``dim``) of the sum over devices of ``grad``, in fp32; with
+    ``padded``, ``grad`` is first padded with zeros to that many entries along ``dim``."""
+    grad = grad.astype(jnp.float32)
+    if padded is not None:
+        grad = pad_to(grad, dim, padded)
+    return jax.lax.psum_scatter(grad, DATA, scatter_dimension=dim, tiled=True)
 
 
-def _gathered_tangent(tangent, dim: int, dtype):
-    # Linear in ``tangent`` (fp32): its transpose reduce-scatters the cotangent in fp32.
-    return jax.lax.all_gather(tangent, DATA, axis=dim, tiled=True).astype(dtype)
+def _gathered_tangent(tangent, dim: int, dtype, size: int | None = None):
+    # Linear in ``tangent`` (fp32): its transpose pads the cotangent with zeros (the transpose
+    # of the cut) and reduce-scatters it in fp32.
+    whole = jax.lax.all_gather(tangent, DATA, axis=dim, tiled=True)
+    return (whole if size is None else cut_to(whole, dim, size)).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def gather_weight(shard, stand_in, dim: int, dtype):
-    """All-gather a stage-3 weight ``shard`` in the compute ``dtype`` for use.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None):
+    """All-gather a stage-3 weight ``shard`` in the compute ``dtype`` for use (cut to ``size``
+    along ``dim`` when the stored weight is padded).
 
     The gradient goes to ``stand_in``, fp32 zeros shaped like the shard and never read: it is
     the reduce-scatter of the devices' gradients, summed and returned in fp32 (bf16/fp16 sums
@@ -64,22 +78,23 @@ def gather_weight(shard, stand_in, dim: int, dtype):
     (no fp32 copy of the weights is made to differentiate).
     """
     del stand_in
-    return all_gather(shard, dim, dtype)
+    return all_gather(shard, dim, dtype, size)
 
 
 @gather_weight.defjvp
-def _gather_jvp(dim, dtype, primals, tangents):
+def _gather_jvp(dim, dtype, size, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
-    return all_gather(shard, dim, dtype), _gathered_tangent(d_stand_in, dim, dtype)
+    return all_gather(shard, dim, dtype, size), _gathered_tangent(d_stand_in, dim, dtype, size)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def scatter_grad_on_use(weight, stand_in, dim: int):
     """``weight`` unchanged; its gradient, reduce-scattered along ``dim``, goes to ``stand_in``.
 
-    ``stand_in`` is an fp32 array of zeros shaped like this device's shard of ``weight``, never
-    read: differentiating it instead of ``weight`` gives the gradient the sharded type, so the
-    reduce-scatter runs inside the backward pass as soon as this leaf's gradient is complete
+    ``stand_in`` is an fp32 array of zeros shaped like this device's shard of ``weight`` (of its
+    padded form, when it is stored padded), never read: differentiating it instead of ``weight``
+    gives the gradient the sharded type, so the reduce-scatter runs inside the backward pass as
+    soon as this leaf's gradient is complete
     (ZeRO-2), and the gradient that leaves the backward pass is already 1/N of the leaf.
     """
     del stand_in, dim
@@ -89,7 +104,7 @@ def scatter_grad_on_use(weight, stand_in, dim: int):
 @scatter_grad_on_use.defjvp
 def _scatter_jvp(dim, primals, tangents):
     (weight, _), (_, d_stand_in) = primals, tangents
-    return weight, _gathered_tangent(d_stand_in, dim, weight.dtype)
+    return weight, _gathered_tangent(d_stand_in, dim, weight.dtype, weight.shape[dim])
 
 
 @jax.custom_jvp

@@ -52,22 +52,28 @@ class Source(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
-    all-gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in."""
+    all-gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in.
+    ``size``/``padded``: the weight's own and stored length along ``dim`` (they differ when it
+    is stored padded)."""
     dim: int
     dtype: Any
+    size: int | None = None
+    padded: int | None = None
 
     def fetch(self, stored):
-        return all_gather(stored[0], self.dim, self.dtype)
+        return all_gather(stored[0], self.dim, self.dtype, self.size)
 
     def give_back(self, stored, grad):
-        return _pair_like(stored, reduce_scatter(grad, self.dim))
+        return _pair_like(stored, reduce_scatter(grad, self.dim, self.padded))
 
 
 @dataclasses.dataclass(frozen=True)
 class Whole:
     """A whole weight used as it is; with ``scatter_dim`` (ZeRO-2) it is stored as a pair
-    ``(weight, stand_in)`` and the gradient is reduce-scattered into the stand-in."""
+    ``(weight, stand_in)`` and the gradient is reduce-scattered into the stand-in (padded to
+    ``padded`` entries along ``scatter_dim`` first, when the stored form is padded)."""
     scatter_dim: int | None = None
+    padded: int | None = None
 
     def fetch(self, stored):
         return stored if self.scatter_dim is None else stored[0]
@@ -75,7 +81,7 @@ class Whole:
     def give_back(self, stored, grad):
         if self.scatter_dim is None:
             return grad
-        return _pair_like(stored, reduce_scatter(grad, self.scatter_dim))
+        return _pair_like(stored, reduce_scatter(grad, self.scatter_dim, self.padded))
 
 
 def _pair_like(stored, grad):

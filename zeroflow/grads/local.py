@@ -12,6 +12,10 @@ Every parameter takes one ``Route`` (decided once from its layout and the plan):
   copied in when it runs (``stream_in``).
 A gradient that leaves the backward pass sharded is fp32 and already summed over devices; a
 whole one is summed over micro-batches locally and reduced at the end.
+
+What the loss gets besides weights and data (``extras``): ``model_state`` (threaded through the
+micro-batches in order, then averaged over ``data``) and ``rng`` (one key per device and
+micro-batch, folded from the step's key). Both are data to the engine, never weights.
 """
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ import jax.numpy as jnp
 
 from zeroflow import offload
 from zeroflow.grads import gather_on_use
-from zeroflow.grads.collectives import (gather_weight, scatter_grad_on_use, stream_in,
-                                        varying as _varying, widens_half_precision)
+from zeroflow.grads.collectives import (gather_weight, reduce_scatter, scatter_grad_on_use,
+                                        stream_in, varying as _varying, widens_half_precision)
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 
@@ -44,6 +48,15 @@ class Route:
     "Kept in host memory, copied to the device one layer at a time."
     on_use: bool
     "Fetched by ``gather_on_use`` just before each use (outside the layer loop)."
+    size: int | None = None
+    "The leaf's own length along ``dim``."
+    padded: int | None = None
+    "Its stored length along ``dim`` when that is padded up to a multiple of N, else None."
+
+    @property
+    def cut(self) -> int | None:
+        """The length a gathered (padded) weight is cut back to; None when it is not padded."""
+        return self.size if self.padded is not None else None
 
     @property
     def reduced_on_use(self) -> bool:
@@ -85,7 +98,9 @@ def routes(layouts, plan: ZeroPlan, prefix: str | None, from_host: bool, fetch_w
         stream = from_host and under and not (gather and not within_layer)
         per_layer = under and (((gather or scatter) and within_layer) or stream)
         on_use = not per_layer and (gather or fetch_whole)
-        return Route(lay.zero_dim, gather, scatter, per_layer, stream, on_use)
+        size = None if lay.zero_dim is None else lay.shape[lay.zero_dim]
+        padded = size + lay.pad if split and lay.pad else None
+        return Route(lay.zero_dim, gather, scatter, per_layer, stream, on_use, size, padded)
     return jax.tree_util.tree_map_with_path(route, layouts, is_leaf=_is_layout)
 
 
@@ -114,40 +129,94 @@ class Detached(NamedTuple):
     stand_in: jax.Array
 
 
-def _shard_shape(shape, dim: int, n: int) -> tuple[int, ...]:
-    return tuple(s // n if d == dim else s for d, s in enumerate(shape))
+def _shard_shape(shape, r: Route, n: int) -> tuple[int, ...]:
+    """This device's shard of a leaf of ``shape`` (padded first when its route pads it)."""
+    stored = r.padded or shape[r.dim]
+    return tuple(stored // n if d == r.dim else s for d, s in enumerate(shape))
 
 
-def split_loss(out):
-    loss, aux = out if isinstance(out, tuple) else (out, {})
+ENGINE_METRICS = ("loss", "grad_norm", "loss_scale", "skipped", "applied", "consecutive_skips")
+"Metric names the step reports itself; an aux entry may not reuse one."
+
+
+def split_loss(out, model_state=None):
+    """``(loss, aux, new_model_state)`` from what ``loss_fn`` returned, checked. ``model_state``:
+    the state the loss was given (None when the state carries none)."""
+    carries = model_state is not None
+    if carries:
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise ValueError("the state carries model_state, so loss_fn must return "
+                             "(loss, aux, new_model_state)")
+        loss, aux, new_state = out
+        _check_new_model_state(model_state, new_state)
+        new_state = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), new_state,
+                                 model_state)
+    else:
+        if isinstance(out, tuple) and len(out) == 3:
+            raise ValueError("loss_fn returned (loss, aux, new_model_state) but the state carries no "
+                             "model_state; pass model_state= to zf.init_train_state")
+        if isinstance(out, tuple) and len(out) != 2:
+            raise ValueError(f"loss_fn must return loss or (loss, aux), got a tuple of {len(out)}")
+        (loss, aux), new_state = (out if isinstance(out, tuple) else (out, {})), None
     if len(jnp.shape(loss)) != 0:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
     if not isinstance(aux, dict):
         raise ValueError(f"loss_fn's aux must be a dict of metrics, got {type(aux).__name__}")
-    return jnp.asarray(loss, jnp.float32), aux
+    clash = sorted(k for k in aux if k in ENGINE_METRICS)
+    if clash:
+        raise ValueError(f"loss_fn's aux key {clash[0]!r} collides with the step's own metric of that "
+                         f"name; rename it (the step reports {', '.join(ENGINE_METRICS)})")
+    return jnp.asarray(loss, jnp.float32), aux, new_state
 
 
-def local_grads(params, batch, scale, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
+def _check_new_model_state(old, new) -> None:
+    old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
+    if old_def != new_def:
+        raise ValueError(f"loss_fn's new model_state has structure {new_def}, the state's is "
+                         f"{old_def}")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new)):
+        if jnp.shape(a) != jnp.shape(b):
+            raise ValueError(f"loss_fn's new model_state {path_str(path)} has shape {jnp.shape(b)}, "
+                             f"the state's has {jnp.shape(a)}")
+
+
+def local_grads(params, batch, scale, extras, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
                 per_layer: str | None, from_host: bool = False, collective: bool = True):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
-    over devices. ``collective=False`` is the one-device case, run without shard_map."""
+    over devices, and the new model state averaged over devices. ``extras``: a dict with
+    ``model_state`` and/or ``rng`` (the step's key) when the state carries them.
+    ``collective=False`` is the one-device case, run without shard_map."""
     varying = _varying if collective else (lambda x: x)
     compute_dtype = jax.tree.leaves(params)[0].dtype if params else jnp.float32
     route_tree = routes(layouts, plan, per_layer, from_host, fetches_whole(plan, compute_dtype),
                         grad_accum)
-    grads, loss, aux = _accumulated(params, batch, scale, loss_fn=loss_fn, routes=route_tree,
-                                    plan=plan, grad_accum=grad_accum, per_layer=per_layer,
-                                    varying=varying)
+    extras = dict(extras)
+    if "rng" in extras:  # one key per device: fold in its index on the data axis
+        extras["rng"] = jax.random.fold_in(
+            extras["rng"], jax.lax.axis_index(DATA) if collective else 0)
+    grads, loss, aux, model_state = _accumulated(
+        params, batch, scale, extras, loss_fn=loss_fn, routes=route_tree, plan=plan,
+        grad_accum=grad_accum, per_layer=per_layer, varying=varying)
     if not collective:
-        return grads, loss, aux
+        return grads, loss, aux, model_state
     grads = jax.tree.map(lambda g, r: g if r.sharded_grad else jax.lax.psum(g, DATA),
                          grads, route_tree)
-    return grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux)
+    return (grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
+            jax.tree.map(_across_devices, model_state))
 
 
-def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
+def _across_devices(x):
+    """Model state after the step: floating leaves averaged over ``data`` (cross-replica batch
+    statistics); other leaves (counters, the same on every device) take the maximum."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, DATA)
+    return jax.lax.pmax(x, DATA)
+
+
+def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
                  per_layer: str | None, varying):
-    """Gradients summed over micro-batches, with the mean loss and aux over micro-batches."""
+    """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
+    the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
     n = plan.data_size
     dtypes = jax.tree.map(lambda x: x.dtype, params)
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
@@ -156,7 +225,7 @@ def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_
         # Zeros shaped like the gradient that leaves the backward pass stand in for the weight
         # (see zeroflow.grads.collectives): fp32 shards where it is reduced on use.
         if r.gather or (r.scatter and r.reduced_on_use):
-            shape = x.shape if r.gather else _shard_shape(x.shape, r.dim, n)
+            shape = x.shape if r.gather else _shard_shape(x.shape, r, n)
             return varying(jnp.zeros(shape, jnp.float32))
         if r.stream:
             return varying(jnp.zeros(x.shape, x.dtype))
@@ -186,42 +255,55 @@ def _accumulated(params, batch, scale, *, loss_fn, routes, plan: ZeroPlan, grad_
                 return stream_in(x.value, x.stand_in)
             weight = offload.to_device(varying(x.value)) if r.stream else x.value
             if r.gather:
-                return gather_weight(weight, x.stand_in, r.layer_dim, dt)
+                return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut)
             return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
         return jax.tree.map(one, routes[per_layer], layer_params, dtypes[per_layer],
                             is_leaf=_is_route)
 
-    def grads_of(micro):
+    def grads_of(micro, model_state, key):
+        given = {**({} if model_state is None else {"model_state": model_state}),
+                 **({} if key is None else {"rng": key})}
+
         def scaled_loss(p):
             seen = jax.tree.map(visible, p, stored, routes)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro,
-                                  gather_layer if per_layer is not None else None)
-            loss, aux = split_loss(out)
-            return loss * scale, (loss, aux)
+                                  gather_layer if per_layer is not None else None, given)
+            loss, aux, new_state = split_loss(out, model_state)
+            return loss * scale, (loss, aux, new_state)
 
-        (_, (loss, aux)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        (_, (loss, aux, new_state)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
         g = jax.tree.map(lambda x, r: _reduce_late(x.astype(jnp.float32), r), g, routes)
-        return g, loss, aux
+        return g, loss, aux, new_state
 
+    model_state, key = extras.get("model_state"), extras.get("rng")
+
+    def micro_key(i):
+        return None if key is None else jax.random.fold_in(key, i)
     if grad_accum == 1:
-        return grads_of(batch)
+        return grads_of(batch, model_state, micro_key(0))
     micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
     first = jax.tree.map(lambda x: x[0], micro)
-    zeros = jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)),
-                         jax.eval_shape(grads_of, first))
+    g, loss, aux, _ = jax.eval_shape(grads_of, first, model_state, micro_key(0))
+    zeros = jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)), (g, loss, aux))
+    # The model state is threaded through the micro-batches in order (it differs per device).
+    model_state = jax.tree.map(varying, model_state)
 
-    def body(acc, mb):
-        return jax.tree.map(jnp.add, acc, grads_of(mb)), None
+    def body(carry, xs):
+        acc, state = carry
+        mb, i = xs
+        g, loss, aux, state = grads_of(mb, state, micro_key(i))
+        return (jax.tree.map(jnp.add, acc, (g, loss, aux)), state), None
 
-    (grads, loss, aux), _ = jax.lax.scan(body, zeros, micro)
-    return grads, loss / grad_accum, jax.tree.map(lambda a: a / grad_accum, aux)
+    ((grads, loss, aux), model_state), _ = jax.lax.scan(
+        body, (zeros, model_state), (micro, jnp.arange(grad_accum)))
+    return grads, loss / grad_accum, jax.tree.map(lambda a: a / grad_accum, aux), model_state
 
 
 def _reduce_late(g, r: Route):
     """Per micro-batch: a gradient to be reduce-scattered that the backward pass left whole (a
     streamed stack split along its layer axis) is reduce-scattered now."""
     if r.scatter and not r.reduced_on_use:
-        return jax.lax.psum_scatter(g, DATA, scatter_dimension=r.dim, tiled=True)
+        return reduce_scatter(g, r.dim, r.padded)
     return g
 
 
@@ -229,21 +311,22 @@ def _source(r: Route, dtype) -> gather_on_use.Source | None:
     if not r.on_use:
         return None
     if r.gather:
-        return gather_on_use.Sharded(r.dim, dtype)
-    return gather_on_use.Whole(r.dim if r.scatter else None)
+        return gather_on_use.Sharded(r.dim, dtype, r.cut, r.padded)
+    return gather_on_use.Whole(r.dim if r.scatter else None, r.padded if r.scatter else None)
 
 
-def _call_gathering(loss_fn, seen, routes, dtypes, micro, gather_layer):
-    """``loss_fn(seen, micro[, gather_layer])`` with the weights routed ``on_use`` fetched just
-    before each use (``gather_on_use``)."""
-    call = (lambda p, b: loss_fn(p, b)) if gather_layer is None else (
-        lambda p, b: loss_fn(p, b, gather_layer))
+def _call_gathering(loss_fn, seen, routes, dtypes, micro, gather_layer, given):
+    """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
+    fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
+    to the replay as data."""
+    call = (lambda p, b, kw: loss_fn(p, b, **kw)) if gather_layer is None else (
+        lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
     top = jax.tree.map(lambda r, dt: _source(r, dt), routes, dtypes, is_leaf=_is_route)
     is_detached = lambda x: isinstance(x, Detached)  # noqa: E731
     leaves, treedef = jax.tree.flatten(seen, is_leaf=is_detached)
     specs = treedef.flatten_up_to(top)
     if not any(specs):
-        return call(seen, micro)
-    return gather_on_use.call(lambda ls, b: call(jax.tree.unflatten(treedef, ls), b),
-                              leaves, specs, micro)
+        return call(seen, micro, given)
+    return gather_on_use.call(lambda ls, b, kw: call(jax.tree.unflatten(treedef, ls), b, kw),
+                              leaves, specs, micro, given)
 

@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +108,6 @@ def state_bytes(tree) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- from a Config
-def _optimizer(train) -> optax.GradientTransformation:
-    adamw = optax.adamw(train.lr, b1=train.b1, b2=train.b2, weight_decay=train.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw) if train.grad_clip > 0 else adamw
-
-
 @dataclasses.dataclass(frozen=True)
 class StepSetup:
     """A jitted step with abstract inputs for one stage / offload / remat choice."""
@@ -137,69 +131,72 @@ class StepParts:
     gather_per_layer: str
 
 
+def choice_config(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
+                  update_on: str | None = None, remat: str | None = None):
+    """``cfg`` with one stage / offload / remat choice on ``num_devices`` data devices."""
+    par = cfg.parallel
+    offload = par.offload if offload is None else offload
+    update_on = (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, remat=cfg.model.remat if remat is None else remat),
+        parallel=dataclasses.replace(par, data=num_devices,
+                                     zero_stage=par.zero_stage if stage is None else stage,
+                                     offload=offload, update_on=update_on))
+
+
 def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
                    update_on: str | None = None, remat: str | None = None,
                    planning: bool = False) -> StepParts:
-    """The trainer's GPT step for ``cfg`` on ``num_devices`` data-parallel devices (times
-    ``parallel.model``); keywords override ``parallel.*`` / ``model.remat``. ``planning``: on a
-    device-free ``zf.planning_mesh`` (for estimates), else on this machine's first devices."""
+    """The trainer's GPT step for ``cfg`` (``build_run``: its loss, optimizer and precision) on
+    ``num_devices`` data-parallel devices (times ``parallel.model``); keywords override
+    ``parallel.*`` / ``model.remat``. ``planning``: on a device-free ``zf.planning_mesh`` (for
+    estimates), else on this machine's first devices."""
     import zeroflow as zf
-    from zeroflow.models import LAYER_STACK, make_layerwise_loss_fn, param_init_fn
+    from zeroflow.models import LAYER_STACK, abstract_params
+    from zeroflow.trainer.setup import build_run
 
-    par = cfg.parallel
-    stage = par.zero_stage if stage is None else stage
-    offload = par.offload if offload is None else offload
-    update_on = (par.update_on if update_on is None else update_on) if offload != "none" else "device"
-    model = dataclasses.replace(cfg.model, remat=cfg.model.remat if remat is None else remat)
-    if planning:
-        mesh = zf.planning_mesh(num_devices, par.model)
-    else:
-        if jax.device_count() < num_devices * par.model:
-            raise ValueError(f"measuring needs {num_devices * par.model} devices, "
-                             f"{jax.device_count()} available ({jax.default_backend()})")
-        mesh = zf.make_mesh(data=num_devices, model=par.model,
-                            devices=jax.devices()[:num_devices * par.model])
-    rules = ()
-    if par.model > 1:
-        from zeroflow.models.rules import gpt_tensor_rules
-        rules = gpt_tensor_rules(model, par.model)
-    plan = zf.ZeroPlan(mesh, stage=stage, offload=offload, update_on=update_on, tensor_rules=rules)
-    prec = zf.Precision(params=cfg.precision.params, loss_scale=cfg.precision.loss_scale,
-                        autocast=cfg.precision.autocast)
-    if planning and model.attention == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
+    cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
+                        update_on=update_on, remat=remat)
+    if planning and cfg.model.attention == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
         # cuDNN's attention cannot be traced here; our flash kernel keeps the same residuals
         # for the backward pass (q, k, v, output and per-row softmax statistics).
-        model = dataclasses.replace(model, attention="pallas")
-    params = jax.eval_shape(param_init_fn(model), jax.random.key(0))
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, model.seq_len + 1), np.int32)}
-    # The trainer's loss: scanned layers gathered (stage 3) and streamed (optimizer+params) one
-    # at a time through gather_layer.
-    loss = make_layerwise_loss_fn(model)
-    return StepParts(loss_fn=lambda p, b, gather_layer: loss(p, b, gather_layer), params=params,
-                     batch=batch, tx=_optimizer(cfg.train), plan=plan, prec=prec,
-                     gather_per_layer=LAYER_STACK)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas"))
+    if planning:
+        run = build_run(cfg, with_data=False, mesh=zf.planning_mesh(num_devices, cfg.parallel.model))
+    else:
+        run = build_run(cfg, with_data=False,
+                        devices=_first_devices(num_devices * cfg.parallel.model))
+    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)}
+    return StepParts(loss_fn=run.loss_fn, params=abstract_params(run.model_cfg)[0], batch=batch,
+                     tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK)
+
+
+def _first_devices(count: int):
+    if jax.device_count() < count:
+        raise ValueError(f"measuring needs {count} devices, {jax.device_count()} available "
+                         f"({jax.default_backend()})")
+    return jax.devices()[:count]
 
 
 def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on: str,
                    remat: str) -> StepSetup:
-    """Build the GPT train step of ``cfg`` on the first ``num_devices`` devices with abstract
-    state and batch: parameters are never materialised."""
-    import zeroflow as zf
-    from zeroflow.state import state_shardings
+    """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
+    layer-wise gathering) on the first ``num_devices`` data devices, with abstract state and
+    batch: parameters are never materialised."""
+    from zeroflow.padding import unpadded_shapes
+    from zeroflow.trainer.setup import build_run
 
-    parts = gpt_step_parts(cfg, num_devices=num_devices, stage=stage, offload=offload,
-                           update_on=update_on, remat=remat)
-    tx, plan, prec = parts.tx, parts.plan, parts.prec
-    shapes = jax.eval_shape(lambda: zf.init_train_state(parts.params, tx, plan, prec))
-    shardings = state_shardings(shapes.master, tx, plan, prec)  # master has the params' shapes
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         shapes, shardings)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                        sharding=plan.batch_sharding()), parts.batch)
-    step = zf.make_train_step(parts.loss_fn, tx, plan, prec, grad_accum=cfg.parallel.grad_accum,
-                              gather_per_layer=parts.gather_per_layer)
-    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes.master))
-    return StepSetup(step=step, state=state, batch=batch, plan=plan, num_params=num_params)
+    cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
+                        update_on=update_on, remat=remat)
+    run = build_run(cfg, with_data=False,
+                    devices=_first_devices(num_devices * cfg.parallel.model))
+    state = run.abstract_state()
+    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                            sharding=run.plan.batch_sharding())}
+    shapes = unpadded_shapes(state.master, state.padding.master)
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,
+                     num_params=num_params)
 
 
 def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:

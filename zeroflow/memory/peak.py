@@ -120,10 +120,16 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     half-precision weights and drops the offload copies (host memory is device memory there).
     ``recompute_bytes``: under remat, what one layer's forward pass makes again in the backward
     pass (``estimate_config_step`` derives it for the GPT; 0 when unknown)."""
+    import zeroflow as zf
     from zeroflow.state import abstract_master, state_shardings
 
     master = abstract_master(params)
     shard = state_shardings(master, tx, plan, prec)
+    # The state as stored: leaves ZeRO pads (zeroflow.padding) are larger than the parameters.
+    stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec))
+    state_arrays = [(stored.master, shard.master), (stored.opt_state, shard.opt_state)]
+    if shard.compute is not None:
+        state_arrays.append((stored.compute, shard.compute))
     n, model = plan.data_size, plan.model_size
     layouts = plan.layouts(master)
     route_tree = routes(layouts, plan, gather_per_layer,
@@ -140,9 +146,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     fetched_width = F32 if widening else width
 
     # Arguments: the state's device-memory arrays and this device's rows of the batch.
-    states = _device_bytes(_with_shardings(master, shard.master)) + _opt_device_bytes(tx, master, shard)
-    if shard.compute is not None:
-        states += _device_bytes(_with_shardings(master, shard.compute, prec.compute_dtype))
+    states = sum(_device_bytes(_with_shardings(a, sh)) for a, sh in state_arrays)
     batch_bytes = sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
                       for x in jax.tree.leaves(batch)) / n
     states += batch_bytes
@@ -184,19 +188,15 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
               + ((fetched if plan.shards_compute else 0) + F32) * unit + widened)
     # The update direction: whole where the gradients were all-reduced (XLA keeps the reduced
     # and the unscaled gradients), fused into each leaf's update where they arrive sharded.
-    local_master = [_local_elements(s, sh) for s, sh in zip(shapes, jax.tree.leaves(shard.master))]
+    local_master = [_local_elements(a.shape, sh) for a, sh in
+                    zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
     all_reduced = not any(r.sharded_grad for r in flat_routes)
     update_direction = F32 * (sum(local_master) if all_reduced else max(local_master))
     update = sum(grads) + update_direction
     if plan.offloads and not plan.updates_on_host and backend != "cpu":
         # (XLA:CPU's host and device memory are one: nothing is brought in there.)
-        update += _streamed_in_bytes(master, shard, tx)
-    host_state = (_kind_bytes(_with_shardings(master, shard.master), "pinned_host")
-                  + _kind_bytes(_with_shardings(jax.eval_shape(tx.init, master), shard.opt_state),
-                                "pinned_host"))
-    if shard.compute is not None:
-        host_state += _kind_bytes(_with_shardings(master, shard.compute, prec.compute_dtype),
-                                  "pinned_host")
+        update += _streamed_in_bytes(master, stored, shard, tx)
+    host_state = sum(_kind_bytes(_with_shardings(a, sh), "pinned_host") for a, sh in state_arrays)
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
                         gradients=sum(grads), activations=activations,
@@ -238,23 +238,19 @@ def _without_data(spec):
     return P(*[None if axis == DATA else axis for axis in spec])
 
 
-def _opt_device_bytes(tx, master, shard) -> float:
-    return _device_bytes(_with_shardings(jax.eval_shape(tx.init, master), shard.opt_state))
-
-
-def _streamed_in_bytes(master, shard, tx) -> float:
-    """Offloaded state an on-device update holds at once: one parameter's master and optimizer
-    state when ``zeroflow.update.streamed`` can split the update, else all of it."""
+def _streamed_in_bytes(master, stored, shard, tx) -> float:
+    """Offloaded state that an on-device update holds at once: one parameter's master and
+    optimizer state when ``zeroflow.update.streamed`` can split the update, else all of it."""
     from zeroflow.update import owners, streamable
-    opt = jax.eval_shape(tx.init, master)
     on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
     sizes = ([_device_bytes(_with_shardings(m, s)) for m, s in
-              zip(jax.tree.leaves(master), jax.tree.leaves(on_device(shard.master)))]
+              zip(jax.tree.leaves(stored.master), jax.tree.leaves(on_device(shard.master)))]
              + [_device_bytes(_with_shardings(o, s)) for o, s in
-                zip(jax.tree.leaves(opt), jax.tree.leaves(on_device(shard.opt_state)))])
+                zip(jax.tree.leaves(stored.opt_state), jax.tree.leaves(on_device(shard.opt_state)))])
     if not streamable(tx, master):
         return float(sum(sizes))
-    groups = list(range(len(jax.tree.leaves(master)))) + owners(tx, master, opt)
+    groups = (list(range(len(jax.tree.leaves(master))))
+              + owners(tx, master, jax.eval_shape(tx.init, master)))
     per_group: dict = {}
     for g, size in zip(groups, sizes):
         per_group[g] = per_group.get(g, 0.0) + size

@@ -13,7 +13,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from zeroflow.checkpoint import CheckpointError, check_compatible, portable, rebuild_state, restore_target
+from zeroflow.checkpoint import CheckpointError, checked_target, portable, rebuild_state
 from zeroflow.state import TrainState
 
 log = logging.getLogger("zeroflow")
@@ -41,10 +41,9 @@ class RunCheckpoints:
     def _restore_step(self, step: int, like: TrainState):
         meta_tree = self.manager.item_metadata(step)["state"]
         meta_tree = getattr(meta_tree, "tree", meta_tree)
-        target = restore_target(like, "loss_scale" in meta_tree)
-        check_compatible(meta_tree, target, f"{self.directory}/{step}")
+        target = checked_target(like, meta_tree, f"{self.directory}/{step}")
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(target, strict=False), meta=ocp.args.JsonRestore()))
         return rebuild_state(restored["state"], like), dict(restored["meta"])
 
     def restore_latest(self, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -63,10 +64,11 @@ def _stop_on_signals():
 
 def _make_eval(run: Run):
     @jax.jit
-    def eval_loss(params, batch):
+    def eval_loss(state, batch):
         # Offloaded weights are read from host memory like the train step reads them: the
         # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
-        params = {k: v if k == LAYER_STACK else offload.to_device(v) for k, v in params.items()}
+        # No rng: evaluation is deterministic (dropout off).
+        params = {k: v if k == LAYER_STACK else offload.to_device(v) for k, v in state.params.items()}
         return run.loss_fn(params, batch, offload.to_device)[0]
 
     def evaluate(state) -> dict[str, float]:
@@ -76,7 +78,7 @@ def _make_eval(run: Run):
         batches = eval_batches(run.data.val, num_batches=cfg.train.eval_batches,
                                global_batch=cfg.train.batch_size, seq_len=cfg.model.seq_len,
                                process_index=jax.process_index(), process_count=jax.process_count())
-        losses = [float(eval_loss(state.params, run.global_batch(b))) for b in batches]
+        losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
         loss = float(np.mean(losses))
         return {"eval_loss": loss, "eval_bpb": bits_per_byte(loss, run.data.tokens_per_byte)}
     return evaluate
@@ -93,6 +95,13 @@ def _check_finite(step: int, m: dict[str, float], run: Run, checkpoints: RunChec
                 f"step {step}: non-finite gradients with finite loss {m['loss']:.4g} and no dynamic "
                 f"loss scaling (precision.loss_scale={run.prec.loss_scale}); the update was skipped "
                 f"and nothing was saved. Last checkpoint: {_last(checkpoints)}")
+        if m["consecutive_skips"] >= run.prec.max_consecutive_skips:
+            raise TrainingDiverged(
+                f"step {step}: {int(m['consecutive_skips'])} steps in a row skipped for non-finite "
+                f"gradients (precision.max_consecutive_skips={run.prec.max_consecutive_skips}); the "
+                f"loss scale is {m['loss_scale']:g} (precision.min_scale={run.prec.min_scale:g}) and "
+                f"the gradients are still non-finite; stopped without saving. Last checkpoint: "
+                f"{_last(checkpoints)}. Try precision.params=bf16 or a lower train.lr")
         return
     raise TrainingDiverged(
         f"step {step}: loss is {m['loss']} (the forward pass itself is non-finite, which loss "
@@ -119,6 +128,11 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         state, _ = restored
     start = int(state.step)
     tcfg = cfg.train
+    if start >= tcfg.steps:
+        checkpoints.close()
+        print(f"{run_dir}: the checkpoint is at step {start}, train.steps is {tcfg.steps}: nothing "
+              f"to do (raise train.steps to train on)", file=sys.stderr)
+        return TrainResult(run_dir=run_dir, step=start, losses={}, eval={})
     reporter = Reporter(run_dir, tcfg.steps, start, progress=cfg.run.progress if progress is None else progress,
                         tensorboard=cfg.run.tensorboard, flops_per_token=flops_per_token(run.model_cfg),
                         num_devices=jax.device_count())
@@ -149,7 +163,9 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         m["step_time"] = seconds
         m["tokens_per_s"] = tokens_per_step / max(seconds, 1e-9)
         m["mfu"] = reporter.mfu(m["tokens_per_s"])
-        m["lr"] = float(learning_rate(step - 1))  # the rate this (1-based) step applied
+        # The rate the schedule gave this step's update: optax's count, i.e. the updates applied
+        # before it (skipped steps do not advance it).
+        m["lr"] = float(learning_rate(int(m["applied"]) - 1 + int(m["skipped"])))
         reporter.step(step, m, log_line=step % tcfg.log_every == 0 or step == tcfg.steps)
 
     stop_vote = StopVote(run.plan.mesh)  # every process must stop at the same step

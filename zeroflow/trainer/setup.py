@@ -5,7 +5,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -33,20 +32,31 @@ class Run:
         from the Hugging Face checkpoint) directly in their shards."""
         if self.model_cfg.init_from:
             from zeroflow import hf
+            # Shardings for the parameters' own shapes (a leaf ZeRO pads is read whole and
+            # padded by init_train_state).
             shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
             params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
-            return zf.init_train_state(params, self.tx, self.plan, self.prec)
+            return zf.init_train_state(params, self.tx, self.plan, self.prec, rng=self.dropout_key())
         return self._random_state()
+
+    def dropout_key(self) -> jax.Array | None:
+        """The state's rng when the model has dropout: the engine derives every step's,
+        device's and micro-batch's key from it, so a resumed run draws what it would have."""
+        if self.model_cfg.dropout <= 0:
+            return None
+        return jax.random.fold_in(jax.random.key(self.cfg.train.seed), DROPOUT_STREAM)
 
     def _random_state(self) -> zf.TrainState:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
-        return zf.init_train_state(lambda: init(rng), self.tx, self.plan, self.prec)
+        return zf.init_train_state(lambda: init(rng), self.tx, self.plan, self.prec,
+                                   rng=self.dropout_key())
 
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
         shapes = jax.eval_shape(self._random_state)
-        shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan, self.prec)
+        shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan,
+                                       self.prec, rng=self.dropout_key())
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
 
@@ -60,18 +70,18 @@ class Run:
         return {"tokens": jax.make_array_from_process_local_data(self.plan.batch_sharding(), local_tokens)}
 
 
-def lm_loss_fn(model_cfg: ModelConfig, seed: int):
-    """The engine's ``loss_fn(params, batch, gather_layer=None)``; ``gather_layer`` lets ZeRO-3
-    gather one scanned layer at a time. With dropout, the key comes from the batch."""
+DROPOUT_STREAM = 1
+"Folded into the seed's key for the dropout key, apart from the parameter initialisation's."
+
+
+def lm_loss_fn(model_cfg: ModelConfig):
+    """The engine's ``loss_fn(params, batch, gather_layer=None, *, rng=None)``;
+    ``gather_layer`` lets ZeRO-3 gather one scanned layer at a time. The engine passes ``rng``
+    (one key per step, device and micro-batch) when the state carries one, i.e. with dropout;
+    evaluation passes none and so runs without dropout."""
     loss = make_layerwise_loss_fn(model_cfg)
 
-    def lm_loss(params, batch, gather_layer=None):
-        rng = None
-        if model_cfg.dropout > 0:
-            # A key derived from this micro-batch's tokens and the seed: deterministic on
-            # resume, different on every device and step.
-            mix = jnp.sum(batch["tokens"][:, :8].astype(jnp.uint32) * jnp.uint32(2654435761))
-            rng = jax.random.fold_in(jax.random.key(seed), mix)
+    def lm_loss(params, batch, gather_layer=None, *, rng=None):
         return loss(params, {"tokens": batch["tokens"]}, gather_layer, rng)
     return lm_loss
 
@@ -85,8 +95,9 @@ def run_model_config(cfg: Config) -> ModelConfig:
     return hf.with_run_fields(hf.read_config(cfg.model.init_from).model, cfg.model)
 
 
-def build_run(cfg: Config, *, with_data: bool = True, devices=None) -> Run:
-    """``devices``: the devices the mesh spans (default: all)."""
+def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -> Run:
+    """``devices``: the devices the mesh spans (default: all); ``mesh``: a mesh to plan on
+    instead (``zf.planning_mesh``, for memory estimates of machines this one is not)."""
     model_cfg = run_model_config(cfg)
     data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
     if data is not None and model_cfg.init_from and data.vocab_size > model_cfg.vocab_size:
@@ -95,12 +106,15 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None) -> Run:
     if data is not None and data.vocab_size != model_cfg.vocab_size and not model_cfg.init_from:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=data.vocab_size)
     par = cfg.parallel
-    mesh = zf.make_mesh(data=par.data, model=par.model, devices=devices)
+    mesh = mesh if mesh is not None else zf.make_mesh(data=par.data, model=par.model, devices=devices)
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
                        tensor_rules=rules)
-    prec = zf.Precision(params=cfg.precision.params, master=cfg.precision.master,
-                        loss_scale=cfg.precision.loss_scale, autocast=cfg.precision.autocast)
+    pc = cfg.precision
+    prec = zf.Precision(params=pc.params, master=pc.master, loss_scale=pc.loss_scale,
+                        init_scale=pc.init_scale, growth_interval=pc.growth_interval,
+                        min_scale=pc.min_scale, max_consecutive_skips=pc.max_consecutive_skips,
+                        autocast=pc.autocast)
     global_batch = cfg.train.batch_size
     if global_batch % (plan.data_size * par.grad_accum):
         raise ValueError(f"train.batch_size {global_batch} does not divide by data axis size "
@@ -108,4 +122,4 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None) -> Run:
     shapes, _ = abstract_params(model_cfg)
     tx = make_optimizer(cfg.train, decay_mask(shapes))
     return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
-               loss_fn=lm_loss_fn(model_cfg, cfg.train.seed))
+               loss_fn=lm_loss_fn(model_cfg))
