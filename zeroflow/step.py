@@ -7,7 +7,8 @@ are explicit and the same on every backend:
              soon as it is complete, onto the device that owns that slice of the master weights;
 - stage 3:   compute weights arrive sharded and each is all-gathered just before its use, and
              again for the backward pass; its gradient is reduce-scattered.
-How weights reach the loss and gradients leave it is ``zeroflow.grads``. The optimizer update then runs on the sharded fp32 arrays outside ``shard_map``, so any optax
+How weights reach the loss and gradients leave it is ``zeroflow.grads``. The optimizer update
+(``zeroflow.update``) then runs on the sharded fp32 arrays outside ``shard_map``, so any optax
 transform (global-norm clipping included) sees the true global gradient. ``model`` stays an
 automatic axis, which is how tensor-parallel rules compose with ZeRO.
 """
@@ -133,23 +134,24 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
                   and widens_half_precision(plan.mesh))
     compute_dtype = None if state.compute is None else prec.compute_dtype
     apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads)
-    streamed = None
-    if plan.offloads and not plan.updates_on_host and update.host_memory_is_separate(plan.mesh):
-        # Offloaded state updated on the device, one parameter's state brought in at a time.
-        streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
-                                   compute_dtype=compute_dtype, shardings=shard, pads=pads)
     if not plan.offloads:
         new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
                                                  compute_shardings=one_by_one and shard.compute)
-    elif streamed is not None:
-        new_master, new_opt, new_compute = streamed
     elif not plan.updates_on_host:
-        # The optimizer mixes parameters' state (see zeroflow.update): bring all of it in.
-        master = offload.to_memory(state.master, shard.master, "device")
-        opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
-        new_master, new_opt, new_compute = apply(
-            grads, master, opt_state, finite,
-            compute_shardings=one_by_one and not plan.offloads_params and layout.compute_on_device)
+        # Offloaded state updated on the device, one parameter's state brought in at a time;
+        # an optimizer that mixes parameters' state (see zeroflow.update) brings all of it in.
+        streamed = None
+        if update.host_memory_is_separate(plan.mesh):
+            streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
+                                       compute_dtype=compute_dtype, shardings=shard, pads=pads)
+        if streamed is not None:
+            new_master, new_opt, new_compute = streamed
+        else:
+            master = offload.to_memory(state.master, shard.master, "device")
+            opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
+            new_master, new_opt, new_compute = apply(
+                grads, master, opt_state, finite,
+                compute_shardings=one_by_one and not plan.offloads_params and layout.compute_on_device)
     else:
         # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs
         # there, and only the compute-dtype weights travel back (via _place below).
