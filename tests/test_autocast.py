@@ -10,6 +10,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 import zeroflow as zf
+from helpers import walk
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 RNG = np.random.default_rng(0)
@@ -17,15 +18,6 @@ RNG = np.random.default_rng(0)
 
 def normal(*shape, scale=0.1):
     return jnp.asarray(RNG.normal(size=shape) * scale, jnp.float32)
-
-
-def walk(jaxpr):
-    """Every equation of ``jaxpr`` and of its sub-jaxprs, depth first."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from walk(sub)
 
 
 def eqns(fn, *args, name=None):

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend import core as jcore
 
 import zeroflow as zf
+from helpers import walk
 
 VOCAB, SEQ, WIDTH, HEADS, LAYERS = 32, 16, 32, 2, 2
 
@@ -61,14 +61,6 @@ def markov_batches(steps, batch, seed=0):
 
 def init_params():
     return MODEL.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]
-
-
-def walk(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from walk(sub)
 
 
 def half_dots(closed, dtype) -> int:

@@ -1,5 +1,4 @@
 """Token data: sources, split by file, tokenizers, .bin files and deterministic batches."""
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -8,18 +7,12 @@ import numpy as np
 import pytest
 
 from zeroflow.config import DataConfig
+from helpers import load_script
 from zeroflow.data import (ByteTokenizer, bits_per_byte, eval_batches, list_source_files,
                            load_data, load_tokenizer, stdlib_root, train_batch,
                            train_sentencepiece)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Fine-tuning a Hugging Face model through the real entry points: configs/finetune-llama.yaml
 on a tiny local Llama (made by scripts/make_tiny_hf.py), its tokenizer in the data pipeline,
 sampling, and the export loaded back in transformers."""
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,15 +17,9 @@ from zeroflow.config import DataConfig  # noqa: E402
 from zeroflow.config_io import load_config  # noqa: E402
 from zeroflow.data import load_data, stdlib_root, train_batch  # noqa: E402
 from zeroflow.trainer import train  # noqa: E402
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
