@@ -87,7 +87,7 @@ def test_fp32_stage_matches_plain_optax(stage, reference):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-    assert state.compute is None  # fp32: one copy only, the master
+    assert state.compute is None and state.stored_params is state.master  # fp32: one copy only
     assert int(state.step) == len(BATCHES)
     assert set(metrics) >= {"loss", "grad_norm", "loss_scale", "skipped", "pred_mean"}
     assert int(metrics["skipped"]) == 0
