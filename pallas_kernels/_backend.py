@@ -12,6 +12,8 @@ machine without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any
 
@@ -30,10 +32,39 @@ _TritonCompilerParams = getattr(pl_triton, "CompilerParams", None) or getattr(
 MIN_TRITON_DOT_DIM = 16
 
 
+_COMPILING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "pallas_kernels_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+    """Kernels traced inside this block are for ``platform`` ("gpu": compiled with Triton,
+    else interpreted), whatever this process's default backend is: a program compiled for a GPU
+    target on a CPU-only machine gets real kernels."""
+    token = _COMPILING_FOR.set(platform)
+    try:
+        yield
+    finally:
+        _COMPILING_FOR.reset(token)
+
+
+def target_platform() -> str:
+    """The platform kernels are traced for: ``compiling_for``'s, else the devices of the mesh
+    in context (inside ``shard_map``), else the default backend's."""
+    platform = _COMPILING_FOR.get()
+    if platform is not None:
+        return platform
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    if device is not None and getattr(device, "platform", None):
+        return device.platform
+    return jax.default_backend()
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """`None` means: interpret everywhere except on a GPU, where the kernels are compiled."""
     if interpret is None:
-        return jax.default_backend() != "gpu"
+        return target_platform() != "gpu"
     return bool(interpret)
 
 

@@ -104,9 +104,9 @@ def test_every_gather_waits_for_the_values_it_meets():
     be hoisted to the start of the step."""
     weights, batch = _weights(), _batch()
     jaxpr = jax.make_jaxpr(_sharded_grads)(weights, batch)
-    assert str(jaxpr).count("name=unit") >= 6
     pairs = _gathers_and_producers(jaxpr.jaxpr)
-    assert len(pairs) >= 12, len(pairs)  # forward and backward fetches
+    # six weights used once each: a fetch in the forward pass and one in the backward pass
+    assert len(pairs) >= 12, len(pairs)
     def is_select(eqn):  # jnp.where is select_n, or a jit of it named _where
         return eqn is not None and (eqn.primitive.name == "select_n"
                                     or "where" in str(eqn.params.get("name", "")))

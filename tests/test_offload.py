@@ -4,6 +4,8 @@ Offloaded runs must give bit-for-bit the losses and weights of the same run with
 and after every step the fp32 master weights and optimizer state must live in pinned_host
 memory, sharded over ``data`` as the stage says.
 """
+import dataclasses
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -131,16 +133,15 @@ def test_host_update_needs_offload():
 # -- update_on="device": the offloaded state streamed through the device one parameter at a time
 
 
-@pytest.fixture
-def separate_host_memory(monkeypatch):
-    """Take the path a GPU takes: on XLA:CPU host and device memory are one, so the engine does
-    not stream there (it would only add copies)."""
-    monkeypatch.setattr(update, "host_memory_is_separate", lambda mesh: True)
+def separate_host_memory():
+    """The traits of the CPU mesh, but with host memory separate, as on a GPU: on XLA:CPU host
+    and device memory are one, so the engine does not stream there (it would only add copies)."""
+    return dataclasses.replace(zf.backend.of(zf.make_mesh()), separate_host_memory=True)
 
 
 @pytest.mark.parametrize("tx", [make_tx(), optax.lion(1e-3), optax.sgd(1e-2, momentum=0.9)],
                          ids=["clip+adamw", "lion", "momentum"])
-def test_streamed_update_equals_the_whole_update(separate_host_memory, tx):
+def test_streamed_update_equals_the_whole_update(tx):
     plan = zf.ZeroPlan(zf.make_mesh(), stage=3, offload="optimizer")
     state = zf.init_train_state(init_params(), tx, plan, zf.Precision())
     rng = np.random.default_rng(0)
@@ -161,7 +162,7 @@ def test_streamed_update_equals_the_whole_update(separate_host_memory, tx):
         assert offload.memory_kinds(streamed[:2]) == {"pinned_host"}  # back on the host
 
 
-def test_streamed_update_waits_for_the_previous_parameter(separate_host_memory):
+def test_streamed_update_waits_for_the_previous_parameter():
     """Each parameter's offloaded state is used only after the previous parameter's results
     exist (``after``), so the device holds one parameter's state at a time."""
     tx = make_tx()
@@ -217,13 +218,14 @@ def test_update_that_mixes_parameters_is_not_streamed():
     assert update.streamable(make_tx(), params)
 
 
-def test_streamed_update_lowers_for_cuda_one_copy_per_state_leaf(separate_host_memory):
+def test_streamed_update_lowers_for_cuda_one_copy_per_state_leaf():
     """The step with the streamed update lowers for CUDA (real memory kinds there), and each
     leaf of master and optimizer state crosses to the device on its own: no copy moves more
     than one leaf, and every leaf is copied in."""
     import re
     tx = make_tx()
-    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, offload="optimizer")
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, offload="optimizer",
+                       traits=separate_host_memory())
     state = zf.init_train_state(init_params(), tx, plan, zf.Precision())
     step = zf.make_train_step(loss_fn, tx, plan, zf.Precision())
     text = step.trace(state, BATCHES[0]).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,6 +1,7 @@
 """The compiled step's peak memory per device (``memory_analysis``, 8 emulated devices): ZeRO-2
 and ZeRO-3 shrink the peak of a model zeroflow never saw, and ``zf.memory.estimate_step``
 predicts the peak within 10% for every stage x offload x remat choice."""
+import dataclasses
 import json
 
 import flax.linen as nn
@@ -34,7 +35,8 @@ class DenseStack(nn.Module):
         return nn.Dense(10)(x)
 
 
-def _setup(stage, devices, *, remat=False, offload="none", prec="bf16", grad_accum=1):
+def _setup(stage, devices, *, remat=False, offload="none", prec="bf16", grad_accum=1,
+           traits=None):
     model = DenseStack(remat=remat)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"])
 
@@ -45,7 +47,7 @@ def _setup(stage, devices, *, remat=False, offload="none", prec="bf16", grad_acc
 
     tx, precision = optax.adam(1e-3), zf.Precision(params=prec)
     plan = zf.ZeroPlan(zf.make_mesh(data=devices, devices=jax.devices()[:devices]), stage=stage,
-                       offload=offload)
+                       offload=offload, traits=traits)
     batch = {"x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
              "y": jax.ShapeDtypeStruct((BATCH,), jnp.int32)}
     _, measured = zf.memory.measure_step(loss_fn, params, batch, tx, plan, precision,
@@ -88,13 +90,12 @@ def test_stage3_peak_shrinks_with_devices():
     assert _peak(3, 8) <= 0.4 * _peak(3, 2)
 
 
-def test_without_fetching_whole_weights_on_use_xla_cpu_keeps_fp32_copies(monkeypatch):
-    """The control for stage 2 on XLA:CPU: if whole bf16 weights are not fetched on use, the
-    fp32 copies XLA:CPU makes for its matmuls live from the forward to the backward pass and
-    the stage-2 bound no longer holds."""
-    from zeroflow.grads import local
-    monkeypatch.setattr(local, "fetches_whole", lambda plan, dtype: False)
-    peak, _, psi = _setup(2, 8)
+def test_without_fetching_whole_weights_on_use_xla_cpu_keeps_fp32_copies():
+    """The control for stage 2 on XLA:CPU: if whole bf16 weights are not fetched on use (as
+    for a backend that multiplies bf16 natively), the fp32 copies XLA:CPU makes for its matmuls
+    live from the forward to the backward pass and the stage-2 bound no longer holds."""
+    native = dataclasses.replace(zf.backend.of(zf.make_mesh()), widens_half_precision=False)
+    peak, _, psi = _setup(2, 8, traits=native)
     assert peak > 1.25 * zero_formula(2, psi, 8)
 
 

@@ -17,7 +17,7 @@ from zeroflow.state import TrainState, init_train_state, state_shardings
 from zeroflow.checkpoint import restore_checkpoint, save_checkpoint
 from zeroflow.step import make_train_step
 from zeroflow.autocast import AutocastPolicy, autocast, autocast_report, scaled_value_and_grad
-from zeroflow import memory, offload, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
+from zeroflow import backend, memory, offload, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
 __all__ = ["make_mesh", "planning_mesh", "Precision", "LossScaleState", "ZeroPlan",
            "PlanDescription", "TrainState", "init_train_state", "state_shardings",

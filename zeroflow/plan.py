@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
+from zeroflow import backend
 from zeroflow.mesh import DATA, MODEL
 
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
@@ -101,12 +102,15 @@ class ZeroPlan:
     "optimizer+params" (compute weights there too). ``update_on``: where an offloaded update runs.
     ``tensor_rules``: ``[(path_regex, PartitionSpec), ...]`` placing dimensions on ``model``;
     the first rule whose regex matches (``re.search``) the leaf's '/'-joined path wins.
+    ``traits``: what the backend of the mesh's devices does differently
+    (``zeroflow.backend.Traits``); by default read from the mesh.
     """
     mesh: Mesh
     stage: int = 0
     offload: str = "none"
     update_on: str = "device"
     tensor_rules: Sequence[tuple[str, P]] = ()
+    traits: backend.Traits | None = None
 
     def __post_init__(self):
         if (not isinstance(self.mesh, (Mesh, AbstractMesh))
@@ -134,6 +138,10 @@ class ZeroPlan:
                     raise ValueError(f"tensor rule {pattern!r} may only use the 'model' axis, got {spec}")
             rules.append((pattern, spec))
         object.__setattr__(self, "tensor_rules", tuple(rules))
+        if self.traits is None:
+            object.__setattr__(self, "traits", backend.of(self.mesh))
+        elif not isinstance(self.traits, backend.Traits):
+            raise ValueError(f"traits must be a zeroflow.backend.Traits, got {type(self.traits).__name__}")
 
     # -- sizes -------------------------------------------------------------------------------
     @property

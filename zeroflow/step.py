@@ -23,9 +23,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zeroflow import offload, padding, update
+from zeroflow import backend, offload, padding, update
 from zeroflow.grads import Route, local_grads, routes
-from zeroflow.grads.collectives import widens_half_precision
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -76,7 +75,7 @@ def _place(tree, shardings):
 
 def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
                plan: ZeroPlan, prec: Precision, grad_accum: int, layout: StepLayout,
-               per_layer: str | None = None):
+               per_layer: str | None = None, prefetch: int = 0):
     """One optimizer step on a global batch; returns ``(new_state, metrics)``."""
     n = plan.data_size
     check_batch(batch, n * grad_accum, n, grad_accum)
@@ -107,7 +106,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
               **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
 
     local = functools.partial(local_grads, loss_fn=loss_fn, layouts=layout.layouts, plan=plan,
-                              grad_accum=grad_accum, per_layer=per_layer, from_host=from_host)
+                              grad_accum=grad_accum, per_layer=per_layer, from_host=from_host,
+                              prefetch=prefetch)
     if n == 1:  # one device on the data axis: no shard_map, no collectives to place
         grads, loss, aux, model_state = local(params, batch, scale, extras, collective=False)
     else:
@@ -131,7 +131,7 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     shard = layout.state
     # Whole compute weights are gathered from the updated shards at stages 1-2 (see one_at_a_time).
     one_by_one = (state.compute is not None and not plan.shards_compute
-                  and widens_half_precision(plan.mesh))
+                  and plan.traits.widens_half_precision)
     compute_dtype = None if state.compute is None else prec.compute_dtype
     apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads)
     if not plan.offloads:
@@ -141,7 +141,7 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         # Offloaded state updated on the device, one parameter's state brought in at a time;
         # an optimizer that mixes parameters' state (see zeroflow.update) brings all of it in.
         streamed = None
-        if update.host_memory_is_separate(plan.mesh):
+        if plan.traits.separate_host_memory:
             streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
                                        compute_dtype=compute_dtype, shardings=shard, pads=pads)
         if streamed is not None:
@@ -176,6 +176,13 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     return new_state, metrics
 
 
+def _traced_for(fn, state, batch, *, layout: StepLayout, traits: backend.Traits):
+    """``fn`` traced with the plan's backend traits current: code that sees only arrays (the
+    model's attention, Pallas kernels) compiles for the mesh's devices, not this process's."""
+    with backend.tracing_for(traits):
+        return fn(state, batch, layout=layout)
+
+
 class TrainStep:
     """``step(state, batch) -> (state, metrics)``: one ``jax.jit`` per state layout.
 
@@ -185,8 +192,10 @@ class TrainStep:
     buffer. ``lower``/``trace`` and ``jitted(state)`` give the usual AOT access.
     """
 
-    def __init__(self, fn, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision, donate: bool):
+    def __init__(self, fn, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision,
+                 donate: bool, compiler_options: dict | None = None):
         self._fn, self._tx, self._plan, self._prec = fn, tx, plan, prec
+        self.compiler_options = {**backend.compiler_options(plan.traits), **(compiler_options or {})}
         self._donate = (0,) if donate else ()
         self._by_layout: dict[Any, Any] = {}
 
@@ -198,8 +207,10 @@ class TrainStep:
             shapes = padding.unpadded_shapes(state.master, state.padding.master)
             layout = step_layout(shapes, self._tx, self._plan, self._prec, state.model_state,
                                  state.rng)
-            self._by_layout[key] = jax.jit(functools.partial(self._fn, layout=layout),
+            self._by_layout[key] = jax.jit(functools.partial(_traced_for, self._fn, layout=layout,
+                                                             traits=self._plan.traits),
                                            donate_argnums=self._donate,
+                                           compiler_options=self.compiler_options or None,
                                            out_shardings=(layout.state, self._plan.replicated()))
         return self._by_layout[key]
 
@@ -215,7 +226,8 @@ class TrainStep:
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: ZeroPlan,
                     prec: Precision, grad_accum: int = 1, *, donate: bool = True,
-                    gather_per_layer: str | None = None) -> TrainStep:
+                    gather_per_layer: str | None = None, prefetch: int | None = None,
+                    compiler_options: dict | None = None) -> TrainStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
@@ -236,6 +248,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
     stand-in) and hand each layer's slice to ``gather_layer``.
     The result is a ``TrainStep``: a ``jax.jit`` with the plan's output shardings, with
     ``.lower(state, batch)`` for ahead-of-time compilation.
+
+    ``prefetch``: at stage 3, how many operations ahead a weight may be all-gathered (forward
+    and backward), so that the gather overlaps the compute before it; each step ahead holds
+    one more operation's weights. Default: 1 where collectives run beside compute (GPUs), 0 on
+    XLA:CPU (which runs them in line). ``compiler_options``: XLA options
+    for this step's compile, over the ones the backend needs (``zeroflow.backend.compiler_options``:
+    on GPUs, collective combining bounded so that gradients are reduced one weight at a time).
     """
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
@@ -246,6 +265,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
     if prec.autocast != "none":  # half-precision compute for a model written in fp32
         from zeroflow.autocast import autocast
         loss_fn = autocast(loss_fn, dtype=prec.autocast)
+    if prefetch is None:
+        prefetch = 1 if plan.traits.overlaps_collectives else 0
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
     step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
-                             grad_accum=grad_accum, per_layer=gather_per_layer)
-    return TrainStep(step, tx, plan, prec, donate)
+                             grad_accum=grad_accum, per_layer=gather_per_layer, prefetch=prefetch)
+    return TrainStep(step, tx, plan, prec, donate, compiler_options)

@@ -10,7 +10,7 @@
   gradient norm of ``clip_by_global_norm`` or the step count, run first); a transform that
   mixes several parameters' offloaded state (a norm over the updates, say) cannot be split and
   the update falls back to bringing the whole state in.
-- ``one_at_a_time``: reshard leaf after leaf (see ``widens_half_precision``).
+- ``one_at_a_time``: reshard leaf after leaf (``Traits.widens_half_precision``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from jax.extend.core import Literal
 
 from zeroflow import offload, padding
 from zeroflow.grads import gather_on_use
-from zeroflow.grads.collectives import as_words, platform
+from zeroflow.grads.collectives import as_words
 from zeroflow.padding import NO_PADDING, StatePadding
 
 
@@ -58,7 +58,7 @@ def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
 
 def one_at_a_time(tree, shardings):
     """``tree`` resharded to ``shardings`` leaf after leaf, each move waiting for the one before
-    it, and half-precision leaves moved as integer words (see ``widens_half_precision``: XLA:CPU
+    it, and half-precision leaves moved as integer words (``Traits.widens_half_precision``: XLA:CPU
     would gather them through fp32 temporaries, for every leaf at once)."""
     leaves, treedef = jax.tree.flatten(tree)
     moved, previous = [], None
@@ -68,12 +68,6 @@ def one_at_a_time(tree, shardings):
         previous = as_words(x, lambda w: jax.lax.with_sharding_constraint(w, s))
         moved.append(previous)
     return jax.tree.unflatten(treedef, moved)
-
-
-def host_memory_is_separate(mesh) -> bool:
-    """Whether offloaded state lives in memory the device cannot compute on. XLA:CPU's host
-    and device memory are one: streaming would only add copies there."""
-    return platform(mesh) != "cpu"
 
 
 def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:

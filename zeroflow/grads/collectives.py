@@ -137,20 +137,6 @@ def save_all_but_fetched(prim, *_, **__) -> bool:
     return prim.name not in _FETCHING
 
 
-def platform(mesh) -> str:
-    """The platform a mesh's devices are (``jax.default_backend()`` for a device-free mesh)."""
-    if isinstance(mesh, jax.sharding.AbstractMesh):
-        return jax.default_backend()
-    return mesh.devices.flat[0].platform
-
-
-def widens_half_precision(mesh) -> bool:
-    """XLA:CPU multiplies and gathers bf16/fp16 arrays in fp32, on converted copies that it
-    holds as temporaries; GPUs and TPUs work on half-precision arrays natively. Where this is
-    true the engine orders such work so that one converted copy exists at a time."""
-    return platform(mesh) == "cpu"
-
-
 _FLIP = 0x8000
 
 

@@ -104,9 +104,16 @@ class _Lazy:
 _side_ids = itertools.count()
 
 
-def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args):
+def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args,
+         order: bool = True, prefetch: int = 0):
     """``fn(weights, *args)``, where each entry of ``stored`` with a ``Source`` is fetched on
-    use (forward and backward) and the others are used as they are."""
+    use (forward and backward) and the others are used as they are.
+
+    ``order``: each fetch waits for values of the program around it (``after``), so that the
+    compiler cannot issue every fetch at the start. ``prefetch``: how many units ahead a fetch
+    may start; 0 waits for the unit's own inputs (least memory, no overlap: XLA:CPU runs
+    collectives synchronously anyway), 1 lets unit ``i+1``'s fetch run while unit ``i``
+    computes, forward and backward (FSDP's prefetch), holding two units' weights at a time."""
     stored = list(stored)
     avals = [jax.make_jaxpr(src.fetch)(x).out_avals[0] if src is not None else x
              for x, src in zip(stored, sources)]
@@ -122,7 +129,7 @@ def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args
     flat_args = jax.tree.leaves(args)
     inputs += flat_args
     dynamic += [True] * len(flat_args)
-    replay = _Replay(stored, sources)
+    replay = _Replay(stored, sources, order, prefetch)
     outs = [replay.materialise(x) for x, _ in replay.run(closed.jaxpr, closed.consts, inputs, dynamic)]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -143,8 +150,10 @@ class _Replay:
     """The interpreter: one pass over a jaxpr, deferring weight-only values and turning each
     operation that meets data into a unit."""
 
-    def __init__(self, stored, sources):
-        self.stored, self.sources = stored, sources
+    def __init__(self, stored, sources, order: bool = True, prefetch: int = 0):
+        self.stored, self.sources, self.order = stored, sources, order
+        self.prefetch = prefetch if order else 0
+        self.tokens: list = []  # one per unit so far, in program order (see _unit_fn)
 
     def run(self, jaxpr, consts, inputs, dynamic):
         """Values of ``jaxpr``'s outputs as ``(value_or_lazy, is_dynamic)`` pairs. A value is
@@ -205,7 +214,8 @@ class _Replay:
         return _unit_fn(lambda full, side, data: [value.build(dict(zip(order, full)),
                                                               dict(zip(list(value.side), side)))],
                         [self.sources[i] for i in order], [],
-                        [self.stored[i] for i in order], list(value.side.values()), [])[0]
+                        [self.stored[i] for i in order], list(value.side.values()), [],
+                        self.order)[0]
 
     def _unit(self, eqn, ins):
         values = [v for v, _ in ins]
@@ -228,34 +238,90 @@ class _Replay:
                 vals[k] = d
             return _bind(eqn, vals)
 
-        return _unit_fn(compute, [self.sources[i] for i in order], anchors,
-                        [self.stored[i] for i in order], [side[k] for k in side_keys],
-                        [values[k] for k in data_pos])
+        args = (compute, [self.sources[i] for i in order], anchors,
+                [self.stored[i] for i in order], [side[k] for k in side_keys],
+                [values[k] for k in data_pos], self.order)
+        if not self.prefetch:
+            return _unit_fn(*args)
+        ahead = self.tokens[-self.prefetch] if len(self.tokens) >= self.prefetch else None
+        outs, token = _unit_fn(*args, token=ahead)
+        self.tokens.append(token)
+        return outs
 
 
-def _unit_fn(compute, sources, anchors, stored, side, data):
+_NO_TOKEN = object()
+
+
+def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, *,
+             token=_NO_TOKEN):
     """``compute(fetched weights, side, data)`` with the fetches made after ``data[anchors]``
-    exist (forward) and redone after the cotangent exists (backward)."""
+    exist (forward) and redone after the cotangent exists (backward); ``order=False``: the
+    compiler places the fetches.
+
+    With ``token`` (prefetching), returns ``(outputs, next_token)`` instead. The forward fetch
+    waits for ``token``, which an earlier unit made from its own inputs as it started, so this
+    unit's gather overlaps that unit's compute; ``next_token`` is made from this unit's inputs
+    for a later unit. In the backward pass the roles turn round through the tokens'
+    cotangents: the later unit's backward hands back, first thing, a token made from its
+    output cotangent, and this unit's backward fetch waits for that. ``token=None``: the first
+    units, which have no earlier one and wait for their own inputs.
+    """
+    prefetching = token is not _NO_TOKEN
 
     def fetched(stored, tie):
-        return [src.fetch(x) for src, x in zip(sources, after(stored, tie))]
+        return [src.fetch(x) for src, x in zip(sources, after(stored, tie) if order else stored)]
+
+    def forward(stored, side, data, token):
+        own = [data[j] for j in anchors]
+        out = compute(fetched(stored, own if token is None else [token]), side, data)
+        return out, _token(own)
 
     @jax.custom_vjp
-    def unit(stored, side, data):
-        return compute(fetched(stored, [data[j] for j in anchors]), side, data)
+    def unit(stored, side, data, token):
+        return forward(stored, side, data, token)
 
-    def unit_fwd(stored, side, data):
-        return unit(stored, side, data), (stored, side, data)
+    def unit_fwd(*primals):
+        # symbolic_zeros: the primals come wrapped, and an unused output's cotangent comes as
+        # a SymbolicZero (the last unit's token), which must not stand in for a dependency.
+        stored, side, data, token = jax.tree.map(lambda p: p.value, primals, is_leaf=_is_primal)
+        return forward(stored, side, data, token), (stored, side, data, token)
 
-    def unit_bwd(residuals, cotangent):
-        stored, side, data = residuals
-        _, vjp = jax.vjp(compute, fetched(stored, cotangent), side, data)
+    def unit_bwd(residuals, cotangents):
+        stored, side, data, token = residuals
+        cotangent, d_next = cotangents
+        cotangent = jax.tree.map(_instantiate, cotangent, is_leaf=_is_zero)
+        tie = cotangent if _is_zero(d_next) else [d_next]
+        _, vjp = jax.vjp(compute, fetched(stored, tie), side, data)
         d_full, d_side, d_data = vjp(cotangent)
+        d_token = None if token is None else _token(cotangent)
         return ([src.give_back(x, g) for src, x, g in zip(sources, stored, d_full)],
-                d_side, d_data)
+                d_side, d_data, d_token)
 
-    unit.defvjp(unit_fwd, unit_bwd)
-    return unit(stored, side, data)
+    unit.defvjp(unit_fwd, unit_bwd, symbolic_zeros=True)
+    out, next_token = unit(stored, side, data, None if not prefetching else token)
+    return (out, next_token) if prefetching else out
+
+
+def _token(anchors):
+    """An fp32 scalar (1.0) computed from one element of ``anchors``: whatever waits for it
+    waits for them. Not a constant the compiler could fold (a select between equal branches
+    would be)."""
+    readable = [a for a in jax.tree.leaves(anchors) if getattr(a, "size", 0)]
+    if not readable:
+        return jnp.ones((), jnp.float32)
+    return _live(readable[0]).astype(jnp.float32)
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def _is_zero(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.SymbolicZero)
+
+
+def _instantiate(x):
+    return jnp.zeros(x.aval.shape, x.aval.dtype) if _is_zero(x) else x
 
 
 def after(values, anchors):
@@ -272,12 +338,17 @@ def after(values, anchors):
         or a.dtype == jnp.bool_)]
     if not readable:
         return values
-    anchor = readable[0]
+    live = _live(readable[0])
+    return jax.tree.map(lambda v: jnp.where(live, v, jnp.zeros_like(v)), values)
+
+
+def _live(anchor):
+    """True at run time, read from the first element of ``anchor`` (an integer with its low
+    bit set is never zero), but nothing the compiler can fold."""
     first = jax.lax.slice(anchor, (0,) * anchor.ndim, (1,) * anchor.ndim).reshape(())
     first = first.astype(jnp.uint8) if first.dtype == jnp.bool_ else first
     bits = jax.lax.bitcast_convert_type(first, _UINT[jnp.dtype(first.dtype).itemsize])
-    live = (bits | 1) != 0
-    return jax.tree.map(lambda v: jnp.where(live, v, jnp.zeros_like(v)), values)
+    return (bits | 1) != 0
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}

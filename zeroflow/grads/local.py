@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from zeroflow import offload
 from zeroflow.grads import gather_on_use
 from zeroflow.grads.collectives import (gather_weight, reduce_scatter, scatter_grad_on_use,
-                                        stream_in, varying as _varying, widens_half_precision)
+                                        stream_in, varying as _varying)
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 
@@ -110,7 +110,7 @@ def fetches_whole(plan: ZeroPlan, dtype) -> bool:
     backward pass read the same weight, keeps each copy alive between them (4 bytes per
     parameter of every weight at once). Fetched on use, each use converts its own copy. GPUs
     multiply bf16/fp16 natively, so there it would only cost a pass over the weights."""
-    return jnp.dtype(dtype).itemsize < 4 and widens_half_precision(plan.mesh)
+    return jnp.dtype(dtype).itemsize < 4 and plan.traits.widens_half_precision
 
 
 def _is_layout(x) -> bool:
@@ -181,11 +181,13 @@ def _check_new_model_state(old, new) -> None:
 
 
 def local_grads(params, batch, scale, extras, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
-                per_layer: str | None, from_host: bool = False, collective: bool = True):
+                per_layer: str | None, from_host: bool = False, collective: bool = True,
+                prefetch: int = 0):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
     over devices, and the new model state averaged over devices. ``extras``: a dict with
     ``model_state`` and/or ``rng`` (the step's key) when the state carries them.
-    ``collective=False`` is the one-device case, run without shard_map."""
+    ``collective=False`` is the one-device case, run without shard_map. ``prefetch``: how
+    many units ahead a weight fetched on use may be fetched (``gather_on_use.call``)."""
     varying = _varying if collective else (lambda x: x)
     compute_dtype = jax.tree.leaves(params)[0].dtype if params else jnp.float32
     route_tree = routes(layouts, plan, per_layer, from_host, fetches_whole(plan, compute_dtype),
@@ -196,7 +198,7 @@ def local_grads(params, batch, scale, extras, *, loss_fn, layouts, plan: ZeroPla
             extras["rng"], jax.lax.axis_index(DATA) if collective else 0)
     grads, loss, aux, model_state = _accumulated(
         params, batch, scale, extras, loss_fn=loss_fn, routes=route_tree, plan=plan,
-        grad_accum=grad_accum, per_layer=per_layer, varying=varying)
+        grad_accum=grad_accum, per_layer=per_layer, varying=varying, prefetch=prefetch)
     if not collective:
         return grads, loss, aux, model_state
     grads = jax.tree.map(lambda g, r: g if r.sharded_grad else jax.lax.psum(g, DATA),
@@ -214,7 +216,7 @@ def _across_devices(x):
 
 
 def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
-                 per_layer: str | None, varying):
+                 per_layer: str | None, varying, prefetch: int = 0):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
     n = plan.data_size
@@ -266,7 +268,7 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
 
         def scaled_loss(p):
             seen = jax.tree.map(visible, p, stored, routes)
-            out = _call_gathering(loss_fn, seen, routes, dtypes, micro,
+            out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
                                   gather_layer if per_layer is not None else None, given)
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
@@ -315,7 +317,7 @@ def _source(r: Route, dtype) -> gather_on_use.Source | None:
     return gather_on_use.Whole(r.dim if r.scatter else None, r.padded if r.scatter else None)
 
 
-def _call_gathering(loss_fn, seen, routes, dtypes, micro, gather_layer, given):
+def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, gather_layer, given):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
     to the replay as data."""
@@ -328,5 +330,5 @@ def _call_gathering(loss_fn, seen, routes, dtypes, micro, gather_layer, given):
     if not any(specs):
         return call(seen, micro, given)
     return gather_on_use.call(lambda ls, b, kw: call(jax.tree.unflatten(treedef, ls), b, kw),
-                              leaves, specs, micro, given)
+                              leaves, specs, micro, given, order=True, prefetch=prefetch)
 

@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroflow.grads.collectives import platform
 from zeroflow.grads.local import Route, routes
 from zeroflow.plan import ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -140,8 +139,8 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     whole = [_local_elements(s, sh.update(spec=_without_data(sh.spec))) for s, sh in
              zip(shapes, compute_sh)]  # elements on a device with data unsplit (TP split kept)
     half = jnp.dtype(prec.compute_dtype).itemsize < 4
-    backend = backend or platform(plan.mesh)
-    widening = half and backend == "cpu"  # see zeroflow.grads.collectives.widens_half_precision
+    backend = backend or plan.traits.platform
+    widening = half and backend == "cpu"  # Traits.widens_half_precision
     width = jnp.dtype(prec.compute_dtype).itemsize
     fetched_width = F32 if widening else width
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zeroflow import backend
 from zeroflow.config import ModelConfig
 from zeroflow.grads.collectives import save_all_but_fetched
 from zeroflow.models.axes import (EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITIONS,
@@ -173,10 +174,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
     """
     if implementation == "pallas":
         return _pallas_kernel("flash_attention", "attention='pallas'")(q, k, v, causal=True)
-    if implementation == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
+    traits = backend.current()
+    if implementation == "cudnn" and not traits.has_cudnn:
         raise ValueError(
-            f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the JAX backend "
-            f"is {jax.default_backend()!r}; use attention='xla' here")
+            f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the step is "
+            f"compiled for {traits.platform!r} devices; use attention='xla' here")
     if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"model.attention='cudnn' needs bf16 or fp16 params, got {q.dtype}; "
                          "set precision.params to bf16/fp16 or use attention='xla'")

@@ -1,0 +1,130 @@
+"""GPUs that are not there: meshes of abstract devices of a named GPU, for XLA:GPU compiles on
+any machine (``zf.target_mesh("h100", data=8)``).
+
+``jax.experimental.topologies`` describes a GPU topology from a ``GpuTargetConfigProto``: the
+GPU's published figures (SM count, clocks, memory size and bandwidth, shared memory, compute
+capability) in text form. Steps lowered with arguments sharded over such a mesh compile with
+XLA:GPU (memory analysis, scheduled HLO, Triton kernels), without autotuning and without
+running. The specs are package data in ``gpu_specs/`` (each file says where its figures come
+from), in the schema of the jaxlib this project pins.
+
+This needs ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at jaxlib's exact version (no CUDA
+libraries, no driver) and the CPU as JAX's platform: without ``JAX_PLATFORMS=cpu`` the plugin
+tries to start a GPU, fails, and never registers.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from zeroflow.mesh import DATA, MODEL
+
+SPECS = Path(__file__).with_name("gpu_specs")
+TARGETS = {
+    "h100": "h100.txtpb",  # SXM5 80 GB
+    "a100": "a100.txtpb",  # SXM4 80 GB
+    "l4": "l4.txtpb",      # 24 GB
+}
+"Target GPU names and their spec files."
+
+_MEMORY: dict[str, int] = {}  # device_kind -> memory size of the spec it came from
+
+
+class TargetUnavailable(RuntimeError):
+    """The abstract GPU devices cannot be made here (plugin missing, or JAX already started
+    with another platform); the message says what to do."""
+
+
+def spec_text(gpu: str) -> str:
+    name = gpu.lower()
+    if name not in TARGETS:
+        raise ValueError(f"unknown target GPU {gpu!r}; choose one of {', '.join(TARGETS)}")
+    return (SPECS / TARGETS[name]).read_text()
+
+
+def spec_field(text: str, field: str) -> str:
+    """A scalar field of a spec (``device_memory_size``, ``device_description_str``)."""
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip().strip('"')
+    raise KeyError(field)
+
+
+def install_hint() -> str:
+    version = jax.version.__version__
+    return (f"pip install jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version} "
+            f"(and run with JAX_PLATFORMS=cpu)")
+
+
+def plugin_installed() -> bool:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _topology(gpu: str, hosts: int, per_host: int):
+    from jax.experimental import topologies
+    if not plugin_installed():
+        raise TargetUnavailable(f"compiling for a {gpu} target needs the CUDA plugin: "
+                                f"{install_hint()}")
+    text = spec_text(gpu)
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=text,
+                                            topology=f"1x{hosts}x{per_host}")
+    except Exception as e:  # the plugin did not register (platform) or rejected the spec
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if platforms != "cpu":
+            raise TargetUnavailable(
+                f"compiling for a {gpu} target needs JAX_PLATFORMS=cpu set before JAX starts "
+                f"(it is {platforms!r}): {why}") from None
+        raise TargetUnavailable(f"the CUDA plugin could not describe a {gpu} topology ({why}); "
+                                f"{install_hint()}") from None
+    _MEMORY[spec_field(text, "device_description_str")] = int(
+        spec_field(text, "device_memory_size"))
+    return topo
+
+
+def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1) -> Mesh:
+    """A ``("data", "model")`` mesh of ``data x model`` abstract devices of GPU ``gpu``
+    (``"h100"``, ``"a100"``, ``"l4"``) on ``hosts`` hosts of equally many devices, for compiling
+    (never running) steps: ``ZeroPlan``, ``state_shardings``, ``make_train_step(...).lower(
+    abstract_state, abstract_batch).compile()`` and ``zf.memory.measure_step`` work on it.
+    The data axis spans hosts; each host holds whole rows of ``model``."""
+    for name, size in ((DATA, data), (MODEL, model), ("hosts", hosts)):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"target_mesh: {name} must be a positive int, got {size!r}")
+    total = data * model
+    if total % hosts or (total // hosts) % model:
+        raise ValueError(f"target_mesh: {data} x {model} devices do not split into {hosts} hosts "
+                         f"holding whole rows of model={model}")
+    topo = _topology(gpu.lower(), int(hosts), total // hosts)
+    devices = sorted(topo.devices, key=lambda d: (d.process_index, d.id))
+    grid = np.asarray(devices, dtype=object).reshape(data, model)
+    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def memory_of(device) -> int | None:
+    """Memory per device of a target's abstract device (its spec's size), else None."""
+    return _MEMORY.get(getattr(device, "device_kind", None))
+
+
+def has_gpu_driver() -> bool:
+    """Whether this machine has an NVIDIA driver (a GPU JAX could use)."""
+    import ctypes.util
+    return os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None
+
+
+def use_cpu_without_gpu_driver() -> None:
+    """With the CUDA plugin installed (for GPU targets) on a machine without a GPU driver, JAX
+    would try the GPU first and print the plugin's failure; choose the CPU instead, unless the
+    user chose a platform. Call before JAX starts its backends."""
+    if os.environ.get("JAX_PLATFORMS") or not plugin_installed() or has_gpu_driver():
+        return
+    jax.config.update("jax_platforms", "cpu")

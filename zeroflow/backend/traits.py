@@ -1,0 +1,132 @@
+"""What differs by backend, decided once from a mesh's devices (STYLE item 16).
+
+The engine shapes a program differently for XLA:CPU and for GPUs: whether host memory is a
+separate memory (offload copies cost something), whether half-precision matmuls and gathers
+are widened to fp32 on converted copies, whether fetches must be ordered by hand, and which
+kernels (cuDNN, Triton) exist. Every such decision reads a ``Traits`` value made from the mesh
+the step is compiled for, never ``jax.default_backend()``: the same code then compiles for a
+CPU test mesh, a real GPU and a GPU target of abstract devices (``zf.target_mesh``).
+
+While a step is traced its traits are current (``tracing_for``), so code that only sees
+arrays (a model's attention choice, a Pallas kernel's ``interpret``) reads ``current()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """The backend properties the engine's choices depend on. Build with ``of(mesh)`` or, in
+    tests, directly."""
+    platform: str
+    "'cpu', 'gpu' or 'tpu'."
+    device_kind: str = ""
+    "The devices' name (e.g. 'NVIDIA H100 80GB HBM3')."
+    separate_host_memory: bool = False
+    "pinned_host is a memory of its own (GPU/TPU); on XLA:CPU it is the device memory itself."
+    widens_half_precision: bool = False
+    "bf16/fp16 matmuls and collectives run in fp32 on converted copies (XLA:CPU)."
+    has_cudnn: bool = False
+    "cuDNN kernels (jax.nn.dot_product_attention(implementation='cudnn'))."
+    overlaps_collectives: bool = False
+    "Collectives run asynchronously beside compute (GPU streams), so a fetch may start one"
+    " unit ahead (``make_train_step(prefetch=)``); XLA:CPU runs them in line."
+    compiles_pallas: bool = False
+    "Pallas kernels compile (Triton on GPU) instead of running in the interpreter."
+    memory_bytes: int | None = None
+    "Memory per device where known (a GPU's, or a target's published size)."
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.platform == "gpu"
+
+
+def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None = None) -> Traits:
+    """The traits of a platform's compiler, as zeroflow knows them."""
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    cpu = platform == "cpu"
+    return Traits(platform=platform, device_kind=device_kind, separate_host_memory=not cpu,
+                  widens_half_precision=cpu,
+                  has_cudnn=platform == "gpu" and "AMD" not in device_kind,
+                  overlaps_collectives=not cpu, compiles_pallas=platform == "gpu",
+                  memory_bytes=memory_bytes)
+
+
+def of(mesh) -> Traits:
+    """The traits of the devices ``mesh`` spans: a ``Mesh`` of real or abstract (target)
+    devices, or an ``AbstractMesh``, which plans for the device it names (a GPU when it names
+    none: planning is for machines this one is not)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        device = getattr(mesh, "abstract_device", None)
+        if device is None or not getattr(device, "platform", None):
+            return for_platform("gpu")
+        return for_platform(device.platform, device.device_kind or "")
+    device = mesh.devices.flat[0]
+    return for_platform(device.platform, device.device_kind, _memory_bytes(device))
+
+
+def _memory_bytes(device) -> int | None:
+    from zeroflow.backend import targets  # a target's devices carry their spec's size
+    size = targets.memory_of(device)
+    if size is not None:
+        return size
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without allocator statistics (CPU, abstract devices)
+        return None
+    return None if not stats else stats.get("bytes_limit")
+
+
+_CURRENT: contextvars.ContextVar[Traits | None] = contextvars.ContextVar("zeroflow_traits",
+                                                                         default=None)
+
+
+@contextlib.contextmanager
+def tracing_for(traits: Traits):
+    """Make ``traits`` current while a step is traced (and Pallas kernels compile for it)."""
+    from pallas_kernels import _backend as kernels
+    token = _CURRENT.set(traits)
+    try:
+        with kernels.compiling_for(traits.platform if traits.compiles_pallas else "cpu"):
+            yield traits
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> Traits:
+    """The traits of the step being traced; outside one, those of the mesh in context
+    (inside ``shard_map`` or ``jax.set_mesh``), else of the default backend's devices."""
+    traits = _CURRENT.get()
+    if traits is not None:
+        return traits
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    if device is not None and getattr(device, "platform", None):
+        return for_platform(device.platform, device.device_kind or "")
+    return for_platform(jax.devices()[0].platform, jax.devices()[0].device_kind)
+
+
+COMBINE_THRESHOLD_BYTES = 2**20
+"Largest combined all-gather / reduce-scatter XLA:GPU may form (see ``compiler_options``)."
+
+
+def compiler_options(traits: Traits) -> dict:
+    """Per-compile XLA options the train step needs on this backend.
+
+    XLA:GPU combines independent collectives into one, up to a byte threshold (hundreds of MB
+    by default). For ZeRO that undoes the point: every weight's fp32 gradient is reduce-
+    scattered on use so that one whole gradient exists at a time, and the combiner merges all
+    of them into one reduce-scatter at the end of the backward pass, which holds every whole
+    gradient at once (a 3x peak at stage 3). A threshold of a few MB still combines the small
+    leaves (norms, biases) and leaves each large one on its own.
+    """
+    if traits.platform != "gpu":
+        return {}
+    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+            "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+            "xla_gpu_all_reduce_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES}
