@@ -1,7 +1,7 @@
 """zeroflow: ZeRO-sharded, mixed-precision training for JAX.
 
     import zeroflow as zf
-    mesh  = zf.make_mesh(data=-1, model=1)
+    mesh  = zf.make_mesh(data=-1, model=1)   # or zf.target_mesh("h100", data=8): compile only
     prec  = zf.Precision(params="bf16", master="fp32", loss_scale="none")
     plan  = zf.ZeroPlan(mesh, stage=2)
     state = zf.init_train_state(params, tx, plan, prec)   # model_state=..., rng=... if any
@@ -11,6 +11,7 @@
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
 from zeroflow.mesh import make_mesh, planning_mesh
+from zeroflow.backend import target_mesh
 from zeroflow.plan import PlanDescription, ZeroPlan
 from zeroflow.precision import LossScaleState, Precision
 from zeroflow.state import TrainState, init_train_state, state_shardings
@@ -19,7 +20,7 @@ from zeroflow.step import make_train_step
 from zeroflow.autocast import AutocastPolicy, autocast, autocast_report, scaled_value_and_grad
 from zeroflow import backend, memory, offload, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
-__all__ = ["make_mesh", "planning_mesh", "Precision", "LossScaleState", "ZeroPlan",
+__all__ = ["make_mesh", "planning_mesh", "target_mesh", "backend", "Precision", "LossScaleState", "ZeroPlan",
            "PlanDescription", "TrainState", "init_train_state", "state_shardings",
            "make_train_step", "save_checkpoint", "restore_checkpoint", "memory", "offload",
            "padding", "autocast", "AutocastPolicy", "autocast_report", "scaled_value_and_grad"]

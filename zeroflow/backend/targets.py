@@ -121,10 +121,12 @@ def has_gpu_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None
 
 
-def use_cpu_without_gpu_driver() -> None:
+def use_cpu_without_gpu_driver(force: bool = False) -> None:
     """With the CUDA plugin installed (for GPU targets) on a machine without a GPU driver, JAX
     would try the GPU first and print the plugin's failure; choose the CPU instead, unless the
-    user chose a platform. Call before JAX starts its backends."""
-    if os.environ.get("JAX_PLATFORMS") or not plugin_installed() or has_gpu_driver():
+    user chose a platform. ``force``: also with a driver (compiling for a target needs the CPU
+    as JAX's platform). Call before JAX starts its backends."""
+    if os.environ.get("JAX_PLATFORMS") or not plugin_installed():
         return
-    jax.config.update("jax_platforms", "cpu")
+    if force or not has_gpu_driver():
+        jax.config.update("jax_platforms", "cpu")

@@ -4,6 +4,7 @@ accounting, and what XLA says.
     from zeroflow import memory
     peak = memory.estimate_step(loss_fn, params, batch, tx, plan, prec)  # peak.peak_bytes, terms
     got = memory.measure(step, state, batch)                            # AOT memory_analysis()
+    memory.overlap(memory.collectives(compiled))   # async collectives with compute in between
     est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # model states ~ 16.6e9
 
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
@@ -19,11 +20,12 @@ from zeroflow.memory.estimate import (
     format_bytes,
     parse_bytes,
 )
-from zeroflow.memory.measure import (MeasuredMemory, measure, measure_config, measure_step,
-                                     state_bytes)
+from zeroflow.memory.collectives import Collective, collectives, overlap
+from zeroflow.memory.measure import (MeasuredMemory, compile_step, measure, measure_config,
+                                     measure_step, state_bytes)
 from zeroflow.memory.peak import PeakEstimate, estimate_config_step, estimate_step
 
-__all__ = ["MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
+__all__ = ["Collective", "collectives", "compile_step", "overlap", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
            "count_gpt_params", "estimate", "estimate_config", "estimate_config_step",
            "estimate_step", "format_bytes", "measure", "measure_config", "measure_step",
            "parse_bytes",

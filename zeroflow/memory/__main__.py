@@ -39,6 +39,7 @@ class Row:
     devices_per_process: int
     measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
     note: str = ""
+    overlap: dict | None = None  # zeroflow.memory.collectives.overlap of the compiled step
 
     @property
     def need_bytes(self) -> float:
@@ -56,6 +57,7 @@ class Row:
                 "measured_peak_bytes": None if self.measured_bytes is None else round(self.measured_bytes),
                 "peak_phase": self.estimate.phase, "host_bytes_per_process": round(self.host_bytes),
                 "terms": {k: round(v) for k, v in self.estimate.terms().items()},
+                **({"overlap": self.overlap} if self.overlap is not None else {}),
                 **({"note": self.note} if self.note else {})}
 
     @property
@@ -76,29 +78,28 @@ def _choices(text: str, valid: Sequence, name: str, cast=str) -> list:
     return out
 
 
-def _measured_device_bytes(cfg, devices: int, stage: int, offload: str, remat: str) -> float:
-    import jax
-
-    from zeroflow.memory.measure import measure_config
+def _measured(cfg, devices: int, stage: int, offload: str, remat: str,
+              target: str | None) -> tuple[float, dict]:
+    """XLA's device peak of one choice, and the overlap of its collectives."""
+    from zeroflow.memory.collectives import collectives, overlap
+    from zeroflow.memory.measure import analysed, compile_config, device_peak
     update_on = cfg.parallel.update_on if offload != "none" else "device"
-    got, kinds = measure_config(cfg, num_devices=devices, stage=stage, offload=offload,
-                                update_on=update_on, remat=remat)
-    total = got.total_bytes
-    if got.host_argument_bytes == 0 and jax.default_backend() == "cpu":
-        # The CPU backend counts pinned_host arguments (aliased by their outputs) as device ones.
-        total -= kinds.get("pinned_host", 0)
-    return float(total)
+    compiled, setup = compile_config(cfg, num_devices=devices, stage=stage, offload=offload,
+                                     update_on=update_on, remat=remat, target=target)
+    return float(device_peak(analysed(compiled), setup.state)), overlap(collectives(compiled))
 
 
 def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
               measure: str = "auto", devices_per_process: int | None = None, log=None,
-              backend: str | None = None) -> list[Row]:
-    """One Row per choice: the estimated peak, and the measured peak where compiled."""
+              backend: str | None = None, target: str | None = None) -> list[Row]:
+    """One Row per choice: the estimated peak, and the measured peak where compiled
+    (for ``target``'s abstract GPUs when given: XLA:GPU's peak, and its overlap)."""
     from zeroflow.memory.peak import estimate_config_step
     num_params = count_gpt_params(cfg.model)
     if measure == "auto":
-        measure = "always" if (num_params <= MEASURE_MAX_PARAMS and
-                               devices * cfg.parallel.model <= MEASURE_MAX_DEVICES) else "never"
+        measure = "always" if target is not None or (
+            num_params <= MEASURE_MAX_PARAMS and
+            devices * cfg.parallel.model <= MEASURE_MAX_DEVICES) else "never"
     per_process = devices_per_process or min(devices, 8)
     rows = []
     for stage in stages:
@@ -107,15 +108,17 @@ def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REM
                 update_on = cfg.parallel.update_on if offload != "none" else "device"
                 est = estimate_config_step(cfg, num_devices=devices, stage=stage, offload=offload,
                                            update_on=update_on, remat=remat, backend=backend)
-                measured, note = None, ""
+                measured, note, overlapped = None, "", None
                 if measure == "always":
                     if log:
                         log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
                     try:
-                        measured = _measured_device_bytes(cfg, devices, stage, offload, remat)
+                        measured, overlapped = _measured(cfg, devices, stage, offload, remat,
+                                                         target)
                     except Exception as e:  # a choice that cannot compile is reported, not fatal
                         note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-                rows.append(Row(stage, offload, remat, update_on, est, per_process, measured, note))
+                rows.append(Row(stage, offload, remat, update_on, est, per_process, measured, note,
+                                overlapped))
     return rows
 
 
@@ -130,8 +133,10 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
 
     console = console or Console(width=max(Console().width, 150))
     table = Table(title=title)
+    with_overlap = any(r.overlap is not None for r in rows)
     for name in ("stage", "offload", "remat", "model states/dev", "activations/dev",
-                 "est. peak/dev", "measured/dev", "host/process", "fits"):
+                 "est. peak/dev", "measured/dev", "host/process", "fits") + (
+                     ("overlapped collectives",) if with_overlap else ()):
         table.add_column(name, justify="right" if "/" in name else "left")
     best = cheapest_fit(rows, device_memory)
     for r in rows:
@@ -139,9 +144,13 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
         measured = format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
         fits = "yes" if r.need_bytes <= device_memory else "no"
         style = "bold green" if r is best else None
-        table.add_row(str(r.stage), r.offload, r.remat, format_bytes(e.model_states),
-                      format_bytes(e.activations), format_bytes(e.peak_bytes), measured,
-                      format_bytes(r.host_bytes), fits, style=style)
+        cells = [str(r.stage), r.offload, r.remat, format_bytes(e.model_states),
+                 format_bytes(e.activations), format_bytes(e.peak_bytes), measured,
+                 format_bytes(r.host_bytes), fits]
+        if with_overlap:
+            total = (r.overlap or {}).get("total", {})
+            cells.append(f"{total['overlapped']}/{total['count']}" if total else "-")
+        table.add_row(*cells, style=style)
     console.print(table)
     if best is None:
         console.print(f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
@@ -159,7 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
     parser.add_argument("--devices", type=int, default=None,
                         help="data-parallel devices (default: parallel.data, or all devices)")
-    parser.add_argument("--device-memory", default="80GB", help="memory per device, e.g. 80GB, 24GiB")
+    parser.add_argument("--device-memory", default=None,
+                        help="memory per device, e.g. 80GB, 24GiB (default: the target's, else 80GB)")
+    parser.add_argument("--target", default=None,
+                        help="compile for this GPU without having one (h100, a100, l4): the "
+                             "measured column is XLA:GPU's peak, with the collectives' overlap")
     parser.add_argument("--devices-per-process", type=int, default=None,
                         help="devices sharing one host's memory (default: min(devices, 8))")
     parser.add_argument("--measure", choices=("auto", "always", "never"), default="auto",
@@ -180,7 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.model.init_from:  # the architecture is the checkpoint's config.json
             from zeroflow.trainer.setup import run_model_config
             cfg = dataclasses.replace(cfg, model=run_model_config(cfg))
-        device_memory = parse_bytes(args.device_memory)
+        if args.target is not None:
+            from zeroflow.backend import targets
+            spec = targets.spec_text(args.target)  # unknown names stop here, with the choices
+            default_memory = int(targets.spec_field(spec, "device_memory_size"))
+            targets.use_cpu_without_gpu_driver(force=True)
+        else:
+            default_memory = parse_bytes("80GB")
+        device_memory = (parse_bytes(args.device_memory) if args.device_memory
+                         else default_memory)
         stages = _choices(args.stages, STAGES, "stage", int)
         offloads = _choices(args.offloads, OFFLOADS, "offload")
         remats = _choices(args.remats, REMATS, "remat")
@@ -188,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
         devices = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else None)
         wanted = (devices or 1) * cfg.parallel.model
-        if args.measure != "never" and devices and wanted <= MEASURE_MAX_DEVICES:
+        if (args.target is None and args.measure != "never" and devices
+                and wanted <= MEASURE_MAX_DEVICES):
             # Emulate the devices on the CPU backend (read when jax first starts a backend).
             # Nothing is run, so XLA may skip its slow LLVM passes (buffers are the same).
             flags = os.environ.get("XLA_FLAGS", "")
@@ -199,19 +221,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             import jax
             devices = jax.device_count() // cfg.parallel.model
         import jax
-        backend = args.backend or ("cpu" if jax.default_backend() == "cpu" else "gpu")
+        if args.target is not None:
+            backend = "gpu"
+            where = f"{devices} x {args.target} (XLA:GPU, compiled without the GPU)"
+        else:
+            backend = args.backend or ("cpu" if jax.default_backend() == "cpu" else "gpu")
+            where = f"{devices} devices, estimated for {backend}"
         title = (f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
-                 f"{devices} devices, batch {cfg.train.batch_size}, {cfg.precision.params}, "
-                 f"estimated for {backend}")
+                 f"batch {cfg.train.batch_size}, {cfg.precision.params}, {where}")
         rows = plan_rows(cfg, devices=devices, stages=stages, offloads=offloads, remats=remats,
                          measure=args.measure, devices_per_process=args.devices_per_process,
-                         log=lambda m: print(m, file=sys.stderr), backend=backend)
+                         log=lambda m: print(m, file=sys.stderr), backend=backend,
+                         target=args.target)
     except (ValueError, ConfigError) as e:
         parser.error(str(e))
     if args.json:
         import json
         for row in rows:
-            print(json.dumps(row.as_json()))
+            print(json.dumps({**row.as_json(), "fits": row.need_bytes <= device_memory,
+                              "device_memory_bytes": device_memory,
+                              **({"target": args.target} if args.target else {})}))
     else:
         render(rows, device_memory, title)
     return 0

@@ -56,35 +56,62 @@ def from_memory_analysis(stats) -> MeasuredMemory:
 def measure(step, state, batch) -> MeasuredMemory:
     """Compile ``step`` ahead of time for ``(state, batch)`` (arrays or ShapeDtypeStructs with
     shardings) and report XLA's per-device memory analysis. Nothing runs."""
-    stats = step.lower(state, batch).compile().memory_analysis()
+    return analysed(step.lower(state, batch).compile())
+
+
+def analysed(compiled) -> MeasuredMemory:
+    """XLA's per-device memory analysis of a compiled step."""
+    stats = compiled.memory_analysis()
     if stats is None:
-        raise RuntimeError(f"the {jax.default_backend()} backend gives no memory analysis")
+        raise RuntimeError("this backend's compiler gives no memory analysis")
     return from_memory_analysis(stats)
 
 
 def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
-                 gather_per_layer: str | None = None) -> tuple[MeasuredMemory, float]:
+                 gather_per_layer: str | None = None, model_state=None, rng=None,
+                 **step_options) -> tuple[MeasuredMemory, float]:
     """``(memory_analysis, device peak)`` of ``zf.make_train_step(loss_fn, tx, plan, prec, ...)``
     for abstract fp32 ``params`` and global ``batch`` (the arguments of ``estimate_step``):
     the state is built abstractly in the plan's shardings, nothing is allocated or run. The
-    device peak leaves out the offloaded state, which XLA:CPU counts as device arguments."""
+    device peak leaves out the offloaded state, which XLA:CPU counts as device arguments.
+    On a ``zf.target_mesh`` this is XLA:GPU's number. ``step_options``: more keywords of
+    ``make_train_step`` (``prefetch``, ``compiler_options``)."""
+    compiled, state = compile_step(loss_fn, params, batch, tx, plan, prec, grad_accum=grad_accum,
+                                   gather_per_layer=gather_per_layer, model_state=model_state,
+                                   rng=rng, **step_options)
+    got = analysed(compiled)
+    peak = got.total_bytes
+    return got, float(device_peak(got, state))
+
+
+def device_peak(got: MeasuredMemory, state) -> int:
+    """The device's peak from a memory analysis: on a backend that does not separate host
+    memory (XLA:CPU counts pinned_host arguments as device ones), less the offloaded state."""
+    if got.host_argument_bytes == 0:
+        return got.total_bytes - state_bytes(state).get("pinned_host", 0)
+    return got.total_bytes
+
+
+def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
+                 gather_per_layer: str | None = None, model_state=None, rng=None,
+                 **step_options):
+    """``(compiled step, abstract state)`` for the arguments of ``measure_step``: read the
+    compiled program's collectives with ``zf.memory.collectives``."""
     import zeroflow as zf
     from zeroflow.state import abstract_master
 
     master = abstract_master(params)
-    abstract = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec))
-    shardings = zf.state_shardings(master, tx, plan, prec)
+    abstract = jax.eval_shape(lambda ms, key: zf.init_train_state(master, tx, plan, prec,
+                                                                  model_state=ms, rng=key),
+                              model_state, rng)
+    shardings = zf.state_shardings(master, tx, plan, prec, model_state, rng)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          abstract, shardings)
     placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
                                                          sharding=plan.batch_sharding()), batch)
     step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum,
-                              gather_per_layer=gather_per_layer)
-    got = measure(step, state, placed)
-    peak = got.total_bytes
-    if got.host_argument_bytes == 0:  # the backend does not separate host memory (XLA:CPU)
-        peak -= state_bytes(state).get("pinned_host", 0)
-    return got, float(peak)
+                              gather_per_layer=gather_per_layer, **step_options)
+    return step.lower(state, placed).compile(), state
 
 
 def _shard_nbytes(leaf) -> tuple[str, int]:
@@ -179,17 +206,23 @@ def _first_devices(count: int):
 
 
 def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on: str,
-                   remat: str) -> StepSetup:
+                   remat: str, target: str | None = None) -> StepSetup:
     """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
-    layer-wise gathering) on the first ``num_devices`` data devices, with abstract state and
-    batch: parameters are never materialised."""
+    layer-wise gathering) on the first ``num_devices`` data devices, or on as many abstract
+    devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
+    are never materialised."""
     from zeroflow.padding import unpadded_shapes
     from zeroflow.trainer.setup import build_run
 
     cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
                         update_on=update_on, remat=remat)
-    run = build_run(cfg, with_data=False,
-                    devices=_first_devices(num_devices * cfg.parallel.model))
+    if target is not None:
+        from zeroflow.backend import target_mesh
+        run = build_run(cfg, with_data=False,
+                        mesh=target_mesh(target, data=num_devices, model=cfg.parallel.model))
+    else:
+        run = build_run(cfg, with_data=False,
+                        devices=_first_devices(num_devices * cfg.parallel.model))
     state = run.abstract_state()
     batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                             sharding=run.plan.batch_sharding())}
@@ -202,5 +235,11 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
 def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
     """AOT memory analysis and per-device state bytes (by memory kind) for one choice
     (keywords of ``abstract_setup``)."""
+    compiled, setup = compile_config(cfg, **choice)
+    return analysed(compiled), state_bytes(setup.state)
+
+
+def compile_config(cfg, **choice):
+    """``(compiled step, StepSetup)`` for one choice (keywords of ``abstract_setup``)."""
     setup = abstract_setup(cfg, **choice)
-    return measure(setup.step, setup.state, setup.batch), state_bytes(setup.state)
+    return setup.step.lower(setup.state, setup.batch).compile(), setup

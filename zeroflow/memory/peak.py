@@ -89,14 +89,17 @@ def _device_bytes(tree) -> float:
     return _kind_bytes(tree, "device")
 
 
-def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None) -> list:
+def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
+                         extras: dict | None = None) -> list:
     """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the
-    backward pass, the parameters themselves excluded. Traced abstractly: nothing runs."""
+    backward pass, the parameters themselves excluded. Traced abstractly: nothing runs.
+    ``extras``: the keywords the step passes the loss (``model_state``, ``rng``)."""
     found: list = []
 
-    def probe(params, batch):
+    def probe(params, batch, extras):
         def loss(p):
-            out = loss_fn(p, batch) if gather_per_layer is None else loss_fn(p, batch, lambda x: x)
+            out = (loss_fn(p, batch, **extras) if gather_per_layer is None
+                   else loss_fn(p, batch, lambda x: x, **extras))
             return out[0] if isinstance(out, tuple) else out
         _, vjp = jax.vjp(loss, params)
         inputs = jax.tree.leaves(params)
@@ -104,13 +107,14 @@ def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None
                      if not any(r is p for p in inputs))
         return 0
 
-    jax.make_jaxpr(probe)(params, batch)
+    jax.make_jaxpr(probe)(params, batch, extras or {})
     return found
 
 
 def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *,
                   grad_accum: int = 1, gather_per_layer: str | None = None,
-                  backend: str | None = None, recompute_bytes: float = 0.0) -> PeakEstimate:
+                  backend: str | None = None, recompute_bytes: float = 0.0,
+                  model_state=None, rng=None) -> PeakEstimate:
     """The peak of ``zf.make_train_step(loss_fn, tx, plan, prec, grad_accum, gather_per_layer=)``
     per device, from the abstract fp32 ``params`` and the global ``batch`` (arrays or
     ``ShapeDtypeStruct``s). ``plan`` may be on a ``zf.planning_mesh`` (no devices needed).
@@ -118,7 +122,9 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     or this machine's for a planning mesh); "cpu" adds XLA:CPU's fp32 copies of
     half-precision weights and drops the offload copies (host memory is device memory there).
     ``recompute_bytes``: under remat, what one layer's forward pass makes again in the backward
-    pass (``estimate_config_step`` derives it for the GPT; 0 when unknown)."""
+    pass (``estimate_config_step`` derives it for the GPT; 0 when unknown).
+    ``model_state`` / ``rng``: what the state will carry (``zf.init_train_state``'s arguments of
+    those names, arrays or ShapeDtypeStructs); the loss is then called with them as keywords."""
     import zeroflow as zf
     from zeroflow.state import abstract_master, state_shardings
 
@@ -163,7 +169,11 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
              for w, r in zip(whole, flat_routes)]
 
     micro = _micro_batch(batch, n, grad_accum)
-    activations = _residual_bytes(loss_fn, master, micro, prec, gather_per_layer) / model
+    extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
+    activations = _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras) / model
+    if model_state is not None:  # replicated, beside the model states
+        states += sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves(model_state))
 
     layer_stack = [(w, shape) for w, shape, st in zip(whole, shapes, stacked) if st]
     unit = (sum(w / shape[0] for w, shape in layer_stack) if layer_stack else max(whole))
@@ -213,7 +223,8 @@ def _micro_batch(batch, n: int, grad_accum: int):
                                                        + tuple(np.shape(x)[1:]), x.dtype), batch)
 
 
-def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer) -> float:
+def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
+                    extras: dict | None = None) -> float:
     """Bytes of the loss's residuals on one micro-batch, as the step runs it (autocast too)."""
     compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
                                   params)
@@ -221,7 +232,8 @@ def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer) -
     if prec.autocast != "none":
         from zeroflow.autocast import autocast
         fn = autocast(loss_fn, dtype=prec.autocast)
-    residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer)
+    residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer,
+                                     extras=extras)
     return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
 
 
