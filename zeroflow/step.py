@@ -133,7 +133,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     one_by_one = (state.compute is not None and not plan.shards_compute
                   and plan.traits.widens_half_precision)
     compute_dtype = None if state.compute is None else prec.compute_dtype
-    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads)
+    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads,
+                              skip_by_select=not plan.traits.cond_updates_in_place)
     if not plan.offloads:
         new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
                                                  compute_shardings=one_by_one and shard.compute)

@@ -26,12 +26,14 @@ from zeroflow.padding import NO_PADDING, StatePadding
 
 
 def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation, compute_dtype,
-          compute_shardings=None, pads: StatePadding = NO_PADDING):
+          compute_shardings=None, pads: StatePadding = NO_PADDING, skip_by_select: bool = False):
     """The update on fp32 arrays; returns ``(new_master, new_opt_state, new_compute)``
     (``new_compute`` None for fp32). ``compute_shardings``: where the new compute weights go,
     when they should be moved there one leaf after the other (see ``one_at_a_time``).
     ``pads``: where the stored arrays (and ``grads``, in the master's form) are padded; the
-    optimizer sees them unpadded."""
+    optimizer sees them unpadded. ``skip_by_select``: a skipped step (``finite`` false) keeps
+    the old values through an elementwise select instead of a ``lax.cond`` (see
+    ``Traits.cond_updates_in_place``)."""
     grads, master = padding.unpad(grads, pads.master), padding.unpad(master, pads.master)
     opt_state = padding.unpad(opt_state, pads.opt_state)
 
@@ -42,9 +44,14 @@ def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
     def keep(grads, master, opt_state):
         return master, opt_state
 
-    # A cond, not jnp.where over the results: the skipped branch is never computed, and XLA can
-    # update the optimizer state in place instead of copying it.
-    new_master, new_opt = jax.lax.cond(finite, step, keep, grads, master, opt_state)
+    if skip_by_select:
+        # Fused into each leaf's update, writing into the donated buffer.
+        new_master, new_opt = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                           step(grads, master, opt_state), (master, opt_state))
+    else:
+        # A cond: the skipped branch is never computed, and XLA:CPU updates the optimizer
+        # state in place.
+        new_master, new_opt = jax.lax.cond(finite, step, keep, grads, master, opt_state)
     new_compute = None if compute_dtype is None else padding.pad(
         jax.tree.map(lambda x: x.astype(compute_dtype), new_master), pads.compute, pads.data_size)
     new_master = padding.pad(new_master, pads.master, pads.data_size)

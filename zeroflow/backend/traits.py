@@ -36,6 +36,10 @@ class Traits:
     overlaps_collectives: bool = False
     "Collectives run asynchronously beside compute (GPU streams), so a fetch may start one"
     " unit ahead (``make_train_step(prefetch=)``); XLA:CPU runs them in line."
+    cond_updates_in_place: bool = False
+    "A ``lax.cond`` over the optimizer update writes into the donated state's buffers (XLA:CPU);"
+    " XLA:GPU returns the branch's results in new buffers and copies them back, which holds a"
+    " second copy of the whole optimizer state: there a skipped step is an elementwise select."
     compiles_pallas: bool = False
     "Pallas kernels compile (Triton on GPU) instead of running in the interpreter."
     memory_bytes: int | None = None
@@ -53,7 +57,7 @@ def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None 
     return Traits(platform=platform, device_kind=device_kind, separate_host_memory=not cpu,
                   widens_half_precision=cpu,
                   has_cudnn=platform == "gpu" and "AMD" not in device_kind,
-                  overlaps_collectives=not cpu, compiles_pallas=platform == "gpu",
+                  overlaps_collectives=not cpu, cond_updates_in_place=cpu, compiles_pallas=platform == "gpu",
                   memory_bytes=memory_bytes)
 
 
