@@ -22,7 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA plugin (jax-cuda12-plugin) is not "
                     "installed: pip install -e '.[test]'")
 
-from pallas_kernels import BlockSizes, block_sparse_matmul, flash_attention, random_layout  # noqa: E402
+from pallas_kernels import (  # noqa: E402
+    BlockSizes,
+    block_sparse_matmul,
+    flash_attention,
+    random_layout,
+)
 from pallas_kernels._backend import compiling_for  # noqa: E402
 from zeroflow.backend import target_mesh  # noqa: E402
 from zeroflow.config_io import load_config  # noqa: E402
@@ -163,23 +168,11 @@ def target_cudnn(monkeypatch):
                         lambda: TARGET_CUDNN_VERSION)
 
 
-# Inside the step's shard_map over "data" alone ("model" stays an auto axis), cuDNN attention's
-# custom_partitioning runs jax's partitioner callback, which fails on the manual operand
-# sharding; jax lowers it inline only when every mesh axis is manual. It is not a deviceless
-# limitation: a real multi-GPU run takes the same path. One H100 (no shard_map) compiles.
-CUDNN_IN_SHARD_MAP_BUG = ("known bug: cuDNN attention in the step's shard_map over 'data' fails "
-                          "in jax's custom partitioner (AssertionError in "
-                          "get_num_ways_dim_sharded: manual sharding)")
-
-
 @pytest.mark.parametrize("data", [1, 8], ids=["one-h100", "eight-h100s"])
 def test_gpt_step_with_cudnn_attention_compiles_for_h100s(target_cudnn, data):
-    try:
-        compiled = compile_gpt_step("cudnn", data=data)
-    except jax.errors.JaxRuntimeError as err:
-        if data > 1 and "custom_partitioner" in str(err) and "get_num_ways_dim_sharded" in str(err):
-            pytest.xfail(CUDNN_IN_SHARD_MAP_BUG)
-        raise
+    """On 8 devices this needs the step's shard_map manual over every mesh axis: with "model"
+    left automatic, cuDNN attention's custom partitioner fails on the manual operands."""
+    compiled = compile_gpt_step("cudnn", data=data)
     hlo = compiled.as_text()
     assert 'custom_call_target="__cudnn$fmhaSoftmax"' in hlo
     assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo

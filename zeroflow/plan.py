@@ -8,7 +8,10 @@ Two mappings per parameter (STYLE item 4):
 Tensor-parallel rules place dimensions on the ``model`` axis in both.
 
 The ZeRO dimension of a leaf is the largest dimension that divides by the ``data`` axis size
-and is not already split over ``model``. A leaf with no such dimension (a 50257 x 100
+and is not already split over ``model``; a matrix whose rows divide is split by rows (its
+first dimension), so that each shard is a contiguous block of the row-major array and
+gathering weights or reduce-scattering gradients needs no transpose (on XLA:GPU a transposed
+gradient shard also made the update copy the optimizer state it overwrites). A leaf with no such dimension (a 50257 x 100
 embedding, a bias of size 10 on 8 devices) is *padded*: its largest free dimension of at least
 N entries is stored with zeros appended up to a multiple of N and split like any other
 (``LeafLayout.pad``; ``zeroflow.padding`` adds and removes the zeros, and nothing outside the
@@ -196,9 +199,11 @@ class ZeroPlan:
         return (None,) * len(shape)
 
     def leaf_layout(self, path: str, shape, *, tensor_rules: bool = True) -> LeafLayout:
-        """The ZeRO dimension: the largest free dimension that divides by N; failing that, the
-        largest free dimension of at least N entries, padded up to a multiple of N; failing
-        that (every free dimension shorter than N, or a scalar) none. ``tensor_rules=False``:
+        """The ZeRO dimension: a matrix's rows when they divide by N, else the largest free
+        dimension that divides by N; failing that, the largest free dimension of at least N
+        entries, padded up to a multiple of N; failing that (every free dimension shorter than
+        N, or a scalar) none. (Leaves of three or more dimensions keep the largest: a leading
+        axis there is often a stack of layers, fetched one layer at a time.) ``tensor_rules=False``:
         an array that is not a parameter (optimizer state of its own shape)."""
         shape = tuple(int(d) for d in shape)
         tspec = self._tensor_spec(path, shape) if tensor_rules else (None,) * len(shape)
@@ -208,7 +213,10 @@ class ZeroPlan:
             return LeafLayout(shape, tspec, None)
         largest = lambda dims: max(dims, key=lambda d: (shape[d], -d))  # noqa: E731
         even = [d for d in free if shape[d] % n == 0]
-        zero_dim = largest(even) if even else largest(free)
+        if len(shape) == 2 and 0 in even:
+            zero_dim = 0
+        else:
+            zero_dim = largest(even) if even else largest(free)
         return LeafLayout(shape, tspec, zero_dim, pad=-shape[zero_dim] % n)
 
     def layouts(self, params) -> Any:

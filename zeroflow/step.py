@@ -117,9 +117,12 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         specs_grad = jax.tree.map(lambda lay, r: lay.data_only_spec(r.sharded_grad),
                                   layout.layouts, route_tree, is_leaf=is_layout)
         batch_specs = jax.tree.map(lambda _: P(DATA), batch)
+        # ``model`` stays automatic for tensor-parallel rules; without them every axis is
+        # manual, which is what kernels with custom partitioners (cuDNN attention) need.
+        manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
         grads, loss, aux, model_state = jax.shard_map(
             local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P(), P()),
-            out_specs=(specs_grad, P(), P(), P()), axis_names={DATA})(params, batch, scale, extras)
+            out_specs=(specs_grad, P(), P(), P()), axis_names=manual)(params, batch, scale, extras)
 
     # Unscale in fp32 and average over devices and micro-batches.
     grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
