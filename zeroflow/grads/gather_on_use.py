@@ -17,10 +17,11 @@ XLA:CPU, which expands barriers away before it schedules. So a unit makes its so
 on its data inputs (forward) or its output cotangent (backward) through ``after``: a fetch
 cannot start before the values it will meet exist.
 
-``jit`` calls that touch weights are inlined so that their operations become units one by one;
-any other higher-order operation (``scan``, ``remat``, ``cond``, custom derivatives) that reads
-weights is one unit, its weights fetched for its whole duration (a scanned layer stack is
-gathered one layer at a time only through ``make_train_step(gather_per_layer=...)``).
+``jit`` calls that touch weights are inlined so that their operations become units one by one.
+A ``scan`` over stacked weights (a layer stack written with ``lax.scan``, no hints) is replayed
+with its body interpreted per iteration: each iteration's units fetch that iteration's slice,
+forward and backward. Any other higher-order operation (``remat``, ``cond``, custom
+derivatives) that reads weights is one unit, its weights fetched for its whole duration.
 """
 from __future__ import annotations
 
@@ -66,6 +67,11 @@ class Sharded:
     def give_back(self, stored, grad):
         return _pair_like(stored, reduce_scatter(grad, self.dim, self.padded))
 
+    def layer(self):
+        """The source of one slice along the leading axis (a scan's iteration), or None when
+        that axis is the one split over devices."""
+        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Whole:
@@ -83,6 +89,12 @@ class Whole:
             return grad
         return _pair_like(stored, reduce_scatter(grad, self.scatter_dim, self.padded))
 
+    def layer(self):
+        if self.scatter_dim is None:
+            return self
+        return None if self.scatter_dim == 0 else dataclasses.replace(
+            self, scatter_dim=self.scatter_dim - 1)
+
 
 def _pair_like(stored, grad):
     """The cotangent of a ``(weight, stand_in)`` pair: nothing for the weight (its zeros are
@@ -99,6 +111,8 @@ class _Lazy:
     sources: frozenset
     side: dict
     build: Callable
+    direct: int | None = None
+    "The index of the weight when the value is that weight itself, as stored."
 
 
 _side_ids = itertools.count()
@@ -122,8 +136,7 @@ def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args
     # entry (possibly a small pytree itself) as many as it has arrays; the data is dynamic.
     inputs, dynamic = [], []
     for i, (x, src) in enumerate(zip(stored, sources)):
-        parts = ([_Lazy(frozenset([i]), {}, lambda full, side, i=i: full[i])] if src is not None
-                 else jax.tree.leaves(x))
+        parts = ([_direct(i)] if src is not None else jax.tree.leaves(x))
         inputs += parts
         dynamic += [src is None] * len(parts)
     flat_args = jax.tree.leaves(args)
@@ -132,6 +145,10 @@ def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args
     replay = _Replay(stored, sources, order, prefetch)
     outs = [replay.materialise(x) for x, _ in replay.run(closed.jaxpr, closed.consts, inputs, dynamic)]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _direct(i: int) -> _Lazy:
+    return _Lazy(frozenset([i]), {}, lambda full, side, i=i: full[i], direct=i)
 
 
 def _bind(eqn, values):
@@ -179,11 +196,61 @@ class _Replay:
                 outs = self.run(inner.jaxpr, inner.consts, values, [d for _, d in ins])
             elif not any_dynamic:
                 outs = [(x, False) for x in self._defer(eqn, values)]
+            elif eqn.primitive.name == "scan" and self._scannable(eqn, values):
+                outs = [(o, True) for o in self._scan(eqn, ins)]
             else:
                 outs = [(o, True) for o in self._unit(eqn, ins)]
             for var, out in zip(eqn.outvars, outs):
                 env[var] = out
         return [read(v) for v in jaxpr.outvars]
+
+    def _sliceable(self, value) -> bool:
+        """A stored weight itself (not a value computed from it) that a scan can take one
+        leading-axis slice of per iteration, each still split over devices."""
+        return (isinstance(value, _Lazy) and value.direct is not None
+                and self.sources[value.direct].layer() is not None)
+
+    def _scannable(self, eqn, values) -> bool:
+        """A scan over a stack of weights (one slice per iteration): each iteration then
+        fetches its own slice instead of the whole stack being fetched for the scan."""
+        split = eqn.params["num_consts"] + eqn.params["num_carry"]
+        return any(self._sliceable(v) for v in values[split:])
+
+    def _scan(self, eqn, ins):
+        """The scan replayed with its body interpreted per iteration: the stored weights (shards,
+        stand-ins) are scanned over, and each iteration's units fetch that iteration's slice,
+        forward and (through the scan's own transpose) backward. Weights it reads otherwise
+        (whole in every iteration, or stacks split along the stacked axis, such as a stack of
+        biases) are fetched whole for the scan."""
+        params = eqn.params
+        split = params["num_consts"] + params["num_carry"]
+        values = [self.materialise(v) if isinstance(v, _Lazy) and not (
+            k >= split and self._sliceable(v)) else v for k, (v, _) in enumerate(ins)]
+        dynamic = [d for _, d in ins]
+        consts, carry = values[:params["num_consts"]], values[params["num_consts"]:split]
+        xs = values[split:]
+        weights = sorted({v.direct for v in xs if isinstance(v, _Lazy)})
+        position = {i: k for k, i in enumerate(weights)}
+        layer_sources = [self.sources[i].layer() for i in weights]
+        data_xs = [x for x in xs if not isinstance(x, _Lazy)]
+        body = params["jaxpr"]
+
+        def step(carry, sliced):
+            stored_t, data_t = sliced
+            inner = _Replay(stored_t, layer_sources, self.order, self.prefetch)
+            data_iter = iter(data_t)
+            inputs = list(consts) + list(carry) + [
+                _direct(position[x.direct]) if isinstance(x, _Lazy) else next(data_iter)
+                for x in xs]
+            outs = inner.run(body.jaxpr, body.consts, inputs,
+                             dynamic[:split] + [True] * len(xs))
+            outs = [inner.materialise(v) for v, _ in outs]
+            return outs[:params["num_carry"]], outs[params["num_carry"]:]
+
+        carry, ys = jax.lax.scan(step, list(carry), ([self.stored[i] for i in weights], data_xs),
+                                 length=params["length"], reverse=params["reverse"],
+                                 unroll=params["unroll"])
+        return list(carry) + list(ys)
 
     def _defer(self, eqn, values):
         """Outputs of a weight-only operation, each a ``_Lazy`` that recomputes it."""

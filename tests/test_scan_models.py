@@ -1,0 +1,87 @@
+"""A model written with ``lax.scan`` over stacked layer weights and no hints: ZeRO-3 descends
+into the scan and gathers each iteration's slice (forward and backward), trains like plain
+optax, and its peak per device shrinks with the device count."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import zeroflow as zf
+from helpers import walk
+
+LAYERS, WIDTH = 4, 16
+
+
+def scan_loss(p, b):
+    """Plain JAX: a residual MLP stack scanned over its stacked weights (and biases)."""
+    def layer(x, wb):
+        w, bias = wb
+        return x + jnp.tanh(x @ w.astype(x.dtype) + bias.astype(x.dtype)), None
+    x, _ = jax.lax.scan(layer, b["x"].astype(p["w"].dtype), (p["w"], p["b"]))
+    logits = (x @ p["head"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def init(width=WIDTH, layers=LAYERS):
+    k = jax.random.split(jax.random.key(0), 3)
+    return {"w": jax.random.normal(k[0], (layers, width, width)) / width ** 0.5,
+            "b": jax.random.normal(k[1], (layers, width)) * 0.1,
+            "head": jax.random.normal(k[2], (width, 8)) / width ** 0.5}
+
+
+def batches(steps, rows=16, width=WIDTH):
+    rng = np.random.default_rng(0)
+    return [{"x": jnp.asarray(rng.normal(size=(rows, width)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 8, size=(rows,)), jnp.int32)} for _ in range(steps)]
+
+
+def test_stage3_scan_model_trains_like_plain_optax():
+    tx, params = optax.adam(1e-2), init()
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
+    state = zf.init_train_state(params, tx, plan, zf.Precision())
+    step = zf.make_train_step(scan_loss, tx, plan, zf.Precision())
+    want, opt = params, tx.init(params)  # the reference: one device, whole weights, optax
+    for batch in batches(3):
+        state, metrics = step(state, batch)
+        loss, grads = jax.value_and_grad(scan_loss)(want, batch)
+        updates, opt = tx.update(grads, opt, want)
+        want = optax.apply_updates(want, updates)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(state.params[name], want[name], rtol=2e-4, atol=2e-5,
+                                   err_msg=name)
+
+
+def test_stage3_gathers_one_layer_inside_the_scan():
+    """Every all-gather of the stacked weight sits inside a scan body and gathers one layer's
+    slice (no leading layer axis), in the forward scan and in its transpose."""
+    tx, params = optax.sgd(0.1), init()
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
+    state = zf.init_train_state(params, tx, plan, zf.Precision())
+    step = zf.make_train_step(scan_loss, tx, plan, zf.Precision())
+    jaxpr = step.trace(state, batches(1)[0]).jaxpr
+    in_scans = [e for scan in walk(jaxpr) if scan.primitive.name == "scan"
+                for e in walk(scan.params["jaxpr"]) if e.primitive.name == "all_gather"]
+    layer = [e for e in in_scans if e.outvars[0].aval.shape == (WIDTH, WIDTH)]
+    assert len(layer) >= 2, [e.outvars[0].aval.shape for e in in_scans]  # forward + backward
+    whole = [e for e in walk(jaxpr) if e.primitive.name == "all_gather"
+             and e.outvars[0].aval.shape == (LAYERS, WIDTH, WIDTH)]
+    assert not whole
+
+
+def _peak(devices, stage=3, width=512, layers=16):
+    params = jax.eval_shape(lambda: init(width, layers))
+    batch = jax.eval_shape(lambda: batches(1, rows=16, width=width)[0])
+    plan = zf.ZeroPlan(zf.make_mesh(data=devices, devices=jax.devices()[:devices]), stage=stage)
+    _, peak = zf.memory.measure_step(scan_loss, params, batch, optax.adam(1e-3), plan,
+                                     zf.Precision(params="bf16"))
+    return peak, sum(x.size for x in jax.tree.leaves(params))
+
+
+def test_stage3_scan_model_peak_shrinks_with_devices():
+    """16 x 512 bf16 layers on XLA:CPU: N=8 needs at most 0.4x of N=2 (the whole stack
+    fetched at once gave 0.69x), and stays near the ZeRO formula 16 Psi / N (1.5x today)."""
+    eight, psi = _peak(8)
+    two, _ = _peak(2)
+    assert eight <= 0.4 * two, (eight, two)
+    assert eight <= 1.6 * 16 * psi / 8, (eight, 16 * psi / 8)
