@@ -31,6 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from zeroflow.grads.local import Route, routes
 from zeroflow.plan import ZeroPlan, path_str
@@ -89,11 +90,34 @@ def _device_bytes(tree) -> float:
     return _kind_bytes(tree, "device")
 
 
+def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[bool]:
+    """For each leaf of ``params``: whether a ``lax.scan`` in the loss takes one slice of it per
+    iteration (a stack of layers), which the stage-3 step then fetches one slice at a time."""
+    closed = jax.make_jaxpr(lambda p, b, e: loss_fn(p, b, **e))(params, batch, extras or {})
+    count = len(jax.tree.leaves(params))
+    found: set[int] = set()
+
+    def visit(jaxpr, leaf_of):
+        for eqn in jaxpr.eqns:
+            invars = [(v, leaf_of.get(v)) if not isinstance(v, Literal) else (v, None)
+                      for v in eqn.invars]
+            if eqn.primitive.name == "scan":
+                split = eqn.params["num_consts"] + eqn.params["num_carry"]
+                found.update(i for _, i in invars[split:] if i is not None)
+            elif "jaxpr" in eqn.params and eqn.primitive.name in ("jit", "pjit", "closed_call"):
+                inner = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+                visit(inner, {iv: i for (_, i), iv in zip(invars, inner.invars) if i is not None})
+
+    visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:count])})
+    return [i in found for i in range(count)]
+
+
 def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
                          extras: dict | None = None) -> list:
     """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the
-    backward pass, the parameters themselves excluded. Traced abstractly: nothing runs.
-    ``extras``: the keywords the step passes the loss (``model_state``, ``rng``)."""
+    backward pass, the parameters themselves excluded (also as a scan keeps them: its slices
+    stacked again). Traced abstractly: nothing runs. ``extras``: the keywords the step passes
+    the loss (``model_state``, ``rng``)."""
     found: list = []
 
     def probe(params, batch, extras):
@@ -103,8 +127,10 @@ def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None
             return out[0] if isinstance(out, tuple) else out
         _, vjp = jax.vjp(loss, params)
         inputs = jax.tree.leaves(params)
+        weights = {(tuple(p.shape), p.dtype) for p in inputs}
         found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(vjp)
-                     if not any(r is p for p in inputs))
+                     if not any(r is p for p in inputs)
+                     and (tuple(r.shape), r.dtype) not in weights)
         return 0
 
     jax.make_jaxpr(probe)(params, batch, extras or {})
@@ -160,6 +186,14 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(master)]
     stacked = [gather_per_layer is not None and (q + "/").startswith(gather_per_layer + "/")
                for q in paths]
+    micro = _micro_batch(batch, n, grad_accum)
+    extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
+    if gather_per_layer is None and (plan.shards_compute or widening):
+        # Weights fetched on use (stage 3; whole half-precision weights on XLA:CPU): the step
+        # descends into the loss's scans and fetches one slice of a stack per iteration,
+        # except a stack split over devices along its stacked axis.
+        scanned = scanned_leaves(loss_fn, master, micro, extras)
+        stacked = [s and r.dim != 0 for s, r in zip(scanned, flat_routes)]
     gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None)
                       else 0.0 for w, r in zip(whole, flat_routes)]
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
@@ -168,8 +202,6 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     grads = [F32 * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
              for w, r in zip(whole, flat_routes)]
 
-    micro = _micro_batch(batch, n, grad_accum)
-    extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     activations = _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras) / model
     if model_state is not None:  # replicated, beside the model states
         states += sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
