@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 # Shapes close to GPT-2 small / medium and a 1B model (SwiGLU, RMSNorm, rotary, tied 32k
@@ -26,6 +29,9 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128, vocab_size=256, seq_len=32),
 }
 TIMING_FIELDS = ("steps", "warmup")
+
+TARGET_OF_DEVICE = {"H100": "h100", "A100": "a100", "L4": "l4"}
+"zf.target_mesh names for the GPUs whose specs zeroflow ships, by a part of their device kind."
 
 
 def train_spec(model: dict, *, batch: int, params: str = "bf16", autocast: str | None = None,
@@ -153,6 +159,44 @@ def train_case(**spec) -> dict:
                    "bytes_limit": stats.get("bytes_limit"),
                    "estimate": estimate_dict(spec)},
     }
+
+
+def deviceless_case(spec: dict) -> dict:
+    """Runs in a child process on the GPU machine: ``deviceless_memory`` for this GPU."""
+    import jax
+    return deviceless_memory(spec, jax.devices()[0].device_kind)
+
+
+def deviceless_memory(spec: dict, device_kind: str) -> dict:
+    """The same step compiled for this GPU's abstract twin (``zf.target_mesh``) in a child
+    process on the CPU platform: the prediction a machine without a GPU makes, recorded beside
+    what this GPU's compiler and allocator say."""
+    target = next((t for k, t in TARGET_OF_DEVICE.items() if k in device_kind), None)
+    if target is None:
+        return {"note": f"no target spec for {device_kind}"}
+    code = ("import json, sys; from benchlib.gpt import deviceless_child; "
+            "print(json.dumps(deviceless_child(json.loads(sys.argv[1]), sys.argv[2])))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    try:
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(spec), target], env=env,
+                              capture_output=True, text=True, timeout=300,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except subprocess.TimeoutExpired:
+        return {"target": target, "note": "the deviceless compile took over 300 s"}
+    if done.returncode:
+        return {"target": target, "note": (done.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    return {"target": target, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def deviceless_child(spec: dict, target: str) -> dict:
+    """In a process on the CPU platform: XLA:GPU's memory analysis of the spec's step for one
+    abstract ``target`` GPU."""
+    from zeroflow.memory.measure import abstract_setup, analysed, device_peak
+    cfg = config_for(spec)
+    setup = abstract_setup(cfg, num_devices=1, stage=spec["stage"], offload=spec["offload"],
+                           update_on=spec["update_on"], remat=cfg.model.remat, target=target)
+    got = analysed(setup.step.lower(setup.state, setup.batch).compile())
+    return {"total_bytes": got.total_bytes, "device_peak": device_peak(got, setup.state)}
 
 
 def compile_fit_case(device_budget: float, **spec) -> dict:

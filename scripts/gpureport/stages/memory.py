@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpureport.runner import Context, Summary
+from gpureport.runner import Context, Item, Summary
 from gpureport.stages.training import gpt_item
 from gpureport.tables import good, num, size, table
 
 TITLE = "Memory: estimate vs compiled vs allocated"
 _SOURCES = ("memory", "offload")
+DEVICELESS = " / deviceless"
+"Suffix of the item that compiles a configuration for the GPU's abstract twin."
 
 
 def plan(ctx: Context):
@@ -26,10 +28,14 @@ def plan(ctx: Context):
             continue
         item = gpt_item(label, {**spec, "steps": 1, "warmup": 1}, budget)
         yield dataclasses.replace(item, reuse_only=with_training)
+        yield Item(label + DEVICELESS, "benchlib.gpt:deviceless_case", {"spec": spec},
+                   timeout_s=min(budget, 330), min_s=min(60.0, budget / 4))
 
 
 def render(records: list[dict]) -> list[str]:
     rows = []
+    twins = {r["item"][:-len(DEVICELESS)]: r["result"] for r in good(records)
+             if r["stage"] == "memory" and r["item"].endswith(DEVICELESS)}
     for r in good([r for r in records if r["stage"] in _SOURCES]):
         mem = r["result"].get("memory")
         if not mem:
@@ -38,15 +44,20 @@ def render(records: list[dict]) -> list[str]:
         allocated = mem.get("allocated_peak")
         predicted = est.get("peak", est["device"])
         ratio = predicted / allocated if allocated else None
-        rows.append([f"{r['stage']}: {r['item']}", size(predicted), size(compiled.get("total_bytes")),
+        deviceless = (twins.get(r["item"]) or {}).get("device_peak")
+        rows.append([f"{r['stage']}: {r['item']}", size(predicted), size(deviceless),
+                     size(compiled.get("total_bytes")),
                      size(compiled.get("peak_bytes") or None), size(allocated), num(ratio, "{:.2f}"),
                      size(est["host"]), size(compiled.get("host_argument_bytes"))])
     if not rows:
         return []
     return (["estimate: `zeroflow.memory.estimate_config_step` (the step's peak from shapes: "
              "model states, gradients, jax's residuals, the layer in flight, the update); "
+             "deviceless: the same step compiled for this GPU's abstract twin on the CPU "
+             "platform (zf.target_mesh: what a machine without a GPU predicts); "
              "compiled: XLA's memory_analysis "
              "(arguments + outputs + temporaries - aliased); XLA peak where the backend "
              "reports one; allocated: the allocator's peak in a fresh process after the steps.", ""]
-            + table(["configuration", "estimate", "compiled", "XLA peak", "allocated peak",
+            + table(["configuration", "estimate", "deviceless", "compiled", "XLA peak",
+                     "allocated peak",
                      "estimate / allocated", "host (estimate)", "host args (compiled)"], rows))
