@@ -77,9 +77,12 @@ class Sharded:
 class Whole:
     """A whole weight used as it is; with ``scatter_dim`` (ZeRO-2) it is stored as a pair
     ``(weight, stand_in)`` and the gradient is reduce-scattered into the stand-in (padded to
-    ``padded`` entries along ``scatter_dim`` first, when the stored form is padded)."""
+    ``padded`` entries along ``scatter_dim`` first, when the stored form is padded).
+    ``ordered``: its use waits for the unit's inputs like a gather (where the compiler widens
+    each use to a converted copy, XLA:CPU); else nothing is fetched and nothing waits."""
     scatter_dim: int | None = None
     padded: int | None = None
+    ordered: bool = True
 
     def fetch(self, stored):
         return stored if self.scatter_dim is None else stored[0]
@@ -336,7 +339,8 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
     prefetching = token is not _NO_TOKEN
 
     def fetched(stored, tie):
-        return [src.fetch(x) for src, x in zip(sources, after(stored, tie) if order else stored)]
+        return [src.fetch(after(x, tie) if order and getattr(src, "ordered", True) else x)
+                for src, x in zip(sources, stored)]
 
     def forward(stored, side, data, token):
         own = [data[j] for j in anchors]

@@ -97,7 +97,10 @@ def routes(layouts, plan: ZeroPlan, prefix: str | None, from_host: bool, fetch_w
         # A stage-3 stack split along its layer axis cannot be fetched one layer at a time.
         stream = from_host and under and not (gather and not within_layer)
         per_layer = under and (((gather or scatter) and within_layer) or stream)
-        on_use = not per_layer and (gather or fetch_whole)
+        # Whole stage-2 weights go through gather_on_use too: each use's unit reduce-scatters
+        # its gradient (per iteration inside a loss's scan, where one reduce-scatter of the
+        # stacked gradient after the scan would hold the whole fp32 stack).
+        on_use = not per_layer and (gather or fetch_whole or scatter)
         size = None if lay.zero_dim is None else lay.shape[lay.zero_dim]
         padded = size + lay.pad if split and lay.pad else None
         return Route(lay.zero_dim, gather, scatter, per_layer, stream, on_use, size, padded)
@@ -269,6 +272,7 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
         def scaled_loss(p):
             seen = jax.tree.map(visible, p, stored, routes)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
+                                  plan.traits.widens_half_precision,
                                   gather_layer if per_layer is not None else None, given)
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
@@ -309,21 +313,22 @@ def _reduce_late(g, r: Route):
     return g
 
 
-def _source(r: Route, dtype) -> gather_on_use.Source | None:
+def _source(r: Route, dtype, widens: bool) -> gather_on_use.Source | None:
     if not r.on_use:
         return None
     if r.gather:
         return gather_on_use.Sharded(r.dim, dtype, r.cut, r.padded)
-    return gather_on_use.Whole(r.dim if r.scatter else None, r.padded if r.scatter else None)
+    return gather_on_use.Whole(r.dim if r.scatter else None, r.padded if r.scatter else None,
+                               ordered=widens)
 
 
-def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, gather_layer, given):
+def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gather_layer, given):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
     to the replay as data."""
     call = (lambda p, b, kw: loss_fn(p, b, **kw)) if gather_layer is None else (
         lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
-    top = jax.tree.map(lambda r, dt: _source(r, dt), routes, dtypes, is_leaf=_is_route)
+    top = jax.tree.map(lambda r, dt: _source(r, dt, widens), routes, dtypes, is_leaf=_is_route)
     is_detached = lambda x: isinstance(x, Detached)  # noqa: E731
     leaves, treedef = jax.tree.flatten(seen, is_leaf=is_detached)
     specs = treedef.flatten_up_to(top)
