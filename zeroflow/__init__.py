@@ -10,17 +10,24 @@
 
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
-from zeroflow.mesh import make_mesh, planning_mesh
-from zeroflow.backend import target_mesh
-from zeroflow.plan import PlanDescription, ZeroPlan
-from zeroflow.precision import LossScaleState, Precision
-from zeroflow.state import TrainState, init_train_state, state_shardings
-from zeroflow.checkpoint import restore_checkpoint, save_checkpoint
-from zeroflow.step import make_train_step
-from zeroflow.autocast import AutocastPolicy, autocast, autocast_report, scaled_value_and_grad
+from zeroflow.backend import target_mesh, targets as _targets
+
+# With the CUDA plugin installed (for GPU targets) and no GPU driver, JAX would try the GPU
+# first and print the plugin's failure before falling back to the CPU: go to the CPU directly.
+_targets.use_cpu_without_gpu_driver()
+
+from zeroflow.mesh import make_mesh, planning_mesh  # noqa: E402
+from zeroflow.plan import PlanDescription, ZeroPlan  # noqa: E402
+from zeroflow.precision import LossScaleState, Precision  # noqa: E402
+from zeroflow.state import TrainState, init_train_state, state_shardings  # noqa: E402
+from zeroflow.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
+from zeroflow.step import make_train_step  # noqa: E402
+from zeroflow.autocast import (  # noqa: E402
+    AutocastPolicy, autocast, autocast_report, scaled_value_and_grad)
 from zeroflow import backend, memory, offload, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
-__all__ = ["make_mesh", "planning_mesh", "target_mesh", "backend", "Precision", "LossScaleState", "ZeroPlan",
+__all__ = ["make_mesh", "planning_mesh", "target_mesh", "backend", "Precision", "LossScaleState",
+           "ZeroPlan",
            "PlanDescription", "TrainState", "init_train_state", "state_shardings",
            "make_train_step", "save_checkpoint", "restore_checkpoint", "memory", "offload",
            "padding", "autocast", "AutocastPolicy", "autocast_report", "scaled_value_and_grad"]

@@ -129,4 +129,7 @@ def use_cpu_without_gpu_driver(force: bool = False) -> None:
     if os.environ.get("JAX_PLATFORMS") or not plugin_installed():
         return
     if force or not has_gpu_driver():
-        jax.config.update("jax_platforms", "cpu")
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except Exception:  # a backend already started: too late to choose, and nothing lost
+            pass
