@@ -10,12 +10,11 @@
 
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
-from zeroflow.backend import target_mesh, targets as _targets
+from zeroflow import _quiet_jax
 
-# With the CUDA plugin installed (for GPU targets) and no GPU driver, JAX would try the GPU
-# first and print the plugin's failure before falling back to the CPU: go to the CPU directly.
-_targets.use_cpu_without_gpu_driver()
+_quiet_jax.start()  # before anything imports jax: see zeroflow/_quiet_jax.py
 
+from zeroflow.backend import target_mesh  # noqa: E402
 from zeroflow.mesh import make_mesh, planning_mesh  # noqa: E402
 from zeroflow.plan import PlanDescription, ZeroPlan  # noqa: E402
 from zeroflow.precision import LossScaleState, Precision  # noqa: E402

@@ -115,17 +115,12 @@ def memory_of(device) -> int | None:
     return _MEMORY.get(getattr(device, "device_kind", None))
 
 
-def has_gpu_driver() -> bool:
-    """Whether this machine has an NVIDIA driver (a GPU JAX could use)."""
-    import ctypes.util
-    return os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None
-
-
 def use_cpu_without_gpu_driver(force: bool = False) -> None:
     """With the CUDA plugin installed (for GPU targets) on a machine without a GPU driver, JAX
     would try the GPU first and print the plugin's failure; choose the CPU instead, unless the
     user chose a platform. ``force``: also with a driver (compiling for a target needs the CPU
     as JAX's platform). Call before JAX starts its backends."""
+    from zeroflow._quiet_jax import has_gpu_driver
     if os.environ.get("JAX_PLATFORMS") or not plugin_installed():
         return
     if force or not has_gpu_driver():
