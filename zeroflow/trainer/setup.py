@@ -10,7 +10,7 @@ import optax
 
 import zeroflow as zf
 from zeroflow.config import Config, ModelConfig
-from zeroflow.data import TokenData, load_data
+from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
@@ -21,7 +21,7 @@ from zeroflow.trainer.optim import make_optimizer
 class Run:
     cfg: Config
     model_cfg: ModelConfig
-    data: TokenData | None
+    data: TokenData | RecordData | None
     plan: zf.ZeroPlan
     prec: zf.Precision
     tx: optax.GradientTransformation
@@ -65,9 +65,12 @@ class Run:
                                   grad_accum=self.cfg.parallel.grad_accum,
                                   gather_per_layer=LAYER_STACK)
 
-    def global_batch(self, local_tokens: np.ndarray) -> dict[str, jax.Array]:
-        """This process's rows of the batch -> one global array sharded over ``data``."""
-        return {"tokens": jax.make_array_from_process_local_data(self.plan.batch_sharding(), local_tokens)}
+    def global_batch(self, local: np.ndarray | dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows of the batch (token windows, or a packed batch's dict) -> global
+        arrays sharded over ``data``."""
+        local = local if isinstance(local, dict) else {"tokens": local}
+        sharding = self.plan.batch_sharding()
+        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
 DROPOUT_STREAM = 1
@@ -82,7 +85,7 @@ def lm_loss_fn(model_cfg: ModelConfig):
     loss = make_layerwise_loss_fn(model_cfg)
 
     def lm_loss(params, batch, gather_layer=None, *, rng=None):
-        return loss(params, {"tokens": batch["tokens"]}, gather_layer, rng)
+        return loss(params, batch, gather_layer, rng)
     return lm_loss
 
 
