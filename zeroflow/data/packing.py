@@ -51,6 +51,7 @@ def packed_batches(examples: Sequence[dict], *, seq_len: int, batch_size: int, s
     ``batch_size`` is this process's rows. Without ``repeat`` the stream ends after one pass
     and the last batch may have fewer rows.
     """
+    import grain
     from grain.experimental import BestFitPackIterDataset
 
     dataset = _shard(examples, process_index, process_count)
@@ -58,8 +59,12 @@ def packed_batches(examples: Sequence[dict], *, seq_len: int, batch_size: int, s
         dataset = dataset.shuffle(seed=seed)  # then repeat: a new order every epoch
     if repeat:
         dataset = dataset.repeat(None)
+    # The examples are already in memory: read them in this thread (Grain's default read-ahead
+    # threads cost more than they save here).
+    examples_stream = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0,
+                                                                prefetch_buffer_size=0))
     packed = BestFitPackIterDataset(
-        dataset.to_iter_dataset(), length_struct={k: seq_len for k in FEATURES},
+        examples_stream, length_struct={k: seq_len for k in FEATURES},
         num_packing_bins=packing_bins, seed=seed, shuffle_bins=shuffle)
     return packed.batch(batch_size).map(model_batch)
 

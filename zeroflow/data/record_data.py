@@ -98,8 +98,22 @@ class RecordData:
                              process_index=process_index, process_count=process_count)
 
 
+SFT_PACKAGES = ("grain", "datasets", "pyarrow", "jinja2")
+"What the records pipeline imports (pyproject.toml's sft extra)."
+
+
+def _check_installed() -> None:
+    import importlib.util
+
+    missing = [name for name in SFT_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"data.format=text/prompt_completion/chat needs {', '.join(missing)}: "
+                         "pip install 'zeroflow[sft]'")
+
+
 def load_record_data(cfg: DataConfig, seq_len: int) -> RecordData:
     """Read, check and tokenize every record of ``cfg.source`` (``cfg.format`` says how)."""
+    _check_installed()
     tokenizer = load_tokenizer(cfg.tokenizer)
     encode = example_encoder(cfg, tokenizer, seq_len)
     bad = BadRecords(cfg.bad_records)
