@@ -153,7 +153,7 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
     estimates), else on this machine's first devices."""
     import zeroflow as zf
     from zeroflow.models import LAYER_STACK, abstract_params
-    from zeroflow.trainer.setup import build_run
+    from zeroflow.trainer.setup import abstract_batch, build_run
 
     cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
                         update_on=update_on, remat=remat)
@@ -166,7 +166,7 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
     else:
         run = build_run(cfg, with_data=False,
                         devices=_first_devices(num_devices * cfg.parallel.model))
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)}
+    batch = abstract_batch(cfg)
     return StepParts(loss_fn=run.loss_fn, params=abstract_params(run.model_cfg)[0], batch=batch,
                      tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK)
 
@@ -184,15 +184,14 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     layer-wise gathering) on the first ``num_devices`` data devices, with abstract state and
     batch: parameters are never materialised."""
     from zeroflow.padding import unpadded_shapes
-    from zeroflow.trainer.setup import build_run
+    from zeroflow.trainer.setup import abstract_batch, build_run
 
     cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
                         update_on=update_on, remat=remat)
     run = build_run(cfg, with_data=False,
                     devices=_first_devices(num_devices * cfg.parallel.model))
     state = run.abstract_state()
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
-                                            sharding=run.plan.batch_sharding())}
+    batch = abstract_batch(cfg, run.plan.batch_sharding())
     shapes = unpadded_shapes(state.master, state.padding.master)
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,

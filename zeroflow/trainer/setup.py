@@ -73,6 +73,19 @@ class Run:
         return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
+PACKED_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+"A packed batch's arrays (``zeroflow.data.packing.model_batch``), each int32 [batch, seq_len]."
+
+
+def abstract_batch(cfg: Config, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of one global training batch of ``cfg``: token windows [B, S + 1], or with a
+    records ``data.format`` the packed arrays [B, S] (what memory estimates compile with)."""
+    b, s = cfg.train.batch_size, cfg.model.seq_len
+    if cfg.data.format == "stream":
+        return {"tokens": jax.ShapeDtypeStruct((b, s + 1), np.int32, sharding=sharding)}
+    return {k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=sharding) for k in PACKED_FIELDS}
+
+
 DROPOUT_STREAM = 1
 "Folded into the seed's key for the dropout key, apart from the parameter initialisation's."
 
