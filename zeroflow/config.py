@@ -85,11 +85,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    "Where text comes from: 'stdlib' (the interpreter's standard library .py files), a path to a text file or folder, or a .bin token file made by scripts/prepare_data.py."
+    "Where text comes from: 'stdlib' (the interpreter's standard library .py files), a path to a text file or folder, or a .bin token file made by scripts/prepare_data.py; with a records data.format, a .jsonl/.json/.parquet file, a folder of them, or a datasets save_to_disk folder."
     val_fraction: float = 0.05
-    "Fraction of files held out for validation (split by file, deterministic)."
+    "Fraction held out for validation, deterministic: of files (split by file name), or of records (by file and line)."
     max_bytes: int = 0
-    "Cap on corpus bytes read (0 = no cap)."
+    "Cap on corpus bytes read (0 = no cap; data.format=stream only)."
     tokenizer: str = "byte"
     "'byte' for byte-level tokens; a SentencePiece .model path; a Hugging Face tokenizer.json or a folder holding one."
     format: str = one_of("stream", "text", "prompt_completion", "chat")
