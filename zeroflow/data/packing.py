@@ -97,10 +97,10 @@ def fixed_batches(examples: Sequence[dict], *, num_batches: int, seq_len: int,
 
 
 def packing_efficiency(examples: Sequence[dict], *, seq_len: int, packing_bins: int,
-                       seed: int = 0) -> float:
+                       seed: int = 0, max_rows: int = 2048) -> float:
     """Fraction of the token slots that hold real tokens in the training stream's rows, over
-    the first epoch's worth of tokens."""
-    epoch_rows = -(-sum(len(e["inputs"]) for e in examples) // seq_len)
+    the first epoch's worth of tokens (at most ``max_rows`` rows: a sample on big sets)."""
+    epoch_rows = min(-(-sum(len(e["inputs"]) for e in examples) // seq_len), max_rows)
     real = total = 0
     for batch in packed_batches(examples, seq_len=seq_len, batch_size=64, seed=seed,
                                 packing_bins=packing_bins):
