@@ -11,6 +11,10 @@ over the q heads that share the kv head) and one kernel per q block for dQ.
 
 Causal and sliding-window attention shrink the loop bounds, so blocks outside the band are
 never loaded; masking is only applied inside the blocks that are visited.
+
+Segment ids (packed examples, `[batch, seq]` for q and for kv) add one rule: a query sees
+only keys of its own segment. Each program then also reads its rows' ids and masks every
+visited block by them; the band's loop bounds are unchanged.
 """
 from __future__ import annotations
 
@@ -138,10 +142,18 @@ def _q_block_range(k_start, block_q: int, block_k: int, num_q_blocks: int, band:
 # --------------------------------------------------------------------------- kernels
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, band, kv_len, needs_mask,
-                block_q, block_k):
+def _same_segment(q_seg, k_seg):
+    """Boolean [block_q, block_k] from the rows' and columns' segment ids."""
+    return q_seg[:, None] == k_seg[None, :]
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, band, kv_len, needs_mask, block_q,
+                block_k, segmented):
+    # refs: (q_seg, kv_seg,) o, lse; q_seg holds this block's rows, kv_seg every key's.
+    q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs if segmented else (None, None, *refs)
     q_start = pl.program_id(0) * block_q
     q = q_ref[...]
+    q_seg = q_seg_ref[...] if segmented else None
     num_kv_blocks = pl.cdiv(kv_len, block_k)
     lo, hi = _kv_block_range(q_start, block_q, block_k, num_kv_blocks, band)
 
@@ -152,7 +164,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, band, kv_len, 
         v = v_ref[pl.ds(k_start, block_k), :]
         s = _dot(q, k, 1, 1) * sm_scale
         if needs_mask:
-            s = jnp.where(_visible(q_start, k_start, s.shape, band, kv_len), s, _MASK_VALUE)
+            keep = _visible(q_start, k_start, s.shape, band, kv_len)
+            if segmented:
+                keep = keep & _same_segment(q_seg, kv_seg_ref[pl.ds(k_start, block_k)])
+            s = jnp.where(keep, s, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         rescale = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[:, None])
@@ -174,10 +189,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, band, kv_len, 
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_scale, band, kv_len,
-               needs_mask, block_q, block_k):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, band, kv_len,
+               needs_mask, block_q, block_k, segmented):
+    q_seg_ref, kv_seg_ref, dq_ref = refs if segmented else (None, None, *refs)
     q_start = pl.program_id(0) * block_q
     q, do = q_ref[...], do_ref[...]
+    q_seg = q_seg_ref[...] if segmented else None
     lse, delta = lse_ref[...], delta_ref[...]
     num_kv_blocks = pl.cdiv(kv_len, block_k)
     lo, hi = _kv_block_range(q_start, block_q, block_k, num_kv_blocks, band)
@@ -188,7 +205,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_sc
         v = v_ref[pl.ds(k_start, block_k), :]
         p = jnp.exp(_dot(q, k, 1, 1) * sm_scale - lse[:, None])
         if needs_mask:
-            p = jnp.where(_visible(q_start, k_start, p.shape, band, kv_len), p, 0.0)
+            keep = _visible(q_start, k_start, p.shape, band, kv_len)
+            if segmented:
+                keep = keep & _same_segment(q_seg, kv_seg_ref[pl.ds(k_start, block_k)])
+            p = jnp.where(keep, p, 0.0)
         ds = p * (_dot(do, v, 1, 1) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k, 1, 0)
 
@@ -196,11 +216,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_sc
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, sm_scale,
-                band, q_len, kv_len, needs_mask, group, block_q, block_k):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, band, q_len,
+                kv_len, needs_mask, group, block_q, block_k, segmented):
     # q_ref/do_ref hold the `group` q heads that share this kv head: [q_len_padded, group, D].
+    # refs: (q_seg, kv_seg,) dk, dv; q_seg holds every query's id, kv_seg this block's keys'.
+    q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs if segmented else (None, None, *refs)
     k_start = pl.program_id(0) * block_k
     k, v = k_ref[...], v_ref[...]
+    kv_seg = kv_seg_ref[...] if segmented else None
     num_q_blocks = pl.cdiv(q_len, block_q)
     lo, hi = _q_block_range(k_start, block_q, block_k, num_q_blocks, band)
 
@@ -214,7 +237,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         delta = delta_ref[head, rows]
         p = jnp.exp(_dot(q, k, 1, 1) * sm_scale - lse[:, None])
         if needs_mask:
-            p = jnp.where(_visible(q_start, k_start, p.shape, band, kv_len), p, 0.0)
+            keep = _visible(q_start, k_start, p.shape, band, kv_len)
+            if segmented:
+                keep = keep & _same_segment(q_seg_ref[rows], kv_seg)
+            p = jnp.where(keep, p, 0.0)
         dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
         ds = p * (_dot(do, v, 1, 1) - delta[:, None])
         dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
@@ -269,12 +295,19 @@ class _Geometry:
     def group(self) -> int:
         return self.heads // self.kv_heads
 
-    def needs_mask(self, band: _Band, block_k: int) -> bool:
-        return band.left is not None or band.right is not None or self.kv_len % block_k != 0
+    def needs_mask(self, band: _Band, block_k: int, segmented: bool = False) -> bool:
+        return (segmented or band.left is not None or band.right is not None
+                or self.kv_len % block_k != 0)
 
     def pad(self, x, seq_pad: int):
         extra = ((0, 0), (0, seq_pad - x.shape[1]), (0, 0), (0, self.dim_pad - x.shape[3]))
         return jnp.pad(x, extra) if any(hi for _, hi in extra) else x
+
+    @staticmethod
+    def pad_segments(ids, seq_pad: int):
+        """[B, S] ids padded to ``seq_pad``: padded keys are cut by kv_len, padded queries'
+        rows are dropped, so the value used does not matter."""
+        return jnp.pad(ids, ((0, 0), (0, seq_pad - ids.shape[1]))) if seq_pad > ids.shape[1] else ids
 
 
 def _num_warps(blocks: BlockSizes, tile_elems: int, dim_pad: int) -> int:
@@ -284,19 +317,35 @@ def _num_warps(blocks: BlockSizes, tile_elems: int, dim_pad: int) -> int:
     return 8 if dim_pad >= 128 and tile_elems >= 64 * 64 else 4
 
 
-def _forward(q, k, v, cfg: _Config):
+def _segment_inputs(segments, g: "_Geometry", block_q: int | None, block_k: int | None):
+    """(specs, arrays) for the q and kv segment ids: a block of ``block_q`` rows (or all rows
+    when None) indexed by grid axis 0, and likewise for kv."""
+    if segments is None:
+        return [], []
+    q_seg, kv_seg = segments
+    q_spec = (pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)) if block_q
+              else pl.BlockSpec((None, g.q_pad), lambda i, b, h: (b, 0)))
+    kv_spec = (pl.BlockSpec((None, block_k), lambda i, b, h: (b, i)) if block_k
+               else pl.BlockSpec((None, g.kv_pad), lambda i, b, h: (b, 0)))
+    return [q_spec, kv_spec], [g.pad_segments(q_seg, g.q_pad), g.pad_segments(kv_seg, g.kv_pad)]
+
+
+def _forward(q, k, v, segments, cfg: _Config):
     g = _Geometry.of(q, k, cfg.blocks)
     bq, bk, d = g.block_q, g.block_k, g.dim_pad
+    segmented = segments is not None
     kernel = functools.partial(
         _fwd_kernel, sm_scale=cfg.sm_scale, band=cfg.band, kv_len=g.kv_len,
-        needs_mask=g.needs_mask(cfg.band, bk), block_q=bq, block_k=bk)
+        needs_mask=g.needs_mask(cfg.band, bk, segmented), block_q=bq, block_k=bk,
+        segmented=segmented)
     group = g.group
     q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
     kv_spec = pl.BlockSpec((None, g.kv_pad, None, d), lambda i, b, h: (b, 0, lax.div(h, group), 0))
+    seg_specs, seg_arrays = _segment_inputs(segments, g, bq, None)
     out, lse = pl.pallas_call(
         kernel,
         grid=(g.q_pad // bq, g.batch, g.heads),
-        in_specs=[q_spec, kv_spec, kv_spec],
+        in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
         out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[
             _backend.out_struct((g.batch, g.q_pad, g.heads, d), q.dtype, q, k, v),
@@ -306,20 +355,22 @@ def _forward(q, k, v, cfg: _Config):
         **_backend.pallas_call_options(
             cfg.interpret, num_warps=_num_warps(cfg.blocks, bq * bk, d),
             num_stages=cfg.blocks.num_stages),
-    )(g.pad(q, g.q_pad), g.pad(k, g.kv_pad), g.pad(v, g.kv_pad))
+    )(g.pad(q, g.q_pad), g.pad(k, g.kv_pad), g.pad(v, g.kv_pad), *seg_arrays)
     return out[:, : g.q_len, :, : g.head_dim], lse
 
 
 def _backward(cfg: _Config, residuals, d_out):
-    q, k, v, out, lse = residuals
+    q, k, v, segments, out, lse = residuals
     g = _Geometry.of(q, k, cfg.blocks)
     bq, bk, d, group = g.block_q_bwd, g.block_k_bwd, g.dim_pad, g.group
+    segmented = segments is not None
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), d_out.astype(jnp.float32))
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)))
     qp, dop = g.pad(q, g.q_pad), g.pad(d_out.astype(q.dtype), g.q_pad)
     kp, vp = g.pad(k, g.kv_pad), g.pad(v, g.kv_pad)
     shared = dict(sm_scale=cfg.sm_scale, band=cfg.band, kv_len=g.kv_len,
-                  needs_mask=g.needs_mask(cfg.band, bk), block_q=bq, block_k=bk)
+                  needs_mask=g.needs_mask(cfg.band, bk, segmented), block_q=bq, block_k=bk,
+                  segmented=segmented)
     options = _backend.pallas_call_options(
         cfg.interpret, num_warps=_num_warps(cfg.blocks, bq * bk, d),
         num_stages=cfg.blocks.num_stages)
@@ -328,53 +379,71 @@ def _backward(cfg: _Config, residuals, d_out):
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
     kv_whole = pl.BlockSpec((None, g.kv_pad, None, d), lambda i, b, h: (b, 0, lax.div(h, group), 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    seg_specs, seg_arrays = _segment_inputs(segments, g, bq, None)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **shared),
         grid=(g.q_pad // bq, g.batch, g.heads),
-        in_specs=[q_block, kv_whole, kv_whole, q_block, row_block, row_block],
+        in_specs=[q_block, kv_whole, kv_whole, q_block, row_block, row_block, *seg_specs],
         out_specs=q_block,
         out_shape=_backend.out_struct(qp.shape, q.dtype, *inputs),
         name="flash_attention_dq",
         **options,
-    )(*inputs)
+    )(*inputs, *seg_arrays)
 
     # One program per (kv block, batch, kv head); it loops over the q heads of its group.
     kv_block = pl.BlockSpec((None, bk, None, d), lambda j, b, h: (b, j, h, 0))
     q_group = pl.BlockSpec((None, g.q_pad, group, d), lambda j, b, h: (b, 0, h, 0))
     rows_group = pl.BlockSpec((None, group, g.q_pad), lambda j, b, h: (b, h, 0))
+    seg_specs, seg_arrays = _segment_inputs(segments, g, None, bk)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, q_len=g.q_len, group=group, **shared),
         grid=(g.kv_pad // bk, g.batch, g.kv_heads),
-        in_specs=[q_group, kv_block, kv_block, q_group, rows_group, rows_group],
+        in_specs=[q_group, kv_block, kv_block, q_group, rows_group, rows_group, *seg_specs],
         out_specs=[kv_block, kv_block],
         out_shape=[_backend.out_struct(kp.shape, k.dtype, *inputs),
                    _backend.out_struct(vp.shape, v.dtype, *inputs)],
         name="flash_attention_dkv",
         **options,
-    )(*inputs)
+    )(*inputs, *seg_arrays)
 
     def unpad(grad, length, primal):
         return _backend.match_varying(grad[:, :length, :, : g.head_dim], primal)
 
-    return unpad(dq, g.q_len, q), unpad(dk, g.kv_len, k), unpad(dv, g.kv_len, v)
+    # Segment ids are integers: their cotangent is float0 zeros.
+    no_grads = None if segments is None else tuple(
+        np.zeros(ids.shape, jax.dtypes.float0) for ids in segments)
+    return unpad(dq, g.q_len, q), unpad(dk, g.kv_len, k), unpad(dv, g.kv_len, v), no_grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash_attention(q, k, v, cfg: _Config):
-    return _forward(q, k, v, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash_attention(q, k, v, segments, cfg: _Config):
+    return _forward(q, k, v, segments, cfg)[0]
 
 
-def _flash_attention_fwd(q, k, v, cfg: _Config):
-    out, lse = _forward(q, k, v, cfg)
-    return out, (q, k, v, out, lse)
+def _flash_attention_fwd(q, k, v, segments, cfg: _Config):
+    out, lse = _forward(q, k, v, segments, cfg)
+    return out, (q, k, v, segments, out, lse)
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _backward)
 
 
+def _segment_pair(segment_ids, q, k):
+    """``segment_ids`` (one [B, S] array for self-attention, or a (q, kv) pair) -> int32 pair."""
+    if segment_ids is None:
+        return None
+    q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list))
+                     else (segment_ids, segment_ids))
+    q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+    if q_seg.shape != q.shape[:2] or kv_seg.shape != k.shape[:2]:
+        raise ValueError(f"segment ids must be [batch, seq] of q {q.shape[:2]} and of kv "
+                         f"{k.shape[:2]}; got {q_seg.shape} and {kv_seg.shape}")
+    return q_seg, kv_seg
+
+
 def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None,
-                    window: int | tuple[int, int] | None = None):
+                    window: int | tuple[int, int] | None = None, segment_ids=None):
     """Memory-efficient attention, `[batch, seq, heads, head_dim]` in and out.
 
     Args:
@@ -385,6 +454,8 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
       interpret: None runs compiled on GPU and in the Pallas interpreter elsewhere.
       window: sliding window `(left, right)` or a symmetric int: query i sees keys
         `i - left <= j <= i + right` (right is 0 when causal). kv blocks outside are skipped.
+      segment_ids: int `[B, S]` (self-attention) or a pair `([B, Sq], [B, Skv])`: query i
+        sees key j only when their ids are equal (packed examples). None: one segment.
 
     Returns:
       `[B, Sq, H, D]` in q's dtype; softmax statistics are kept in fp32.
@@ -402,12 +473,13 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
         blocks=BlockSizes() if block_sizes is None else block_sizes,
         interpret=_backend.resolve_interpret(interpret),
     )
-    return _flash_attention(q, k, v, cfg)
+    return _flash_attention(q, k, v, _segment_pair(segment_ids, q, k), cfg)
 
 
 def reference_attention(q, k, v, causal: bool = False, sm_scale: float | None = None,
-                        window: int | tuple[int, int] | None = None):
+                        window: int | tuple[int, int] | None = None, segment_ids=None):
     """Plain-jnp attention in fp32 with precision="highest"; same semantics, returns fp32."""
+    segments = _segment_pair(segment_ids, q, k)
     band = _Band.make(causal, window)
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -415,6 +487,8 @@ def reference_attention(q, k, v, causal: bool = False, sm_scale: float | None = 
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
     keep = _visible(0, 0, scores.shape[-2:], band, kv_len=None)
+    if segments is not None:
+        keep = keep & (segments[0][:, None, :, None] == segments[1][:, None, None, :])
     scores = jnp.where(keep, scores, -jnp.inf)
     any_visible = jnp.any(keep, axis=-1, keepdims=True)
     probs = jnp.where(any_visible, jax.nn.softmax(jnp.where(any_visible, scores, 0.0)), 0.0)

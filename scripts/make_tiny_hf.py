@@ -3,10 +3,12 @@
     python scripts/make_tiny_hf.py --out runs/tiny-llama-hf
 
 Writes what a published checkpoint folder holds: ``config.json`` and ``model.safetensors``
-(a randomly initialised ``LlamaForCausalLM`` built by transformers) and ``tokenizer.json`` +
+(a randomly initialised ``LlamaForCausalLM`` built by transformers), ``tokenizer.json`` +
 ``tokenizer_config.json`` (a byte-level BPE trained here with the ``tokenizers`` library on
-the Python standard library's source, with Llama-style begin/end-of-text tokens). Needs torch
-and transformers (the ``test`` extra). configs/finetune-llama.yaml fine-tunes it.
+the Python standard library's source, with Llama-style begin/end-of-text tokens) and
+``chat_template.jinja`` (a small chat template that marks the assistant's turns with
+``{% generation %}``). Needs torch and transformers (the ``test`` extra).
+configs/finetune-llama.yaml fine-tunes it on text, configs/sft-llama.yaml on conversations.
 """
 from __future__ import annotations
 
@@ -17,6 +19,21 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# Each turn is a role header line, the text and EOS. The assistant's text and EOS sit inside
+# {% generation %} so training can be limited to them (data.train_on=completion). Only the
+# tokenizer's two special tokens are used: the headers are plain text.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles must be system, user or assistant, got ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def _stdlib_text(max_bytes: int) -> Iterator[str]:
@@ -46,6 +63,7 @@ def train_tokenizer(out: Path, vocab_size: int, max_bytes: int):
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
         "model_max_length": 1 << 20}, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return tok
 
 

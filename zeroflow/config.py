@@ -85,13 +85,29 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    "Where text comes from: 'stdlib' (the interpreter's standard library .py files), a path to a text file or folder, or a .bin token file made by scripts/prepare_data.py."
+    "Where text comes from: 'stdlib' (the interpreter's standard library .py files), a path to a text file or folder, or a .bin token file made by scripts/prepare_data.py; with a records data.format, a .jsonl/.json/.parquet file, a folder of them, or a datasets save_to_disk folder."
     val_fraction: float = 0.05
-    "Fraction of files held out for validation (split by file, deterministic)."
+    "Fraction held out for validation, deterministic: of files (split by file name), or of records (by file and line)."
     max_bytes: int = 0
-    "Cap on corpus bytes read (0 = no cap)."
+    "Cap on corpus bytes read (0 = no cap; data.format=stream only)."
     tokenizer: str = "byte"
     "'byte' for byte-level tokens; a SentencePiece .model path; a Hugging Face tokenizer.json or a folder holding one."
+    format: str = one_of("stream", "text", "prompt_completion", "chat")
+    "'stream': text or token files read as one token stream; records (a .jsonl/.json/.parquet file or folder, or a datasets save_to_disk folder), one example each, packed: 'text' (a text field), 'prompt_completion' or 'chat' (messages rendered with the tokenizer's chat template)."
+    text_field: str = "text"
+    "format=text: the field holding the text."
+    prompt_field: str = "prompt"
+    "format=prompt_completion: the field holding the prompt."
+    completion_field: str = "completion"
+    "format=prompt_completion: the field holding the completion."
+    messages_field: str = "messages"
+    "format=chat: the field holding the list of {role, content} messages."
+    train_on: str = one_of("completion", "all")
+    "Records: the tokens the loss trains on: 'completion' (the completion, or the assistant turns the chat template marks with {% generation %}) or 'all'."
+    bad_records: str = one_of("skip", "stop")
+    "Records that cannot be used (missing fields, wrong types, empty, longer than seq_len): 'skip' them and report the count, or 'stop' at the first."
+    packing_bins: int = 64
+    "Records: examples are packed best-fit into this many open rows before they are emitted (more: fuller rows)."
 
 
 @dataclass

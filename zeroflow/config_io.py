@@ -284,6 +284,7 @@ def validate_config(cfg: Config) -> Config:
         (bool(d.source), "data.source must not be empty"),
         (0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1); got {d.val_fraction}"),
         (d.max_bytes >= 0, "data.max_bytes must be >= 0 (0 = no cap)"),
+        (d.packing_bins > 0, "data.packing_bins must be positive"),
         (bool(d.tokenizer), "data.tokenizer must be 'byte', a SentencePiece .model path or a "
                             "Hugging Face tokenizer.json (or its folder)"),
         (t.steps > 0, f"train.steps must be positive; got {t.steps}"),

@@ -1,5 +1,7 @@
 """``python -m zeroflow.sample --run RUN_DIR --prompt "def "``: continue a prompt with the latest
-checkpoint of a run (restored onto one device, whatever mesh and ZeRO stage trained it)."""
+checkpoint of a run (restored onto one device, whatever mesh and ZeRO stage trained it).
+``--chat`` sends the prompt as a user message through the tokenizer's chat template and
+prints the reply, up to the end-of-text token."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +22,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true",
+                   help="answer the prompt as a user message, with the tokenizer's chat template")
     return p
+
+
+def chat_prompt(tokenizer, message: str) -> list[int]:
+    """Token ids of a one-message conversation rendered with the tokenizer's chat template,
+    ending with the template's assistant header (add_generation_prompt)."""
+    from zeroflow.data import load_chat_template
+    from zeroflow.data.tokenizers import HFTokenizer
+
+    template = load_chat_template(tokenizer.folder) if isinstance(tokenizer, HFTokenizer) else None
+    if template is None:
+        raise ValueError(f"--chat needs a tokenizer folder with a chat template; the run's "
+                         f"tokenizer is {tokenizer.name}")
+    text, _ = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    return tokenizer.backend.encode(text, add_special_tokens=False).ids
+
+
+def until_end(tokenizer, tokens: list[int]) -> list[int]:
+    """``tokens`` up to (not including) the first end-of-text token."""
+    eos = getattr(tokenizer, "eos_id", None)
+    return tokens[:tokens.index(eos)] if eos in tokens else tokens
 
 
 def load_params(run_dir: Path):
@@ -53,13 +77,14 @@ def main_args(args) -> int:
     if args.tokens < 1:
         raise ValueError("--tokens must be at least 1")
     model_cfg, tokenizer, params, step = load_params(Path(args.run))
-    prompt = tokenizer.encode(args.prompt)
+    prompt = chat_prompt(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
     new = generate(params, model_cfg, prompt, max_new_tokens=args.tokens, temperature=args.temperature,
                    top_k=args.top_k or None, rng=jax.random.key(args.seed))
     print(f"[step {step}]", file=sys.stderr)
-    print(args.prompt + tokenizer.decode(new))
+    print(tokenizer.decode(until_end(tokenizer, new)) if args.chat
+          else args.prompt + tokenizer.decode(new))
     return 0
 
 

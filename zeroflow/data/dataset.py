@@ -4,11 +4,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 
 from zeroflow.config import DataConfig
 from zeroflow.data.corpus import STDLIB, iter_documents
+from zeroflow.data.record_data import RecordData, load_record_data
+from zeroflow.data.records import RECORD_SUFFIXES, is_saved_dataset
 from zeroflow.data.token_files import find_meta, read_token_dir
 from zeroflow.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
 
@@ -94,8 +97,9 @@ def _from_token_dir(cfg: DataConfig, meta_path) -> TokenData:
                      os.fspath(cfg.source))
 
 
-def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
-    """Tokens for ``cfg.source`` (see DataConfig), checked to hold windows of ``seq_len + 1``.
+def load_data(cfg: DataConfig, seq_len: int) -> TokenData | RecordData:
+    """Tokens for ``cfg.source`` (see DataConfig), checked to hold windows of ``seq_len + 1``;
+    with a records ``data.format``, the examples of ``load_record_data`` instead.
 
     Text sources are read and tokenized in memory (the stdlib corpus takes well under a
     second with bytes); ``cfg.max_bytes`` caps what is read. A token folder or ``.bin`` from
@@ -103,6 +107,11 @@ def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
     and ``max_bytes`` does not apply (nothing is read until a batch needs it).
     """
     source = os.fspath(cfg.source)
+    if cfg.format != "stream":
+        return load_record_data(cfg, seq_len)
+    if (source.endswith(RECORD_SUFFIXES) and os.path.isfile(source)) or is_saved_dataset(Path(source)):
+        raise ValueError(f"data.source {source!r} holds records; set data.format to text, "
+                         "prompt_completion or chat (data.format=stream reads it as plain text)")
     meta_path = None if source == STDLIB else find_meta(source)
     if meta_path is not None:
         data = _from_token_dir(cfg, meta_path)

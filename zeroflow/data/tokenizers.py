@@ -19,6 +19,8 @@ import numpy as np
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 "Beside tokenizer.json: names the special tokens (eos_token), which tokenizer.json does not."
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"Beside tokenizer.json: the chat template, when it is not in tokenizer_config.json."
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -122,10 +124,15 @@ class HFTokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     @property
+    def folder(self) -> Path:
+        return Path(self.name).parent
+
+    @property
     def files(self) -> list[Path]:
-        """tokenizer.json and the tokenizer_config.json beside it (if any): what to copy."""
-        config = Path(self.name).with_name(HF_TOKENIZER_CONFIG)
-        return [Path(self.name)] + ([config] if config.is_file() else [])
+        """tokenizer.json and, when present, the tokenizer_config.json and chat template
+        beside it: what to copy."""
+        extra = [self.folder / name for name in (HF_TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)]
+        return [Path(self.name)] + [path for path in extra if path.is_file()]
 
 
 def hf_tokenizer_file(spec: str | os.PathLike) -> Path | None:

@@ -80,7 +80,6 @@ def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
                                    gather_per_layer=gather_per_layer, model_state=model_state,
                                    rng=rng, **step_options)
     got = analysed(compiled)
-    peak = got.total_bytes
     return got, float(device_peak(got, state))
 
 
@@ -180,20 +179,22 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
     estimates), else on this machine's first devices."""
     import zeroflow as zf
     from zeroflow.models import LAYER_STACK, abstract_params
-    from zeroflow.trainer.setup import build_run
+    from zeroflow.trainer.setup import abstract_batch, build_run
 
     cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
                         update_on=update_on, remat=remat)
     if planning and cfg.model.attention == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
-        # cuDNN's attention cannot be traced here; our flash kernel keeps the same residuals
-        # for the backward pass (q, k, v, output and per-row softmax statistics).
+        # jax asks this machine's cuDNN library for its version before it traces cuDNN
+        # attention, so without a GPU install it cannot be traced here (whatever the plan's
+        # target); our flash kernel keeps the same residuals for the backward pass (q, k, v,
+        # output and per-row softmax statistics).
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas"))
     if planning:
         run = build_run(cfg, with_data=False, mesh=zf.planning_mesh(num_devices, cfg.parallel.model))
     else:
         run = build_run(cfg, with_data=False,
                         devices=_first_devices(num_devices * cfg.parallel.model))
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)}
+    batch = abstract_batch(cfg)
     return StepParts(loss_fn=run.loss_fn, params=abstract_params(run.model_cfg)[0], batch=batch,
                      tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK)
 
@@ -212,7 +213,7 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
     are never materialised."""
     from zeroflow.padding import unpadded_shapes
-    from zeroflow.trainer.setup import build_run
+    from zeroflow.trainer.setup import abstract_batch, build_run
 
     cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
                         update_on=update_on, remat=remat)
@@ -224,8 +225,7 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
         run = build_run(cfg, with_data=False,
                         devices=_first_devices(num_devices * cfg.parallel.model))
     state = run.abstract_state()
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
-                                            sharding=run.plan.batch_sharding())}
+    batch = abstract_batch(cfg, run.plan.batch_sharding())
     shapes = unpadded_shapes(state.master, state.padding.master)
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,

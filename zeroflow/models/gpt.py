@@ -156,24 +156,38 @@ def rope_inv_freq(dim: int, base: float, cfg: ModelConfig | None = None) -> jax.
     return inv_freq
 
 
-def apply_rope(x: jax.Array, base: float, cfg: ModelConfig | None = None) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form)."""
+def apply_rope(x: jax.Array, base: float, cfg: ModelConfig | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form).
+
+    ``positions`` [batch, seq]: each token's position (packed examples restart at 0);
+    None = 0 .. seq - 1.
+    """
     seq, dim = x.shape[-3], x.shape[-1]
     inv_freq = rope_inv_freq(dim, base, cfg)
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq  # [seq, dim/2]
-    sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
+    if positions is None:
+        positions = jnp.arange(seq)[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch or 1, seq, dim/2]
+    sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, S] segment ids -> [B, 1, S, S] bool: query i may see key j of its own segment."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
-                     window: int = 0) -> jax.Array:
+                     window: int = 0, segment_ids: jax.Array | None = None) -> jax.Array:
     """q [B, S, H, D], k/v [B, S, KV, D] with H a multiple of KV -> [B, S, H, D].
 
     ``window > 0`` lets each query see only the ``window`` most recent keys, itself included.
+    ``segment_ids`` [B, S] (packed examples): a query sees only keys of its own segment.
     """
     if implementation == "pallas":
-        return _pallas_kernel("flash_attention", "attention='pallas'")(q, k, v, causal=True)
+        return _pallas_kernel("flash_attention", "attention='pallas'")(
+            q, k, v, causal=True, segment_ids=segment_ids)
     traits = backend.current()
     if implementation == "cudnn" and not traits.has_cudnn:
         raise ValueError(
@@ -184,15 +198,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
                          "set precision.params to bf16/fp16 or use attention='xla'")
     # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
     local = (window - 1, 0) if window else None
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                        implementation=implementation)
+    # Both paths take the segments as a boolean mask (cuDNN turns it into a bias).
+    mask = None if segment_ids is None else segment_mask(segment_ids)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        local_window_size=local, implementation=implementation)
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         heads, kv_heads, dim = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
         qkv_bias = cfg.attn_bias in ("qkv", "all")
@@ -201,11 +218,12 @@ class Attention(nn.Module):
         v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias,
                   name="value")(x)
         if cfg.positions == "rope":
-            q, k = apply_rope(q, cfg.rope_base, cfg), apply_rope(k, cfg.rope_base, cfg)
+            q = apply_rope(q, cfg.rope_base, cfg, positions)
+            k = apply_rope(k, cfg.rope_base, cfg, positions)
         # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
         out = causal_attention(q, k, v, "xla" if self.is_initializing() else cfg.attention,
-                               cfg.sliding_window)
+                               cfg.sliding_window, segment_ids)
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
         return Dense((cfg.embed_dim,), (HEADS, HEAD_DIM, EMBED), contract=2,
@@ -242,16 +260,19 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block; ``(x, None)`` in and out so nn.scan can stack it."""
+    """Pre-norm decoder block; ``(x, None)`` out so nn.scan can stack it. ``segment_ids`` and
+    ``positions`` (packed examples, or None) are the same for every layer."""
 
     cfg: ModelConfig
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> tuple[jax.Array, None]:
         cfg = self.cfg
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
-        x = x + drop(Attention(cfg, name="attn")(Norm(cfg.norm, cfg.norm_eps, name="attn_norm")(x)))
+        attn_in = Norm(cfg.norm, cfg.norm_eps, name="attn_norm")(x)
+        x = x + drop(Attention(cfg, name="attn")(attn_in, segment_ids, positions))
         x = x + drop(Mlp(cfg, name="mlp")(Norm(cfg.norm, cfg.norm_eps, name="mlp_norm")(x)))
         return x, None
 
@@ -278,14 +299,20 @@ LAYER_STACK = "layers"
 
 
 class GPT(nn.Module):
-    """``tokens [B, S] int32 -> logits [B, S, vocab] float32``."""
+    """``tokens [B, S] int32 -> logits [B, S, vocab] float32``.
+
+    Packed rows pass ``segment_ids`` [B, S] (attention stays inside a segment) and
+    ``positions`` [B, S] (restarting at 0 in every segment).
+    """
 
     cfg: ModelConfig
     layer_transform: Callable[[Any], Any] | None = None
     "Applied to each layer's params inside the scan: ZeRO-3 gathers one layer at a time with it."
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
+                 segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         check_config(cfg)
         block = Block
@@ -297,16 +324,17 @@ class GPT(nn.Module):
                            (cfg.vocab_size, cfg.embed_dim), (VOCAB, EMBED))
         x = jnp.take(embedding, tokens, axis=0)
         if cfg.positions == "learned":
-            x = x + self._learned_positions(tokens.shape[-1]).astype(x.dtype)
+            x = x + self._learned_positions(tokens.shape[-1], positions).astype(x.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         stack = nn.scan(
             _rematted(block, cfg.remat, fetched=block is not Block),
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: LAYERS},
         )
-        x, _ = stack(cfg, deterministic, name=LAYER_STACK)(x)
+        x, _ = stack(cfg, deterministic, name=LAYER_STACK)(x, segment_ids, positions)
         x = Norm(cfg.norm, cfg.norm_eps, name="final_norm")(x)
         if cfg.tie_embeddings:
             unembed, spec = embedding, "bsd,vd->bsv"
@@ -318,14 +346,15 @@ class GPT(nn.Module):
                             preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32)
 
-    def _learned_positions(self, length: int) -> jax.Array:
-        """The first ``length`` rows of the learned position table (GPT-2's ``wpe``)."""
+    def _learned_positions(self, length: int, positions: jax.Array | None = None) -> jax.Array:
+        """The first ``length`` rows of the learned position table (GPT-2's ``wpe``), or the
+        rows ``positions`` names."""
         table = _param(self, "position_embedding", nn.initializers.normal(INIT_STD),
                        (max_positions(self.cfg), self.cfg.embed_dim), (POSITIONS, EMBED))
         if length > table.shape[0]:
             raise ValueError(f"sequence of {length} tokens is longer than the "
                              f"{table.shape[0]} learned positions (model.max_positions)")
-        return table[:length]
+        return table[:length] if positions is None else jnp.take(table, positions, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,15 +21,29 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | 
 
 
 def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, gather_layer=None):
-    """``batch["tokens"]`` int32 [B, S+1] -> ``(loss, {"accuracy"})``; an rng turns dropout on."""
-    tokens = batch["tokens"]
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    """``batch["tokens"]`` int32 [B, S+1] -> ``(loss, {"accuracy"})``; an rng turns dropout on.
+
+    A packed batch (``zeroflow.data.packing``) holds ``tokens`` and ``targets`` [B, S] with
+    ``loss_mask``, ``segment_ids`` and ``positions``: the loss and accuracy are then over the
+    masked-in targets only, and ``trained_tokens`` counts them.
+    """
     rngs = {} if rng is None else {"dropout": rng}
     if gather_layer is not None:
         model = model.clone(layer_transform=gather_layer)
-    logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
-    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == targets)
-    return cross_entropy_loss(logits, targets), {"accuracy": accuracy}
+    if "targets" not in batch:
+        tokens = batch["tokens"]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+        accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == targets)
+        return cross_entropy_loss(logits, targets), {"accuracy": accuracy}
+    targets, mask = batch["targets"], batch["loss_mask"]
+    logits = model.apply({"params": params}, batch["tokens"], deterministic=rng is None, rngs=rngs,
+                         segment_ids=batch["segment_ids"], positions=batch["positions"])
+    trained = mask.astype(jnp.float32)
+    hits = (jnp.argmax(logits, axis=-1) == targets) * trained
+    accuracy = hits.sum() / jnp.maximum(trained.sum(), 1.0)
+    return (cross_entropy_loss(logits, targets, mask),
+            {"accuracy": accuracy, "trained_tokens": trained.sum()})
 
 
 def make_loss_fn(cfg: ModelConfig):

@@ -73,7 +73,11 @@ def _make_eval(run: Run):
 
     def evaluate(state) -> dict[str, float]:
         cfg = run.cfg
-        if run.data is None or len(run.data.val) <= cfg.model.seq_len or cfg.train.eval_batches <= 0:
+        if run.data is None or cfg.train.eval_batches <= 0:
+            return {}
+        if getattr(run.data, "packed", False):
+            return _evaluate_packed(state, eval_loss, run)
+        if len(run.data.val) <= cfg.model.seq_len:
             return {}
         batches = eval_batches(run.data.val, num_batches=cfg.train.eval_batches,
                                global_batch=cfg.train.batch_size, seq_len=cfg.model.seq_len,
@@ -82,6 +86,36 @@ def _make_eval(run: Run):
         loss = float(np.mean(losses))
         return {"eval_loss": loss, "eval_bpb": bits_per_byte(loss, run.data.tokens_per_byte)}
     return evaluate
+
+
+def _evaluate_packed(state, eval_loss, run: Run) -> dict[str, float]:
+    """Mean loss per trained token of the held-out examples' fixed batches. No bits per byte:
+    the loss covers only completions, not all the text the tokens stand for."""
+    cfg = run.cfg
+    batches = run.data.eval_batches(num_batches=cfg.train.eval_batches,
+                                    batch_size=cfg.train.batch_size // jax.process_count(),
+                                    process_index=jax.process_index(),
+                                    process_count=jax.process_count())
+    # Weight each batch by its trained tokens (this process's count stands for all).
+    weights = [float(b["loss_mask"].sum()) for b in batches]
+    if not batches or sum(weights) == 0:
+        return {}
+    losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
+    return {"eval_loss": float(np.average(losses, weights=weights))}
+
+
+def _train_loader(run: Run):
+    """A Grain iterator of this process's packed training batches (None for token streams)."""
+    if run.data is None or not getattr(run.data, "packed", False):
+        return None
+    return iter(run.data.train_batches(batch_size=run.cfg.train.batch_size // jax.process_count(),
+                                       seed=run.cfg.train.seed, process_index=jax.process_index(),
+                                       process_count=jax.process_count()))
+
+
+def _eval_text(result: dict[str, float]) -> str:
+    text = f"eval loss {result.get('eval_loss', float('nan')):.4f}"
+    return text + (f", {result['eval_bpb']:.3f} bits/byte" if "eval_bpb" in result else "")
 
 
 def _host_metrics(metrics) -> dict[str, float]:
@@ -121,9 +155,11 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     run = build_run(cfg)
     if jax.process_index() == 0:
         save_config(cfg, run_dir / "config.yaml")
-    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep)
+    loader = _train_loader(run)
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep,
+                                 with_loader=loader is not None)
     state = run.init_state()
-    restored = checkpoints.restore_latest(state)
+    restored = checkpoints.restore_latest(state, loader)
     if restored is not None:
         state, _ = restored
     start = int(state.step)
@@ -151,6 +187,8 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     stopped_by = None
 
     def batch_for(step: int):
+        if loader is not None:  # packed records: the loader's next batch (it knows the step)
+            return run.global_batch(next(loader))
         local = train_batch(run.data.train, step, global_batch=tcfg.batch_size, seq_len=cfg.model.seq_len,
                             seed=tcfg.seed, process_index=jax.process_index(),
                             process_count=jax.process_count())
@@ -161,8 +199,12 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         _check_finite(step, m, run, checkpoints)
         losses[step] = m["loss"]
         m["step_time"] = seconds
-        m["tokens_per_s"] = tokens_per_step / max(seconds, 1e-9)
-        m["mfu"] = reporter.mfu(m["tokens_per_s"])
+        m["mfu"] = reporter.mfu(tokens_per_step / max(seconds, 1e-9))
+        if "trained_tokens" in m:  # packed records: count only the tokens the loss trains on
+            # (the loss reports the mean over devices and micro-batches of their counts).
+            m["trained_tokens"] = round(m["trained_tokens"] * run.plan.data_size
+                                        * cfg.parallel.grad_accum)
+        m["tokens_per_s"] = m.get("trained_tokens", tokens_per_step) / max(seconds, 1e-9)
         # The rate the schedule gave this step's update: optax's count, i.e. the updates applied
         # before it (skipped steps do not advance it).
         m["lr"] = float(learning_rate(int(m["applied"]) - 1 + int(m["skipped"])))
@@ -193,10 +235,9 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
                 if is_eval:
                     last_eval = evaluate(state)
                     reporter.write(done, last_eval)
-                    reporter.print(f"step {done}: eval loss {last_eval.get('eval_loss', float('nan')):.4f}, "
-                                   f"{last_eval.get('eval_bpb', float('nan')):.3f} bits/byte")
+                    reporter.print(f"step {done}: {_eval_text(last_eval)}")
                 if is_ckpt or stop:
-                    checkpoints.save(done, state, meta(done))
+                    checkpoints.save(done, state, meta(done), loader)
                 if stop:
                     stopped_by = signal.Signals(stop).name
                     reporter.print(f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command")
@@ -205,12 +246,12 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
                 finish_step(*pending)
             end = int(state.step)
             if stopped_by is None:
-                checkpoints.save(end, state, meta(end))
+                checkpoints.save(end, state, meta(end), loader)
                 last_eval = evaluate(state)
                 if last_eval:
                     reporter.write(end, last_eval)
-                    reporter.print(f"final: train loss {losses.get(end, float('nan')):.4f}, eval loss "
-                                   f"{last_eval['eval_loss']:.4f}, {last_eval['eval_bpb']:.3f} bits/byte")
+                    reporter.print(f"final: train loss {losses.get(end, float('nan')):.4f}, "
+                                   f"{_eval_text(last_eval)}")
     finally:
         reporter.close()
         checkpoints.close()

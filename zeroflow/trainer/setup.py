@@ -10,7 +10,7 @@ import optax
 
 import zeroflow as zf
 from zeroflow.config import Config, ModelConfig
-from zeroflow.data import TokenData, load_data
+from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
@@ -21,7 +21,7 @@ from zeroflow.trainer.optim import make_optimizer
 class Run:
     cfg: Config
     model_cfg: ModelConfig
-    data: TokenData | None
+    data: TokenData | RecordData | None
     plan: zf.ZeroPlan
     prec: zf.Precision
     tx: optax.GradientTransformation
@@ -65,9 +65,25 @@ class Run:
                                   grad_accum=self.cfg.parallel.grad_accum,
                                   gather_per_layer=LAYER_STACK)
 
-    def global_batch(self, local_tokens: np.ndarray) -> dict[str, jax.Array]:
-        """This process's rows of the batch -> one global array sharded over ``data``."""
-        return {"tokens": jax.make_array_from_process_local_data(self.plan.batch_sharding(), local_tokens)}
+    def global_batch(self, local: np.ndarray | dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows of the batch (token windows, or a packed batch's dict) -> global
+        arrays sharded over ``data``."""
+        local = local if isinstance(local, dict) else {"tokens": local}
+        sharding = self.plan.batch_sharding()
+        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+PACKED_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+"A packed batch's arrays (``zeroflow.data.packing.model_batch``), each int32 [batch, seq_len]."
+
+
+def abstract_batch(cfg: Config, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of one global training batch of ``cfg``: token windows [B, S + 1], or with a
+    records ``data.format`` the packed arrays [B, S] (what memory estimates compile with)."""
+    b, s = cfg.train.batch_size, cfg.model.seq_len
+    if cfg.data.format == "stream":
+        return {"tokens": jax.ShapeDtypeStruct((b, s + 1), np.int32, sharding=sharding)}
+    return {k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=sharding) for k in PACKED_FIELDS}
 
 
 DROPOUT_STREAM = 1
@@ -82,7 +98,7 @@ def lm_loss_fn(model_cfg: ModelConfig):
     loss = make_layerwise_loss_fn(model_cfg)
 
     def lm_loss(params, batch, gather_layer=None, *, rng=None):
-        return loss(params, {"tokens": batch["tokens"]}, gather_layer, rng)
+        return loss(params, batch, gather_layer, rng)
     return lm_loss
 
 
