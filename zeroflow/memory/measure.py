@@ -117,7 +117,15 @@ def _shard_nbytes(leaf) -> tuple[str, int]:
     sharding = leaf.sharding
     shape = sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else tuple(leaf.shape)
     kind = getattr(sharding, "memory_kind", None) or "device"
-    return kind, math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return kind, math.prod(shape) * itemsize(leaf.dtype)
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element, also of a PRNG key array (its key data's)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return math.prod(data.shape) * data.dtype.itemsize
+    return jnp.dtype(dtype).itemsize
 
 
 def state_bytes(tree) -> dict[str, int]:

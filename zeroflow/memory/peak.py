@@ -269,6 +269,15 @@ def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
     return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
 
 
+def _largest_residual(loss_fn, params, micro, prec: Precision, gather_per_layer) -> float:
+    compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
+                                  params)
+    residuals = activation_residuals(loss_fn, compute_params, micro,
+                                     gather_per_layer=gather_per_layer)
+    return float(max((math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals),
+                     default=0))
+
+
 def _with_shardings(shapes, shardings, dtype=None):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sh),
                         shapes, shardings)
@@ -318,7 +327,12 @@ def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
         micro = _micro_batch(parts.batch, parts.plan.data_size, cfg.parallel.grad_accum)
         kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
                 for p in (plain, parts)]
-        recompute = max(kept[0] - kept[1], 0.0) / cfg.model.num_layers
+        # The layer being differentiated holds its recomputed activations and, beside them, the
+        # cotangent of the largest (attention scores: XLA:GPU keeps both in fp32). The scan
+        # stacks each activation over the layers, hence the division.
+        largest = _largest_residual(plain.loss_fn, plain.params, micro, plain.prec,
+                                    plain.gather_per_layer) / cfg.model.num_layers
+        recompute = max(kept[0] - kept[1], 0.0) / cfg.model.num_layers + largest
     return estimate_step(parts.loss_fn, parts.params, parts.batch, parts.tx, parts.plan,
                          parts.prec, grad_accum=cfg.parallel.grad_accum,
                          gather_per_layer=parts.gather_per_layer, backend=backend,
