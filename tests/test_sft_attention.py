@@ -126,11 +126,12 @@ def test_cudnn_path_passes_segments_as_a_mask_and_lowers_for_cuda(monkeypatch):
     fused attention call as its bias operand (cuDNN's form of a boolean mask)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+    from zeroflow import backend
+
     # Lowering asks the installed cuDNN for its version; there is none on a CPU machine. Any
-    # version with fused attention will do for lowering (nothing runs). The backend check in
-    # causal_attention is for running, and is answered as on a GPU.
+    # version with fused attention will do for lowering (nothing runs). causal_attention reads
+    # the traits of the devices it is traced for: a GPU's here.
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90100)
-    monkeypatch.setattr(gpt_module.jax, "default_backend", lambda: "gpu")
     q = jax.ShapeDtypeStruct((2, 64, 4, 32), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 64, 2, 32), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 64), jnp.int32)
@@ -141,9 +142,10 @@ def test_cudnn_path_passes_segments_as_a_mask_and_lowers_for_cuda(monkeypatch):
     def loss(q, k, v, segment_ids):
         return attention(q, k, v, segment_ids).astype(jnp.float32).sum()
 
-    assert _custom_calls(attention, q, kv, kv) == ["__cudnn$fmhaSoftmax"]
-    assert _custom_calls(attention, q, kv, kv, seg) == ["__cudnn$fmhaScaleBiasSoftmax"]
-    backward = _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, seg)
+    with backend.tracing_for(backend.for_platform("gpu")):
+        assert _custom_calls(attention, q, kv, kv) == ["__cudnn$fmhaSoftmax"]
+        assert _custom_calls(attention, q, kv, kv, seg) == ["__cudnn$fmhaScaleBiasSoftmax"]
+        backward = _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, seg)
     assert sorted(backward) == ["__cudnn$fmhaScaleBiasSoftmax",
                                 "__cudnn$fmhaScaleBiasSoftmaxBackward"]
 
