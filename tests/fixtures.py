@@ -44,3 +44,20 @@ def make_tx():
 
 
 BATCHES = [make_batch(seed=s) for s in range(4)]
+
+
+# --- a loss with a known gradient, for loss-scaling bookkeeping ----------------------------------
+
+def linear_loss(factor):
+    """d(loss)/dw = factor for every element (x is all ones)."""
+    def loss(params, batch):
+        return factor * jnp.sum(params["w"].astype(jnp.float32) * batch["x"].astype(jnp.float32).mean(0))
+    return loss
+
+
+# --- the trainer shrunk to seconds (configs/tiny.yaml plus these overrides) ---------------------
+
+TINY_TRAINER = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.mlp_dim=64",
+                "model.seq_len=32", "train.batch_size=8", "train.eval_batches=1", "train.log_every=1",
+                "run.progress=false"]
+"Overrides the trainer, launch and loss-scaling tests share; each adds its own on top."

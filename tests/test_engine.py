@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import zeroflow as zf
-from fixtures import BATCHES, MLP, MODEL, init_params, loss_fn, make_batch, make_tx
+from fixtures import BATCHES, MLP, MODEL, init_params, linear_loss, loss_fn, make_batch, make_tx
 from helpers import assert_leaves_close, bytes_on, optax_losses, train_losses
 
 N_DEV = 8
@@ -119,12 +119,6 @@ def test_bf16_trains_close_to_fp32(reference):
     np.testing.assert_allclose(losses, ref_losses, rtol=3e-2)
 
 
-def _linear_loss(factor):
-    def loss(params, batch):
-        return factor * jnp.sum(params["w"].astype(jnp.float32) * batch["x"].astype(jnp.float32).mean(0))
-    return loss
-
-
 def _scaled_run(loss, prec, steps=1, **plan_kw):
     plan = zf.ZeroPlan(zf.make_mesh(), stage=2, **plan_kw)
     tx = optax.sgd(1.0)
@@ -143,7 +137,7 @@ def _scaled_run(loss, prec, steps=1, **plan_kw):
 def test_fp16_overflow_skips_update_and_halves_scale():
     # d(loss)/dw = 10 per element; scaled by 2**15 that is 327680 > fp16 max (65504): inf.
     prec = zf.Precision(params="fp16", loss_scale="dynamic")
-    state, [(before, m)] = _scaled_run(_linear_loss(10.0), prec)
+    state, [(before, m)] = _scaled_run(linear_loss(10.0), prec)
     assert int(m["skipped"]) == 1
     assert float(m["loss_scale"]) == 2.0 ** 15
     assert float(state.loss_scale.scale) == 2.0 ** 14
@@ -152,7 +146,7 @@ def test_fp16_overflow_skips_update_and_halves_scale():
 
 def test_fp16_scale_recovers_and_grows():
     prec = zf.Precision(params="fp16", loss_scale="dynamic", growth_interval=2)
-    state, hist = _scaled_run(_linear_loss(10.0), prec, steps=5)
+    state, hist = _scaled_run(linear_loss(10.0), prec, steps=5)
     skipped = [int(m["skipped"]) for _, m in hist]
     scales = [float(m["loss_scale"]) for _, m in hist]
     # 2**15 and 2**14 overflow (327680, 163840), 2**13 * 10 = 81920 still does; 2**12 fits.
@@ -165,7 +159,7 @@ def test_fp16_scale_recovers_and_grows():
 def test_fp16_small_gradients_survive_only_with_dynamic_scaling():
     # d(loss)/dw = 1e-8 per element: below fp16's smallest subnormal (~6e-8), so it flushes to
     # zero unless the loss is scaled up first.
-    tiny = _linear_loss(1e-8)
+    tiny = linear_loss(1e-8)
     _, [(_, m_dyn)] = _scaled_run(tiny, zf.Precision(params="fp16", loss_scale="dynamic"))
     _, [(_, m_none)] = _scaled_run(tiny, zf.Precision(params="fp16", loss_scale="none"))
     expected_norm = 1e-8 * np.sqrt(64)
@@ -189,7 +183,7 @@ def test_gradient_sum_over_devices_is_not_rounded_to_fp16(stage):
 
 def test_static_loss_scale():
     prec = zf.Precision(params="fp16", loss_scale=128.0)
-    state, [(_, m)] = _scaled_run(_linear_loss(1.0), prec)
+    state, [(_, m)] = _scaled_run(linear_loss(1.0), prec)
     assert float(m["loss_scale"]) == 128.0 and float(state.loss_scale.scale) == 128.0
     assert float(m["grad_norm"]) == pytest.approx(8.0, rel=1e-3)
 
