@@ -34,9 +34,7 @@ import datetime
 import io
 import os
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -52,6 +50,9 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from zeroflow.config import ModelConfig
 from zeroflow.memory.measure import measure
 from zeroflow.models import make_loss_fn, param_init_fn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.timing import compare_to_baseline, interleaved_seconds  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,21 +150,15 @@ def drop_failing(runs: list[Variant], notes: list[str]) -> list[Variant]:
     return kept
 
 
-def time_round_robin(runs: list[Variant], warmup: int, rounds: int) -> None:
-    for _ in range(warmup):
-        for v in runs:
-            jax.block_until_ready(v.run())
-    for _ in range(rounds):
-        for v in runs:
-            start = time.perf_counter()
-            jax.block_until_ready(v.run())
-            v.times.append(time.perf_counter() - start)
+def time_interleaved(runs: list[Variant], warmup: int, rounds: int) -> None:
+    for v, times in zip(runs, interleaved_seconds([v.run for v in runs], warmup=warmup,
+                                                  rounds=rounds)):
+        v.times = times
 
 
 def markdown(runs, notes, args, cfg, command: str) -> str:
     tokens = args.batch * args.seq
-    base = statistics.median(runs[0].times)
-    hand = next(statistics.median(v.times) for v in runs if v.name.startswith("hand-written"))
+    hand = next(v for v in runs if v.name.startswith("hand-written"))
     device = jax.devices()[0]
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(runs[0].state.master))
     lines = [
@@ -181,12 +176,14 @@ def markdown(runs, notes, args, cfg, command: str) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in runs:
-        t = statistics.median(v.times)
+        vs_fp32 = compare_to_baseline(runs[0].times, v.times)
+        vs_hand = compare_to_baseline(hand.times, v.times)
+        t = vs_fp32.candidate_s
         mem = v.memory()
         # XLA:CPU's own "peak" leaves out temporaries; it is shown only for accelerators
         peak = f"{mem.peak_bytes / 2**20:.1f}" if jax.default_backend() != "cpu" and mem.peak_bytes else "-"
-        lines.append(f"| {v.name} | {1e3 * t:.2f} | {tokens / t:,.0f} | {base / t:.2f}x | "
-                     f"{hand / t:.2f}x | {mem.total_bytes / 2**20:.1f} | {mem.temp_bytes / 2**20:.1f} "
+        lines.append(f"| {v.name} | {1e3 * t:.2f} | {tokens / t:,.0f} | {1 / vs_fp32.ratio:.2f}x | "
+                     f"{1 / vs_hand.ratio:.2f}x | {mem.total_bytes / 2**20:.1f} | {mem.temp_bytes / 2**20:.1f} "
                      f"| {peak} |")
     lines += [f"\n- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -201,7 +198,7 @@ def main(argv=None) -> None:
     batch = {"tokens": rng.integers(0, args.vocab, (args.batch, args.seq + 1), dtype=np.int32)}
     runs, notes = variants(args, cfg, batch)
     runs = drop_failing(runs, notes)
-    time_round_robin(runs, args.warmup, args.rounds)
+    time_interleaved(runs, args.warmup, args.rounds)
     table = markdown(runs, notes, args, cfg, shlex.join(["python", "scripts/bench_autocast.py", *sys.argv[1:]]))
     print(table)
     if args.out:

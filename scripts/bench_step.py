@@ -24,10 +24,8 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -85,6 +83,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import zeroflow as zf  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.timing import StepRunner, compare_to_baseline, interleaved_seconds  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- model
@@ -148,43 +149,18 @@ def plain_train_step(state: PlainState, batch, *, loss_fn, tx, compute_dtype):
 
 
 # ----------------------------------------------------------------------------- timing
-class Runner:
-    """A jitted, state-donating step and the state it threads through; a call is one step."""
-
-    def __init__(self, name: str, step, state, batch):
-        self.name, self.step, self.state, self.batch = name, step, state, batch
-
-    def __call__(self):
-        self.state, metrics = self.step(self.state, self.batch)
-        return self.state, metrics
+class Runner(StepRunner):
+    """A step runner whose compiled HLO can be written out (``--dump-hlo``)."""
 
     def compiled_hlo(self) -> str:
         return self.step.lower(self.state, self.batch).compile().as_text()
 
 
-def time_alternating(baseline: Runner, candidate: Runner, warmup: int, pairs: int):
-    """Per-step seconds of each runner, measured in alternation after ``warmup`` steps each."""
-    for _ in range(warmup):
-        for run in (baseline, candidate):
-            jax.block_until_ready(run())
-    times = ([], [])
-    for _ in range(pairs):
-        for run, out in zip((baseline, candidate), times):
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            out.append(time.perf_counter() - start)
-    return times
-
-
 def summarize(label: str, baseline: Runner, candidate: Runner, times) -> dict:
-    base_t, cand_t = times
-    pair_ratios = [c / b for b, c in zip(base_t, cand_t)]
-    q = (statistics.quantiles(pair_ratios, n=4, method="inclusive") if len(pair_ratios) > 1
-         else pair_ratios * 3)
-    base_ms, cand_ms = 1e3 * statistics.median(base_t), 1e3 * statistics.median(cand_t)
+    compared = compare_to_baseline(*times)
     return {"comparison": label, "baseline": baseline.name, "candidate": candidate.name,
-            "baseline_ms": base_ms, "candidate_ms": cand_ms, "ratio": cand_ms / base_ms,
-            "pair_ratio_iqr": (q[0], q[2])}
+            "baseline_ms": 1e3 * compared.baseline_s, "candidate_ms": 1e3 * compared.candidate_s,
+            "ratio": compared.ratio, "pair_ratio_iqr": compared.round_ratio_iqr}
 
 
 def synthetic_batch(args, seed: int = 0):
@@ -251,7 +227,7 @@ def run_comparison(args) -> list[dict]:
             for run in (baseline, candidate):
                 name = re.sub(r"\W+", "_", f"{args.comparison}_{run.name}").strip("_")
                 (args.dump_hlo / f"{name}.hlo.txt").write_text(run.compiled_hlo())
-        times = time_alternating(baseline, candidate, args.warmup, args.pairs)
+        times = interleaved_seconds([baseline, candidate], warmup=args.warmup, rounds=args.pairs)
         row = summarize(label, baseline, candidate, times)
         row.update(platform=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
                    jax=jax.__version__, params=int(sum(np.size(x) for x in jax.tree.leaves(params))))

@@ -1,8 +1,8 @@
-"""Everything a short GPU visit should measure, in one command that cannot be killed by any one
-measurement: kernel correctness, kernel speed, training MFU, memory, offload, autocast.
+"""Every GPU measurement zeroflow reports, in one command that no single measurement can bring
+down: kernel correctness, kernel speed, training MFU, memory, offload, autocast.
 
-    PYTHONPATH=. python scripts/gpu_report.py --out $OUT                       # on the GPU, < 9 min
-    PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages offload,autocast   # a second call
+    PYTHONPATH=. python scripts/gpu_report.py --out $OUT                       # on a GPU, < 9 min
+    PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages offload,autocast   # what a run left
     PYTHONPATH=. python scripts/gpu_report.py --quick --out /tmp/gpu_report    # CPU smoke test
     python scripts/gpu_report.py --render run1/results.jsonl run2/results.jsonl --out merged/
 

@@ -122,6 +122,38 @@ def test_choices_live_in_field_metadata():
     assert offload.default == "none"
 
 
+def test_config_choices_are_the_engines_and_the_models():
+    from zeroflow import plan, precision
+    from zeroflow.config import PrecisionConfig, choices_of
+    from zeroflow.models import gpt
+    assert choices_of(ParallelConfig) == {"zero_stage": plan.ZERO_STAGES,
+                                          "offload": plan.OFFLOAD_CHOICES,
+                                          "update_on": plan.UPDATE_ON_CHOICES}
+    assert choices_of(PrecisionConfig) == {"params": tuple(precision.DTYPES),
+                                           "master": precision.MASTER_DTYPES,
+                                           "autocast": precision.AUTOCAST}
+    assert gpt._CHOICES == choices_of(ModelConfig)
+
+
+def test_precision_is_built_from_the_precision_section():
+    import zeroflow as zf
+    from zeroflow.config import PrecisionConfig
+    assert ({f.name for f in dataclasses.fields(PrecisionConfig)}
+            == {f.name for f in dataclasses.fields(zf.Precision)})
+    cfg = load_config(None, ["precision.loss_scale=1024", "precision.autocast=bf16",
+                             "precision.growth_interval=7"]).precision
+    prec = zf.Precision.from_config(cfg)
+    assert (prec.loss_scale, prec.autocast, prec.growth_interval) == (1024.0, "bf16", 7)
+    assert prec == zf.Precision(loss_scale=1024.0, autocast="bf16", growth_interval=7)
+    assert prec.summary == "autocast bf16 (weights fp32)"
+    assert zf.Precision(params="bf16").summary == "bf16"
+
+
+def test_update_on_host_needs_offload():
+    message = error_of(["parallel.update_on=host"])
+    assert "parallel.update_on=host needs parallel.offload 'optimizer' or 'optimizer+params'" in message
+
+
 @pytest.mark.parametrize("overrides,expected", [
     (["train.steps=0"], "train.steps must be positive"),
     (["train.batch_size=-2"], "train.batch_size must be positive"),

@@ -1,5 +1,4 @@
 """The engine on 8 emulated CPU devices, with a small Flax model that is not zeroflow's own."""
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,55 +6,10 @@ import optax
 import pytest
 
 import zeroflow as zf
+from fixtures import BATCHES, MLP, MODEL, init_params, linear_loss, loss_fn, make_batch, make_tx
+from helpers import assert_leaves_close, bytes_on, optax_losses, train_losses
 
 N_DEV = 8
-
-
-class MLP(nn.Module):
-    hidden: int = 64
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.gelu(nn.Dense(self.hidden)(x))
-        x = nn.gelu(nn.Dense(self.hidden)(x))
-        # 10 outputs: its bias (10,) does not divide by 8 devices (stored padded to 16) and must
-        # still match plain optax.
-        return nn.Dense(10)(x)
-
-
-MODEL = MLP()
-
-
-def make_batch(n=32, seed=0):
-    rng = np.random.default_rng(seed)
-    return {"x": rng.normal(size=(n, 24)).astype(np.float32),
-            "y": rng.normal(size=(n, 10)).astype(np.float32)}
-
-
-def init_params():
-    return MODEL.init(jax.random.PRNGKey(0), jnp.zeros((1, 24)))["params"]
-
-
-def loss_fn(params, batch):
-    pred = MODEL.apply({"params": params}, batch["x"].astype(jax.tree.leaves(params)[0].dtype))
-    loss = jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
-    return loss, {"pred_mean": jnp.mean(pred.astype(jnp.float32))}
-
-
-def make_tx():
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.01))
-
-
-def optax_reference(params, batches):
-    tx = make_tx()
-    opt = tx.init(params)
-    losses = []
-    for b in batches:
-        (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(params, b)
-        upd, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, upd)
-        losses.append(float(loss))
-    return np.array(losses), params
 
 
 def run_zero(stage, batches, prec=None, grad_accum=1, mesh=None):
@@ -65,19 +19,14 @@ def run_zero(stage, batches, prec=None, grad_accum=1, mesh=None):
     tx = make_tx()
     state = zf.init_train_state(init_params(), tx, plan, prec)
     step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=grad_accum)
-    losses = []
-    for b in batches:
-        state, metrics = step(state, b)
-        losses.append(float(metrics["loss"]))
+    losses, state, metrics = train_losses(step, state, batches)
     return np.array(losses), state, step, metrics
-
-
-BATCHES = [make_batch(seed=s) for s in range(4)]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return optax_reference(init_params(), BATCHES)
+    losses, params, _ = optax_losses(loss_fn, make_tx(), init_params(), BATCHES, has_aux=True)
+    return losses, params
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -85,8 +34,7 @@ def test_fp32_stage_matches_plain_optax(stage, reference):
     ref_losses, ref_params = reference
     losses, state, _, metrics = run_zero(stage, BATCHES)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, ref_params, rtol=1e-5, atol=1e-6)
     assert state.compute is None and state.stored_params is state.master  # fp32: one copy only
     assert int(state.step) == len(BATCHES)
     assert set(metrics) >= {"loss", "grad_norm", "loss_scale", "skipped", "pred_mean"}
@@ -99,24 +47,18 @@ def test_one_device_matches_plain_optax(grad_accum, reference):
     one = zf.make_mesh(devices=jax.devices()[:1])
     losses, state, _, _ = run_zero(0, BATCHES, grad_accum=grad_accum, mesh=one)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, ref_params, rtol=1e-5, atol=1e-6)
 
 
 def test_grad_accumulation_equals_one_big_batch(reference):
     ref_losses, ref_params = reference
     losses, state, _, _ = run_zero(2, BATCHES, grad_accum=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, ref_params, rtol=1e-5, atol=1e-6)
 
 
 def _bytes_on_device0(tree):
-    dev = jax.devices()[0]
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == dev)
-    return total
+    return bytes_on(jax.devices()[0], tree)
 
 
 def _global_bytes(tree):
@@ -177,12 +119,6 @@ def test_bf16_trains_close_to_fp32(reference):
     np.testing.assert_allclose(losses, ref_losses, rtol=3e-2)
 
 
-def _linear_loss(factor):
-    def loss(params, batch):
-        return factor * jnp.sum(params["w"].astype(jnp.float32) * batch["x"].astype(jnp.float32).mean(0))
-    return loss
-
-
 def _scaled_run(loss, prec, steps=1, **plan_kw):
     plan = zf.ZeroPlan(zf.make_mesh(), stage=2, **plan_kw)
     tx = optax.sgd(1.0)
@@ -201,7 +137,7 @@ def _scaled_run(loss, prec, steps=1, **plan_kw):
 def test_fp16_overflow_skips_update_and_halves_scale():
     # d(loss)/dw = 10 per element; scaled by 2**15 that is 327680 > fp16 max (65504): inf.
     prec = zf.Precision(params="fp16", loss_scale="dynamic")
-    state, [(before, m)] = _scaled_run(_linear_loss(10.0), prec)
+    state, [(before, m)] = _scaled_run(linear_loss(10.0), prec)
     assert int(m["skipped"]) == 1
     assert float(m["loss_scale"]) == 2.0 ** 15
     assert float(state.loss_scale.scale) == 2.0 ** 14
@@ -210,7 +146,7 @@ def test_fp16_overflow_skips_update_and_halves_scale():
 
 def test_fp16_scale_recovers_and_grows():
     prec = zf.Precision(params="fp16", loss_scale="dynamic", growth_interval=2)
-    state, hist = _scaled_run(_linear_loss(10.0), prec, steps=5)
+    state, hist = _scaled_run(linear_loss(10.0), prec, steps=5)
     skipped = [int(m["skipped"]) for _, m in hist]
     scales = [float(m["loss_scale"]) for _, m in hist]
     # 2**15 and 2**14 overflow (327680, 163840), 2**13 * 10 = 81920 still does; 2**12 fits.
@@ -223,7 +159,7 @@ def test_fp16_scale_recovers_and_grows():
 def test_fp16_small_gradients_survive_only_with_dynamic_scaling():
     # d(loss)/dw = 1e-8 per element: below fp16's smallest subnormal (~6e-8), so it flushes to
     # zero unless the loss is scaled up first.
-    tiny = _linear_loss(1e-8)
+    tiny = linear_loss(1e-8)
     _, [(_, m_dyn)] = _scaled_run(tiny, zf.Precision(params="fp16", loss_scale="dynamic"))
     _, [(_, m_none)] = _scaled_run(tiny, zf.Precision(params="fp16", loss_scale="none"))
     expected_norm = 1e-8 * np.sqrt(64)
@@ -247,7 +183,7 @@ def test_gradient_sum_over_devices_is_not_rounded_to_fp16(stage):
 
 def test_static_loss_scale():
     prec = zf.Precision(params="fp16", loss_scale=128.0)
-    state, [(_, m)] = _scaled_run(_linear_loss(1.0), prec)
+    state, [(_, m)] = _scaled_run(linear_loss(1.0), prec)
     assert float(m["loss_scale"]) == 128.0 and float(state.loss_scale.scale) == 128.0
     assert float(m["grad_norm"]) == pytest.approx(8.0, rel=1e-3)
 
@@ -335,18 +271,10 @@ def test_flax_nnx_model_at_stage3_matches_plain_optax():
         return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
 
     tx = optax.adam(1e-2)
-    opt, ref_params, ref = tx.init(params), params, []
-    for b in BATCHES:
-        loss, g = jax.value_and_grad(nnx_loss)(ref_params, b)
-        upd, opt = tx.update(g, opt, ref_params)
-        ref_params = optax.apply_updates(ref_params, upd)
-        ref.append(float(loss))
+    ref, _, _ = optax_losses(nnx_loss, tx, params, BATCHES)
     plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=3), zf.Precision()
     state = zf.init_train_state(params, tx, plan, prec)
     step = zf.make_train_step(nnx_loss, tx, plan, prec)
-    losses = []
-    for b in BATCHES:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    losses, state, _ = train_losses(step, state, BATCHES)
     np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-6)
     assert type(state.master) is type(params)  # the nnx State tree comes back as such

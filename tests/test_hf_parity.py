@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 import zeroflow as zf  # noqa: E402
 from zeroflow import hf  # noqa: E402
 from zeroflow.models import make_loss_fn  # noqa: E402
+from helpers import train_losses  # noqa: E402
 
 ATOL = 1e-4
 T = transformers
@@ -165,10 +166,7 @@ def _finetune(model, params, plan, tokens: np.ndarray, steps: int = 3):
     state = zf.init_train_state(params, tx, plan, prec)
     step = zf.make_train_step(make_loss_fn(model.cfg), tx, plan, prec)
     batch = {"tokens": jnp.asarray(np.tile(tokens, (4, 1)), jnp.int32)}
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    losses, state, _ = train_losses(step, state, [batch] * steps)
     return state.master_params, losses  # still sharded over the 8 devices: saved from there
 
 

@@ -8,6 +8,7 @@ import optax
 import zeroflow as zf
 from zeroflow.config import ModelConfig
 from zeroflow.models import init_params, make_loss_fn
+from helpers import assert_leaves_close, train_losses
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64)
 
@@ -24,8 +25,7 @@ def test_pallas_attention_matches_xla_loss_and_grads():
         (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(params, _batch())
         grads[impl] = (float(loss), g)
     assert abs(grads["xla"][0] - grads["pallas"][0]) < 1e-5
-    for a, b in zip(jax.tree.leaves(grads["xla"][1]), jax.tree.leaves(grads["pallas"][1])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert_leaves_close(grads["xla"][1], grads["pallas"][1], rtol=1e-4, atol=1e-6)
 
 
 def test_block_sparse_mlp_trains_under_zero3_with_pallas_attention():
@@ -38,8 +38,5 @@ def test_block_sparse_mlp_trains_under_zero3_with_pallas_attention():
     prec, tx = zf.Precision(params="bf16"), optax.adam(3e-3)
     state = zf.init_train_state(params, tx, plan, prec)
     step = zf.make_train_step(make_loss_fn(cfg), tx, plan, prec)
-    losses = []
-    for _ in range(3):
-        state, m = step(state, _batch())
-        losses.append(float(m["loss"]))
+    losses, state, _ = train_losses(step, state, [_batch() for _ in range(3)])
     assert np.isfinite(losses).all() and losses[-1] < losses[0]

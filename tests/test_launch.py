@@ -14,11 +14,10 @@ import pytest
 from zeroflow.distributed import ProcessSettings, requested, settings_from_env
 from zeroflow.launch import free_port, process_env
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from fixtures import TINY_TRAINER
 
 REPO = Path(__file__).resolve().parents[1]
-SHRUNK = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.mlp_dim=64",
-          "model.seq_len=32", "train.batch_size=8", "data.max_bytes=400000", "train.steps=4",
-          "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "run.progress=false"]
+SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.steps=4", "train.eval_every=0"]
 SLURM_STEP = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
               "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
 

@@ -13,14 +13,14 @@ import optax
 import pytest
 
 import zeroflow as zf
+from helpers import assert_leaves_equal, token_batches
 from zeroflow import offload
 from zeroflow.config import ModelConfig
 from zeroflow.models import init_params, make_layerwise_loss_fn, make_loss_fn
 
 CFG = ModelConfig(vocab_size=256, seq_len=32, num_layers=3, embed_dim=64, num_heads=4, mlp_dim=128,
                   remat="full")
-BATCHES = [{"tokens": np.random.default_rng(s).integers(0, 256, size=(16, 33), dtype=np.int32)}
-           for s in range(2)]
+BATCHES = token_batches(2, rows=16, seq_len=32, vocab=256)
 BF16 = zf.Precision(params="bf16")
 
 
@@ -49,8 +49,7 @@ def _run(stage, offload_kind="none", update_on="device", **kwargs):
 def _assert_same(got, want):
     (losses, state), (ref_losses, ref_state) = got, want
     np.testing.assert_array_equal(losses, ref_losses)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_leaves_equal(state, ref_state)
 
 
 @pytest.mark.parametrize("stage,update_on,grad_accum", [

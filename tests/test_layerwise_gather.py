@@ -5,13 +5,13 @@ import optax
 import pytest
 
 import zeroflow as zf
+from helpers import assert_leaves_close, token_batches, train_losses
 from zeroflow.config import ModelConfig
 from zeroflow.models import init_params, make_layerwise_loss_fn, make_loss_fn
 
 CFG = ModelConfig(vocab_size=256, seq_len=32, num_layers=4, embed_dim=64, num_heads=4, mlp_dim=256,
                   remat="full")
-BATCHES = [{"tokens": np.random.default_rng(s).integers(0, 256, size=(16, 33), dtype=np.int32)}
-           for s in range(2)]
+BATCHES = token_batches(2, rows=16, seq_len=32, vocab=256)
 
 
 def _run(stage, per_layer):
@@ -21,10 +21,7 @@ def _run(stage, per_layer):
     loss = make_layerwise_loss_fn(CFG) if per_layer else make_loss_fn(CFG)
     step = zf.make_train_step(loss, tx, plan, prec, gather_per_layer="layers" if per_layer else None)
     temp = step.lower(state, BATCHES[0]).compile().memory_analysis().temp_size_in_bytes
-    losses = []
-    for b in BATCHES:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    losses, state, _ = train_losses(step, state, BATCHES)
     return np.array(losses), temp, state
 
 
@@ -34,8 +31,7 @@ def test_per_layer_gather_matches_and_needs_less_memory():
     layered, layered_temp, state = _run(3, per_layer=True)
     np.testing.assert_allclose(layered, ref, rtol=1e-6)
     np.testing.assert_allclose(whole, ref, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, ref_state.master_params, rtol=1e-5, atol=1e-6)
     # Only one layer's weights are whole at a time (XLA's own accounting of the compiled step).
     assert layered_temp < 0.75 * whole_temp, (layered_temp, whole_temp)
 

@@ -12,18 +12,10 @@ import zeroflow as zf
 from zeroflow.config_io import load_config
 from zeroflow.trainer import TrainingDiverged, train
 from zeroflow.trainer.optim import lr_schedule
+from fixtures import TINY_TRAINER, linear_loss
 
 REPO = Path(__file__).resolve().parents[1]
-SHRUNK = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.mlp_dim=64",
-          "model.seq_len=32", "train.batch_size=8", "data.max_bytes=200000", "train.eval_batches=1",
-          "train.log_every=1", "train.eval_every=0", "run.progress=false"]
-
-
-def linear_loss(factor):
-    """d(loss)/dw = factor for every element (x is all ones)."""
-    def loss(params, batch):
-        return factor * jnp.sum(params["w"].astype(jnp.float32) * batch["x"].astype(jnp.float32).mean(0))
-    return loss
+SHRUNK = TINY_TRAINER + ["data.max_bytes=200000", "train.eval_every=0"]
 
 
 def run_steps(loss, prec, tx, steps, state=None):

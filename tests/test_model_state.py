@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import zeroflow as zf
+from helpers import assert_leaves_close, assert_leaves_equal, train_losses
 
 N_DEV, ACCUM = 8, 2
 
@@ -97,10 +98,7 @@ def run_engine(model, stage, batches, key=None, state=None):
         params, stats = init(model)
         state = zf.init_train_state(params, TX, plan, prec, model_state=stats, rng=key)
     step = zf.make_train_step(engine_loss(model), TX, plan, prec, grad_accum=ACCUM)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    losses, state, _ = train_losses(step, state, batches)
     return np.array(losses), state
 
 
@@ -114,10 +112,8 @@ def test_batchnorm_statistics_match_per_shard_reference(stage, batchnorm_referen
     ref_losses, ref_params, ref_stats = batchnorm_reference
     losses, state = run_engine(CNN(), stage, BATCHES)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(ref_stats)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
-    for got, want in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.model_state, ref_stats, rtol=1e-5, atol=1e-7)
+    assert_leaves_close(state.master_params, ref_params, rtol=1e-5, atol=1e-6)
     # The statistics moved (the optimizer never touches them, the momentum update does) and
     # are replicated on every device.
     assert not np.allclose(np.asarray(state.model_state["BatchNorm_0"]["var"]), 1.0)
@@ -131,8 +127,7 @@ def test_dropout_trains_like_reference_with_per_device_keys(stage, batchnorm_ref
     ref_losses, ref_params, ref_stats = reference(model, BATCHES, KEY)
     losses, state = run_engine(model, stage, BATCHES, key=KEY)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, ref_params, rtol=1e-5, atol=1e-6)
     # Without dropout the same run gives other losses: the masks really are applied.
     assert not np.allclose(losses, batchnorm_reference[0], rtol=1e-3)
 
@@ -192,11 +187,8 @@ def test_model_state_and_key_survive_a_checkpoint_and_a_new_mesh(tmp_path):
     for like in (zf.init_train_state(params, TX, one, zf.Precision(), model_state=stats,
                                      rng=jax.random.key(0)), abstract):
         restored = zf.restore_checkpoint(tmp_path / "ckpt", like)
-        for got, want in zip(jax.tree.leaves(restored.model_state), jax.tree.leaves(state.model_state)):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        for got, want in zip(jax.tree.leaves(restored.master_params),
-                             jax.tree.leaves(state.master_params)):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert_leaves_equal(restored.model_state, state.model_state)
+        assert_leaves_equal(restored.master_params, state.master_params)
         np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(KEY))
         assert int(restored.step) == int(restored.applied) == 1
 

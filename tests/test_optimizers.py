@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import zeroflow as zf
+from helpers import assert_leaves_close, optax_losses, train_losses
 
 
 def init_params():
@@ -46,36 +47,20 @@ OPTIMIZERS = {
 }
 
 
-def plain_optax(tx, params, batches):
-    opt, losses = tx.init(params), []
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn))
-    for b in batches:
-        loss, g = grad_fn(params, b)
-        updates, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-    return np.array(losses), params, opt
-
-
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_stage3_matches_plain_optax(name):
     tx = OPTIMIZERS[name]()
-    ref_losses, ref_params, ref_opt = plain_optax(tx, init_params(), BATCHES)
+    ref_losses, ref_params, ref_opt = optax_losses(loss_fn, tx, init_params(), BATCHES, jit=True)
     plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=3), zf.Precision()
     state = zf.init_train_state(init_params(), tx, plan, prec)
     step = zf.make_train_step(loss_fn, tx, plan, prec)
-    losses = []
-    for b in BATCHES:
-        state, metrics = step(state, b)
-        losses.append(float(metrics["loss"]))
+    losses, state, _ = train_losses(step, state, BATCHES)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-7)
-    for got, want in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, ref_params, rtol=1e-5, atol=1e-6)
     # The optimizer state itself, unpadded, equals optax's (leaf for leaf, same structure).
     unpadded = zf.padding.unpad(state.opt_state, state.padding.opt_state)
     assert jax.tree.structure(unpadded) == jax.tree.structure(ref_opt)
-    for got, want in zip(jax.tree.leaves(unpadded), jax.tree.leaves(ref_opt)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(unpadded, ref_opt, rtol=1e-5, atol=1e-6)
 
 
 def test_adafactor_state_is_sharded_where_it_can_be():

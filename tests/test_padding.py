@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import zeroflow as zf
+from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, optax_losses, train_losses
 
 VOCAB, WIDTH = 50257, 100  # GPT-2's vocabulary: prime factors 29 x 1733; 100 = 4 x 25
 
@@ -34,11 +35,6 @@ BATCHES = make_batches()
 TX = optax.adamw(1e-2, weight_decay=0.1)
 
 
-def bytes_on(device, tree):
-    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-               if s.device == device)
-
-
 def test_embedding_at_stage3_holds_an_eighth_per_device_and_trains_like_one_device():
     plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=3), zf.Precision()
     state = zf.init_train_state(init_params(), TX, plan, prec)
@@ -48,23 +44,16 @@ def test_embedding_at_stage3_holds_an_eighth_per_device_and_trains_like_one_devi
     assert state.master["embedding"].shape == (50264, WIDTH)  # stored padded: 6283 rows each
 
     step = zf.make_train_step(loss_fn, TX, plan, prec)
-    losses = []
-    for b in BATCHES:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    losses, state, _ = train_losses(step, state, BATCHES)
 
     one = zf.make_mesh(devices=jax.devices()[:1])  # the unsharded run
     ref = zf.init_train_state(init_params(), TX, zf.ZeroPlan(one, stage=0), prec)
     ref_step = zf.make_train_step(loss_fn, TX, zf.ZeroPlan(one, stage=0), prec)
-    ref_losses = []
-    for b in BATCHES:
-        ref, m = ref_step(ref, b)
-        ref_losses.append(float(m["loss"]))
+    ref_losses, ref, _ = train_losses(ref_step, ref, BATCHES)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     got, want = state.master_params, ref.master
     assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(got, want, rtol=1e-5, atol=1e-6)
     # The padding rows stay zero: in the weights and in Adam's moments.
     for x in (state.master["embedding"], state.opt_state[0].mu["embedding"],
               state.opt_state[0].nu["embedding"]):
@@ -82,22 +71,13 @@ def test_padded_leaves_at_stages_1_and_2_match_plain_optax(stage):
     rng = np.random.default_rng(3)
     batches = [{"tokens": rng.integers(0, 1001, 16).astype(np.int32),
                 "targets": rng.integers(0, 1001, 16).astype(np.int32)} for _ in range(3)]
-    params, opt, ref_losses = small(), TX.init(small()), []
-    for b in batches:
-        loss, g = jax.value_and_grad(loss_fn)(params, b)
-        updates, opt = TX.update(g, opt, params)
-        params = optax.apply_updates(params, updates)
-        ref_losses.append(float(loss))
+    ref_losses, params, _ = optax_losses(loss_fn, TX, small(), batches)
     plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=stage), zf.Precision()
     state = zf.init_train_state(small(), TX, plan, prec)
     step = zf.make_train_step(loss_fn, TX, plan, prec, grad_accum=2)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    losses, state, _ = train_losses(step, state, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, params, rtol=1e-5, atol=1e-6)
     assert state.master["embedding"].shape == (1008, 12)
 
 
@@ -120,8 +100,7 @@ def test_checkpoints_hold_the_unpadded_arrays_and_restore_onto_other_meshes(tmp_
         like = zf.init_train_state(small(), TX, plan, zf.Precision())
         restored = zf.restore_checkpoint(tmp_path / "ckpt", like)
         assert restored.master["table"].shape == like.master["table"].shape
-        for a, b in zip(jax.tree.leaves(restored.master_params), jax.tree.leaves(state.master_params)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_leaves_equal(restored.master_params, state.master_params)
 
 
 def test_describe_reports_bytes_padding_and_what_stays_whole():
@@ -180,5 +159,4 @@ def test_gpt_with_odd_widths_gathers_layer_by_layer_like_stage0(stage, offload, 
     losses, state = _gpt_run(stage, offload)
     assert state.master["layers"]["mlp"]["up"]["kernel"].shape[-1] == 64  # 60 padded
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_leaves_close(state.master_params, ref_state.master_params, rtol=1e-5, atol=1e-6)

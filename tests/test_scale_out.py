@@ -16,7 +16,8 @@ from zeroflow.checkpoint import CheckpointError
 from zeroflow.config import ModelConfig
 from zeroflow.models import init_params, make_loss_fn
 from zeroflow.models.rules import gpt_tensor_rules
-from test_engine import BATCHES, init_params as mlp_params, loss_fn as mlp_loss, make_tx
+from fixtures import BATCHES, init_params as mlp_params, loss_fn as mlp_loss, make_tx
+from helpers import assert_leaves_close, train_losses
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_CFG = ModelConfig(vocab_size=256, seq_len=16, num_layers=1, embed_dim=32, num_heads=2,
@@ -38,10 +39,7 @@ def run_gpt(data, model, stage):
     params, _ = init_params(GPT_CFG, jax.random.key(0))
     state = zf.init_train_state(params, tx, plan, prec)
     step = zf.make_train_step(make_loss_fn(GPT_CFG), tx, plan, prec)
-    losses = []
-    for b in gpt_batches():
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    losses, state, _ = train_losses(step, state, gpt_batches())
     return np.array(losses), state
 
 
@@ -51,8 +49,7 @@ def test_mlp_tensor_parallel_matches_data_parallel(stage):
     plan = zf.ZeroPlan(zf.make_mesh(data=4, model=2), stage=stage, tensor_rules=MLP_RULES)
     got, state = _mlp_run(plan, zf.Precision(), BATCHES)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert_leaves_close(state.master_params, ref_state.master_params, rtol=1e-4, atol=1e-5)
     kernel = state.master["Dense_0"]["kernel"]
     assert kernel.sharding.spec == P("data", "model")  # column-parallel and ZeRO at once
     assert kernel.addressable_shards[0].data.shape == (24 // 4, 64 // 2)
@@ -64,10 +61,9 @@ def test_gpt_tensor_parallel_matches_data_parallel():
     ref, ref_state = run_gpt(8, 1, stage)
     got, state = run_gpt(4, 2, stage)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.master_params), jax.tree.leaves(ref_state.master_params)):
-        # Adam divides by sqrt(nu), so for a weight whose gradient is near zero a different
-        # summation order (TP splits the matmuls) can move it by ~1e-5: 0.1% of one lr=1e-2 step.
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # Adam divides by sqrt(nu), so for a weight whose gradient is near zero a different
+    # summation order (TP splits the matmuls) can move it by ~1e-5: 0.1% of one lr=1e-2 step.
+    assert_leaves_close(state.master_params, ref_state.master_params, rtol=1e-4, atol=1e-4)
     query = state.master["layers"]["attn"]["query"]["kernel"]  # [layers, embed, heads, head_dim]
     assert query.sharding.spec[2] == "model"  # heads split over model
     assert query.addressable_shards[0].data.shape[2] == GPT_CFG.num_heads // 2
@@ -82,10 +78,7 @@ def _mlp_run(plan, prec, batches, state=None):
     tx = make_tx()
     state = state if state is not None else zf.init_train_state(mlp_params(), tx, plan, prec)
     step = zf.make_train_step(mlp_loss, tx, plan, prec)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    losses, state, _ = train_losses(step, state, batches)
     return losses, state
 
 

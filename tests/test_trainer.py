@@ -14,11 +14,10 @@ import pytest
 from zeroflow.config_io import load_config
 from zeroflow.trainer import TrainingDiverged, build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from fixtures import TINY_TRAINER
 
 REPO = Path(__file__).resolve().parents[1]
-SHRUNK = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.mlp_dim=64",
-          "model.seq_len=32", "train.batch_size=8", "data.max_bytes=400000", "train.eval_batches=1",
-          "train.log_every=1", "train.warmup_steps=2", "run.progress=false"]
+SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2"]
 
 
 def cli(*args, env_extra=None, **kw):

@@ -3,11 +3,18 @@
 Every field has a one-line doc (the string after it). YAML files fill these dataclasses; the
 command line overrides them with dotted keys (``train.steps=100``). Loading and validation live
 in ``zeroflow.config_io``.
+
+The allowed values of the engine's settings are the engine's own constants (``zeroflow.plan``,
+``zeroflow.precision``); the model's are spelled here, on ``ModelConfig``, and the model reads
+them back with ``choices_of`` (it imports this module, so it cannot be imported from here).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
+from zeroflow.precision import AUTOCAST, DTYPES, MASTER_DTYPES
 
 CHOICES = "choices"
 "Field-metadata key holding the allowed values of an enumerated field (checked by config_io)."
@@ -16,6 +23,12 @@ CHOICES = "choices"
 def one_of(*choices):
     """A dataclass field whose value must be one of ``choices``; the first one is the default."""
     return field(default=choices[0], metadata={CHOICES: tuple(choices)})
+
+
+def choices_of(section_cls: type) -> dict[str, tuple]:
+    """``{field name: allowed values}`` of the enumerated fields of a config section."""
+    return {f.name: f.metadata[CHOICES] for f in dataclasses.fields(section_cls)
+            if CHOICES in f.metadata}
 
 
 @dataclass
@@ -146,25 +159,25 @@ class ParallelConfig:
     "Devices on the data axis (-1 = all remaining)."
     model: int = 1
     "Devices on the model (tensor-parallel) axis."
-    zero_stage: int = one_of(0, 1, 2, 3)
+    zero_stage: int = one_of(*ZERO_STAGES)
     "ZeRO stage 0, 1, 2 or 3."
     grad_accum: int = 1
     "Micro-batches per step."
-    offload: str = one_of("none", "optimizer", "optimizer+params")
+    offload: str = one_of(*OFFLOAD_CHOICES)
     "Host offload: 'none', 'optimizer' or 'optimizer+params'."
-    update_on: str = one_of("device", "host")
+    update_on: str = one_of(*UPDATE_ON_CHOICES)
     "Where the offloaded optimizer update runs: 'device' or 'host'."
 
 
 @dataclass
 class PrecisionConfig:
-    params: str = one_of("fp32", "bf16", "fp16")
+    params: str = one_of(*DTYPES)
     "Compute weight dtype: 'fp32', 'bf16' or 'fp16'."
-    master: str = one_of("fp32")
+    master: str = one_of(*MASTER_DTYPES)
     "Master weight dtype (fp32)."
     loss_scale: str = "none"
     "'none', 'dynamic' or a number (static scale)."
-    autocast: str = one_of("none", "bf16", "fp16")
+    autocast: str = one_of(*AUTOCAST)
     "Run the unmodified model under zf.autocast: 'none', 'bf16' or 'fp16' (fp16 needs loss_scale)."
     init_scale: float = 32768.0
     "Starting scale of dynamic loss scaling."
@@ -203,7 +216,3 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)

@@ -27,6 +27,8 @@ import yaml
 
 from zeroflow import config as config_module
 from zeroflow.config import CHOICES, Config
+from zeroflow.plan import update_needs_offload
+from zeroflow.precision import parse_loss_scale
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -237,15 +239,26 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 # --- validation ---------------------------------------------------------------------------------
 
 def _check_loss_scale(value: str) -> str | None:
-    if value in ("none", "dynamic"):
-        return None
     try:
-        number = float(value)
+        parse_loss_scale(value)
     except ValueError:
-        number = float("nan")
-    if math.isfinite(number) and number > 0:
-        return None
-    return f"precision.loss_scale must be 'none', 'dynamic' or a positive number; got {value!r}"
+        return f"precision.loss_scale must be 'none', 'dynamic' or a positive number; got {value!r}"
+    return None
+
+
+def batch_split_problem(batch_size: int, grad_accum: int, data_size: int | None = None) -> str | None:
+    """Why ``train.batch_size`` cannot be split into ``parallel.grad_accum`` micro-batches (and,
+    once the mesh is known, over ``data_size`` devices), or None when it can."""
+    if grad_accum <= 0:
+        return None  # reported on its own ("parallel.grad_accum must be positive")
+    if data_size is None:
+        if batch_size % grad_accum:
+            return (f"train.batch_size ({batch_size}) must be divisible by "
+                    f"parallel.grad_accum ({grad_accum})")
+    elif batch_size % (data_size * grad_accum):
+        return (f"train.batch_size {batch_size} does not divide by data axis size {data_size} x "
+                f"parallel.grad_accum {grad_accum}")
+    return None
 
 
 def validate_config(cfg: Config) -> Config:
@@ -312,10 +325,10 @@ def validate_config(cfg: Config) -> Config:
         if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
             rules.append((False, f"model.num_kv_heads ({m.num_kv_heads}) must divide "
                                  f"model.num_heads ({m.num_heads})"))
-    if p.grad_accum > 0 and t.batch_size % p.grad_accum:
-        rules.append((False, f"train.batch_size ({t.batch_size}) must be divisible by "
-                             f"parallel.grad_accum ({p.grad_accum})"))
-    if p.update_on == "host" and p.offload == "none":
+    batch_problem = batch_split_problem(t.batch_size, p.grad_accum)
+    if batch_problem:
+        rules.append((False, batch_problem))
+    if update_needs_offload(p.offload, p.update_on):
         rules.append((False, "parallel.update_on=host needs parallel.offload "
                              "'optimizer' or 'optimizer+params'"))
     problems += [message for ok, message in rules if not ok]

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from zeroflow.cli import run_cli
+from zeroflow.precision import DTYPES
 
 PROG = "zeroflow.export"
 FORMATS = (".safetensors", ".npz")
@@ -49,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("file", HF_FORMAT), default="file",
                    help="'file' (default: one file of '/'-keyed arrays, by --out's suffix) or "
                         "'hf' (a Hugging Face checkpoint folder)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="weight dtype of --format hf (default fp32)")
     return p
 

@@ -34,8 +34,15 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from zeroflow import backend
 from zeroflow.mesh import DATA, MODEL
 
+ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
 UPDATE_ON_CHOICES = ("device", "host")
+
+
+def update_needs_offload(offload: str, update_on: str) -> bool:
+    """True when ``update_on`` asks for a host update but nothing is offloaded: the one rule
+    tying the two settings (``ZeroPlan`` and the config validation both ask it)."""
+    return update_on == "host" and offload == "none"
 
 
 def path_str(path) -> str:
@@ -120,13 +127,13 @@ class ZeroPlan:
                 or set(self.mesh.axis_names) != {DATA, MODEL}):
             raise ValueError("ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh "
                              "(or zf.planning_mesh to plan for devices this machine has not)")
-        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+        if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"unknown offload {self.offload!r}; choose one of {list(OFFLOAD_CHOICES)}")
         if self.update_on not in UPDATE_ON_CHOICES:
             raise ValueError(f"unknown update_on {self.update_on!r}; choose one of {list(UPDATE_ON_CHOICES)}")
-        if self.update_on == "host" and self.offload == "none":
+        if update_needs_offload(self.offload, self.update_on):
             raise ValueError("update_on='host' needs offload='optimizer' or 'optimizer+params'")
         rules = []
         for rule in self.tensor_rules:

@@ -11,7 +11,27 @@ import jax.numpy as jnp
 from flax import struct
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+MASTER_DTYPES = ("fp32",)
 AUTOCAST = ("none", "bf16", "fp16")
+
+
+def parse_loss_scale(value: Any) -> str | float:
+    """``"none"``, ``"dynamic"`` or a positive finite number (also given as text, as YAML and
+    the command line give it) -> that value, a number as float; anything else -> ValueError.
+    The one parser of loss-scale settings: ``Precision`` and the config validation use it."""
+    if isinstance(value, str):
+        if value in ("none", "dynamic"):
+            return value
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"loss_scale must be 'none', 'dynamic' or a positive number, "
+                             f"got {value!r}") from None
+    elif not _is_number(value):
+        raise ValueError(f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"a static loss_scale must be a positive finite number, got {value!r}")
+    return value
 
 
 @struct.dataclass
@@ -44,24 +64,18 @@ class Precision:
     autocast: str = "none"
     "Run the loss under zf.autocast in this dtype: 'none', 'bf16' or 'fp16'."
 
+    @classmethod
+    def from_config(cls, section) -> "Precision":
+        """From the config's ``precision`` section (``zeroflow.config.PrecisionConfig``), whose
+        fields carry the same names: a field only one side has fails here, not silently."""
+        return cls(**dataclasses.asdict(section))
+
     def __post_init__(self):
         if not isinstance(self.params, str) or self.params not in DTYPES:
             raise ValueError(f"unknown params dtype {self.params!r}; choose one of {sorted(DTYPES)}")
-        if self.master != "fp32":
+        if self.master not in MASTER_DTYPES:
             raise ValueError(f"unknown master dtype {self.master!r}; master weights are 'fp32'")
-        ls = self.loss_scale
-        if isinstance(ls, str):
-            if ls not in ("none", "dynamic"):
-                try:
-                    object.__setattr__(self, "loss_scale", float(ls))
-                except ValueError:
-                    raise ValueError(
-                        f"loss_scale must be 'none', 'dynamic' or a positive number, got {ls!r}") from None
-        elif not _is_number(ls):
-            raise ValueError(f"loss_scale must be 'none', 'dynamic' or a positive number, got {ls!r}")
-        static = self.loss_scale
-        if _is_number(static) and not (static > 0 and math.isfinite(static)):
-            raise ValueError(f"a static loss_scale must be a positive finite number, got {static!r}")
+        object.__setattr__(self, "loss_scale", parse_loss_scale(self.loss_scale))
         self._check_scaling_fields()
         self._check_autocast()
 
@@ -89,6 +103,14 @@ class Precision:
         if self.autocast == "fp16" and not self.scaled:
             raise ValueError("autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
                              "in fp16); set loss_scale='dynamic' or a number")
+
+    @property
+    def summary(self) -> str:
+        """What the forward pass computes in, for the training banner: under autocast that is
+        the autocast dtype, not the (fp32) weights'."""
+        if self.autocast == "none":
+            return self.params
+        return f"autocast {self.autocast} (weights {self.params})"
 
     @property
     def compute_dtype(self):

@@ -1,6 +1,6 @@
 """Run one measurement item in a fresh Python process and read back what it got.
 
-A GPU visit is short and rare, so nothing one measurement does may cost the others: an
+A report run is time-limited, so nothing one measurement does may cost the others: an
 out-of-memory error, a Triton compile crash, a segfault or a hang in one item costs that item
 only. The parent (``run_isolated``) starts ``python -m benchlib.isolate`` with a target
 ``"module:function"`` (or ``"path/to/file.py:function"``) and JSON keyword arguments. The

@@ -1,4 +1,4 @@
-"""The GPU report: every measurement a short, rare GPU visit should take, in one command.
+"""The GPU report: every GPU measurement zeroflow reports, in one time-limited command.
 
 ``scripts/gpu_report.py`` is the command; ``profiles`` says what is measured, ``stages/`` how
 each stage plans its items and renders its section, ``runner`` runs the items (each in its own

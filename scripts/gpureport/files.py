@@ -4,7 +4,7 @@ A run killed at any moment leaves everything recorded so far on disk: ``results.
 appended and fsynced per record; ``report.md`` and ``report.json`` are rewritten (write to a
 temporary name, then rename) after each record; ``errors.log`` holds the tracebacks and child
 output of failures; ``progress.log`` every progress line; ``nvidia-smi.txt`` the driver's view.
-Six files: the device tool brings back at most eight.
+Six small files, quick to copy off the GPU machine.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 RESULTS, REPORT_JSON, REPORT_MD = "results.jsonl", "report.json", "report.md"
 ERRORS, PROGRESS, NVIDIA_SMI = "errors.log", "progress.log", "nvidia-smi.txt"
 MAX_ERRORS_BYTES = 4 * 2**20
-"errors.log stops growing here (the device tool brings back files under 16 MiB)."
+"errors.log stops growing here, so that the report folder stays small enough to copy anywhere."
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -17,7 +17,7 @@ STAGE_ORDER = ("env", "correctness", "kernels", "training", "memory", "offload",
 class Profile:
     name: str
     time_limit_s: float
-    "The whole run; the device tool kills a command at 600 s."
+    "The whole run, in seconds: under 600, so that one run fits a 10-minute job limit."
     budgets: dict
     "Seconds per stage; an item is not started when its stage's budget is spent."
     child_vars: dict

@@ -122,6 +122,6 @@ def run_report(profile: Profile, options: RunOptions) -> list[dict]:
         report.log(f"target: {target['name']}: {target['value']} (goal {target['goal']})")
     report.log(f"wrote {options.out}/{files.REPORT_MD}, {files.REPORT_JSON} and {files.RESULTS}")
     command = render.next_command(report.records)
-    if command:  # the last line of the output: what the device tool shows first
+    if command:  # the last line of the output, where a truncated console log still shows it
         report.log(f"left for another call: {command}")
     return report.records

@@ -20,23 +20,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeroflow import backend
-from zeroflow.config import ModelConfig
+from zeroflow.config import ModelConfig, choices_of
 from zeroflow.grads.collectives import save_all_but_fetched
 from zeroflow.models.axes import (EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITIONS,
                                   VOCAB)
 
 INIT_STD = 0.02
 
-_CHOICES = {
-    "norm": ("rmsnorm", "layernorm"),
-    "mlp_activation": ("swiglu", "gelu", "gelu_exact"),
-    "remat": ("none", "full", "save_dots"),
-    "attention": ("xla", "cudnn", "pallas"),
-    "mlp": ("dense", "block_sparse"),
-    "positions": ("rope", "learned"),
-    "rope_scaling": ("none", "llama3"),
-    "attn_bias": ("none", "qkv", "all"),
-}
+_CHOICES = choices_of(ModelConfig)
+"The allowed values of each enumerated model setting, as ModelConfig spells them."
 
 
 def num_kv_heads(cfg: ModelConfig) -> int:

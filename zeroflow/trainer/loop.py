@@ -176,7 +176,7 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(f"{run.data.summary() if run.data else ''}  params: "
                    f"{sum(x.size for x in jax.tree.leaves(state.master)):,}  mesh: {dict(run.plan.mesh.shape)}  "
-                   f"ZeRO stage {run.plan.stage}  precision: {run.prec.params}")
+                   f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}")
     step_fn = run.make_step()
     evaluate = _make_eval(run)
     meta = lambda s: {"step": s, "seed": tcfg.seed}  # noqa: E731

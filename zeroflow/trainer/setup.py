@@ -10,6 +10,7 @@ import optax
 
 import zeroflow as zf
 from zeroflow.config import Config, ModelConfig
+from zeroflow.config_io import batch_split_problem
 from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)
@@ -113,7 +114,8 @@ def run_model_config(cfg: Config) -> ModelConfig:
 
 def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -> Run:
     """``devices``: the devices the mesh spans (default: all); ``mesh``: a mesh to plan on
-    instead (``zf.planning_mesh``, for memory estimates of machines this one is not)."""
+    instead (``zf.planning_mesh`` for memory estimates, ``zf.target_mesh`` to compile for GPUs
+    this machine has not)."""
     model_cfg = run_model_config(cfg)
     data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
     if data is not None and model_cfg.init_from and data.vocab_size > model_cfg.vocab_size:
@@ -126,15 +128,10 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
                        tensor_rules=rules)
-    pc = cfg.precision
-    prec = zf.Precision(params=pc.params, master=pc.master, loss_scale=pc.loss_scale,
-                        init_scale=pc.init_scale, growth_interval=pc.growth_interval,
-                        min_scale=pc.min_scale, max_consecutive_skips=pc.max_consecutive_skips,
-                        autocast=pc.autocast)
-    global_batch = cfg.train.batch_size
-    if global_batch % (plan.data_size * par.grad_accum):
-        raise ValueError(f"train.batch_size {global_batch} does not divide by data axis size "
-                         f"{plan.data_size} x parallel.grad_accum {par.grad_accum}")
+    prec = zf.Precision.from_config(cfg.precision)
+    batch_problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, plan.data_size)
+    if batch_problem:
+        raise ValueError(batch_problem)
     shapes, _ = abstract_params(model_cfg)
     tx = make_optimizer(cfg.train, decay_mask(shapes))
     return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
