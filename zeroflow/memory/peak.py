@@ -188,10 +188,10 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
                for q in paths]
     micro = _micro_batch(batch, n, grad_accum)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
-    if gather_per_layer is None and (plan.shards_compute or widening):
-        # Weights fetched on use (stage 3; whole half-precision weights on XLA:CPU): the step
-        # descends into the loss's scans and fetches one slice of a stack per iteration,
-        # except a stack split over devices along its stacked axis.
+    if gather_per_layer is None and (widening or any(r.on_use for r in flat_routes)):
+        # Weights fetched on use (stage 3, stage 2's whole weights, whole half-precision
+        # weights on XLA:CPU): the step descends into the loss's scans and uses one slice of a
+        # stack per iteration, except a stack split over devices along its stacked axis.
         scanned = scanned_leaves(loss_fn, master, micro, extras)
         stacked = [s and r.dim != 0 for s, r in zip(scanned, flat_routes)]
     gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None)
@@ -203,6 +203,11 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
              for w, r in zip(whole, flat_routes)]
 
     activations = _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras) / model
+    if gather_per_layer is None and not widening:
+        # A scan keeps the slices of whole weights it used for its backward pass, stacked again
+        # (a copy of the stack; at stage 3 the slices are shards, counted with the residuals).
+        activations += sum(width * w for w, st, r in zip(whole, stacked, flat_routes)
+                           if st and not r.gather)
     if model_state is not None:  # replicated, beside the model states
         states += sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
                       for x in jax.tree.leaves(model_state))
