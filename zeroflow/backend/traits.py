@@ -103,16 +103,14 @@ def tracing_for(traits: Traits):
 
 
 def current() -> Traits:
-    """The traits of the step being traced; outside one, those of the mesh in context
-    (inside ``shard_map`` or ``jax.set_mesh``), else of the default backend's devices."""
+    """The traits of the step being traced; outside one, those of the platform of the mesh in
+    context (inside ``shard_map`` or ``jax.set_mesh``), else of the default backend's devices
+    (the rule Pallas kernels follow, ``pallas_kernels._backend.target_platform``)."""
     traits = _CURRENT.get()
     if traits is not None:
         return traits
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    if device is not None and getattr(device, "platform", None):
-        return for_platform(device.platform, device.device_kind or "")
-    return for_platform(jax.devices()[0].platform, jax.devices()[0].device_kind)
+    from pallas_kernels._backend import target_platform
+    return for_platform(target_platform())
 
 
 COMBINE_THRESHOLD_BYTES = 2**20
