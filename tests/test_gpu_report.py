@@ -82,7 +82,8 @@ def test_quick_markdown_has_each_section_and_its_table(quick):
         assert f"## {STAGES[name].TITLE}" in text
     for header in ("| target | goal | measured | met |", "| case | out | dq | dk | dv |",
                    "| S | D | B | H | mask | pass | pallas | cudnn | xla |", "| block | sparsity |",
-                   "| run | params | tokens/step |", "| configuration | estimate | compiled |",
+                   "| run | params | tokens/step |",
+                   "| configuration | estimate | deviceless | compiled |",
                    "| offload/update_on | params | step s |",
                    "| offload/update_on | largest that fit (params) |"):
         assert header in text, header
@@ -124,7 +125,8 @@ def test_quick_training_ran_the_real_model(quick):
         assert abs(res["loss"] - math.log(v)) < 0.1
         mem = res["memory"]
         assert mem["compiled"]["total_bytes"] > 0 and mem["estimate"]["device"] > 0
-    assert all(r["status"] == "reused" for r in report["records"] if r["stage"] == "memory")
+    assert all(r["status"] == "reused" for r in report["records"]
+               if r["stage"] == "memory" and not r["item"].endswith(" / deviceless"))
 
 
 def test_quick_offload_ratio_and_largest_model_search(quick):
@@ -487,7 +489,10 @@ def test_the_gpu_profile_plans_every_stage(tmp_path):
             status = "oom" if step.name.startswith("largest") and layers > 80 else "ok"
             sent = Outcome(status, [{"status": status, "result": {"fits": True}}])
     names = {name: [s.name for s in steps] for name, steps in planned.items()}
-    assert names["training"] == [label for label, _ in FULL.training_runs] == names["memory"]
+    # each memory configuration, then the same compiled for the GPU's abstract twin
+    assert names["memory"] == [name for label, _ in FULL.training_runs
+                               for name in (label, label + " / deviceless")]
+    assert names["training"] == [label for label, _ in FULL.training_runs]
     assert all(s.reuse_only for s in planned["memory"])  # the training stage runs in the same call
     assert names["offload"][:3] == ["ratio none/device", "ratio optimizer/device", "ratio optimizer/host"]
     summaries = {s.name: s.result for s in planned["offload"] if isinstance(s, Summary)}

@@ -25,7 +25,7 @@ def _run(stage, per_layer):
     return np.array(losses), temp, state
 
 
-def test_per_layer_gather_matches_and_needs_less_memory():
+def test_per_layer_gather_matches_and_needs_no_more_memory():
     ref, _, ref_state = _run(0, per_layer=False)
     whole, whole_temp, _ = _run(3, per_layer=False)
     layered, layered_temp, state = _run(3, per_layer=True)
@@ -33,7 +33,10 @@ def test_per_layer_gather_matches_and_needs_less_memory():
     np.testing.assert_allclose(whole, ref, rtol=1e-6)
     assert_leaves_close(state.master_params, ref_state.master_params, rtol=1e-5, atol=1e-6)
     # Only one layer's weights are whole at a time (XLA's own accounting of the compiled step).
-    assert layered_temp < 0.75 * whole_temp, (layered_temp, whole_temp)
+    # Without the hint, stage 3 descends into the model's nn.scan by itself and also gathers one
+    # layer per iteration, so both need the same; what that saves over gathering the whole
+    # stack is asserted in tests/test_scan_models.py.
+    assert layered_temp <= whole_temp, (layered_temp, whole_temp)
 
 
 def test_unknown_layer_key_is_a_clear_error():
