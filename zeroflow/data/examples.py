@@ -49,12 +49,17 @@ class Encoded:
     "UTF-8 bytes of the text the tokens stand for."
 
 
-def _string_field(record: Any, field: str, *, allow_empty: bool = False) -> str:
+def _present(record: Any, field: str):
+    """``record[field]``, or a BadRecord saying why there is none."""
     if not isinstance(record, dict):
         raise BadRecord("not a JSON object", type(record).__name__)
     if field not in record or record[field] is None:
         raise BadRecord(f"missing field '{field}'")
-    value = record[field]
+    return record[field]
+
+
+def _string_field(record: Any, field: str, *, allow_empty: bool = False) -> str:
+    value = _present(record, field)
     if not isinstance(value, str):
         raise BadRecord(f"field '{field}' is not a string", type(value).__name__)
     if not value and not allow_empty:
@@ -95,11 +100,7 @@ def _prompt_completion(record, cfg: DataConfig, tokenizer: Tokenizer) -> Encoded
 
 
 def _messages(record, field: str) -> list[dict]:
-    if not isinstance(record, dict):
-        raise BadRecord("not a JSON object", type(record).__name__)
-    if field not in record or record[field] is None:
-        raise BadRecord(f"missing field '{field}'")
-    messages = record[field]
+    messages = _present(record, field)
     if not isinstance(messages, list):
         raise BadRecord(f"field '{field}' is not a list", type(messages).__name__)
     if not messages:
