@@ -23,8 +23,6 @@ def run_cli(prog: str, main: Callable[[argparse.Namespace], int], parser: argpar
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(levelname)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from zeroflow.backend.targets import use_cpu_without_gpu_driver
-    use_cpu_without_gpu_driver()
     try:
         return main(args)
     except EXPECTED_ERRORS as e:

@@ -15,7 +15,6 @@ tries to start a GPU, fails, and never registers.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from pathlib import Path
 
@@ -64,7 +63,8 @@ def install_hint() -> str:
 
 
 def plugin_installed() -> bool:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    from zeroflow._quiet_jax import cuda_plugin_installed
+    return cuda_plugin_installed()
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,16 +115,13 @@ def memory_of(device) -> int | None:
     return _MEMORY.get(getattr(device, "device_kind", None))
 
 
-def use_cpu_without_gpu_driver(force: bool = False) -> None:
-    """With the CUDA plugin installed (for GPU targets) on a machine without a GPU driver, JAX
-    would try the GPU first and print the plugin's failure; choose the CPU instead, unless the
-    user chose a platform. ``force``: also with a driver (compiling for a target needs the CPU
-    as JAX's platform). Call before JAX starts its backends."""
-    from zeroflow._quiet_jax import has_gpu_driver
+def use_cpu_for_targets() -> None:
+    """Compiling for a target needs the CPU as JAX's platform, also on a machine with a GPU
+    (without a driver ``import zeroflow`` already chose it), unless the user chose one. Call
+    before JAX starts its backends."""
     if os.environ.get("JAX_PLATFORMS") or not plugin_installed():
         return
-    if force or not has_gpu_driver():
-        try:
-            jax.config.update("jax_platforms", "cpu")
-        except Exception:  # a backend already started: too late to choose, and nothing lost
-            pass
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except Exception:  # a backend already started: too late to choose, and nothing lost
+        pass

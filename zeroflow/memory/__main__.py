@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from zeroflow.backend import targets
             spec = targets.spec_text(args.target)  # unknown names stop here, with the choices
             default_memory = int(targets.spec_field(spec, "device_memory_size"))
-            targets.use_cpu_without_gpu_driver(force=True)
+            targets.use_cpu_for_targets()
         else:
             default_memory = parse_bytes("80GB")
         device_memory = (parse_bytes(args.device_memory) if args.device_memory
