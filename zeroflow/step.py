@@ -141,6 +141,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     if not plan.offloads:
         new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
                                                  compute_shardings=one_by_one and shard.compute)
+        if state.compute is not None and not plan.shards_compute and not one_by_one:
+            new_compute = update.gather_by_slices(new_compute, shard.master, plan.mesh)
     elif not plan.updates_on_host:
         # Offloaded state updated on the device, one parameter's state brought in at a time;
         # an optimizer that mixes parameters' state (see zeroflow.update) brings all of it in.

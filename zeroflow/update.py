@@ -11,6 +11,7 @@
   mixes several parameters' offloaded state (a norm over the updates, say) cannot be split and
   the update falls back to bringing the whole state in.
 - ``one_at_a_time``: reshard leaf after leaf (``Traits.widens_half_precision``).
+- ``gather_by_slices``: whole stacked weights gathered one leading-axis slice at a time.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jax.extend.core import Literal
 from zeroflow import offload, padding
 from zeroflow.grads import gather_on_use
 from zeroflow.grads.collectives import as_words
+from zeroflow.mesh import DATA
 from zeroflow.padding import NO_PADDING, StatePadding
 
 
@@ -75,6 +77,42 @@ def one_at_a_time(tree, shardings):
         previous = as_words(x, lambda w: jax.lax.with_sharding_constraint(w, s))
         moved.append(previous)
     return jax.tree.unflatten(treedef, moved)
+
+
+def gather_by_slices(tree, stored_shardings, mesh):
+    """``tree``'s leaves whole on every device, where they are stored split over ``DATA``:
+    a stack (3 or more dimensions) split along a dimension other than its first is gathered one
+    leading-axis slice at a time, into the whole array in place; other leaves are left to
+    ``jit``'s output shardings.
+
+    Why: an all-gather writes each device's part contiguously, so gathering a ``(layers, rows,
+    cols)`` stack split by rows in one go produces a buffer laid out rows-major, which XLA:GPU
+    then copies into the array's own layout: a second whole copy of the stack (the bf16 weights
+    at ZeRO-1/2). One slice at a time, each slice's rows are contiguous and the temporary is one
+    slice."""
+    def one(x, sharding):
+        split = [(d, axes) for d, axes in enumerate(sharding.spec) if axes]
+        if (x.ndim < 3 or len(split) != 1 or split[0][1] not in (DATA, (DATA,))
+                or split[0][0] == 0 or x.shape[split[0][0]] % mesh.shape[DATA]):
+            return x
+        dim = split[0][0]
+
+        def local(shard):
+            def body(i, whole):
+                piece = jax.lax.dynamic_index_in_dim(shard, i, 0, keepdims=False)
+                piece = jax.lax.all_gather(piece, DATA, axis=dim - 1, tiled=True)
+                return jax.lax.dynamic_update_index_in_dim(whole, piece, i, 0)
+            whole = jnp.zeros(shard.shape[:dim] + (shard.shape[dim] * mesh.shape[DATA],)
+                              + shard.shape[dim + 1:], shard.dtype)
+            return jax.lax.fori_loop(0, shard.shape[0], body, whole)
+
+        spec = jax.P(*[DATA if d == dim else None for d in range(x.ndim)])
+        # check_vma off: jax types an all-gather's result as varying over DATA, although every
+        # device holds the same whole slice.
+        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=jax.P(),
+                             axis_names={DATA}, check_vma=False)(x)
+
+    return jax.tree.map(one, tree, stored_shardings)
 
 
 def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:

@@ -250,6 +250,9 @@ class _Replay:
             outs = [inner.materialise(v) for v, _ in outs]
             return outs[:params["num_carry"]], outs[params["num_carry"]:]
 
+        if self.prefetch:  # the next unit's fetch may start as the scan starts
+            self.tokens.append(_token([v for v, d in zip(values, dynamic)
+                                      if d and not isinstance(v, _Lazy)]))
         carry, ys = jax.lax.scan(step, list(carry), ([self.stored[i] for i in weights], data_xs),
                                  length=params["length"], reverse=params["reverse"],
                                  unroll=params["unroll"])

@@ -16,7 +16,8 @@ import re
 from collections.abc import Sequence
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_COMPUTE = re.compile(r"\s(fusion|custom-call|convolution|dot|triangular-solve|cholesky)\(")
+_COMPUTE = re.compile(r"\s(fusion|custom-call|convolution|dot|triangular-solve|cholesky|while|"
+                      r"conditional)\(")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
                           r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
 _SHAPE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"

@@ -203,11 +203,6 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
              for w, r in zip(whole, flat_routes)]
 
     activations = _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras) / model
-    if gather_per_layer is None and not widening:
-        # A scan keeps the slices of whole weights it used for its backward pass, stacked again
-        # (a copy of the stack; at stage 3 the slices are shards, counted with the residuals).
-        activations += sum(width * w for w, st, r in zip(whole, stacked, flat_routes)
-                           if st and not r.gather)
     if model_state is not None:  # replicated, beside the model states
         states += sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
                       for x in jax.tree.leaves(model_state))
