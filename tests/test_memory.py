@@ -195,6 +195,21 @@ def test_cli_prints_table_and_cheapest_fit(capsys):
             f"parallel.offload={best['offload']} model.remat={best['remat']}") in out
 
 
+def test_cli_plans_for_the_backend_it_is_told_and_says_so(capsys):
+    """bf16 weights: XLA:CPU keeps fp32 copies of them, a GPU does not; the title names the
+    backend and where the choice came from."""
+    peaks = {}
+    for backend in ("cpu", "gpu"):
+        argv = ["--devices", "8", "--measure", "never", "--backend", backend, "--stages", "3",
+                "--offloads", "none", "--remats", "none", "precision.params=bf16"]
+        assert main(argv) == 0
+        assert f"8 devices, estimated for {backend.upper()} (--backend)" in capsys.readouterr().out
+        assert main([*argv, "--json"]) == 0
+        [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        peaks[backend] = row["estimated_peak_bytes"]
+    assert peaks["cpu"] > peaks["gpu"]
+
+
 def test_cli_nothing_fits(capsys):
     main(["--devices", "8", "--device-memory", "1KB", "--measure", "never"])
     assert "Nothing fits in 1.00 KB" in capsys.readouterr().out
