@@ -13,8 +13,10 @@ import re
 import sys
 from pathlib import Path
 
-# The files Orbax writes for every step of a RunCheckpoints: item folder -> files in it.
-REQUIRED = {"state": ("_METADATA", "manifest.ocdbt"), "meta": ("metadata",)}
+# The files Orbax writes for every step of a RunCheckpoints: item folder -> files in it (and
+# the OCDBT index, when the arrays were written to an OCDBT database: per-process folders).
+REQUIRED = {"state": ("_METADATA",), "meta": ("metadata",)}
+OCDBT_INDEX = "manifest.ocdbt"
 _TRUNCATED = re.compile(r'local file "([^"]+)": Requested byte range \[\d+, (\d+)\) is not valid '
                         r'for value of size (\d+)')
 _MISSING_ARRAY = re.compile(r'Metadata at "([^"]+)/\.zarray" in OCDBT database at local file '
@@ -47,13 +49,15 @@ def missing_or_damaged(step_dir: Path, root: Path) -> str | None:
         folder = step_dir / item
         if not folder.is_dir():
             return f"{shown(folder, root)}/ is missing (the step was not copied or written whole)"
+        if item == "state" and any(folder.glob("ocdbt.process_*")):
+            names = (*names, OCDBT_INDEX)
         for name in names:
             file = folder / name
             if not file.is_file():
                 return f"{shown(file, root)} is missing"
             if file.stat().st_size == 0:
                 return f"{shown(file, root)} is empty"
-            if name != "manifest.ocdbt" and (problem := _bad_json(file)):
+            if name != OCDBT_INDEX and (problem := _bad_json(file)):
                 return f"{shown(file, root)} {problem}"
     return None
 
@@ -70,7 +74,7 @@ def from_error(error: BaseException, step_dir: Path, root: Path) -> str:
         return (f"array '{array}' is missing from {shown(Path(db), root)} (its index files "
                 "are missing or damaged)")
     if isinstance(error, KeyError):
-        return f"{shown(step_dir, root)} lacks part of the checkpoint ({text.strip(chr(34) + chr(39))})"
+        return f"{shown(step_dir, root)} lacks part of the checkpoint ({text.strip(chr(39))})"
     if faults := _FILE_FAULT.findall(text):
         file, fault = faults[-1]  # the innermost: the file that is damaged, and how
         return f"{shown(Path(file), root)} is damaged ({fault.strip()[:120]})"
