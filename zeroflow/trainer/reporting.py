@@ -86,7 +86,9 @@ class Reporter:
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if resumed else None)
         self.progress = None
         bar = Console(stderr=True)
-        if progress and self.is_main and bar.is_terminal:
+        # Only when both streams are terminals: while the bar is shown, rich routes stdout
+        # through it, which would take the step lines away from a redirected stdout.
+        if progress and self.is_main and bar.is_terminal and self.out.is_terminal:
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
                                      console=bar, transient=False)
