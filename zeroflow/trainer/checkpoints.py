@@ -157,7 +157,8 @@ class RunCheckpoints:
                     f"{newest.step}: {newest.reason}; pass --step {older} to use the newest "
                     f"readable one, or resume training (it moves step {newest.step} aside and "
                     "saves it again)") from None
-            raise CheckpointError(self.none_readable(bad)) from None
+            raise CheckpointError(self.none_readable(bad) + "; copy the steps again if they came "
+                                  "from elsewhere, or train the run again") from None
 
     def none_readable(self, bad: list[UnreadableCheckpoint]) -> str:
         return (f"no readable checkpoint in {self.directory}: "
