@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds for the whole run (default: the profile's, 540 on the GPU)")
     parser.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
                         help="override one stage's time budget (repeatable)")
+    parser.add_argument("--timeout-scale", type=float, default=1.0, metavar="FACTOR",
+                        help="multiply every item's and case's time limit (e.g. 100 on a busy "
+                             "machine, so that load never turns an item into a timeout)")
     parser.add_argument("--allow-cpu", action="store_true", help="run the full profile without a GPU")
     parser.add_argument("--render", nargs="+", type=Path, metavar="RESULTS_JSONL",
                         help="do not measure: render these results.jsonl files (merged) into --out")
@@ -85,7 +88,8 @@ def run(args) -> int:
     command = shlex.join(["python", "scripts/gpu_report.py", *sys.argv[1:]])
     options = RunOptions(out=args.out, command=command, stages=tuple(args.stage_list),
                          time_limit_s=args.time_limit, items=args.items, budgets=args.budgets,
-                         require_gpu=not (args.quick or args.allow_cpu))
+                         require_gpu=not (args.quick or args.allow_cpu),
+                         timeout_scale=args.timeout_scale)
     run_report(profile, options)
     return 0
 

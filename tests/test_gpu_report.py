@@ -37,11 +37,11 @@ def _script(*args, timeout=600):
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("quick")
-    # Budgets far above what any stage needs, so that a busy machine never decides the outcome
-    # (the budgets themselves are tested with injected slow items below).
-    unbounded = [arg for name in STAGE_ORDER for arg in ("--budget", f"{name}=3000")]
-    done = _script("--quick", "--out", str(out), "--time-limit", "30000", *unbounded,
-                   timeout=30000)
+    # Budgets and item time limits far above what anything needs, so that a busy machine never
+    # decides the outcome (budgets and time limits are tested with injected slow items below).
+    unbounded = [arg for name in STAGE_ORDER for arg in ("--budget", f"{name}=30000")]
+    done = _script("--quick", "--out", str(out), "--time-limit", "300000", *unbounded,
+                   "--timeout-scale", "1000", timeout=300000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / files.REPORT_JSON).read_text())
     return out, report, done.stdout
@@ -217,11 +217,28 @@ def _broken_plan(ctx):
     raise ZeroDivisionError("plan bug")
 
 
-def _runner(out, budget_for_time, item_filter=None):
+def _runner(out, budget_for_time, item_filter=None, timeout_scale=1.0):
     report = files.ReportFiles(out, render.render, render.summarize, echo=lambda line: None)
     runner = Runner(report.add, report.log, deadline=time.monotonic() + budget_for_time,
-                    workdir=out / "work", child_vars={}, item_filter=item_filter)
+                    workdir=out / "work", child_vars={}, item_filter=item_filter,
+                    timeout_scale=timeout_scale)
     return report, runner
+
+
+def test_timeout_scale_stretches_every_item_and_case_limit(tmp_path):
+    """What lets the quick run above ignore load: a 2 s nap times out under limits of 0.5 s
+    (the child is given at least 1 s) and finishes when they are scaled by 1000."""
+    module = tmp_path / "naps.py"
+    module.write_text("import time\n\ndef nap(seconds):\n    time.sleep(seconds)\n"
+                      "    return {'slept': seconds}\n")
+
+    def plan(ctx):
+        yield Item("nap", f"{module}:nap", {"seconds": 2}, timeout_s=0.5, case_timeout_s=0.5)
+
+    for scale, status in ((1.0, "timeout"), (1000.0, "ok")):
+        report, runner = _runner(tmp_path / f"x{scale:g}", 3000, timeout_scale=scale)
+        runner.run_stage("training", plan, Context(QUICK, {}, report.records), budget_s=3000)
+        assert [r["status"] for r in report.records] == [status], report.records
 
 
 def test_failures_are_recorded_and_the_run_goes_on(tmp_path):

@@ -64,7 +64,7 @@ def test_two_processes_train_like_one(tmp_path):
     evals = [read_metrics(run, "eval_loss")[4]["eval_loss"] for run in (one, two)]
     np.testing.assert_allclose(evals[1], evals[0], rtol=1e-5)
     assert RunCheckpoints(two / "checkpoints", 3).steps() == [4]
-    assert "mesh: {'data': 4, 'model': 1}" in err
+    assert "mesh: {'data': 4, 'model': 1}" in out  # what a person reads is on stdout
     lines = (out + err).splitlines()
     # Only process 0 reports; every line carries its process's prefix.
     assert any(line.startswith("[p0] final: train loss") for line in lines), err

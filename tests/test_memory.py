@@ -195,6 +195,55 @@ def test_cli_prints_table_and_cheapest_fit(capsys):
             f"parallel.offload={best['offload']} model.remat={best['remat']}") in out
 
 
+def test_cli_plans_for_the_backend_it_is_told_and_says_so(capsys):
+    """bf16 weights: XLA:CPU keeps fp32 copies of them, a GPU does not; the title names the
+    backend and where the choice came from."""
+    peaks = {}
+    for backend in ("cpu", "gpu"):
+        argv = ["--devices", "8", "--measure", "never", "--backend", backend, "--stages", "3",
+                "--offloads", "none", "--remats", "none", "precision.params=bf16"]
+        assert main(argv) == 0
+        assert f"8 devices, estimated for {backend.upper()} (--backend)" in capsys.readouterr().out
+        assert main([*argv, "--json"]) == 0
+        [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        peaks[backend] = row["estimated_peak_bytes"]
+    assert peaks["cpu"] > peaks["gpu"]
+
+
+def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
+    """What makes ``--measure never`` take seconds: the 36 choices (stage x offload x remat)
+    trace the model's loss a few times per remat policy, not several times per choice; the
+    estimates are what tracing every time gives."""
+    from zeroflow.memory.__main__ import plan_rows
+    from zeroflow.memory.measure import _loss_by_fields
+    from zeroflow.trainer import setup
+
+    traces = []
+    real = setup.lm_loss_fn
+
+    def counting(model_cfg):
+        loss = real(model_cfg)
+
+        def traced(*args, **kwargs):
+            traces.append(model_cfg.remat)
+            return loss(*args, **kwargs)
+        return traced
+
+    cfg = Config()
+    cfg.model.num_layers = 1
+    monkeypatch.setattr(setup, "lm_loss_fn", counting)
+    _loss_by_fields.cache_clear()
+    rows = plan_rows(cfg, devices=8, measure="never", backend="gpu")
+    _loss_by_fields.cache_clear()
+    assert len(rows) == 36
+    assert sorted(set(traces)) == ["full", "none", "save_dots"] and len(traces) <= 9, traces
+    # The same estimates as a loss traced afresh for one choice of each policy.
+    for row in rows[:: len(rows) // 4]:
+        fresh = memory.estimate_config_step(cfg, num_devices=8, stage=row.stage, offload=row.offload,
+                                            update_on=row.update_on, remat=row.remat, backend="gpu")
+        assert fresh.peak_bytes == row.estimate.peak_bytes
+
+
 def test_cli_nothing_fits(capsys):
     main(["--devices", "8", "--device-memory", "1KB", "--measure", "never"])
     assert "Nothing fits in 1.00 KB" in capsys.readouterr().out

@@ -74,7 +74,7 @@ def test_sft_config_trains_on_assistant_tokens_resumes_and_chats(setup, tmp_path
     assert (cfg.data.format, cfg.data.train_on, cfg.parallel.zero_stage) == ("chat", "completion", 3)
     result = train(cfg)
     assert result.step == STEPS
-    printed = capsys.readouterr().err
+    printed = capsys.readouterr().out
     assert "of tokens real" in printed and "trained on" in printed
 
     # Step 1 is the checkpoint's own loss on the first packed batch, per trained token.

@@ -88,25 +88,25 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
             break
         time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=300)
+    out, err = p.communicate(timeout=300)
     saved = RunCheckpoints(stopped / "checkpoints", 3).steps()
     if p.returncode == 0:  # it finished before the signal landed: nothing to resume
         pytest.fail("run finished before SIGTERM; make it longer")
     assert p.returncode == 128 + signal.SIGTERM, err
     assert len(saved) == 1 and 3 <= saved[0] < n
-    assert "SIGTERM: saved a checkpoint" in err
+    assert "SIGTERM: saved a checkpoint" in out  # what a person reads is on stdout
 
     p = cli(*common, f"run.dir={stopped}")
-    _, err = p.communicate(timeout=600)
+    out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
-    assert f"resumed from step {saved[0]}" in err
+    assert f"resumed from step {saved[0]}" in out
     want, got = read_losses(straight), read_losses(stopped)
     assert sorted(got) == sorted(want) == list(range(1, n + 1))
     np.testing.assert_allclose([got[s] for s in range(1, n + 1)], [want[s] for s in range(1, n + 1)],
                                rtol=1e-6)
 
 
-def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(tmp_path, caplog):
     cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=4", "checkpoint.every=2",
                                                              "train.eval_every=0", f"run.dir={tmp_path}"])
     train(cfg)
@@ -120,7 +120,8 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="zeroflow"):
         state, meta = ckpts.restore_latest(like)
     assert int(state.step) == 2 and meta["step"] == 2
-    assert "step 4" in caplog.text and "falling back to step 2" in caplog.text
+    assert "step 4 is unreadable" in caplog.text and "resuming from step 2" in caplog.text
+    assert ckpts.steps() == [2] and (tmp_path / "checkpoints" / "4.corrupt").is_dir()
 
 
 def test_resume_onto_another_zero_stage(tmp_path):
@@ -168,6 +169,7 @@ def test_sample_and_export_from_a_run(tmp_path, capsys):
     cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=2", "train.eval_every=0",
                                                              "parallel.zero_stage=3", f"run.dir={tmp_path}"])
     result = train(cfg)
+    capsys.readouterr()  # the run's own lines
     assert sample.main(["--run", str(tmp_path), "--prompt", "def ", "--tokens", "12", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("def ") and len(printed.rstrip("\n")) >= 4
@@ -187,9 +189,9 @@ def test_resuming_a_finished_run_says_so_in_one_line(tmp_path, capsys):
     train(cfg)
     capsys.readouterr()
     result = train(cfg)
-    err = capsys.readouterr().err
-    assert "the checkpoint is at step 2, train.steps is 2: nothing to do" in err
-    assert "nan" not in err and result.step == 2 and result.losses == {}
+    out = capsys.readouterr().out
+    assert "the checkpoint is at step 2, train.steps is 2: nothing to do" in out
+    assert "nan" not in out and result.step == 2 and result.losses == {}
 
 
 def test_dropout_uses_the_engine_rng_and_evaluation_runs_without_it(tmp_path):

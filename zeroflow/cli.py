@@ -1,4 +1,10 @@
-"""Shared command-line plumbing: one readable error line instead of a traceback."""
+"""Shared command-line plumbing: one readable error line instead of a traceback.
+
+Exit codes, the same for every command: 2 for a problem with what was given (a config, a path,
+a file that cannot be read: ``prog: error: <one line>``), 1 for a run that failed on its own
+(e.g. a diverging loss), 128 + N for a run stopped by signal N after saving. Set
+ZEROFLOW_TRACEBACK=1 to see the full traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +13,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-EXPECTED_ERRORS = (ValueError, FileNotFoundError, RuntimeError)
+BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+"Errors about what the user gave: exit 2."
+EXPECTED_ERRORS = (*BAD_INPUT, OSError, RuntimeError)
 
 
 def set_cpu_devices(count: int | None) -> None:
@@ -30,4 +38,4 @@ def run_cli(prog: str, main: Callable[[argparse.Namespace], int], parser: argpar
             raise
         message = " ".join(str(e).split("\n")[0:1]) or type(e).__name__
         print(f"{prog}: error: {message}", file=sys.stderr)
-        return 2 if isinstance(e, ValueError) else 1
+        return 2 if isinstance(e, BAD_INPUT) else 1

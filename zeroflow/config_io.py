@@ -229,11 +229,14 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML; ``load_config(path)`` gives it back."""
+    """Write the resolved config as YAML; ``load_config(path)`` gives it back. Written to a
+    temporary file and renamed, so a process killed meanwhile leaves the old file whole."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    tmp = os.fspath(path) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write("# Resolved zeroflow config; rerun with: --config " + os.fspath(path) + "\n")
         yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+    os.replace(tmp, path)
 
 
 # --- validation ---------------------------------------------------------------------------------

@@ -1,17 +1,22 @@
 """``python -m zeroflow.export --run RUN_DIR --out weights.safetensors`` (or ``.npz``): the
-consolidated fp32 weights of a run's latest checkpoint, for use outside zeroflow.
+consolidated fp32 weights of a run's latest checkpoint (or ``--step N``), for use outside
+zeroflow. It says which step it wrote, and refuses an unreadable latest checkpoint unless
+``--step`` names the one to use. Written files get the usual permissions (0644 under the
+common umask 022), whatever the library writing them chose.
 
 Keys are the '/'-joined parameter paths (``layers/attn/query/kernel``); stacked block
 parameters keep their leading layer axis.
 
 ``--format hf --out DIR`` writes a Hugging Face checkpoint folder instead (config.json,
-safetensors, and the run's tokenizer.json when it used one) that transformers'
+safetensors, and a tokenizer.json: the run's own, or for byte-level runs one that gives the
+same byte ids in transformers) that transformers'
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads: the architecture of ``model.init_from``
 for a fine-tuned model, else Llama (or GPT-2) chosen to fit the run's model.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +45,17 @@ def write_weights(weights: dict[str, np.ndarray], out: Path) -> None:
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out))
     else:
         np.savez(out, **weights)
+    readable_by_all(out)
+
+
+def readable_by_all(*paths: Path) -> None:
+    """Give written files the mode a plain ``open()`` would (0666 less the umask): safetensors
+    writes 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
+            os.chmod(file, 0o666 & ~umask)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,24 +68,31 @@ def parser() -> argparse.ArgumentParser:
                         "'hf' (a Hugging Face checkpoint folder)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="weight dtype of --format hf (default fp32)")
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step to export (default: the latest, which must be readable)")
     return p
 
 
-def export_hf(run_dir: Path, out: Path, dtype: str = "fp32") -> str:
+def export_hf(run_dir: Path, out: Path, dtype: str = "fp32", step: int | None = None) -> str:
     """Write the run's latest weights as a Hugging Face folder; returns a summary line."""
     import dataclasses
 
     from zeroflow import hf
-    from zeroflow.data.tokenizers import copy_tokenizer
+    from zeroflow.data.tokenizers import ByteTokenizer, copy_tokenizer
     from zeroflow.models import GPT
     from zeroflow.sample import load_params
 
-    model_cfg, tokenizer, params, step = load_params(run_dir)
+    model_cfg, tokenizer, params, step = load_params(run_dir, step)
     cfg = model_cfg
     if model_cfg.init_from:
         cfg = dataclasses.replace(hf.read_config(model_cfg.init_from), model=model_cfg)
     hf.save_pretrained(GPT(model_cfg), params, cfg, out, dtype=dtype)
-    written = copy_tokenizer(tokenizer, out) if isinstance(tokenizer, hf.HFTokenizer) else None
+    written = None
+    if isinstance(tokenizer, hf.HFTokenizer):
+        written = copy_tokenizer(tokenizer, out)
+    elif isinstance(tokenizer, ByteTokenizer):
+        written = tokenizer.write_hf(out) + " (byte ids)"
+    readable_by_all(out)
     architecture = getattr(cfg, "architecture", None) or hf.converter_for_model(cfg).architecture
     return (f"wrote {architecture} ({dtype}) from step {step} to {out}"
             + (f" with {written}" if written else " (no tokenizer.json: the run's tokenizer is "
@@ -79,17 +102,17 @@ def export_hf(run_dir: Path, out: Path, dtype: str = "fp32") -> str:
 def main_args(args) -> int:
     out = Path(args.out)
     if args.format == HF_FORMAT:
-        print(export_hf(Path(args.run), out, args.dtype), file=sys.stderr)
+        print(export_hf(Path(args.run), out, args.dtype, args.step))
         return 0
     if out.suffix not in FORMATS:
         raise ValueError(f"--out must end in {' or '.join(FORMATS)}, got {out.name!r} "
                          "(or use --format hf for a Hugging Face folder)")
     from zeroflow.sample import load_params
-    _, _, params, step = load_params(Path(args.run))
+    _, _, params, step = load_params(Path(args.run), args.step)
     weights = flat_weights(params)
     write_weights(weights, out)
     total = sum(v.size for v in weights.values())
-    print(f"wrote {len(weights)} arrays, {total:,} fp32 parameters from step {step} to {out}", file=sys.stderr)
+    print(f"wrote {len(weights)} arrays, {total:,} fp32 parameters from step {step} to {out}")
     return 0
 
 

@@ -1,5 +1,7 @@
 """``python -m zeroflow.sample --run RUN_DIR --prompt "def "``: continue a prompt with the latest
-checkpoint of a run (restored onto one device, whatever mesh and ZeRO stage trained it).
+checkpoint of a run, or ``--step N`` (restored onto one device, whatever mesh and ZeRO stage
+trained it); the step used is named on stderr, and an unreadable latest checkpoint is refused
+unless ``--step`` names the one to use.
 ``--chat`` sends the prompt as a user message through the tokenizer's chat template and
 prints the reply, up to the end-of-text token."""
 from __future__ import annotations
@@ -22,6 +24,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step to sample from (default: the latest, which must be readable)")
     p.add_argument("--chat", action="store_true",
                    help="answer the prompt as a user message, with the tokenizer's chat template")
     return p
@@ -47,8 +51,9 @@ def until_end(tokenizer, tokens: list[int]) -> list[int]:
     return tokens[:tokens.index(eos)] if eos in tokens else tokens
 
 
-def load_params(run_dir: Path):
-    """(model config, tokenizer, fp32 params) of the latest checkpoint, on one device."""
+def load_params(run_dir: Path, step: int | None = None):
+    """(model config, tokenizer, fp32 params, step) of checkpoint ``step`` (default: the
+    latest, which must be readable), on one device. Nothing in the run folder is changed."""
     import jax
 
     from zeroflow.config_io import load_config
@@ -62,10 +67,11 @@ def load_params(run_dir: Path):
                                  update_on="device", grad_accum=1)
     cfg = dataclasses.replace(cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32"))
     run = build_run(cfg, devices=jax.devices()[:1])
-    restored = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep).restore_latest(run.init_state())
-    if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    state, meta = restored
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep, read_only=True)
+    try:
+        state, meta = checkpoints.read(run.abstract_state(), step)
+    finally:
+        checkpoints.close()
     return run.model_cfg, run.data.tokenizer, state.master, meta["step"]
 
 
@@ -76,7 +82,7 @@ def main_args(args) -> int:
 
     if args.tokens < 1:
         raise ValueError("--tokens must be at least 1")
-    model_cfg, tokenizer, params, step = load_params(Path(args.run))
+    model_cfg, tokenizer, params, step = load_params(Path(args.run), args.step)
     prompt = chat_prompt(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")

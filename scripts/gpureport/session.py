@@ -35,6 +35,8 @@ class RunOptions:
     "Per-stage overrides of the profile's budgets, in seconds."
     require_gpu: bool = True
     "Skip every stage after env when jax sees no GPU."
+    timeout_scale: float = 1.0
+    "Multiplies every item's and case's time limit (``Runner``)."
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -108,7 +110,8 @@ def run_report(profile: Profile, options: RunOptions) -> list[dict]:
     report.add(_parent_record(render.META, "run", "ok", result=meta))
     workdir = Path(tempfile.mkdtemp(prefix="gpu_report_"))
     runner = Runner(report.add, report.log, deadline=deadline, workdir=workdir,
-                    child_vars=profile.child_vars, base_env=child_base, item_filter=options.items)
+                    child_vars=profile.child_vars, base_env=child_base, item_filter=options.items,
+                    timeout_scale=options.timeout_scale)
     ctx = Context(profile=profile, host=meta, records=report.records, stages=tuple(options.stages))
     try:
         for name in [s for s in STAGE_ORDER if s == "env" or s in options.stages]:

@@ -57,6 +57,34 @@ class ByteTokenizer:
         # Sampled ids need not form valid UTF-8; show the damage instead of raising.
         return bytes(int(i) for i in ids).decode("utf-8", "replace")
 
+    def write_hf(self, out_dir: str | os.PathLike) -> str:
+        """Write a ``tokenizer.json`` (and a ``tokenizer_config.json`` naming the plain fast
+        tokenizer, so that no BOS token is added) giving the same ids: GPT-2's byte-level
+        pre-tokenizer maps each byte to one character, and the vocabulary maps that character
+        back to the byte's value. Returns the file name."""
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in enumerate(_byte_characters())}
+        backend = Backend(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        out = Path(out_dir)
+        backend.save(str(out / HF_TOKENIZER_FILE))
+        (out / HF_TOKENIZER_CONFIG).write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+             "add_eos_token": False, "clean_up_tokenization_spaces": False}, indent=1) + "\n")
+        return HF_TOKENIZER_FILE
+
+
+def _byte_characters() -> list[str]:
+    """The character GPT-2's byte-level pre-tokenizer gives each byte value 0..255: printable
+    Latin-1 bytes stand for themselves, the others are shifted to 256 and up."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
 
 class SentencePieceTokenizer:
     """A trained SentencePiece model (``.model`` file)."""

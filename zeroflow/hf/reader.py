@@ -22,6 +22,19 @@ class HFCheckpointError(ValueError):
     """A checkpoint folder that cannot be read as asked, described in one line."""
 
 
+def open_safetensors(path: Path):
+    """``safe_open(path)``, or HFCheckpointError naming the file and what is wrong with it
+    (safetensors checks the header and that the file holds every tensor it lists)."""
+    try:
+        return safe_open(path, framework="numpy")
+    except Exception as e:  # noqa: BLE001  safetensors raises its own SafetensorError
+        detail = str(e).split(": ", 1)[-1].strip() or type(e).__name__
+        if "not fully covered" in detail:
+            detail = "shorter than its header says: cut short?"
+        raise HFCheckpointError(f"{path} is not a readable safetensors file ({detail}); copy "
+                                "or convert it again") from None
+
+
 def _index(folder: Path) -> dict[str, str]:
     """Tensor name -> safetensors file name."""
     index_path = folder / INDEX_FILE
@@ -37,7 +50,7 @@ def _index(folder: Path) -> dict[str, str]:
                               "pytorch_model.bin is not read, save it as safetensors")
     weight_map = {}
     for path in files:
-        with safe_open(path, framework="numpy") as f:
+        with open_safetensors(path) as f:
             weight_map.update({key: path.name for key in f.keys()})
     return weight_map
 
@@ -68,7 +81,7 @@ class SafetensorsReader:
             path = self.folder / name
             if not path.is_file():
                 raise HFCheckpointError(f"{path} (listed in {INDEX_FILE}) is missing")
-            self._handles[name] = safe_open(path, framework="numpy")
+            self._handles[name] = open_safetensors(path)
         return self._handles[name].get_slice(key)
 
     def shape(self, key: str) -> tuple[int, ...]:

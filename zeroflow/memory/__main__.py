@@ -226,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = f"{devices} x {args.target} (XLA:GPU, compiled without the GPU)"
         else:
             backend = args.backend or ("cpu" if jax.default_backend() == "cpu" else "gpu")
-            where = f"{devices} devices, estimated for {backend}"
+            named = "--backend" if args.backend else "this machine's; --backend cpu|gpu to choose"
+            where = f"{devices} devices, estimated for {backend.upper()} ({named})"
         title = (f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
                  f"batch {cfg.train.batch_size}, {cfg.precision.params}, {where}")
         rows = plan_rows(cfg, devices=devices, stages=stages, offloads=offloads, remats=remats,

@@ -10,6 +10,7 @@ so there its numbers do not show what offload saves; ``state_bytes`` splits by m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from typing import Any
@@ -203,8 +204,21 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
         run = build_run(cfg, with_data=False,
                         devices=_first_devices(num_devices * cfg.parallel.model))
     batch = abstract_batch(cfg)
-    return StepParts(loss_fn=run.loss_fn, params=abstract_params(run.model_cfg)[0], batch=batch,
+    return StepParts(loss_fn=_loss_of(run.model_cfg), params=abstract_params(run.model_cfg)[0], batch=batch,
                      tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK)
+
+
+def _loss_of(model_cfg):
+    """The trainer's loss for ``model_cfg``, the same function for the same config: what the
+    estimates trace is remembered per loss function (``zeroflow.memory.trace_cache``)."""
+    return _loss_by_fields(tuple(sorted(vars(model_cfg).items())))
+
+
+@functools.lru_cache(maxsize=16)
+def _loss_by_fields(fields: tuple):
+    from zeroflow.config import ModelConfig
+    from zeroflow.trainer.setup import lm_loss_fn
+    return lm_loss_fn(ModelConfig(**dict(fields)))
 
 
 def _first_devices(count: int):

@@ -34,6 +34,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from zeroflow.grads.local import Route, routes
+from zeroflow.memory.trace_cache import remembered
 from zeroflow.plan import ZeroPlan, path_str
 from zeroflow.precision import Precision
 
@@ -112,6 +113,7 @@ def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[b
     return [i in found for i in range(count)]
 
 
+@remembered  # a plan traces the same loss for every stage and offload
 def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
                          extras: dict | None = None) -> list:
     """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the

@@ -380,7 +380,17 @@ def init_params(cfg: ModelConfig, rng: jax.Array):
 
 
 def abstract_params(cfg: ModelConfig):
-    """``(ShapeDtypeStruct tree, logical_axes)`` without allocating any parameter."""
+    """``(ShapeDtypeStruct tree, logical_axes)`` without allocating any parameter. Tracing the
+    init takes a fraction of a second; planners ask for the same model many times, so the
+    result is kept per model config (a fresh copy of the trees each call)."""
+    shapes, axes = _abstract_params(tuple(sorted(vars(cfg).items())))
+    return (jax.tree.map(lambda x: x, shapes),
+            jax.tree.map(lambda x: x, axes, is_leaf=lambda x: isinstance(x, tuple)))
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_params(fields: tuple):
+    cfg = ModelConfig(**dict(fields))
     return jax.eval_shape(param_init_fn(cfg), jax.random.key(0)), logical_axes(cfg)
 
 

@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import math
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from zeroflow.config_io import save_config
 from zeroflow.data import bits_per_byte, eval_batches, train_batch
 from zeroflow.distributed import StopVote
 from zeroflow.models import LAYER_STACK, flops_per_token
+from zeroflow.trainer import run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.optim import lr_schedule
 from zeroflow.trainer.reporting import Reporter
@@ -149,29 +149,44 @@ def _last(checkpoints: RunCheckpoints) -> str:
 
 
 def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
-    """Train (or resume) the run in ``cfg.run.dir``; returns losses and the last evaluation."""
+    """Train (or resume) the run in ``cfg.run.dir``; returns losses and the last evaluation.
+
+    Everything that can refuse the run (the config against the folder's run, the data, the
+    model's initial weights, the checkpoint) is checked before the folder is written to."""
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    previous = run_folder.previous_config(run_dir)
+    checkpoints_dir = run_dir / "checkpoints"
+    if checkpoints_dir.is_dir() and any(p.name.isdigit() for p in checkpoints_dir.iterdir()):
+        run_folder.check_same_model(run_dir, previous, cfg)
     run = build_run(cfg)
-    if jax.process_index() == 0:
-        save_config(cfg, run_dir / "config.yaml")
     loader = _train_loader(run)
-    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep,
+    checkpoints = RunCheckpoints(checkpoints_dir, cfg.checkpoint.keep,
                                  with_loader=loader is not None)
-    state = run.init_state()
-    restored = checkpoints.restore_latest(state, loader)
+    try:
+        state = run.init_state()
+        restored = checkpoints.restore_latest(state, loader)
+    except BaseException:
+        checkpoints.close()
+        raise
     if restored is not None:
         state, _ = restored
     start = int(state.step)
     tcfg = cfg.train
     if start >= tcfg.steps:
         checkpoints.close()
-        print(f"{run_dir}: the checkpoint is at step {start}, train.steps is {tcfg.steps}: nothing "
-              f"to do (raise train.steps to train on)", file=sys.stderr)
+        if jax.process_index() == 0:
+            print(f"{run_dir}: the checkpoint is at step {start}, train.steps is {tcfg.steps}: "
+                  "nothing to do (raise train.steps to train on)")
         return TrainResult(run_dir=run_dir, step=start, losses={}, eval={})
+    if restored is not None:
+        run_folder.announce_schedule_change(previous, cfg, int(state.applied))
+    # Checked: from here on the folder is written to.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        save_config(cfg, run_dir / run_folder.CONFIG_FILE)
     reporter = Reporter(run_dir, tcfg.steps, start, progress=cfg.run.progress if progress is None else progress,
                         tensorboard=cfg.run.tensorboard, flops_per_token=flops_per_token(run.model_cfg),
-                        num_devices=jax.device_count())
+                        num_devices=jax.device_count(), resumed=restored is not None)
     if restored is not None:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(f"{run.data.summary() if run.data else ''}  params: "

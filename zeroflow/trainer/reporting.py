@@ -1,8 +1,18 @@
-"""What a run reports: a rich progress bar, ``metrics.jsonl``, optional TensorBoard events."""
+"""What a run reports: ``metrics.jsonl``, optional TensorBoard events, and on the terminal a
+rich progress bar, or (progress off, or output not a terminal) a plain line every
+``train.log_every`` steps. What a person reads (step lines, evaluations, the final summary)
+goes to stdout, never wrapped; warnings and errors go to stderr.
+
+A resumed run first drops the rows of ``metrics.jsonl`` past the step it resumed from (they
+were logged by the interrupted run and are about to be logged again), then records the resume
+as ``{"event": "resume", "resumed_from_step": ..., "dropped_rows": ...}``: each step appears
+at most once however often a run was interrupted.
+"""
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +34,64 @@ def device_peak_flops(device: jax.Device | None = None) -> float | None:
     return None
 
 
+METRICS = "metrics.jsonl"
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the rows of ``path`` past ``step`` (and a line cut short by a kill), atomically;
+    returns how many were dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
 class Reporter:
     """Owns the progress bar and the metric sinks; only process 0 writes."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, progress: bool,
-                 tensorboard: bool, flops_per_token: float, num_devices: int):
+                 tensorboard: bool, flops_per_token: float, num_devices: int,
+                 resumed: bool = False):
         self.is_main = jax.process_index() == 0
         self.peak = device_peak_flops()
         self.flops_per_token = flops_per_token
         self.num_devices = num_devices
-        self.console = Console(stderr=True)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a") if self.is_main else None
+        self.total_steps = total_steps
+        self.out = Console(soft_wrap=True, highlight=False)  # stdout, whatever its width
+        self.jsonl = None
         self.tb = None
+        if self.is_main:
+            dropped = trim_metrics(run_dir / METRICS, start_step)
+            self.jsonl = open(run_dir / METRICS, "a", encoding="utf-8")
+            if resumed or dropped:
+                self._row({"event": "resume", "resumed_from_step": start_step,
+                           "dropped_rows": dropped})
         if tensorboard and self.is_main:
             from tensorboardX import SummaryWriter  # optional dependency: pip install zeroflow[tensorboard]
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            # purge_step: TensorBoard hides the events past the resumed step.
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if resumed else None)
         self.progress = None
-        if progress and self.is_main:
+        bar = Console(stderr=True)
+        # Only when both streams are terminals: while the bar is shown, rich routes stdout
+        # through it, which would take the step lines away from a redirected stdout.
+        if progress and self.is_main and bar.is_terminal and self.out.is_terminal:
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-                                     console=self.console, transient=False)
+                                     console=bar, transient=False)
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self.progress.start()
 
@@ -61,21 +109,27 @@ class Reporter:
             self.progress.update(self.task, completed=step, stats=stats)
         if log_line:
             self.write(step, m)
+            if self.progress is None:
+                self.print(step_line(step, self.total_steps, m))
 
     def write(self, step: int, m: dict[str, Any]) -> None:
         if not self.is_main:
             return
         row = {"step": step, **{k: _plain(v) for k, v in m.items()}}
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        self._row(row)
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and v is not None:
                     self.tb.add_scalar(k, v, step)
 
+    def _row(self, row: dict[str, Any]) -> None:
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+
     def print(self, message: str) -> None:
+        """A line for the person running it, on stdout (above the bar while one is shown)."""
         if self.is_main:
-            (self.progress.console if self.progress else self.console).print(message, highlight=False)
+            self.out.print(message, markup=False)
 
     def close(self) -> None:
         if self.progress is not None:
@@ -84,6 +138,20 @@ class Reporter:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def step_line(step: int, total: int, m: dict[str, Any]) -> str:
+    """The plain progress line: ``step 10/200  loss 2.3456  lr 3.0e-04  ...``."""
+    parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}"]
+    if "lr" in m:
+        parts.append(f"lr {m['lr']:.1e}")
+    if "tokens_per_s" in m:
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    if "step_time" in m:
+        parts.append(f"{m['step_time'] * 1e3:.0f} ms/step")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {m['mfu']:.1%}")
+    return "  ".join(parts)
 
 
 def _plain(v):

@@ -1,0 +1,345 @@
+"""Faults and mistakes around a run folder: kill -9 at random points, damaged checkpoints, a
+config for another model, bad inputs. Each ends with nothing lost and, where the user must act,
+one line saying what to do (docs/runs.md)."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from zeroflow import export, sample
+from zeroflow import train as train_cli
+from zeroflow.checkpoint import CheckpointError
+from zeroflow.config_io import load_config
+from zeroflow.trainer import build_run, train
+from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
+from zeroflow.trainer.reporting import trim_metrics
+from fixtures import TINY_TRAINER
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = TINY_TRAINER + ["data.max_bytes=100000", "train.warmup_steps=2", "train.eval_every=0"]
+LEAKS = ("Traceback", "TensorStore", "tensorstore", "pybind", "NoneType", "zarr", "OCDBT")
+
+
+def config(run_dir, *overrides):
+    return load_config(REPO / "configs/tiny.yaml", SMALL + [f"run.dir={run_dir}", *overrides])
+
+
+def cli_args(run_dir, *overrides):
+    return ["--config", str(REPO / "configs/tiny.yaml"), *SMALL, f"run.dir={run_dir}", *overrides]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """4 steps with a checkpoint every 2: checkpoints/2 and checkpoints/4."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    train(config(run_dir, "train.steps=4", "checkpoint.every=2"))
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    shutil.copytree(finished_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def stored_arrays(step_dir: Path) -> list[np.ndarray]:
+    """Every array of a step's saved state, read by Orbax without our code."""
+    with ocp.StandardCheckpointer() as ckptr:
+        return [np.asarray(x) for x in jax.tree.leaves(ckptr.restore(step_dir / "state"))]
+
+
+def cut_data_files(step_dir: Path) -> None:
+    """Cut every data file of a step's state to a third, as a crash mid-copy would."""
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert not any(leak in err for leak in LEAKS), err
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<dir>"
+            for p in sorted(folder.rglob("*"))}
+
+
+# --- kill -9 -------------------------------------------------------------------------------
+
+def _spawn(args, compile_cache: Path):
+    # One CPU device, like a user's first run; each start reuses the first one's compiled
+    # programs (jax's persistent cache), so a fault costs seconds.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _logged_steps(run_dir: Path) -> int:
+    try:
+        return sum('"step"' in line and '"loss"' in line
+                   for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def test_kill_9_at_random_points_resumes_bit_identically_and_logs_each_step_once(tmp_path):
+    steps = 12
+    common = ["train.steps=12", "checkpoint.every=1", "checkpoint.keep=2", "train.eval_batches=0"]
+    cache = tmp_path / "compiled"
+    straight = _spawn(cli_args(tmp_path / "straight", *common), cache)
+    _, err = straight.communicate(timeout=600)
+    assert straight.returncode == 0, err
+
+    faulty = tmp_path / "faulty"
+    rng = random.Random(22)
+    killed_mid_run = 0
+    for target in sorted(rng.sample(range(1, steps), 3)):  # kill once this many steps are logged
+        proc = _spawn(cli_args(faulty, *common), cache)
+        while proc.poll() is None and _logged_steps(faulty) < target:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.05))  # land anywhere: mid-step, mid-save, mid-log
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=600)
+        killed_mid_run += proc.returncode == -signal.SIGKILL and _logged_steps(faulty) < steps
+    assert killed_mid_run >= 1
+    resumed = _spawn(cli_args(faulty, *common), cache)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+
+    for want, got in zip(stored_arrays(tmp_path / "straight" / "checkpoints" / str(steps)),
+                         stored_arrays(faulty / "checkpoints" / str(steps)), strict=True):
+        np.testing.assert_array_equal(got, want)
+    rows = metric_rows(faulty)
+    logged = [r["step"] for r in rows if "loss" in r]
+    assert logged == list(range(1, steps + 1))  # each step once, in order
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert losses == {r["step"]: r["loss"] for r in metric_rows(tmp_path / "straight") if "loss" in r}
+    assert any(r.get("event") == "resume" for r in rows)
+    assert not list((faulty / "checkpoints").glob("*tmp*"))  # interrupted saves cleaned up
+
+
+def test_trimming_metrics_drops_rows_past_the_step_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 6)] + [{"event": "resume"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')
+    assert trim_metrics(path, 3) == 3
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3] + rows[5:]
+
+
+# --- damaged checkpoints -------------------------------------------------------------------
+
+def test_corrupt_latest_checkpoint_is_moved_aside_and_written_again(run_copy, caplog):
+    original = stored_arrays(run_copy / "checkpoints" / "4")
+    cut_data_files(run_copy / "checkpoints" / "4")
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        result = train(config(run_copy, "train.steps=4", "checkpoint.every=2"))
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "zeroflow"]
+    assert "\n" not in warning and not any(leak in warning for leak in LEAKS), warning
+    assert warning.startswith("checkpoint step 4 is unreadable: checkpoints/4/state/d/")
+    assert "is cut short" in warning and "moved it to checkpoints/4.corrupt, resuming from step 2" in warning
+    assert sorted(result.losses) == [3, 4]
+    assert (run_copy / "checkpoints" / "4.corrupt").is_dir()
+    # Step 4 was saved afresh: readable, and the same state the first run saved.
+    assert RunCheckpoints(run_copy / "checkpoints", 3).steps() == [2, 4]
+    for got, want in zip(stored_arrays(run_copy / "checkpoints" / "4"), original, strict=True):
+        np.testing.assert_array_equal(got, want)
+    rows = metric_rows(run_copy)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    # Dropped: steps 3 and 4 and the final evaluation at 4, all logged again after it.
+    assert {"event": "resume", "resumed_from_step": 2, "dropped_rows": 3} in rows
+    # Rerunning finds a readable latest checkpoint: nothing to train, nothing moved.
+    assert train(config(run_copy, "train.steps=4", "checkpoint.every=2")).losses == {}
+
+
+def _delete(rel):
+    def damage(step_dir):
+        path = step_dir / rel
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return damage
+
+
+def _overwrite(rel, data: bytes):
+    return lambda step_dir: (step_dir / rel).write_bytes(data)
+
+
+def _cut(rel):
+    return lambda step_dir: (step_dir / rel).write_bytes((step_dir / rel).read_bytes()[:20])
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (_delete("state/_METADATA"), "checkpoints/4/state/_METADATA is missing"),
+    (_overwrite("state/_METADATA", b"\x8f\x00garbage"), "checkpoints/4/state/_METADATA is not valid JSON"),
+    (_overwrite("meta/metadata", b"{\"step\": "), "checkpoints/4/meta/metadata is not valid JSON"),
+    (_delete("state"), "checkpoints/4/state/ is missing"),
+    (_cut("state/manifest.ocdbt"), "checkpoints/4/state/manifest.ocdbt is damaged"),
+    (cut_data_files, "is cut short"),
+])
+def test_an_unreadable_step_is_named_with_its_file_and_fault(run_copy, damage, reason):
+    damage(run_copy / "checkpoints" / "4")
+    like = build_run(config(run_copy, "train.steps=4")).abstract_state()
+    with pytest.raises(UnreadableCheckpoint) as caught:
+        RunCheckpoints(run_copy / "checkpoints", 3, read_only=True).restore(4, like)
+    message = str(caught.value)
+    assert message.startswith("checkpoint step 4 is unreadable: ") and reason in message
+    assert "\n" not in message and not any(leak in message for leak in LEAKS), message
+
+
+def test_no_readable_checkpoint_says_what_to_do_and_moves_nothing(run_copy, capsys):
+    for step in (2, 4):
+        _delete("state/_METADATA")(run_copy / "checkpoints" / str(step))
+    before = snapshot(run_copy)
+    assert train_cli.main(cli_args(run_copy, "train.steps=4")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"zeroflow.train: error: no readable checkpoint in {run_copy / 'checkpoints'}: "
+                           "step 2: checkpoints/2/state/_METADATA is missing; step 4: ")
+    assert f"to train this run from scratch move that folder away (mv {run_copy / 'checkpoints'} " in line
+    assert snapshot(run_copy) == before
+
+
+def test_export_and_sample_name_their_step_and_refuse_an_unreadable_latest(run_copy, capsys):
+    cut_data_files(run_copy / "checkpoints" / "4")
+    before = snapshot(run_copy)
+    out = run_copy.parent / "w.safetensors"
+    assert export.main(["--run", str(run_copy), "--out", str(out)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "the newest checkpoint in" in line and "step 4: checkpoints/4/state/d/" in line
+    assert "pass --step 2 to use the newest readable one" in line
+    assert sample.main(["--run", str(run_copy), "--tokens", "2"]) == 2
+    assert "pass --step 2" in one_line(capsys.readouterr().err)
+    assert not out.exists() and snapshot(run_copy) == before  # readers change nothing
+
+    assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "2"]) == 0
+    assert "from step 2 to" in capsys.readouterr().out
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # 0644 under the usual umask, not 0600
+    assert sample.main(["--run", str(run_copy), "--tokens", "2", "--step", "2", "--temperature", "0"]) == 0
+    assert "[step 2]" in capsys.readouterr().err
+    assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "3"]) == 2
+    assert "no checkpoint at step 3" in one_line(capsys.readouterr().err)
+
+
+# --- the run folder is changed only after every check --------------------------------------
+
+def test_a_config_for_another_model_stops_before_the_folder_is_changed(run_copy, capsys):
+    before = snapshot(run_copy)
+    assert train_cli.main(cli_args(run_copy, "train.steps=6", "model.embed_dim=64")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"{run_copy} holds a run of another model: model.embed_dim is 32 there, 64 here" in line
+    assert snapshot(run_copy) == before
+    # Without its config.yaml the checkpoint itself refuses the other model, still before
+    # anything is written.
+    (run_copy / "config.yaml").unlink()
+    before = snapshot(run_copy)
+    assert train_cli.main(cli_args(run_copy, "train.steps=6", "model.embed_dim=64")) == 2
+    assert "does not match the target state" in one_line(capsys.readouterr().err)
+    assert snapshot(run_copy) == before
+
+
+@pytest.fixture(scope="module")
+def damaged_hf_folders(tmp_path_factory):
+    """A small Llama folder written by zeroflow, and copies with a cut and a random
+    model.safetensors."""
+    from zeroflow import hf
+    from zeroflow.config import ModelConfig
+    from zeroflow.models import GPT, init_params
+    root = tmp_path_factory.mktemp("hf")
+    model_cfg = ModelConfig(vocab_size=256, seq_len=32, num_layers=1, embed_dim=32, num_heads=2,
+                            mlp_dim=64)
+    params, _ = init_params(model_cfg, jax.random.key(0))
+    hf.save_pretrained(GPT(model_cfg), params, model_cfg, root / "good")
+    good = (root / "good" / "model.safetensors").read_bytes()
+    folders = {}
+    for name, data in (("cut", good[: len(good) // 2]),
+                       ("random", np.random.default_rng(0).bytes(len(good)))):
+        shutil.copytree(root / "good", root / name)
+        (root / name / "model.safetensors").write_bytes(data)
+        folders[name] = root / name
+    return folders
+
+
+@pytest.mark.parametrize("case", ["missing data", "cut safetensors", "random safetensors"])
+def test_bad_inputs_are_one_line_exit_2_and_leave_no_run_folder(case, damaged_hf_folders,
+                                                                 tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "new-run"
+    override, needle = {
+        "missing data": ("data.source=/no/such/corpus", "data source not found: '/no/such/corpus'"),
+        "cut safetensors": (f"model.init_from={damaged_hf_folders['cut']}",
+                            "model.safetensors is not a readable safetensors file (shorter than "
+                            "its header says: cut short?)"),
+        "random safetensors": (f"model.init_from={damaged_hf_folders['random']}",
+                               "model.safetensors is not a readable safetensors file"),
+    }[case]
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", override)) == 2
+    assert needle in one_line(capsys.readouterr().err)
+    assert not run_dir.exists()
+    monkeypatch.setenv("ZEROFLOW_TRACEBACK", "1")  # the full traceback when asked for
+    with pytest.raises((ValueError, FileNotFoundError)):
+        train_cli.main(cli_args(run_dir, "train.steps=2", override))
+
+
+# --- what a person reads -------------------------------------------------------------------
+
+def test_step_lines_and_summary_go_to_stdout_unwrapped(tmp_path, capsys):
+    train(config(tmp_path / "run", "train.steps=4", "train.log_every=2", "run.progress=true",
+                 "train.eval_batches=1"))
+    out, err = capsys.readouterr()
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["2/4", "4/4"]  # every train.log_every steps
+    assert all("loss " in line and "tok/s" in line for line in steps)
+    summary = [line for line in out.splitlines() if "params: " in line]
+    assert len(summary) == 1 and len(summary[0]) > 80  # one line, however long
+    assert any(line.startswith("final: train loss") for line in out.splitlines())
+    assert "step 2/4" not in err and "final:" not in err
+
+
+def test_raising_train_steps_announces_the_stretched_schedule(run_copy, caplog):
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        train(config(run_copy, "train.steps=6"))
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "zeroflow"]
+    # optax's own schedule, as the run configures it: warmup 2, cosine to 0.1 x lr.
+    lr = load_config(REPO / "configs/tiny.yaml").train.lr
+    old, new = (float(optax.warmup_cosine_decay_schedule(0.0, lr, 2, steps, lr * 0.1)(4))
+                for steps in (4, 6))
+    assert warning == (f"train.steps 4 -> 6: the learning-rate schedule follows the new settings, "
+                       f"so the rate after update 4 changes from {old:.2e} to {new:.2e}")
+
+
+def test_byte_level_hf_export_has_a_tokenizer_giving_our_byte_ids(finished_run, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    out = tmp_path / "hf"
+    assert export.main(["--run", str(finished_run), "--format", "hf", "--out", str(out)]) == 0
+    assert "with tokenizer.json (byte ids)" in capsys.readouterr().out
+    text = "def f(x):\n\treturn x  # héllo wörld ✓ 🎉 \x00\x7f"
+    want = list(text.encode("utf-8"))  # the byte tokenizer's ids
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    assert fast.encode(text) == want and fast.decode(want) == text
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    assert auto(text)["input_ids"] == want  # no BOS token added
+    every_byte = bytes(range(256)).decode("latin-1")
+    assert fast.encode(every_byte) == list(every_byte.encode("utf-8"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+        p.name: 0o666 & ~umask for p in out.iterdir()}

@@ -1,0 +1,113 @@
+"""Why a checkpoint cannot be read, in words a person can act on: which file, what is wrong.
+
+Orbax and TensorStore report damage in their own terms (zarr drivers, OCDBT databases, byte
+ranges, pybind objects, or a ``TypeError`` when a metadata file is gone). ``describe`` looks
+at the step's folder first (the files every complete checkpoint has) and otherwise turns the
+library's message into one sentence that names the file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+# The files Orbax writes for every step of a RunCheckpoints: item folder -> files in it (and
+# the OCDBT index, when the arrays were written to an OCDBT database: per-process folders).
+REQUIRED = {"state": ("_METADATA",), "meta": ("metadata",)}
+OCDBT_INDEX = "manifest.ocdbt"
+_TRUNCATED = re.compile(r'local file "([^"]+)": Requested byte range \[\d+, (\d+)\) is not valid '
+                        r'for value of size (\d+)')
+_MISSING_ARRAY = re.compile(r'Metadata at "([^"]+)/\.zarray" in OCDBT database at local file '
+                            r'"([^"]+)" does not exist')
+_FILE_FAULT = re.compile(r'local file "([^"]*[^/"])": ([^;\[]+)')
+_NOISE = re.compile(r"\s*\[tensorstore_spec=.*|\s*See full TensorStore details.*|\s*\[source locations=.*")
+
+
+def shown(path: Path, root: Path) -> str:
+    """``path`` relative to the run folder (``root``'s parent) when it lies inside it."""
+    try:
+        return str(Path(path).relative_to(root.parent))
+    except ValueError:
+        return str(path)
+
+
+def _bad_json(file: Path) -> str | None:
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "is not valid JSON (damaged or cut short)"
+    return None
+
+
+def missing_or_damaged(step_dir: Path, root: Path) -> str | None:
+    """The first required file of ``step_dir`` that is missing, empty or not JSON, or None."""
+    if not step_dir.is_dir():
+        return f"{shown(step_dir, root)} is missing"
+    for item, names in REQUIRED.items():
+        folder = step_dir / item
+        if not folder.is_dir():
+            return f"{shown(folder, root)}/ is missing (the step was not copied or written whole)"
+        if item == "state" and any(folder.glob("ocdbt.process_*")):
+            names = (*names, OCDBT_INDEX)
+        for name in names:
+            file = folder / name
+            if not file.is_file():
+                return f"{shown(file, root)} is missing"
+            if file.stat().st_size == 0:
+                return f"{shown(file, root)} is empty"
+            if name != OCDBT_INDEX and (problem := _bad_json(file)):
+                return f"{shown(file, root)} {problem}"
+    return None
+
+
+def from_error(error: BaseException, step_dir: Path, root: Path) -> str:
+    """One sentence from a library error raised while reading ``step_dir``."""
+    text = " ".join(str(error).split())
+    if m := _TRUNCATED.search(text):
+        file, wanted, size = m.groups()
+        return (f"{shown(Path(file), root)} is cut short ({size} bytes, at least {wanted} "
+                "expected)")
+    if m := _MISSING_ARRAY.search(text):
+        array, db = m.groups()
+        return (f"array '{array}' is missing from {shown(Path(db), root)} (its index files "
+                "are missing or damaged)")
+    if isinstance(error, KeyError):
+        return f"{shown(step_dir, root)} lacks part of the checkpoint ({text.strip(chr(39))})"
+    if faults := _FILE_FAULT.findall(text):
+        file, fault = faults[-1]  # the innermost: the file that is damaged, and how
+        return f"{shown(Path(file), root)} is damaged ({fault.strip()[:120]})"
+    return f"{shown(step_dir, root)} cannot be read ({type(error).__name__}: {_NOISE.sub('', text)[:160]})"
+
+
+def describe(error: BaseException, step_dir: Path, root: Path) -> str:
+    """Why ``step_dir`` (a step folder under ``root``) could not be read, in one sentence."""
+    return missing_or_damaged(step_dir, root) or from_error(error, step_dir, root)
+
+
+class _DropTensorStoreLeftovers(logging.Filter):
+    """asyncio's "... exception was never retrieved" for the TensorStore reads that failed
+    after Orbax had already raised the first failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (str(record.msg).split("\n")[0].endswith("exception was never retrieved")
+                    and "tensorstore_spec" in str(error))
+
+
+def quiet_closed_loops() -> None:
+    """After a failed read, TensorStore's worker threads still hand their results to the event
+    loop Orbax has closed; each would print a traceback (through ``sys.unraisablehook``) or an
+    asyncio error. Those, and only those, are dropped; installed once per process."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loops", False):
+        return
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+    hook.drops_closed_loops = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_DropTensorStoreLeftovers())
