@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from zeroflow.optim.adam import ADAMW_CHOICES
 from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
 from zeroflow.precision import AUTOCAST, DTYPES, MASTER_DTYPES
 
@@ -143,6 +144,8 @@ class TrainConfig:
     "Adam beta2."
     grad_clip: float = 1.0
     "Global gradient-norm clip (0 disables it)."
+    optimizer: str = one_of(*ADAMW_CHOICES)
+    "AdamW with fp32 moments ('adamw', 8 bytes per parameter), blockwise 8-bit ('adamw_8bit', about 2) or bf16 ('adamw_bf16', 4)."
     seed: int = 0
     "Seed for parameters and data order."
     log_every: int = 10
