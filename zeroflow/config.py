@@ -58,8 +58,8 @@ class ModelConfig:
     "Share the input embedding with the output projection."
     rope_base: float = 10000.0
     "Rotary position embedding base frequency."
-    remat: str = one_of("none", "full", "save_dots")
-    "Rematerialisation policy for each block: 'none', 'full' or 'save_dots'."
+    remat: str = one_of("none", "full", "save_dots", "offload_dots")
+    "Rematerialisation policy for each block: 'none', 'full', 'save_dots' or 'offload_dots' (save_dots's matmul outputs kept in pinned host memory; in device memory where host memory is the device's, as on XLA:CPU)."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
     mlp: str = one_of("dense", "block_sparse")
