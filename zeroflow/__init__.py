@@ -8,7 +8,7 @@
     step  = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=1)
     state, metrics = step(state, batch)
 
-    tx    = zf.optim.adamw_8bit(3e-4)      # AdamW with 8-bit moments (docs/engine.md)
+    tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md)
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
 from zeroflow import _quiet_jax
