@@ -183,13 +183,15 @@ def test_cli_prints_table_and_cheapest_fit(capsys):
                  "precision.params=bf16"]) == 0
     out = capsys.readouterr().out
     assert "optimizer+params" in out and "save_dots" in out
-    # The documented order: no offload first, then remat none < save_dots < full, then stage.
+    # The documented order: no offload first, then remat none < save_dots < offload_dots < full,
+    # then stage.
     assert main(["--devices", "8", "--measure", "never", "--json",
                  "precision.params=bf16"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     fitting = [r for r in rows if r["estimated_peak_bytes"] <= 10e6]
     best = min(fitting, key=lambda r: (["none", "optimizer", "optimizer+params"].index(r["offload"]),
-                                       ["none", "save_dots", "full"].index(r["remat"]), r["stage"]))
+                                       ["none", "save_dots", "offload_dots", "full"].index(r["remat"]),
+                                       r["stage"]))
     assert 1 < len(fitting) < len(rows)  # the limit decides something
     assert (f"Cheapest choice that fits in 10.00 MB: parallel.zero_stage={best['stage']} "
             f"parallel.offload={best['offload']} model.remat={best['remat']}") in out

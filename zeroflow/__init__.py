@@ -8,6 +8,7 @@
     step  = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=1)
     state, metrics = step(state, batch)
 
+    tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md)
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 """
 from zeroflow import _quiet_jax
@@ -23,11 +24,11 @@ from zeroflow.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E40
 from zeroflow.step import make_train_step  # noqa: E402
 from zeroflow.autocast import (  # noqa: E402
     AutocastPolicy, autocast, autocast_report, scaled_value_and_grad)
-from zeroflow import backend, memory, offload, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
+from zeroflow import backend, memory, offload, optim, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
 __all__ = ["make_mesh", "planning_mesh", "target_mesh", "backend", "Precision", "LossScaleState",
            "ZeroPlan",
            "PlanDescription", "TrainState", "init_train_state", "state_shardings",
-           "make_train_step", "save_checkpoint", "restore_checkpoint", "memory", "offload",
+           "make_train_step", "save_checkpoint", "restore_checkpoint", "memory", "offload", "optim",
            "padding", "autocast", "AutocastPolicy", "autocast_report", "scaled_value_and_grad"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from zeroflow.optim.adam import ADAMW_CHOICES
 from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
 from zeroflow.precision import AUTOCAST, DTYPES, MASTER_DTYPES
 
@@ -57,8 +58,8 @@ class ModelConfig:
     "Share the input embedding with the output projection."
     rope_base: float = 10000.0
     "Rotary position embedding base frequency."
-    remat: str = one_of("none", "full", "save_dots")
-    "Rematerialisation policy for each block: 'none', 'full' or 'save_dots'."
+    remat: str = one_of("none", "full", "save_dots", "offload_dots")
+    "Rematerialisation policy for each block: 'none', 'full', 'save_dots' or 'offload_dots' (save_dots's matmul outputs kept in pinned host memory; in device memory where host memory is the device's, as on XLA:CPU)."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
     mlp: str = one_of("dense", "block_sparse")
@@ -143,6 +144,8 @@ class TrainConfig:
     "Adam beta2."
     grad_clip: float = 1.0
     "Global gradient-norm clip (0 disables it)."
+    optimizer: str = one_of(*ADAMW_CHOICES)
+    "AdamW with fp32 moments ('adamw', 8 bytes per parameter), blockwise 8-bit ('adamw_8bit', about 2) or bf16 ('adamw_bf16', 4)."
     seed: int = 0
     "Seed for parameters and data order."
     log_every: int = 10

@@ -18,6 +18,7 @@ from zeroflow.memory.estimate import (
     estimate,
     estimate_config,
     format_bytes,
+    offloaded_activations,
     parse_bytes,
 )
 from zeroflow.memory.collectives import Collective, collectives, overlap
@@ -28,5 +29,5 @@ from zeroflow.memory.peak import PeakEstimate, estimate_config_step, estimate_st
 __all__ = ["Collective", "collectives", "compile_step", "overlap", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
            "count_gpt_params", "estimate", "estimate_config", "estimate_config_step",
            "estimate_step", "format_bytes", "measure", "measure_config", "measure_step",
-           "parse_bytes",
+           "offloaded_activations", "parse_bytes",
            "state_bytes"]

@@ -7,8 +7,8 @@ names the cheapest choice that fits. Nothing model-sized is allocated: the measu
 comes from ahead-of-time compilation with abstract inputs.
 
 "Cheapest" ranks choices by their usual cost in step time: no offload before offload
-(PCIe traffic), then remat none < save_dots < full (recompute), then a lower stage (stage 3
-adds an all-gather per use). A choice fits when max(estimate, measured) <= --device-memory.
+(PCIe traffic), then remat none < save_dots < offload_dots (activations over PCIe) < full
+(recompute), then a lower stage (stage 3 adds an all-gather per use). A choice fits when max(estimate, measured) <= --device-memory.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ MEASURE_MAX_PARAMS = 50_000_000
 "'--measure auto' compiles only models up to this many parameters..."
 MEASURE_MAX_DEVICES = 16
 "... and only meshes up to this many devices (CPU compile time grows with both)."
-REMAT_COST = {"none": 0, "save_dots": 1, "full": 2}
+REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3}
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
@@ -40,6 +40,7 @@ class Row:
     measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
     note: str = ""
     overlap: dict | None = None  # zeroflow.memory.collectives.overlap of the compiled step
+    measured_host_bytes: float | None = None  # XLA's host-memory buffers per device (host_*)
 
     @property
     def need_bytes(self) -> float:
@@ -48,13 +49,14 @@ class Row:
 
     @property
     def host_bytes(self) -> float:
-        """Pinned host memory per process (its devices' offloaded state)."""
-        return self.estimate.host_state * self.devices_per_process
+        """Pinned host memory per process (its devices' offloaded state and activations)."""
+        return (self.estimate.host_state + self.estimate.host_activations) * self.devices_per_process
 
     def as_json(self) -> dict:
         return {"stage": self.stage, "offload": self.offload, "update_on": self.update_on,
                 "remat": self.remat, "estimated_peak_bytes": round(self.estimate.peak_bytes),
                 "measured_peak_bytes": None if self.measured_bytes is None else round(self.measured_bytes),
+                "measured_host_bytes": None if self.measured_host_bytes is None else round(self.measured_host_bytes),
                 "peak_phase": self.estimate.phase, "host_bytes_per_process": round(self.host_bytes),
                 "terms": {k: round(v) for k, v in self.estimate.terms().items()},
                 **({"overlap": self.overlap} if self.overlap is not None else {}),
@@ -79,14 +81,17 @@ def _choices(text: str, valid: Sequence, name: str, cast=str) -> list:
 
 
 def _measured(cfg, devices: int, stage: int, offload: str, remat: str,
-              target: str | None) -> tuple[float, dict]:
-    """XLA's device peak of one choice, and the overlap of its collectives."""
+              target: str | None) -> tuple[float, dict, float]:
+    """XLA's device peak of one choice, the overlap of its collectives and its host-memory
+    bytes per device (offloaded state and activations, where the backend separates them)."""
     from zeroflow.memory.collectives import collectives, overlap
     from zeroflow.memory.measure import analysed, compile_config, device_peak
     update_on = cfg.parallel.update_on if offload != "none" else "device"
     compiled, setup = compile_config(cfg, num_devices=devices, stage=stage, offload=offload,
                                      update_on=update_on, remat=remat, target=target)
-    return float(device_peak(analysed(compiled), setup.state)), overlap(collectives(compiled))
+    got = analysed(compiled)
+    host = got.host_argument_bytes + got.host_output_bytes + got.host_temp_bytes
+    return float(device_peak(got, setup.state)), overlap(collectives(compiled)), float(host)
 
 
 def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
@@ -108,17 +113,17 @@ def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REM
                 update_on = cfg.parallel.update_on if offload != "none" else "device"
                 est = estimate_config_step(cfg, num_devices=devices, stage=stage, offload=offload,
                                            update_on=update_on, remat=remat, backend=backend)
-                measured, note, overlapped = None, "", None
+                measured, note, overlapped, host = None, "", None, None
                 if measure == "always":
                     if log:
                         log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
                     try:
-                        measured, overlapped = _measured(cfg, devices, stage, offload, remat,
-                                                         target)
+                        measured, overlapped, host = _measured(cfg, devices, stage, offload,
+                                                               remat, target)
                     except Exception as e:  # a choice that cannot compile is reported, not fatal
                         note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
                 rows.append(Row(stage, offload, remat, update_on, est, per_process, measured, note,
-                                overlapped))
+                                overlapped, host))
     return rows
 
 
@@ -142,6 +147,8 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
     for r in rows:
         e = r.estimate
         measured = format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
+        if r.measured_host_bytes:
+            measured += f" (+{format_bytes(r.measured_host_bytes)} host)"
         fits = "yes" if r.need_bytes <= device_memory else "no"
         style = "bold green" if r is best else None
         cells = [str(r.stage), r.offload, r.remat, format_bytes(e.model_states),

@@ -233,11 +233,23 @@ def activations(model, *, micro_batch: int, remat: str | None = None, precision:
         blocks = layers * per_layer_none
     elif remat == "save_dots":
         blocks = layers * per_layer_dots + per_layer_none  # + one block being recomputed
-    else:
+    else:  # full, and offload_dots: its matmul outputs are in host memory (offloaded_activations)
         blocks = layers * per_layer_full + per_layer_none
     # Embedding output, final norm in/out, fp32 logits and the fp32 softmax of the loss.
     head_bytes = width * tokens * 3 * h + 2 * 4 * tokens * v
     return float(blocks + head_bytes)
+
+
+def offloaded_activations(model, *, micro_batch: int, remat: str | None = None,
+                          precision: Any = "bf16") -> float:
+    """Activations remat 'offload_dots' keeps in pinned host memory per device for one
+    micro-batch: save_dots's matmul outputs, the block input aside (0 for other policies)."""
+    remat = model.remat if remat is None else remat
+    if remat != "offload_dots":
+        return 0.0
+    saved = activations(model, micro_batch=micro_batch, remat="save_dots", precision=precision)
+    device = activations(model, micro_batch=micro_batch, remat="full", precision=precision)
+    return float(saved - device)
 
 
 def _gpt_param_counts(model) -> tuple[int, int]:

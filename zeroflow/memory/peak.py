@@ -8,8 +8,10 @@
   whole weights from the master shards for the forward and backward pass;
 - ``gradients``: the fp32 gradients the backward pass leaves, whole where they are all-reduced
   (stage 0, stage 1 with accumulation) and 1/N where they are reduce-scattered on use;
-- ``activations``: what the backward pass keeps from the forward pass (the residuals of
-  ``jax.vjp`` of the loss on one device's micro-batch, the weights themselves excluded);
+- ``activations``: what the backward pass keeps from the forward pass in device memory (the
+  residuals of ``jax.vjp`` of the loss on one device's micro-batch, the weights themselves
+  excluded); residuals a remat policy offloads (remat 'offload_dots') are ``host_activations``,
+  not part of the device peak;
 - ``layer_in_flight``: the unit being differentiated: one scanned layer (``gather_per_layer``)
   or the largest weight otherwise, as fetched for use plus its whole fp32 local gradient
   before that is reduced;
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from zeroflow import backend as backends
 from zeroflow.grads.local import Route, routes
 from zeroflow.memory.trace_cache import remembered
 from zeroflow.plan import ZeroPlan, path_str
@@ -57,6 +60,8 @@ class PeakEstimate:
     backward_start: float
     backward_end: float
     update: float
+    host_activations: float = 0.0
+    "Activations offloaded to pinned host memory for the backward pass, per device."
 
     @property
     def peak_bytes(self) -> float:
@@ -115,11 +120,12 @@ def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[b
 
 @remembered  # a plan traces the same loss for every stage and offload
 def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
-                         extras: dict | None = None) -> list:
+                         extras: dict | None = None, memory: str | None = None) -> list:
     """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the
     backward pass, the parameters themselves excluded (also as a scan keeps them: its slices
     stacked again). Traced abstractly: nothing runs. ``extras``: the keywords the step passes
-    the loss (``model_state``, ``rng``)."""
+    the loss (``model_state``, ``rng``). ``memory``: only those in ``"device"`` or in ``"host"``
+    memory (a remat policy's offloaded residuals), default all."""
     found: list = []
 
     def probe(params, batch, extras):
@@ -132,11 +138,23 @@ def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None
         weights = {(tuple(p.shape), p.dtype) for p in inputs}
         found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(vjp)
                      if not any(r is p for p in inputs)
-                     and (tuple(r.shape), r.dtype) not in weights)
+                     and (tuple(r.shape), r.dtype) not in weights
+                     and memory in (None, _memory_of(r)))
         return 0
 
     jax.make_jaxpr(probe)(params, batch, extras or {})
     return found
+
+
+def _traits_for(plan: ZeroPlan, platform: str | None) -> backends.Traits:
+    if platform is None or plan.traits.platform == platform:
+        return plan.traits
+    return backends.for_platform(platform)
+
+
+def _memory_of(x) -> str:
+    space = getattr(getattr(x, "aval", None), "memory_space", None)
+    return "host" if space is not None and space.name.lower() == "host" else "device"
 
 
 def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *,
@@ -204,7 +222,12 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     grads = [F32 * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
              for w, r in zip(whole, flat_routes)]
 
-    activations = _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras) / model
+    # Traced for the backend compiled for: a remat policy may offload only where host memory
+    # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
+    with backends.tracing_for(_traits_for(plan, backend)):
+        activations, host_activations = (
+            _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind)
+            / model for kind in ("device", "host"))
     if model_state is not None:  # replicated, beside the model states
         states += sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
                       for x in jax.tree.leaves(model_state))
@@ -244,7 +267,8 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
                         gathered_weights=sum(gathered_whole),
                         gradients=sum(grads), activations=activations,
                         layer_in_flight=in_flight, widened=widened,
-                        backward_start=at_start, backward_end=at_end, update=update)
+                        backward_start=at_start, backward_end=at_end, update=update,
+                        host_activations=host_activations)
 
 
 def _micro_batch(batch, n: int, grad_accum: int):
@@ -258,8 +282,9 @@ def _micro_batch(batch, n: int, grad_accum: int):
 
 
 def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
-                    extras: dict | None = None) -> float:
-    """Bytes of the loss's residuals on one micro-batch, as the step runs it (autocast too)."""
+                    extras: dict | None = None, memory: str | None = None) -> float:
+    """Bytes of the loss's residuals on one micro-batch, as the step runs it (autocast too);
+    ``memory``: only those in device or in host memory (``activation_residuals``)."""
     compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
                                   params)
     fn = loss_fn
@@ -267,7 +292,7 @@ def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
         from zeroflow.autocast import autocast
         fn = autocast(loss_fn, dtype=prec.autocast)
     residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer,
-                                     extras=extras)
+                                     extras=extras, memory=memory)
     return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
 
 
@@ -327,8 +352,9 @@ def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
         plain = gpt_step_parts(cfg, num_devices=num_devices, stage=stage, offload=offload,
                                update_on=update_on, remat="none", planning=True)
         micro = _micro_batch(parts.batch, parts.plan.data_size, cfg.parallel.grad_accum)
-        kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
-                for p in (plain, parts)]
+        with backends.tracing_for(_traits_for(parts.plan, backend)):  # where remat may offload
+            kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
+                    for p in (plain, parts)]
         # The layer being differentiated holds its recomputed activations and, beside them, the
         # cotangent of the largest (attention scores: XLA:GPU keeps both in fp32). The scan
         # stacks each activation over the layers, hence the division.

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from zeroflow import backend
 from zeroflow.config import ModelConfig, choices_of
@@ -26,6 +28,10 @@ from zeroflow.models.axes import (EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP,
                                   VOCAB)
 
 INIT_STD = 0.02
+
+MATMUL_OUTPUTS = ("query", "key", "value", "attn_out", "mlp_up", "mlp_gate", "mlp_down")
+"Names (``checkpoint_name``) of a block's weight-matmul outputs: what remat 'offload_dots' moves"
+" to host memory for the backward pass."
 
 _CHOICES = choices_of(ModelConfig)
 "The allowed values of each enumerated model setting, as ModelConfig spells them."
@@ -209,6 +215,7 @@ class Attention(nn.Module):
         k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="key")(x)
         v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias,
                   name="value")(x)
+        q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
         if cfg.positions == "rope":
             q = apply_rope(q, cfg.rope_base, cfg, positions)
             k = apply_rope(k, cfg.rope_base, cfg, positions)
@@ -218,8 +225,9 @@ class Attention(nn.Module):
                                cfg.sliding_window, segment_ids)
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
-        return Dense((cfg.embed_dim,), (HEADS, HEAD_DIM, EMBED), contract=2,
-                     stddev=_output_std(cfg), use_bias=cfg.attn_bias == "all", name="out")(out)
+        out = Dense((cfg.embed_dim,), (HEADS, HEAD_DIM, EMBED), contract=2,
+                    stddev=_output_std(cfg), use_bias=cfg.attn_bias == "all", name="out")(out)
+        return checkpoint_name(out, "attn_out")
 
 
 def _output_std(cfg: ModelConfig) -> float:
@@ -242,13 +250,15 @@ class Mlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         up = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "up", layout_seed=0)(x)
+        up = checkpoint_name(up, "mlp_up")
         if cfg.mlp_activation == "swiglu":
             gate = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "gate", layout_seed=1)(x)
-            hidden = nn.silu(gate) * up
+            hidden = nn.silu(checkpoint_name(gate, "mlp_gate")) * up
         else:  # 'gelu' is the tanh approximation (GPT-2's gelu_new), 'gelu_exact' the erf form
             hidden = nn.gelu(up, approximate=cfg.mlp_activation == "gelu")
-        return self._projection(cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down",
+        down = self._projection(cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down",
                                 layout_seed=2)(hidden)
+        return checkpoint_name(down, "mlp_down")
 
 
 class Block(nn.Module):
@@ -281,9 +291,26 @@ def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Modu
         # Fetched weights are no dot outputs, so they are recomputed too.
         return nn.remat(block, prevent_cse=False,
                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if remat == "offload_dots":
+        return nn.remat(block, prevent_cse=False, policy=offload_policy(backend.current()))
     if fetched:
         return nn.remat(block, prevent_cse=False, policy=save_all_but_fetched)
     return block
+
+
+def offload_policy(traits: backend.Traits):
+    """Remat 'offload_dots': the block's matmul outputs (``MATMUL_OUTPUTS``) are copied to pinned
+    host memory in the forward pass and back for the backward pass; everything else (norms,
+    attention scores, fetched weights) is recomputed. Where host memory is the device's own
+    (XLA:CPU) the copies would save nothing: the outputs stay in device memory, as 'save_dots'
+    would keep them."""
+    if not traits.separate_host_memory:
+        warnings.warn(f"model.remat='offload_dots': {traits.platform} has no separate host memory; "
+                      "the matmul outputs are kept in device memory instead", stacklevel=2)
+        return jax.checkpoint_policies.save_only_these_names(*MATMUL_OUTPUTS)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(MATMUL_OUTPUTS),
+        offload_src="device", offload_dst="pinned_host")
 
 
 LAYER_STACK = "layers"
@@ -318,8 +345,10 @@ class GPT(nn.Module):
         if cfg.positions == "learned":
             x = x + self._learned_positions(tokens.shape[-1], positions).astype(x.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+        # Initialising needs only shapes: no backend to ask where activations may go.
+        remat = "save_dots" if cfg.remat == "offload_dots" and self.is_initializing() else cfg.remat
         stack = nn.scan(
-            _rematted(block, cfg.remat, fetched=block is not Block),
+            _rematted(block, remat, fetched=block is not Block),
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast, nn.broadcast),

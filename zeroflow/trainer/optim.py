@@ -1,10 +1,14 @@
-"""The trainer's optimizer: warmup + cosine schedule, AdamW with decay masked off norms and
-biases, global-norm clipping. All optax."""
+"""The trainer's optimizer: warmup + cosine schedule, AdamW (moments in fp32, 8 bits or bf16:
+``train.optimizer``) with decay masked off norms and biases, global-norm clipping. All optax."""
 from __future__ import annotations
 
 import optax
 
+from zeroflow import optim
 from zeroflow.config import TrainConfig
+
+ADAMW = {"adamw": optax.adamw, "adamw_8bit": optim.adamw_8bit, "adamw_bf16": optim.adamw_bf16}
+"``train.optimizer`` -> the AdamW factory (the same arguments as ``optax.adamw``)."
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -17,6 +21,6 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 def make_optimizer(cfg: TrainConfig, decay_mask) -> optax.GradientTransformation:
     """``decay_mask``: pytree of bools (or a function of params) where weight decay applies."""
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    parts.append(optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
-                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    parts.append(ADAMW[cfg.optimizer](lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
+                                         weight_decay=cfg.weight_decay, mask=decay_mask))
     return optax.chain(*parts)
