@@ -103,7 +103,7 @@ def measure_row(name, loss, params, batch, mesh, stage, where):
     return row
 
 
-def config_row(config, target, devices, stage, remat, overrides=()):
+def config_row(config, target, devices, stage, remat, overrides=(), label=""):
     from zeroflow.config_io import load_config
     from zeroflow.memory.__main__ import plan_rows
     cfg = load_config(config, ["model.attention=xla", *overrides])
@@ -118,7 +118,8 @@ def config_row(config, target, devices, stage, remat, overrides=()):
     if r.measured_bytes is None:
         raise RuntimeError(f"{config}: {r.note}")
     psi = zf.memory.count_gpt_params(cfg.model)
-    row = {"model": f"{Path(config).stem} (remat {remat})", "where": f"{devices} x {target}",
+    row = {"model": f"{Path(config).stem} (remat {remat}{', ' + label if label else ''})",
+           "where": f"{devices} x {target}",
            "stage": stage, "psi": psi, "peak": r.measured_bytes,
            "ratio": r.measured_bytes / formula(stage, psi, devices),
            "ratio_wo_act": (r.measured_bytes - r.estimate.activations) / formula(stage, psi, devices),
@@ -150,6 +151,8 @@ def main(argv=None):
     rows = []
     for name, (loss, params), batch in [
             ("plain 6 x 1024/4096", plain_model(1024, 4096, 6), tokens(16, 128)),
+            # the same model with activations made small: model states alone
+            ("plain 6 x 1024/4096, 8 x 16 tokens", plain_model(1024, 4096, 6), tokens(8, 16)),
             ("plain 16 x 512/2048", plain_model(512, 2048, 16), tokens(8, 64))]:
         for stage in (2, 3):
             rows.append(measure_row(name, loss, params, batch, h100, stage, "8 x h100"))
@@ -169,6 +172,13 @@ def main(argv=None):
                                   ("configs/finetune-llama3-8b.yaml",
                                    ("parallel.grad_accum=1", "train.batch_size=8"))):
             rows.append(config_row(config, "h100", 8, 3, "full", overrides))
+        # The trainer's GPT with activations made small (one sequence of 128 tokens per
+        # device): model states alone, against the formula.
+        small = ("train.batch_size=8", "model.seq_len=128", "parallel.grad_accum=1")
+        for config in ("configs/gpt2-small.yaml", "configs/gpt-1b.yaml"):
+            for stage in (2, 3):
+                rows.append(config_row(config, "h100", 8, stage, "full", small,
+                                       label="8 x 128 tokens"))
     write(rows, args.out)
 
 

@@ -213,9 +213,9 @@ def test_cli_plans_for_the_backend_it_is_told_and_says_so(capsys):
 
 
 def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
-    """What makes ``--measure never`` take seconds: the 36 choices (stage x offload x remat)
-    trace the model's loss a few times per remat policy, not several times per choice; the
-    estimates are what tracing every time gives."""
+    """What makes ``--measure never`` take seconds: the 48 choices (4 stages x 3 offloads x 4
+    remat policies) trace the model's loss a few times per remat policy, not several times per
+    choice; the estimates are what tracing every time gives."""
     from zeroflow.memory.__main__ import plan_rows
     from zeroflow.memory.measure import _loss_by_fields
     from zeroflow.trainer import setup
@@ -237,8 +237,9 @@ def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
     _loss_by_fields.cache_clear()
     rows = plan_rows(cfg, devices=8, measure="never", backend="gpu")
     _loss_by_fields.cache_clear()
-    assert len(rows) == 36
-    assert sorted(set(traces)) == ["full", "none", "save_dots"] and len(traces) <= 9, traces
+    assert len(rows) == 48
+    assert sorted(set(traces)) == ["full", "none", "offload_dots", "save_dots"], traces
+    assert len(traces) <= 4 * 4, traces  # a few per policy, never one per choice
     # The same estimates as a loss traced afresh for one choice of each policy.
     for row in rows[:: len(rows) // 4]:
         fresh = memory.estimate_config_step(cfg, num_devices=8, stage=row.stage, offload=row.offload,
