@@ -24,7 +24,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend, offload, padding, update
-from zeroflow.grads import Route, local_grads, routes
+from zeroflow.grads import local_grads, step_routes
+from zeroflow.grads.routes import is_route
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -76,53 +77,25 @@ def _place(tree, shardings):
 def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
                plan: ZeroPlan, prec: Precision, grad_accum: int, layout: StepLayout,
                per_layer: str | None = None, prefetch: int = 0):
-    """One optimizer step on a global batch; returns ``(new_state, metrics)``."""
+    """One optimizer step on a global batch; returns ``(new_state, metrics)``: gradients on
+    every device, reduced by the plan, then the update where the plan keeps the state."""
     n = plan.data_size
     check_batch(batch, n * grad_accum, n, grad_accum)
     batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch)
-
     if per_layer is not None and per_layer not in state.master:
         raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
-    # Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
-    # stage 3 they are whole on every device (fp32 compute gathers them from the master here).
-    # Offloaded weights stream in here, whole, except the layer stacks that the loss fetches
-    # one layer at a time (gather_layer): those stay in host memory.
-    # fp32 at stages 1-2 keeps no compute copy: it is gathered from the master on the device.
-    from_host = plan.offloads_params and (state.compute is not None or plan.stage in (0, 3))
-    is_route = lambda x: isinstance(x, Route)  # noqa: E731
-    route_tree = routes(layout.layouts, plan, per_layer, from_host, grad_accum=grad_accum)
-    streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
-    compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
-                              layout.compute_on_device, layout.compute_stored, streamed)
+    route_tree = step_routes(layout.layouts, plan, prec, per_layer, grad_accum)
     pads = state.padding
-    params = state.stored_params
-    if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
-        params = padding.unpad(params, pads.master)
-    params = _place(params, compute_sh)
     scale = prec.step_scale(state.loss_scale)
     # What the loss gets besides weights and data: the step's key (local_grads folds in the
     # device and micro-batch) and the model state.
     extras = {**({} if state.model_state is None else {"model_state": state.model_state}),
               **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
-
-    local = functools.partial(local_grads, loss_fn=loss_fn, layouts=layout.layouts, plan=plan,
-                              grad_accum=grad_accum, per_layer=per_layer, from_host=from_host,
-                              prefetch=prefetch)
-    if n == 1:  # one device on the data axis: no shard_map, no collectives to place
-        grads, loss, aux, model_state = local(params, batch, scale, extras, collective=False)
-    else:
-        is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
-        specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
-                                layout.layouts, is_leaf=is_layout)
-        specs_grad = jax.tree.map(lambda lay, r: lay.data_only_spec(r.sharded_grad),
-                                  layout.layouts, route_tree, is_leaf=is_layout)
-        batch_specs = jax.tree.map(lambda _: P(DATA), batch)
-        # ``model`` stays automatic for tensor-parallel rules; without them every axis is
-        # manual, which is what kernels with custom partitioners (cuDNN attention) need.
-        manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
-        grads, loss, aux, model_state = jax.shard_map(
-            local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P(), P()),
-            out_specs=(specs_grad, P(), P(), P()), axis_names=manual)(params, batch, scale, extras)
+    local = functools.partial(local_grads, loss_fn=loss_fn, routes=route_tree, plan=plan,
+                              grad_accum=grad_accum, per_layer=per_layer, prefetch=prefetch)
+    grads, loss, aux, model_state = _gradients(
+        local, _compute_params(state, plan, layout, route_tree), batch, scale, extras,
+        plan=plan, layout=layout, routes=route_tree)
 
     # Unscale in fp32 and average over devices and micro-batches.
     grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
@@ -130,41 +103,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
     if not plan.shards_grads:  # whole gradients: into the master's (padded) form for the update
         grads = padding.pad(grads, pads.master, n)
-
-    shard = layout.state
-    # Whole compute weights are gathered from the updated shards at stages 1-2 (see one_at_a_time).
-    one_by_one = (state.compute is not None and not plan.shards_compute
-                  and plan.traits.widens_half_precision)
-    compute_dtype = None if state.compute is None else prec.compute_dtype
-    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads,
-                              skip_by_select=not plan.traits.cond_updates_in_place)
-    if not plan.offloads:
-        new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
-                                                 compute_shardings=one_by_one and shard.compute)
-        if state.compute is not None and not plan.shards_compute and not one_by_one:
-            new_compute = update.gather_by_slices(new_compute, shard.master, plan.mesh)
-    elif not plan.updates_on_host:
-        # Offloaded state updated on the device, one parameter's state brought in at a time;
-        # an optimizer that mixes parameters' state (see zeroflow.update) brings all of it in.
-        streamed = None
-        if plan.traits.separate_host_memory:
-            streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
-                                       compute_dtype=compute_dtype, shardings=shard, pads=pads)
-        if streamed is not None:
-            new_master, new_opt, new_compute = streamed
-        else:
-            master = offload.to_memory(state.master, shard.master, "device")
-            opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
-            new_master, new_opt, new_compute = apply(
-                grads, master, opt_state, finite,
-                compute_shardings=one_by_one and not plan.offloads_params and layout.compute_on_device)
-    else:
-        # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs
-        # there, and only the compute-dtype weights travel back (via _place below).
-        host_grads = offload.to_memory(grads, shard.master, "pinned_host")
-        host_finite = offload.to_memory(finite, plan.replicated(), "pinned_host")
-        new_master, new_opt, new_compute = offload.on_host(apply)(
-            host_grads, state.master, state.opt_state, host_finite)
+    new_master, new_opt, new_compute = _updated(grads, state, finite, tx=tx, plan=plan,
+                                                prec=prec, layout=layout)
 
     # A skipped step changes nothing, the model state included (its statistics may be NaN).
     model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
@@ -175,11 +115,81 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
                            master=new_master, compute=new_compute, opt_state=new_opt,
                            loss_scale=loss_scale, model_state=model_state, rng=state.rng,
                            padding=pads)
-    new_state = _place(new_state, shard)
+    new_state = _place(new_state, layout.state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
                "applied": new_state.applied,
                "consecutive_skips": skipped if loss_scale is None else loss_scale.skips, **aux}
     return new_state, metrics
+
+
+def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route_tree):
+    """Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
+    stage 3 they are whole on every device (fp32 compute gathers them from the master here).
+    Offloaded weights stream in here, whole, except the layer stacks that the loss fetches one
+    layer at a time (gather_layer): those stay in host memory."""
+    streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
+    compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
+                              layout.compute_on_device, layout.compute_stored, streamed)
+    params = state.stored_params
+    if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
+        params = padding.unpad(params, state.padding.master)
+    return _place(params, compute_sh)
+
+
+def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: StepLayout, routes):
+    """``local`` (``local_grads`` bound to the step) on every device's rows of ``batch``:
+    gradients as the routes leave them (sharded or whole), loss, aux and model state."""
+    if plan.data_size == 1:  # one device on the data axis: no shard_map, no collectives to place
+        return local(params, batch, scale, extras, collective=False)
+    is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+    specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
+                            layout.layouts, is_leaf=is_layout)
+    specs_grad = jax.tree.map(lambda lay, r: lay.data_only_spec(r.sharded_grad),
+                              layout.layouts, routes, is_leaf=is_layout)
+    batch_specs = jax.tree.map(lambda _: P(DATA), batch)
+    # ``model`` stays automatic for tensor-parallel rules; without them every axis is manual,
+    # which is what kernels with custom partitioners (cuDNN attention) need.
+    manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
+    return jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P(), P()),
+        out_specs=(specs_grad, P(), P(), P()), axis_names=manual)(params, batch, scale, extras)
+
+
+def _updated(grads, state: TrainState, finite, *, tx: optax.GradientTransformation,
+             plan: ZeroPlan, prec: Precision, layout: StepLayout):
+    """``(new_master, new_opt_state, new_compute)``: the optax update wherever the plan keeps
+    the state (on the device; offloaded and streamed through the device; on the host)."""
+    shard, pads = layout.state, state.padding
+    # Whole compute weights are gathered from the updated shards at stages 1-2: leaf after leaf
+    # where the compiler widens half precision (one_at_a_time), else stacks slice by slice.
+    whole_compute = state.compute is not None and not plan.shards_compute
+    one_by_one = whole_compute and plan.traits.widens_half_precision
+    compute_dtype = None if state.compute is None else prec.compute_dtype
+    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads,
+                              skip_by_select=not plan.traits.cond_updates_in_place)
+    if not plan.offloads:
+        new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
+                                                 compute_shardings=one_by_one and shard.compute)
+        if whole_compute and not one_by_one:
+            new_compute = update.gather_by_slices(new_compute, shard.master, plan.mesh)
+        return new_master, new_opt, new_compute
+    if plan.updates_on_host:
+        # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs
+        # there, and only the compute-dtype weights travel back (placed by the caller).
+        host_grads = offload.to_memory(grads, shard.master, "pinned_host")
+        host_finite = offload.to_memory(finite, plan.replicated(), "pinned_host")
+        return offload.on_host(apply)(host_grads, state.master, state.opt_state, host_finite)
+    # Offloaded state updated on the device, one parameter's state brought in at a time; an
+    # optimizer that mixes parameters' state (see zeroflow.update) brings all of it in.
+    if plan.traits.separate_host_memory:
+        streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
+                                   compute_dtype=compute_dtype, shardings=shard, pads=pads)
+        if streamed is not None:
+            return streamed
+    master = offload.to_memory(state.master, shard.master, "device")
+    opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
+    return apply(grads, master, opt_state, finite, compute_shardings=(
+        one_by_one and not plan.offloads_params and layout.compute_on_device))
 
 
 def _traced_for(fn, state, batch, *, layout: StepLayout, traits: backend.Traits):

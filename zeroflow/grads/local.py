@@ -1,7 +1,7 @@
 """Per-device gradients of the loss, run inside ``shard_map`` over ``data``: how each weight
 reaches the loss, how its gradient leaves the backward pass, and accumulation over micro-batches.
 
-Every parameter takes one ``Route`` (decided once from its layout and the plan):
+Every parameter takes one ``Route`` (``zeroflow.grads.routes``, decided once per layout):
 - stage 3: the weight is a shard, all-gathered on use and again for the backward pass
   (``gather_on_use`` for any model; inside the layer loop one layer at a time with
   ``gather_per_layer``); its gradient comes out reduce-scattered;
@@ -19,7 +19,6 @@ micro-batch, folded from the step's key). Both are data to the engine, never wei
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -29,99 +28,9 @@ from zeroflow import offload
 from zeroflow.grads import gather_on_use
 from zeroflow.grads.collectives import (gather_weight, reduce_scatter, scatter_grad_on_use,
                                         stream_in, varying as _varying)
+from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route
 from zeroflow.mesh import DATA
-from zeroflow.plan import LeafLayout, ZeroPlan, path_str
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """How one parameter reaches the loss and how its gradient leaves the backward pass."""
-    dim: int | None
-    "ZeRO dimension of the (stacked) leaf, None when it is kept whole."
-    gather: bool
-    "Stage 3: a shard, gathered on use."
-    scatter: bool
-    "Stage 2 (and 1 without accumulation): whole, gradient reduce-scattered on use."
-    per_layer: bool
-    "Handed to the loss's ``gather_layer`` one layer at a time (leading layer axis)."
-    stream: bool
-    "Kept in host memory, copied to the device one layer at a time."
-    on_use: bool
-    "Fetched by ``gather_on_use`` just before each use (outside the layer loop)."
-    size: int | None = None
-    "The leaf's own length along ``dim``."
-    padded: int | None = None
-    "Its stored length along ``dim`` when that is padded up to a multiple of N, else None."
-
-    @property
-    def cut(self) -> int | None:
-        """The length a gathered (padded) weight is cut back to; None when it is not padded."""
-        return self.size if self.padded is not None else None
-
-    @property
-    def reduced_on_use(self) -> bool:
-        """The gradient leaves the backward pass already summed over devices and sharded
-        (a stage-2 stack split along its layer axis cannot be reduced one layer at a time)."""
-        return self.gather or (self.scatter and (not self.per_layer or self.dim > 0))
-
-    @property
-    def sharded_grad(self) -> bool:
-        """The gradient leaves ``local_grads`` split over ``data`` (reduced on use, or
-        reduce-scattered after each micro-batch), else whole and all-reduced."""
-        return self.gather or self.scatter
-
-    @property
-    def layer_dim(self) -> int:
-        return self.dim - 1
-
-
-def routes(layouts, plan: ZeroPlan, prefix: str | None, from_host: bool, fetch_whole: bool = False,
-           grad_accum: int = 1):
-    """A ``Route`` per leaf of ``layouts``. ``prefix``: the top-level key of the layer stack
-    handed to ``gather_layer`` (or None); ``from_host``: compute weights live in host memory;
-    ``fetch_whole``: whole weights go through ``gather_on_use`` too (see ``fetches_whole``).
-
-    Stage 1 reduces gradients once per step: with one micro-batch that is on use, as stage 2
-    (a reduce-scatter moves half the bytes of an all-reduce and leaves each device the slice
-    its optimizer shard needs); with several it accumulates whole gradients and reduces them
-    once at the end, where stage 2 reduce-scatters every micro-batch's.
-    """
-    reduces_on_use = plan.shards_grads or (plan.shards_storage and grad_accum == 1)
-
-    def route(path, lay: LeafLayout) -> Route:
-        under = prefix is not None and (path_str(path) + "/").startswith(prefix + "/")
-        split = lay.zero_dim is not None
-        gather = plan.shards_compute and split
-        scatter = reduces_on_use and not plan.shards_compute and split
-        within_layer = under and split and lay.zero_dim > 0  # a layer's slice is itself split
-        # A stage-3 stack split along its layer axis cannot be fetched one layer at a time.
-        stream = from_host and under and not (gather and not within_layer)
-        per_layer = under and (((gather or scatter) and within_layer) or stream)
-        # Whole stage-2 weights go through gather_on_use too: each use's unit reduce-scatters
-        # its gradient (per iteration inside a loss's scan, where one reduce-scatter of the
-        # stacked gradient after the scan would hold the whole fp32 stack).
-        on_use = not per_layer and (gather or fetch_whole or scatter)
-        size = None if lay.zero_dim is None else lay.shape[lay.zero_dim]
-        padded = size + lay.pad if split and lay.pad else None
-        return Route(lay.zero_dim, gather, scatter, per_layer, stream, on_use, size, padded)
-    return jax.tree_util.tree_map_with_path(route, layouts, is_leaf=_is_layout)
-
-
-def fetches_whole(plan: ZeroPlan, dtype) -> bool:
-    """Whether whole (stage 0-2) weights should also be fetched on use: on XLA:CPU, which
-    multiplies half-precision matrices in fp32 on converted copies and, because the forward and
-    backward pass read the same weight, keeps each copy alive between them (4 bytes per
-    parameter of every weight at once). Fetched on use, each use converts its own copy. GPUs
-    multiply bf16/fp16 natively, so there it would only cost a pass over the weights."""
-    return jnp.dtype(dtype).itemsize < 4 and plan.traits.widens_half_precision
-
-
-def _is_layout(x) -> bool:
-    return isinstance(x, LeafLayout)
-
-
-def _is_route(x) -> bool:
-    return isinstance(x, Route)
+from zeroflow.plan import ZeroPlan, path_str
 
 
 class Detached(NamedTuple):
@@ -183,29 +92,26 @@ def _check_new_model_state(old, new) -> None:
                              f"the state's has {jnp.shape(a)}")
 
 
-def local_grads(params, batch, scale, extras, *, loss_fn, layouts, plan: ZeroPlan, grad_accum: int,
-                per_layer: str | None, from_host: bool = False, collective: bool = True,
-                prefetch: int = 0):
+def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
+                per_layer: str | None, collective: bool = True, prefetch: int = 0):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
-    over devices, and the new model state averaged over devices. ``extras``: a dict with
-    ``model_state`` and/or ``rng`` (the step's key) when the state carries them.
-    ``collective=False`` is the one-device case, run without shard_map. ``prefetch``: how
-    many units ahead a weight fetched on use may be fetched (``gather_on_use.call``)."""
+    over devices, and the new model state averaged over devices. ``routes``: each leaf's
+    ``Route`` (``step_routes``). ``extras``: a dict with ``model_state`` and/or ``rng`` (the
+    step's key) when the state carries them. ``collective=False`` is the one-device case, run
+    without shard_map. ``prefetch``: how many units ahead a weight fetched on use may be
+    fetched (``gather_on_use.call``)."""
     varying = _varying if collective else (lambda x: x)
-    compute_dtype = jax.tree.leaves(params)[0].dtype if params else jnp.float32
-    route_tree = routes(layouts, plan, per_layer, from_host, fetches_whole(plan, compute_dtype),
-                        grad_accum)
     extras = dict(extras)
     if "rng" in extras:  # one key per device: fold in its index on the data axis
         extras["rng"] = jax.random.fold_in(
             extras["rng"], jax.lax.axis_index(DATA) if collective else 0)
     grads, loss, aux, model_state = _accumulated(
-        params, batch, scale, extras, loss_fn=loss_fn, routes=route_tree, plan=plan,
+        params, batch, scale, extras, loss_fn=loss_fn, routes=routes, plan=plan,
         grad_accum=grad_accum, per_layer=per_layer, varying=varying, prefetch=prefetch)
     if not collective:
         return grads, loss, aux, model_state
     grads = jax.tree.map(lambda g, r: g if r.sharded_grad else jax.lax.psum(g, DATA),
-                         grads, route_tree)
+                         grads, routes)
     return (grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
             jax.tree.map(_across_devices, model_state))
 
@@ -222,58 +128,21 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
                  per_layer: str | None, varying, prefetch: int = 0):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
-    n = plan.data_size
     dtypes = jax.tree.map(lambda x: x.dtype, params)
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
-
-    def differentiable(x, r: Route):
-        # Zeros shaped like the gradient that leaves the backward pass stand in for the weight
-        # (see zeroflow.grads.collectives): fp32 shards where it is reduced on use.
-        if r.gather or (r.scatter and r.reduced_on_use):
-            shape = x.shape if r.gather else _shard_shape(x.shape, r, n)
-            return varying(jnp.zeros(shape, jnp.float32))
-        if r.stream:
-            return varying(jnp.zeros(x.shape, x.dtype))
-        return varying(x)
-
-    params = jax.tree.map(differentiable, params, routes)
-
-    def visible(x, w, r: Route):
-        """What the loss sees for one leaf: the weight as it is, or a ``Detached`` pair of the
-        stored weight (shard, whole or in host memory) and its stand-in ``x``."""
-        if r.stream:
-            return Detached(w, x)
-        if r.gather or (r.scatter and (r.per_layer or r.on_use)):
-            # gather_layer / gather_on_use.Sharded / gather_on_use.Whole(dim) fetch it
-            return Detached(varying(w), x)
-        if r.scatter:
-            return scatter_grad_on_use(varying(w), x, r.dim)
-        return x
-
-    def gather_layer(layer_params):
-        """One layer's slice of ``params[per_layer]`` -> its compute weights on the device.
-        Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again."""
-        def one(r: Route, x, dt):
-            if not r.per_layer:
-                return x
-            if r.stream and not r.reduced_on_use:
-                return stream_in(x.value, x.stand_in)
-            weight = offload.to_device(varying(x.value)) if r.stream else x.value
-            if r.gather:
-                return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut)
-            return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
-        return jax.tree.map(one, routes[per_layer], layer_params, dtypes[per_layer],
-                            is_leaf=_is_route)
+    params = jax.tree.map(lambda x, r: _differentiable(x, r, plan.data_size, varying),
+                          params, routes)
+    gather_layer = None if per_layer is None else _layer_gatherer(routes[per_layer],
+                                                                  dtypes[per_layer], varying)
 
     def grads_of(micro, model_state, key):
         given = {**({} if model_state is None else {"model_state": model_state}),
                  **({} if key is None else {"rng": key})}
 
         def scaled_loss(p):
-            seen = jax.tree.map(visible, p, stored, routes)
+            seen = jax.tree.map(lambda x, w, r: _visible(x, w, r, varying), p, stored, routes)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
-                                  plan.traits.widens_half_precision,
-                                  gather_layer if per_layer is not None else None, given)
+                                  plan.traits.widens_half_precision, gather_layer, given)
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
 
@@ -281,6 +150,54 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
         g = jax.tree.map(lambda x, r: _reduce_late(x.astype(jnp.float32), r), g, routes)
         return g, loss, aux, new_state
 
+    return _over_micro_batches(grads_of, batch, extras, grad_accum, varying)
+
+
+def _differentiable(x, r: Route, n: int, varying):
+    """What the loss is differentiated against for one leaf: zeros shaped like the gradient
+    that leaves the backward pass stand in for the weight (see zeroflow.grads.collectives),
+    fp32 shards where it is reduced on use; else the weight itself."""
+    if r.reduce is Reduce.ON_USE:
+        shape = x.shape if r.sharded else _shard_shape(x.shape, r, n)
+        return varying(jnp.zeros(shape, jnp.float32))
+    if r.stream:
+        return varying(jnp.zeros(x.shape, x.dtype))
+    return varying(x)
+
+
+def _visible(x, w, r: Route, varying):
+    """What the loss sees for one leaf: the weight as it is, or a ``Detached`` pair of the
+    stored weight ``w`` (shard, whole or in host memory) and its stand-in ``x``."""
+    if r.stream:
+        return Detached(w, x)
+    if r.reduce is not Reduce.ALL_REDUCE:
+        # gather_layer / gather_on_use.Sharded / gather_on_use.Whole(dim) fetch it
+        return Detached(varying(w), x)
+    return x
+
+
+def _layer_gatherer(routes, dtypes, varying):
+    """``gather_layer``: one layer's slice of the stack -> its compute weights on the device.
+    Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again."""
+    def one(r: Route, x, dt):
+        if r.fetch is not Fetch.PER_LAYER:
+            return x
+        if r.stream and r.reduce is not Reduce.ON_USE:
+            return stream_in(x.value, x.stand_in)
+        weight = offload.to_device(varying(x.value)) if r.stream else x.value
+        if r.sharded:
+            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut)
+        return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
+
+    def gather_layer(layer_params):
+        return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=_is_route)
+    return gather_layer
+
+
+def _over_micro_batches(grads_of, batch, extras, grad_accum: int, varying):
+    """``grads_of`` summed over ``grad_accum`` micro-batches of ``batch`` (a scan), the loss
+    and aux averaged; the model state is threaded through them in order (it differs per
+    device)."""
     model_state, key = extras.get("model_state"), extras.get("rng")
 
     def micro_key(i):
@@ -291,7 +208,6 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     first = jax.tree.map(lambda x: x[0], micro)
     g, loss, aux, _ = jax.eval_shape(grads_of, first, model_state, micro_key(0))
     zeros = jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)), (g, loss, aux))
-    # The model state is threaded through the micro-batches in order (it differs per device).
     model_state = jax.tree.map(varying, model_state)
 
     def body(carry, xs):
@@ -308,17 +224,18 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
 def _reduce_late(g, r: Route):
     """Per micro-batch: a gradient to be reduce-scattered that the backward pass left whole (a
     streamed stack split along its layer axis) is reduce-scattered now."""
-    if r.scatter and not r.reduced_on_use:
+    if r.reduce is Reduce.AFTER:
         return reduce_scatter(g, r.dim, r.padded)
     return g
 
 
 def _source(r: Route, dtype, widens: bool) -> gather_on_use.Source | None:
-    if not r.on_use:
+    if r.fetch is not Fetch.ON_USE:
         return None
-    if r.gather:
+    if r.sharded:
         return gather_on_use.Sharded(r.dim, dtype, r.cut, r.padded)
-    return gather_on_use.Whole(r.dim if r.scatter else None, r.padded if r.scatter else None,
+    scattered = r.reduce is Reduce.ON_USE
+    return gather_on_use.Whole(r.dim if scattered else None, r.padded if scattered else None,
                                ordered=widens)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from zeroflow import backend as backends
-from zeroflow.grads.local import Route, routes
+from zeroflow.grads.routes import Fetch, Route, step_routes
 from zeroflow.memory.trace_cache import remembered
 from zeroflow.plan import ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -183,8 +183,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
         state_arrays.append((stored.compute, shard.compute))
     n, model = plan.data_size, plan.model_size
     layouts = plan.layouts(master)
-    route_tree = routes(layouts, plan, gather_per_layer,
-                        from_host=plan.offloads_params, grad_accum=grad_accum)
+    route_tree = step_routes(layouts, plan, prec, gather_per_layer, grad_accum)
     flat_routes = jax.tree.leaves(route_tree, is_leaf=lambda x: isinstance(x, Route))
     shapes = [x.shape for x in jax.tree.leaves(master)]
     compute_sh = jax.tree.leaves(plan.compute_shardings(master, memory_kind=None))
@@ -208,7 +207,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
                for q in paths]
     micro = _micro_batch(batch, n, grad_accum)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
-    if gather_per_layer is None and (widening or any(r.on_use for r in flat_routes)):
+    if gather_per_layer is None and (widening or any(r.fetch is Fetch.ON_USE for r in flat_routes)):
         # Weights fetched on use (stage 3, stage 2's whole weights, whole half-precision
         # weights on XLA:CPU): the step descends into the loss's scans and uses one slice of a
         # stack per iteration, except a stack split over devices along its stacked axis.
@@ -217,7 +216,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None)
                       else 0.0 for w, r in zip(whole, flat_routes)]
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
-        gathered_whole = [g + (width * w if not r.per_layer else 0.0)
+        gathered_whole = [g + (width * w if r.fetch is not Fetch.PER_LAYER else 0.0)
                           for g, w, r in zip(gathered_whole, whole, flat_routes)]
     grads = [F32 * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
              for w, r in zip(whole, flat_routes)]
