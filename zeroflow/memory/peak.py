@@ -171,16 +171,10 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     pass (``estimate_config_step`` derives it for the GPT; 0 when unknown).
     ``model_state`` / ``rng``: what the state will carry (``zf.init_train_state``'s arguments of
     those names, arrays or ShapeDtypeStructs); the loss is then called with them as keywords."""
-    import zeroflow as zf
-    from zeroflow.state import abstract_master, state_shardings
+    from zeroflow.state import abstract_master
 
     master = abstract_master(params)
-    shard = state_shardings(master, tx, plan, prec)
-    # The state as stored: leaves ZeRO pads (zeroflow.padding) are larger than the parameters.
-    stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec))
-    state_arrays = [(stored.master, shard.master), (stored.opt_state, shard.opt_state)]
-    if shard.compute is not None:
-        state_arrays.append((stored.compute, shard.compute))
+    stored, shard, state_arrays = _stored_state(master, tx, plan, prec)
     n, model = plan.data_size, plan.model_size
     layouts = plan.layouts(master)
     route_tree = step_routes(layouts, plan, prec, gather_per_layer, grad_accum)
@@ -195,24 +189,11 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     width = jnp.dtype(prec.compute_dtype).itemsize
     fetched_width = F32 if widening else width
 
-    # Arguments: the state's device-memory arrays and this device's rows of the batch.
-    states = sum(_device_bytes(_with_shardings(a, sh)) for a, sh in state_arrays)
-    batch_bytes = sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
-                      for x in jax.tree.leaves(batch)) / n
-    states += batch_bytes
-
+    states = _argument_bytes(state_arrays, batch, n, model_state)
     stored_compute = prec.params != "fp32"
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(master)]
-    stacked = [gather_per_layer is not None and (q + "/").startswith(gather_per_layer + "/")
-               for q in paths]
     micro = _micro_batch(batch, n, grad_accum)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
-    if gather_per_layer is None and (widening or any(r.fetch is Fetch.ON_USE for r in flat_routes)):
-        # Weights fetched on use (stage 3, stage 2's whole weights, whole half-precision
-        # weights on XLA:CPU): the step descends into the loss's scans and uses one slice of a
-        # stack per iteration, except a stack split over devices along its stacked axis.
-        scanned = scanned_leaves(loss_fn, master, micro, extras)
-        stacked = [s and r.dim != 0 for s, r in zip(scanned, flat_routes)]
+    stacked = _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, widening)
     gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None)
                       else 0.0 for w, r in zip(whole, flat_routes)]
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
@@ -227,10 +208,6 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
         activations, host_activations = (
             _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind)
             / model for kind in ("device", "host"))
-    if model_state is not None:  # replicated, beside the model states
-        states += sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
-                      for x in jax.tree.leaves(model_state))
-
     layer_stack = [(w, shape) for w, shape, st in zip(whole, shapes, stacked) if st]
     unit = (sum(w / shape[0] for w, shape in layer_stack) if layer_stack else max(whole))
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
@@ -251,16 +228,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # input gradient is not needed).
     at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
               + ((fetched if plan.shards_compute else 0) + F32) * unit + widened)
-    # The update direction: whole where the gradients were all-reduced (XLA keeps the reduced
-    # and the unscaled gradients), fused into each leaf's update where they arrive sharded.
-    local_master = [_local_elements(a.shape, sh) for a, sh in
-                    zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
-    all_reduced = not any(r.sharded_grad for r in flat_routes)
-    update_direction = F32 * (sum(local_master) if all_reduced else max(local_master))
-    update = sum(grads) + update_direction
-    if plan.offloads and not plan.updates_on_host and backend != "cpu":
-        # (XLA:CPU's host and device memory are one: nothing is brought in there.)
-        update += _streamed_in_bytes(master, stored, shard, tx)
+    update = sum(grads) + _update_bytes(master, stored, shard, tx, flat_routes, plan, backend)
     host_state = sum(_kind_bytes(_with_shardings(a, sh), "pinned_host") for a, sh in state_arrays)
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
@@ -268,6 +236,57 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
                         layer_in_flight=in_flight, widened=widened,
                         backward_start=at_start, backward_end=at_end, update=update,
                         host_activations=host_activations)
+
+
+def _stored_state(master, tx, plan: ZeroPlan, prec: Precision):
+    """The state as stored (abstract; leaves ZeRO pads are larger than the parameters), its
+    shardings, and its ``(arrays, shardings)`` pairs."""
+    import zeroflow as zf
+    from zeroflow.state import state_shardings
+
+    shard = state_shardings(master, tx, plan, prec)
+    stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec))
+    state_arrays = [(stored.master, shard.master), (stored.opt_state, shard.opt_state)]
+    if shard.compute is not None:
+        state_arrays.append((stored.compute, shard.compute))
+    return stored, shard, state_arrays
+
+
+def _argument_bytes(state_arrays, batch, n: int, model_state) -> float:
+    """The step's arguments on one device: the state's device-memory arrays, this device's rows
+    of the batch, and the (replicated) model state."""
+    nbytes = lambda tree: sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
+                              for x in jax.tree.leaves(tree))
+    states = sum(_device_bytes(_with_shardings(a, sh)) for a, sh in state_arrays)
+    return states + nbytes(batch) / n + (0 if model_state is None else nbytes(model_state))
+
+
+def _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, widening) -> list[bool]:
+    """For each leaf: whether the step uses it one layer's slice at a time."""
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(master)]
+    if gather_per_layer is not None:
+        return [(q + "/").startswith(gather_per_layer + "/") for q in paths]
+    if widening or any(r.fetch is Fetch.ON_USE for r in flat_routes):
+        # Weights fetched on use (stage 3, stage 2's whole weights, whole half-precision
+        # weights on XLA:CPU): the step descends into the loss's scans and uses one slice of a
+        # stack per iteration, except a stack split over devices along its stacked axis.
+        scanned = scanned_leaves(loss_fn, master, micro, extras)
+        return [s and r.dim != 0 for s, r in zip(scanned, flat_routes)]
+    return [False] * len(paths)
+
+
+def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backend: str) -> float:
+    """What the update holds besides the gradients: the update direction, whole where the
+    gradients were all-reduced (XLA keeps the reduced and the unscaled gradients), fused into
+    each leaf's update where they arrive sharded; and offloaded state brought in."""
+    local_master = [_local_elements(a.shape, sh) for a, sh in
+                    zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
+    all_reduced = not any(r.sharded_grad for r in flat_routes)
+    update = F32 * (sum(local_master) if all_reduced else max(local_master))
+    if plan.offloads and not plan.updates_on_host and backend != "cpu":
+        # (XLA:CPU's host and device memory are one: nothing is brought in there.)
+        update += _streamed_in_bytes(master, stored, shard, tx)
+    return update
 
 
 def _micro_batch(batch, n: int, grad_accum: int):
