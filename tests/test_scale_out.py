@@ -137,5 +137,5 @@ def test_cli_trains_with_tensor_parallel_model_axis(tmp_path):
          "data.max_bytes=400000", "run.progress=false", f"run.dir={tmp_path}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "mesh: {'data': 2, 'model': 2}" in proc.stderr.replace("\n", "")
+    assert "mesh: {'data': 2, 'model': 2}" in proc.stdout.replace("\n", "")
     assert (tmp_path / "metrics.jsonl").read_text().count('"loss"') == 3
