@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from zeroflow import jaxprs
 from zeroflow.grads.local import Route, routes
 from zeroflow.plan import ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -104,8 +105,8 @@ def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[b
             if eqn.primitive.name == "scan":
                 split = eqn.params["num_consts"] + eqn.params["num_carry"]
                 found.update(i for _, i in invars[split:] if i is not None)
-            elif "jaxpr" in eqn.params and eqn.primitive.name in ("jit", "pjit", "closed_call"):
-                inner = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+            elif jaxprs.call_body(eqn) is not None:  # inlined by the fetch-on-use replay too
+                inner, _ = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
                 visit(inner, {iv: i for (_, i), iv in zip(invars, inner.invars) if i is not None})
 
     visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:count])})
