@@ -6,7 +6,6 @@ project writes it. Its activations are kept small (8 sequences of 64 tokens) so 
 model states dominate, as the formula assumes; each weight is under 3% of the model, as in
 models of realistic depth (a model of a few huge weights pays each one's transients, see
 docs/gpu_compile.md)."""
-import dataclasses
 import json
 
 import jax

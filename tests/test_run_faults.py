@@ -19,7 +19,6 @@ import pytest
 
 from zeroflow import export, sample
 from zeroflow import train as train_cli
-from zeroflow.checkpoint import CheckpointError
 from zeroflow.config_io import load_config
 from zeroflow.trainer import build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint

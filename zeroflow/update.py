@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import Literal
 
-from zeroflow import offload, padding
-from zeroflow.grads import gather_on_use
+from zeroflow import jaxprs, offload, padding
 from zeroflow.grads.collectives import as_words
 from zeroflow.mesh import DATA
+from zeroflow.ordering import after
 from zeroflow.padding import NO_PADDING, StatePadding
 
 
@@ -73,7 +73,7 @@ def one_at_a_time(tree, shardings):
     moved, previous = [], None
     for x, s in zip(leaves, treedef.flatten_up_to(shardings)):
         if previous is not None:
-            x = gather_on_use.after(x, previous)
+            x = after(x, previous)
         previous = as_words(x, lambda w: jax.lax.with_sharding_constraint(w, s))
         moved.append(previous)
     return jax.tree.unflatten(treedef, moved)
@@ -146,16 +146,12 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     closed, out_shape = _step_jaxpr(
         tx, own(grads, entries[:n_grads]), own(master, entries[n_grads:n_grads + len(master_leaves)]),
         own(opt_state, entries[n_grads + len(master_leaves):]))
-    jaxpr = closed.jaxpr
-    plan = _grouping(jaxpr, groups, n_grads)
+    plan = _grouping(closed.jaxpr, groups, n_grads)
     if plan is None:
         return None
-    eqn_group, out_group = plan
 
     stored = jax.tree.leaves(grads) + master_leaves + opt_leaves
     host_shardings = (jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state))
-    env = dict(zip(jaxpr.constvars, closed.consts))
-    fetched: dict = {}
 
     def fetch(k, tie):
         """Input ``k`` on the device in its own shape: grads are there; offloaded state is
@@ -163,32 +159,11 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
         value = stored[k]
         if k >= n_grads:
             value = offload.to_memory(value, host_shardings[k - n_grads], "device")
-            value = gather_on_use.after(value, tie) if tie is not None else value
+            value = after(value, tie) if tie is not None else value
         return value if entries[k] is None else padding.cut_to(value, *entries[k])
 
-    def read(atom):
-        return atom.val if isinstance(atom, Literal) else env[atom]
-
-    outs: list = [None] * len(jaxpr.outvars)
-    previous = None
-    for group in [-1] + list(range(len(master_leaves))):
-        tie = previous if group >= 0 else None
-        for k, var in enumerate(jaxpr.invars):
-            if groups[k] == group:
-                fetched[k] = env[var] = fetch(k, tie)
-        for eqn in (e for e, g in zip(jaxpr.eqns, eqn_group) if g == group):
-            for var, value in zip(eqn.outvars, gather_on_use._bind(eqn, [read(a) for a in eqn.invars])):
-                env[var] = value
-        results = []
-        for k, var in enumerate(jaxpr.outvars):
-            if out_group[k] != group:
-                continue
-            before = fetched.get(n_grads + k)  # the output's own input (same tree position)
-            new = read(var)
-            outs[k] = new if before is None else jnp.where(finite, new, before)
-            results.append(outs[k])
-        previous = results or previous
-
+    outs = _replay_by_parameter(closed, groups, plan, fetch, finite, n_grads=n_grads,
+                                n_params=len(master_leaves))
     n_master = len(master_leaves)
     repad = lambda x, e: x if e is None else padding.pad_to(  # noqa: E731
         x, e[0], -(-e[1] // pads.data_size) * pads.data_size)
@@ -204,6 +179,42 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     if new_compute is not None:
         new_compute = jax.tree.unflatten(jax.tree.structure(master_tree), new_compute)
     return new_master, new_opt, new_compute
+
+
+def _replay_by_parameter(closed, groups: list[int], plan, fetch, finite, *, n_grads: int,
+                         n_params: int) -> list:
+    """The update's outputs, its jaxpr replayed one group at a time (``_grouping``: the shared
+    computations first, then parameter after parameter). A group's inputs are fetched when its
+    turn comes (``fetch(k, tie)``, ``tie`` the previous parameter's results); an output keeps
+    its input's value where the step is not ``finite``."""
+    jaxpr = closed.jaxpr
+    eqn_group, out_group = plan
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    fetched: dict = {}
+
+    def read(atom):
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    outs: list = [None] * len(jaxpr.outvars)
+    previous = None
+    for group in [-1] + list(range(n_params)):
+        tie = previous if group >= 0 else None
+        for k, var in enumerate(jaxpr.invars):
+            if groups[k] == group:
+                fetched[k] = env[var] = fetch(k, tie)
+        for eqn in (e for e, g in zip(jaxpr.eqns, eqn_group) if g == group):
+            for var, value in zip(eqn.outvars, jaxprs.bind(eqn, [read(a) for a in eqn.invars])):
+                env[var] = value
+        results = []
+        for k, var in enumerate(jaxpr.outvars):
+            if out_group[k] != group:
+                continue
+            before = fetched.get(n_grads + k)  # the output's own input (same tree position)
+            new = read(var)
+            outs[k] = new if before is None else jnp.where(finite, new, before)
+            results.append(outs[k])
+        previous = results or previous
+    return outs
 
 
 def _own_shape(shape, entry):

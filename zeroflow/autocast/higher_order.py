@@ -1,12 +1,15 @@
 """Higher-order primitives: paint their sub-jaxprs, then rebuild them with jax's public API.
 
-Each primitive has a painter (``PAINTERS``, called by ``paint.paint_jaxpr``) and a runner
-(``RUNNERS``, called by ``interpret.run_jaxpr``). Runners rebuild the primitive from its
-public counterpart (``lax.scan``, ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``,
-``jax.shard_map``, ``jax.custom_jvp`` / ``jax.custom_vjp``) around a Python body that
-interprets the painted sub-jaxpr, so jax derives the new sub-jaxprs, their dtypes and their
-transposes itself. The only things read from a primitive are its params; their names are
-version-dependent, and every such read lives in this file.
+Each primitive has a painter (called by ``paint.paint_jaxpr``) and a runner (called by
+``interpret.run_jaxpr``), which this module registers in ``paint.PAINTERS`` and
+``interpret.RUNNERS`` when it is imported (``zeroflow.autocast`` imports it): it builds on
+those two modules, so they look it up by primitive name rather than import it. Runners
+rebuild the primitive from its public counterpart (``lax.scan``, ``lax.while_loop``,
+``lax.switch``, ``jax.checkpoint``, ``jax.shard_map``, ``jax.custom_jvp`` /
+``jax.custom_vjp``) around a Python body that interprets the painted sub-jaxpr, so jax derives
+the new sub-jaxprs, their dtypes and their transposes itself. The only things read from a
+primitive are its params; their names are version-dependent, and every such read lives in this
+file (a call's body: ``zeroflow.jaxprs.call_body``).
 
 - Loops (``scan``, ``while``): a carry enters in its current dtype if the body gives it back
   in that dtype; otherwise it takes the dtype the program declared, and the body casts it back
@@ -25,22 +28,14 @@ version-dependent, and every such read lives in this file.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 from jax import lax
-from jax.extend import core as jcore
 
-from zeroflow.autocast import paint
-from zeroflow.autocast.interpret import Copies, Slot, bind, const_slots, run_jaxpr
+from zeroflow.autocast import interpret, paint
+from zeroflow.autocast.interpret import Copies, Slot, const_slots, run_jaxpr
 from zeroflow.autocast.paint import Ctx, EqnPlan, Painting, Value, fresh, norm
-
-
-def _open(jaxpr_param):
-    """``(Jaxpr, consts)`` from a param that is a ``ClosedJaxpr`` or an open ``Jaxpr``."""
-    if isinstance(jaxpr_param, jcore.ClosedJaxpr):
-        return jaxpr_param.jaxpr, list(jaxpr_param.consts)
-    return jaxpr_param, []
+from zeroflow.jaxprs import CALLS, bind, call_body, open_jaxpr
 
 
 def _const_values(consts, ctx: Ctx) -> list[Value]:
@@ -75,7 +70,7 @@ class CallPlan:
 
 
 def paint_call(eqn, ins, ctx: Ctx) -> EqnPlan:
-    jaxpr, consts = _open(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
+    jaxpr, consts = open_jaxpr(call_body(eqn))
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), ins, ctx.into_call(ctx.path + "/"))
     name = eqn.params.get("name", eqn.primitive.name)
     return EqnPlan(eqn, "call", f"inlined {eqn.primitive.name} '{name}'", (None,) * len(ins),
@@ -88,7 +83,7 @@ def run_call(plan: EqnPlan, slots):
 
 # --------------------------------------------------------------------------- remat
 def paint_remat(eqn, ins, ctx: Ctx) -> EqnPlan:
-    jaxpr, consts = _open(eqn.params["jaxpr"])
+    jaxpr, consts = open_jaxpr(eqn.params["jaxpr"])
     inner = [fresh(v, ctx.groups) for v in ins]  # casts inside are recomputed, not saved
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), inner, ctx.inside(ctx.path + "/"))
     outs = tuple(fresh(v, ctx.groups) for v in body.outs)
@@ -170,7 +165,7 @@ def paint_scan(eqn, ins, ctx: Ctx) -> EqnPlan:
     p = eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-    body_jaxpr, body_consts = _open(p["jaxpr"])
+    body_jaxpr, body_consts = open_jaxpr(p["jaxpr"])
     before = {v.group: set(ctx.groups.held[v.group]) for v in consts if not v.literal}
     body, _, carry, groups = _paint_loop(body_jaxpr, body_consts, consts, init, xs, ctx,
                                          trips=p["length"])
@@ -213,8 +208,8 @@ def paint_while(eqn, ins, ctx: Ctx) -> EqnPlan:
     p = eqn.params
     cc, bc = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = ins[:cc], ins[cc:cc + bc], ins[cc + bc:]
-    body_jaxpr, body_consts = _open(p["body_jaxpr"])
-    cond_jaxpr, cond_consts = _open(p["cond_jaxpr"])
+    body_jaxpr, body_consts = open_jaxpr(p["body_jaxpr"])
+    cond_jaxpr, cond_consts = open_jaxpr(p["cond_jaxpr"])
     before = {v.group: set(ctx.groups.held[v.group]) for v in cconsts + bconsts if not v.literal}
     body, cond, carry, groups = _paint_loop(
         body_jaxpr, body_consts, bconsts, init, [], ctx, trips=1, cond_jaxpr=cond_jaxpr,
@@ -262,7 +257,7 @@ def paint_cond(eqn, ins, ctx: Ctx) -> EqnPlan:
     ops = ins[1:]
     branches, consts = [], []
     for k, closed in enumerate(eqn.params["branches"]):
-        jaxpr, c = _open(closed)
+        jaxpr, c = open_jaxpr(closed)
         operands = [fresh(v, ctx.groups) for v in ops]
         branches.append(paint.paint_jaxpr(jaxpr, _const_values(c, ctx), operands,
                                           ctx.inside(f"{ctx.path}/branch{k}/")))
@@ -295,7 +290,7 @@ def run_cond(plan: EqnPlan, slots):
 
 # --------------------------------------------------------------------------- shard_map
 def paint_shard_map(eqn, ins, ctx: Ctx) -> EqnPlan:
-    jaxpr, consts = _open(eqn.params["jaxpr"])
+    jaxpr, consts = open_jaxpr(eqn.params["jaxpr"])
     inner = [fresh(v, ctx.groups) for v in ins]  # per-shard values
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), inner, ctx.inside(ctx.path + "/"))
     outs = tuple(fresh(v, ctx.groups) for v in body.outs)
@@ -344,7 +339,7 @@ def custom_call_name(eqn) -> str:
     name = eqn.params.get("name")
     if name:
         return str(name)
-    jaxpr, _ = _open(eqn.params["call_jaxpr"])
+    jaxpr, _ = open_jaxpr(eqn.params["call_jaxpr"])
     return getattr(getattr(jaxpr, "debug_info", None), "func_name", "") or "?"
 
 
@@ -353,7 +348,7 @@ def paint_custom(eqn, ins, ctx: Ctx) -> EqnPlan:
     if name not in ctx.policy.custom_calls:
         return paint.declared(eqn, ins, ctx, f"{eqn.primitive.name} '{name}': declared dtypes, "
                               "custom rule kept (opt in with AutocastPolicy.custom_calls)")
-    jaxpr, consts = _open(eqn.params["call_jaxpr"])
+    jaxpr, consts = open_jaxpr(eqn.params["call_jaxpr"])
     inner = [fresh(v, ctx.groups) for v in ins]
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), inner, ctx.inside(ctx.path + "/"))
     outs = tuple(fresh(v, ctx.groups) for v in body.outs)
@@ -373,7 +368,7 @@ def run_custom(plan: EqnPlan, slots):
     dtypes = [s.dtype for s in slots]
 
     def original(*arrays):
-        return bind(eqn.primitive, arrays, eqn.params)
+        return bind(eqn, arrays)
 
     def body(*arrays):
         return _values(run_jaxpr(sub.body, const_slots(sub.consts), _slots(arrays, dtypes)))
@@ -400,17 +395,17 @@ def run_custom(plan: EqnPlan, slots):
     return [Slot.of(x) for x in fn(*_values(slots))]
 
 
-PAINTERS: dict[str, Any] = {
-    "jit": paint_call, "pjit": paint_call, "closed_call": paint_call, "core_call": paint_call,
+paint.PAINTERS.update({
+    **dict.fromkeys(CALLS, paint_call),
     "remat2": paint_remat, "checkpoint": paint_remat,
     "scan": paint_scan, "while": paint_while, "cond": paint_cond,
     "shard_map": paint_shard_map,
     "custom_jvp_call": paint_custom, "custom_vjp_call": paint_custom,
-}
-RUNNERS: dict[str, Any] = {
-    "jit": run_call, "pjit": run_call, "closed_call": run_call, "core_call": run_call,
+})
+interpret.RUNNERS.update({
+    **dict.fromkeys(CALLS, run_call),
     "remat2": run_remat, "checkpoint": run_remat,
     "scan": run_scan, "while": run_while, "cond": run_cond,
     "shard_map": run_shard_map,
     "custom_jvp_call": run_custom, "custom_vjp_call": run_custom,
-}
+})

@@ -9,6 +9,7 @@ result composes with ``jit``, ``shard_map``, ``vmap`` and the rest.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -16,10 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.extend import source_info_util
 
+from zeroflow import jaxprs
 from zeroflow.autocast import lists, paint
 from zeroflow.autocast.policy import AutocastPolicy
+
+RUNNERS: dict[str, Callable] = {}
+"""Primitive name -> ``runner(plan, slots) -> slots`` for higher-order primitives, filled by
+``higher_order.py`` (which builds on this module) when ``zeroflow.autocast`` is imported."""
 
 
 class Copies:
@@ -88,8 +93,6 @@ def const_slots(consts) -> list[Slot]:
 
 def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> list[Slot]:
     """Replay ``painting`` on ``ins``; returns one ``Slot`` per jaxpr output."""
-    from zeroflow.autocast import higher_order
-
     jaxpr = painting.jaxpr
     env: dict = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, ins))
@@ -103,14 +106,11 @@ def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> 
     for plan in painting.eqns:
         eqn = plan.eqn
         slots = [read(v) for v in eqn.invars]
-        context = source_info_util.user_context(
-            eqn.source_info.traceback,
-            name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack)
-        with context, eqn.ctx.manager:
+        with jaxprs.source_context(eqn), eqn.ctx.manager:
             if plan.decision == "alias":
                 outs = [Slot(slots[0].copies, paint.norm(plan.outs[0].dtype))]
-            elif eqn.primitive.name in higher_order.RUNNERS and plan.sub is not None:
-                outs = higher_order.RUNNERS[eqn.primitive.name](plan, slots)
+            elif eqn.primitive.name in RUNNERS and plan.sub is not None:
+                outs = RUNNERS[eqn.primitive.name](plan, slots)
             else:
                 outs = _bind(plan, slots)
         for var, slot in zip(eqn.outvars, outs):
@@ -122,18 +122,11 @@ def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> 
             for slot, target in zip(outs, painting.out_dtypes)]
 
 
-def bind(primitive, args, params):
-    """``primitive.bind`` as ``jax.core.eval_jaxpr`` does it: some primitives (custom_jvp_call)
-    store params in a form that ``get_bind_params`` turns back into bind arguments."""
-    return primitive.bind(*args, **primitive.get_bind_params(params))
-
-
 def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
     eqn = plan.eqn
     args = [slot.value if dtype is None else slot.copies.get(dtype)
             for slot, dtype in zip(slots, plan.in_dtypes)]
-    out = bind(eqn.primitive, args, plan.params if plan.params is not None else eqn.params)
-    out = out if eqn.primitive.multiple_results else [out]
+    out = jaxprs.bind(eqn, args, plan.params)
     result = []
     for array, value in zip(out, plan.outs):
         if paint.dtype_of(array) != paint.norm(value.dtype):  # a primitive typed its result unlike

@@ -4,8 +4,8 @@ A pure pass over the jaxpr, before anything is bound: it follows the *current* d
 value (what the interpreter will actually hold), and returns one ``EqnPlan`` per equation with
 the dtype each input is cast to, the values that come out, and the reason. The interpreter
 (``interpret.py``) replays the plans; the report (``report.py``) prints them. Higher-order
-primitives (loops, conditionals, remat, calls) are painted in ``higher_order.py``, which
-recurses back into ``paint_jaxpr``.
+primitives (loops, conditionals, remat, calls) are painted by the painters that
+``higher_order.py`` registers in ``PAINTERS``; they recurse back into ``paint_jaxpr``.
 
 Casts are tracked by *group*: a value and all its casts form one group, and a dtype that a
 group already holds is never cast again. Explicit casts in the program join the group of their
@@ -16,16 +16,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from zeroflow import jaxprs
 from zeroflow.autocast import cost, lists
 from zeroflow.autocast.policy import AutocastPolicy, split_scope
 
 F32 = np.dtype(np.float32)
+
+PAINTERS: dict[str, Callable] = {}
+"""Primitive name -> ``painter(eqn, ins, ctx) -> EqnPlan`` for higher-order primitives, filled
+by ``higher_order.py`` (which builds on this module) when ``zeroflow.autocast`` is imported."""
 
 
 def norm(dtype):
@@ -169,8 +175,6 @@ def paint_jaxpr(jaxpr, const_values, in_values, ctx: Ctx, out_targets=None) -> P
 
     ``out_targets``: a dtype (or None) per output that the outputs are cast to (loop carries).
     """
-    from zeroflow.autocast import higher_order  # higher_order imports this module
-
     env: dict = dict(zip(jaxpr.constvars, const_values))
     env.update(zip(jaxpr.invars, in_values))
 
@@ -188,7 +192,7 @@ def paint_jaxpr(jaxpr, const_values, in_values, ctx: Ctx, out_targets=None) -> P
         sub_ctx = dataclasses.replace(
             ctx.inside(f"{ctx.path}{eqn.primitive.name}#{i}", str(eqn.source_info.name_stack)),
             eqn_fp32_outs=frozenset(k for k, v in enumerate(eqn.outvars) if v in fp32_only))
-        painter = higher_order.PAINTERS.get(eqn.primitive.name)
+        painter = PAINTERS.get(eqn.primitive.name)
         if painter is not None:
             plan = painter(eqn, ins, sub_ctx)
         else:
@@ -224,9 +228,6 @@ def count_allow_uses(jaxpr, policy: AutocastPolicy) -> dict:
     return counts
 
 
-CALLS = ("jit", "pjit", "closed_call", "core_call")
-
-
 def uses_only_fp32(jaxpr, policy: AutocastPolicy, fp32_outs=frozenset()) -> set:
     """Vars whose every use ends in an fp32-list op through follow/neutral ops (and inlined
     calls) only, e.g. the ``x * x`` under a variance or the ``x - max`` under a softmax's
@@ -243,9 +244,9 @@ def uses_only_fp32(jaxpr, policy: AutocastPolicy, fp32_outs=frozenset()) -> set:
     result: set = set()
 
     def feeds_fp32(eqn, k) -> bool:
-        name = eqn.primitive.name
-        if name in CALLS:
-            inner = _callee(eqn)
+        name, body = eqn.primitive.name, jaxprs.call_body(eqn)
+        if body is not None:
+            inner, _ = jaxprs.open_jaxpr(body)
             inner_outs = frozenset(j for j, v in enumerate(eqn.outvars) if v in result)
             return inner.invars[k] in _uses_only_fp32_cached(inner, policy, inner_outs)
         kind = policy.category(name)
@@ -281,11 +282,6 @@ def _uses_only_fp32_cached(jaxpr, policy, fp32_outs) -> set:
             _FP32_CACHE.clear()
         _FP32_CACHE[key] = (jaxpr, uses_only_fp32(jaxpr, policy, fp32_outs))
     return _FP32_CACHE[key][1]
-
-
-def _callee(eqn):
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
 
 
 # --------------------------------------------------------------------------- first-order ops

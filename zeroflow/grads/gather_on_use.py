@@ -14,8 +14,8 @@ weight alive from the forward pass to the backward pass.
 Order: nothing in the data flow stops XLA from issuing every all-gather at the start of the
 step (XLA:CPU does exactly that), and ``lax.optimization_barrier`` does not stop it either on
 XLA:CPU, which expands barriers away before it schedules. So a unit makes its sources depend
-on its data inputs (forward) or its output cotangent (backward) through ``after``: a fetch
-cannot start before the values it will meet exist.
+on its data inputs (forward) or its output cotangent (backward) through ``after``
+(``zeroflow.ordering``): a fetch cannot start before the values it will meet exist.
 
 ``jit`` calls that touch weights are inlined so that their operations become units one by one.
 A ``scan`` over stacked weights (a layer stack written with ``lax.scan``, no hints) is replayed
@@ -35,9 +35,8 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from zeroflow.grads.collectives import all_gather, reduce_scatter
-
-_INLINED = ("jit", "pjit", "closed_call", "core_call")
-"Call primitives whose body is replayed equation by equation when they read weights."
+from zeroflow.jaxprs import bind, call_body, open_jaxpr
+from zeroflow.ordering import after, live
 
 
 class Source(Protocol):
@@ -154,18 +153,6 @@ def _direct(i: int) -> _Lazy:
     return _Lazy(frozenset([i]), {}, lambda full, side, i=i: full[i], direct=i)
 
 
-def _bind(eqn, values):
-    """Apply one equation to ``values`` (one per input, literals included), as jax's own
-    ``eval_jaxpr`` does."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(params, tuple):  # jax before 0.10 returned (subfuns, params)
-        subfuns, params = params
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *values, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 class _Replay:
     """The interpreter: one pass over a jaxpr, deferring weight-only values and turning each
     operation that meets data into a unit."""
@@ -193,10 +180,9 @@ class _Replay:
             values = [v for v, _ in ins]
             any_dynamic = any(d for _, d in ins)
             if not any(isinstance(v, _Lazy) for v in values):
-                outs = [(o, any_dynamic) for o in _bind(eqn, values)]
-            elif eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
-                inner = eqn.params["jaxpr"]
-                outs = self.run(inner.jaxpr, inner.consts, values, [d for _, d in ins])
+                outs = [(o, any_dynamic) for o in bind(eqn, values)]
+            elif call_body(eqn) is not None:  # replayed equation by equation
+                outs = self.run(*open_jaxpr(call_body(eqn)), values, [d for _, d in ins])
             elif not any_dynamic:
                 outs = [(x, False) for x in self._defer(eqn, values)]
             elif eqn.primitive.name == "scan" and self._scannable(eqn, values):
@@ -274,7 +260,7 @@ class _Replay:
                 builders.append(lambda full, side, key=key: side[key])
 
         def build(full, side, k):
-            return _bind(eqn, [b(full, side) for b in builders])[k]
+            return bind(eqn, [b(full, side) for b in builders])[k]
         return [_Lazy(sources, side, lambda full, s, k=k: build(full, s, k))
                 for k in range(len(eqn.outvars))]
 
@@ -309,7 +295,7 @@ class _Replay:
                 vals[k] = lazy_value.build(full, side_by_key)
             for k, d in zip(data_pos, data):
                 vals[k] = d
-            return _bind(eqn, vals)
+            return bind(eqn, vals)
 
         args = (compute, [self.sources[i] for i in order], anchors,
                 [self.stored[i] for i in order], [side[k] for k in side_keys],
@@ -383,7 +369,7 @@ def _token(anchors):
     readable = [a for a in jax.tree.leaves(anchors) if getattr(a, "size", 0)]
     if not readable:
         return jnp.ones((), jnp.float32)
-    return _live(readable[0]).astype(jnp.float32)
+    return live(readable[0]).astype(jnp.float32)
 
 
 def _is_primal(x) -> bool:
@@ -396,33 +382,3 @@ def _is_zero(x) -> bool:
 
 def _instantiate(x):
     return jnp.zeros(x.aval.shape, x.aval.dtype) if _is_zero(x) else x
-
-
-def after(values, anchors):
-    """``values``, unchanged, but computable only once ``anchors`` exist.
-
-    ``lax.optimization_barrier`` does not order anything on every backend: XLA:CPU expands it
-    to a tuple before it schedules. Instead each array goes through a select on a predicate
-    read from one element of an anchor, always true at run time (an integer with its low bit
-    set is never zero) but nothing the compiler can fold. It costs one pass over each array
-    (a shard, at ZeRO-3).
-    """
-    readable = [a for a in jax.tree.leaves(anchors) if a.size and (
-        jnp.issubdtype(a.dtype, jnp.integer) or jnp.issubdtype(a.dtype, jnp.floating)
-        or a.dtype == jnp.bool_)]
-    if not readable:
-        return values
-    live = _live(readable[0])
-    return jax.tree.map(lambda v: jnp.where(live, v, jnp.zeros_like(v)), values)
-
-
-def _live(anchor):
-    """True at run time, read from the first element of ``anchor`` (an integer with its low
-    bit set is never zero), but nothing the compiler can fold."""
-    first = jax.lax.slice(anchor, (0,) * anchor.ndim, (1,) * anchor.ndim).reshape(())
-    first = first.astype(jnp.uint8) if first.dtype == jnp.bool_ else first
-    bits = jax.lax.bitcast_convert_type(first, _UINT[jnp.dtype(first.dtype).itemsize])
-    return (bits | 1) != 0
-
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}

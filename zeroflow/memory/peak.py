@@ -36,6 +36,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from zeroflow import backend as backends
+from zeroflow import jaxprs
 from zeroflow.grads.routes import Fetch, Route, step_routes
 from zeroflow.memory.trace_cache import remembered
 from zeroflow.plan import ZeroPlan, path_str
@@ -110,8 +111,8 @@ def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[b
             if eqn.primitive.name == "scan":
                 split = eqn.params["num_consts"] + eqn.params["num_carry"]
                 found.update(i for _, i in invars[split:] if i is not None)
-            elif "jaxpr" in eqn.params and eqn.primitive.name in ("jit", "pjit", "closed_call"):
-                inner = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+            elif jaxprs.call_body(eqn) is not None:  # inlined by the fetch-on-use replay too
+                inner, _ = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
                 visit(inner, {iv: i for (_, i), iv in zip(invars, inner.invars) if i is not None})
 
     visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:count])})
