@@ -31,8 +31,8 @@ import optax  # noqa: E402
 
 import zeroflow as zf  # noqa: E402
 from zeroflow.config_io import load_config  # noqa: E402
-from zeroflow.memory.measure import abstract_setup, state_bytes  # noqa: E402
-from zeroflow.memory.peak import estimate_config_step  # noqa: E402
+from zeroflow.memory.measure import state_bytes  # noqa: E402
+from zeroflow.trainer.planning import abstract_setup, estimate_config_step  # noqa: E402
 
 MB = 1e6
 DEVICE_COUNTS = (1, 2, 4, 8)

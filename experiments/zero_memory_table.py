@@ -28,7 +28,7 @@ import time  # noqa: E402
 
 from zeroflow import memory  # noqa: E402
 from zeroflow.config import Config  # noqa: E402
-from zeroflow.memory.measure import abstract_setup  # noqa: E402
+from zeroflow.trainer.planning import abstract_setup  # noqa: E402
 
 GB = 1e9
 DEVICES = 8

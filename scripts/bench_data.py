@@ -22,7 +22,6 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:

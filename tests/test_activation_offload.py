@@ -11,8 +11,8 @@ import pytest
 
 import zeroflow as zf
 from zeroflow.config_io import load_config
-from zeroflow.memory.measure import analysed, compile_config, device_peak
-from zeroflow.memory.peak import estimate_config_step
+from zeroflow.memory.measure import analysed, device_peak
+from zeroflow.trainer.planning import compile_config, estimate_config_step
 from helpers import REPO, token_batches, train_losses
 
 LAYERS, WIDTH, MLP, HEADS, SEQ, BATCH, N = 4, 128, 384, 4, 256, 64, 8
@@ -59,7 +59,7 @@ def test_offloaded_activations_are_host_buffers_in_the_compiled_hlo(h100):
 
 
 def test_estimator_knows_offloaded_activations(h100):
-    from zeroflow.memory.__main__ import Row
+    from zeroflow.trainer.memory_cli import Row
     est = {remat: estimate_config_step(CFG, **CHOICE, remat=remat, backend="gpu")
            for remat in h100}
     off, saved = est["offload_dots"], est["save_dots"]

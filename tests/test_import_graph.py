@@ -80,3 +80,27 @@ def test_autocast_interpreters_import_at_the_top(module):
              if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
              for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert local == []
+
+
+def _reachable(graph, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("library", ["zeroflow.memory", "zeroflow.grads", "zeroflow.backend",
+                                     "zeroflow.step", "zeroflow.state"])
+def test_the_engine_does_not_reach_the_trainer(library):
+    """The library (and ``zeroflow.memory``'s planning) imports no trainer, model or data code,
+    so it can be used and tested alone; ``python -m zeroflow.memory`` (its ``__main__``) is the
+    trainer's program and may."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    starts = [m for m in modules if (m == library or m.startswith(library + "."))
+              and not m.endswith("__main__")]
+    reached = set().union(*(_reachable(graph, m) for m in starts))
+    assert not {m for m in reached
+                if m.split(".")[1] in ("trainer", "models", "data", "config", "config_io")}

@@ -11,8 +11,8 @@ import pytest
 import zeroflow as zf
 from zeroflow import memory
 from zeroflow.config import Config
-from zeroflow.memory.__main__ import main
-from zeroflow.memory.measure import abstract_setup
+from zeroflow.trainer.memory_cli import main
+from zeroflow.trainer.planning import abstract_setup, estimate_config_step
 
 GB = 1e9
 
@@ -216,12 +216,12 @@ def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
     """What makes ``--measure never`` take seconds: the 48 choices (4 stages x 3 offloads x 4
     remat policies) trace the model's loss a few times per remat policy, not several times per
     choice; the estimates are what tracing every time gives."""
-    from zeroflow.memory.__main__ import plan_rows
-    from zeroflow.memory.measure import _loss_by_fields
-    from zeroflow.trainer import setup
+    from zeroflow.trainer.memory_cli import plan_rows
+    from zeroflow.trainer import planning
+    from zeroflow.trainer.planning import _loss_by_fields
 
     traces = []
-    real = setup.lm_loss_fn
+    real = planning.lm_loss_fn
 
     def counting(model_cfg):
         loss = real(model_cfg)
@@ -233,7 +233,7 @@ def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
 
     cfg = Config()
     cfg.model.num_layers = 1
-    monkeypatch.setattr(setup, "lm_loss_fn", counting)
+    monkeypatch.setattr(planning, "lm_loss_fn", counting)
     _loss_by_fields.cache_clear()
     rows = plan_rows(cfg, devices=8, measure="never", backend="gpu")
     _loss_by_fields.cache_clear()
@@ -242,7 +242,7 @@ def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
     assert len(traces) <= 4 * 4, traces  # a few per policy, never one per choice
     # The same estimates as a loss traced afresh for one choice of each policy.
     for row in rows[:: len(rows) // 4]:
-        fresh = memory.estimate_config_step(cfg, num_devices=8, stage=row.stage, offload=row.offload,
+        fresh = estimate_config_step(cfg, num_devices=8, stage=row.stage, offload=row.offload,
                                             update_on=row.update_on, remat=row.remat, backend="gpu")
         assert fresh.peak_bytes == row.estimate.peak_bytes
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
 from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
 from zeroflow.precision import AUTOCAST, DTYPES, MASTER_DTYPES
@@ -58,7 +59,7 @@ class ModelConfig:
     "Share the input embedding with the output projection."
     rope_base: float = 10000.0
     "Rotary position embedding base frequency."
-    remat: str = one_of("none", "full", "save_dots", "offload_dots")
+    remat: str = one_of(*REMATS)
     "Rematerialisation policy for each block: 'none', 'full', 'save_dots' or 'offload_dots' (save_dots's matmul outputs kept in pinned host memory; in device memory where host memory is the device's, as on XLA:CPU)."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."

@@ -76,7 +76,7 @@ def estimate(spec: dict):
 def estimate_dict(spec: dict) -> dict:
     """Both estimates for the spec; call it where jax may start (the peak estimate traces the
     model: a parent process that must leave the GPU to its children uses ``estimate``)."""
-    from zeroflow.memory import estimate_config_step
+    from zeroflow.trainer.planning import estimate_config_step
     est = estimate(spec)
     cfg = config_for(spec)
     peak = estimate_config_step(cfg, num_devices=1, stage=spec["stage"], offload=spec["offload"],
@@ -191,7 +191,8 @@ def deviceless_memory(spec: dict, device_kind: str) -> dict:
 def deviceless_child(spec: dict, target: str) -> dict:
     """In a process on the CPU platform: XLA:GPU's memory analysis of the spec's step for one
     abstract ``target`` GPU."""
-    from zeroflow.memory.measure import abstract_setup, analysed, device_peak
+    from zeroflow.memory.measure import analysed, device_peak
+    from zeroflow.trainer.planning import abstract_setup
     cfg = config_for(spec)
     setup = abstract_setup(cfg, num_devices=1, stage=spec["stage"], offload=spec["offload"],
                            update_on=spec["update_on"], remat=cfg.model.remat, target=target)
@@ -205,7 +206,7 @@ def compile_fit_case(device_budget: float, **spec) -> dict:
     import jax
 
     from zeroflow import memory
-    from zeroflow.memory.measure import abstract_setup
+    from zeroflow.trainer.planning import abstract_setup
     cfg = config_for(spec)
     setup = abstract_setup(cfg, num_devices=1, stage=spec["stage"], offload=spec["offload"],
                            update_on=spec["update_on"], remat=cfg.model.remat)

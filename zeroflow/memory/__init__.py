@@ -8,7 +8,8 @@ accounting, and what XLA says.
     est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # model states ~ 16.6e9
 
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
-offload x remat choice and names the cheapest that fits. See docs/memory.md.
+offload x remat choice and names the cheapest that fits (the trainer's side of planning, a
+Config's GPT step, is ``zeroflow.trainer.planning``). See docs/memory.md.
 """
 from zeroflow.memory.estimate import (
     MemoryEstimate,
@@ -22,12 +23,11 @@ from zeroflow.memory.estimate import (
     parse_bytes,
 )
 from zeroflow.memory.collectives import Collective, collectives, overlap
-from zeroflow.memory.measure import (MeasuredMemory, compile_step, measure, measure_config,
-                                     measure_step, state_bytes)
-from zeroflow.memory.peak import PeakEstimate, estimate_config_step, estimate_step
+from zeroflow.memory.measure import MeasuredMemory, compile_step, measure, measure_step, state_bytes
+from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 
 __all__ = ["Collective", "collectives", "compile_step", "overlap", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
-           "count_gpt_params", "estimate", "estimate_config", "estimate_config_step",
-           "estimate_step", "format_bytes", "measure", "measure_config", "measure_step",
+           "count_gpt_params", "estimate", "estimate_config",
+           "estimate_step", "format_bytes", "measure", "measure_step", "remat_recompute_bytes",
            "offloaded_activations", "parse_bytes",
            "state_bytes"]

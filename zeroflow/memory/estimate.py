@@ -23,13 +23,13 @@ import math
 import re
 from typing import Any
 
-from zeroflow.config import ModelConfig, choices_of
 from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
 
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES
 UPDATE_ONS = UPDATE_ON_CHOICES
-REMATS = choices_of(ModelConfig)["remat"]
+REMATS = ("none", "full", "save_dots", "offload_dots")
+"The remat policies whose activations the estimator knows (the trainer's ``model.remat``)."
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
 "Optimizer-state bytes per parameter for Adam/AdamW: two fp32 moments."

@@ -169,7 +169,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     or this machine's for a planning mesh); "cpu" adds XLA:CPU's fp32 copies of
     half-precision weights and drops the offload copies (host memory is device memory there).
     ``recompute_bytes``: under remat, what one layer's forward pass makes again in the backward
-    pass (``estimate_config_step`` derives it for the GPT; 0 when unknown).
+    pass (``remat_recompute_bytes`` derives it; 0 when unknown).
     ``model_state`` / ``rng``: what the state will carry (``zf.init_train_state``'s arguments of
     those names, arrays or ShapeDtypeStructs); the loss is then called with them as keywords."""
     from zeroflow.state import abstract_master
@@ -356,31 +356,19 @@ def _streamed_in_bytes(master, stored, shard, tx) -> float:
     return shared + max(per_group.values(), default=0.0)
 
 
-def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
-                         offload: str | None = None, update_on: str | None = None,
-                         remat: str | None = None, backend: str | None = None) -> PeakEstimate:
-    """``estimate_step`` for the trainer's GPT step of ``cfg`` (a ``zeroflow.config.Config``) on
-    ``num_devices`` data-parallel devices (times ``parallel.model``); keywords override
-    ``parallel.*`` / ``model.remat``. Needs no devices (a planning mesh) and allocates nothing."""
-    from zeroflow.memory.measure import gpt_step_parts
-    parts = gpt_step_parts(cfg, num_devices=num_devices, stage=stage, offload=offload,
-                           update_on=update_on, remat=remat, planning=True)
-    remat = cfg.model.remat if remat is None else remat
-    recompute = 0.0
-    if remat != "none":  # one layer's activations, made again by its remat in the backward pass
-        plain = gpt_step_parts(cfg, num_devices=num_devices, stage=stage, offload=offload,
-                               update_on=update_on, remat="none", planning=True)
-        micro = _micro_batch(parts.batch, parts.plan.data_size, cfg.parallel.grad_accum)
-        with backends.tracing_for(_traits_for(parts.plan, backend)):  # where remat may offload
-            kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
-                    for p in (plain, parts)]
-        # The layer being differentiated holds its recomputed activations and, beside them, the
-        # cotangent of the largest (attention scores: XLA:GPU keeps both in fp32). The scan
-        # stacks each activation over the layers, hence the division.
-        largest = _largest_residual(plain.loss_fn, plain.params, micro, plain.prec,
-                                    plain.gather_per_layer) / cfg.model.num_layers
-        recompute = max(kept[0] - kept[1], 0.0) / cfg.model.num_layers + largest
-    return estimate_step(parts.loss_fn, parts.params, parts.batch, parts.tx, parts.plan,
-                         parts.prec, grad_accum=cfg.parallel.grad_accum,
-                         gather_per_layer=parts.gather_per_layer, backend=backend,
-                         recompute_bytes=recompute)
+def remat_recompute_bytes(plain, remat, *, grad_accum: int, num_layers: int,
+                          backend: str | None = None) -> float:
+    """What one layer's remat makes again in the backward pass, for ``estimate_step``'s
+    ``recompute_bytes``: ``plain`` and ``remat`` are the same step without and with remat
+    (objects with ``loss_fn, params, batch, plan, prec, gather_per_layer``; the stack of
+    ``num_layers`` layers scanned under ``gather_per_layer``)."""
+    micro = _micro_batch(remat.batch, remat.plan.data_size, grad_accum)
+    with backends.tracing_for(_traits_for(remat.plan, backend)):  # where remat may offload
+        kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
+                for p in (plain, remat)]
+    # The layer being differentiated holds its recomputed activations and, beside them, the
+    # cotangent of the largest (attention scores: XLA:GPU keeps both in fp32). The scan
+    # stacks each activation over the layers, hence the division.
+    largest = _largest_residual(plain.loss_fn, plain.params, micro, plain.prec,
+                                plain.gather_per_layer) / num_layers
+    return max(kept[0] - kept[1], 0.0) / num_layers + largest

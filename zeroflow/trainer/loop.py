@@ -162,52 +162,77 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     loader = _train_loader(run)
     checkpoints = RunCheckpoints(checkpoints_dir, cfg.checkpoint.keep,
                                  with_loader=loader is not None)
+    state, resumed = _restored_or_fresh(run, checkpoints, loader)
+    start = int(state.step)
+    if start >= cfg.train.steps:
+        checkpoints.close()
+        if jax.process_index() == 0:
+            print(f"{run_dir}: the checkpoint is at step {start}, train.steps is {cfg.train.steps}: "
+                  "nothing to do (raise train.steps to train on)")
+        return TrainResult(run_dir=run_dir, step=start, losses={}, eval={})
+    if resumed:
+        run_folder.announce_schedule_change(previous, cfg, int(state.applied))
+    # Checked: from here on the folder is written to.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        save_config(cfg, run_dir / run_folder.CONFIG_FILE)
+    reporter = Reporter(run_dir, cfg.train.steps, start,
+                        progress=cfg.run.progress if progress is None else progress,
+                        tensorboard=cfg.run.tensorboard, flops_per_token=flops_per_token(run.model_cfg),
+                        num_devices=jax.device_count(), resumed=resumed)
+    if resumed:
+        reporter.print(f"resumed from step {start} ({checkpoints.directory})")
+    reporter.print(_banner(run, state))
+    try:
+        with _stop_on_signals() as caught:
+            state, losses, last_eval, stopped_by = _train_steps(run, state, loader, checkpoints,
+                                                                reporter, caught)
+    finally:
+        reporter.close()
+        checkpoints.close()
+    return TrainResult(run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval,
+                       stopped_by=stopped_by)
+
+
+def _restored_or_fresh(run: Run, checkpoints: RunCheckpoints, loader):
+    """``(state, resumed)``: the latest checkpoint's state (and loader position), else a fresh
+    one; the checkpoints are closed when either fails."""
     try:
         state = run.init_state()
         restored = checkpoints.restore_latest(state, loader)
     except BaseException:
         checkpoints.close()
         raise
-    if restored is not None:
-        state, _ = restored
-    start = int(state.step)
-    tcfg = cfg.train
-    if start >= tcfg.steps:
-        checkpoints.close()
-        if jax.process_index() == 0:
-            print(f"{run_dir}: the checkpoint is at step {start}, train.steps is {tcfg.steps}: "
-                  "nothing to do (raise train.steps to train on)")
-        return TrainResult(run_dir=run_dir, step=start, losses={}, eval={})
-    if restored is not None:
-        run_folder.announce_schedule_change(previous, cfg, int(state.applied))
-    # Checked: from here on the folder is written to.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        save_config(cfg, run_dir / run_folder.CONFIG_FILE)
-    reporter = Reporter(run_dir, tcfg.steps, start, progress=cfg.run.progress if progress is None else progress,
-                        tensorboard=cfg.run.tensorboard, flops_per_token=flops_per_token(run.model_cfg),
-                        num_devices=jax.device_count(), resumed=restored is not None)
-    if restored is not None:
-        reporter.print(f"resumed from step {start} ({checkpoints.directory})")
-    reporter.print(f"{run.data.summary() if run.data else ''}  params: "
-                   f"{sum(x.size for x in jax.tree.leaves(state.master)):,}  mesh: {dict(run.plan.mesh.shape)}  "
-                   f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}")
-    step_fn = run.make_step()
-    evaluate = _make_eval(run)
-    meta = lambda s: {"step": s, "seed": tcfg.seed}  # noqa: E731
-    learning_rate = lr_schedule(tcfg)
-    tokens_per_step = tcfg.batch_size * cfg.model.seq_len
-    losses: dict[int, float] = {}
-    last_eval: dict[str, float] = {}
-    stopped_by = None
+    return (state, False) if restored is None else (restored[0], True)
+
+
+def _banner(run: Run, state) -> str:
+    return (f"{run.data.summary() if run.data else ''}  params: "
+            f"{sum(x.size for x in jax.tree.leaves(state.master)):,}  mesh: {dict(run.plan.mesh.shape)}  "
+            f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}")
+
+
+def _batches(run: Run, loader):
+    """``batch_for(step)``: the global batch of a step, from the packed-records loader (it knows
+    the step) or drawn from the token data for that step and this process."""
+    cfg = run.cfg
 
     def batch_for(step: int):
-        if loader is not None:  # packed records: the loader's next batch (it knows the step)
+        if loader is not None:
             return run.global_batch(next(loader))
-        local = train_batch(run.data.train, step, global_batch=tcfg.batch_size, seq_len=cfg.model.seq_len,
-                            seed=tcfg.seed, process_index=jax.process_index(),
-                            process_count=jax.process_count())
+        local = train_batch(run.data.train, step, global_batch=cfg.train.batch_size,
+                            seq_len=cfg.model.seq_len, seed=cfg.train.seed,
+                            process_index=jax.process_index(), process_count=jax.process_count())
         return run.global_batch(local)
+    return batch_for
+
+
+def _recorder(run: Run, reporter: Reporter, checkpoints: RunCheckpoints, losses: dict):
+    """``finish_step(step, metrics, seconds)``: a step's metrics fetched, checked finite (a NaN
+    stops the run with its last good checkpoint named), derived rates added, and reported."""
+    cfg = run.cfg
+    learning_rate = lr_schedule(cfg.train)
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
 
     def finish_step(step: int, metrics, seconds: float):
         m = _host_metrics(metrics)
@@ -223,52 +248,57 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         # The rate the schedule gave this step's update: optax's count, i.e. the updates applied
         # before it (skipped steps do not advance it).
         m["lr"] = float(learning_rate(int(m["applied"]) - 1 + int(m["skipped"])))
-        reporter.step(step, m, log_line=step % tcfg.log_every == 0 or step == tcfg.steps)
+        reporter.step(step, m, log_line=step % cfg.train.log_every == 0 or step == cfg.train.steps)
+    return finish_step
 
+
+def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter: Reporter, caught):
+    """Steps from ``state.step`` to ``train.steps``, with evaluations and checkpoints on their
+    schedules; a caught signal saves and stops at the same step on every process. Returns
+    ``(state, losses, last evaluation, name of the stopping signal or None)``."""
+    cfg, tcfg = run.cfg, run.cfg.train
+    step_fn, evaluate, batch_for = run.make_step(), _make_eval(run), _batches(run, loader)
+    losses: dict[int, float] = {}
+    finish_step = _recorder(run, reporter, checkpoints, losses)
+    meta = lambda s: {"step": s, "seed": tcfg.seed}  # noqa: E731
+    last_eval: dict[str, float] = {}
     stop_vote = StopVote(run.plan.mesh)  # every process must stop at the same step
-    try:
-        with _stop_on_signals() as caught:
+    pending = None
+    t_last = time.perf_counter()
+    for step in range(int(state.step), tcfg.steps):
+        state, metrics = step_fn(state, batch_for(step))
+        # Fetch the previous step's metrics while this one runs: one step in flight.
+        if pending is not None:
+            finish_step(*pending)
+        now = time.perf_counter()
+        pending = (step + 1, metrics, now - t_last)
+        t_last = now
+        stop = stop_vote.cast(caught[0] if caught else 0)
+        done = step + 1
+        is_eval = tcfg.eval_every > 0 and done % tcfg.eval_every == 0 and done < tcfg.steps
+        is_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0
+        if is_eval or is_ckpt or stop or done == tcfg.steps:
+            jax.block_until_ready(state)
+            finish_step(*pending)
             pending = None
             t_last = time.perf_counter()
-            for step in range(start, tcfg.steps):
-                state, metrics = step_fn(state, batch_for(step))
-                # Fetch the previous step's metrics while this one runs: one step in flight.
-                if pending is not None:
-                    finish_step(*pending)
-                now = time.perf_counter()
-                pending = (step + 1, metrics, now - t_last)
-                t_last = now
-                stop = stop_vote.cast(caught[0] if caught else 0)
-                done = step + 1
-                is_eval = tcfg.eval_every > 0 and done % tcfg.eval_every == 0 and done < tcfg.steps
-                is_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0
-                if is_eval or is_ckpt or stop or done == tcfg.steps:
-                    jax.block_until_ready(state)
-                    finish_step(*pending)
-                    pending = None
-                    t_last = time.perf_counter()
-                if is_eval:
-                    last_eval = evaluate(state)
-                    reporter.write(done, last_eval)
-                    reporter.print(f"step {done}: {_eval_text(last_eval)}")
-                if is_ckpt or stop:
-                    checkpoints.save(done, state, meta(done), loader)
-                if stop:
-                    stopped_by = signal.Signals(stop).name
-                    reporter.print(f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command")
-                    break
-            if pending is not None:
-                finish_step(*pending)
-            end = int(state.step)
-            if stopped_by is None:
-                checkpoints.save(end, state, meta(end), loader)
-                last_eval = evaluate(state)
-                if last_eval:
-                    reporter.write(end, last_eval)
-                    reporter.print(f"final: train loss {losses.get(end, float('nan')):.4f}, "
-                                   f"{_eval_text(last_eval)}")
-    finally:
-        reporter.close()
-        checkpoints.close()
-    return TrainResult(run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval,
-                       stopped_by=stopped_by)
+        if is_eval:
+            last_eval = evaluate(state)
+            reporter.write(done, last_eval)
+            reporter.print(f"step {done}: {_eval_text(last_eval)}")
+        if is_ckpt or stop:
+            checkpoints.save(done, state, meta(done), loader)
+        if stop:
+            stopped_by = signal.Signals(stop).name
+            reporter.print(f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command")
+            return state, losses, last_eval, stopped_by
+    if pending is not None:
+        finish_step(*pending)
+    end = int(state.step)
+    checkpoints.save(end, state, meta(end), loader)
+    last_eval = evaluate(state)
+    if last_eval:
+        reporter.write(end, last_eval)
+        reporter.print(f"final: train loss {losses.get(end, float('nan')):.4f}, "
+                       f"{_eval_text(last_eval)}")
+    return state, losses, last_eval, None

@@ -51,7 +51,7 @@ def render(records: list[dict]) -> list[str]:
                      size(est["host"]), size(compiled.get("host_argument_bytes"))])
     if not rows:
         return []
-    return (["estimate: `zeroflow.memory.estimate_config_step` (the step's peak from shapes: "
+    return (["estimate: `zeroflow.trainer.planning.estimate_config_step` (the step's peak from shapes: "
              "model states, gradients, jax's residuals, the layer in flight, the update); "
              "deviceless: the same step compiled for this GPU's abstract twin on the CPU "
              "platform (zf.target_mesh: what a machine without a GPU predicts); "

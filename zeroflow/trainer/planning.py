@@ -1,0 +1,161 @@
+"""The trainer's GPT step of a ``Config``, for memory planning: abstract step parts for the
+estimator, abstract compiled steps for XLA's own numbers, one stage / offload / remat choice at
+a time. ``zeroflow.memory`` stays the engine's (any model); this is where it meets configs.
+
+    parts = gpt_step_parts(cfg, num_devices=8, stage=3, planning=True)   # estimator inputs
+    compiled, setup = compile_config(cfg, num_devices=8, stage=3, offload="none",
+                                     update_on="device", remat="full", target="h100")
+    peak = estimate_config_step(cfg, num_devices=8, stage=3)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+
+from zeroflow.backend import target_mesh
+from zeroflow.config import ModelConfig
+from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
+from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
+from zeroflow.mesh import planning_mesh
+from zeroflow.models import LAYER_STACK, abstract_params
+from zeroflow.padding import unpadded_shapes
+from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """A jitted step with abstract inputs for one stage / offload / remat choice."""
+    step: Any
+    state: Any
+    batch: Any
+    plan: Any
+    num_params: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """What ``zf.make_train_step`` and ``zf.memory.estimate_step`` take for the trainer's GPT
+    step: abstract fp32 ``params`` and global ``batch`` (nothing allocated)."""
+    loss_fn: Any
+    params: Any
+    batch: Any
+    tx: Any
+    plan: Any
+    prec: Any
+    gather_per_layer: str
+
+
+def choice_config(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
+                  update_on: str | None = None, remat: str | None = None):
+    """``cfg`` with one stage / offload / remat choice on ``num_devices`` data devices."""
+    par = cfg.parallel
+    offload = par.offload if offload is None else offload
+    update_on = (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, remat=cfg.model.remat if remat is None else remat),
+        parallel=dataclasses.replace(par, data=num_devices,
+                                     zero_stage=par.zero_stage if stage is None else stage,
+                                     offload=offload, update_on=update_on))
+
+
+def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
+                   update_on: str | None = None, remat: str | None = None,
+                   planning: bool = False) -> StepParts:
+    """The trainer's GPT step for ``cfg`` (``build_run``: its loss, optimizer and precision) on
+    ``num_devices`` data-parallel devices (times ``parallel.model``); keywords override
+    ``parallel.*`` / ``model.remat``. ``planning``: on a device-free ``zf.planning_mesh`` (for
+    estimates), else on this machine's first devices."""
+    cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
+                        update_on=update_on, remat=remat)
+    if planning and cfg.model.attention == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
+        # jax asks this machine's cuDNN library for its version before it traces cuDNN
+        # attention, so without a GPU install it cannot be traced here (whatever the plan's
+        # target); our flash kernel keeps the same residuals for the backward pass (q, k, v,
+        # output and per-row softmax statistics).
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas"))
+    if planning:
+        run = build_run(cfg, with_data=False, mesh=planning_mesh(num_devices, cfg.parallel.model))
+    else:
+        run = build_run(cfg, with_data=False,
+                        devices=_first_devices(num_devices * cfg.parallel.model))
+    batch = abstract_batch(cfg)
+    return StepParts(loss_fn=_loss_of(run.model_cfg), params=abstract_params(run.model_cfg)[0], batch=batch,
+                     tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK)
+
+
+def _loss_of(model_cfg):
+    """The trainer's loss for ``model_cfg``, the same function for the same config: what the
+    estimates trace is remembered per loss function (``zeroflow.memory.trace_cache``)."""
+    return _loss_by_fields(tuple(sorted(vars(model_cfg).items())))
+
+
+@functools.lru_cache(maxsize=16)
+def _loss_by_fields(fields: tuple):
+    return lm_loss_fn(ModelConfig(**dict(fields)))
+
+
+def _first_devices(count: int):
+    if jax.device_count() < count:
+        raise ValueError(f"measuring needs {count} devices, {jax.device_count()} available "
+                         f"({jax.default_backend()})")
+    return jax.devices()[:count]
+
+
+def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on: str,
+                   remat: str, target: str | None = None) -> StepSetup:
+    """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
+    layer-wise gathering) on the first ``num_devices`` data devices, or on as many abstract
+    devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
+    are never materialised."""
+    cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
+                        update_on=update_on, remat=remat)
+    if target is not None:
+        run = build_run(cfg, with_data=False,
+                        mesh=target_mesh(target, data=num_devices, model=cfg.parallel.model))
+    else:
+        run = build_run(cfg, with_data=False,
+                        devices=_first_devices(num_devices * cfg.parallel.model))
+    state = run.abstract_state()
+    batch = abstract_batch(cfg, run.plan.batch_sharding())
+    shapes = unpadded_shapes(state.master, state.padding.master)
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,
+                     num_params=num_params)
+
+
+def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
+    """AOT memory analysis and per-device state bytes (by memory kind) for one choice
+    (keywords of ``abstract_setup``)."""
+    compiled, setup = compile_config(cfg, **choice)
+    return analysed(compiled), state_bytes(setup.state)
+
+
+def compile_config(cfg, **choice):
+    """``(compiled step, StepSetup)`` for one choice (keywords of ``abstract_setup``)."""
+    setup = abstract_setup(cfg, **choice)
+    return setup.step.lower(setup.state, setup.batch).compile(), setup
+
+
+def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
+                         offload: str | None = None, update_on: str | None = None,
+                         remat: str | None = None, backend: str | None = None) -> PeakEstimate:
+    """``zf.memory.estimate_step`` for the trainer's GPT step of ``cfg`` on ``num_devices``
+    data-parallel devices (times ``parallel.model``); keywords override ``parallel.*`` /
+    ``model.remat``. Needs no devices (a planning mesh) and allocates nothing."""
+    choice = dict(num_devices=num_devices, stage=stage, offload=offload, update_on=update_on,
+                  planning=True)
+    parts = gpt_step_parts(cfg, remat=remat, **choice)
+    remat = cfg.model.remat if remat is None else remat
+    recompute = 0.0
+    if remat != "none":  # one layer's activations, made again by its remat in the backward pass
+        recompute = remat_recompute_bytes(gpt_step_parts(cfg, remat="none", **choice), parts,
+                                          grad_accum=cfg.parallel.grad_accum,
+                                          num_layers=cfg.model.num_layers, backend=backend)
+    return estimate_step(parts.loss_fn, parts.params, parts.batch, parts.tx, parts.plan,
+                         parts.prec, grad_accum=cfg.parallel.grad_accum,
+                         gather_per_layer=parts.gather_per_layer, backend=backend,
+                         recompute_bytes=recompute)
