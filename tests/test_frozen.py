@@ -1,0 +1,202 @@
+"""Frozen weights (``trainable=``): the engine against a hand-written loop of plain optax on the
+trainable leaves alone, the step's jaxpr, the state's bytes, checkpoints and bad input."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeroflow as zf
+from fixtures import BATCHES, init_params, loss_fn, make_tx
+from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk
+from zeroflow.checkpoint import CheckpointError
+
+N_DEV = 8
+
+# The middle layer's kernel is frozen (gradients flow through it to Dense_0) and so is the last
+# bias, (10,): stored padded to 16 at stage 3. The rest trains.
+FROZEN = {("Dense_1", "kernel"), ("Dense_2", "bias")}
+MASK = {layer: {name: (layer, name) not in FROZEN for name in ("kernel", "bias")}
+        for layer in ("Dense_0", "Dense_1", "Dense_2")}
+
+
+def frozen_by_path(path, _leaf):
+    return path not in ("Dense_1/kernel", "Dense_2/bias")
+
+
+def reference_run(params, batches, tx, dtype):
+    """The hand-written loop: plain optax on a dict of the trainable leaves alone (fp32), the
+    frozen leaves fixed at ``dtype(original)``, the loss reading every weight in ``dtype``."""
+    train = {k: {n: v for n, v in layer.items() if (k, n) not in FROZEN} for k, layer in params.items()}
+    fixed = {k: {n: v.astype(dtype) for n, v in layer.items() if (k, n) in FROZEN}
+             for k, layer in params.items()}
+
+    def loss_of(train, batch):
+        whole = {k: {**fixed[k], **{n: v.astype(dtype) for n, v in train[k].items()}} for k in params}
+        return loss_fn(whole, batch)[0]
+
+    opt_state, losses = tx.init(train), []
+    for batch in batches:
+        loss, grads = jax.value_and_grad(loss_of)(train, batch)
+        updates, opt_state = tx.update(grads, opt_state, train)
+        train = optax.apply_updates(train, updates)
+        losses.append(float(loss))
+    return np.array(losses), train, fixed
+
+
+def run(stage, prec, trainable, offload="none", batches=BATCHES):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage, offload=offload)
+    tx = make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec, trainable=trainable)
+    step = zf.make_train_step(loss_fn, tx, plan, prec)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+def trained_leaves(tree):
+    """The trainable leaves of a tree of the parameters' structure, as the reference's dict."""
+    return {k: {n: v for n, v in layer.items() if (k, n) not in FROZEN} for k, layer in tree.items()}
+
+
+def frozen_leaves(tree):
+    return {k: {n: v for n, v in layer.items() if (k, n) in FROZEN} for k, layer in tree.items()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_matches_optax_on_the_trainable_subset(stage):
+    ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.float32)
+    losses, state = run(stage, zf.Precision(), MASK)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_leaves_close(trained_leaves(state.master_params), ref_train, rtol=1e-5, atol=1e-6)
+    assert_leaves_equal(frozen_leaves(state.params), ref_fixed)
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "none"), (3, "optimizer+params")])
+def test_bf16_matches_the_hand_written_loop_and_keeps_frozen_bits(stage, offload):
+    ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.bfloat16)
+    losses, state = run(stage, zf.Precision(params="bf16"), frozen_by_path, offload)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert_leaves_close(trained_leaves(state.master_params), ref_train, rtol=2e-2, atol=2e-3)
+    # Frozen weights are stored once, as bf16(original), and come back bit for bit.
+    assert_leaves_equal(frozen_leaves(state.params), ref_fixed)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.frozen))
+    want_kind = "pinned_host" if offload == "optimizer+params" else "device"
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.frozen)} == {want_kind}
+
+
+def _weight_grad_dots(stage, trainable):
+    """dot_generals in the step's jaxpr whose result has Dense_1/kernel's shape (64, 64): in
+    this MLP only a gradient of that kernel is such a product (activations have 4 rows)."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage)
+    prec = zf.Precision(params="bf16")
+    tx = make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec, trainable=trainable)
+    jaxpr = zf.make_train_step(loss_fn, tx, plan, prec).trace(state, BATCHES[0]).jaxpr
+    return sum(1 for e in walk(jaxpr) if e.primitive.name == "dot_general"
+               and tuple(e.outvars[0].aval.shape) == (64, 64))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_no_matmul_computes_a_frozen_weights_gradient(stage):
+    assert _weight_grad_dots(stage, None) >= 1  # the check can see the gradient when it exists
+    assert _weight_grad_dots(stage, MASK) == 0
+
+
+def _per_device(x, stage) -> int:
+    """Elements of ``x`` one device stores: whole below stage 3, 1/N (rounded up: padding)
+    at stage 3 (every leaf of this model splits along one dimension)."""
+    return math.ceil(x.size / N_DEV) if stage == 3 else x.size
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_state_bytes_hold_no_master_or_optimizer_state_for_frozen_leaves(stage):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage)
+    prec = zf.Precision(params="bf16")
+    params = init_params()
+    state = zf.init_train_state(params, optax.adam(1e-3), plan, prec, trainable=MASK)
+    train, fixed = trained_leaves(params), frozen_leaves(params)
+    stored = (lambda x: math.ceil(x.size / N_DEV)) if stage >= 1 else (lambda x: x.size)
+    # fp32 master + Adam's two fp32 moments (1/N from stage 1), a bf16 compute copy (1/N at
+    # stage 3) of the trainable leaves; the frozen ones: bf16 only; Adam's int32 count.
+    want = (sum(12 * stored(x) + 2 * _per_device(x, stage) for x in jax.tree.leaves(train))
+            + sum(2 * _per_device(x, stage) for x in jax.tree.leaves(fixed)) + 4)
+    got = bytes_on(jax.devices()[0], (state.master, state.compute, state.opt_state, state.frozen))
+    assert got == want
+    assert len(jax.tree.leaves(state.master)) == len(jax.tree.leaves(train))
+    assert len(jax.tree.leaves(state.opt_state)) == 2 * len(jax.tree.leaves(train)) + 1
+
+
+def test_optimizer_sees_only_trainable_leaves():
+    seen = []
+
+    def init(params):
+        seen.append(sorted(zf.plan.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)))
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        seen.append(sorted(zf.plan.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)))
+        return updates, state
+
+    tx = optax.GradientTransformation(init, update)
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=2)
+    prec = zf.Precision()
+    state = zf.init_train_state(init_params(), tx, plan, prec, trainable=frozen_by_path)
+    zf.make_train_step(loss_fn, tx, plan, prec)(state, BATCHES[0])
+    want = ["Dense_0/bias", "Dense_0/kernel", "Dense_1/bias", "Dense_2/kernel"]
+    # (optax's tree_map_params also calls init on an empty dummy to learn the state's shape)
+    assert len(seen) >= 2 and all(s == want for s in seen if s)
+
+
+def test_checkpoint_round_trip_across_stages(tmp_path):
+    prec = zf.Precision(params="bf16")
+    _, state = run(3, prec, MASK, batches=BATCHES[:1])
+    zf.save_checkpoint(tmp_path / "ck", state)
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    like = zf.init_train_state(jax.tree.map(jnp.zeros_like, init_params()), make_tx(), plan, prec,
+                               trainable=MASK)
+    back = zf.restore_checkpoint(tmp_path / "ck", like)
+    assert_leaves_equal(back.master_params, state.master_params)
+    assert_leaves_equal(back.params, state.params)
+    assert_leaves_equal(back.opt_state, state.opt_state)
+    assert back.frozen["Dense_1"]["kernel"].sharding == like.frozen["Dense_1"]["kernel"].sharding
+
+
+@pytest.mark.parametrize("target", ["other_split", "all_trainable"])
+def test_checkpoint_with_another_split_is_one_clear_error(tmp_path, target):
+    prec = zf.Precision()
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    state = zf.init_train_state(init_params(), make_tx(), plan, prec, trainable=MASK)
+    zf.save_checkpoint(tmp_path / "ck", state)
+    other = None if target == "all_trainable" else (lambda path, _: path != "Dense_0/kernel")
+    like = zf.init_train_state(init_params(), make_tx(), plan, prec, trainable=other)
+    with pytest.raises(CheckpointError, match="trainable") as info:
+        zf.restore_checkpoint(tmp_path / "ck", like)
+    assert "\n" not in str(info.value) and "Dense_1/kernel" in str(info.value)
+
+
+@pytest.mark.parametrize("trainable,match", [
+    ({"Dense_0": True}, "structure"),
+    (jax.tree.map(lambda _: False, init_params()), "every parameter"),
+    (lambda path, _: False, "every parameter"),
+    (lambda path, _: "yes", "must return a bool"),
+    (jax.tree.map(lambda _: 1, init_params()), "bools"),
+])
+def test_bad_trainable_is_one_readable_error(trainable, match):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    with pytest.raises(ValueError, match=match) as info:
+        zf.init_train_state(init_params(), make_tx(), plan, zf.Precision(), trainable=trainable)
+    assert "\n" not in str(info.value)
+
+
+def test_train_step_trainable_must_match_the_state():
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    prec = zf.Precision()
+    state = zf.init_train_state(init_params(), make_tx(), plan, prec, trainable=MASK)
+    step = zf.make_train_step(loss_fn, make_tx(), plan, prec, trainable=lambda p, _: True)
+    with pytest.raises(ValueError, match="differs from the state"):
+        step(state, BATCHES[0])
