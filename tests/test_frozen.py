@@ -90,11 +90,11 @@ def test_bf16_matches_the_hand_written_loop_and_keeps_frozen_bits(stage, offload
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.frozen)} == {want_kind}
 
 
-def _weight_grad_dots(stage, trainable):
+def _weight_grad_dots(stage, params, trainable):
     """dot_generals in the step's jaxpr whose result has Dense_1/kernel's shape (64, 64): in
     this MLP only a gradient of that kernel is such a product (activations have 4 rows)."""
     plan = zf.ZeroPlan(zf.make_mesh(), stage=stage)
-    prec = zf.Precision(params="bf16")
+    prec = zf.Precision(params=params)
     tx = make_tx()
     state = zf.init_train_state(init_params(), tx, plan, prec, trainable=trainable)
     jaxpr = zf.make_train_step(loss_fn, tx, plan, prec).trace(state, BATCHES[0]).jaxpr
@@ -102,10 +102,12 @@ def _weight_grad_dots(stage, trainable):
                and tuple(e.outvars[0].aval.shape) == (64, 64))
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_no_matmul_computes_a_frozen_weights_gradient(stage):
-    assert _weight_grad_dots(stage, None) >= 1  # the check can see the gradient when it exists
-    assert _weight_grad_dots(stage, MASK) == 0
+# bf16 weights are fetched on use on XLA:CPU (gather_on_use), fp32 ones below stage 3 are
+# used as stored: both ways into the loss are checked.
+@pytest.mark.parametrize("stage,params", [(0, "bf16"), (3, "bf16"), (0, "fp32"), (2, "fp32")])
+def test_no_matmul_computes_a_frozen_weights_gradient(stage, params):
+    assert _weight_grad_dots(stage, params, None) >= 1  # the check sees a gradient that exists
+    assert _weight_grad_dots(stage, params, MASK) == 0
 
 
 def _per_device(x, stage) -> int:
