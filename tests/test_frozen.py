@@ -253,3 +253,55 @@ def test_estimate_step_with_frozen_weights_is_within_10_percent(stage):
     frozen_params = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(params)
                         if not backbone_frozen(zf.plan.path_str(p), x))
     assert everything - measured >= 0.75 * 12 * frozen_params / (N_DEV if stage else 1)
+
+
+# --- the trainer: train.freeze -----------------------------------------------------------------
+
+def test_trainer_freezes_by_regex_at_stage3_with_layerwise_gathers(tmp_path, capsys):
+    """The trainer's GPT (layers gathered one at a time at stage 3) with its embedding and
+    attention frozen: they come out of the run bit for bit as they went in, the rest trains,
+    the banner counts both, and export reads the frozen weights back."""
+    from fixtures import TINY_TRAINER
+
+    from zeroflow import export
+    from zeroflow.config_io import load_config
+    from zeroflow.trainer import build_run, train
+    from zeroflow.trainer.checkpoints import RunCheckpoints
+    cfg = load_config("configs/tiny.yaml", TINY_TRAINER + [
+        "data.max_bytes=400000", "train.steps=2", "train.eval_every=0", "parallel.zero_stage=3",
+        "train.freeze=^embedding|layers/attn/", f"run.dir={tmp_path}"])
+    train(cfg)
+    banner = capsys.readouterr().out
+    run = build_run(cfg)
+    start = run.init_state().params
+    checkpoints = RunCheckpoints(tmp_path / "checkpoints", 3, read_only=True)
+    final, _ = checkpoints.read(run.abstract_state())
+    checkpoints.close()
+    end = final.params
+    is_frozen = lambda path: path == "embedding" or path.startswith("layers/attn/")  # noqa: E731
+    frozen = trained = 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(end)):
+        path = zf.plan.path_str(path)
+        if is_frozen(path):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            frozen += a.size
+        else:
+            assert not np.array_equal(np.asarray(a), np.asarray(b)), path
+            trained += a.size
+    assert f"params: {trained:,} trained, {frozen:,} frozen" in banner
+    out = tmp_path / "w.safetensors"
+    assert export.main(["--run", str(tmp_path), "--out", str(out)]) == 0
+
+
+@pytest.mark.parametrize("pattern,match", [("nothing_matches", "matches no parameter"),
+                                           (".", "matches every parameter"),
+                                           ("(", "regular expression")])
+def test_trainer_freeze_bad_pattern_is_one_line(pattern, match):
+    from fixtures import TINY_TRAINER
+
+    from zeroflow.config_io import load_config
+    from zeroflow.trainer import build_run
+    with pytest.raises(ValueError, match=match) as info:
+        build_run(load_config("configs/tiny.yaml", TINY_TRAINER + [f"train.freeze={pattern}"]),
+                  with_data=False)
+    assert "\n" not in str(info.value)
