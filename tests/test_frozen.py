@@ -269,7 +269,7 @@ def test_trainer_freezes_by_regex_at_stage3_with_layerwise_gathers(tmp_path, cap
     from zeroflow.trainer.checkpoints import RunCheckpoints
     cfg = load_config("configs/tiny.yaml", TINY_TRAINER + [
         "data.max_bytes=400000", "train.steps=2", "train.eval_every=0", "parallel.zero_stage=3",
-        "train.freeze=^embedding|layers/attn/", f"run.dir={tmp_path}"])
+        "train.freeze=^embedding|layers/attn/", "precision.params=bf16", f"run.dir={tmp_path}"])
     train(cfg)
     banner = capsys.readouterr().out
     run = build_run(cfg)

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from zeroflow import frozen as frozen_weights
 from zeroflow import offload
 from zeroflow.config import Config
 from zeroflow.config_io import save_config
@@ -189,8 +190,10 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
                         num_devices=jax.device_count(), resumed=restored is not None)
     if restored is not None:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
-    reporter.print(f"{run.data.summary() if run.data else ''}  params: "
-                   f"{sum(x.size for x in jax.tree.leaves(state.master)):,}  mesh: {dict(run.plan.mesh.shape)}  "
+    trained, frozen = frozen_weights.count(state.trainable, state.params)
+    reporter.print(f"{run.data.summary() if run.data else ''}  params: {trained:,} trained"
+                   + (f", {frozen:,} frozen" if frozen else "")
+                   + f"  mesh: {dict(run.plan.mesh.shape)}  "
                    f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}")
     step_fn = run.make_step()
     evaluate = _make_eval(run)
