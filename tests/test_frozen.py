@@ -47,8 +47,8 @@ def reference_run(params, batches, tx, dtype):
     return np.array(losses), train, fixed
 
 
-def run(stage, prec, trainable, offload="none", batches=BATCHES):
-    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage, offload=offload)
+def run(stage, prec, trainable, offload="none", batches=BATCHES, update_on="device"):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage, offload=offload, update_on=update_on)
     tx = make_tx()
     state = zf.init_train_state(init_params(), tx, plan, prec, trainable=trainable)
     step = zf.make_train_step(loss_fn, tx, plan, prec)
@@ -77,10 +77,13 @@ def test_fp32_matches_optax_on_the_trainable_subset(stage):
     assert_leaves_equal(frozen_leaves(state.params), ref_fixed)
 
 
-@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "none"), (3, "optimizer+params")])
-def test_bf16_matches_the_hand_written_loop_and_keeps_frozen_bits(stage, offload):
+@pytest.mark.parametrize("stage,offload,update_on", [
+    (1, "none", "device"), (3, "none", "device"), (3, "optimizer+params", "device"),
+    (1, "optimizer+params", "host")])
+def test_bf16_matches_the_hand_written_loop_and_keeps_frozen_bits(stage, offload, update_on):
     ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.bfloat16)
-    losses, state = run(stage, zf.Precision(params="bf16"), frozen_by_path, offload)
+    losses, state = run(stage, zf.Precision(params="bf16"), frozen_by_path, offload,
+                        update_on=update_on)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
     assert_leaves_close(trained_leaves(state.master_params), ref_train, rtol=2e-2, atol=2e-3)
     # Frozen weights are stored once, as bf16(original), and come back bit for bit.
