@@ -308,3 +308,20 @@ def test_trainer_freeze_bad_pattern_is_one_line(pattern, match):
         build_run(load_config("configs/tiny.yaml", TINY_TRAINER + [f"train.freeze={pattern}"]),
                   with_data=False)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_analytic_estimate_counts_frozen_parameters_as_compute_bytes_only(stage):
+    """``zf.memory.estimate(frozen_params=F)`` against the ZeRO paper's accounting (bf16, Adam:
+    2 + 2 + 12 bytes per trainable parameter) with 2 bytes per frozen one, 1/N at stage 3."""
+    p, f, n = 8e9, 6e9, 64
+    t = p - f
+    want = {0: 16 * t + 2 * f, 1: 4 * t + 12 * t / n + 2 * f, 2: 2 * t + 14 * t / n + 2 * f,
+            3: 16 * t / n + 2 * f / n}[stage]
+    got = zf.memory.estimate(num_params=int(p), frozen_params=int(f), num_devices=n, stage=stage)
+    assert got.device.total == pytest.approx(want)
+    offloaded = zf.memory.estimate(num_params=int(p), frozen_params=int(f), num_devices=n,
+                                   stage=stage, offload="optimizer+params", devices_per_process=1)
+    assert offloaded.host.compute_weights == pytest.approx(2 * p / (n if stage == 3 else 1))
+    with pytest.raises(ValueError, match="frozen_params"):
+        zf.memory.estimate(num_params=10, frozen_params=11, num_devices=n, stage=stage)
