@@ -77,6 +77,22 @@ def test_fp32_matches_optax_on_the_trainable_subset(stage):
     assert_leaves_equal(frozen_leaves(state.params), ref_fixed)
 
 
+def test_one_device_matches_optax_on_the_trainable_subset():
+    """One device: the step runs without shard_map or collectives."""
+    ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.bfloat16)
+    plan = zf.ZeroPlan(zf.make_mesh(devices=jax.devices()[:1]), stage=0)
+    prec, tx = zf.Precision(params="bf16"), make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec, trainable=MASK)
+    step = zf.make_train_step(loss_fn, tx, plan, prec)
+    losses = []
+    for batch in BATCHES:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert_leaves_close(trained_leaves(state.master_params), ref_train, rtol=2e-2, atol=2e-3)
+    assert_leaves_equal(frozen_leaves(state.params), ref_fixed)
+
+
 @pytest.mark.parametrize("stage,offload,update_on", [
     (1, "none", "device"), (3, "none", "device"), (3, "optimizer+params", "device"),
     (1, "optimizer+params", "host")])
