@@ -341,3 +341,19 @@ def test_analytic_estimate_counts_frozen_parameters_as_compute_bytes_only(stage)
     assert offloaded.host.compute_weights == pytest.approx(2 * p / (n if stage == 3 else 1))
     with pytest.raises(ValueError, match="frozen_params"):
         zf.memory.estimate(num_params=10, frozen_params=11, num_devices=n, stage=stage)
+
+
+def test_trainer_memory_estimate_with_freeze_is_within_10_percent():
+    """``estimate_config_step`` for the trainer's GPT with ``train.freeze`` against XLA:CPU's
+    compiled step (the trainer's own, layers gathered one at a time at stage 3)."""
+    from fixtures import TINY_TRAINER
+
+    from zeroflow.config_io import load_config
+    cfg = load_config("configs/tiny.yaml", TINY_TRAINER + [
+        "model.embed_dim=128", "model.mlp_dim=512", "precision.params=bf16",
+        "train.freeze=^embedding|layers/(attn|mlp/up)/"])
+    choice = dict(num_devices=8, stage=3, offload="none", update_on="device", remat="none")
+    measured, _ = zf.memory.measure_config(cfg, **choice)
+    estimate = zf.memory.estimate_config_step(cfg, num_devices=8, stage=3, offload="none",
+                                              update_on="device", remat="none")
+    assert estimate.peak_bytes == pytest.approx(measured.total_bytes, rel=0.10), estimate.terms()

@@ -27,8 +27,11 @@ import math
 import re
 from typing import Any
 
+import jax
+
 from zeroflow.config import ModelConfig, choices_of
-from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
+from zeroflow.models import abstract_params
+from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES, path_str
 
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES
@@ -297,6 +300,15 @@ def count_gpt_params(model) -> int:
     return model.num_layers * block + rest
 
 
+def count_frozen_params(cfg) -> int:
+    """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it)."""
+    if not cfg.train.freeze:
+        return 0
+    shapes, _ = abstract_params(cfg.model)
+    return sum(math.prod(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(shapes)
+               if re.search(cfg.train.freeze, path_str(p)))
+
+
 LAYERS_IN_FLIGHT = 2
 "Streamed layers on the device at once: the one running and the next one being copied in."
 
@@ -330,4 +342,5 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
                     num_devices=n, stage=par.zero_stage if stage is None else stage,
                     offload=offload, update_on=update_on, precision=cfg.precision.params,
                     devices_per_process=devices_per_process, gradient_bytes=4,
-                    activation_bytes=acts, remat=remat)
+                    activation_bytes=acts, remat=remat,
+                    frozen_params=math.ceil(count_frozen_params(cfg) / model_parallel))

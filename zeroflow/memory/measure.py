@@ -164,6 +164,8 @@ class StepParts:
     plan: Any
     prec: Any
     gather_per_layer: str
+    trainable: Any = None
+    "``trainable=`` (the trainer's ``train.freeze``), None when every leaf trains."
 
 
 def choice_config(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
@@ -205,7 +207,8 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
                         devices=_first_devices(num_devices * cfg.parallel.model))
     batch = abstract_batch(cfg)
     return StepParts(loss_fn=_loss_of(run.model_cfg), params=abstract_params(run.model_cfg)[0], batch=batch,
-                     tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK)
+                     tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK,
+                     trainable=run.trainable)
 
 
 def _loss_of(model_cfg):
@@ -249,6 +252,8 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     state = run.abstract_state()
     batch = abstract_batch(cfg, run.plan.batch_sharding())
     shapes = unpadded_shapes(state.master, state.padding.master)
+    if state.frozen is not None:  # frozen parameters are parameters too
+        shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,
                      num_params=num_params)

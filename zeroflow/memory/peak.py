@@ -407,4 +407,4 @@ def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
     return estimate_step(parts.loss_fn, parts.params, parts.batch, parts.tx, parts.plan,
                          parts.prec, grad_accum=cfg.parallel.grad_accum,
                          gather_per_layer=parts.gather_per_layer, backend=backend,
-                         recompute_bytes=recompute)
+                         recompute_bytes=recompute, trainable=parts.trainable)
