@@ -47,11 +47,11 @@ def reference_run(params, batches, tx, dtype):
     return np.array(losses), train, fixed
 
 
-def run(stage, prec, trainable, offload="none", batches=BATCHES, update_on="device"):
+def run(stage, prec, trainable, offload="none", batches=BATCHES, update_on="device", grad_accum=1):
     plan = zf.ZeroPlan(zf.make_mesh(), stage=stage, offload=offload, update_on=update_on)
     tx = make_tx()
     state = zf.init_train_state(init_params(), tx, plan, prec, trainable=trainable)
-    step = zf.make_train_step(loss_fn, tx, plan, prec)
+    step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=grad_accum)
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)
@@ -68,10 +68,10 @@ def frozen_leaves(tree):
     return {k: {n: v for n, v in layer.items() if (k, n) in FROZEN} for k, layer in tree.items()}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp32_matches_optax_on_the_trainable_subset(stage):
+@pytest.mark.parametrize("stage,grad_accum", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 2), (3, 2)])
+def test_fp32_matches_optax_on_the_trainable_subset(stage, grad_accum):
     ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.float32)
-    losses, state = run(stage, zf.Precision(), MASK)
+    losses, state = run(stage, zf.Precision(), MASK, grad_accum=grad_accum)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_leaves_close(trained_leaves(state.master_params), ref_train, rtol=1e-5, atol=1e-6)
     assert_leaves_equal(frozen_leaves(state.params), ref_fixed)

@@ -12,9 +12,8 @@ others. ``merge`` puts the two back together for the loss.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
