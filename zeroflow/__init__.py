@@ -4,7 +4,7 @@
     mesh  = zf.make_mesh(data=-1, model=1)   # or zf.target_mesh("h100", data=8): compile only
     prec  = zf.Precision(params="bf16", master="fp32", loss_scale="none")
     plan  = zf.ZeroPlan(mesh, stage=2)
-    state = zf.init_train_state(params, tx, plan, prec)   # model_state=..., rng=... if any
+    state = zf.init_train_state(params, tx, plan, prec)   # model_state=..., rng=..., trainable=...
     step  = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum=1)
     state, metrics = step(state, batch)
 

@@ -1,8 +1,9 @@
 """Checkpoints that load onto any mesh, ZeRO stage, offload or precision.
 
 What is saved is the *portable* part of a TrainState: step, updates applied, fp32 master
-weights, optimizer state, loss scale, model state and the rng's key data, each as a global
-array in its own (unpadded) shape. The compute-dtype copy is not saved: it is a cast of the
+weights, optimizer state, loss scale, model state, the rng's key data and the frozen weights
+(``zeroflow.frozen``, in their compute dtype), each as a global array in its own (unpadded)
+shape. A checkpoint restores only onto a state with the same trainable/frozen split. The compute-dtype copy is not saved: it is a cast of the
 master weights and is rebuilt on restore. Restoring reads every array straight into the
 sharding that ``like`` (a state built on the target plan, or its abstract shapes) asks for, so a
 checkpoint written at ZeRO-3 on (8, 1) loads at ZeRO-1 on (4, 2) or on one device.
@@ -44,6 +45,8 @@ def portable(state: TrainState) -> dict[str, Any]:
         out["model_state"] = state.model_state
     if state.rng is not None:
         out["rng"] = jax.random.key_data(state.rng)
+    if state.frozen is not None:
+        out["frozen"] = state.frozen_params
     return out
 
 
@@ -61,6 +64,8 @@ def _stored_target(like: TrainState) -> dict[str, Any]:
         data = jax.eval_shape(jax.random.key_data, like.rng)
         target["rng"] = jax.ShapeDtypeStruct(data.shape, data.dtype,
                                              sharding=getattr(like.rng, "sharding", None))
+    if like.frozen is not None:
+        target["frozen"] = like.frozen
     return target
 
 
@@ -79,8 +84,33 @@ def _leaf_table(tree) -> dict[str, tuple]:
     return {path_str(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def _split_of(table: dict[str, tuple]) -> tuple[set, set]:
+    """The parameter paths a leaf table holds as master weights and as frozen weights."""
+    def under(prefix):
+        return {k[len(prefix):] for k in table if k.startswith(prefix)}
+    return under("master/"), under("frozen/")
+
+
+def check_same_split(saved_meta, target, where: str) -> None:
+    """One line naming the parameters a checkpoint froze that the target trains (or the other
+    way round): its master weights and optimizer state cover other leaves."""
+    (saved_train, saved_frozen), (want_train, want_frozen) = (
+        _split_of(_leaf_table(saved_meta)), _split_of(_leaf_table(target)))
+    if saved_train | saved_frozen != want_train | want_frozen:
+        return  # other parameters altogether: check_compatible names them
+    now_trained, now_frozen = sorted(saved_frozen & want_train), sorted(saved_train & want_frozen)
+    if now_trained or now_frozen:
+        parts = [f"{label}: {', '.join(paths[:4])}" + (" ..." if len(paths) > 4 else "")
+                 for label, paths in (("frozen there, trainable here", now_trained),
+                                      ("trainable there, frozen here", now_frozen)) if paths]
+        raise CheckpointError(f"checkpoint {where} was saved with another trainable/frozen "
+                              f"split than the target state's (init_train_state(trainable=...)): "
+                              + "; ".join(parts))
+
+
 def check_compatible(saved_meta, target, where: str) -> None:
     """One readable line naming what differs between a checkpoint and the target state."""
+    check_same_split(saved_meta, target, where)
     saved, want = _leaf_table(saved_meta), _leaf_table(target)
     missing = sorted(set(want) - set(saved))
     extra = sorted(set(saved) - set(want))
@@ -116,11 +146,14 @@ def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
     step = place(restored["step"], like.step)
     # A checkpoint from before updates were counted apart from steps: assume none was skipped.
     applied = place(restored["applied"] if "applied" in restored else restored["step"], like.applied)
+    frozen = None
+    if like.frozen is not None:
+        frozen = jax.tree.map(place, restored["frozen"], like.frozen)
     return TrainState(step=step, applied=applied, master=master, compute=compute,
                       opt_state=opt_state, loss_scale=_loss_scale(restored, like, place),
                       model_state=None if like.model_state is None else jax.tree.map(
                           place, restored["model_state"], like.model_state),
-                      rng=_rng(restored, like), padding=like.padding)
+                      rng=_rng(restored, like), frozen=frozen, padding=like.padding)
 
 
 def _loss_scale(restored, like: TrainState, place):
@@ -177,6 +210,8 @@ def _logical_target(like: TrainState, target: dict[str, Any]) -> dict[str, Any]:
     out = dict(target)
     out["master"] = padding.unpadded_shapes(like.master, like.padding.master)
     out["opt_state"] = padding.unpadded_shapes(like.opt_state, like.padding.opt_state)
+    if like.frozen is not None:
+        out["frozen"] = padding.unpadded_shapes(like.frozen, like.padding.frozen)
     return out
 
 

@@ -155,6 +155,8 @@ class TrainConfig:
     "Steps between evaluations (0 = only at the end)."
     eval_batches: int = 4
     "Validation batches per evaluation."
+    freeze: str = ""
+    "Regex (re.search) on parameter paths such as 'layers/attn/q_proj': matching parameters are frozen (kept once in the compute dtype: no master copy, optimizer state or gradient); '' trains all."
 
 
 @dataclass

@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -328,6 +329,11 @@ def validate_config(cfg: Config) -> Config:
         if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
             rules.append((False, f"model.num_kv_heads ({m.num_kv_heads}) must divide "
                                  f"model.num_heads ({m.num_heads})"))
+    if t.freeze:
+        try:
+            re.compile(t.freeze)
+        except re.error as e:
+            rules.append((False, f"train.freeze must be a regular expression; {t.freeze!r}: {e}"))
     batch_problem = batch_split_problem(t.batch_size, p.grad_accum)
     if batch_problem:
         rules.append((False, batch_problem))

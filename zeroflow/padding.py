@@ -84,10 +84,11 @@ class StatePadding:
     compute: tuple[Entry, ...] = ()
     opt_state: tuple[Entry, ...] = ()
     data_size: int = 1
+    frozen: tuple[Entry, ...] = ()
 
     @property
     def any(self) -> bool:
-        return any(self.master) or any(self.compute) or any(self.opt_state)
+        return any(self.master) or any(self.compute) or any(self.opt_state) or any(self.frozen)
 
 
 NO_PADDING = StatePadding()

@@ -72,7 +72,7 @@ def load_params(run_dir: Path, step: int | None = None):
         state, meta = checkpoints.read(run.abstract_state(), step)
     finally:
         checkpoints.close()
-    return run.model_cfg, run.data.tokenizer, state.master, meta["step"]
+    return run.model_cfg, run.data.tokenizer, state.params, meta["step"]
 
 
 def main_args(args) -> int:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from zeroflow import frozen as frozen_weights
 from zeroflow import padding
 from zeroflow.padding import NO_PADDING, StatePadding
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
@@ -22,7 +23,10 @@ class TrainState:
     ``master``: fp32 weights (the optimizer's); ``compute``: the compute-dtype copy, or None when
     the compute dtype is fp32 (then ``params`` is ``master``: one copy only); ``model_state``:
     mutable model variables (e.g. Flax ``batch_stats``) or None; ``rng``: the base key of the
-    per-step keys, or None. ``padding`` (static) says which stored arrays carry ZeRO padding."""
+    per-step keys, or None; ``frozen``: the frozen weights (``zeroflow.frozen``) in the compute
+    dtype, with holes (None) where the trainable leaves are, or None when every leaf trains;
+    ``master``, ``compute``, ``opt_state`` then hold the trainable leaves only (holes at the
+    frozen ones). ``padding`` (static) says which stored arrays carry ZeRO padding."""
     step: jax.Array
     applied: jax.Array
     master: Any
@@ -31,6 +35,7 @@ class TrainState:
     loss_scale: LossScaleState | None
     model_state: Any = None
     rng: jax.Array | None = None
+    frozen: Any = None
     padding: StatePadding = struct.field(pytree_node=False, default=NO_PADDING)
 
     @property
@@ -40,14 +45,28 @@ class TrainState:
 
     @property
     def params(self):
-        """The weights the forward pass uses, in the compute dtype and their own shapes."""
-        if self.compute is None:
-            return self.master_params
-        return padding.unpad(self.compute, self.padding.compute)
+        """The weights the forward pass uses (frozen ones included), in the compute dtype and
+        their own shapes."""
+        trained = self.master_params if self.compute is None else padding.unpad(
+            self.compute, self.padding.compute)
+        return frozen_weights.merge(trained, self.frozen_params)
+
+    @property
+    def frozen_params(self):
+        """The frozen weights in their own shapes (holes at the trainable leaves), or None."""
+        if self.frozen is None:
+            return None
+        return padding.unpad(self.frozen, self.padding.frozen)
+
+    @property
+    def trainable(self):
+        """The trainable mask (a pytree of bools with the parameters' structure)."""
+        return frozen_weights.mask_of(self.master, self.frozen)
 
     @property
     def master_params(self):
-        """The fp32 master weights in their own shapes (ZeRO padding sliced off)."""
+        """The fp32 master weights in their own shapes (ZeRO padding sliced off); holes (None) at
+    frozen leaves."""
         return padding.unpad(self.master, self.padding.master)
 
 
@@ -101,19 +120,29 @@ def _is_layout(x) -> bool:
     return isinstance(x, LeafLayout)
 
 
-def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision) -> StatePadding:
+def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision,
+                  frozen_layouts=None) -> StatePadding:
     compute = () if prec.params == "fp32" else padding.entries_of(layouts.master, plan.shards_compute)
+    frozen = () if frozen_layouts is None else padding.entries_of(frozen_layouts,
+                                                                   plan.shards_compute)
     return StatePadding(master=padding.entries_of(layouts.master, plan.shards_storage),
                         compute=compute,
                         opt_state=padding.entries_of(layouts.opt_state, plan.shards_storage),
-                        data_size=plan.data_size)
+                        data_size=plan.data_size, frozen=frozen)
 
 
 def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan,
-                    prec: Precision, model_state=None, rng=None) -> TrainState:
+                    prec: Precision, model_state=None, rng=None, trainable=None) -> TrainState:
     """The sharding of every leaf of the state: derived from the parameters, never hand-listed.
-    ``abstract_params`` has the parameters' own shapes; padded leaves get the sharding of their
-    stored (padded) form. ``model_state`` / ``rng``: the state carries them (replicated)."""
+    ``abstract_params`` has the parameters' own shapes (all of them, frozen ones included);
+    padded leaves get the sharding of their stored (padded) form. ``model_state`` / ``rng``:
+    the state carries them (replicated). ``trainable``: as for ``init_train_state``; frozen
+    leaves are laid out like the compute weights (split at stage 3, in host memory when the
+    weights are offloaded)."""
+    mask = frozen_weights.trainable_mask(trainable, abstract_params)
+    abstract_params, frozen_abstract = frozen_weights.split(abstract_params, mask)
+    frozen_layouts = (plan.layouts(frozen_abstract) if frozen_weights.any_frozen(mask)
+                      else None)
     layouts = state_layouts(abstract_params, tx, plan)
     host = plan.storage_memory_kind
 
@@ -125,6 +154,8 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
     opt = stored(layouts.opt_state, plan.shards_storage, host)
     compute = None if prec.params == "fp32" else stored(layouts.master, plan.shards_compute,
                                                          plan.compute_memory_kind)
+    frozen = None if frozen_layouts is None else stored(frozen_layouts, plan.shards_compute,
+                                                        plan.compute_memory_kind)
     scalar = plan.replicated()
     loss_scale = None if not prec.scaled else LossScaleState(
         scale=scalar, good_steps=scalar, skips=scalar, dynamic=prec.dynamic)
@@ -132,8 +163,8 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
                       loss_scale=loss_scale,
                       model_state=None if model_state is None else jax.tree.map(
                           lambda _: scalar, model_state),
-                      rng=None if rng is None else scalar,
-                      padding=state_padding(layouts, plan, prec))
+                      rng=None if rng is None else scalar, frozen=frozen,
+                      padding=state_padding(layouts, plan, prec, frozen_layouts))
 
 
 def as_key(rng) -> jax.Array:
@@ -164,7 +195,7 @@ def _abstract(tree):
 
 
 def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision,
-                     model_state=None, rng=None) -> TrainState:
+                     model_state=None, rng=None, trainable=None) -> TrainState:
     """Build the sharded training state.
 
     ``params`` is an fp32 pytree, or a zero-argument function returning one: then nothing is
@@ -172,6 +203,10 @@ def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, p
     ``model_state``: a pytree of mutable model variables (Flax ``batch_stats``), kept
     replicated and never touched by the optimizer; ``rng``: a jax key from which every step,
     device and micro-batch derives its own (dropout). The loss gets them as keywords.
+    ``trainable``: which leaves train (``zeroflow.frozen``): a pytree of bools matching
+    ``params``, or a callable ``(path_str, leaf) -> bool``; None trains every leaf. A frozen
+    leaf is stored once, in the compute dtype, with no master copy and no optimizer state: the
+    optimizer ``tx`` sees the trainable leaves only.
     """
     init_fn: Callable[[], Any] | None = params if callable(params) else None
     abstract = jax.eval_shape(init_fn) if init_fn else _abstract(params)
@@ -180,12 +215,18 @@ def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, p
         check_model_state(model_state)
     key = None if rng is None else as_key(rng)
     plan.warn_if_replicated(abstract)
-    shardings = state_shardings(abstract, tx, plan, prec, model_state, key)
+    mask = frozen_weights.trainable_mask(trainable, abstract)
+    shardings = state_shardings(abstract, tx, plan, prec, model_state, key, trainable=mask)
     pads = shardings.padding
 
     def build(p, model_state, key):
-        p = init_fn() if init_fn else p
+        p, frozen = frozen_weights.split(init_fn() if init_fn else p, mask)
         master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
+        if frozen_weights.any_frozen(mask):
+            frozen = padding.pad(jax.tree.map(lambda x: jnp.asarray(x, prec.compute_dtype), frozen),
+                                 pads.frozen, plan.data_size)
+        else:
+            frozen = None
         compute = None if prec.params == "fp32" else jax.tree.map(
             lambda x: x.astype(prec.compute_dtype), master)
         opt_state = tx.init(master)
@@ -195,6 +236,6 @@ def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, p
                           compute=None if compute is None else padding.pad(compute, pads.compute, n),
                           opt_state=padding.pad(opt_state, pads.opt_state, n),
                           loss_scale=prec.init_loss_scale(), model_state=model_state, rng=key,
-                          padding=pads)
+                          frozen=frozen, padding=pads)
 
     return jax.jit(build, out_shardings=shardings)(None if init_fn else params, model_state, key)

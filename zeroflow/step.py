@@ -24,6 +24,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend, offload, padding, update
+from zeroflow import frozen as frozen_weights
 from zeroflow.grads import local_grads, step_routes
 from zeroflow.grads.routes import is_route
 from zeroflow.mesh import DATA
@@ -53,21 +54,26 @@ def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
 class StepLayout(NamedTuple):
     """Everything about where arrays live that one state layout needs, computed once per layout
     (not per trace): per-leaf layouts, the state's shardings and the compute weights' shardings
-    as the step reads them. ``abstract_master`` has the parameters' own (unpadded) shapes."""
+    as the step reads them, and the trainable mask. ``abstract_master`` has the parameters' own
+    (unpadded) shapes, frozen ones included; ``layouts`` and the compute shardings are those of
+    the whole tree (what the loss reads), ``state`` has the trainable/frozen split."""
     layouts: Any
     state: TrainState
     compute_on_device: Any
     compute_stored: Any
+    trainable: Any
 
 
 def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPlan,
-                prec: Precision, model_state=None, rng=None) -> StepLayout:
+                prec: Precision, model_state=None, rng=None, trainable=None) -> StepLayout:
+    mask = frozen_weights.trainable_mask(trainable, abstract_master)
     return StepLayout(
         layouts=plan.layouts(abstract_master),
-        state=state_shardings(abstract_master, tx, plan, prec, model_state, rng),
+        state=state_shardings(abstract_master, tx, plan, prec, model_state, rng, trainable=mask),
         compute_on_device=plan.compute_shardings(abstract_master, padded=True,
                                                  memory_kind="device" if plan.offloads else None),
-        compute_stored=plan.compute_shardings(abstract_master, padded=True))
+        compute_stored=plan.compute_shardings(abstract_master, padded=True),
+        trainable=mask)
 
 
 def _place(tree, shardings):
@@ -82,9 +88,10 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     n = plan.data_size
     check_batch(batch, n * grad_accum, n, grad_accum)
     batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch)
-    if per_layer is not None and per_layer not in state.master:
+    if per_layer is not None and per_layer not in layout.layouts:
         raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
-    route_tree = step_routes(layout.layouts, plan, prec, per_layer, grad_accum)
+    route_tree = step_routes(layout.layouts, plan, prec, per_layer, grad_accum,
+                             trainable=layout.trainable)
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
     # What the loss gets besides weights and data: the step's key (local_grads folds in the
@@ -114,7 +121,7 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     new_state = TrainState(step=state.step + 1, applied=state.applied + (1 - skipped),
                            master=new_master, compute=new_compute, opt_state=new_opt,
                            loss_scale=loss_scale, model_state=model_state, rng=state.rng,
-                           padding=pads)
+                           frozen=state.frozen, padding=pads)
     new_state = _place(new_state, layout.state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
                "applied": new_state.applied,
@@ -126,14 +133,15 @@ def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route
     """Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
     stage 3 they are whole on every device (fp32 compute gathers them from the master here).
     Offloaded weights stream in here, whole, except the layer stacks that the loss fetches one
-    layer at a time (gather_layer): those stay in host memory."""
+    layer at a time (gather_layer): those stay in host memory. Frozen weights join the
+    trainable ones here, laid out as they are."""
     streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
     compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
                               layout.compute_on_device, layout.compute_stored, streamed)
     params = state.stored_params
     if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
         params = padding.unpad(params, state.padding.master)
-    return _place(params, compute_sh)
+    return _place(frozen_weights.merge(params, state.frozen), compute_sh)
 
 
 def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: StepLayout, routes):
@@ -144,8 +152,8 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
     is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
     specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
                             layout.layouts, is_leaf=is_layout)
-    specs_grad = jax.tree.map(lambda lay, r: lay.data_only_spec(r.sharded_grad),
-                              layout.layouts, routes, is_leaf=is_layout)
+    specs_grad = jax.tree.map(lambda lay, r: None if r.frozen else lay.data_only_spec(
+        r.sharded_grad), layout.layouts, routes, is_leaf=is_layout)
     batch_specs = jax.tree.map(lambda _: P(DATA), batch)
     # ``model`` stays automatic for tensor-parallel rules; without them every axis is manual,
     # which is what kernels with custom partitioners (cuDNN attention) need.
@@ -167,6 +175,7 @@ def _updated(grads, state: TrainState, finite, *, tx: optax.GradientTransformati
     compute_dtype = None if state.compute is None else prec.compute_dtype
     apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads,
                               skip_by_select=not plan.traits.cond_updates_in_place)
+    compute_on_device = frozen_weights.split(layout.compute_on_device, layout.trainable)[0]
     if not plan.offloads:
         new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
                                                  compute_shardings=one_by_one and shard.compute)
@@ -189,7 +198,7 @@ def _updated(grads, state: TrainState, finite, *, tx: optax.GradientTransformati
     master = offload.to_memory(state.master, shard.master, "device")
     opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
     return apply(grads, master, opt_state, finite, compute_shardings=(
-        one_by_one and not plan.offloads_params and layout.compute_on_device))
+        one_by_one and not plan.offloads_params and compute_on_device))
 
 
 def _traced_for(fn, state, batch, *, layout: StepLayout, traits: backend.Traits):
@@ -209,8 +218,9 @@ class TrainStep:
     """
 
     def __init__(self, fn, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision,
-                 donate: bool, compiler_options: dict | None = None):
+                 donate: bool, compiler_options: dict | None = None, trainable=None):
         self._fn, self._tx, self._plan, self._prec = fn, tx, plan, prec
+        self._trainable = trainable
         self.compiler_options = {**backend.compiler_options(plan.traits), **(compiler_options or {})}
         self._donate = (0,) if donate else ()
         self._by_layout: dict[Any, Any] = {}
@@ -221,8 +231,14 @@ class TrainStep:
         key = (treedef, tuple(x.shape for x in leaves))  # cheap: this runs on every step
         if key not in self._by_layout:
             shapes = padding.unpadded_shapes(state.master, state.padding.master)
+            mask = frozen_weights.mask_of(state.master, state.frozen)
+            if state.frozen is not None:
+                shapes = frozen_weights.merge(shapes, padding.unpadded_shapes(
+                    state.frozen, state.padding.frozen))
+            if self._trainable is not None:
+                _check_same_split(frozen_weights.trainable_mask(self._trainable, shapes), mask)
             layout = step_layout(shapes, self._tx, self._plan, self._prec, state.model_state,
-                                 state.rng)
+                                 state.rng, trainable=mask)
             self._by_layout[key] = jax.jit(functools.partial(_traced_for, self._fn, layout=layout,
                                                              traits=self._plan.traits),
                                            donate_argnums=self._donate,
@@ -240,10 +256,20 @@ class TrainStep:
         return self.jitted(state).trace(state, batch)
 
 
+def _check_same_split(want, have) -> None:
+    """``make_train_step(trainable=...)`` must describe the state it is given."""
+    differ = [path_str(p) for (p, w), h in zip(jax.tree_util.tree_leaves_with_path(want),
+                                                jax.tree.leaves(have)) if w != h]
+    if differ:
+        raise ValueError(f"make_train_step's trainable differs from the state's (built by "
+                         f"init_train_state(trainable=...)) at {', '.join(differ[:4])}"
+                         + (" ..." if len(differ) > 4 else ""))
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: ZeroPlan,
                     prec: Precision, grad_accum: int = 1, *, donate: bool = True,
                     gather_per_layer: str | None = None, prefetch: int | None = None,
-                    compiler_options: dict | None = None) -> TrainStep:
+                    compiler_options: dict | None = None, trainable=None) -> TrainStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
@@ -271,6 +297,12 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
     XLA:CPU (which runs them in line). ``compiler_options``: XLA options
     for this step's compile, over the ones the backend needs (``zeroflow.backend.compiler_options``:
     on GPUs, collective combining bounded so that gradients are reduced one weight at a time).
+
+    Frozen weights: the step reads the trainable/frozen split from the state
+    (``init_train_state(trainable=...)``); only the trainable leaves are differentiated, the
+    frozen ones enter the loss as constants (fetched on use at stage 3, without a gradient
+    path) and come back unchanged. ``trainable`` (optional, the same spellings): checked
+    against the state's split on the first call.
     """
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
@@ -287,4 +319,4 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
     step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
                              grad_accum=grad_accum, per_layer=gather_per_layer, prefetch=prefetch)
-    return TrainStep(step, tx, plan, prec, donate, compiler_options)
+    return TrainStep(step, tx, plan, prec, donate, compiler_options, trainable)

@@ -98,6 +98,27 @@ class Whole:
             self, scatter_dim=self.scatter_dim - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    """A frozen weight (``zeroflow.frozen``), stored as it is: a shard split along ``dim`` and
+    all-gathered as ``dtype`` (cut to ``size``), or whole (``dim`` None). It is fetched for
+    the forward and the backward pass like any weight, but the unit takes no vjp with respect
+    to it: its gradient is never computed. ``ordered`` as for ``Whole``."""
+    dim: int | None
+    dtype: Any
+    size: int | None = None
+    ordered: bool = True
+    frozen = True
+
+    def fetch(self, stored):
+        return stored if self.dim is None else all_gather(stored, self.dim, self.dtype, self.size)
+
+    def layer(self):
+        if self.dim is None:
+            return self
+        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1)
+
+
 def _pair_like(stored, grad):
     """The cotangent of a ``(weight, stand_in)`` pair: nothing for the weight (its zeros are
     never materialised: the caller differentiates the stand-in only), ``grad`` for the stand-in."""
@@ -346,16 +367,26 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
         stored, side, data, token = jax.tree.map(lambda p: p.value, primals, is_leaf=_is_primal)
         return forward(stored, side, data, token), (stored, side, data, token)
 
+    trains = [not getattr(src, "frozen", False) for src in sources]
+
     def unit_bwd(residuals, cotangents):
         stored, side, data, token = residuals
         cotangent, d_next = cotangents
         cotangent = jax.tree.map(_instantiate, cotangent, is_leaf=_is_zero)
         tie = cotangent if _is_zero(d_next) else [d_next]
-        _, vjp = jax.vjp(compute, fetched(stored, tie), side, data)
-        d_full, d_side, d_data = vjp(cotangent)
+        full = fetched(stored, tie)
+
+        def of_trained(trained, side, data):  # frozen weights enter as constants
+            given = iter(trained)
+            return compute([next(given) if t else x for t, x in zip(trains, full)], side, data)
+
+        _, vjp = jax.vjp(of_trained, [x for t, x in zip(trains, full) if t], side, data)
+        d_trained, d_side, d_data = vjp(cotangent)
+        d_trained = iter(d_trained)
         d_token = None if token is None else _token(cotangent)
-        return ([src.give_back(x, g) for src, x, g in zip(sources, stored, d_full)],
-                d_side, d_data, d_token)
+        # None: a zero cotangent for a frozen weight, which nothing differentiates anyway.
+        return ([src.give_back(x, next(d_trained)) if t else None
+                 for src, x, t in zip(sources, stored, trains)], d_side, d_data, d_token)
 
     unit.defvjp(unit_fwd, unit_bwd, symbolic_zeros=True)
     out, next_token = unit(stored, side, data, None if not prefetching else token)

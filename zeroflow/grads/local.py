@@ -9,7 +9,10 @@ Every parameter takes one ``Route`` (``zeroflow.grads.routes``, decided once per
   soon as it is complete (``scatter_grad_on_use``; per layer inside the layer loop);
 - stages 0-1: whole weight, whole gradient, all-reduced once per step;
 - with ``offload="optimizer+params"`` the layer stack stays in host memory and each layer is
-  copied in when it runs (``stream_in``).
+  copied in when it runs (``stream_in``);
+- a frozen weight (``Reduce.NONE``) is fetched the same way but enters the loss as a
+  constant: it is not differentiated, so no gradient of it is ever computed, and the
+  gradients leave with holes (None) where the frozen weights are.
 A gradient that leaves the backward pass sharded is fp32 and already summed over devices; a
 whole one is summed over micro-batches locally and reduced at the end.
 
@@ -26,9 +29,9 @@ import jax.numpy as jnp
 
 from zeroflow import offload
 from zeroflow.grads import gather_on_use
-from zeroflow.grads.collectives import (gather_weight, reduce_scatter, scatter_grad_on_use,
-                                        stream_in, varying as _varying)
-from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route
+from zeroflow.grads.collectives import (all_gather, gather_weight, reduce_scatter,
+                                        scatter_grad_on_use, stream_in, varying as _varying)
+from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route, trained
 from zeroflow.mesh import DATA
 from zeroflow.plan import ZeroPlan, path_str
 
@@ -111,7 +114,7 @@ def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan
     if not collective:
         return grads, loss, aux, model_state
     grads = jax.tree.map(lambda g, r: g if r.sharded_grad else jax.lax.psum(g, DATA),
-                         grads, routes)
+                         grads, trained(routes))
     return (grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
             jax.tree.map(_across_devices, model_state))
 
@@ -130,8 +133,8 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
     dtypes = jax.tree.map(lambda x: x.dtype, params)
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
-    params = jax.tree.map(lambda x, r: _differentiable(x, r, plan.data_size, varying),
-                          params, routes)
+    params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
+        x, r, plan.data_size, varying), params, routes)
     gather_layer = None if per_layer is None else _layer_gatherer(routes[per_layer],
                                                                   dtypes[per_layer], varying)
 
@@ -140,14 +143,15 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
                  **({} if key is None else {"rng": key})}
 
         def scaled_loss(p):
-            seen = jax.tree.map(lambda x, w, r: _visible(x, w, r, varying), p, stored, routes)
+            seen = jax.tree.map(lambda x, w, r: _visible(x, w, r, varying), p, stored, routes,
+                                is_leaf=_is_hole)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
                                   plan.traits.widens_half_precision, gather_layer, given)
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
 
         (_, (loss, aux, new_state)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-        g = jax.tree.map(lambda x, r: _reduce_late(x.astype(jnp.float32), r), g, routes)
+        g = jax.tree.map(lambda x, r: _reduce_late(x.astype(jnp.float32), r), g, trained(routes))
         return g, loss, aux, new_state
 
     return _over_micro_batches(grads_of, batch, extras, grad_accum, varying)
@@ -167,7 +171,10 @@ def _differentiable(x, r: Route, n: int, varying):
 
 def _visible(x, w, r: Route, varying):
     """What the loss sees for one leaf: the weight as it is, or a ``Detached`` pair of the
-    stored weight ``w`` (shard, whole or in host memory) and its stand-in ``x``."""
+    stored weight ``w`` (shard, whole or in host memory) and its stand-in ``x``; a frozen
+    weight as stored (a constant of the differentiated function)."""
+    if r.frozen:
+        return w if r.stream else varying(w)
     if r.stream:
         return Detached(w, x)
     if r.reduce is not Reduce.ALL_REDUCE:
@@ -182,6 +189,9 @@ def _layer_gatherer(routes, dtypes, varying):
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
+        if r.frozen:  # fetched without a gradient path
+            weight = offload.to_device(varying(x)) if r.stream else x
+            return all_gather(weight, r.layer_dim, dt, r.cut) if r.sharded else weight
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.value, x.stand_in)
         weight = offload.to_device(varying(x.value)) if r.stream else x.value
@@ -221,6 +231,10 @@ def _over_micro_batches(grads_of, batch, extras, grad_accum: int, varying):
     return grads, loss / grad_accum, jax.tree.map(lambda a: a / grad_accum, aux), model_state
 
 
+def _is_hole(x) -> bool:
+    return x is None
+
+
 def _reduce_late(g, r: Route):
     """Per micro-batch: a gradient to be reduce-scattered that the backward pass left whole (a
     streamed stack split along its layer axis) is reduce-scattered now."""
@@ -232,6 +246,9 @@ def _reduce_late(g, r: Route):
 def _source(r: Route, dtype, widens: bool) -> gather_on_use.Source | None:
     if r.fetch is not Fetch.ON_USE:
         return None
+    if r.frozen:
+        return gather_on_use.Frozen(r.dim if r.sharded else None, dtype, r.cut,
+                                    ordered=r.sharded or widens)
     if r.sharded:
         return gather_on_use.Sharded(r.dim, dtype, r.cut, r.padded)
     scattered = r.reduce is Reduce.ON_USE

@@ -11,6 +11,8 @@ A route is two choices and two facts:
   reduce-scattered after each micro-batch's backward pass;
 - ``sharded``: the compute weight is stored as a shard (ZeRO-3) and gathered for each use;
 - ``stream``: the compute weight lives in host memory and is copied in per layer.
+A frozen weight (``zeroflow.frozen``) is fetched like any other stored weight but has no
+gradient: its route reduces nothing (``Reduce.NONE``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class Reduce(enum.Enum):
     ALL_REDUCE = "whole, all-reduced after the micro-batches"
     ON_USE = "reduce-scattered in the backward pass, on use"
     AFTER = "reduce-scattered after each micro-batch"
+    NONE = "frozen: no gradient"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,11 @@ class Route:
     "Its stored length along ``dim`` when that is padded up to a multiple of N, else None."
 
     @property
+    def frozen(self) -> bool:
+        """A frozen weight: fetched for the loss, never differentiated."""
+        return self.reduce is Reduce.NONE
+
+    @property
     def cut(self) -> int | None:
         """The length a gathered (padded) weight is cut back to; None when it is not padded."""
         return self.size if self.padded is not None else None
@@ -60,7 +68,7 @@ class Route:
     @property
     def sharded_grad(self) -> bool:
         """The gradient leaves ``local_grads`` split over ``data``."""
-        return self.reduce is not Reduce.ALL_REDUCE
+        return self.reduce in (Reduce.ON_USE, Reduce.AFTER)
 
     @property
     def layer_dim(self) -> int:
@@ -68,9 +76,11 @@ class Route:
 
 
 def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
-                grad_accum: int = 1):
+                grad_accum: int = 1, trainable=None):
     """A ``Route`` per leaf of ``layouts`` (``plan.layouts``), as the train step takes them.
     ``per_layer``: the top-level key of the layer stack handed to ``gather_layer`` (or None).
+    ``trainable``: a mask of bools matching ``layouts`` (None: every leaf trains); a frozen
+    leaf is fetched as the compute weights are and reduces nothing.
 
     Stage 1 reduces gradients once per step: with one micro-batch that is on use, as stage 2
     (a reduce-scatter moves half the bytes of an all-reduce and leaves each device the slice
@@ -83,11 +93,11 @@ def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
     from_host = plan.offloads_params and (prec.params != "fp32" or plan.stage in (0, 3))
     fetch_whole = fetches_whole(plan, prec.compute_dtype)
 
-    def route(path, lay: LeafLayout) -> Route:
+    def route(path, lay: LeafLayout, trains: bool = True) -> Route:
         under = per_layer is not None and (path_str(path) + "/").startswith(per_layer + "/")
         split = lay.zero_dim is not None
         sharded = plan.shards_compute and split
-        scatter = reduces_on_use and not plan.shards_compute and split
+        scatter = trains and reduces_on_use and not plan.shards_compute and split
         within_layer = under and split and lay.zero_dim > 0  # a layer's slice is itself split
         # A stage-3 stack split along its layer axis cannot be fetched one layer at a time.
         stream = from_host and under and not (sharded and not within_layer)
@@ -100,7 +110,9 @@ def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
             fetch = Fetch.ON_USE
         else:
             fetch = Fetch.STORED
-        if sharded or (scatter and (fetch is not Fetch.PER_LAYER or lay.zero_dim > 0)):
+        if not trains:
+            reduce = Reduce.NONE
+        elif sharded or (scatter and (fetch is not Fetch.PER_LAYER or lay.zero_dim > 0)):
             reduce = Reduce.ON_USE
         elif scatter:  # a streamed stack split along its layer axis: whole per layer
             reduce = Reduce.AFTER
@@ -109,7 +121,14 @@ def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
         size = None if lay.zero_dim is None else lay.shape[lay.zero_dim]
         padded = size + lay.pad if split and lay.pad else None
         return Route(lay.zero_dim, fetch, reduce, sharded, stream, size, padded)
-    return jax.tree_util.tree_map_with_path(route, layouts, is_leaf=_is_layout)
+    if trainable is None:
+        return jax.tree_util.tree_map_with_path(route, layouts, is_leaf=_is_layout)
+    return jax.tree_util.tree_map_with_path(route, layouts, trainable, is_leaf=_is_layout)
+
+
+def trained(routes):
+    """``routes`` with holes (None) at the frozen leaves: the structure of the gradients."""
+    return jax.tree.map(lambda r: None if r.frozen else r, routes, is_leaf=is_route)
 
 
 def fetches_whole(plan: ZeroPlan, dtype) -> bool:

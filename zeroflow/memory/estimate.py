@@ -14,6 +14,10 @@ copy is stored sharded and gathered whole for the forward/backward pass, so the 
 counts as compute weights and the stored 4 P / N as master; at stage 3 compute and storage
 share one sharded layout again (4 P / N).
 
+A frozen parameter (``frozen_params``; ``zf.init_train_state(trainable=...)``) costs only its
+compute-dtype bytes: 2 P_f (bf16) at stages 0-2, 2 P_f / N at stage 3, no gradient, master
+or optimizer state.
+
 The activation formula for the GPT model and the meaning of each field are in docs/memory.md.
 """
 from __future__ import annotations
@@ -133,7 +137,7 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
              update_on: str = "device", precision: Any = "bf16", devices_per_process: int | None = None,
              gradient_bytes: int | None = None, optimizer_bytes: int = ADAM_BYTES,
              activation_bytes: float = 0.0, remat: str | None = None,
-             resident_params: int | None = None) -> MemoryEstimate:
+             resident_params: int | None = None, frozen_params: int = 0) -> MemoryEstimate:
     """Model-state memory of ZeRO ``stage`` with ``num_devices`` data-parallel devices.
 
     ``precision``: a ``zf.Precision`` or its params string ("bf16", "fp16", "fp32").
@@ -145,6 +149,8 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     ``resident_params``: with ``offload="optimizer+params"``, how many parameters' compute
     weights are on the device at once during forward/backward when the layer stack is
     streamed in one layer at a time (default: all, as when nothing is streamed).
+    ``frozen_params``: how many of the ``num_params`` are frozen: stored once in the compute
+    dtype (beside the compute weights, offloaded with them), nothing else.
     """
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"num_params must be a number >= 0, got {num_params!r}")
@@ -165,23 +171,33 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     width = DTYPE_BYTES[name]
     grad_width = width if gradient_bytes is None else _check_int("gradient_bytes", gradient_bytes, 1)
     p = float(num_params)
+    if isinstance(frozen_params, bool) or not isinstance(frozen_params, (int, float)) or not (
+            0 <= frozen_params <= p):
+        raise ValueError(f"frozen_params must be a number in [0, num_params={num_params}], got "
+                         f"{frozen_params!r}")
+    f = float(frozen_params)
+    trained = p - f
 
     def split(sharded: bool) -> float:
         return 1.0 / n if sharded else 1.0
 
     compute = width * p * split(stage >= 3)  # on the device during forward/backward
+    frozen = width * f * split(stage >= 3)  # stored as used: no master, gradient or moments
     # fp32: one copy serves compute and optimizer. Where storage and compute layouts agree
     # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
     # gathered from the sharded master for each step and dropped after it.
     shared = name == "fp32" and stage in (0, 3)
     gathered = name == "fp32" and stage in (1, 2)
-    master = 0.0 if shared else 4 * p * split(stage >= 1)
-    grads = grad_width * p * split(stage >= 2)
-    opt = optimizer_bytes * p * split(stage >= 1)
-    stored_weights = 0.0 if gathered else compute  # the weight copy kept between steps
+    master = 0.0 if shared else 4 * trained * split(stage >= 1)
+    grads = grad_width * trained * split(stage >= 2)
+    opt = optimizer_bytes * trained * split(stage >= 1)
+    trained_weights = 0.0 if gathered else compute - frozen
+    stored_weights = trained_weights + frozen  # the weight copies kept between steps
 
     offloaded = offload != "none"
-    host_compute = stored_weights if (offload == "optimizer+params" or (shared and offloaded)) else 0.0
+    with_params = offload == "optimizer+params"
+    host_compute = ((trained_weights if (with_params or (shared and offloaded)) else 0.0)
+                    + (frozen if with_params else 0.0))
     # Weights kept on the host come in for forward/backward, the streamed layers one at a time.
     resident = p if resident_params is None else min(float(_check_int("resident_params", resident_params, 0)), p)
     streamed = offload == "optimizer+params" and host_compute > 0 and p > 0
@@ -287,10 +303,13 @@ LAYERS_IN_FLIGHT = 2
 
 def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = None,
                     offload: str | None = None, update_on: str | None = None,
-                    remat: str | None = None, devices_per_process: int | None = None) -> MemoryEstimate:
+                    remat: str | None = None, devices_per_process: int | None = None,
+                    frozen_params: int = 0) -> MemoryEstimate:
     """Estimate for a trainer ``zeroflow.config.Config``; keyword arguments override its
     ``parallel.*`` / ``model.remat`` choices. Gradients are counted in fp32 (4 bytes), as
-    zeroflow's engine reduces them, and activations per micro-batch are included."""
+    zeroflow's engine reduces them, and activations per micro-batch are included.
+    ``frozen_params``: how many of the GPT's parameters ``train.freeze`` freezes
+    (``zeroflow.trainer.planning.count_frozen_params``)."""
     par = cfg.parallel
     n = num_devices if num_devices is not None else (par.data if par.data > 0 else None)
     if n is None:
@@ -314,4 +333,5 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
                     num_devices=n, stage=par.zero_stage if stage is None else stage,
                     offload=offload, update_on=update_on, precision=cfg.precision.params,
                     devices_per_process=devices_per_process, gradient_bytes=4,
-                    activation_bytes=acts, remat=remat)
+                    activation_bytes=acts, remat=remat,
+                    frozen_params=math.ceil(frozen_params / model_parallel))

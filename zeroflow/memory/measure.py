@@ -68,16 +68,17 @@ def analysed(compiled) -> MeasuredMemory:
 
 def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
                  gather_per_layer: str | None = None, model_state=None, rng=None,
-                 **step_options) -> tuple[MeasuredMemory, float]:
+                 trainable=None, **step_options) -> tuple[MeasuredMemory, float]:
     """``(memory_analysis, device peak)`` of ``zf.make_train_step(loss_fn, tx, plan, prec, ...)``
     for abstract fp32 ``params`` and global ``batch`` (the arguments of ``estimate_step``):
     the state is built abstractly in the plan's shardings, nothing is allocated or run. The
     device peak leaves out the offloaded state, which XLA:CPU counts as device arguments.
     On a ``zf.target_mesh`` this is XLA:GPU's number. ``step_options``: more keywords of
-    ``make_train_step`` (``prefetch``, ``compiler_options``)."""
+    ``make_train_step`` (``prefetch``, ``compiler_options``); ``trainable`` as for
+    ``zf.init_train_state``."""
     compiled, state = compile_step(loss_fn, params, batch, tx, plan, prec, grad_accum=grad_accum,
                                    gather_per_layer=gather_per_layer, model_state=model_state,
-                                   rng=rng, **step_options)
+                                   rng=rng, trainable=trainable, **step_options)
     got = analysed(compiled)
     return got, float(device_peak(got, state))
 
@@ -92,17 +93,16 @@ def device_peak(got: MeasuredMemory, state) -> int:
 
 def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
                  gather_per_layer: str | None = None, model_state=None, rng=None,
-                 **step_options):
+                 trainable=None, **step_options):
     """``(compiled step, abstract state)`` for the arguments of ``measure_step``: read the
     compiled program's collectives with ``zf.memory.collectives``."""
     import zeroflow as zf
     from zeroflow.state import abstract_master
 
     master = abstract_master(params)
-    abstract = jax.eval_shape(lambda ms, key: zf.init_train_state(master, tx, plan, prec,
-                                                                  model_state=ms, rng=key),
-                              model_state, rng)
-    shardings = zf.state_shardings(master, tx, plan, prec, model_state, rng)
+    abstract = jax.eval_shape(lambda ms, key: zf.init_train_state(
+        master, tx, plan, prec, model_state=ms, rng=key, trainable=trainable), model_state, rng)
+    shardings = zf.state_shardings(master, tx, plan, prec, model_state, rng, trainable=trainable)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          abstract, shardings)
     placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,

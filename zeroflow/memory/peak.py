@@ -7,7 +7,9 @@
 - ``whole_weights``: fp32 compute at stages 1-2 keeps no compute copy, so each step gathers the
   whole weights from the master shards for the forward and backward pass;
 - ``gradients``: the fp32 gradients the backward pass leaves, whole where they are all-reduced
-  (stage 0, stage 1 with accumulation) and 1/N where they are reduce-scattered on use;
+  (stage 0, stage 1 with accumulation) and 1/N where they are reduce-scattered on use; none
+  for frozen weights (``trainable=``), which are stored once in the compute dtype (part of
+  ``model_states``) and keep no master copy or optimizer state;
 - ``activations``: what the backward pass keeps from the forward pass in device memory (the
   residuals of ``jax.vjp`` of the loss on one device's micro-batch, the weights themselves
   excluded); residuals a remat policy offloads (remat 'offload_dots') are ``host_activations``,
@@ -36,6 +38,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from zeroflow import backend as backends
+from zeroflow import frozen as frozen_weights
 from zeroflow import jaxprs
 from zeroflow.grads.routes import Fetch, Route, step_routes
 from zeroflow.memory.trace_cache import remembered
@@ -121,20 +124,28 @@ def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[b
 
 @remembered  # a plan traces the same loss for every stage and offload
 def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
-                         extras: dict | None = None, memory: str | None = None) -> list:
+                         extras: dict | None = None, memory: str | None = None,
+                         trainable: tuple[bool, ...] | None = None) -> list:
     """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the
     backward pass, the parameters themselves excluded (also as a scan keeps them: its slices
     stacked again). Traced abstractly: nothing runs. ``extras``: the keywords the step passes
     the loss (``model_state``, ``rng``). ``memory``: only those in ``"device"`` or in ``"host"``
-    memory (a remat policy's offloaded residuals), default all."""
+    memory (a remat policy's offloaded residuals), default all. ``trainable``: one bool per
+    leaf of ``params`` (flatten order); the frozen ones are constants of the vjp, as in the
+    step (what only their gradient would need is not kept)."""
     found: list = []
 
     def probe(params, batch, extras):
-        def loss(p):
+        leaves, treedef = jax.tree.flatten(params)
+        keep = trainable or (True,) * len(leaves)
+
+        def loss(trained):
+            given = iter(trained)
+            p = treedef.unflatten([next(given) if t else x for t, x in zip(keep, leaves)])
             out = (loss_fn(p, batch, **extras) if gather_per_layer is None
                    else loss_fn(p, batch, lambda x: x, **extras))
             return out[0] if isinstance(out, tuple) else out
-        _, vjp = jax.vjp(loss, params)
+        _, vjp = jax.vjp(loss, [x for t, x in zip(keep, leaves) if t])
         inputs = jax.tree.leaves(params)
         weights = {(tuple(p.shape), p.dtype) for p in inputs}
         found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(vjp)
@@ -161,7 +172,7 @@ def _memory_of(x) -> str:
 def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *,
                   grad_accum: int = 1, gather_per_layer: str | None = None,
                   backend: str | None = None, recompute_bytes: float = 0.0,
-                  model_state=None, rng=None) -> PeakEstimate:
+                  model_state=None, rng=None, trainable=None) -> PeakEstimate:
     """The peak of ``zf.make_train_step(loss_fn, tx, plan, prec, grad_accum, gather_per_layer=)``
     per device, from the abstract fp32 ``params`` and the global ``batch`` (arrays or
     ``ShapeDtypeStruct``s). ``plan`` may be on a ``zf.planning_mesh`` (no devices needed).
@@ -171,14 +182,18 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     ``recompute_bytes``: under remat, what one layer's forward pass makes again in the backward
     pass (``remat_recompute_bytes`` derives it; 0 when unknown).
     ``model_state`` / ``rng``: what the state will carry (``zf.init_train_state``'s arguments of
-    those names, arrays or ShapeDtypeStructs); the loss is then called with them as keywords."""
+    those names, arrays or ShapeDtypeStructs); the loss is then called with them as keywords.
+    ``trainable``: as for ``zf.init_train_state``; a frozen leaf costs its compute-dtype bytes
+    (1/N at stage 3) and nothing else."""
     from zeroflow.state import abstract_master
 
     master = abstract_master(params)
-    stored, shard, state_arrays = _stored_state(master, tx, plan, prec)
+    mask = frozen_weights.trainable_mask(trainable, master)
+    flat_mask = tuple(jax.tree.leaves(mask))
+    stored, shard, state_arrays = _stored_state(master, tx, plan, prec, mask)
     n, model = plan.data_size, plan.model_size
     layouts = plan.layouts(master)
-    route_tree = step_routes(layouts, plan, prec, gather_per_layer, grad_accum)
+    route_tree = step_routes(layouts, plan, prec, gather_per_layer, grad_accum, trainable=mask)
     flat_routes = jax.tree.leaves(route_tree, is_leaf=lambda x: isinstance(x, Route))
     shapes = [x.shape for x in jax.tree.leaves(master)]
     compute_sh = jax.tree.leaves(plan.compute_shardings(master, memory_kind=None))
@@ -195,41 +210,46 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     micro = _micro_batch(batch, n, grad_accum)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     stacked = _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, widening)
-    gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None)
-                      else 0.0 for w, r in zip(whole, flat_routes)]
+    # (a frozen fp32 weight is stored whole below stage 3: nothing to gather)
+    gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None
+                                  and not r.frozen) else 0.0 for w, r in zip(whole, flat_routes)]
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
         gathered_whole = [g + (width * w if r.fetch is not Fetch.PER_LAYER else 0.0)
                           for g, w, r in zip(gathered_whole, whole, flat_routes)]
-    grads = [F32 * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
+    grads = [0.0 if r.frozen else F32 * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
              for w, r in zip(whole, flat_routes)]
 
     # Traced for the backend compiled for: a remat policy may offload only where host memory
     # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
     with backends.tracing_for(_traits_for(plan, backend)):
         activations, host_activations = (
-            _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind)
-            / model for kind in ("device", "host"))
-    layer_stack = [(w, shape) for w, shape, st in zip(whole, shapes, stacked) if st]
-    unit = (sum(w / shape[0] for w, shape in layer_stack) if layer_stack else max(whole))
+            _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
+                            trainable=flat_mask) / model for kind in ("device", "host"))
+    layer_stack = [(w, shape, t) for w, shape, st, t in zip(whole, shapes, stacked, flat_mask) if st]
+    unit = (sum(w / shape[0] for w, shape, _ in layer_stack) if layer_stack else max(whole))
+    # The unit's local fp32 gradient: of its trainable weights only.
+    unit_grad = (sum(w / shape[0] for w, shape, t in layer_stack if t) if layer_stack
+                 else max((w for w, t in zip(whole, flat_mask) if t), default=0.0))
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
     # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place.
     fetched = fetched_width if (plan.shards_compute or layer_stack or widening) else 0
     widened = 0.0
     if widening and layer_stack:
-        widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _ in layer_stack)
+        widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in layer_stack)
 
     # The backward pass peaks at its start (all it keeps from the forward pass, the first layer
     # being differentiated, and the gradient buffers of a scanned stack, allocated whole up
     # front) or at its end (every gradient; weights and activations of unstacked layers have
     # been freed one by one as the pass went back through them).
-    in_flight = max((fetched + F32) * unit, recompute_bytes / model + F32 * unit)
+    in_flight = max(fetched * unit + F32 * unit_grad, recompute_bytes / model + F32 * unit_grad)
     at_start = (sum(gathered_whole) + activations + in_flight
                 + sum(g for g, st in zip(grads, stacked) if st) + widened)
     # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
     # input gradient is not needed).
     at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
-              + ((fetched if plan.shards_compute else 0) + F32) * unit + widened)
-    update = sum(grads) + _update_bytes(master, stored, shard, tx, flat_routes, plan, backend)
+              + (fetched if plan.shards_compute else 0) * unit + F32 * unit_grad + widened)
+    update = sum(grads) + _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
+                                        flat_routes, plan, backend)
     host_state = sum(_kind_bytes(_with_shardings(a, sh), "pinned_host") for a, sh in state_arrays)
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
@@ -239,17 +259,20 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
                         host_activations=host_activations)
 
 
-def _stored_state(master, tx, plan: ZeroPlan, prec: Precision):
+def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, trainable=None):
     """The state as stored (abstract; leaves ZeRO pads are larger than the parameters), its
     shardings, and its ``(arrays, shardings)`` pairs."""
     import zeroflow as zf
     from zeroflow.state import state_shardings
 
-    shard = state_shardings(master, tx, plan, prec)
-    stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec))
+    shard = state_shardings(master, tx, plan, prec, trainable=trainable)
+    stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec,
+                                                        trainable=trainable))
     state_arrays = [(stored.master, shard.master), (stored.opt_state, shard.opt_state)]
     if shard.compute is not None:
         state_arrays.append((stored.compute, shard.compute))
+    if shard.frozen is not None:
+        state_arrays.append((stored.frozen, shard.frozen))
     return stored, shard, state_arrays
 
 
@@ -301,7 +324,8 @@ def _micro_batch(batch, n: int, grad_accum: int):
 
 
 def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
-                    extras: dict | None = None, memory: str | None = None) -> float:
+                    extras: dict | None = None, memory: str | None = None,
+                    trainable: tuple[bool, ...] | None = None) -> float:
     """Bytes of the loss's residuals on one micro-batch, as the step runs it (autocast too);
     ``memory``: only those in device or in host memory (``activation_residuals``)."""
     compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
@@ -311,7 +335,7 @@ def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
         from zeroflow.autocast import autocast
         fn = autocast(loss_fn, dtype=prec.autocast)
     residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer,
-                                     extras=extras, memory=memory)
+                                     extras=extras, memory=memory, trainable=trainable)
     return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
 
 

@@ -24,8 +24,15 @@ def _abstract(tree) -> tuple:
                            getattr(x, "sharding", None)) for x in leaves)
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def _option(value):
-    return value if isinstance(value, (str, int, float, bool, type(None))) else _abstract(value)
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value):
+        return value  # e.g. a flat trainable mask: its values, not just its shape, matter
+    return _abstract(value)
 
 
 def remembered(trace):

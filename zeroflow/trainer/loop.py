@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from zeroflow import frozen as frozen_weights
 from zeroflow import offload
 from zeroflow.config import Config
 from zeroflow.config_io import save_config
@@ -207,8 +208,10 @@ def _restored_or_fresh(run: Run, checkpoints: RunCheckpoints, loader):
 
 
 def _banner(run: Run, state) -> str:
-    return (f"{run.data.summary() if run.data else ''}  params: "
-            f"{sum(x.size for x in jax.tree.leaves(state.master)):,}  mesh: {dict(run.plan.mesh.shape)}  "
+    trained, frozen = frozen_weights.count(state.trainable, state.params)
+    return (f"{run.data.summary() if run.data else ''}  params: {trained:,} trained"
+            + (f", {frozen:,} frozen" if frozen else "")
+            + f"  mesh: {dict(run.plan.mesh.shape)}  "
             f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from zeroflow.config import ModelConfig
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 from zeroflow.mesh import planning_mesh
+from zeroflow.plan import path_str
 from zeroflow.models import LAYER_STACK, abstract_params
 from zeroflow.padding import unpadded_shapes
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
@@ -47,6 +49,8 @@ class StepParts:
     plan: Any
     prec: Any
     gather_per_layer: str
+    trainable: Any = None
+    "``trainable=`` (the trainer's ``train.freeze``), None when every leaf trains."
 
 
 def choice_config(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
@@ -84,7 +88,8 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
                         devices=_first_devices(num_devices * cfg.parallel.model))
     batch = abstract_batch(cfg)
     return StepParts(loss_fn=_loss_of(run.model_cfg), params=abstract_params(run.model_cfg)[0], batch=batch,
-                     tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK)
+                     tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK,
+                     trainable=run.trainable)
 
 
 def _loss_of(model_cfg):
@@ -122,6 +127,8 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     state = run.abstract_state()
     batch = abstract_batch(cfg, run.plan.batch_sharding())
     shapes = unpadded_shapes(state.master, state.padding.master)
+    if state.frozen is not None:  # frozen parameters are parameters too
+        shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,
                      num_params=num_params)
@@ -158,4 +165,13 @@ def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
     return estimate_step(parts.loss_fn, parts.params, parts.batch, parts.tx, parts.plan,
                          parts.prec, grad_accum=cfg.parallel.grad_accum,
                          gather_per_layer=parts.gather_per_layer, backend=backend,
-                         recompute_bytes=recompute)
+                         recompute_bytes=recompute, trainable=parts.trainable)
+
+
+def count_frozen_params(cfg) -> int:
+    """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it)."""
+    if not cfg.train.freeze:
+        return 0
+    shapes, _ = abstract_params(cfg.model)
+    return sum(math.prod(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(shapes)
+               if re.search(cfg.train.freeze, path_str(p)))

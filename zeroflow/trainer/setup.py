@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
+from zeroflow.plan import path_str
 from zeroflow.trainer.optim import make_optimizer
 
 
@@ -27,6 +29,8 @@ class Run:
     prec: zf.Precision
     tx: optax.GradientTransformation
     loss_fn: Any
+    trainable: Any = None
+    "``trainable=`` of ``zf.init_train_state`` from ``train.freeze`` (None: all train)."
 
     def init_state(self) -> zf.TrainState:
         """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
@@ -37,7 +41,8 @@ class Run:
             # padded by init_train_state).
             shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
             params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
-            return zf.init_train_state(params, self.tx, self.plan, self.prec, rng=self.dropout_key())
+            return zf.init_train_state(params, self.tx, self.plan, self.prec, rng=self.dropout_key(),
+                                       trainable=self.trainable)
         return self._random_state()
 
     def dropout_key(self) -> jax.Array | None:
@@ -51,13 +56,13 @@ class Run:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
         return zf.init_train_state(lambda: init(rng), self.tx, self.plan, self.prec,
-                                   rng=self.dropout_key())
+                                   rng=self.dropout_key(), trainable=self.trainable)
 
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
         shapes = jax.eval_shape(self._random_state)
         shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan,
-                                       self.prec, rng=self.dropout_key())
+                                       self.prec, rng=self.dropout_key(), trainable=self.trainable)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
 
@@ -133,6 +138,26 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     if batch_problem:
         raise ValueError(batch_problem)
     shapes, _ = abstract_params(model_cfg)
-    tx = make_optimizer(cfg.train, decay_mask(shapes))
+    trainable = freeze_rule(cfg.train.freeze, shapes)
+    # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
+    # computed from what it is given.
+    tx = make_optimizer(cfg.train, decay_mask if trainable else decay_mask(shapes))
     return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
-               loss_fn=lm_loss_fn(model_cfg))
+               loss_fn=lm_loss_fn(model_cfg), trainable=trainable)
+
+
+def freeze_rule(pattern: str, shapes):
+    """``trainable=`` for ``train.freeze``: a leaf whose path matches ``pattern`` is frozen;
+    None when nothing is to be frozen. A pattern that matches no parameter, or every one, is
+    a ValueError naming some paths."""
+    if not pattern:
+        return None
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)]
+    hits = [p for p in paths if re.search(pattern, p)]
+    if not hits:
+        raise ValueError(f"train.freeze={pattern!r} matches no parameter; paths look like "
+                         f"{', '.join(paths[:4])}")
+    if len(hits) == len(paths):
+        raise ValueError(f"train.freeze={pattern!r} matches every parameter: nothing would "
+                         f"train; paths look like {', '.join(paths[:4])}")
+    return lambda path, _leaf: re.search(pattern, path) is None
