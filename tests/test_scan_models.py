@@ -87,26 +87,42 @@ def test_stage3_scan_model_peak_shrinks_with_devices():
     assert eight <= 1.6 * 16 * psi / 8, (eight, 16 * psi / 8)
 
 
+def mlp_scan_loss(p, b):
+    """A scanned stack of two-matrix MLPs: the up stack (layers, width, 2 width) is split by
+    ZeRO along its last dimension, the down stack (layers, 2 width, width) along its rows."""
+    def layer(x, w):
+        return x + jnp.tanh(x @ w["up"].astype(x.dtype)) @ w["down"].astype(x.dtype), None
+    x, _ = jax.lax.scan(layer, b["x"].astype(p["up"].dtype), {"up": p["up"], "down": p["down"]})
+    logits = (x @ p["head"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
 def test_stage2_whole_stacks_gathered_slice_by_slice_equal_the_master():
     """Where the compiler does not widen bf16 (XLA:GPU's traits, run here on CPU devices), the
-    updated bf16 stack is gathered one layer slice at a time from the row-split master: after
+    updated bf16 stacks are gathered one layer slice at a time from the split master: after
     each step every compute weight equals the master rounded to bf16 (a slice put in the
-    wrong place, or a wrong row order, breaks it), and the losses follow plain optax."""
-    tx, params = optax.adam(1e-2), init()
+    wrong place, or the devices' parts in the wrong order, breaks it), and the losses follow
+    plain optax."""
+    k = jax.random.split(jax.random.key(1), 3)
+    params = {"up": jax.random.normal(k[0], (LAYERS, WIDTH, 2 * WIDTH)) / WIDTH ** 0.5,
+              "down": jax.random.normal(k[1], (LAYERS, 2 * WIDTH, WIDTH)) / WIDTH ** 0.5,
+              "head": jax.random.normal(k[2], (WIDTH, 8)) / WIDTH ** 0.5}
+    tx = optax.adam(1e-2)
     traits = zf.backend.for_platform("gpu")
     plan = zf.ZeroPlan(zf.make_mesh(), stage=2, traits=traits)
+    assert [plan.layouts(params)[n].zero_dim for n in ("up", "down")] == [2, 1]
     prec = zf.Precision(params="bf16")
     state = zf.init_train_state(params, tx, plan, prec)
-    step = zf.make_train_step(scan_loss, tx, plan, prec)
+    step = zf.make_train_step(mlp_scan_loss, tx, plan, prec)
     jaxpr = step.trace(state, batches(1)[0]).jaxpr
     slices = [e for e in walk(jaxpr) if e.primitive.name == "all_gather"
-              and e.outvars[0].aval.shape == (WIDTH, WIDTH)]
-    assert slices  # the stack's gather is per slice
+              and e.outvars[0].aval.size == 2 * WIDTH * WIDTH]
+    assert len(slices) >= 2  # each stack's gather is per slice (a layer's elements, not the stack's)
     want, opt = params, tx.init(params)
     for batch in batches(3):
         state, metrics = step(state, batch)
         cast = jax.tree.map(lambda w: w.astype(jnp.bfloat16), want)
-        loss, grads = jax.value_and_grad(scan_loss)(cast, batch)
+        loss, grads = jax.value_and_grad(mlp_scan_loss)(cast, batch)
         updates, opt = tx.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), opt, want)
         want = optax.apply_updates(want, updates)
         np.testing.assert_allclose(metrics["loss"], loss, rtol=2e-2)

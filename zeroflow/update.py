@@ -88,8 +88,8 @@ def gather_by_slices(tree, stored_shardings, mesh):
     Why: an all-gather writes each device's part contiguously, so gathering a ``(layers, rows,
     cols)`` stack split by rows in one go produces a buffer laid out rows-major, which XLA:GPU
     then copies into the array's own layout: a second whole copy of the stack (the bf16 weights
-    at ZeRO-1/2). One slice at a time, each slice's rows are contiguous and the temporary is one
-    slice."""
+    at ZeRO-1/2). One slice at a time, each gathered on a new leading (device) axis, the slice
+    is written in the stack's own layout and the temporary is one slice."""
     def one(x, sharding):
         split = [(d, axes) for d, axes in enumerate(sharding.spec) if axes]
         if (x.ndim < 3 or len(split) != 1 or split[0][1] not in (DATA, (DATA,))
@@ -100,7 +100,12 @@ def gather_by_slices(tree, stored_shardings, mesh):
         def local(shard):
             def body(i, whole):
                 piece = jax.lax.dynamic_index_in_dim(shard, i, 0, keepdims=False)
-                piece = jax.lax.all_gather(piece, DATA, axis=dim - 1, tiled=True)
+                # Gathered on a new leading axis, the devices' parts are the major dimension,
+                # the layout XLA:GPU's all-gather wants; moved into place as the slice is
+                # written. Gathered along ``dim`` itself, XLA:GPU would lay the whole stack
+                # out with that dimension major and copy it into its own layout at the end.
+                parts = jax.lax.all_gather(piece, DATA, axis=0, tiled=False)
+                piece = jnp.moveaxis(parts, 0, dim - 1).reshape(whole.shape[1:])
                 return jax.lax.dynamic_update_index_in_dim(whole, piece, i, 0)
             whole = jnp.zeros(shard.shape[:dim] + (shard.shape[dim] * mesh.shape[DATA],)
                               + shard.shape[dim + 1:], shard.dtype)
