@@ -286,3 +286,18 @@ def test_qwz_gathers_int8_one_layer_at_a_time_and_trains_like_plain_stage3():
     assert gathered_types == {"i8", "f32"}, gathered_types  # int8 values and their fp32 scales, no bf16 weight
     assert plain[-1] < plain[0]
     np.testing.assert_allclose(qwz, plain, rtol=0.01)
+
+
+def test_trainer_keys_reach_the_plan_and_bad_combinations_are_one_line():
+    from zeroflow.config_io import ConfigError, load_config
+    from zeroflow.trainer.setup import build_run
+    cfg = load_config("configs/tiny.yaml", ["parallel.zero_stage=3", "parallel.quantize_weights=int8",
+                                            "parallel.quantize_block=64"])
+    plan = build_run(cfg, with_data=False).plan
+    assert (plan.quantize_weights, plan.quantize_block) == ("int8", 64)
+    with pytest.raises(ConfigError, match="parallel.quantize_weights=int8 quantizes stage-3 weight "
+                                          "gathers; parallel.zero_stage is 2") as e:
+        load_config("configs/tiny.yaml", ["parallel.zero_stage=2", "parallel.quantize_weights=int8"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="parallel.quantize_weights must be one of none, int8"):
+        load_config("configs/tiny.yaml", ["parallel.quantize_weights=int4"])

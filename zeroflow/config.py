@@ -170,6 +170,10 @@ class ParallelConfig:
     "Host offload: 'none', 'optimizer' or 'optimizer+params'."
     update_on: str = one_of(*UPDATE_ON_CHOICES)
     "Where the offloaded optimizer update runs: 'device' or 'host'."
+    quantize_weights: str = one_of("none", "int8")
+    "ZeRO++ qwZ at stage 3: weights all-gathered as int8 blocks ('int8') or in the compute dtype."
+    quantize_block: int = 256
+    "Entries per int8 block (one fp32 scale each) when quantize_weights is 'int8'."
 
 
 @dataclass
