@@ -33,7 +33,8 @@ import zeroflow as zf  # noqa: E402
 RESULTS = Path(__file__).parent / "results" / "zeropp.md"
 MiB = 2 ** 20
 SMALL = ("model.attention=xla", "model.remat=full", "model.seq_len=512", "train.batch_size=16",
-         "parallel.grad_accum=1", "parallel.zero_stage=3", "parallel.offload=none")
+         "parallel.grad_accum=1", "parallel.zero_stage=3", "parallel.offload=none",
+         "parallel.update_on=device")
 OPTIONS = {"stage 3": (), "+ qwZ (int8, block 256)": ("parallel.quantize_weights=int8",)}
 "Rows per model: the ZeRO++ options built so far (hpZ and qgZ are not)."
 
