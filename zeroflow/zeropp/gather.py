@@ -6,10 +6,9 @@ reduce-scatter as plain stage 3's, and the fp32 master never passes through the 
 Each device quantizes its own shard (flattened, ``zeroflow.zeropp.quantize``), the int8
 values and scales of all shards are gathered along a new leading axis, and the shards are
 dequantized and laid side by side along the weight's ZeRO dimension, as a tiled all-gather
-would. The dequantization is rematerialised on its own (``jax.checkpoint`` with nothing
-saved): inside a rematerialised layer (``save_all_but_fetched``) the whole dequantized weight
-is then never kept for the backward pass; the int8 gather and the dequantization run again,
-as a plain gather does.
+would. Inside a rematerialised layer (``save_all_but_fetched``) the dequantized weight is not
+kept for the backward pass (the int8 gather and the dequantization run again, as a plain
+gather does): an 8-layer GPT's step needs the same temporary memory as plain stage 3's.
 """
 from __future__ import annotations
 
@@ -36,8 +35,6 @@ def quantized_all_gather(shard, dim: int, dtype, block_size: int, size: int | No
     return whole if size is None else cut_to(whole, dim, size)
 
 
-@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable,
-                   static_argnums=(1, 2, 3))
 def _dequantized(gathered: Quantized, shard_shape, dtype: str, dim: int):
     parts = dequantize(gathered, shard_shape, dtype)  # [devices, *shard_shape]
     parts = jnp.moveaxis(parts, 0, dim)
