@@ -301,3 +301,29 @@ def test_trainer_keys_reach_the_plan_and_bad_combinations_are_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="parallel.quantize_weights must be one of none, int8"):
         load_config("configs/tiny.yaml", ["parallel.quantize_weights=int4"])
+
+
+def test_gathers_inside_a_scan_count_once_per_iteration():
+    """A stack of 4 layers under ``lax.scan`` at stage 3 on 2 x 8: the gathers sit in loop
+    bodies, and only their trip counts make the per-step bytes every layer twice (forward and
+    backward; the input layer's ``x`` needs no gradient, but a loop body is one program for
+    all iterations)."""
+    import optax
+
+    import zeroflow as zf
+    mesh = _target(data=16, hosts=2)
+    params = jax.eval_shape(lambda: {"w": jnp.zeros((4, 256, 256))})
+    batch = {"x": jax.ShapeDtypeStruct((16, 256), jnp.float32)}
+
+    def loss(p, b):
+        def body(x, w):
+            return jnp.tanh(x @ w.astype(x.dtype)), None
+        x, _ = jax.lax.scan(body, b["x"].astype(p["w"].dtype), p["w"])
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+    compiled, _ = zf.memory.compile_step(loss, params, batch, optax.sgd(0.1),
+                                         zf.ZeroPlan(mesh, stage=3), zf.Precision(params="bf16"))
+    colls = zf.memory.collectives(compiled)
+    assert any(c.in_loop and c.runs > 1 for c in colls if c.kind == "all-gather")
+    moved = zf.memory.traffic(colls)
+    assert moved["all-gather"]["cross_host"] == 2 * (4 * 256 * 256 * 2) * 8 // 16
+    assert moved["reduce-scatter"]["cross_host"] == 4 * (4 * 256 * 256) * 8 // 16
