@@ -128,7 +128,9 @@ def test_config_choices_are_the_engines_and_the_models():
     from zeroflow.models import gpt
     assert choices_of(ParallelConfig) == {"zero_stage": plan.ZERO_STAGES,
                                           "offload": plan.OFFLOAD_CHOICES,
-                                          "update_on": plan.UPDATE_ON_CHOICES}
+                                          "update_on": plan.UPDATE_ON_CHOICES,
+                                          "quantize_weights": ("none", "int8")}
+    assert plan.QUANTIZE_WEIGHTS_CHOICES == (None, "int8")  # 'none' in a config is None
     assert choices_of(PrecisionConfig) == {"params": tuple(precision.DTYPES),
                                            "master": precision.MASTER_DTYPES,
                                            "autocast": precision.AUTOCAST}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
-from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
+from zeroflow.plan import OFFLOAD_CHOICES, QUANTIZE_WEIGHTS_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
 from zeroflow.precision import AUTOCAST, DTYPES, MASTER_DTYPES
 
 CHOICES = "choices"
@@ -173,6 +173,10 @@ class ParallelConfig:
     "Host offload: 'none', 'optimizer' or 'optimizer+params'."
     update_on: str = one_of(*UPDATE_ON_CHOICES)
     "Where the offloaded optimizer update runs: 'device' or 'host'."
+    quantize_weights: str = one_of("none", *QUANTIZE_WEIGHTS_CHOICES[1:])
+    "ZeRO++ qwZ at stage 3: weights all-gathered as int8 blocks ('int8') or in the compute dtype."
+    quantize_block: int = 256
+    "Entries per int8 block (one fp32 scale each) when quantize_weights is 'int8'."
 
 
 @dataclass

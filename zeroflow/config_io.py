@@ -319,6 +319,10 @@ def validate_config(cfg: Config) -> Config:
         (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
         (p.model > 0, "parallel.model must be positive"),
         (p.grad_accum > 0, "parallel.grad_accum must be positive"),
+        (p.quantize_weights == "none" or p.zero_stage == 3,
+         f"parallel.quantize_weights={p.quantize_weights} quantizes stage-3 weight gathers; "
+         f"parallel.zero_stage is {p.zero_stage} (set it to 3)"),
+        (p.quantize_block > 0, "parallel.quantize_block must be positive"),
         (c.every >= 0, "checkpoint.every must be >= 0"),
         (c.keep > 0, "checkpoint.keep must be positive"),
     ]

@@ -37,6 +37,7 @@ from zeroflow.mesh import DATA, MODEL
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
 UPDATE_ON_CHOICES = ("device", "host")
+QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
 
 
 def update_needs_offload(offload: str, update_on: str) -> bool:
@@ -114,6 +115,9 @@ class ZeroPlan:
     the first rule whose regex matches (``re.search``) the leaf's '/'-joined path wins.
     ``traits``: what the backend of the mesh's devices does differently
     (``zeroflow.backend.Traits``); by default read from the mesh.
+    ``quantize_weights``: None, or "int8" (ZeRO++'s qwZ, stage 3 only): weights are all-gathered
+    as int8 blocks of ``quantize_block`` entries with one fp32 scale each and dequantized to the
+    compute dtype (``zeroflow.zeropp``); gradients and the master stay exact.
     """
     mesh: Mesh
     stage: int = 0
@@ -121,6 +125,8 @@ class ZeroPlan:
     update_on: str = "device"
     tensor_rules: Sequence[tuple[str, P]] = ()
     traits: backend.Traits | None = None
+    quantize_weights: str | None = None
+    quantize_block: int = 256
 
     def __post_init__(self):
         if (not isinstance(self.mesh, (Mesh, AbstractMesh))
@@ -135,6 +141,15 @@ class ZeroPlan:
             raise ValueError(f"unknown update_on {self.update_on!r}; choose one of {list(UPDATE_ON_CHOICES)}")
         if update_needs_offload(self.offload, self.update_on):
             raise ValueError("update_on='host' needs offload='optimizer' or 'optimizer+params'")
+        if self.quantize_weights not in QUANTIZE_WEIGHTS_CHOICES:
+            raise ValueError(f"unknown quantize_weights {self.quantize_weights!r}; choose one of "
+                             f"{list(QUANTIZE_WEIGHTS_CHOICES)}")
+        if self.quantize_weights is not None and self.stage != 3:
+            raise ValueError(f"quantize_weights={self.quantize_weights!r} quantizes the stage-3 "
+                             f"weight gathers; stage {self.stage} gathers no weights (use stage=3)")
+        if (isinstance(self.quantize_block, bool) or not isinstance(self.quantize_block, int)
+                or self.quantize_block < 1):
+            raise ValueError(f"quantize_block must be a positive int, got {self.quantize_block!r}")
         rules = []
         for rule in self.tensor_rules:
             try:

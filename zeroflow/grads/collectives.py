@@ -60,7 +60,7 @@ def reduce_scatter(grad, dim: int, padded: int | None = None):
     return jax.lax.psum_scatter(grad, DATA, scatter_dimension=dim, tiled=True)
 
 
-def _gathered_tangent(tangent, dim: int, dtype, size: int | None = None):
+def gathered_tangent(tangent, dim: int, dtype, size: int | None = None):
     # Linear in ``tangent`` (fp32): its transpose pads the cotangent with zeros (the transpose
     # of the cut) and reduce-scatters it in fp32.
     whole = jax.lax.all_gather(tangent, DATA, axis=dim, tiled=True)
@@ -84,7 +84,7 @@ def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None):
 @gather_weight.defjvp
 def _gather_jvp(dim, dtype, size, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
-    return all_gather(shard, dim, dtype, size), _gathered_tangent(d_stand_in, dim, dtype, size)
+    return all_gather(shard, dim, dtype, size), gathered_tangent(d_stand_in, dim, dtype, size)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -104,7 +104,7 @@ def scatter_grad_on_use(weight, stand_in, dim: int):
 @scatter_grad_on_use.defjvp
 def _scatter_jvp(dim, primals, tangents):
     (weight, _), (_, d_stand_in) = primals, tangents
-    return weight, _gathered_tangent(d_stand_in, dim, weight.dtype, weight.shape[dim])
+    return weight, gathered_tangent(d_stand_in, dim, weight.dtype, weight.shape[dim])
 
 
 @jax.custom_jvp

@@ -34,6 +34,7 @@ from zeroflow.grads.collectives import (all_gather, gather_weight, reduce_scatte
 from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route, trained
 from zeroflow.mesh import DATA
 from zeroflow.plan import ZeroPlan, path_str
+from zeroflow.zeropp.gather import QuantizedSharded, gather_weight_quantized
 
 
 class Detached(NamedTuple):
@@ -135,8 +136,9 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
     params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
         x, r, plan.data_size, varying), params, routes)
+    block = plan.quantize_block if plan.quantize_weights else None
     gather_layer = None if per_layer is None else _layer_gatherer(routes[per_layer],
-                                                                  dtypes[per_layer], varying)
+                                                                  dtypes[per_layer], varying, block)
 
     def grads_of(micro, model_state, key):
         given = {**({} if model_state is None else {"model_state": model_state}),
@@ -146,7 +148,7 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
             seen = jax.tree.map(lambda x, w, r: _visible(x, w, r, varying), p, stored, routes,
                                 is_leaf=_is_hole)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
-                                  plan.traits.widens_half_precision, gather_layer, given)
+                                  plan.traits.widens_half_precision, gather_layer, given, block)
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
 
@@ -183,9 +185,10 @@ def _visible(x, w, r: Route, varying):
     return x
 
 
-def _layer_gatherer(routes, dtypes, varying):
+def _layer_gatherer(routes, dtypes, varying, block: int | None = None):
     """``gather_layer``: one layer's slice of the stack -> its compute weights on the device.
-    Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again."""
+    Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
+    ``block``: stage-3 slices travel as int8 blocks of that many entries (qwZ)."""
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
@@ -195,6 +198,8 @@ def _layer_gatherer(routes, dtypes, varying):
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.value, x.stand_in)
         weight = offload.to_device(varying(x.value)) if r.stream else x.value
+        if r.sharded and block is not None:
+            return gather_weight_quantized(weight, x.stand_in, r.layer_dim, dt, block, r.cut)
         if r.sharded:
             return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut)
         return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
@@ -243,12 +248,15 @@ def _reduce_late(g, r: Route):
     return g
 
 
-def _source(r: Route, dtype, widens: bool) -> gather_on_use.Source | None:
+def _source(r: Route, dtype, widens: bool, block: int | None = None
+            ) -> gather_on_use.Source | None:
     if r.fetch is not Fetch.ON_USE:
         return None
     if r.frozen:
         return gather_on_use.Frozen(r.dim if r.sharded else None, dtype, r.cut,
                                     ordered=r.sharded or widens)
+    if r.sharded and block is not None:
+        return QuantizedSharded(r.dim, dtype, r.cut, r.padded, block_size=block)
     if r.sharded:
         return gather_on_use.Sharded(r.dim, dtype, r.cut, r.padded)
     scattered = r.reduce is Reduce.ON_USE
@@ -256,13 +264,15 @@ def _source(r: Route, dtype, widens: bool) -> gather_on_use.Source | None:
                                ordered=widens)
 
 
-def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gather_layer, given):
+def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gather_layer, given,
+                    block: int | None = None):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
-    to the replay as data."""
+    to the replay as data. ``block``: stage-3 weights travel as int8 blocks (qwZ)."""
     call = (lambda p, b, kw: loss_fn(p, b, **kw)) if gather_layer is None else (
         lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
-    top = jax.tree.map(lambda r, dt: _source(r, dt, widens), routes, dtypes, is_leaf=_is_route)
+    top = jax.tree.map(lambda r, dt: _source(r, dt, widens, block), routes, dtypes,
+                       is_leaf=_is_route)
     is_detached = lambda x: isinstance(x, Detached)  # noqa: E731
     leaves, treedef = jax.tree.flatten(seen, is_leaf=is_detached)
     specs = treedef.flatten_up_to(top)

@@ -22,11 +22,11 @@ from zeroflow.memory.estimate import (
     offloaded_activations,
     parse_bytes,
 )
-from zeroflow.memory.collectives import Collective, collectives, overlap
+from zeroflow.memory.collectives import Collective, collectives, overlap, traffic
 from zeroflow.memory.measure import MeasuredMemory, compile_step, measure, measure_step, state_bytes
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 
-__all__ = ["Collective", "collectives", "compile_step", "overlap", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
+__all__ = ["Collective", "collectives", "compile_step", "overlap", "traffic", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
            "count_gpt_params", "estimate", "estimate_config",
            "estimate_step", "format_bytes", "measure", "measure_step", "remat_recompute_bytes",
            "offloaded_activations", "parse_bytes",
