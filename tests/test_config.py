@@ -156,6 +156,14 @@ def test_update_on_host_needs_offload():
     assert "parallel.update_on=host needs parallel.offload 'optimizer' or 'optimizer+params'" in message
 
 
+def test_8bit_state_is_not_updated_on_the_host():
+    message = error_of(["train.optimizer=adamw_8bit", "parallel.offload=optimizer",
+                        "parallel.update_on=host"])
+    assert "train.optimizer=adamw_8bit is updated on the device" in message
+    load_config(None, ["train.optimizer=adamw_8bit", "parallel.offload=optimizer",
+                       "parallel.update_on=device"])  # streamed through the device: accepted
+
+
 @pytest.mark.parametrize("overrides,expected", [
     (["train.steps=0"], "train.steps must be positive"),
     (["train.batch_size=-2"], "train.batch_size must be positive"),

@@ -344,6 +344,12 @@ def validate_config(cfg: Config) -> Config:
     if update_needs_offload(p.offload, p.update_on):
         rules.append((False, "parallel.update_on=host needs parallel.offload "
                              "'optimizer' or 'optimizer+params'"))
+    if p.update_on == "host" and t.optimizer == "adamw_8bit":
+        # XLA:GPU stops with a check failure compiling the 8-bit update as host code (an
+        # asynchronous op XLA:CPU cannot emit); streamed through the device it compiles.
+        rules.append((False, "train.optimizer=adamw_8bit is updated on the device: use "
+                             "parallel.update_on=device with parallel.offload (the state "
+                             "streams through the device one parameter at a time)"))
     problems += [message for ok, message in rules if not ok]
     loss_scale_problem = _check_loss_scale(cfg.precision.loss_scale)
     if loss_scale_problem:
