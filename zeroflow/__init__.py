@@ -10,6 +10,7 @@
 
     tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md)
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
+    lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
 """
 from zeroflow import _quiet_jax
 
@@ -24,11 +25,13 @@ from zeroflow.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E40
 from zeroflow.step import make_train_step  # noqa: E402
 from zeroflow.autocast import (  # noqa: E402
     AutocastPolicy, autocast, autocast_report, scaled_value_and_grad)
+from zeroflow.lora import LoRA, lora, lora_merge  # noqa: E402
 from zeroflow import backend, memory, offload, optim, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
 
 __all__ = ["make_mesh", "planning_mesh", "target_mesh", "backend", "Precision", "LossScaleState",
            "ZeroPlan",
            "PlanDescription", "TrainState", "init_train_state", "state_shardings",
            "make_train_step", "save_checkpoint", "restore_checkpoint", "memory", "offload", "optim",
-           "padding", "autocast", "AutocastPolicy", "autocast_report", "scaled_value_and_grad"]
+           "padding", "autocast", "AutocastPolicy", "autocast_report", "scaled_value_and_grad",
+           "lora", "LoRA", "lora_merge"]
 __version__ = "0.1.0"
