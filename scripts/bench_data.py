@@ -22,6 +22,7 @@ import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,19 +47,12 @@ def time_delivery(data, cfg, batches: int) -> float:
 
 
 def time_steps(run, batch, steps: int) -> float:
-    """Median seconds of a compiled train step on ``batch``."""
-    import jax
+    """Median seconds of a compiled train step on ``batch`` (one untimed step compiles it; the
+    same harness as every benchmark, ``benchlib.timing``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchlib.timing import time_steps as timed_steps
 
-    step = run.make_step()
-    state = run.init_state()
-    state, metrics = step(state, batch)  # compile
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+    _, _, times = timed_steps(run.make_step(), run.init_state(), batch, warmup=1, steps=steps)
     return statistics.median(times)
 
 
