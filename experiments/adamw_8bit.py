@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Measure this checkout's zeroflow, not an installed one (``python experiments/x.py`` puts
+# experiments/ first on sys.path, not the repository).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
