@@ -7,6 +7,7 @@ from the state's leaves (the moments and their scales; the step counter is left 
 
     python experiments/adamw_8bit.py                        # ~5-10 min on 2 CPU cores
     python experiments/adamw_8bit.py --steps 100 --out /tmp/adamw_8bit.md
+    python experiments/adamw_8bit.py --only adamw,adamw_8bit   # the reference comes first
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Measure this checkout's zeroflow, not an installed one (``python experiments/x.py`` puts
+# experiments/ first on sys.path, not the repository).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -72,10 +76,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    p.add_argument("--only", default=",".join(ADAMW_CHOICES),
+                   help="comma-separated optimizers to run (the first is the ratios' reference)")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
     args = p.parse_args(argv)
+    names = args.only.split(",")
+    if unknown := [n for n in names if n not in ADAMW_CHOICES]:
+        p.error(f"unknown optimizer(s) {unknown} in --only; valid: {', '.join(ADAMW_CHOICES)}")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_one(name, args.steps, Path(tmp), args.config) for name in ADAMW_CHOICES]
+        rows = [run_one(name, args.steps, Path(tmp), args.config) for name in names]
     text = table(rows)
     print(text)
     if args.out:

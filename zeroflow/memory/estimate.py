@@ -27,6 +27,7 @@ import math
 import re
 from typing import Any
 
+from zeroflow.optim import moment_bytes
 from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
 
 STAGES = ZERO_STAGES
@@ -135,7 +136,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "none",
              update_on: str = "device", precision: Any = "bf16", devices_per_process: int | None = None,
-             gradient_bytes: int | None = None, optimizer_bytes: int = ADAM_BYTES,
+             gradient_bytes: int | None = None, optimizer_bytes: float = ADAM_BYTES,
              activation_bytes: float = 0.0, remat: str | None = None,
              resident_params: int | None = None, frozen_params: int = 0) -> MemoryEstimate:
     """Model-state memory of ZeRO ``stage`` with ``num_devices`` data-parallel devices.
@@ -145,7 +146,8 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     devices up to 8, one process per 8-accelerator host). ``gradient_bytes``: bytes per
     gradient element; default the compute dtype's (the paper's accounting; zeroflow's engine
     reduces gradients in fp32, pass 4 for its peak). ``optimizer_bytes``: per parameter,
-    8 for Adam. ``activation_bytes``: per device and micro-batch, see ``activations``.
+    8 for Adam, 4 with bf16 moments, about 2 with 8-bit ones (``optimizer_bytes_per_param``).
+    ``activation_bytes``: per device and micro-batch, see ``activations``.
     ``resident_params``: with ``offload="optimizer+params"``, how many parameters' compute
     weights are on the device at once during forward/backward when the layer stack is
     streamed in one layer at a time (default: all, as when nothing is streamed).
@@ -291,6 +293,39 @@ def _gpt_param_counts(model) -> tuple[int, int]:
     return block, v * h + final + head_params + positions
 
 
+def _gpt_param_shapes(model) -> list[tuple[int, ...]]:
+    """The shapes of the GPT model's parameters (the scanned blocks' with their leading layers
+    axis), the same parameters ``_gpt_param_counts`` counts: what blockwise optimizer state
+    depends on (the last axis and each tensor's size)."""
+    h, f, v, layers = model.embed_dim, model.mlp_dim, model.vocab_size, model.num_layers
+    head = model.head_dim or h // model.num_heads
+    heads, kv = model.num_heads, model.num_kv_heads or model.num_heads
+    projections = 3 if model.mlp_activation == "swiglu" else 2
+    norm = [(h,)] * (2 if model.norm == "layernorm" else 1)  # scale (and bias)
+    block = [(h, heads, head), (h, kv, head), (h, kv, head), (heads, head, h)]
+    block += [(h, f)] * (projections - 1) + [(f, h)] + norm * 2
+    if model.attn_bias in ("qkv", "all"):
+        block += [(heads, head), (kv, head), (kv, head)]
+    if model.attn_bias == "all":
+        block += [(h,)]
+    if model.mlp_bias:
+        block += [(f,)] * (projections - 1) + [(h,)]
+    rest = [(v, h)] + norm + ([] if model.tie_embeddings else [(h, v)])
+    if model.positions == "learned":
+        rest += [(model.max_positions or model.seq_len, h)]
+    return [(layers, *shape) for shape in block] + rest
+
+
+def optimizer_bytes_per_param(model, optimizer: str) -> float:
+    """Optimizer-state bytes per parameter of the GPT model under ``optimizer``
+    (``train.optimizer``): 8 for fp32 AdamW, 4 for bf16 moments; for 8-bit moments counted
+    tensor by tensor with ``adamw_8bit``'s defaults (its block size along the last axis, fp32
+    moments below ``MIN_8BIT_SIZE`` entries)."""
+    shapes = _gpt_param_shapes(model)
+    total = sum(moment_bytes(optimizer, shape) for shape in shapes)
+    return total / sum(math.prod(shape) for shape in shapes)
+
+
 def count_gpt_params(model) -> int:
     """Parameter count of the GPT model from its config, without building it."""
     block, rest = _gpt_param_counts(model)
@@ -307,7 +342,8 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
                     frozen_params: int = 0) -> MemoryEstimate:
     """Estimate for a trainer ``zeroflow.config.Config``; keyword arguments override its
     ``parallel.*`` / ``model.remat`` choices. Gradients are counted in fp32 (4 bytes), as
-    zeroflow's engine reduces them, and activations per micro-batch are included.
+    zeroflow's engine reduces them, activations per micro-batch are included, and the
+    optimizer state is ``train.optimizer``'s (``optimizer_bytes_per_param``).
     ``frozen_params``: how many of the GPT's parameters ``train.freeze`` freezes
     (``zeroflow.trainer.planning.count_frozen_params``)."""
     par = cfg.parallel
@@ -334,4 +370,5 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
                     offload=offload, update_on=update_on, precision=cfg.precision.params,
                     devices_per_process=devices_per_process, gradient_bytes=4,
                     activation_bytes=acts, remat=remat,
+                    optimizer_bytes=optimizer_bytes_per_param(cfg.model, cfg.train.optimizer),
                     frozen_params=math.ceil(frozen_params / model_parallel))

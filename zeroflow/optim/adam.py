@@ -9,6 +9,7 @@ quantizes the new moments again, one parameter at a time.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -20,11 +21,18 @@ from zeroflow.optim import blockwise as q
 
 ADAMW_CHOICES = ("adamw", "adamw_8bit", "adamw_bf16")
 "AdamW by how its moments are stored: fp32 (``optax.adamw``), 8-bit blockwise, bf16."
+BLOCK_SIZE = 256
+"``adamw_8bit``'s default: entries of a parameter's last axis that share one scale."
+MIN_8BIT_SIZE = 4096
+"``adamw_8bit``'s default: parameters with fewer entries keep fp32 moments (bitsandbytes')."
 
 
 class ScaleByAdam8bitState(NamedTuple):
-    """``mu_*``: the first moment (signed map), ``nu_*``: the second (unsigned map); codes are
-    uint8 of each parameter's shape, scales fp32 of ``blockwise.scales_shape``."""
+    """``mu_*``: the first moment (signed map), ``nu_*``: the square root of the second moment
+    (unsigned map); codes are uint8 of each parameter's shape, scales fp32 of
+    ``blockwise.scales_shape``. A parameter of fewer than ``min_8bit_size`` entries keeps its
+    moments in fp32 instead: its ``*_codes`` leaf holds the fp32 moment itself (the second moment,
+    not its root), its ``*_scales`` leaf an unused fp32 scalar."""
     count: jax.Array
     mu_codes: optax.Updates
     mu_scales: optax.Updates
@@ -48,10 +56,12 @@ def _adam_direction(g, mu, nu, count, b1, b2, eps):
     return mu, nu, mu_hat / (jnp.sqrt(nu_hat) + eps)
 
 
-def _unzip(like, tree_of_tuples) -> tuple:
-    """A tree (of ``like``'s structure) of equal-length tuples -> a tuple of trees."""
+def _unzip(like, tree_of_tuples, n: int) -> tuple:
+    """A tree (of ``like``'s structure) of ``n``-tuples -> ``n`` trees (``n`` empty trees when
+    ``like`` has no leaves)."""
     treedef = jax.tree.structure(like)
-    return tuple(treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(tree_of_tuples)))
+    columns = list(zip(*treedef.flatten_up_to(tree_of_tuples))) or [()] * n
+    return tuple(treedef.unflatten(x) for x in columns)
 
 
 def _check(b1, b2, eps, block_size=1):
@@ -63,38 +73,89 @@ def _check(b1, b2, eps, block_size=1):
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 
 
+def keeps_fp32(shape: tuple[int, ...], min_8bit_size: int) -> bool:
+    """Whether a parameter of ``shape`` keeps fp32 moments: small tensors (norm scales, biases)
+    cost little memory and their moments are the least compressible (bitsandbytes'
+    ``min_8bit_size``)."""
+    return math.prod(shape) < min_8bit_size
+
+
+def moment_bytes(optimizer: str, shape: tuple[int, ...], block_size: int = BLOCK_SIZE,
+                 min_8bit_size: int = MIN_8BIT_SIZE) -> int:
+    """Bytes of both moments of one parameter of ``shape`` under ``optimizer`` (an
+    ``ADAMW_CHOICES`` name), as ``tx.init`` stores them: fp32 8 per entry, bf16 4; 8-bit one
+    code per entry and one fp32 scale per block, twice (fp32 below ``min_8bit_size``; the
+    small tensors' unused scalar scales and the step counter are not counted)."""
+    size = math.prod(shape)
+    if optimizer == "adamw" or (optimizer == "adamw_8bit" and keeps_fp32(shape, min_8bit_size)):
+        return 8 * size
+    if optimizer == "adamw_bf16":
+        return 4 * size
+    if optimizer == "adamw_8bit":
+        return 2 * (size + 4 * math.prod(q.scales_shape(tuple(shape), block_size)))
+    raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {list(ADAMW_CHOICES)}")
+
+
+def _store_moments(mu, nu, block_size, small):
+    """(mu codes, mu scales, nu codes, nu scales) of fp32 moments. The second moment is quantized
+    as its square root: sqrt(nu) is on |g|'s scale like mu, so the map's seven decades reach
+    fourteen of nu, and the denominator of the update, sqrt(nu), gets the map's relative
+    precision directly; quantizing nu itself rounds every nu below ~1e-7 of its block's
+    largest to 0 or to the coarse bottom decades, and mu / sqrt(nu) blows up there."""
+    if small:
+        return mu, jnp.zeros([], jnp.float32), nu, jnp.zeros([], jnp.float32)
+    return (*q.quantize(mu, block_size, signed=True),
+            *q.quantize(jnp.sqrt(nu), block_size, signed=False))
+
+
+def _load_moments(mu_codes, mu_scales, nu_codes, nu_scales, block_size, small):
+    if small:
+        return mu_codes, nu_codes
+    mu = q.dequantize(mu_codes, mu_scales, block_size, signed=True)
+    return mu, jnp.square(q.dequantize(nu_codes, nu_scales, block_size, signed=False))
+
+
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                       block_size: int = 256) -> optax.GradientTransformation:
+                       block_size: int = BLOCK_SIZE,
+                       min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
     """Adam's scaling with both moments stored blockwise-quantized to 8 bits
-    (``zeroflow.optim.blockwise``)."""
+    (``zeroflow.optim.blockwise``); parameters of fewer than ``min_8bit_size`` entries keep fp32
+    moments."""
     _check(b1, b2, eps, block_size)
-    m0, v0 = q.zero_code(signed=True), q.zero_code(signed=False)
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be an integer >= 0, got {min_8bit_size!r}")
 
     def init_fn(params):
-        def codes(code):
-            return lambda p: jnp.full(jnp.shape(p), code, jnp.uint8)
+        def zeros(p):
+            shape = jnp.shape(p)
+            small = keeps_fp32(shape, min_8bit_size)
+            zero = jnp.zeros(shape, jnp.float32)
+            if small:
+                return _store_moments(zero, zero, block_size, True)
+            # Fresh moments are exactly zero: the code of 0 and zero scales, without quantizing.
+            scales = q.scales_shape(shape, block_size)
+            return (jnp.full(shape, q.zero_code(signed=True), jnp.uint8),
+                    jnp.zeros(scales, jnp.float32),
+                    jnp.full(shape, q.zero_code(signed=False), jnp.uint8),
+                    jnp.zeros(scales, jnp.float32))
 
-        def scales(p):
-            return jnp.zeros(q.scales_shape(jnp.shape(p), block_size), jnp.float32)
-        return ScaleByAdam8bitState(
-            count=jnp.zeros([], jnp.int32), mu_codes=jax.tree.map(codes(m0), params),
-            mu_scales=jax.tree.map(scales, params), nu_codes=jax.tree.map(codes(v0), params),
-            nu_scales=jax.tree.map(scales, params))
+        mu_codes, mu_scales, nu_codes, nu_scales = _unzip(params, jax.tree.map(zeros, params), 4)
+        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), mu_codes, mu_scales, nu_codes,
+                                    nu_scales)
 
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
 
         def one(g, mu_codes, mu_scales, nu_codes, nu_scales):
-            mu = q.dequantize(mu_codes, mu_scales, block_size, signed=True)
-            nu = q.dequantize(nu_codes, nu_scales, block_size, signed=False)
+            small = keeps_fp32(jnp.shape(g), min_8bit_size)
+            mu, nu = _load_moments(mu_codes, mu_scales, nu_codes, nu_scales, block_size, small)
             mu, nu, direction = _adam_direction(g, mu, nu, count, b1, b2, eps)
-            return (direction.astype(g.dtype), *q.quantize(mu, block_size, signed=True),
-                    *q.quantize(nu, block_size, signed=False))
+            return (direction.astype(g.dtype), *_store_moments(mu, nu, block_size, small))
 
         direction, mu_codes, mu_scales, nu_codes, nu_scales = _unzip(
             updates, jax.tree.map(one, updates, state.mu_codes, state.mu_scales,
-                                  state.nu_codes, state.nu_scales))
+                                  state.nu_codes, state.nu_scales), 5)
         return direction, ScaleByAdam8bitState(count, mu_codes, mu_scales, nu_codes, nu_scales)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -120,7 +181,7 @@ def scale_by_adam_bf16(b1: float = 0.9, b2: float = 0.999,
                                                 nu.astype(jnp.float32), count, b1, b2, eps)
             return direction.astype(g.dtype), mu.astype(jnp.bfloat16), nu.astype(jnp.bfloat16)
 
-        direction, mu, nu = _unzip(updates, jax.tree.map(one, updates, state.mu, state.nu))
+        direction, mu, nu = _unzip(updates, jax.tree.map(one, updates, state.mu, state.nu), 3)
         return direction, ScaleByAdamBf16State(count, mu, nu)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -133,12 +194,15 @@ def _adamw(scaling: optax.GradientTransformation, learning_rate, weight_decay: f
 
 
 def adamw_8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-               eps: float = 1e-8, weight_decay: float = 0.0, block_size: int = 256,
-               mask: Any = None) -> optax.GradientTransformation:
+               eps: float = 1e-8, weight_decay: float = 0.0, block_size: int = BLOCK_SIZE,
+               mask: Any = None, min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
     """AdamW (as ``optax.adamw``) whose moments are stored blockwise-quantized to 8 bits:
     ``block_size`` entries along each parameter's last axis share one fp32 scale per moment.
-    ``mask``: where weight decay applies (as in ``optax.adamw``)."""
-    return _adamw(scale_by_adam_8bit(b1, b2, eps, block_size), learning_rate, weight_decay, mask)
+    The second moment is stored as its square root. Parameters of fewer than ``min_8bit_size``
+    entries keep fp32 moments (0: quantize all). ``mask``: where weight decay applies (as in
+    ``optax.adamw``)."""
+    return _adamw(scale_by_adam_8bit(b1, b2, eps, block_size, min_8bit_size), learning_rate,
+                  weight_decay, mask)
 
 
 def adamw_bf16(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
