@@ -22,9 +22,9 @@ from zeroflow.config import ModelConfig
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 from zeroflow.mesh import planning_mesh
-from zeroflow.plan import path_str
 from zeroflow.models import LAYER_STACK, abstract_params
 from zeroflow.padding import unpadded_shapes
+from zeroflow.plan import path_str
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
 
 
