@@ -241,7 +241,9 @@ def test_stage3_on_8_devices_matches_one_device(moments):
     unpadded = zf.padding.unpad(state.opt_state, state.padding.opt_state)
     for got, want in zip(jax.tree.leaves(unpadded), jax.tree.leaves(state_one.opt_state)):
         got, want = np.asarray(got), np.asarray(want)
-        if got.dtype == np.float32:  # the scales, the bias's fp32 moments
+        if got.dtype == np.float32 and moments != "8bit":
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+        elif got.dtype == np.float32:  # the scales, the bias's fp32 moments
             # A code one step off (below) feeds the next step's moment and so, where it is the
             # block's largest, its scale: a few scales in a hundred move by up to 1e-4.
             assert np.mean(~np.isclose(got, want, rtol=1e-5, atol=0)) < 0.02
