@@ -180,7 +180,8 @@ def _updated(grads, state: TrainState, finite, *, tx: optax.GradientTransformati
         new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
                                                  compute_shardings=one_by_one and shard.compute)
         if whole_compute and not one_by_one:
-            new_compute = update.gather_by_slices(new_compute, shard.master, plan.mesh)
+            new_compute = update.gather_by_slices(new_compute, shard.master, plan.mesh,
+                                                  into=state.compute)
         return new_master, new_opt, new_compute
     if plan.updates_on_host:
         # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs

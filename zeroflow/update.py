@@ -79,25 +79,28 @@ def one_at_a_time(tree, shardings):
     return jax.tree.unflatten(treedef, moved)
 
 
-def gather_by_slices(tree, stored_shardings, mesh):
+def gather_by_slices(tree, stored_shardings, mesh, into=None):
     """``tree``'s leaves whole on every device, where they are stored split over ``DATA``:
     a stack (3 or more dimensions) split along a dimension other than its first is gathered one
     leading-axis slice at a time, into the whole array in place; other leaves are left to
-    ``jit``'s output shardings.
+    ``jit``'s output shardings. ``into``: the previous whole weights (donated; same structure),
+    whose buffers the slices overwrite, so that no second whole stack is allocated.
 
     Why: an all-gather writes each device's part contiguously, so gathering a ``(layers, rows,
     cols)`` stack split by rows in one go produces a buffer laid out rows-major, which XLA:GPU
     then copies into the array's own layout: a second whole copy of the stack (the bf16 weights
     at ZeRO-1/2). One slice at a time, each gathered on a new leading (device) axis, the slice
     is written in the stack's own layout and the temporary is one slice."""
-    def one(x, sharding):
+    def one(x, sharding, old):
         split = [(d, axes) for d, axes in enumerate(sharding.spec) if axes]
         if (x.ndim < 3 or len(split) != 1 or split[0][1] not in (DATA, (DATA,))
                 or split[0][0] == 0 or x.shape[split[0][0]] % mesh.shape[DATA]):
             return x
         dim = split[0][0]
+        if old is None or old.shape != x.shape or old.dtype != x.dtype:
+            old = jnp.zeros(x.shape, x.dtype)
 
-        def local(shard):
+        def local(shard, whole):
             def body(i, whole):
                 piece = jax.lax.dynamic_index_in_dim(shard, i, 0, keepdims=False)
                 # Gathered on a new leading axis, the devices' parts are the major dimension,
@@ -107,17 +110,18 @@ def gather_by_slices(tree, stored_shardings, mesh):
                 parts = jax.lax.all_gather(piece, DATA, axis=0, tiled=False)
                 piece = jnp.moveaxis(parts, 0, dim - 1).reshape(whole.shape[1:])
                 return jax.lax.dynamic_update_index_in_dim(whole, piece, i, 0)
-            whole = jnp.zeros(shard.shape[:dim] + (shard.shape[dim] * mesh.shape[DATA],)
-                              + shard.shape[dim + 1:], shard.dtype)
             return jax.lax.fori_loop(0, shard.shape[0], body, whole)
 
         spec = jax.P(*[DATA if d == dim else None for d in range(x.ndim)])
         # check_vma off: jax types an all-gather's result as varying over DATA, although every
         # device holds the same whole slice.
-        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=jax.P(),
-                             axis_names={DATA}, check_vma=False)(x)
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, jax.P()), out_specs=jax.P(),
+                             axis_names={DATA}, check_vma=False)(x, old)
 
-    return jax.tree.map(one, tree, stored_shardings)
+    olds = jax.tree.leaves(into) if into is not None else [None] * len(jax.tree.leaves(tree))
+    return jax.tree.unflatten(jax.tree.structure(tree), [
+        one(x, sh, old) for x, sh, old in zip(jax.tree.leaves(tree),
+                                              jax.tree.leaves(stored_shardings), olds, strict=True)])
 
 
 def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:

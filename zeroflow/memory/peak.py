@@ -236,6 +236,12 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     widened = 0.0
     if widening and layer_stack:
         widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in layer_stack)
+    # Once XLA:CPU has widened a whole stored stack (stages 0-2), the donated half-precision
+    # stack is dead until the new weights are written: the stack's gradients go into its buffer.
+    reused = 0.0
+    if widened and not plan.shards_compute and stored_compute:
+        reused = min(width * sum(w for w, _, _ in layer_stack),
+                     sum(g for g, st in zip(grads, stacked) if st))
 
     # The backward pass peaks at its start (all it keeps from the forward pass, the first layer
     # being differentiated, and the gradient buffers of a scanned stack, allocated whole up
@@ -243,11 +249,11 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # been freed one by one as the pass went back through them).
     in_flight = max(fetched * unit + F32 * unit_grad, recompute_bytes / model + F32 * unit_grad)
     at_start = (sum(gathered_whole) + activations + in_flight
-                + sum(g for g, st in zip(grads, stacked) if st) + widened)
+                + sum(g for g, st in zip(grads, stacked) if st) + widened - reused)
     # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
     # input gradient is not needed).
     at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
-              + (fetched if plan.shards_compute else 0) * unit + F32 * unit_grad + widened)
+              + (fetched if plan.shards_compute else 0) * unit + F32 * unit_grad + widened - reused)
     update = sum(grads) + _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
                                         flat_routes, plan, backend)
     host_state = sum(_kind_bytes(_with_shardings(a, sh), "pinned_host") for a, sh in state_arrays)
