@@ -54,14 +54,16 @@ class Sharded:
     """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
     all-gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in.
     ``size``/``padded``: the weight's own and stored length along ``dim`` (they differ when it
-    is stored padded)."""
+    is stored padded). ``groups``: the groups of devices that each hold a whole copy and gather
+    it among themselves (hpZ: each host's), None: all devices."""
     dim: int
     dtype: Any
     size: int | None = None
     padded: int | None = None
+    groups: tuple | None = None
 
     def fetch(self, stored):
-        return all_gather(stored[0], self.dim, self.dtype, self.size)
+        return all_gather(stored[0], self.dim, self.dtype, self.size, self.groups)
 
     def give_back(self, stored, grad):
         return _pair_like(stored, reduce_scatter(grad, self.dim, self.padded))
