@@ -35,6 +35,8 @@ from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route, t
 from zeroflow.mesh import DATA
 from zeroflow.plan import ZeroPlan, path_str
 from zeroflow.zeropp.gather import QuantizedSharded, gather_weight_quantized
+from zeroflow.zeropp.hosts import HostSplit
+from zeroflow.zeropp.reduce import gather_weight_qgz
 
 
 class Detached(NamedTuple):
@@ -48,13 +50,25 @@ class Detached(NamedTuple):
 class Transit(NamedTuple):
     """How stage-3 weights and their gradients travel (ZeRO++; all None: plain stage 3):
     ``weight_block``: gathered as int8 blocks of that many entries (qwZ); ``groups``: gathered
-    within each host from its own copy (hpZ)."""
+    within each host from its own copy (hpZ); ``grad_hosts``: gradients reduce-scattered as
+    int8 blocks of ``grad_block`` entries, within and then across these hosts (qgZ)."""
     weight_block: int | None = None
     groups: tuple | None = None
+    grad_hosts: HostSplit | None = None
+    grad_block: int = 256
 
     @classmethod
     def of(cls, plan: ZeroPlan) -> Transit:
-        return cls(plan.quantize_block if plan.quantize_weights else None, plan.gather_groups)
+        return cls(plan.quantize_block if plan.quantize_weights else None, plan.gather_groups,
+                   plan.host_split if plan.quantize_grads else None, plan.quantize_block)
+
+    def source(self, dim: int, dtype, size: int | None, padded: int | None
+               ) -> gather_on_use.Sharded:
+        """The ``gather_on_use`` source of a stage-3 weight split along ``dim``."""
+        kw = dict(groups=self.groups, grad_hosts=self.grad_hosts, grad_block=self.grad_block)
+        if self.weight_block is not None:
+            return QuantizedSharded(dim, dtype, size, padded, block_size=self.weight_block, **kw)
+        return gather_on_use.Sharded(dim, dtype, size, padded, **kw)
 
 
 def _shard_shape(shape, r: Route, n: int) -> tuple[int, ...]:
@@ -204,7 +218,9 @@ def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
     """``gather_layer``: one layer's slice of the stack -> its compute weights on the device.
     Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
     ``wire``: how stage-3 slices and their gradients travel (ZeRO++)."""
-    block, groups = (None, None) if wire is None else (wire.weight_block, wire.groups)
+    wire = wire or Transit()
+    block, groups = wire.weight_block, wire.groups
+
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
@@ -214,6 +230,9 @@ def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.value, x.stand_in)
         weight = offload.to_device(varying(x.value)) if r.stream else x.value
+        if r.sharded and wire.grad_hosts is not None:
+            return gather_weight_qgz(weight, x.stand_in,
+                                     wire.source(r.layer_dim, dt, r.cut, r.padded))
         if r.sharded and block is not None:
             return gather_weight_quantized(weight, x.stand_in, r.layer_dim, dt, block, r.cut,
                                            groups)
@@ -267,16 +286,13 @@ def _reduce_late(g, r: Route):
 
 def _source(r: Route, dtype, widens: bool, wire: Transit = None
             ) -> gather_on_use.Source | None:
-    block, groups = (None, None) if wire is None else (wire.weight_block, wire.groups)
     if r.fetch is not Fetch.ON_USE:
         return None
     if r.frozen:
         return gather_on_use.Frozen(r.dim if r.sharded else None, dtype, r.cut,
                                     ordered=r.sharded or widens)
-    if r.sharded and block is not None:
-        return QuantizedSharded(r.dim, dtype, r.cut, r.padded, groups, block_size=block)
     if r.sharded:
-        return gather_on_use.Sharded(r.dim, dtype, r.cut, r.padded, groups)
+        return (wire or Transit()).source(r.dim, dtype, r.cut, r.padded)
     scattered = r.reduce is Reduce.ON_USE
     return gather_on_use.Whole(r.dim if scattered else None, r.padded if scattered else None,
                                ordered=widens)
