@@ -194,3 +194,42 @@ def test_hpz_without_a_bf16_copy_or_with_frozen_weights_is_a_one_line_error():
         with pytest.raises(ValueError, match=message) as e:
             zf.init_train_state(_mlp_params(), optax.sgd(0.1), plan, prec, trainable=trainable)
         assert "\n" not in str(e.value)
+
+
+def test_estimators_count_the_copy_per_host():
+    """hpZ's copy, 2 bytes per entry of the stored (padded) weights over L=4 devices instead
+    of N=8: what estimate_step reads from the state's shapes adds exactly that to stage 3's
+    model states, and hierarchical_copy_bytes gives it for the unpadded parameter count."""
+    params = _params_with_padding()
+    tx, prec, batch = optax.adam(1e-3), zf.Precision(params="bf16"), _mlp_batches(1)[0]
+
+    def states(**options):
+        plan = zf.ZeroPlan(zf.make_mesh(), stage=3, **options)
+        return zf.memory.estimate_step(_loss_with_bias, params, batch, tx, plan, prec).model_states
+    stored = 64 * 48 + 48 * 8 + 16  # the bias stored padded to 16
+    assert states(hierarchical=True, hosts=2) - states() == 2 * stored * (1 / 4 - 1 / 8)
+    own = 64 * 48 + 48 * 8 + 10
+    assert zf.memory.hierarchical_copy_bytes(num_params=own, num_devices=8, hosts=2) == 2 * own / 8
+
+
+def test_trainer_keys_reach_the_plan_and_bad_combinations_are_one_line():
+    from zeroflow.config_io import ConfigError, load_config
+    from zeroflow.trainer.setup import build_run
+    on = ["parallel.zero_stage=3", "precision.params=bf16", "parallel.hierarchical=true",
+          "parallel.quantize_grads=int8", "parallel.hosts=2"]
+    plan = build_run(load_config("configs/tiny.yaml", on), with_data=False).plan
+    assert (plan.hierarchical, plan.quantize_grads, plan.host_split) == (True, "int8", (2, 4))
+    for overrides, message in [
+            (["parallel.zero_stage=2", "parallel.quantize_grads=int8"],
+             "parallel.quantize_grads=int8 quantizes the reduction of gathered stage-3"),
+            (["parallel.zero_stage=2", "parallel.hierarchical=true", "precision.params=bf16"],
+             "parallel.hierarchical=true keeps a within-host copy of stage-3 weights"),
+            (["parallel.zero_stage=3", "parallel.hierarchical=true"], "precision.params is fp32"),
+            (["parallel.quantize_grads=int4", "parallel.zero_stage=3"],
+             "parallel.quantize_grads must be one of none, int8")]:
+        with pytest.raises(ConfigError, match=message) as e:
+            load_config("configs/tiny.yaml", overrides)
+        assert "\n" not in str(e.value)
+    one_host = load_config("configs/tiny.yaml", on[:3])
+    with pytest.raises(ValueError, match="needs a data axis spanning two or more hosts"):
+        build_run(one_host, with_data=False)

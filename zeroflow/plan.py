@@ -206,7 +206,7 @@ class ZeroPlan:
         if self.host_split.hosts == 1:
             raise ValueError("hierarchical=True needs a data axis spanning two or more hosts; this "
                              "mesh is on one host, where plain stage 3 gathers within it already "
-                             "(emulated devices: pass hosts=H)")
+                             "(emulated devices: ZeroPlan(hosts=H), parallel.hosts=H in the trainer)")
 
     @property
     def host_split(self):
