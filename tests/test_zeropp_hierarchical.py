@@ -1,5 +1,7 @@
 """ZeRO++ hpZ (a within-host copy of the stage-3 weights) and qgZ (int8 gradient reduction in
 two hops) on 8 emulated CPU devices as 2 hosts of 4, and on the 2 x 8 H100 target."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,15 @@ def _reference_losses(params, tx, batches):
     return np.array(losses)
 
 
+STEPS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _trained(**options):
+    """``_train(STEPS, **options)``, once per module run: several tests read the same runs."""
+    return _train(STEPS, **options)
+
+
 def _train(steps, **options):
     plan = zf.ZeroPlan(zf.make_mesh(), stage=3, **options)
     prec, tx = zf.Precision(params="bf16"), optax.adam(3e-3)
@@ -49,19 +60,19 @@ def _train(steps, **options):
 
 
 def test_hpz_trains_exactly_like_stage3_from_a_copy_per_host():
-    """hpZ changes where the bf16 weights are gathered from, not the arithmetic: 4 Adam steps
+    """hpZ changes where the bf16 weights are gathered from, not the arithmetic: 8 Adam steps
     give plain stage 3's losses and master bit for bit, the losses within 1e-3 of the
     hand-written mixed-precision loop's (device sums differ in order; Adam turns that into
     lr-sized differences of near-zero gradients' entries, so the masters are not compared
     with it), and after every update each host's
     4 devices hold between them a whole bf16 copy of the new master, padding included."""
-    plain_losses, plain = _train(4)
-    losses, state = _train(4, hierarchical=True, hosts=2)
+    plain_losses, plain = _trained()
+    losses, state = _trained(hierarchical=True, hosts=2)
     np.testing.assert_array_equal(losses, plain_losses)
     for k in plain.master:
         np.testing.assert_array_equal(np.asarray(state.master_params[k]),
                                       np.asarray(plain.master_params[k]))
-    want = _reference_losses(_params_with_padding(), optax.adam(3e-3), _mlp_batches(4))
+    want = _reference_losses(_params_with_padding(), optax.adam(3e-3), _mlp_batches(STEPS))
     np.testing.assert_allclose(losses, want, rtol=1e-3)
     for k, lay in zf.ZeroPlan(zf.make_mesh(), stage=3).layouts(_params_with_padding()).items():
         cast = np.asarray(state.master_params[k].astype(jnp.bfloat16), np.float32)
@@ -113,16 +124,16 @@ def test_qgz_gradient_is_the_two_hop_int8_reduction_of_the_devices_gradients():
 
 
 def test_all_three_train_like_stage3():
-    """20 Adam steps in bf16 with qgZ, and with hpZ + qwZ + qgZ (blocks of 64): the losses stay
+    """8 Adam steps in bf16 with qgZ, and with hpZ + qwZ + qgZ (blocks of 64): the losses stay
     within 1% of plain stage 3's. Each gradient entry is off by at most a 1/254 of its block's
     largest magnitude per hop and sender (two hops), each gathered weight entry by 1/254
     (qwZ): the size of bf16's own rounding (2^-8), which Adam's normalisation does not amplify
     beyond the step it takes."""
-    plain, _ = _train(20)
-    qgz, _ = _train(20, quantize_grads="int8", hosts=2, quantize_block=64)
-    every, _ = _train(20, hierarchical=True, quantize_weights="int8", quantize_grads="int8",
-                      hosts=2, quantize_block=64)
-    assert plain[-5:].mean() < 0.9 * plain[:5].mean()  # it trains
+    plain, _ = _trained()
+    qgz, _ = _trained(quantize_grads="int8", hosts=2, quantize_block=64)
+    every, _ = _trained(hierarchical=True, quantize_weights="int8", quantize_grads="int8",
+                        hosts=2, quantize_block=64)
+    assert plain[-3:].mean() < 0.95 * plain[:3].mean()  # it trains
     np.testing.assert_allclose(qgz, plain, rtol=0.01)
     np.testing.assert_allclose(every, plain, rtol=0.01)
     assert np.abs(qgz - plain).max() > 0  # the gradients did go through int8
@@ -132,7 +143,7 @@ def test_checkpoint_restores_the_copy_per_host_and_moves_between_plans(tmp_path)
     """The within-host copy is not saved: restoring onto an hpZ state rebuilds it from the
     master (a copy per host, as the step left it), and the same checkpoint restores onto
     plain stage 3, whose weights are the same bf16 values."""
-    _, state = _train(1, hierarchical=True, hosts=2)
+    _, state = _trained(hierarchical=True, hosts=2)
     zf.save_checkpoint(tmp_path / "ckpt", state)
     prec, tx = zf.Precision(params="bf16"), optax.adam(3e-3)
     for options in ({"hierarchical": True, "hosts": 2}, {}):
