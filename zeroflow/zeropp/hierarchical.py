@@ -43,15 +43,6 @@ def copy_entries(layouts) -> tuple[Entry, ...]:
                  for lay in jax.tree.leaves(layouts, is_leaf=_is_layout))
 
 
-def copy_shape(lay: LeafLayout, copies: int) -> tuple[int, ...]:
-    """The global shape of one leaf's secondary copy: its stored (padded) shape with the ZeRO
-    dimension repeated ``copies`` times."""
-    stored = lay.stored_shape(True)
-    if lay.zero_dim is None:
-        return stored
-    return tuple(s * copies if d == lay.zero_dim else s for d, s in enumerate(stored))
-
-
 def tile(tree, entries: tuple[Entry, ...], copies: int):
     """Each split leaf of ``tree`` (stored padded, global arrays) repeated ``copies`` times along
     its ZeRO dimension: the secondary copy's global form, for init and restore (jit it with the
