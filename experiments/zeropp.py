@@ -2,7 +2,7 @@
 
 Compiles the trainer's GPT step (``build_run``: AdamW, bf16 weights, fp32 master, one layer
 gathered at a time) for ``zf.target_mesh("h100", data=16, hosts=2)`` at ZeRO stage 3, plain
-and with each ZeRO++ option built so far, and reports per device and step the bytes its
+with each ZeRO++ option alone (hpZ, qwZ, qgZ) and with all three, and reports per device and step the bytes its
 collectives move inside its host and across hosts (``zf.memory.traffic``: every collective of
 the scheduled program, loop bodies times their trip counts) and how many gathers and
 reduce-scatters overlap compute. Activations are kept small (one 512-token sequence per
@@ -35,8 +35,11 @@ MiB = 2 ** 20
 SMALL = ("model.attention=xla", "model.remat=full", "model.seq_len=512", "train.batch_size=16",
          "parallel.grad_accum=1", "parallel.zero_stage=3", "parallel.offload=none",
          "parallel.update_on=device")
-OPTIONS = {"stage 3": (), "+ qwZ (int8, block 256)": ("parallel.quantize_weights=int8",)}
-"Rows per model: the ZeRO++ options built so far (hpZ and qgZ are not)."
+HPZ, QWZ, QGZ = ("parallel.hierarchical=true",), ("parallel.quantize_weights=int8",), (
+    "parallel.quantize_grads=int8",)
+OPTIONS = {"stage 3": (), "+ hpZ": HPZ, "+ qwZ (int8, block 256)": QWZ,
+           "+ qgZ (int8, block 256)": QGZ, "+ hpZ + qwZ + qgZ": HPZ + QWZ + QGZ}
+"Rows per model: plain stage 3, each ZeRO++ option alone, all three."
 
 
 def compile_row(config: str, label: str, overrides) -> dict:
@@ -51,7 +54,8 @@ def compile_row(config: str, label: str, overrides) -> dict:
     compiled = run.make_step().lower(state, abstract_batch(cfg, run.plan.batch_sharding())).compile()
     colls = zf.memory.collectives(compiled)
     row = {"model": Path(config).stem, "option": label, "psi": zf.memory.count_gpt_params(cfg.model),
-           "traffic": zf.memory.traffic(colls), "overlap": zf.memory.overlap(colls),
+           "traffic": zf.memory.traffic(colls),
+           "overlap": zf.memory.overlap(colls, ("all-gather", "reduce-scatter", "all-to-all")),
            "seconds": time.perf_counter() - start}
     print(_line(row, None), file=sys.stderr, flush=True)
     return row
@@ -61,12 +65,15 @@ def _line(r, base) -> str:
     t, o = r["traffic"], r["overlap"]
     cross = t["total"]["cross_host"]
     ratio = f"{cross / base:.2f}" if base else "1.00" if base is None else "-"
+    mib = lambda kind, where: f"{t[kind][where] / MiB:,.0f}"  # noqa: E731
+    grads = {w: (t["reduce-scatter"][w] + t["all-to-all"][w]) / MiB for w in ("within_host", "cross_host")}
     over = lambda k: f"{o[k]['overlapped']}/{o[k]['count']}"  # noqa: E731
     return (f"| {r['model']} | {r['option']} | {r['psi'] / 1e9:.2f}B | "
-            f"{t['all-gather']['within_host'] / MiB:,.0f} | {t['all-gather']['cross_host'] / MiB:,.0f} | "
-            f"{t['reduce-scatter']['within_host'] / MiB:,.0f} | "
-            f"{t['reduce-scatter']['cross_host'] / MiB:,.0f} | {t['total']['within_host'] / MiB:,.0f} | "
-            f"{cross / MiB:,.0f} | {ratio} | {over('all-gather')} | {over('reduce-scatter')} |")
+            f"{mib('all-gather', 'within_host')} | {mib('all-gather', 'cross_host')} | "
+            f"{grads['within_host']:,.0f} | {grads['cross_host']:,.0f} | "
+            f"{mib('collective-permute', 'cross_host')} | {t['total']['within_host'] / MiB:,.0f} | "
+            f"{cross / MiB:,.0f} | {ratio} | {over('all-gather')} | {over('reduce-scatter')} | "
+            f"{over('all-to-all')} |")
 
 
 def main(argv=None):
@@ -91,13 +98,16 @@ def write(rows, out: Path, argv: str):
         "(AdamW, bf16 weights, fp32 master and moments, remat full, one 512-token sequence per "
         "device) compiled for `zf.target_mesh(\"h100\", data=16, hosts=2)`. MiB per device and "
         "step, read from the scheduled program by `zf.memory.traffic` (direct-exchange count, "
-        "see docs/engine.md); cross / stage 3 = cross-host bytes of all collectives over plain "
-        "stage 3's. Overlapped = collectives with a kernel scheduled between start and done.",
+        "see docs/engine.md); gradient reduction = reduce-scatters plus qgZ's all-to-alls; "
+        "permutes = hpZ's refresh of its copy; across / stage 3 = cross-host bytes of all "
+        "collectives over plain stage 3's. Overlapped = collectives with a kernel scheduled "
+        "between start and done.",
         "",
-        "| model | option | Psi | gathers in host | gathers across | reduce-scatters in host | "
-        "reduce-scatters across | all in host | all across | across / stage 3 | "
-        "all-gathers overlapped | reduce-scatters overlapped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| model | option | Psi | gathers in host | gathers across | gradient reduction in host | "
+        "gradient reduction across | permutes across | all in host | all across | "
+        "across / stage 3 | all-gathers overlapped | reduce-scatters overlapped | "
+        "all-to-alls overlapped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
         base.setdefault(r["model"], r["traffic"]["total"]["cross_host"])

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from zeroflow import padding
 from zeroflow.plan import path_str
 from zeroflow.state import TrainState
+from zeroflow.zeropp import hierarchical
 
 
 class CheckpointError(ValueError):
@@ -142,7 +143,8 @@ def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
         pads = like.padding
         cast = jax.tree.map(lambda m, t: m.astype(t.dtype), padding.unpad(master, pads.master),
                             like.compute)
-        compute = jax.tree.map(place, padding.pad(cast, pads.compute, pads.data_size), like.compute)
+        compute = jax.tree.map(place, hierarchical.tile(padding.pad(
+            cast, pads.compute, pads.data_size), pads.compute, pads.compute_copies), like.compute)
     step = place(restored["step"], like.step)
     # A checkpoint from before updates were counted apart from steps: assume none was skipped.
     applied = place(restored["applied"] if "applied" in restored else restored["step"], like.applied)

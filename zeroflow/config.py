@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
-from zeroflow.plan import OFFLOAD_CHOICES, QUANTIZE_WEIGHTS_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
+from zeroflow.plan import (OFFLOAD_CHOICES, QUANTIZE_GRADS_CHOICES, QUANTIZE_WEIGHTS_CHOICES,
+                           UPDATE_ON_CHOICES, ZERO_STAGES)
 from zeroflow.precision import AUTOCAST, DTYPES, MASTER_DTYPES
 
 CHOICES = "choices"
@@ -176,7 +177,13 @@ class ParallelConfig:
     quantize_weights: str = one_of("none", *QUANTIZE_WEIGHTS_CHOICES[1:])
     "ZeRO++ qwZ at stage 3: weights all-gathered as int8 blocks ('int8') or in the compute dtype."
     quantize_block: int = 256
-    "Entries per int8 block (one fp32 scale each) when quantize_weights is 'int8'."
+    "Entries per int8 block (one fp32 scale each) when quantize_weights or quantize_grads is 'int8'."
+    hierarchical: bool = False
+    "ZeRO++ hpZ at stage 3: a bf16 weight copy per host, so weight gathers stay inside the host."
+    quantize_grads: str = one_of("none", *QUANTIZE_GRADS_CHOICES[1:])
+    "ZeRO++ qgZ at stage 3: gradients reduce-scattered as int8 ('int8'), within then across hosts."
+    hosts: int = 0
+    "Hosts the data axis spans, for emulated devices of one process (0: each device's own host)."
 
 
 @dataclass

@@ -323,6 +323,19 @@ def validate_config(cfg: Config) -> Config:
          f"parallel.quantize_weights={p.quantize_weights} quantizes stage-3 weight gathers; "
          f"parallel.zero_stage is {p.zero_stage} (set it to 3)"),
         (p.quantize_block > 0, "parallel.quantize_block must be positive"),
+        (p.quantize_grads == "none" or p.zero_stage == 3,
+         f"parallel.quantize_grads={p.quantize_grads} quantizes the reduction of gathered stage-3 "
+         f"weights' gradients; parallel.zero_stage is {p.zero_stage} (set it to 3)"),
+        (not p.hierarchical or p.zero_stage == 3,
+         f"parallel.hierarchical=true keeps a within-host copy of stage-3 weights; "
+         f"parallel.zero_stage is {p.zero_stage} (set it to 3)"),
+        (not p.hierarchical or p.offload == "none",
+         f"parallel.hierarchical=true keeps its weight copy on the device; parallel.offload is "
+         f"{p.offload} (set it to none)"),
+        (not p.hierarchical or cfg.precision.params != "fp32",
+         "parallel.hierarchical=true keeps a within-host copy of the compute-dtype weights; "
+         "precision.params is fp32, which keeps none (set it to bf16)"),
+        (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
         (c.every >= 0, "checkpoint.every must be >= 0"),
         (c.keep > 0, "checkpoint.keep must be positive"),
     ]

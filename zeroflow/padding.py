@@ -85,6 +85,8 @@ class StatePadding:
     opt_state: tuple[Entry, ...] = ()
     data_size: int = 1
     frozen: tuple[Entry, ...] = ()
+    compute_copies: int = 1
+    "Copies of each split leaf the compute array holds along its ZeRO dimension (hpZ: hosts)."
 
     @property
     def any(self) -> bool:

@@ -38,6 +38,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
 UPDATE_ON_CHOICES = ("device", "host")
 QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
+QUANTIZE_GRADS_CHOICES = (None, "int8")
 
 
 def update_needs_offload(offload: str, update_on: str) -> bool:
@@ -118,6 +119,15 @@ class ZeroPlan:
     ``quantize_weights``: None, or "int8" (ZeRO++'s qwZ, stage 3 only): weights are all-gathered
     as int8 blocks of ``quantize_block`` entries with one fp32 scale each and dequantized to the
     compute dtype (``zeroflow.zeropp``); gradients and the master stay exact.
+    ``hierarchical``: ZeRO++'s hpZ (stage 3, two or more hosts, no offload): the compute-dtype
+    weights are kept as a secondary copy sharded over each host's devices only, so the forward
+    and backward gathers stay inside the host (``zeroflow.zeropp.hierarchical``); the master,
+    optimizer state and gradient reduction stay sharded over all devices.
+    ``quantize_grads``: None, or "int8" (ZeRO++'s qgZ, stage 3 only): the gradients of gathered
+    weights are reduce-scattered as int8 blocks in two hops, within the host and then across
+    hosts, summed in fp32 after each (``zeroflow.zeropp.reduce``).
+    ``hosts``: how many hosts the ``data`` axis spans, for meshes of emulated devices that all
+    belong to one process (None: each device's ``process_index``; ``zeroflow.zeropp.hosts``).
     """
     mesh: Mesh
     stage: int = 0
@@ -127,6 +137,9 @@ class ZeroPlan:
     traits: backend.Traits | None = None
     quantize_weights: str | None = None
     quantize_block: int = 256
+    hierarchical: bool = False
+    quantize_grads: str | None = None
+    hosts: int | None = None
 
     def __post_init__(self):
         if (not isinstance(self.mesh, (Mesh, AbstractMesh))
@@ -150,6 +163,7 @@ class ZeroPlan:
         if (isinstance(self.quantize_block, bool) or not isinstance(self.quantize_block, int)
                 or self.quantize_block < 1):
             raise ValueError(f"quantize_block must be a positive int, got {self.quantize_block!r}")
+        self._check_zeropp()
         rules = []
         for rule in self.tensor_rules:
             try:
@@ -167,6 +181,52 @@ class ZeroPlan:
             object.__setattr__(self, "traits", backend.of(self.mesh))
         elif not isinstance(self.traits, backend.Traits):
             raise ValueError(f"traits must be a zeroflow.backend.Traits, got {type(self.traits).__name__}")
+
+    def _check_zeropp(self) -> None:
+        if self.quantize_grads not in QUANTIZE_GRADS_CHOICES:
+            raise ValueError(f"unknown quantize_grads {self.quantize_grads!r}; choose one of "
+                             f"{list(QUANTIZE_GRADS_CHOICES)}")
+        if self.quantize_grads is not None and self.stage != 3:
+            raise ValueError(f"quantize_grads={self.quantize_grads!r} quantizes the reduce-scatter "
+                             f"of gathered stage-3 weights' gradients; stage {self.stage} gathers "
+                             f"no weights (use stage=3)")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical must be a bool, got {self.hierarchical!r}")
+        if self.hosts is not None:
+            from zeroflow.zeropp.hosts import hosts_of
+            hosts_of(self.mesh, self.hosts)  # the one check of a given host count
+        if not self.hierarchical:
+            return
+        if self.stage != 3:
+            raise ValueError(f"hierarchical=True keeps a second, within-host copy of the stage-3 "
+                             f"compute weights; stage {self.stage} keeps them whole (use stage=3)")
+        if self.offload != "none":
+            raise ValueError(f"hierarchical=True keeps its weight copy in device memory; it does "
+                             f"not combine with offload={self.offload!r} (use offload='none')")
+        if self.host_split.hosts == 1:
+            raise ValueError("hierarchical=True needs a data axis spanning two or more hosts; this "
+                             "mesh is on one host, where plain stage 3 gathers within it already "
+                             "(emulated devices: ZeroPlan(hosts=H), parallel.hosts=H in the trainer)")
+
+    @property
+    def host_split(self):
+        """The ``data`` axis as hosts x local devices (``zeroflow.zeropp.hosts.HostSplit``)."""
+        from zeroflow.zeropp.hosts import host_split
+        if isinstance(self.mesh, AbstractMesh) and self.hosts is None:
+            raise ValueError("a planning mesh has no devices to read hosts from; pass hosts=H")
+        return host_split(self.mesh, self.hosts)
+
+    @property
+    def weight_copies(self) -> int:
+        """How many times the stage-3 compute copy holds each weight: once, or once per host
+        (hpZ: each host's devices hold a whole copy between them)."""
+        return self.host_split.hosts if self.hierarchical else 1
+
+    @property
+    def gather_groups(self):
+        """``axis_index_groups`` of the stage-3 weight gathers: None (all devices), or each
+        host's devices (hpZ)."""
+        return self.host_split.within if self.hierarchical else None
 
     # -- sizes -------------------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ from zeroflow import padding
 from zeroflow.padding import NO_PADDING, StatePadding
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import LossScaleState, Precision
+from zeroflow.zeropp import hierarchical
 
 
 @struct.dataclass
@@ -123,12 +124,26 @@ def _is_layout(x) -> bool:
 def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision,
                   frozen_layouts=None) -> StatePadding:
     compute = () if prec.params == "fp32" else padding.entries_of(layouts.master, plan.shards_compute)
+    if plan.hierarchical:  # the within-host copy (zeroflow.zeropp.hierarchical)
+        compute = hierarchical.copy_entries(layouts.master)
     frozen = () if frozen_layouts is None else padding.entries_of(frozen_layouts,
                                                                    plan.shards_compute)
     return StatePadding(master=padding.entries_of(layouts.master, plan.shards_storage),
                         compute=compute,
                         opt_state=padding.entries_of(layouts.opt_state, plan.shards_storage),
-                        data_size=plan.data_size, frozen=frozen)
+                        data_size=plan.data_size, frozen=frozen,
+                        compute_copies=plan.weight_copies)
+
+
+def _check_hierarchical(plan: ZeroPlan, prec: Precision, mask) -> None:
+    if not plan.hierarchical:
+        return
+    if prec.params == "fp32":
+        raise ValueError("hierarchical=True keeps a within-host copy of the compute-dtype weights; "
+                         "with params='fp32' there is none (use Precision(params='bf16'))")
+    if frozen_weights.any_frozen(mask):
+        raise ValueError("hierarchical=True does not keep frozen weights in its within-host copy "
+                         "yet; train every leaf or use hierarchical=False")
 
 
 def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan,
@@ -140,6 +155,7 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
     leaves are laid out like the compute weights (split at stage 3, in host memory when the
     weights are offloaded)."""
     mask = frozen_weights.trainable_mask(trainable, abstract_params)
+    _check_hierarchical(plan, prec, mask)
     abstract_params, frozen_abstract = frozen_weights.split(abstract_params, mask)
     frozen_layouts = (plan.layouts(frozen_abstract) if frozen_weights.any_frozen(mask)
                       else None)
@@ -233,7 +249,9 @@ def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, p
         n = plan.data_size
         return TrainState(step=jnp.zeros((), jnp.int32), applied=jnp.zeros((), jnp.int32),
                           master=padding.pad(master, pads.master, n),
-                          compute=None if compute is None else padding.pad(compute, pads.compute, n),
+                          compute=None if compute is None else hierarchical.tile(
+                              padding.pad(compute, pads.compute, n), pads.compute,
+                              pads.compute_copies),
                           opt_state=padding.pad(opt_state, pads.opt_state, n),
                           loss_scale=prec.init_loss_scale(), model_state=model_state, rng=key,
                           frozen=frozen, padding=pads)

@@ -31,6 +31,7 @@ from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import Precision
 from zeroflow.state import TrainState, state_shardings
+from zeroflow.zeropp import hierarchical
 
 LossFn = Callable[..., Any]
 
@@ -112,6 +113,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         grads = padding.pad(grads, pads.master, n)
     new_master, new_opt, new_compute = _updated(grads, state, finite, tx=tx, plan=plan,
                                                 prec=prec, layout=layout)
+    if plan.hierarchical:  # the within-host copy the next step gathers from
+        new_compute = hierarchical.refresh(new_compute, layout.layouts, plan)
 
     # A skipped step changes nothing, the model state included (its statistics may be NaN).
     model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,

@@ -44,11 +44,17 @@ def varying(x):
         return x
 
 
-def all_gather(shard, dim: int, dtype, size: int | None = None):
+def all_gather(shard, dim: int, dtype, size: int | None = None, groups=None):
     """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``), cut to
-    ``size`` entries along ``dim`` when it is stored padded."""
-    whole = jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True)
+    ``size`` entries along ``dim`` when it is stored padded. ``groups``: ``axis_index_groups``
+    of ``data`` that each hold a whole copy (hpZ: each host's devices), None: all devices."""
+    whole = jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True,
+                               axis_index_groups=_listed(groups))
     return whole if size is None else cut_to(whole, dim, size)
+
+
+def _listed(groups):
+    return None if groups is None else [list(g) for g in groups]
 
 
 def reduce_scatter(grad, dim: int, padded: int | None = None):
@@ -67,24 +73,27 @@ def gathered_tangent(tangent, dim: int, dtype, size: int | None = None):
     return (whole if size is None else cut_to(whole, dim, size)).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
+def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None, groups=None):
     """All-gather a stage-3 weight ``shard`` in the compute ``dtype`` for use (cut to ``size``
     along ``dim`` when the stored weight is padded).
 
     The gradient goes to ``stand_in``, fp32 zeros shaped like the shard and never read: it is
     the reduce-scatter of the devices' gradients, summed and returned in fp32 (bf16/fp16 sums
     over many devices overflow and round), while the shard itself stays in its stored dtype
-    (no fp32 copy of the weights is made to differentiate).
+    (no fp32 copy of the weights is made to differentiate). ``groups``: the shard is one of a
+    copy held by each group of devices (hpZ, see ``all_gather``); the stand-in is always the
+    1/N shard of the master, and the gradient is reduce-scattered over all devices.
     """
     del stand_in
-    return all_gather(shard, dim, dtype, size)
+    return all_gather(shard, dim, dtype, size, groups)
 
 
 @gather_weight.defjvp
-def _gather_jvp(dim, dtype, size, primals, tangents):
+def _gather_jvp(dim, dtype, size, groups, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
-    return all_gather(shard, dim, dtype, size), gathered_tangent(d_stand_in, dim, dtype, size)
+    return (all_gather(shard, dim, dtype, size, groups),
+            gathered_tangent(d_stand_in, dim, dtype, size))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

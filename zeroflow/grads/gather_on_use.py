@@ -37,6 +37,8 @@ from jax.extend.core import Literal
 from zeroflow.grads.collectives import all_gather, reduce_scatter
 from zeroflow.jaxprs import bind, call_body, open_jaxpr
 from zeroflow.ordering import after, live
+from zeroflow.zeropp.hosts import HostSplit
+from zeroflow.zeropp.reduce import quantized_reduce_scatter
 
 
 class Source(Protocol):
@@ -54,17 +56,29 @@ class Sharded:
     """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
     all-gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in.
     ``size``/``padded``: the weight's own and stored length along ``dim`` (they differ when it
-    is stored padded)."""
+    is stored padded). ``groups``: the groups of devices that each hold a whole copy and gather
+    it among themselves (hpZ: each host's), None: all devices."""
     dim: int
     dtype: Any
     size: int | None = None
     padded: int | None = None
+    groups: tuple | None = None
+    grad_hosts: HostSplit | None = None
+    "qgZ: the gradient is reduce-scattered as int8 blocks of ``grad_block``, host by host."
+    grad_block: int = 256
 
     def fetch(self, stored):
-        return all_gather(stored[0], self.dim, self.dtype, self.size)
+        return all_gather(stored[0], self.dim, self.dtype, self.size, self.groups)
+
+    def reduced(self, grad):
+        """This device's fp32 slice of the sum over devices of ``grad``."""
+        if self.grad_hosts is None:
+            return reduce_scatter(grad, self.dim, self.padded)
+        return quantized_reduce_scatter(grad, self.dim, self.grad_hosts, self.grad_block,
+                                        self.padded)
 
     def give_back(self, stored, grad):
-        return _pair_like(stored, reduce_scatter(grad, self.dim, self.padded))
+        return _pair_like(stored, self.reduced(grad))
 
     def layer(self):
         """The source of one slice along the leading axis (a scan's iteration), or None when

@@ -35,6 +35,8 @@ from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route, t
 from zeroflow.mesh import DATA
 from zeroflow.plan import ZeroPlan, path_str
 from zeroflow.zeropp.gather import QuantizedSharded, gather_weight_quantized
+from zeroflow.zeropp.hosts import HostSplit
+from zeroflow.zeropp.reduce import gather_weight_qgz
 
 
 class Detached(NamedTuple):
@@ -43,6 +45,30 @@ class Detached(NamedTuple):
     ``stream_in``). ``nn.scan`` slices both fields, so ``gather_layer`` gets one layer of each."""
     value: jax.Array
     stand_in: jax.Array
+
+
+class Transit(NamedTuple):
+    """How stage-3 weights and their gradients travel (ZeRO++; all None: plain stage 3):
+    ``weight_block``: gathered as int8 blocks of that many entries (qwZ); ``groups``: gathered
+    within each host from its own copy (hpZ); ``grad_hosts``: gradients reduce-scattered as
+    int8 blocks of ``grad_block`` entries, within and then across these hosts (qgZ)."""
+    weight_block: int | None = None
+    groups: tuple | None = None
+    grad_hosts: HostSplit | None = None
+    grad_block: int = 256
+
+    @classmethod
+    def of(cls, plan: ZeroPlan) -> Transit:
+        return cls(plan.quantize_block if plan.quantize_weights else None, plan.gather_groups,
+                   plan.host_split if plan.quantize_grads else None, plan.quantize_block)
+
+    def source(self, dim: int, dtype, size: int | None, padded: int | None
+               ) -> gather_on_use.Sharded:
+        """The ``gather_on_use`` source of a stage-3 weight split along ``dim``."""
+        kw = dict(groups=self.groups, grad_hosts=self.grad_hosts, grad_block=self.grad_block)
+        if self.weight_block is not None:
+            return QuantizedSharded(dim, dtype, size, padded, block_size=self.weight_block, **kw)
+        return gather_on_use.Sharded(dim, dtype, size, padded, **kw)
 
 
 def _shard_shape(shape, r: Route, n: int) -> tuple[int, ...]:
@@ -135,10 +161,10 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     dtypes = jax.tree.map(lambda x: x.dtype, params)
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
     params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
-        x, r, plan.data_size, varying), params, routes)
-    block = plan.quantize_block if plan.quantize_weights else None
+        x, r, plan.data_size, varying, plan.weight_copies), params, routes)
+    wire = Transit.of(plan)
     gather_layer = None if per_layer is None else _layer_gatherer(routes[per_layer],
-                                                                  dtypes[per_layer], varying, block)
+                                                                  dtypes[per_layer], varying, wire)
 
     def grads_of(micro, model_state, key):
         given = {**({} if model_state is None else {"model_state": model_state}),
@@ -148,7 +174,7 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
             seen = jax.tree.map(lambda x, w, r: _visible(x, w, r, varying), p, stored, routes,
                                 is_leaf=_is_hole)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
-                                  plan.traits.widens_half_precision, gather_layer, given, block)
+                                  plan.traits.widens_half_precision, gather_layer, given, wire)
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
 
@@ -159,12 +185,15 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     return _over_micro_batches(grads_of, batch, extras, grad_accum, varying)
 
 
-def _differentiable(x, r: Route, n: int, varying):
+def _differentiable(x, r: Route, n: int, varying, copies: int = 1):
     """What the loss is differentiated against for one leaf: zeros shaped like the gradient
     that leaves the backward pass stand in for the weight (see zeroflow.grads.collectives),
-    fp32 shards where it is reduced on use; else the weight itself."""
+    fp32 shards where it is reduced on use; else the weight itself. ``copies``: a stage-3
+    shard is a piece of one of that many copies (hpZ), so the 1/N gradient is that much
+    shorter along its ZeRO dimension."""
     if r.reduce is Reduce.ON_USE:
-        shape = x.shape if r.sharded else _shard_shape(x.shape, r, n)
+        shape = (tuple(s // copies if d == r.dim else s for d, s in enumerate(x.shape))
+                 if r.sharded else _shard_shape(x.shape, r, n))
         return varying(jnp.zeros(shape, jnp.float32))
     if r.stream:
         return varying(jnp.zeros(x.shape, x.dtype))
@@ -185,10 +214,13 @@ def _visible(x, w, r: Route, varying):
     return x
 
 
-def _layer_gatherer(routes, dtypes, varying, block: int | None = None):
+def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
     """``gather_layer``: one layer's slice of the stack -> its compute weights on the device.
     Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
-    ``block``: stage-3 slices travel as int8 blocks of that many entries (qwZ)."""
+    ``wire``: how stage-3 slices and their gradients travel (ZeRO++)."""
+    wire = wire or Transit()
+    block, groups = wire.weight_block, wire.groups
+
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
@@ -198,10 +230,14 @@ def _layer_gatherer(routes, dtypes, varying, block: int | None = None):
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.value, x.stand_in)
         weight = offload.to_device(varying(x.value)) if r.stream else x.value
+        if r.sharded and wire.grad_hosts is not None:
+            return gather_weight_qgz(weight, x.stand_in,
+                                     wire.source(r.layer_dim, dt, r.cut, r.padded))
         if r.sharded and block is not None:
-            return gather_weight_quantized(weight, x.stand_in, r.layer_dim, dt, block, r.cut)
+            return gather_weight_quantized(weight, x.stand_in, r.layer_dim, dt, block, r.cut,
+                                           groups)
         if r.sharded:
-            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut)
+            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut, groups)
         return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
 
     def gather_layer(layer_params):
@@ -248,30 +284,28 @@ def _reduce_late(g, r: Route):
     return g
 
 
-def _source(r: Route, dtype, widens: bool, block: int | None = None
+def _source(r: Route, dtype, widens: bool, wire: Transit = None
             ) -> gather_on_use.Source | None:
     if r.fetch is not Fetch.ON_USE:
         return None
     if r.frozen:
         return gather_on_use.Frozen(r.dim if r.sharded else None, dtype, r.cut,
                                     ordered=r.sharded or widens)
-    if r.sharded and block is not None:
-        return QuantizedSharded(r.dim, dtype, r.cut, r.padded, block_size=block)
     if r.sharded:
-        return gather_on_use.Sharded(r.dim, dtype, r.cut, r.padded)
+        return (wire or Transit()).source(r.dim, dtype, r.cut, r.padded)
     scattered = r.reduce is Reduce.ON_USE
     return gather_on_use.Whole(r.dim if scattered else None, r.padded if scattered else None,
                                ordered=widens)
 
 
 def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gather_layer, given,
-                    block: int | None = None):
+                    wire: Transit = None):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
-    to the replay as data. ``block``: stage-3 weights travel as int8 blocks (qwZ)."""
+    to the replay as data. ``wire``: how stage-3 weights and gradients travel (ZeRO++)."""
     call = (lambda p, b, kw: loss_fn(p, b, **kw)) if gather_layer is None else (
         lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
-    top = jax.tree.map(lambda r, dt: _source(r, dt, widens, block), routes, dtypes,
+    top = jax.tree.map(lambda r, dt: _source(r, dt, widens, wire), routes, dtypes,
                        is_leaf=_is_route)
     is_detached = lambda x: isinstance(x, Detached)  # noqa: E731
     leaves, treedef = jax.tree.flatten(seen, is_leaf=is_detached)

@@ -19,6 +19,7 @@ from zeroflow.memory.estimate import (
     estimate,
     estimate_config,
     format_bytes,
+    hierarchical_copy_bytes,
     offloaded_activations,
     parse_bytes,
 )
@@ -28,6 +29,6 @@ from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_by
 
 __all__ = ["Collective", "collectives", "compile_step", "overlap", "traffic", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
            "count_gpt_params", "estimate", "estimate_config",
-           "estimate_step", "format_bytes", "measure", "measure_step", "remat_recompute_bytes",
+           "estimate_step", "format_bytes", "hierarchical_copy_bytes", "measure", "measure_step", "remat_recompute_bytes",
            "offloaded_activations", "parse_bytes",
            "state_bytes"]

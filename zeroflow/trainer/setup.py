@@ -133,7 +133,9 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
                        tensor_rules=rules, quantize_block=par.quantize_block,
-                       quantize_weights=None if par.quantize_weights == "none" else par.quantize_weights)
+                       quantize_weights=None if par.quantize_weights == "none" else par.quantize_weights,
+                       quantize_grads=None if par.quantize_grads == "none" else par.quantize_grads,
+                       hierarchical=par.hierarchical, hosts=par.hosts or None)
     prec = zf.Precision.from_config(cfg.precision)
     batch_problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, plan.data_size)
     if batch_problem:

@@ -25,12 +25,15 @@ from zeroflow.padding import cut_to
 from zeroflow.zeropp.quantize import Quantized, dequantize, quantize
 
 
-def quantized_all_gather(shard, dim: int, dtype, block_size: int, size: int | None = None):
+def quantized_all_gather(shard, dim: int, dtype, block_size: int, size: int | None = None,
+                         groups=None):
     """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``),
     moved as int8 blocks of ``block_size`` entries; cut to ``size`` along ``dim`` when the
-    stored weight is padded."""
+    stored weight is padded. ``groups``: as for ``zeroflow.grads.collectives.all_gather``."""
     q = quantize(shard, block_size)
-    gathered = Quantized(jax.lax.all_gather(q.values, DATA), jax.lax.all_gather(q.scales, DATA))
+    listed = None if groups is None else [list(g) for g in groups]
+    gathered = Quantized(jax.lax.all_gather(q.values, DATA, axis_index_groups=listed),
+                         jax.lax.all_gather(q.scales, DATA, axis_index_groups=listed))
     whole = _dequantized(gathered, shard.shape, jnp.dtype(dtype).name, dim)
     return whole if size is None else cut_to(whole, dim, size)
 
@@ -43,19 +46,19 @@ def _dequantized(gathered: Quantized, shard_shape, dtype: str, dim: int):
     return parts.reshape(shape)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6))
 def gather_weight_quantized(shard, stand_in, dim: int, dtype, block_size: int,
-                            size: int | None = None):
+                            size: int | None = None, groups=None):
     """``zeroflow.grads.gather_weight`` with the weight moved as int8 blocks: the gradient goes
     to ``stand_in`` as the exact fp32 reduce-scatter of the devices' gradients."""
     del stand_in
-    return quantized_all_gather(shard, dim, dtype, block_size, size)
+    return quantized_all_gather(shard, dim, dtype, block_size, size, groups)
 
 
 @gather_weight_quantized.defjvp
-def _quantized_jvp(dim, dtype, block_size, size, primals, tangents):
+def _quantized_jvp(dim, dtype, block_size, size, groups, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
-    return (quantized_all_gather(shard, dim, dtype, block_size, size),
+    return (quantized_all_gather(shard, dim, dtype, block_size, size, groups),
             gathered_tangent(d_stand_in, dim, dtype, size))
 
 
@@ -66,4 +69,5 @@ class QuantizedSharded(Sharded):
     block_size: int = 256
 
     def fetch(self, stored):
-        return quantized_all_gather(stored[0], self.dim, self.dtype, self.block_size, self.size)
+        return quantized_all_gather(stored[0], self.dim, self.dtype, self.block_size, self.size,
+                                    self.groups)
