@@ -53,7 +53,17 @@ def until_end(tokenizer, tokens: list[int]) -> list[int]:
 
 def load_params(run_dir: Path, step: int | None = None):
     """(model config, tokenizer, fp32 params, step) of checkpoint ``step`` (default: the
-    latest, which must be readable), on one device. Nothing in the run folder is changed."""
+    latest, which must be readable), on one device; a LoRA run's adapters folded into its
+    base weights. Nothing in the run folder is changed."""
+    from zeroflow.trainer.adapters import merged
+
+    run, params, step = load_run_params(run_dir, step)
+    return run.model_cfg, run.data.tokenizer, merged(run.lora, params), step
+
+
+def load_run_params(run_dir: Path, step: int | None = None):
+    """(the run as ``build_run`` makes it, its fp32 params as trained, step) of checkpoint
+    ``step`` on one device: a LoRA run's are ``{"base", "lora"}``."""
     import jax
 
     from zeroflow.config_io import load_config
@@ -72,7 +82,7 @@ def load_params(run_dir: Path, step: int | None = None):
         state, meta = checkpoints.read(run.abstract_state(), step)
     finally:
         checkpoints.close()
-    return run.model_cfg, run.data.tokenizer, state.params, meta["step"]
+    return run, state.params, meta["step"]
 
 
 def main_args(args) -> int:

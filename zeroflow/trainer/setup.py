@@ -1,4 +1,5 @@
-"""Everything a run needs, built from a Config: data, model, mesh, plan, optimizer, state."""
+"""Everything a run needs, built from a Config: data, model, mesh, plan, optimizer, state.
+With ``model.lora.rank > 0`` the parameters are ``{"base", "lora"}`` (``trainer.adapters``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_laye
                              param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.plan import path_str
+from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
 
 
@@ -31,6 +33,31 @@ class Run:
     loss_fn: Any
     trainable: Any = None
     "``trainable=`` of ``zf.init_train_state`` from ``train.freeze`` (None: all train)."
+    lora: zf.LoRA | None = None
+    "With ``model.lora.rank > 0``: ``loss_fn`` is its adapted loss, the base weights frozen."
+    adapter_shapes: Any = None
+    "The adapters' shapes (with ``lora``)."
+
+    @property
+    def gather_per_layer(self) -> str | None:
+        """The engine's ``gather_per_layer``: the GPT's layer stack, which is a top-level key
+        of the parameters only without LoRA (with it, stage 3 fetches every weight on use,
+        the scanned layers' one layer at a time all the same)."""
+        return LAYER_STACK if self.lora is None else None
+
+    def abstract_params(self):
+        """Shapes of the parameters the engine trains (nothing allocated)."""
+        shapes = abstract_params(self.model_cfg)[0]
+        if self.lora is None:
+            return shapes
+        return {adapters.BASE: shapes, adapters.ADAPTERS: self.adapter_shapes}
+
+    def _with_adapters(self, base):
+        if self.lora is None:
+            return base
+        fresh = adapters.init_adapters(self.lora, self.cfg.train.seed,
+                                       abstract_params(self.model_cfg)[0], abstract_batch(self.cfg))
+        return {adapters.BASE: base, adapters.ADAPTERS: fresh}
 
     def init_state(self) -> zf.TrainState:
         """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
@@ -41,6 +68,8 @@ class Run:
             # padded by init_train_state).
             shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
             params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
+            if self.lora is not None:
+                params = jax.jit(self._with_adapters)(params)
             return zf.init_train_state(params, self.tx, self.plan, self.prec, rng=self.dropout_key(),
                                        trainable=self.trainable)
         return self._random_state()
@@ -48,20 +77,21 @@ class Run:
     def dropout_key(self) -> jax.Array | None:
         """The state's rng when the model has dropout: the engine derives every step's,
         device's and micro-batch's key from it, so a resumed run draws what it would have."""
-        if self.model_cfg.dropout <= 0:
+        lora = self.model_cfg.lora
+        if self.model_cfg.dropout <= 0 and (lora.rank == 0 or lora.dropout <= 0):
             return None
         return jax.random.fold_in(jax.random.key(self.cfg.train.seed), DROPOUT_STREAM)
 
     def _random_state(self) -> zf.TrainState:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
-        return zf.init_train_state(lambda: init(rng), self.tx, self.plan, self.prec,
+        return zf.init_train_state(lambda: self._with_adapters(init(rng)), self.tx, self.plan, self.prec,
                                    rng=self.dropout_key(), trainable=self.trainable)
 
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
         shapes = jax.eval_shape(self._random_state)
-        shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan,
+        shardings = zf.state_shardings(self.abstract_params(), self.tx, self.plan,
                                        self.prec, rng=self.dropout_key(), trainable=self.trainable)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
@@ -69,7 +99,7 @@ class Run:
     def make_step(self):
         return zf.make_train_step(self.loss_fn, self.tx, self.plan, self.prec,
                                   grad_accum=self.cfg.parallel.grad_accum,
-                                  gather_per_layer=LAYER_STACK)
+                                  gather_per_layer=self.gather_per_layer)
 
     def global_batch(self, local: np.ndarray | dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of the batch (token windows, or a packed batch's dict) -> global
@@ -110,11 +140,12 @@ def lm_loss_fn(model_cfg: ModelConfig):
 
 def run_model_config(cfg: Config) -> ModelConfig:
     """``cfg.model``, or with ``model.init_from`` the checkpoint's architecture (config.json)
-    with this run's seq_len, remat, attention and dropout."""
+    with this run's seq_len, remat, attention, dropout and LoRA adapters."""
     if not cfg.model.init_from:
         return cfg.model
     from zeroflow import hf
-    return hf.with_run_fields(hf.read_config(cfg.model.init_from).model, cfg.model)
+    architecture = hf.with_run_fields(hf.read_config(cfg.model.init_from).model, cfg.model)
+    return dataclasses.replace(architecture, lora=cfg.model.lora)
 
 
 def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -> Run:
@@ -139,12 +170,19 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     if batch_problem:
         raise ValueError(batch_problem)
     shapes, _ = abstract_params(model_cfg)
-    trainable = freeze_rule(cfg.train.freeze, shapes)
+    loss_fn = lm_loss_fn(model_cfg)
+    lora = adapters.make_lora(loss_fn, model_cfg.lora, shapes)
+    lora_shapes = None
+    if lora is None:
+        trainable = freeze_rule(cfg.train.freeze, shapes)
+    else:  # train.freeze is refused with LoRA (config_io): the adapters alone train
+        trainable, loss_fn = adapters.trains_adapters, lora.loss
+        lora_shapes = adapters.adapter_shapes(lora, shapes, abstract_batch(cfg))
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
     # computed from what it is given.
     tx = make_optimizer(cfg.train, decay_mask if trainable else decay_mask(shapes))
     return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
-               loss_fn=lm_loss_fn(model_cfg), trainable=trainable)
+               loss_fn=loss_fn, trainable=trainable, lora=lora, adapter_shapes=lora_shapes)
 
 
 def freeze_rule(pattern: str, shapes):
