@@ -61,9 +61,10 @@ def load_params(run_dir: Path, step: int | None = None):
     return run.model_cfg, run.data.tokenizer, merged(run.lora, params), step
 
 
-def load_run_params(run_dir: Path, step: int | None = None):
+def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool = True):
     """(the run as ``build_run`` makes it, its fp32 params as trained, step) of checkpoint
-    ``step`` on one device: a LoRA run's are ``{"base", "lora"}``."""
+    ``step`` on one device: a LoRA run's are ``{"base", "lora"}``. ``with_data=False``: the
+    run has no data (nor tokenizer)."""
     import jax
 
     from zeroflow.config_io import load_config
@@ -76,7 +77,7 @@ def load_run_params(run_dir: Path, step: int | None = None):
     single = dataclasses.replace(cfg.parallel, data=1, model=1, zero_stage=0, offload="none",
                                  update_on="device", grad_accum=1)
     cfg = dataclasses.replace(cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32"))
-    run = build_run(cfg, devices=jax.devices()[:1])
+    run = build_run(cfg, devices=jax.devices()[:1], with_data=with_data)
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep, read_only=True)
     try:
         state, meta = checkpoints.read(run.abstract_state(), step)

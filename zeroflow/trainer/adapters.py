@@ -13,6 +13,7 @@ import jax
 
 import zeroflow as zf
 from zeroflow.config import LoraConfig
+from zeroflow.lora import Site
 from zeroflow.plan import path_str
 
 BASE, ADAPTERS = "base", "lora"
@@ -39,17 +40,16 @@ def trains_adapters(path: str, _leaf) -> bool:
     return path.split("/", 1)[0] == ADAPTERS
 
 
-def adapter_shapes(lo: zf.LoRA, base_shapes, batch_shapes):
-    """The adapters' shapes (found by tracing the loss on shapes), nothing allocated; a
-    matched weight the adapters cannot go on is a ValueError naming it."""
-    return jax.eval_shape(lambda: lo.init(jax.random.key(0), base_shapes, batch_shapes))
+def adapter_sites(lo: zf.LoRA, base_shapes, batch_shapes) -> dict[str, Site]:
+    """Where each targeted weight is read (found by tracing the loss on shapes, once per
+    run); a matched weight the adapters cannot go on is a ValueError naming it."""
+    return lo.sites(base_shapes, batch_shapes)
 
 
-def init_adapters(lo: zf.LoRA, seed: int, base_shapes, batch_shapes):
+def init_adapters(lo: zf.LoRA, sites: dict[str, Site], seed: int):
     """Fresh adapters (``a`` Kaiming-uniform, ``b`` zero) from the run's seed; traceable, so
     ``init_train_state`` can create them directly in their shards."""
-    key = jax.random.fold_in(jax.random.key(seed), LORA_STREAM)
-    return lo.init(key, base_shapes, batch_shapes)
+    return lo.init_at(jax.random.fold_in(jax.random.key(seed), LORA_STREAM), sites)
 
 
 def merged(lo: zf.LoRA | None, params):

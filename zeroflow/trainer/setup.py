@@ -35,8 +35,8 @@ class Run:
     "``trainable=`` of ``zf.init_train_state`` from ``train.freeze`` (None: all train)."
     lora: zf.LoRA | None = None
     "With ``model.lora.rank > 0``: ``loss_fn`` is its adapted loss, the base weights frozen."
-    adapter_shapes: Any = None
-    "The adapters' shapes (with ``lora``)."
+    adapter_sites: Any = None
+    "Where the adapted weights are read (``LoRA.sites``), found once when the run is built."
 
     @property
     def gather_per_layer(self) -> str | None:
@@ -50,13 +50,13 @@ class Run:
         shapes = abstract_params(self.model_cfg)[0]
         if self.lora is None:
             return shapes
-        return {adapters.BASE: shapes, adapters.ADAPTERS: self.adapter_shapes}
+        fresh = jax.eval_shape(lambda: adapters.init_adapters(self.lora, self.adapter_sites, 0))
+        return {adapters.BASE: shapes, adapters.ADAPTERS: fresh}
 
     def _with_adapters(self, base):
         if self.lora is None:
             return base
-        fresh = adapters.init_adapters(self.lora, self.cfg.train.seed,
-                                       abstract_params(self.model_cfg)[0], abstract_batch(self.cfg))
+        fresh = adapters.init_adapters(self.lora, self.adapter_sites, self.cfg.train.seed)
         return {adapters.BASE: base, adapters.ADAPTERS: fresh}
 
     def init_state(self) -> zf.TrainState:
@@ -172,17 +172,17 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     shapes, _ = abstract_params(model_cfg)
     loss_fn = lm_loss_fn(model_cfg)
     lora = adapters.make_lora(loss_fn, model_cfg.lora, shapes)
-    lora_shapes = None
+    sites = None
     if lora is None:
         trainable = freeze_rule(cfg.train.freeze, shapes)
     else:  # train.freeze is refused with LoRA (config_io): the adapters alone train
         trainable, loss_fn = adapters.trains_adapters, lora.loss
-        lora_shapes = adapters.adapter_shapes(lora, shapes, abstract_batch(cfg))
+        sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg))
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
     # computed from what it is given.
     tx = make_optimizer(cfg.train, decay_mask if trainable else decay_mask(shapes))
     return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
-               loss_fn=loss_fn, trainable=trainable, lora=lora, adapter_shapes=lora_shapes)
+               loss_fn=loss_fn, trainable=trainable, lora=lora, adapter_sites=sites)
 
 
 def freeze_rule(pattern: str, shapes):
