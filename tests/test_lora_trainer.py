@@ -72,8 +72,9 @@ def _peft_model(base, folder):
 def _next_token_loss(model, tokens: np.ndarray) -> float:
     with torch.no_grad():
         logits = model(torch.tensor(tokens[:, :-1], dtype=torch.long)).logits
-        return float(torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), torch.tensor(tokens[:, 1:], dtype=torch.long).reshape(-1)))
+        targets = torch.tensor(tokens[:, 1:], dtype=torch.long).reshape(-1)
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       targets))
 
 
 def _batch(cfg, step_index):
@@ -195,3 +196,16 @@ def test_lora_keys_round_trip_through_yaml_and_the_command_line(tmp_path):
     (tmp_path / "n.yaml").write_text("model:\n  lora:\n    rank: 2\n    targets: mlp\n")
     nested = load_config(tmp_path / "n.yaml").model.lora
     assert (nested.rank, nested.targets, nested.alpha) == (2, "mlp", 8.0)  # peft's alpha
+
+
+def test_tensor_parallel_rules_reach_the_frozen_base():
+    """With parallel.model=2 the base's attention heads are split over ``model`` as without
+    LoRA (the rules are exact paths, so they must follow the weights under ``base/``)."""
+    cfg = load_config("configs/tiny.yaml", ["model.num_layers=1", "model.embed_dim=32",
+                                            "model.num_heads=2", "model.mlp_dim=64",
+                                            "parallel.model=2", "model.lora.rank=2"])
+    state = build_run(cfg, with_data=False).abstract_state()
+    specs = {path_str(p): x.sharding.spec for p, x in
+             jax.tree_util.tree_leaves_with_path(state.frozen)}
+    assert "model" in specs["base/layers/attn/query/kernel"]
+    assert "model" in specs["base/layers/mlp/down/kernel"]

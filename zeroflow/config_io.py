@@ -195,8 +195,8 @@ def _set_in(obj, cls: type, prefix: str, name: str, value: Any, where: str) -> N
         for sub, sub_value in value.items():
             _set_in(getattr(obj, head), typ, key, str(sub), sub_value, where)
     elif value is not None:
-        raise ConfigError(f"{key} is a section: set its keys "
-                          f"({', '.join(f'{key}.{k}' for k in _fields(typ))}), got {value!r}{where}")
+        keys = ", ".join(f"{key}.{k}" for k in _fields(typ))
+        raise ConfigError(f"{key} is a section: set its keys ({keys}), got {value!r}{where}")
 
 
 # --- building a Config --------------------------------------------------------------------------

@@ -138,7 +138,8 @@ def export_peft(run_dir: Path, out: Path, step: int | None = None) -> str:
     save_peft(params[ADAPTERS], cfg, out, alpha=lora.alpha, base_model=base,
               dropout=lora.dropout)
     readable_by_all(out)
-    return f"wrote peft LoRA adapters (r={lora.rank}) from step {step} to {out}, for the base {base}"
+    return (f"wrote peft LoRA adapters (r={lora.rank}) from step {step} to {out}, for the "
+            f"base {base}")
 
 
 def main_args(args) -> int:

@@ -35,6 +35,13 @@ def make_lora(loss_fn, lora_cfg: LoraConfig, base_shapes) -> zf.LoRA | None:
                    dropout=lora_cfg.dropout)
 
 
+def base_rules(rules):
+    """The model's tensor-parallel rules (exact paths, ``^...$``) for its weights under
+    ``base/``; the adapters, a few per cent of the parameters, stay replicated over ``model``."""
+    prefix = "^" + re.escape(BASE + "/")
+    return [(prefix + pattern.removeprefix("^"), spec) for pattern, spec in rules]
+
+
 def trains_adapters(path: str, _leaf) -> bool:
     """``trainable=`` of a LoRA run: the adapters train, the base weights are frozen."""
     return path.split("/", 1)[0] == ADAPTERS

@@ -40,9 +40,9 @@ class Run:
 
     @property
     def gather_per_layer(self) -> str | None:
-        """The engine's ``gather_per_layer``: the GPT's layer stack, which is a top-level key
-        of the parameters only without LoRA (with it, stage 3 fetches every weight on use,
-        the scanned layers' one layer at a time all the same)."""
+        """The engine's ``gather_per_layer``: the GPT's layer stack, a top-level key of the
+        parameters only without LoRA. With LoRA stage 3 fetches each weight on use instead
+        (``zeroflow.grads.gather_on_use``), which replays the layer scan one layer at a time."""
         return LAYER_STACK if self.lora is None else None
 
     def abstract_params(self):
@@ -50,14 +50,15 @@ class Run:
         shapes = abstract_params(self.model_cfg)[0]
         if self.lora is None:
             return shapes
-        fresh = jax.eval_shape(lambda: adapters.init_adapters(self.lora, self.adapter_sites, 0))
-        return {adapters.BASE: shapes, adapters.ADAPTERS: fresh}
+        return {adapters.BASE: shapes, adapters.ADAPTERS: jax.eval_shape(self._adapters)}
+
+    def _adapters(self):
+        return adapters.init_adapters(self.lora, self.adapter_sites, self.cfg.train.seed)
 
     def _with_adapters(self, base):
         if self.lora is None:
             return base
-        fresh = adapters.init_adapters(self.lora, self.adapter_sites, self.cfg.train.seed)
-        return {adapters.BASE: base, adapters.ADAPTERS: fresh}
+        return {adapters.BASE: base, adapters.ADAPTERS: self._adapters()}
 
     def init_state(self) -> zf.TrainState:
         """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
@@ -68,15 +69,16 @@ class Run:
             # padded by init_train_state).
             shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
             params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
-            if self.lora is not None:
-                params = jax.jit(self._with_adapters)(params)
+            if self.lora is not None:  # the adapters made apart: the base is not copied
+                params = {adapters.BASE: params, adapters.ADAPTERS: jax.jit(self._adapters)()}
             return zf.init_train_state(params, self.tx, self.plan, self.prec, rng=self.dropout_key(),
                                        trainable=self.trainable)
         return self._random_state()
 
     def dropout_key(self) -> jax.Array | None:
-        """The state's rng when the model has dropout: the engine derives every step's,
-        device's and micro-batch's key from it, so a resumed run draws what it would have."""
+        """The state's rng when the model (or its LoRA adapters) has dropout: the engine
+        derives every step's, device's and micro-batch's key from it, so a resumed run draws
+        what it would have."""
         lora = self.model_cfg.lora
         if self.model_cfg.dropout <= 0 and (lora.rank == 0 or lora.dropout <= 0):
             return None
@@ -85,8 +87,8 @@ class Run:
     def _random_state(self) -> zf.TrainState:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
-        return zf.init_train_state(lambda: self._with_adapters(init(rng)), self.tx, self.plan, self.prec,
-                                   rng=self.dropout_key(), trainable=self.trainable)
+        return zf.init_train_state(lambda: self._with_adapters(init(rng)), self.tx, self.plan,
+                                   self.prec, rng=self.dropout_key(), trainable=self.trainable)
 
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
@@ -162,6 +164,8 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     par = cfg.parallel
     mesh = mesh if mesh is not None else zf.make_mesh(data=par.data, model=par.model, devices=devices)
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
+    if model_cfg.lora.rank > 0:
+        rules = adapters.base_rules(rules)
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
                        tensor_rules=rules, quantize_block=par.quantize_block,
                        quantize_weights=None if par.quantize_weights == "none" else par.quantize_weights)
