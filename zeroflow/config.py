@@ -107,7 +107,7 @@ class ModelConfig:
     sliding_window: int = 0
     "Attend to at most this many most recent tokens, the current one included (Mistral); 0 = all."
     init_from: str = ""
-    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout)."
+    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, lora)."
     lora: LoraConfig = field(default_factory=LoraConfig)
     "Low-rank adapters (model.lora.rank > 0): a nested section."
 
