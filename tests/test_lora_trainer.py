@@ -100,7 +100,7 @@ def test_trainer_trains_adapters_only_and_its_loss_is_peft_on_its_checkpoint(lor
     run, step1 = _checkpoint(cfg, 1)
     _, step2 = _checkpoint(cfg, 2)
     loaded = _flat(hf.load_params(lora_run["base"], run.model_cfg))
-    for params in (step1, step2):  # frozen: bit for bit the checkpoint's weights
+    for params in (step1, step2):  # frozen: bit for bit as read from the HF checkpoint
         for path, value in _flat(params["base"]).items():
             np.testing.assert_array_equal(value, loaded[path], err_msg=path)
     adapters1, adapters2 = _flat(step1["lora"]), _flat(step2["lora"])
