@@ -66,16 +66,17 @@ def stack_loss(p, x):
     return jnp.sum(h ** 2)
 
 
-def test_scanned_stack_adapts_each_layer_with_its_own_slice():
+@pytest.mark.parametrize("layers", [3, 1])  # 1: a stack whose layer axis has size 1
+def test_scanned_stack_adapts_each_layer_with_its_own_slice(layers):
     k = jax.random.split(jax.random.key(4), 2)
-    p = {"stack": 0.5 * jax.random.normal(k[0], (3, 6, 6))}
+    p = {"stack": 0.5 * jax.random.normal(k[0], (layers, 6, 6))}
     x = jax.random.normal(k[1], (2, 6))
     lo = zf.lora(stack_loss, rank=RANK, alpha=ALPHA, targets="stack")
     ad = _perturbed(lo.init(jax.random.key(5), p, x))
-    assert ad["stack"]["a"].shape == (3, 6, 1, RANK)
-    A, B = ad["stack"]["a"].reshape(3, 6, RANK), ad["stack"]["b"].reshape(3, 6, RANK)
+    assert ad["stack"]["a"].shape == (layers, 6, 1, RANK)
+    A, B = ad["stack"]["a"].reshape(layers, 6, RANK), ad["stack"]["b"].reshape(layers, 6, RANK)
     h = x
-    for i in range(3):  # hand-written: layer i uses A[i], B[i]
+    for i in range(layers):  # hand-written: layer i uses A[i], B[i]
         h = jnp.tanh(h @ p["stack"][i] + SCALE * (h @ A[i]) @ B[i].T)
     np.testing.assert_allclose(lo.loss({"base": p, "lora": ad}, x), jnp.sum(h ** 2), rtol=1e-5)
 

@@ -1,8 +1,9 @@
 """Typed, nested run configuration.
 
 Every field has a one-line doc (the string after it). YAML files fill these dataclasses; the
-command line overrides them with dotted keys (``train.steps=100``). Loading and validation live
-in ``zeroflow.config_io``.
+command line overrides them with dotted keys (``train.steps=100``). A section may hold a nested
+section (``model.lora``, set with ``model.lora.rank=8`` or a mapping under ``lora:`` in YAML).
+Loading and validation live in ``zeroflow.config_io``.
 
 The allowed values of the engine's settings are the engine's own constants (``zeroflow.plan``,
 ``zeroflow.precision``); the model's are spelled here, on ``ModelConfig``, and the model reads
@@ -32,6 +33,18 @@ def choices_of(section_cls: type) -> dict[str, tuple]:
     """``{field name: allowed values}`` of the enumerated fields of a config section."""
     return {f.name: f.metadata[CHOICES] for f in dataclasses.fields(section_cls)
             if CHOICES in f.metadata}
+
+
+@dataclass(unsafe_hash=True)  # hashable: model configs are cache keys (models.abstract_params)
+class LoraConfig:
+    rank: int = 0
+    "Rank of the low-rank adapters (zf.lora); 0 = off. With a rank the base weights are frozen and only the adapters train."
+    alpha: float = 8.0
+    "Adapter scale alpha / rank (peft's LoraConfig default lora_alpha is 8)."
+    targets: str = r"(attn|mlp)/\w+/kernel"
+    "Regex (re.search) on parameter paths such as 'layers/attn/query/kernel': the weights that get adapters; the default takes every attention and MLP projection."
+    dropout: float = 0.0
+    "Dropout on the adapters' input (peft's lora_dropout); 0 disables it."
 
 
 @dataclass
@@ -95,7 +108,9 @@ class ModelConfig:
     sliding_window: int = 0
     "Attend to at most this many most recent tokens, the current one included (Mistral); 0 = all."
     init_from: str = ""
-    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout)."
+    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, lora)."
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    "Low-rank adapters (model.lora.rank > 0): a nested section."
 
 
 @dataclass

@@ -70,24 +70,39 @@ def field_docs() -> dict[str, str]:
                         and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                         and isinstance(nxt.value.value, str)):
                     docs[stmt.target.id] = nxt.value.value
-    out = {}
-    for section, cls in _sections().items():
-        for name in _fields(cls):
-            out[f"{section}.{name}"] = class_docs.get(cls.__name__, {}).get(name, "")
-    return out
+    return {key: class_docs.get(cls.__name__, {}).get(f.name, "") for key, cls, f in _leaves()}
+
+
+def _is_section(typ) -> bool:
+    """A nested section (``model.lora``): a field whose type is itself a config dataclass."""
+    return isinstance(typ, type) and dataclasses.is_dataclass(typ)
+
+
+def _leaves(cls: type = Config, prefix: str = ""):
+    """``(dotted key, owning class, field)`` of every settable key, nested sections entered."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        typ = _hints(cls)[f.name]
+        if _is_section(typ):
+            yield from _leaves(typ, key)
+        elif prefix:  # the top level holds sections only
+            yield key, cls, f
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def describe_config(cfg: Config | None = None) -> str:
     """Every key with its type, current value and doc, one per line (used by ``--help``)."""
     cfg = cfg or Config()
     lines = []
-    for section, cls in _sections().items():
-        for name, f in _fields(cls).items():
-            key = f"{section}.{name}"
-            value = getattr(getattr(cfg, section), name)
-            choices = f.metadata.get(CHOICES)
-            kind = "|".join(map(str, choices)) if choices else _hints(cls)[name].__name__
-            lines.append(f"  {f'{key}={value}':<32} ({kind}) {field_docs()[key]}")
+    for key, cls, f in _leaves():
+        choices = f.metadata.get(CHOICES)
+        kind = "|".join(map(str, choices)) if choices else _hints(cls)[f.name].__name__
+        lines.append(f"  {f'{key}={_get(cfg, key)}':<32} ({kind}) {field_docs()[key]}")
     return "\n".join(lines)
 
 
@@ -159,11 +174,29 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
         if bare:  # ``steps=100``: point at ``train.steps``
             raise ConfigError(f"key '{dotted}'{where} needs its section; did you mean '{bare[0]}'?")
         raise _unknown("section", section, list(sections), where=where)
-    cls = sections[section]
+    _set_in(getattr(cfg, section), sections[section], section, name, value, where)
+
+
+def _set_in(obj, cls: type, prefix: str, name: str, value: Any, where: str) -> None:
+    """Set ``name`` (dotted below ``prefix``) of the section ``obj``; a nested section takes
+    a mapping of its keys (YAML) or its own dotted keys (``model.lora.rank=8``)."""
+    head, _, rest = name.partition(".")
     fields = _fields(cls)
-    if name not in fields:
-        raise _unknown("key", name, list(fields), section=section, where=where)
-    setattr(getattr(cfg, section), name, _coerce(dotted, value, _hints(cls)[name], where))
+    typ = _hints(cls)[head] if head in fields else None
+    if typ is None or (rest and not _is_section(typ)):
+        raise _unknown("key", name, list(fields), section=prefix, where=where)
+    key = f"{prefix}.{head}"
+    if not _is_section(typ):
+        setattr(obj, head, _coerce(key, value, typ, where))
+        return
+    if rest:
+        _set_in(getattr(obj, head), typ, key, rest, value, where)
+    elif isinstance(value, Mapping):
+        for sub, sub_value in value.items():
+            _set_in(getattr(obj, head), typ, key, str(sub), sub_value, where)
+    elif value is not None:
+        keys = ", ".join(f"{key}.{k}" for k in _fields(typ))
+        raise ConfigError(f"{key} is a section: set its keys ({keys}), got {value!r}{where}")
 
 
 # --- building a Config --------------------------------------------------------------------------
@@ -268,15 +301,14 @@ def batch_split_problem(batch_size: int, grad_accum: int, data_size: int | None 
 def validate_config(cfg: Config) -> Config:
     """Check choices, ranges and cross-field rules; return ``cfg`` or raise ConfigError."""
     problems: list[str] = []
-    for section, cls in _sections().items():
-        for name, f in _fields(cls).items():
-            choices = f.metadata.get(CHOICES)
-            value = getattr(getattr(cfg, section), name)
-            if choices and value not in choices:
-                close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                problems.append(f"{section}.{name} must be one of "
-                                f"{', '.join(map(str, choices))}; got {value!r}{hint}")
+    for key, _, f in _leaves():
+        choices = f.metadata.get(CHOICES)
+        value = _get(cfg, key)
+        if choices and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(f"{key} must be one of "
+                            f"{', '.join(map(str, choices))}; got {value!r}{hint}")
     m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
     rules = [
         (m.vocab_size > 0, "model.vocab_size must be positive"),
@@ -346,6 +378,7 @@ def validate_config(cfg: Config) -> Config:
         if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
             rules.append((False, f"model.num_kv_heads ({m.num_kv_heads}) must divide "
                                  f"model.num_heads ({m.num_heads})"))
+    problems += _lora_problems(m.lora, t.freeze)
     if t.freeze:
         try:
             re.compile(t.freeze)
@@ -370,6 +403,31 @@ def validate_config(cfg: Config) -> Config:
     if problems:
         raise ConfigError("; ".join(problems))
     return cfg
+
+
+def _lora_problems(lora, freeze: str) -> list[str]:
+    """What is wrong with ``model.lora``; whether its targets match a weight of the model is
+    checked when the run is built (``zeroflow.trainer.adapters``), where the model is known."""
+    out = []
+    if lora.rank < 0:
+        out.append(f"model.lora.rank must be >= 0 (0 = off); got {lora.rank}")
+    if not lora.alpha > 0:
+        out.append(f"model.lora.alpha must be positive; got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        out.append(f"model.lora.dropout must be in [0, 1); got {lora.dropout}")
+    if lora.rank > 0:
+        try:
+            re.compile(lora.targets or "(?!)")
+        except re.error as e:
+            out.append(f"model.lora.targets must be a regular expression; {lora.targets!r}: {e}")
+        if not lora.targets:
+            out.append("model.lora.targets must not be empty: a regex on parameter paths such "
+                       "as '(attn|mlp)/\\w+/kernel'")
+        if freeze:
+            out.append(f"train.freeze={freeze!r} with model.lora.rank={lora.rank}: LoRA already "
+                       "freezes every base weight and trains the adapters only; narrow "
+                       "model.lora.targets instead (or set train.freeze='')")
+    return out
 
 
 # --- command line -------------------------------------------------------------------------------

@@ -12,6 +12,12 @@ safetensors, and a tokenizer.json: the run's own, or for byte-level runs one tha
 same byte ids in transformers) that transformers'
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads: the architecture of ``model.init_from``
 for a fine-tuned model, else Llama (or GPT-2) chosen to fit the run's model.
+
+A LoRA run (``model.lora.rank > 0``) exports its adapters folded into the base weights
+(``W + alpha / r * A B``) in every format but ``--format peft --out DIR``, which writes the
+adapters alone as a Hugging Face peft folder (``adapter_config.json`` and
+``adapter_model.safetensors``) for the base model: ``model.init_from``, or for a run that
+started from random weights its frozen base, written to ``DIR/base`` as a Hugging Face folder.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from zeroflow.precision import DTYPES
 PROG = "zeroflow.export"
 FORMATS = (".safetensors", ".npz")
 HF_FORMAT = "hf"
+PEFT_FORMAT = "peft"
 
 
 def flat_weights(params) -> dict[str, np.ndarray]:
@@ -62,10 +69,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
     p.add_argument("--out", required=True,
-                   help="output file (.safetensors or .npz), or folder with --format hf")
-    p.add_argument("--format", choices=("file", HF_FORMAT), default="file",
-                   help="'file' (default: one file of '/'-keyed arrays, by --out's suffix) or "
-                        "'hf' (a Hugging Face checkpoint folder)")
+                   help="output file (.safetensors or .npz), or folder with --format hf or peft")
+    p.add_argument("--format", choices=("file", HF_FORMAT, PEFT_FORMAT), default="file",
+                   help="'file' (default: one file of '/'-keyed arrays, by --out's suffix), "
+                        "'hf' (a Hugging Face checkpoint folder) or 'peft' (a LoRA run's "
+                        "adapters as a peft folder)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="weight dtype of --format hf (default fp32)")
     p.add_argument("--step", type=int, default=None,
@@ -73,19 +81,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def export_hf(run_dir: Path, out: Path, dtype: str = "fp32", step: int | None = None) -> str:
-    """Write the run's latest weights as a Hugging Face folder; returns a summary line."""
+def _hf_config(model_cfg):
+    """What ``hf.save_pretrained`` and ``save_peft`` take: the ``model.init_from`` checkpoint's
+    config with the run's model, or the model config (an architecture is chosen to fit)."""
     import dataclasses
 
+    from zeroflow import hf
+    if not model_cfg.init_from:
+        return model_cfg
+    return dataclasses.replace(hf.read_config(model_cfg.init_from), model=model_cfg)
+
+
+def export_hf(run_dir: Path, out: Path, dtype: str = "fp32", step: int | None = None) -> str:
+    """Write the run's latest weights as a Hugging Face folder; returns a summary line."""
     from zeroflow import hf
     from zeroflow.data.tokenizers import ByteTokenizer, copy_tokenizer
     from zeroflow.models import GPT
     from zeroflow.sample import load_params
 
     model_cfg, tokenizer, params, step = load_params(run_dir, step)
-    cfg = model_cfg
-    if model_cfg.init_from:
-        cfg = dataclasses.replace(hf.read_config(model_cfg.init_from), model=model_cfg)
+    cfg = _hf_config(model_cfg)
     hf.save_pretrained(GPT(model_cfg), params, cfg, out, dtype=dtype)
     written = None
     if isinstance(tokenizer, hf.HFTokenizer):
@@ -99,10 +114,41 @@ def export_hf(run_dir: Path, out: Path, dtype: str = "fp32", step: int | None = 
                f"{tokenizer.name!r})"))
 
 
+def export_peft(run_dir: Path, out: Path, step: int | None = None) -> str:
+    """Write a LoRA run's adapters as a peft folder (and, without ``model.init_from``, its
+    base model in ``out/base``); returns a summary line."""
+    from zeroflow.config_io import load_config
+    from zeroflow.lora.peft import save_peft
+    from zeroflow.trainer.adapters import ADAPTERS, BASE
+
+    config = run_dir / "config.yaml"
+    if config.exists() and load_config(config).model.lora.rank == 0:
+        raise ValueError(f"--format peft writes LoRA adapters, and {run_dir} trained every "
+                         "weight (model.lora.rank is 0): use --format hf for its weights")
+    from zeroflow.sample import load_run_params
+    run, params, step = load_run_params(run_dir, step, with_data=False)
+    model_cfg, lora = run.model_cfg, run.cfg.model.lora
+    cfg = _hf_config(model_cfg)
+    base = model_cfg.init_from
+    if not base:  # the frozen base is the run's own random initialisation: written beside
+        from zeroflow import hf
+        from zeroflow.models import GPT
+        base = str((out / "base").absolute())
+        hf.save_pretrained(GPT(model_cfg), params[BASE], cfg, out / "base")
+    save_peft(params[ADAPTERS], cfg, out, alpha=lora.alpha, base_model=base,
+              dropout=lora.dropout)
+    readable_by_all(out)
+    return (f"wrote peft LoRA adapters (r={lora.rank}) from step {step} to {out}, for the "
+            f"base {base}")
+
+
 def main_args(args) -> int:
     out = Path(args.out)
     if args.format == HF_FORMAT:
         print(export_hf(Path(args.run), out, args.dtype, args.step))
+        return 0
+    if args.format == PEFT_FORMAT:
+        print(export_peft(Path(args.run), out, args.step))
         return 0
     if out.suffix not in FORMATS:
         raise ValueError(f"--out must end in {' or '.join(FORMATS)}, got {out.name!r} "

@@ -53,7 +53,18 @@ def until_end(tokenizer, tokens: list[int]) -> list[int]:
 
 def load_params(run_dir: Path, step: int | None = None):
     """(model config, tokenizer, fp32 params, step) of checkpoint ``step`` (default: the
-    latest, which must be readable), on one device. Nothing in the run folder is changed."""
+    latest, which must be readable), on one device; a LoRA run's adapters folded into its
+    base weights. Nothing in the run folder is changed."""
+    from zeroflow.trainer.adapters import merged
+
+    run, params, step = load_run_params(run_dir, step)
+    return run.model_cfg, run.data.tokenizer, merged(run.lora, params), step
+
+
+def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool = True):
+    """(the run as ``build_run`` makes it, its fp32 params as trained, step) of checkpoint
+    ``step`` on one device: a LoRA run's are ``{"base", "lora"}``. ``with_data=False``: the
+    run has no data (nor tokenizer)."""
     import jax
 
     from zeroflow.config_io import load_config
@@ -66,13 +77,13 @@ def load_params(run_dir: Path, step: int | None = None):
     single = dataclasses.replace(cfg.parallel, data=1, model=1, zero_stage=0, offload="none",
                                  update_on="device", grad_accum=1)
     cfg = dataclasses.replace(cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32"))
-    run = build_run(cfg, devices=jax.devices()[:1])
+    run = build_run(cfg, devices=jax.devices()[:1], with_data=with_data)
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep, read_only=True)
     try:
         state, meta = checkpoints.read(run.abstract_state(), step)
     finally:
         checkpoints.close()
-    return run.model_cfg, run.data.tokenizer, state.params, meta["step"]
+    return run, state.params, meta["step"]
 
 
 def main_args(args) -> int:

@@ -137,7 +137,11 @@ class LoRA:
         """Fresh adapters for ``params``: ``a`` Kaiming-uniform, ``b`` zero (the adapted loss
         starts equal to the base loss). ``args``/``kwargs``: an example batch (and any other
         arguments) of ``loss_fn``, traced on shapes to find where each weight is read."""
-        sites = self.sites(params, *args, **kwargs)
+        return self.init_at(rng, self.sites(params, *args, **kwargs))
+
+    def init_at(self, rng, sites: dict[str, Site]) -> dict:
+        """Fresh adapters for the ``sites`` that ``sites()`` found: what ``init`` returns,
+        without tracing the loss again (a trainer builds its state several times)."""
         keys = jax.random.split(rng, len(sites))
         return nest({path: init_factors(sites[path], self.rank, key)
                      for path, key in zip(sorted(sites), keys)})

@@ -94,8 +94,11 @@ class View:
 
     def layer(self) -> View:
         """The view of one slice along the leading axis (a scan over a stack of layers): that
-        axis must be the next whole weight axis."""
-        if not self.axes or self.axes[0] != ((self.stack,),):
+        axis must be the next whole weight axis (or, for a stack of one layer, a size-1 axis:
+        it carries no atom, and slicing it is the same whichever size-1 axis it is)."""
+        single = (bool(self.axes) and self.axes[0] == () and self.stack < len(self.shape)
+                  and self.shape[self.stack] == 1)
+        if not single and (not self.axes or self.axes[0] != ((self.stack,),)):
             raise UnsupportedUse("a scan slices it along an axis other than its leading "
                                  "(layer) axis")
         return dataclasses.replace(self, axes=self.axes[1:], stack=self.stack + 1)

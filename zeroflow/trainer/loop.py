@@ -18,7 +18,7 @@ from zeroflow.config_io import save_config
 from zeroflow.data import bits_per_byte, eval_batches, train_batch
 from zeroflow.distributed import StopVote
 from zeroflow.models import LAYER_STACK, flops_per_token
-from zeroflow.trainer import run_folder
+from zeroflow.trainer import adapters, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.optim import lr_schedule
 from zeroflow.trainer.reporting import Reporter
@@ -69,6 +69,8 @@ def _make_eval(run: Run):
         # Offloaded weights are read from host memory like the train step reads them: the
         # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
         # No rng: evaluation is deterministic (dropout off).
+        if run.gather_per_layer is None:  # LoRA: the adapted loss reads every weight whole
+            return run.loss_fn(offload.to_device(state.params), batch)[0]
         params = {k: v if k == LAYER_STACK else offload.to_device(v) for k, v in state.params.items()}
         return run.loss_fn(params, batch, offload.to_device)[0]
 
@@ -209,8 +211,9 @@ def _restored_or_fresh(run: Run, checkpoints: RunCheckpoints, loader):
 
 def _banner(run: Run, state) -> str:
     trained, frozen = frozen_weights.count(state.trainable, state.params)
-    return (f"{run.data.summary() if run.data else ''}  params: {trained:,} trained"
-            + (f", {frozen:,} frozen" if frozen else "")
+    params = (adapters.banner(run.lora, trained, frozen) if run.lora is not None
+              else f"params: {trained:,} trained" + (f", {frozen:,} frozen" if frozen else ""))
+    return (f"{run.data.summary() if run.data else ''}  {params}"
             + f"  mesh: {dict(run.plan.mesh.shape)}  "
             f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}")
 

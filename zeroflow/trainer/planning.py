@@ -22,7 +22,7 @@ from zeroflow.config import ModelConfig
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 from zeroflow.mesh import planning_mesh
-from zeroflow.models import LAYER_STACK, abstract_params
+from zeroflow.models import abstract_params
 from zeroflow.padding import unpadded_shapes
 from zeroflow.plan import path_str
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
@@ -48,7 +48,7 @@ class StepParts:
     tx: Any
     plan: Any
     prec: Any
-    gather_per_layer: str
+    gather_per_layer: str | None
     trainable: Any = None
     "``trainable=`` (the trainer's ``train.freeze``), None when every leaf trains."
 
@@ -87,9 +87,12 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
         run = build_run(cfg, with_data=False,
                         devices=_first_devices(num_devices * cfg.parallel.model))
     batch = abstract_batch(cfg)
-    return StepParts(loss_fn=_loss_of(run.model_cfg), params=abstract_params(run.model_cfg)[0], batch=batch,
-                     tx=run.tx, plan=run.plan, prec=run.prec, gather_per_layer=LAYER_STACK,
-                     trainable=run.trainable)
+    # A LoRA run's loss is its own zf.lora object's (``build_run``); the plain GPT loss is
+    # shared between configs of the same model, so that its traces are remembered.
+    loss_fn = _loss_of(run.model_cfg) if run.lora is None else run.loss_fn
+    return StepParts(loss_fn=loss_fn, params=run.abstract_params(), batch=batch,
+                     tx=run.tx, plan=run.plan, prec=run.prec,
+                     gather_per_layer=run.gather_per_layer, trainable=run.trainable)
 
 
 def _loss_of(model_cfg):
@@ -169,9 +172,12 @@ def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
 
 
 def count_frozen_params(cfg) -> int:
-    """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it)."""
+    """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it); with
+    LoRA every one (the adapters, a few per cent, are not counted)."""
+    shapes, _ = abstract_params(cfg.model)
+    if cfg.model.lora.rank > 0:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     if not cfg.train.freeze:
         return 0
-    shapes, _ = abstract_params(cfg.model)
     return sum(math.prod(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(shapes)
                if re.search(cfg.train.freeze, path_str(p)))

@@ -19,7 +19,7 @@ from zeroflow.trainer.optim import lr_schedule
 log = logging.getLogger("zeroflow")
 
 CONFIG_FILE = "config.yaml"
-RESUMABLE_MODEL_FIELDS = ("seq_len", "remat", "attention", "dropout")
+RESUMABLE_MODEL_FIELDS = ("seq_len", "remat", "attention", "dropout", "lora.dropout")
 "Model fields a resume may change: they do not change the parameters."
 SCHEDULE_FIELDS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
 
@@ -38,17 +38,23 @@ def previous_config(run_dir: Path) -> Config | None:
 
 def model_differences(previous: Config, cfg: Config) -> list[str]:
     """``"model.embed_dim is 128 there, 64 here"`` for each field that makes another model."""
-    out = []
-    for f in dataclasses.fields(cfg.model):
-        if f.name in RESUMABLE_MODEL_FIELDS:
-            continue
-        old, new = getattr(previous.model, f.name), getattr(cfg.model, f.name)
-        if old != new:
-            out.append(f"model.{f.name} is {old!r} there, {new!r} here")
+    out = [f"model.{key} is {old!r} there, {new!r} here"
+           for key, old, new in _field_pairs(previous.model, cfg.model)
+           if key not in RESUMABLE_MODEL_FIELDS and old != new]
     if previous.data.tokenizer != cfg.data.tokenizer:
         out.append(f"data.tokenizer is {previous.data.tokenizer!r} there, "
                    f"{cfg.data.tokenizer!r} here")
     return out
+
+
+def _field_pairs(old, new, prefix: str = ""):
+    """``(dotted name, old value, new value)`` of every field, nested sections entered."""
+    for f in dataclasses.fields(new):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if dataclasses.is_dataclass(b):
+            yield from _field_pairs(a, b, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", a, b
 
 
 def check_same_model(run_dir: Path, previous: Config | None, cfg: Config) -> None:

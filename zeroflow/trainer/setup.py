@@ -1,4 +1,5 @@
-"""Everything a run needs, built from a Config: data, model, mesh, plan, optimizer, state."""
+"""Everything a run needs, built from a Config: data, model, mesh, plan, optimizer, state.
+With ``model.lora.rank > 0`` the parameters are ``{"base", "lora"}`` (``trainer.adapters``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_laye
                              param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.plan import path_str
+from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
 
 
@@ -31,6 +33,32 @@ class Run:
     loss_fn: Any
     trainable: Any = None
     "``trainable=`` of ``zf.init_train_state`` from ``train.freeze`` (None: all train)."
+    lora: zf.LoRA | None = None
+    "With ``model.lora.rank > 0``: ``loss_fn`` is its adapted loss, the base weights frozen."
+    adapter_sites: Any = None
+    "Where the adapted weights are read (``LoRA.sites``), found once when the run is built."
+
+    @property
+    def gather_per_layer(self) -> str | None:
+        """The engine's ``gather_per_layer``: the GPT's layer stack, a top-level key of the
+        parameters only without LoRA. With LoRA stage 3 fetches each weight on use instead
+        (``zeroflow.grads.gather_on_use``), which replays the layer scan one layer at a time."""
+        return LAYER_STACK if self.lora is None else None
+
+    def abstract_params(self):
+        """Shapes of the parameters the engine trains (nothing allocated)."""
+        shapes = abstract_params(self.model_cfg)[0]
+        if self.lora is None:
+            return shapes
+        return {adapters.BASE: shapes, adapters.ADAPTERS: jax.eval_shape(self._adapters)}
+
+    def _adapters(self):
+        return adapters.init_adapters(self.lora, self.adapter_sites, self.cfg.train.seed)
+
+    def _with_adapters(self, base):
+        if self.lora is None:
+            return base
+        return {adapters.BASE: base, adapters.ADAPTERS: self._adapters()}
 
     def init_state(self) -> zf.TrainState:
         """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
@@ -41,27 +69,31 @@ class Run:
             # padded by init_train_state).
             shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
             params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
+            if self.lora is not None:  # the adapters made apart: the base is not copied
+                params = {adapters.BASE: params, adapters.ADAPTERS: jax.jit(self._adapters)()}
             return zf.init_train_state(params, self.tx, self.plan, self.prec, rng=self.dropout_key(),
                                        trainable=self.trainable)
         return self._random_state()
 
     def dropout_key(self) -> jax.Array | None:
-        """The state's rng when the model has dropout: the engine derives every step's,
-        device's and micro-batch's key from it, so a resumed run draws what it would have."""
-        if self.model_cfg.dropout <= 0:
+        """The state's rng when the model (or its LoRA adapters) has dropout: the engine
+        derives every step's, device's and micro-batch's key from it, so a resumed run draws
+        what it would have."""
+        lora = self.model_cfg.lora
+        if self.model_cfg.dropout <= 0 and (lora.rank == 0 or lora.dropout <= 0):
             return None
         return jax.random.fold_in(jax.random.key(self.cfg.train.seed), DROPOUT_STREAM)
 
     def _random_state(self) -> zf.TrainState:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
-        return zf.init_train_state(lambda: init(rng), self.tx, self.plan, self.prec,
-                                   rng=self.dropout_key(), trainable=self.trainable)
+        return zf.init_train_state(lambda: self._with_adapters(init(rng)), self.tx, self.plan,
+                                   self.prec, rng=self.dropout_key(), trainable=self.trainable)
 
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
         shapes = jax.eval_shape(self._random_state)
-        shardings = zf.state_shardings(abstract_params(self.model_cfg)[0], self.tx, self.plan,
+        shardings = zf.state_shardings(self.abstract_params(), self.tx, self.plan,
                                        self.prec, rng=self.dropout_key(), trainable=self.trainable)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
@@ -69,7 +101,7 @@ class Run:
     def make_step(self):
         return zf.make_train_step(self.loss_fn, self.tx, self.plan, self.prec,
                                   grad_accum=self.cfg.parallel.grad_accum,
-                                  gather_per_layer=LAYER_STACK)
+                                  gather_per_layer=self.gather_per_layer)
 
     def global_batch(self, local: np.ndarray | dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of the batch (token windows, or a packed batch's dict) -> global
@@ -110,11 +142,12 @@ def lm_loss_fn(model_cfg: ModelConfig):
 
 def run_model_config(cfg: Config) -> ModelConfig:
     """``cfg.model``, or with ``model.init_from`` the checkpoint's architecture (config.json)
-    with this run's seq_len, remat, attention and dropout."""
+    with this run's seq_len, remat, attention, dropout and LoRA adapters."""
     if not cfg.model.init_from:
         return cfg.model
     from zeroflow import hf
-    return hf.with_run_fields(hf.read_config(cfg.model.init_from).model, cfg.model)
+    architecture = hf.with_run_fields(hf.read_config(cfg.model.init_from).model, cfg.model)
+    return dataclasses.replace(architecture, lora=cfg.model.lora)
 
 
 def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -> Run:
@@ -131,6 +164,8 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     par = cfg.parallel
     mesh = mesh if mesh is not None else zf.make_mesh(data=par.data, model=par.model, devices=devices)
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
+    if model_cfg.lora.rank > 0:
+        rules = adapters.base_rules(rules)
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
                        tensor_rules=rules, quantize_block=par.quantize_block,
                        quantize_weights=None if par.quantize_weights == "none" else par.quantize_weights,
@@ -141,12 +176,19 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
     if batch_problem:
         raise ValueError(batch_problem)
     shapes, _ = abstract_params(model_cfg)
-    trainable = freeze_rule(cfg.train.freeze, shapes)
+    loss_fn = lm_loss_fn(model_cfg)
+    lora = adapters.make_lora(loss_fn, model_cfg.lora, shapes)
+    sites = None
+    if lora is None:
+        trainable = freeze_rule(cfg.train.freeze, shapes)
+    else:  # train.freeze is refused with LoRA (config_io): the adapters alone train
+        trainable, loss_fn = adapters.trains_adapters, lora.loss
+        sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg))
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
     # computed from what it is given.
     tx = make_optimizer(cfg.train, decay_mask if trainable else decay_mask(shapes))
     return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
-               loss_fn=lm_loss_fn(model_cfg), trainable=trainable)
+               loss_fn=loss_fn, trainable=trainable, lora=lora, adapter_sites=sites)
 
 
 def freeze_rule(pattern: str, shapes):

@@ -1,0 +1,71 @@
+"""LoRA in the trainer (``model.lora.rank > 0``, docs/lora.md).
+
+The parameters are ``{"base": the model's weights, "lora": the adapters}``; every base weight
+is frozen (stored once in the compute dtype: no master copy, optimizer state or gradient) and
+the adapters train. The engine differentiates the ``zf.lora`` loss of the trainer's own loss,
+so the model is unchanged; sampling and export read ``merged`` weights.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+
+import zeroflow as zf
+from zeroflow.config import LoraConfig
+from zeroflow.lora import Site
+from zeroflow.plan import path_str
+
+BASE, ADAPTERS = "base", "lora"
+"The two top-level keys of a LoRA run's parameters (those of ``LoRA.loss``)."
+LORA_STREAM = 2
+"Folded into the seed's key for the adapters' initialisation, apart from the model's."
+
+
+def make_lora(loss_fn, lora_cfg: LoraConfig, base_shapes) -> zf.LoRA | None:
+    """The ``zf.lora`` of ``loss_fn`` for ``model.lora`` (None when the rank is 0). Targets
+    that match no parameter are one ValueError listing the parameter paths."""
+    if lora_cfg.rank == 0:
+        return None
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(base_shapes)]
+    if not any(re.search(lora_cfg.targets, p) for p in paths):
+        raise ValueError(f"model.lora.targets={lora_cfg.targets!r} matches no parameter; the "
+                         f"model's parameters are {', '.join(paths)}")
+    return zf.lora(loss_fn, rank=lora_cfg.rank, alpha=lora_cfg.alpha, targets=lora_cfg.targets,
+                   dropout=lora_cfg.dropout)
+
+
+def base_rules(rules):
+    """The model's tensor-parallel rules (exact paths, ``^...$``) for its weights under
+    ``base/``; the adapters, a few per cent of the parameters, stay replicated over ``model``."""
+    prefix = "^" + re.escape(BASE + "/")
+    return [(prefix + pattern.removeprefix("^"), spec) for pattern, spec in rules]
+
+
+def trains_adapters(path: str, _leaf) -> bool:
+    """``trainable=`` of a LoRA run: the adapters train, the base weights are frozen."""
+    return path.split("/", 1)[0] == ADAPTERS
+
+
+def adapter_sites(lo: zf.LoRA, base_shapes, batch_shapes) -> dict[str, Site]:
+    """Where each targeted weight is read (found by tracing the loss on shapes, once per
+    run); a matched weight the adapters cannot go on is a ValueError naming it."""
+    return lo.sites(base_shapes, batch_shapes)
+
+
+def init_adapters(lo: zf.LoRA, sites: dict[str, Site], seed: int):
+    """Fresh adapters (``a`` Kaiming-uniform, ``b`` zero) from the run's seed; traceable, so
+    ``init_train_state`` can create them directly in their shards."""
+    return lo.init_at(jax.random.fold_in(jax.random.key(seed), LORA_STREAM), sites)
+
+
+def merged(lo: zf.LoRA | None, params):
+    """The model's weights: ``params`` as they are without LoRA, else the base with the
+    adapters folded in (``W + alpha / r * a b``)."""
+    if lo is None:
+        return params
+    return lo.merge(params[BASE], params[ADAPTERS])
+
+
+def banner(lo: zf.LoRA, trained: int, frozen: int) -> str:
+    return f"LoRA r={lo.rank}, {trained:,} adapter params trained, {frozen:,} frozen"
