@@ -20,8 +20,11 @@
 - ``widened``: XLA:CPU only: it multiplies half-precision matrices in fp32 and converts a
   scanned layer stack once, outside the loop (GPUs use bf16/fp16 directly);
 - ``update``: while the optimizer runs: the gradients, the update direction optax builds (one
-  fp32 array per master shard) and, with ``offload="optimizer", update_on="device"``, the
-  master and optimizer state brought in from the host.
+  fp32 array per master shard; on one GPU fused into each leaf's update, except a loop's
+  outputs, ``_looped_update_bytes``) and, with ``offload="optimizer", update_on="device"``,
+  the master and optimizer state brought in from the host;
+- ``host_gradients``: with the update on the host on a GPU, the scanned stacks' gradients,
+  which XLA writes to pinned host memory as the backward pass makes them (not on the device).
 
 The peak is ``model_states + max(backward, update)`` with ``backward = whole_weights +
 gradients + activations + layer_in_flight + widened``. docs/memory.md compares it with
@@ -66,6 +69,8 @@ class PeakEstimate:
     update: float
     host_activations: float = 0.0
     "Activations offloaded to pinned host memory for the backward pass, per device."
+    host_gradients: float = 0.0
+    "Gradients XLA keeps in pinned host memory (the update on the host, on a GPU), per device."
 
     @property
     def peak_bytes(self) -> float:
@@ -231,8 +236,10 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     unit_grad = (sum(w / shape[0] for w, shape, t in layer_stack if t) if layer_stack
                  else max((w for w, t in zip(whole, flat_mask) if t), default=0.0))
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
-    # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place.
-    fetched = fetched_width if (plan.shards_compute or layer_stack or widening) else 0
+    # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place,
+    # as is every weight on a single device (stage 3 there gathers nothing).
+    gathers = plan.shards_compute and n > 1
+    fetched = fetched_width if (gathers or layer_stack or widening) else 0
     widened = 0.0
     if widening and layer_stack:
         widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in layer_stack)
@@ -242,21 +249,35 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # front) or at its end (every gradient; weights and activations of unstacked layers have
     # been freed one by one as the pass went back through them).
     in_flight = max(fetched * unit + F32 * unit_grad, recompute_bytes / model + F32 * unit_grad)
+    grads, host_gradients = _gradients_on_host(grads, stacked, plan, backend)
     at_start = (sum(gathered_whole) + activations + in_flight
                 + sum(g for g, st in zip(grads, stacked) if st) + widened)
     # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
     # input gradient is not needed).
     at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
               + (fetched if plan.shards_compute else 0) * unit + F32 * unit_grad + widened)
-    update = sum(grads) + _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
-                                        flat_routes, plan, backend)
+    update = sum(grads) + (0.0 if host_gradients else _update_bytes(
+        frozen_weights.split(master, mask)[0], stored, shard, tx, flat_routes, plan, backend))
     host_state = sum(_kind_bytes(_with_shardings(a, sh), "pinned_host") for a, sh in state_arrays)
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
                         gradients=sum(grads), activations=activations,
                         layer_in_flight=in_flight, widened=widened,
                         backward_start=at_start, backward_end=at_end, update=update,
-                        host_activations=host_activations)
+                        host_activations=host_activations, host_gradients=host_gradients)
+
+
+def _gradients_on_host(grads: list, stacked: list, plan: ZeroPlan, backend: str):
+    """``(device gradients per leaf, gradient bytes in host memory)``. With the update on the
+    host (ZeRO-Offload) on a GPU, XLA writes a scanned stack's gradient into host memory one
+    layer at a time as the backward pass makes it (its host-offloading passes move the loop's
+    slice updates there), so no stack's gradient is ever whole on the device; the gradients
+    of the weights outside the stack are made on the device and copied out whole. On XLA:CPU
+    host memory is device memory: nothing moves."""
+    if not plan.updates_on_host or backend == "cpu":
+        return grads, 0.0
+    return ([0.0 if st else g for g, st in zip(grads, stacked)],
+            float(sum(g for g, st in zip(grads, stacked) if st)))
 
 
 def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, trainable=None):
@@ -305,12 +326,44 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backen
     each leaf's update where they arrive sharded; and offloaded state brought in."""
     local_master = [_local_elements(a.shape, sh) for a, sh in
                     zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
-    all_reduced = not any(r.sharded_grad for r in flat_routes)
-    update = F32 * (sum(local_master) if all_reduced else max(local_master))
+    if _fused_update(plan, backend):
+        update = _looped_update_bytes(tx, master)
+    else:
+        all_reduced = not any(r.sharded_grad for r in flat_routes)
+        update = F32 * (sum(local_master) if all_reduced else max(local_master))
     if plan.offloads and not plan.updates_on_host and backend != "cpu":
         # (XLA:CPU's host and device memory are one: nothing is brought in there.)
         update += _streamed_in_bytes(master, stored, shard, tx)
     return update
+
+
+def _fused_update(plan: ZeroPlan, backend: str) -> bool:
+    """Whether each leaf's update direction is fused into its update, never a buffer of its
+    own: on one device no collective reduces the gradients, and where a skipped step is a
+    select (GPUs, ``Traits.cond_updates_in_place`` false) XLA computes direction and new
+    state in one pass per leaf. (XLA:CPU's ``lax.cond`` update materialises the directions.)"""
+    return plan.data_size == 1 and backend != "cpu" and not plan.updates_on_host
+
+
+def _looped_update_bytes(tx, master) -> float:
+    """The largest output of a loop inside ``tx.update`` (8-bit AdamW updates each stack of
+    layers one slice at a time, ``zeroflow.optim.by_slices``): a loop's outputs (the stack's
+    fp32 direction and its new moments) are whole buffers before the rest of the update reads
+    them. Bytes of the whole parameters: used where nothing is split over devices."""
+    opt_state = jax.eval_shape(tx.init, master)
+    closed = jax.make_jaxpr(tx.update)(master, opt_state, master)
+
+    def largest(jaxpr) -> float:
+        found = 0.0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("scan", "while"):
+                found = max(found, float(sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize
+                                             for v in eqn.outvars)))
+            elif jaxprs.call_body(eqn) is not None:
+                found = max(found, largest(jaxprs.open_jaxpr(jaxprs.call_body(eqn))[0]))
+        return found
+
+    return largest(closed.jaxpr)
 
 
 def _micro_batch(batch, n: int, grad_accum: int):

@@ -59,7 +59,8 @@ class Row:
     @property
     def host_bytes(self) -> float:
         """Pinned host memory per process (its devices' offloaded state and activations)."""
-        return (self.estimate.host_state + self.estimate.host_activations) * self.devices_per_process
+        return (self.estimate.host_state + self.estimate.host_activations
+                + self.estimate.host_gradients) * self.devices_per_process
 
     def as_json(self) -> dict:
         return {"stage": self.stage, "offload": self.offload, "update_on": self.update_on,

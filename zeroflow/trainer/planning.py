@@ -168,6 +168,37 @@ def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
                          recompute_bytes=recompute, trainable=parts.trainable)
 
 
+LORA_LINEAR = r"layers/(attn/(query|key|value|out)|mlp/(gate|up|down))/kernel"
+"Every linear layer of the GPT's blocks (peft's ``all-linear`` leaves the output head out)."
+
+
+def lora_step_parts(cfg, *, num_devices: int, rank: int, alpha: float,
+                    targets: str = LORA_LINEAR, stage: int | None = None,
+                    remat: str | None = None, target: str | None = None) -> StepParts:
+    """The trainer's GPT step with ``zf.lora`` adapters of ``rank`` on the weights ``targets``
+    matches: parameters ``{"base": GPT weights, "lora": adapters}``, the base frozen (stored
+    once in the compute dtype), the adapters trained with ``train.optimizer``. On ``target``'s
+    abstract GPUs (``zf.target_mesh``), else on a planning mesh; nothing is allocated. The
+    adapted loss reads whole weights (no ``gather_per_layer``): at stage 3 the step fetches each
+    layer's slice on use."""
+    import zeroflow as zf
+    from zeroflow.trainer.optim import make_optimizer
+
+    cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload="none", remat=remat)
+    mesh = (target_mesh(target, data=num_devices, model=cfg.parallel.model) if target
+            else planning_mesh(num_devices, cfg.parallel.model))
+    run = build_run(cfg, with_data=False, mesh=mesh)
+    adapted = zf.lora(_loss_of(run.model_cfg), rank=rank, alpha=alpha, targets=targets)
+    base = abstract_params(run.model_cfg)[0]
+    batch = abstract_batch(cfg)
+    adapters = jax.eval_shape(lambda: adapted.init(jax.random.key(0), base, batch))
+    every = lambda tree, value: jax.tree.map(lambda _: value, tree)  # noqa: E731
+    tx = make_optimizer(cfg.train, lambda p: every(p, True))
+    return StepParts(loss_fn=adapted.loss, params={"base": base, "lora": adapters}, batch=batch,
+                     tx=tx, plan=run.plan, prec=run.prec, gather_per_layer=None,
+                     trainable={"base": every(base, False), "lora": every(adapters, True)})
+
+
 def count_frozen_params(cfg) -> int:
     """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it)."""
     if not cfg.train.freeze:
