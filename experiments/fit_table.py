@@ -85,8 +85,12 @@ Notes:
   step. Rows updated on the host still get host buffers: XLA places what host computations
   read there. The estimate is the only number for that row until it is measured on a GPU.
 - ZeRO-Offload row (-23%): the estimator puts the scanned stacks' gradients in host memory
-  (`host_gradients`, 27.9 GB), as XLA:GPU writes them there layer by layer; XLA:GPU's device
-  peak is 7.7 GB higher than the estimate, which is not yet explained buffer by buffer.
+  (`host_gradients`, 27.9 GB), as XLA:GPU writes them there layer by layer. This compile is
+  not quite the GPU's program either: with the memory kinds dropped, XLA's host offloading
+  placed every argument the host update writes in host memory, the bf16 weights included,
+  so the 33.2 GB on the device are all temporaries (copies of the weights among them) where
+  a GPU would hold the weights (16.1 GB) as arguments. The estimate is 7.7 GB lower; which
+  buffers make the difference is not broken down yet.
 - 70B LoRA row (-29%): the adapted loss reads whole weights, so at stage 3 each stack of
   layers is fetched on use, one layer per iteration. XLA:GPU keeps a relaid-out copy of the
   local shards of the gate, up and query stacks (bf16[3584,80,8192] twice and
