@@ -54,3 +54,20 @@ def test_lora_on_one_gpu_estimate_within_10_percent_of_xla_gpu():
     frozen = 2 * sum(x.size for x in jax.tree.leaves(base))
     assert est.model_states >= frozen
     assert abs(est.peak_bytes / measured - 1) < 0.10, (est.terms(), measured)
+
+
+def test_offloaded_state_is_host_memory_on_abstract_gpus():
+    """A target mesh's abstract devices expose no memories (jax drops ``pinned_host`` from
+    their shardings); the estimate still puts the offloaded master and Adam moments in host
+    memory: the ZeRO formula's 12 bytes per parameter over N devices, the bf16 weights' 2 on
+    the device."""
+    n = 8
+    params = _params()
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    plan = zf.ZeroPlan(zf.target_mesh("h100", data=n), stage=3, offload="optimizer",
+                       update_on="device")
+    batch = {"tokens": jax.ShapeDtypeStruct((n, 9), jnp.int32)}
+    est = zf.memory.estimate_step(loss_fn, params, batch, optax.adamw(1e-3), plan,
+                                  zf.Precision(params="bf16"))
+    assert est.host_state == pytest.approx(12 * psi / n, rel=1e-3)
+    assert est.model_states == pytest.approx(2 * psi / n, rel=1e-3)

@@ -258,7 +258,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
               + (fetched if plan.shards_compute else 0) * unit + F32 * unit_grad + widened)
     update = sum(grads) + (0.0 if host_gradients else _update_bytes(
         frozen_weights.split(master, mask)[0], stored, shard, tx, flat_routes, plan, backend))
-    host_state = sum(_kind_bytes(_with_shardings(a, sh), "pinned_host") for a, sh in state_arrays)
+    host_state = _state_bytes(state_arrays, "pinned_host")
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
                         gradients=sum(grads), activations=activations,
@@ -289,12 +289,23 @@ def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, trainable=None):
     shard = state_shardings(master, tx, plan, prec, trainable=trainable)
     stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec,
                                                         trainable=trainable))
-    state_arrays = [(stored.master, shard.master), (stored.opt_state, shard.opt_state)]
+    # Memory kinds from the plan, not from the shardings: a zf.target_mesh's abstract devices
+    # expose no memories, so jax drops a sharding's pinned_host there.
+    host = "pinned_host" if plan.offloads else "device"
+    weights = "pinned_host" if plan.offloads_params else "device"
+    state_arrays = [(stored.master, shard.master, host), (stored.opt_state, shard.opt_state, host)]
     if shard.compute is not None:
-        state_arrays.append((stored.compute, shard.compute))
+        state_arrays.append((stored.compute, shard.compute, weights))
     if shard.frozen is not None:
-        state_arrays.append((stored.frozen, shard.frozen))
+        state_arrays.append((stored.frozen, shard.frozen, weights))
     return stored, shard, state_arrays
+
+
+def _state_bytes(state_arrays, kind: str) -> float:
+    """Bytes one device holds of the ``(arrays, shardings, memory kind)`` entries in ``kind``."""
+    return float(sum(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize
+                     for arrays, shardings, k in state_arrays if k == kind
+                     for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))))
 
 
 def _argument_bytes(state_arrays, batch, n: int, model_state) -> float:
@@ -302,7 +313,7 @@ def _argument_bytes(state_arrays, batch, n: int, model_state) -> float:
     of the batch, and the (replicated) model state."""
     nbytes = lambda tree: sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
                               for x in jax.tree.leaves(tree))
-    states = sum(_device_bytes(_with_shardings(a, sh)) for a, sh in state_arrays)
+    states = _state_bytes(state_arrays, "device")
     return states + nbytes(batch) / n + (0 if model_state is None else nbytes(model_state))
 
 
