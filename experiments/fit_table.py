@@ -79,6 +79,10 @@ Notes:
 - 8-bit AdamW updates each stack of layers one layer at a time (`zeroflow.optim.by_slices`) and
   finds codes by comparing with all 255 midpoints of the map (a fused reduction): the all-GPU
   row went from 171.6 GB (every moment dequantized and searched at once) to 110.3 GB.
+- One GPU, no offload: the estimate fuses each parameter's update direction into its update
+  and counts the largest loop output of the update (an 8-bit stack's fp32 direction and new
+  moments), as in the 8B rows; a 34M-parameter model of four scanned 8-bit stacks, compiled
+  the same way, holds all four loops' outputs at once (its estimate is 15% under XLA:GPU).
 - "not measurable": the abstract GPUs of `zf.target_mesh` expose no memories, so jax drops a
   sharding's `pinned_host` memory kind; the offloaded state then compiles as device memory
   (the compile is the all-GPU program) and XLA:GPU's peak says nothing about the offloaded
