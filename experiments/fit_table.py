@@ -77,8 +77,8 @@ Notes:
   holds the bf16 weights, the gradients, the activations and one parameter's state at a time
   during the streamed update: 70.8 GB by the estimate.
 - 8-bit AdamW updates each stack of layers one layer at a time (`zeroflow.optim.by_slices`) and
-  finds codes by comparing with all 255 midpoints of the map (a fused reduction): the all-GPU
-  row went from 171.6 GB (every moment dequantized and searched at once) to 110.3 GB.
+  finds codes by comparing with all 255 midpoints of the map (a fused reduction); with every
+  moment dequantized and binary-searched at once the all-GPU row peaks at 171.6 GB.
 - One GPU, no offload: the estimate fuses each parameter's update direction into its update
   and counts the largest loop output of the update (an 8-bit stack's fp32 direction and new
   moments), as in the 8B rows; a 34M-parameter model of four scanned 8-bit stacks, compiled
