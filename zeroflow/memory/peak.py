@@ -249,7 +249,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # front) or at its end (every gradient; weights and activations of unstacked layers have
     # been freed one by one as the pass went back through them).
     in_flight = max(fetched * unit + F32 * unit_grad, recompute_bytes / model + F32 * unit_grad)
-    grads, host_gradients = _gradients_on_host(grads, stacked, plan, backend)
+    grads, host_gradients = _gradients_on_host(grads, stacked, plan, backend, grad_accum)
     at_start = (sum(gathered_whole) + activations + in_flight
                 + sum(g for g, st in zip(grads, stacked) if st) + widened)
     # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
@@ -267,14 +267,17 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
                         host_activations=host_activations, host_gradients=host_gradients)
 
 
-def _gradients_on_host(grads: list, stacked: list, plan: ZeroPlan, backend: str):
+def _gradients_on_host(grads: list, stacked: list, plan: ZeroPlan, backend: str,
+                       grad_accum: int):
     """``(device gradients per leaf, gradient bytes in host memory)``. With the update on the
     host (ZeRO-Offload) on a GPU, XLA writes a scanned stack's gradient into host memory one
     layer at a time as the backward pass makes it (its host-offloading passes move the loop's
     slice updates there), so no stack's gradient is ever whole on the device; the gradients
-    of the weights outside the stack are made on the device and copied out whole. On XLA:CPU
-    host memory is device memory: nothing moves."""
-    if not plan.updates_on_host or backend == "cpu":
+    of the weights outside the stack are made on the device and copied out whole. Seen in the
+    8B fit-table compile without accumulation (docs/memory.md); with accumulation the fp32 sum
+    over micro-batches is a loop carry, counted on the device. On XLA:CPU host memory is
+    device memory: nothing moves."""
+    if not plan.updates_on_host or backend == "cpu" or grad_accum > 1:
         return grads, 0.0
     return ([0.0 if st else g for g, st in zip(grads, stacked)],
             float(sum(g for g, st in zip(grads, stacked) if st)))
