@@ -107,7 +107,9 @@ def test_update_steps_match_numpy_adam_on_the_scheme():
     b1, b2, eps, block, lr, wd = 0.9, 0.99, 1e-8, 64, 1e-2, 0.1
     rng = np.random.default_rng(1)
     params = {"w": rng.normal(size=(6, 200)).astype(np.float32),
-              "b": rng.normal(size=(5,)).astype(np.float32)}
+              "b": rng.normal(size=(5,)).astype(np.float32),
+              "stack": rng.normal(size=(3, 4, 200)).astype(np.float32)}
+    assert zf.optim.adam.by_slices(params["stack"].shape)  # updated one layer at a time
     tx = zf.optim.adamw_8bit(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, block_size=block,
                              min_8bit_size=0)
     state = tx.init(params)
@@ -126,6 +128,14 @@ def test_update_steps_match_numpy_adam_on_the_scheme():
                                        -lr * (direction + wd * params[name]), rtol=2e-6, atol=1e-9)
             got = state[0]
             for a, b in zip((got.mu_codes, got.mu_scales, got.nu_codes, got.nu_scales), after):
+                if name == "stack" and a[name].dtype == jnp.uint8:
+                    # One entry of this stack's moments lands within an fp32 rounding of a
+                    # midpoint of the map, where XLA and numpy pick neighbouring codes (the
+                    # whole-array update does the same): codes agree to one step, almost all
+                    # exactly.
+                    off = np.abs(np.asarray(a[name]).astype(int) - b.astype(int))
+                    assert off.max() <= 1 and np.mean(off > 0) < 1e-3, (name, off.max())
+                    continue
                 np.testing.assert_allclose(np.asarray(a[name]), b, rtol=1e-6)
         assert int(state[0].count) == step
         params = optax.apply_updates(params, updates)

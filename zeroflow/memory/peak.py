@@ -20,8 +20,9 @@
 - ``widened``: XLA:CPU only: it multiplies half-precision matrices in fp32 and converts a
   scanned layer stack once, outside the loop (GPUs use bf16/fp16 directly);
 - ``update``: while the optimizer runs: the gradients, the update direction optax builds (one
-  fp32 array per master shard) and, with ``offload="optimizer", update_on="device"``, the
-  master and optimizer state brought in from the host.
+  fp32 array per master shard; on one GPU fused into each leaf's update, except a loop's
+  outputs, ``_looped_update_bytes``) and, with ``offload="optimizer", update_on="device"``,
+  the master and optimizer state brought in from the host.
 
 The peak is ``model_states + max(backward, update)`` with ``backward = whole_weights +
 gradients + activations + layer_in_flight + widened``. docs/memory.md compares it with
@@ -231,8 +232,10 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     unit_grad = (sum(w / shape[0] for w, shape, t in layer_stack if t) if layer_stack
                  else max((w for w, t in zip(whole, flat_mask) if t), default=0.0))
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
-    # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place.
-    fetched = fetched_width if (plan.shards_compute or layer_stack or widening) else 0
+    # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place,
+    # as is every weight on a single device (stage 3 there gathers nothing).
+    gathers = plan.shards_compute and n > 1
+    fetched = fetched_width if (gathers or layer_stack or widening) else 0
     widened = 0.0
     if widening and layer_stack:
         widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in layer_stack)
@@ -256,7 +259,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
               + (fetched if plan.shards_compute else 0) * unit + F32 * unit_grad + widened - reused)
     update = sum(grads) + _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
                                         flat_routes, plan, backend)
-    host_state = sum(_kind_bytes(_with_shardings(a, sh), "pinned_host") for a, sh in state_arrays)
+    host_state = _state_bytes(state_arrays, "pinned_host")
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
                         gradients=sum(grads), activations=activations,
@@ -274,12 +277,23 @@ def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, trainable=None):
     shard = state_shardings(master, tx, plan, prec, trainable=trainable)
     stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec,
                                                         trainable=trainable))
-    state_arrays = [(stored.master, shard.master), (stored.opt_state, shard.opt_state)]
+    # Memory kinds from the plan, not from the shardings: a zf.target_mesh's abstract devices
+    # expose no memories, so jax drops a sharding's pinned_host there.
+    host = "pinned_host" if plan.offloads else "device"
+    weights = "pinned_host" if plan.offloads_params else "device"
+    state_arrays = [(stored.master, shard.master, host), (stored.opt_state, shard.opt_state, host)]
     if shard.compute is not None:
-        state_arrays.append((stored.compute, shard.compute))
+        state_arrays.append((stored.compute, shard.compute, weights))
     if shard.frozen is not None:
-        state_arrays.append((stored.frozen, shard.frozen))
+        state_arrays.append((stored.frozen, shard.frozen, weights))
     return stored, shard, state_arrays
+
+
+def _state_bytes(state_arrays, kind: str) -> float:
+    """Bytes one device holds of the ``(arrays, shardings, memory kind)`` entries in ``kind``."""
+    return float(sum(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize
+                     for arrays, shardings, k in state_arrays if k == kind
+                     for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))))
 
 
 def _argument_bytes(state_arrays, batch, n: int, model_state) -> float:
@@ -287,7 +301,7 @@ def _argument_bytes(state_arrays, batch, n: int, model_state) -> float:
     of the batch, and the (replicated) model state."""
     nbytes = lambda tree: sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
                               for x in jax.tree.leaves(tree))
-    states = sum(_device_bytes(_with_shardings(a, sh)) for a, sh in state_arrays)
+    states = _state_bytes(state_arrays, "device")
     return states + nbytes(batch) / n + (0 if model_state is None else nbytes(model_state))
 
 
@@ -311,12 +325,44 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backen
     each leaf's update where they arrive sharded; and offloaded state brought in."""
     local_master = [_local_elements(a.shape, sh) for a, sh in
                     zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
-    all_reduced = not any(r.sharded_grad for r in flat_routes)
-    update = F32 * (sum(local_master) if all_reduced else max(local_master))
+    if _fused_update(plan, backend):
+        update = _looped_update_bytes(tx, master)
+    else:
+        all_reduced = not any(r.sharded_grad for r in flat_routes)
+        update = F32 * (sum(local_master) if all_reduced else max(local_master))
     if plan.offloads and not plan.updates_on_host and backend != "cpu":
         # (XLA:CPU's host and device memory are one: nothing is brought in there.)
         update += _streamed_in_bytes(master, stored, shard, tx)
     return update
+
+
+def _fused_update(plan: ZeroPlan, backend: str) -> bool:
+    """Whether each leaf's update direction is fused into its update, never a buffer of its
+    own: on one device no collective reduces the gradients, and where a skipped step is a
+    select (GPUs, ``Traits.cond_updates_in_place`` false) XLA computes direction and new
+    state in one pass per leaf. (XLA:CPU's ``lax.cond`` update materialises the directions.)"""
+    return plan.data_size == 1 and backend != "cpu" and not plan.updates_on_host
+
+
+def _looped_update_bytes(tx, master) -> float:
+    """The largest output of a loop inside ``tx.update`` (8-bit AdamW updates each stack of
+    layers one slice at a time, ``zeroflow.optim.by_slices``): a loop's outputs (the stack's
+    fp32 direction and its new moments) are whole buffers before the rest of the update reads
+    them. Bytes of the whole parameters: used where nothing is split over devices."""
+    opt_state = jax.eval_shape(tx.init, master)
+    closed = jax.make_jaxpr(tx.update)(master, opt_state, master)
+
+    def largest(jaxpr) -> float:
+        found = 0.0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("scan", "while"):
+                found = max(found, float(sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize
+                                             for v in eqn.outvars)))
+            elif jaxprs.call_body(eqn) is not None:
+                found = max(found, largest(jaxprs.open_jaxpr(jaxprs.call_body(eqn))[0]))
+        return found
+
+    return largest(closed.jaxpr)
 
 
 def _micro_batch(batch, n: int, grad_accum: int):

@@ -80,6 +80,16 @@ def keeps_fp32(shape: tuple[int, ...], min_8bit_size: int) -> bool:
     return math.prod(shape) < min_8bit_size
 
 
+def by_slices(shape: tuple[int, ...]) -> bool:
+    """Whether the 8-bit update of a parameter of ``shape`` runs one leading-axis slice at a
+    time (a ``lax.map``): a stack of layers (three or more dimensions, its first not the
+    largest, so not the one ZeRO splits). Blocks run along the last axis, so every slice is
+    quantized exactly as the whole; done whole, the dequantized fp32 moments, their gather
+    indices and the requantized ones are temporaries the size of the whole stack (four bytes
+    per entry each), where one slice is 1/layers of that."""
+    return len(shape) >= 3 and shape[0] < max(shape[1:])
+
+
 def moment_bytes(optimizer: str, shape: tuple[int, ...], block_size: int = BLOCK_SIZE,
                  min_8bit_size: int = MIN_8BIT_SIZE) -> int:
     """Bytes of both moments of one parameter of ``shape`` under ``optimizer`` (an
@@ -149,9 +159,16 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
         def one(g, mu_codes, mu_scales, nu_codes, nu_scales):
             small = keeps_fp32(jnp.shape(g), min_8bit_size)
-            mu, nu = _load_moments(mu_codes, mu_scales, nu_codes, nu_scales, block_size, small)
-            mu, nu, direction = _adam_direction(g, mu, nu, count, b1, b2, eps)
-            return (direction.astype(g.dtype), *_store_moments(mu, nu, block_size, small))
+
+            def step(g, mu_codes, mu_scales, nu_codes, nu_scales):
+                mu, nu = _load_moments(mu_codes, mu_scales, nu_codes, nu_scales, block_size, small)
+                mu, nu, direction = _adam_direction(g, mu, nu, count, b1, b2, eps)
+                return (direction.astype(g.dtype), *_store_moments(mu, nu, block_size, small))
+
+            state = (g, mu_codes, mu_scales, nu_codes, nu_scales)
+            if not small and by_slices(jnp.shape(g)):
+                return jax.lax.map(lambda sliced: step(*sliced), state)
+            return step(*state)
 
         direction, mu_codes, mu_scales, nu_codes, nu_scales = _unzip(
             updates, jax.tree.map(one, updates, state.mu_codes, state.mu_scales,
