@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from zeroflow.grads.collectives import all_gather, reduce_scatter
+from zeroflow.grads.collectives import all_gather, reduce_scatter, varying
 from zeroflow.jaxprs import bind, call_body, open_jaxpr
 from zeroflow.ordering import after, live
 from zeroflow.zeropp.hosts import HostSplit
@@ -410,11 +410,14 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
 def _token(anchors):
     """An fp32 scalar (1.0) computed from one element of ``anchors``: whatever waits for it
     waits for them. Not a constant the compiler could fold (a select between equal branches
-    would be)."""
+    would be). Always typed as varying over ``data``: the token's cotangent is made from a
+    unit's output cotangent, which varies, and a custom_vjp's cotangent must have its input's
+    type (anchors that are the same on every device, such as LoRA's replicated adapters,
+    would otherwise give an invariant token)."""
     readable = [a for a in jax.tree.leaves(anchors) if getattr(a, "size", 0)]
     if not readable:
-        return jnp.ones((), jnp.float32)
-    return live(readable[0]).astype(jnp.float32)
+        return varying(jnp.ones((), jnp.float32))
+    return varying(live(readable[0]).astype(jnp.float32))
 
 
 def _is_primal(x) -> bool:
