@@ -43,19 +43,21 @@ def test_offload_lowers_the_xla_gpu_device_peak(h100):
 def test_offloaded_activations_are_host_buffers_in_the_compiled_hlo(h100):
     hlo = {remat: compiled.as_text() for remat, (compiled, _) in h100.items()}
     assert not HOST_ARRAY.search(hlo["save_dots"])
-    # The seven matmul outputs of every layer, stacked over the layers by the scan, in host
-    # memory (S(5)): q, k, v [layers, batch, seq, heads, head dim], the attention and MLP
-    # outputs [.., width], MLP up and gate [.., mlp width]; nothing else.
+    # The matmul outputs of every layer the backward pass reads, stacked over the layers by the
+    # scan, in host memory (S(5)): q, k, v [layers, batch, seq, heads, head dim], the attention
+    # output [.., width], MLP up and gate [.., mlp width]; nothing else.
     micro = BATCH // N
     shapes = {(dtype, tuple(int(d) for d in dims.split(","))) for dtype, dims
               in HOST_ARRAY.findall(hlo["offload_dots"])}
     assert shapes == {("bf16", (LAYERS, micro, SEQ, HEADS, WIDTH // HEADS)),
                       ("bf16", (LAYERS, micro, SEQ, WIDTH)), ("bf16", (LAYERS, micro, SEQ, MLP))}
-    # Written layer by layer in the forward loop, read back in the backward loop, asynchronously.
+    # Written layer by layer in the forward loop, read back in the backward loop, asynchronously:
+    # the six the backward pass reads (q, k, v, attention output, MLP up and gate; the MLP's
+    # output only feeds the residual sum, which keeps nothing of it).
     lines = hlo["offload_dots"].splitlines()
-    writes = [x for x in lines if "dynamic-update-slice-start" in x and "S(5)" in x.split("fusion-start")[0]]
+    writes = [x for x in lines if re.search(r"dynamic-update-slice-start\S* = \(\(\w+\[[0-9,]*\]\{[0-9,]*:S\(5\)", x)]
     reads = [x for x in lines if re.search(r"dynamic-slice-start\S* = \(\(\w+\[[0-9,]*\]\{[0-9,]*:S\(5\)", x)]
-    assert len(writes) >= 7 and len(reads) >= 7
+    assert len(writes) >= 6 and len(reads) >= 6, (len(writes), len(reads))
 
 
 def test_estimator_knows_offloaded_activations(h100):

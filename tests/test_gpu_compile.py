@@ -160,13 +160,16 @@ def test_collectives_on_xla_cpu_are_in_line():
 def test_memory_cli_compiles_for_the_target(capsys):
     from zeroflow.memory import __main__ as cli
     assert cli.main(["--config", "configs/tiny.yaml", "--target", "h100", "--devices", "8",
-                     "--stages", "3", "--offloads", "none", "--remats", "full", "--json",
-                     "precision.params=bf16", "train.batch_size=16"]) == 0
-    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+                     "--stages", "3", "--offloads", "none,optimizer", "--remats", "full",
+                     "--json", "precision.params=bf16", "train.batch_size=16"]) == 0
+    row, offloaded = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:]]
     assert row["target"] == "h100" and row["fits"] is True
     assert row["device_memory_bytes"] == zf.backend.of(zf.target_mesh("h100", 8)).memory_bytes
     assert row["measured_peak_bytes"] > 0
     assert row["overlap"]["all-gather"]["count"] > 0
+    # Abstract devices carry no host memory: an offloaded choice is estimated, not compiled.
+    assert offloaded["offload"] == "optimizer" and offloaded["measured_peak_bytes"] is None
+    assert "no host memory" in offloaded["note"] and offloaded["estimated_peak_bytes"] > 0
 
 
 def scan_loss(p, b):
