@@ -75,12 +75,17 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     common = ["--config", "configs/tiny.yaml", *SHRUNK, "model.embed_dim=128", "model.mlp_dim=384",
               "model.seq_len=128", "train.batch_size=16", "data.max_bytes=2000000",
               f"train.steps={n}", "train.eval_every=0"]
+    # The three runs share compiled programs through jax's persistent cache: a start costs
+    # seconds, not a compile.
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "compiled"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     straight = tmp_path / "straight"
-    p = cli(*common, f"run.dir={straight}")
+    p = cli(*common, f"run.dir={straight}", env_extra=cache)
     assert p.wait(timeout=600) == 0, p.stderr.read()
 
     stopped = tmp_path / "stopped"
-    p = cli(*common, f"run.dir={stopped}")
+    p = cli(*common, f"run.dir={stopped}", env_extra=cache)
     deadline = time.time() + 600
     while time.time() < deadline:  # interrupt once a few steps have been logged
         metrics = stopped / "metrics.jsonl"
@@ -96,7 +101,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     assert len(saved) == 1 and 3 <= saved[0] < n
     assert "SIGTERM: saved a checkpoint" in out  # what a person reads is on stdout
 
-    p = cli(*common, f"run.dir={stopped}")
+    p = cli(*common, f"run.dir={stopped}", env_extra=cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     assert f"resumed from step {saved[0]}" in out
