@@ -113,8 +113,21 @@ def write(rows, out: Path, argv: str):
         base.setdefault(r["model"], r["traffic"]["total"]["cross_host"])
         lines.append(_line(r, base[r["model"]]))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    out.write_text("\n".join(lines) + "\n" + _analysis_after_table(out))
     print(f"wrote {out}", file=sys.stderr)
+
+
+def _analysis_after_table(out: Path) -> str:
+    """What the results file says below its table (the written analysis and the convergence
+    runs), kept when the table is measured again."""
+    if not out.exists():
+        return ""
+    lines = out.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith("| model")), len(lines))
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "".join(lines[end:])
 
 
 if __name__ == "__main__":
