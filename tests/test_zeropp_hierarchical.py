@@ -190,6 +190,9 @@ def test_hpz_gathers_stay_in_the_host_and_qgz_sends_int8_sums_across(hpz_on_two_
     ({"stage": 1, "quantize_grads": "int8"}, "quantize_grads='int8' quantizes the reduce-scatter"),
     ({"stage": 3, "quantize_grads": "int4"}, "unknown quantize_grads 'int4'"),
     ({"stage": 3, "quantize_grads": "int8", "hosts": 3}, "hosts must be a positive int dividing"),
+    ({"stage": 2, "quantize_weights": "int8"}, "quantize_weights='int8' quantizes the stage-3"),
+    ({"stage": 3, "quantize_weights": "int4"}, "unknown quantize_weights 'int4'"),
+    ({"stage": 3, "quantize_weights": "int8", "quantize_block": 0}, "quantize_block must be"),
 ])
 def test_bad_zeropp_plans_are_one_line_errors(options, message):
     with pytest.raises(ValueError, match=message) as e:
