@@ -23,18 +23,19 @@ from zeroflow.memory.measure import analysed, device_peak  # noqa: E402
 D, F, V, LAYERS, N = 512, 2048, 4096, 16, 8
 
 
-def _params():
+def _params(width=D, hidden=F, layers=LAYERS):
     k = jax.random.key(0)
-    p = {"embed": jax.random.normal(k, (V, D)) * 0.02, "head": jax.random.normal(k, (D, V)) * 0.02}
-    for i in range(LAYERS):
-        p[f"up{i}"] = jax.random.normal(k, (D, F)) * 0.02
-        p[f"down{i}"] = jax.random.normal(k, (F, D)) * 0.02
+    p = {"embed": jax.random.normal(k, (V, width)) * 0.02,
+         "head": jax.random.normal(k, (width, V)) * 0.02}
+    for i in range(layers):
+        p[f"up{i}"] = jax.random.normal(k, (width, hidden)) * 0.02
+        p[f"down{i}"] = jax.random.normal(k, (hidden, width)) * 0.02
     return jax.eval_shape(lambda: p)
 
 
 def loss_fn(p, b):
     x = p["embed"][b["tokens"][:, :-1]]
-    for i in range(LAYERS):
+    for i in range(sum(name.startswith("up") for name in p)):
         x = x + jax.nn.gelu(x @ p[f"up{i}"]) @ p[f"down{i}"]
     logits = (x @ p["head"]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["tokens"][:, 1:]).mean()
@@ -104,10 +105,25 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
 
 
 def test_stage3_peak_is_near_the_zero_formula_on_xla_gpu(stage3):
-    """1.56x today (goal 1.5x): besides the model states, a whole fp32 gradient in flight to
-    its reduce-scatter and the weights of the unit being computed and the one prefetched."""
+    """Besides the model states: one whole fp32 gradient on its way to its reduce-scatter, the
+    weights of the unit being computed and of the one prefetched (1.33x on jax 0.10.2)."""
     _, peak, psi = stage3
-    assert peak <= 1.6 * zero_formula(3, psi, N), (peak, zero_formula(3, psi, N))
+    assert peak <= 1.5 * zero_formula(3, psi, N), (peak, zero_formula(3, psi, N))
+
+
+def test_few_large_weights_reduce_one_gradient_at_a_time():
+    """Six layers of 1024 x 4096, each weight 7% of the model: the transients of a unit are
+    large against the formula, and two whole fp32 gradients alive at once (one reduce-
+    scattering while the next is widened) made the peak 1.56x. The backward pass reduces one
+    unit's gradient after the other (1.47x on jax 0.10.2)."""
+    params = _params(width=1024, hidden=4096, layers=6)
+    plan = zf.ZeroPlan(zf.target_mesh("h100", data=N), stage=3)
+    compiled, state = zf.memory.compile_step(
+        loss_fn, params, {"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32)}, optax.adamw(1e-3),
+        plan, zf.Precision(params="bf16"))
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    peak = device_peak(analysed(compiled), state)
+    assert peak <= 1.5 * zero_formula(3, psi, N), (peak / zero_formula(3, psi, N))
 
 
 def test_stage2_peak_is_the_zero_formula_on_xla_gpu():
@@ -117,11 +133,14 @@ def test_stage2_peak_is_the_zero_formula_on_xla_gpu():
 
 def test_combined_gradient_reduction_breaks_the_bound():
     """The control: with XLA:GPU's default combining (every reduce-scatter merged into one at
-    the end of the backward pass) all whole fp32 gradients are alive at once."""
-    _, peak, psi = _compile(3, compiler_options={
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": 2**30,
-        "xla_gpu_all_gather_combine_threshold_bytes": 2**30})
+    the end of the backward pass) all whole fp32 gradients are alive at once, unless the
+    reductions are ordered one after another, as the prefetching backward pass orders them."""
+    combining = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 2**30,
+                 "xla_gpu_all_gather_combine_threshold_bytes": 2**30}
+    _, peak, psi = _compile(3, prefetch=0, compiler_options=combining)
     assert peak > 1.6 * zero_formula(3, psi, N)
+    _, peak, psi = _compile(3, compiler_options=combining)
+    assert peak <= 1.5 * zero_formula(3, psi, N)
 
 
 def test_stage3_collectives_overlap_compute(stage3):

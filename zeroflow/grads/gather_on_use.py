@@ -196,6 +196,7 @@ class _Replay:
         self.stored, self.sources, self.order = stored, sources, order
         self.prefetch = prefetch if order else 0
         self.tokens: list = []  # one per unit so far, in program order (see _unit_fn)
+        self.grad_token = None  # the last unit's, for the next one (see _unit_fn)
 
     def run(self, jaxpr, consts, inputs, dynamic):
         """Values of ``jaxpr``'s outputs as ``(value_or_lazy, is_dynamic)`` pairs. A value is
@@ -338,7 +339,7 @@ class _Replay:
         if not self.prefetch:
             return _unit_fn(*args)
         ahead = self.tokens[-self.prefetch] if len(self.tokens) >= self.prefetch else None
-        outs, token = _unit_fn(*args, token=ahead)
+        outs, (token, self.grad_token) = _unit_fn(*args, token=(ahead, self.grad_token))
         self.tokens.append(token)
         return outs
 
@@ -352,13 +353,22 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
     exist (forward) and redone after the cotangent exists (backward); ``order=False``: the
     compiler places the fetches.
 
-    With ``token`` (prefetching), returns ``(outputs, next_token)`` instead. The forward fetch
-    waits for ``token``, which an earlier unit made from its own inputs as it started, so this
-    unit's gather overlaps that unit's compute; ``next_token`` is made from this unit's inputs
-    for a later unit. In the backward pass the roles turn round through the tokens'
-    cotangents: the later unit's backward hands back, first thing, a token made from its
-    output cotangent, and this unit's backward fetch waits for that. ``token=None``: the first
-    units, which have no earlier one and wait for their own inputs.
+    With ``token`` (prefetching), a pair ``(fetch, grads)`` of tokens from earlier units (None
+    for the first units), returns ``(outputs, (fetch, grads))`` instead, this unit's tokens
+    for later units. The forward fetch waits for the fetch token, which an earlier unit made
+    from its own inputs as it started, so this unit's gather overlaps that unit's compute.
+
+    In the backward pass the roles turn round through the tokens' cotangents, and the
+    reductions join the order. Unit ``i`` widens its weight gradient to fp32 and reduce-
+    scatters it only once the reduction of unit ``i+1`` (the one differentiated just before)
+    is done, so one whole fp32 gradient is alive at a time; the token of that finished
+    reduction, together with unit ``i``'s output cotangent, is also what lets the next fetch
+    (unit ``i-1``'s weights) start. Each unit's backward then runs with one collective at a
+    time beside it, the previous reduction first and then the next gather, which is all
+    XLA:GPU's scheduler keeps in flight by default (a 16-layer model: every other reduce-
+    scatter had nothing to overlap when the gather could start first). The unit whose fetch token
+    nothing uses (the last) fetches again as soon as its forward output exists, so that gather
+    overlaps the loss instead of stalling the turn from forward to backward.
     """
     prefetching = token is not _NO_TOKEN
 
@@ -368,8 +378,9 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
 
     def forward(stored, side, data, token):
         own = [data[j] for j in anchors]
-        out = compute(fetched(stored, own if token is None else [token]), side, data)
-        return out, _token(own)
+        ahead = None if token is None else token[0]
+        out = compute(fetched(stored, own if ahead is None else [ahead]), side, data)
+        return out, (_token(own), _token(own))
 
     @jax.custom_vjp
     def unit(stored, side, data, token):
@@ -379,15 +390,20 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
         # symbolic_zeros: the primals come wrapped, and an unused output's cotangent comes as
         # a SymbolicZero (the last unit's token), which must not stand in for a dependency.
         stored, side, data, token = jax.tree.map(lambda p: p.value, primals, is_leaf=_is_primal)
-        return forward(stored, side, data, token), (stored, side, data, token)
+        out, next_tokens = forward(stored, side, data, token)
+        done = _token(out) if token is not None else None  # the forward output exists
+        return (out, next_tokens), (stored, side, data, token, done)
 
     trains = [not getattr(src, "frozen", False) for src in sources]
 
     def unit_bwd(residuals, cotangents):
-        stored, side, data, token = residuals
-        cotangent, d_next = cotangents
+        stored, side, data, token, done = residuals
+        cotangent, (d_fetch, d_grads) = cotangents
         cotangent = jax.tree.map(_instantiate, cotangent, is_leaf=_is_zero)
-        tie = cotangent if _is_zero(d_next) else [d_next]
+        if not _is_zero(d_fetch):
+            tie = [d_fetch]
+        else:
+            tie = cotangent if done is None else [done]
         full = fetched(stored, tie)
 
         def of_trained(trained, side, data):  # frozen weights enter as constants
@@ -396,15 +412,26 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
 
         _, vjp = jax.vjp(of_trained, [x for t, x in zip(trains, full) if t], side, data)
         d_trained, d_side, d_data = vjp(cotangent)
+        if not _is_zero(d_grads):
+            d_trained = after(d_trained, [d_grads])
         d_trained = iter(d_trained)
-        d_token = None if token is None else _token(cotangent)
         # None: a zero cotangent for a frozen weight, which nothing differentiates anyway.
-        return ([src.give_back(x, next(d_trained)) if t else None
-                 for src, x, t in zip(sources, stored, trains)], d_side, d_data, d_token)
+        given = [src.give_back(x, next(d_trained)) if t else None
+                 for src, x, t in zip(sources, stored, trains)]
+        if token is None:
+            return given, d_side, d_data, None
+        ahead, previous = token
+        finished = None if _is_zero(d_grads) else [d_grads]  # the later unit's reduction
+        # this unit's reductions (of a (weight, stand_in) pair: the stand-in's), or, for a
+        # unit of frozen weights, the later one's handed on
+        reduced = [jax.tree.leaves(g)[-1] for g in given if g is not None] or finished
+        return given, d_side, d_data, (
+            None if ahead is None else _token(cotangent) * (_token(finished) if finished else 1.0),
+            None if previous is None or not reduced else _token(reduced))
 
     unit.defvjp(unit_fwd, unit_bwd, symbolic_zeros=True)
-    out, next_token = unit(stored, side, data, None if not prefetching else token)
-    return (out, next_token) if prefetching else out
+    out, next_tokens = unit(stored, side, data, None if not prefetching else token)
+    return (out, next_tokens) if prefetching else out
 
 
 def _token(anchors):
