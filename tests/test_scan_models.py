@@ -145,3 +145,33 @@ def test_stage2_whole_stacks_gathered_slice_by_slice_equal_the_master():
         for name, w in state.compute.items():
             np.testing.assert_array_equal(np.asarray(w), master[name].astype(jnp.bfloat16),
                                           err_msg=name)
+
+
+@pytest.mark.parametrize("frozen", [(), ("up",)])
+def test_stage3_stacks_split_along_a_later_dimension_train_like_plain_optax(frozen):
+    """The up stack is split along its last dimension, so each iteration's slice is gathered
+    on a new leading (device) axis moved into place afterwards (``all_gather(sliced=True)``,
+    which spares XLA:GPU a relaid-out copy of the whole stack), trained or frozen: a device's
+    part put in the wrong place changes the losses and the trained weights."""
+    k = jax.random.split(jax.random.key(2), 3)
+    params = {"up": jax.random.normal(k[0], (LAYERS, WIDTH, 2 * WIDTH)) / WIDTH ** 0.5,
+              "down": jax.random.normal(k[1], (LAYERS, 2 * WIDTH, WIDTH)) / WIDTH ** 0.5,
+              "head": jax.random.normal(k[2], (WIDTH, 8)) / WIDTH ** 0.5}
+    trainable = {name: name not in frozen for name in params}
+    tx, prec = optax.adam(1e-2), zf.Precision()
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
+    assert plan.layouts(params)["up"].zero_dim == 2
+    state = zf.init_train_state(params, tx, plan, prec, trainable=trainable)
+    step = zf.make_train_step(mlp_scan_loss, tx, plan, prec, trainable=trainable)
+    fixed = {n: w for n, w in params.items() if not trainable[n]}
+    want = {n: w for n, w in params.items() if trainable[n]}
+    opt = tx.init(want)  # the reference: plain optax on the trained weights, on one device
+    for batch in batches(3):
+        state, metrics = step(state, batch)
+        loss, grads = jax.value_and_grad(lambda w: mlp_scan_loss({**fixed, **w}, batch))(want)
+        updates, opt = tx.update(grads, opt, want)
+        want = optax.apply_updates(want, updates)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+    for name in want:
+        np.testing.assert_allclose(state.params[name], want[name], rtol=2e-4, atol=2e-5,
+                                   err_msg=name)

@@ -44,12 +44,26 @@ def varying(x):
         return x
 
 
-def all_gather(shard, dim: int, dtype, size: int | None = None, groups=None):
+def all_gather(shard, dim: int, dtype, size: int | None = None, groups=None, *,
+               sliced: bool = False):
     """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``), cut to
     ``size`` entries along ``dim`` when it is stored padded. ``groups``: ``axis_index_groups``
-    of ``data`` that each hold a whole copy (hpZ: each host's devices), None: all devices."""
-    whole = jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True,
-                               axis_index_groups=_listed(groups))
+    of ``data`` that each hold a whole copy (hpZ: each host's devices), None: all devices.
+
+    ``sliced``: ``shard`` is one iteration's slice of a stack a loop walks through. Split along
+    a dimension other than its first, it is gathered on a new leading (device) axis, which is
+    moved into place afterwards: gathered along ``dim`` itself, XLA:GPU lays the operand out
+    with ``dim`` major, and for a loop's slice it does that to the whole stack of shards, once,
+    outside the loop (a second copy of the stack, kept for the whole step). Moved into place,
+    only the one gathered slice is copied."""
+    if sliced and dim > 0:
+        parts = jax.lax.all_gather(shard.astype(dtype), DATA, axis=0, tiled=False,
+                                   axis_index_groups=_listed(groups))
+        whole = jnp.moveaxis(parts, 0, dim).reshape(
+            *shard.shape[:dim], parts.shape[0] * shard.shape[dim], *shard.shape[dim + 1:])
+    else:
+        whole = jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True,
+                                   axis_index_groups=_listed(groups))
     return whole if size is None else cut_to(whole, dim, size)
 
 

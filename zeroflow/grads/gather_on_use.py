@@ -66,9 +66,12 @@ class Sharded:
     grad_hosts: HostSplit | None = None
     "qgZ: the gradient is reduce-scattered as int8 blocks of ``grad_block``, host by host."
     grad_block: int = 256
+    sliced: bool = False
+    "One iteration's slice of a stack a scan walks through (``layer()``; see ``all_gather``)."
 
     def fetch(self, stored):
-        return all_gather(stored[0], self.dim, self.dtype, self.size, self.groups)
+        return all_gather(stored[0], self.dim, self.dtype, self.size, self.groups,
+                          sliced=self.sliced)
 
     def reduced(self, grad):
         """This device's fp32 slice of the sum over devices of ``grad``."""
@@ -83,7 +86,8 @@ class Sharded:
     def layer(self):
         """The source of one slice along the leading axis (a scan's iteration), or None when
         that axis is the one split over devices."""
-        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1)
+        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1,
+                                                              sliced=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,15 +126,18 @@ class Frozen:
     dtype: Any
     size: int | None = None
     ordered: bool = True
+    sliced: bool = False
+    "As for ``Sharded``."
     frozen = True
 
     def fetch(self, stored):
-        return stored if self.dim is None else all_gather(stored, self.dim, self.dtype, self.size)
+        return stored if self.dim is None else all_gather(stored, self.dim, self.dtype, self.size,
+                                                          sliced=self.sliced)
 
     def layer(self):
         if self.dim is None:
             return self
-        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1)
+        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1, sliced=True)
 
 
 def _pair_like(stored, grad):
