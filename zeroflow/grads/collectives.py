@@ -80,15 +80,15 @@ def reduce_scatter(grad, dim: int, padded: int | None = None):
     return jax.lax.psum_scatter(grad, DATA, scatter_dimension=dim, tiled=True)
 
 
-def gathered_tangent(tangent, dim: int, dtype, size: int | None = None):
+def gathered_tangent(tangent, dim: int, dtype, size: int | None = None, sliced: bool = False):
     # Linear in ``tangent`` (fp32): its transpose pads the cotangent with zeros (the transpose
     # of the cut) and reduce-scatters it in fp32.
-    whole = jax.lax.all_gather(tangent, DATA, axis=dim, tiled=True)
-    return (whole if size is None else cut_to(whole, dim, size)).astype(dtype)
+    return all_gather(tangent, dim, tangent.dtype, size, sliced=sliced).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
-def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None, groups=None):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6))
+def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None, groups=None,
+                  sliced: bool = False):
     """All-gather a stage-3 weight ``shard`` in the compute ``dtype`` for use (cut to ``size``
     along ``dim`` when the stored weight is padded).
 
@@ -100,14 +100,14 @@ def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None, gro
     1/N shard of the master, and the gradient is reduce-scattered over all devices.
     """
     del stand_in
-    return all_gather(shard, dim, dtype, size, groups)
+    return all_gather(shard, dim, dtype, size, groups, sliced=sliced)
 
 
 @gather_weight.defjvp
-def _gather_jvp(dim, dtype, size, groups, primals, tangents):
+def _gather_jvp(dim, dtype, size, groups, sliced, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
-    return (all_gather(shard, dim, dtype, size, groups),
-            gathered_tangent(d_stand_in, dim, dtype, size))
+    return (all_gather(shard, dim, dtype, size, groups, sliced=sliced),
+            gathered_tangent(d_stand_in, dim, dtype, size, sliced))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

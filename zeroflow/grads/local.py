@@ -226,7 +226,8 @@ def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
             return x
         if r.frozen:  # fetched without a gradient path
             weight = offload.to_device(varying(x)) if r.stream else x
-            return all_gather(weight, r.layer_dim, dt, r.cut) if r.sharded else weight
+            return (all_gather(weight, r.layer_dim, dt, r.cut, sliced=True) if r.sharded
+                    else weight)
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.value, x.stand_in)
         weight = offload.to_device(varying(x.value)) if r.stream else x.value
@@ -237,7 +238,7 @@ def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
             return gather_weight_quantized(weight, x.stand_in, r.layer_dim, dt, block, r.cut,
                                            groups)
         if r.sharded:
-            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut, groups)
+            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut, groups, True)
         return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
 
     def gather_layer(layer_params):
