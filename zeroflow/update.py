@@ -167,6 +167,8 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
         copied in, and its use waits for ``tie`` (the previous parameter's results)."""
         value = stored[k]
         if k >= n_grads:
+            if tie is not None:  # the copy in waits too: XLA:GPU would start every copy at once
+                value = jax.lax.optimization_barrier((value, tie))[0]
             value = offload.to_memory(value, host_shardings[k - n_grads], "device")
             value = after(value, tie) if tie is not None else value
         return value if entries[k] is None else padding.cut_to(value, *entries[k])

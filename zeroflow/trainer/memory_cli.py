@@ -101,16 +101,12 @@ def _measured(cfg, devices: int, stage: int, offload: str, remat: str,
     return float(device_peak(got, setup.state)), overlap(collectives(compiled)), float(host)
 
 
-NOT_ON_TARGETS = ("not compiled: abstract GPUs have no host memory (jax drops pinned_host), "
-                  "so an offloaded step's peak is not the GPU's; estimate only")
-
-
 def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
               measure: str = "auto", devices_per_process: int | None = None, log=None,
               backend: str | None = None, target: str | None = None) -> list[Row]:
     """One Row per choice: the estimated peak, and the measured peak where compiled
     (for ``target``'s abstract GPUs when given: XLA:GPU's peak, and its overlap; offloaded
-    choices are not compiled for a target, whose abstract devices carry no host memory)."""
+    choices compiled through CPU stand-ins, ``zeroflow.memory.on_target``)."""
     num_params = count_gpt_params(cfg.model)
     if measure == "auto":
         measure = "always" if target is not None or (
@@ -125,9 +121,7 @@ def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REM
                 est = estimate_config_step(cfg, num_devices=devices, stage=stage, offload=offload,
                                            update_on=update_on, remat=remat, backend=backend)
                 measured, note, overlapped, host = None, "", None, None
-                if measure == "always" and target is not None and offload != "none":
-                    note = NOT_ON_TARGETS
-                elif measure == "always":
+                if measure == "always":
                     if log:
                         log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
                     try:

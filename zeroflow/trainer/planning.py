@@ -17,9 +17,11 @@ from typing import Any
 
 import jax
 
+from zeroflow import backend
 from zeroflow.backend import target_mesh
 from zeroflow.config import ModelConfig
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
+from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 from zeroflow.mesh import planning_mesh
 from zeroflow.models import abstract_params
@@ -36,6 +38,8 @@ class StepSetup:
     batch: Any
     plan: Any
     num_params: int
+    target: Any = None
+    "The abstract GPUs' mesh where the step is planned on CPU stand-ins for them (offloaded)."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +122,20 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
     """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
     layer-wise gathering) on the first ``num_devices`` data devices, or on as many abstract
     devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
-    are never materialised."""
+    are never materialised. An offloaded choice for a target is planned on CPU devices standing
+    in for its GPUs, with their traits (``zeroflow.memory.on_target``): abstract GPUs have no
+    host memory to keep the offloaded state in."""
     cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
                         update_on=update_on, remat=remat)
+    on_target = None
     if target is not None:
-        run = build_run(cfg, with_data=False,
-                        mesh=target_mesh(target, data=num_devices, model=cfg.parallel.model))
+        mesh = target_mesh(target, data=num_devices, model=cfg.parallel.model)
+        if offload != "none":
+            on_target = mesh
+            run = build_run(cfg, with_data=False, mesh=stand_in_mesh(mesh),
+                            traits=backend.of(mesh))
+        else:
+            run = build_run(cfg, with_data=False, mesh=mesh)
     else:
         run = build_run(cfg, with_data=False,
                         devices=_first_devices(num_devices * cfg.parallel.model))
@@ -134,7 +146,7 @@ def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on
         shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,
-                     num_params=num_params)
+                     num_params=num_params, target=on_target)
 
 
 def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
@@ -147,6 +159,8 @@ def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
 def compile_config(cfg, **choice):
     """``(compiled step, StepSetup)`` for one choice (keywords of ``abstract_setup``)."""
     setup = abstract_setup(cfg, **choice)
+    if setup.target is not None:
+        return compile_for(setup.step, setup.state, setup.batch, setup.target), setup
     return setup.step.lower(setup.state, setup.batch).compile(), setup
 
 

@@ -150,10 +150,12 @@ def run_model_config(cfg: Config) -> ModelConfig:
     return dataclasses.replace(architecture, lora=cfg.model.lora)
 
 
-def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -> Run:
+def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None,
+              traits=None) -> Run:
     """``devices``: the devices the mesh spans (default: all); ``mesh``: a mesh to plan on
     instead (``zf.planning_mesh`` for memory estimates, ``zf.target_mesh`` to compile for GPUs
-    this machine has not)."""
+    this machine has not); ``traits``: the backend the plan shapes the step for, when not the
+    mesh's own (``zeroflow.memory.on_target``)."""
     model_cfg = run_model_config(cfg)
     data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
     if data is not None and model_cfg.init_from and data.vocab_size > model_cfg.vocab_size:
@@ -170,7 +172,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None) -
                        tensor_rules=rules, quantize_block=par.quantize_block,
                        quantize_weights=None if par.quantize_weights == "none" else par.quantize_weights,
                        quantize_grads=None if par.quantize_grads == "none" else par.quantize_grads,
-                       hierarchical=par.hierarchical, hosts=par.hosts or None)
+                       hierarchical=par.hierarchical, hosts=par.hosts or None, traits=traits)
     prec = zf.Precision.from_config(cfg.precision)
     batch_problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, plan.data_size)
     if batch_problem:

@@ -1,0 +1,70 @@
+"""Offloaded steps compiled for GPUs that are not there, with their state in host memory.
+
+The abstract devices of ``zf.target_mesh`` expose no memories, so jax drops a sharding's
+``pinned_host`` memory kind on them: an offloaded step lowered there keeps its offloaded state
+in device memory, which is not the program a GPU runs. Here the step is planned and traced on
+CPU devices standing in for the GPUs (they have a host memory, so the memory kinds stay), with
+the target's traits (so the program takes the GPU's shape: its compiler options, no widened
+copies, prefetched gathers), lowered for CUDA, and the module compiled by the target's
+compile-only client for as many abstract GPUs. The result is XLA:GPU's executable: its memory
+analysis separates host buffers from device ones, and its HLO is the scheduled GPU program.
+
+It leans on what jax does not document as public: a topology device's ``client`` (the
+compile-only client behind ``jax.experimental.topologies``), ``jax._src.compiler``'s compile
+options and ``xla_client.DeviceList``; it is used only where no GPU is (a real GPU compiles the
+offloaded step itself).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from zeroflow.mesh import DATA, MODEL
+
+
+class CompiledOnTarget:
+    """An XLA:GPU executable with the parts of ``jax.stages.Compiled`` that
+    ``zf.memory.analysed`` and ``zf.memory.collectives`` read."""
+
+    def __init__(self, executable, mesh: Mesh):
+        self._executable = executable
+        self.mesh = mesh
+
+    def memory_analysis(self):
+        return self._executable.get_compiled_memory_stats()
+
+    def as_text(self) -> str:
+        return self._executable.hlo_modules()[0].to_string()
+
+
+def stand_in_mesh(target: Mesh) -> Mesh:
+    """A ``("data", "model")`` mesh of CPU devices shaped like ``target``'s abstract GPUs."""
+    shape = (target.shape[DATA], target.shape[MODEL])
+    cpus = jax.devices("cpu")
+    if len(cpus) < shape[0] * shape[1]:
+        raise RuntimeError(f"compiling an offloaded step for {shape[0] * shape[1]} GPUs needs as "
+                           f"many CPU devices standing in for them, {len(cpus)} here: set "
+                           f"XLA_FLAGS=--xla_force_host_platform_device_count="
+                           f"{shape[0] * shape[1]} before jax starts")
+    grid = np.asarray(cpus[:shape[0] * shape[1]], dtype=object).reshape(shape)
+    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def compile_for(step, state, batch, target: Mesh) -> CompiledOnTarget:
+    """Compile ``step`` (a ``zf.make_train_step`` planned on ``stand_in_mesh(target)`` with
+    ``target``'s traits) for ``(state, batch)`` (abstract, sharded over the stand-in mesh) as
+    XLA:GPU compiles it for ``target``'s devices. Nothing runs."""
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    lowered = step.jitted(state).trace(state, batch).lower(lowering_platforms=("cuda",))
+    devices = list(target.devices.flat)
+    options = compiler.get_compile_options(
+        num_replicas=1, num_partitions=len(devices),
+        device_assignment=np.asarray(devices, dtype=object).reshape(1, len(devices)),
+        env_options_overrides=dict(step.compiler_options))
+    executable = devices[0].client.compile(
+        lowered.compiler_ir("stablehlo"), executable_devices=xla_client.DeviceList(tuple(devices)),
+        compile_options=options)
+    return CompiledOnTarget(executable, target)
