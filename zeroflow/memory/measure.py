@@ -36,10 +36,17 @@ class MeasuredMemory:
     host_argument_bytes: int = 0
     host_output_bytes: int = 0
     host_temp_bytes: int = 0
+    host_alias_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    @property
+    def host_total_bytes(self) -> int:
+        """Host memory the same way: host arguments + outputs + temporaries - aliased."""
+        return (self.host_argument_bytes + self.host_output_bytes + self.host_temp_bytes
+                - self.host_alias_bytes)
 
 
 def from_memory_analysis(stats) -> MeasuredMemory:
@@ -49,7 +56,8 @@ def from_memory_analysis(stats) -> MeasuredMemory:
         temp_bytes=get("temp_size_in_bytes"), alias_bytes=get("alias_size_in_bytes"),
         generated_code_bytes=get("generated_code_size_in_bytes"), peak_bytes=get("peak_memory_in_bytes"),
         host_argument_bytes=get("host_argument_size_in_bytes"),
-        host_output_bytes=get("host_output_size_in_bytes"), host_temp_bytes=get("host_temp_size_in_bytes"))
+        host_output_bytes=get("host_output_size_in_bytes"), host_temp_bytes=get("host_temp_size_in_bytes"),
+        host_alias_bytes=get("host_alias_size_in_bytes"))
 
 
 def measure(step, state, batch) -> MeasuredMemory:

@@ -97,8 +97,8 @@ def _measured(cfg, devices: int, stage: int, offload: str, remat: str,
     compiled, setup = compile_config(cfg, num_devices=devices, stage=stage, offload=offload,
                                      update_on=update_on, remat=remat, target=target)
     got = analysed(compiled)
-    host = got.host_argument_bytes + got.host_output_bytes + got.host_temp_bytes
-    return float(device_peak(got, setup.state)), overlap(collectives(compiled)), float(host)
+    return (float(device_peak(got, setup.state)), overlap(collectives(compiled)),
+            float(got.host_total_bytes))
 
 
 def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
