@@ -36,18 +36,27 @@ def batches(steps, rows=16, width=WIDTH):
              "y": jnp.asarray(rng.integers(0, 8, size=(rows,)), jnp.int32)} for _ in range(steps)]
 
 
+def _side_by_side_with_optax(step, state, loss, tx, trained, fixed=None, steps=3):
+    """``step`` and the reference (plain optax on one device, whole weights, ``trained``
+    updated, ``fixed`` not) over ``batches(steps)``: the losses agree at every step. Returns the
+    step's state and the reference's trained weights."""
+    fixed = fixed or {}
+    want, opt = trained, tx.init(trained)
+    for batch in batches(steps):
+        state, metrics = step(state, batch)
+        loss_value, grads = jax.value_and_grad(lambda w: loss({**fixed, **w}, batch))(want)
+        updates, opt = tx.update(grads, opt, want)
+        want = optax.apply_updates(want, updates)
+        np.testing.assert_allclose(metrics["loss"], loss_value, rtol=1e-5)
+    return state, want
+
+
 def test_stage3_scan_model_trains_like_plain_optax():
     tx, params = optax.adam(1e-2), init()
     plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
     state = zf.init_train_state(params, tx, plan, zf.Precision())
     step = zf.make_train_step(scan_loss, tx, plan, zf.Precision())
-    want, opt = params, tx.init(params)  # the reference: one device, whole weights, optax
-    for batch in batches(3):
-        state, metrics = step(state, batch)
-        loss, grads = jax.value_and_grad(scan_loss)(want, batch)
-        updates, opt = tx.update(grads, opt, want)
-        want = optax.apply_updates(want, updates)
-        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+    state, want = _side_by_side_with_optax(step, state, scan_loss, tx, params)
     for name in params:
         np.testing.assert_allclose(state.params[name], want[name], rtol=2e-4, atol=2e-5,
                                    err_msg=name)
@@ -163,15 +172,9 @@ def test_stage3_stacks_split_along_a_later_dimension_train_like_plain_optax(froz
     assert plan.layouts(params)["up"].zero_dim == 2
     state = zf.init_train_state(params, tx, plan, prec, trainable=trainable)
     step = zf.make_train_step(mlp_scan_loss, tx, plan, prec, trainable=trainable)
-    fixed = {n: w for n, w in params.items() if not trainable[n]}
-    want = {n: w for n, w in params.items() if trainable[n]}
-    opt = tx.init(want)  # the reference: plain optax on the trained weights, on one device
-    for batch in batches(3):
-        state, metrics = step(state, batch)
-        loss, grads = jax.value_and_grad(lambda w: mlp_scan_loss({**fixed, **w}, batch))(want)
-        updates, opt = tx.update(grads, opt, want)
-        want = optax.apply_updates(want, updates)
-        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+    state, want = _side_by_side_with_optax(
+        step, state, mlp_scan_loss, tx, {n: w for n, w in params.items() if trainable[n]},
+        fixed={n: w for n, w in params.items() if not trainable[n]})
     for name in want:
         np.testing.assert_allclose(state.params[name], want[name], rtol=2e-4, atol=2e-5,
                                    err_msg=name)
