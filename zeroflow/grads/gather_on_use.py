@@ -373,9 +373,9 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
     (unit ``i-1``'s weights) start. Each unit's backward then runs with one collective at a
     time beside it, the previous reduction first and then the next gather, which is all
     XLA:GPU's scheduler keeps in flight by default (a 16-layer model: every other reduce-
-    scatter had nothing to overlap when the gather could start first). The unit whose fetch token
-    nothing uses (the last) fetches again as soon as its forward output exists, so that gather
-    overlaps the loss instead of stalling the turn from forward to backward.
+    scatter had nothing to overlap when the gather could start first). The unit whose fetch
+    token nothing uses (the last) fetches again as soon as its forward output exists, so that
+    gather overlaps the loss instead of stalling the turn from forward to backward.
     """
     prefetching = token is not _NO_TOKEN
 
@@ -387,7 +387,8 @@ def _unit_fn(compute, sources, anchors, stored, side, data, order: bool = True, 
         own = [data[j] for j in anchors]
         ahead = None if token is None else token[0]
         out = compute(fetched(stored, own if ahead is None else [ahead]), side, data)
-        return out, (_token(own), _token(own))
+        started = _token(own)  # both tokens: only their cotangents differ
+        return out, (started, started)
 
     @jax.custom_vjp
     def unit(stored, side, data, token):

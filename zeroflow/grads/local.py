@@ -238,7 +238,8 @@ def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
             return gather_weight_quantized(weight, x.stand_in, r.layer_dim, dt, block, r.cut,
                                            groups)
         if r.sharded:
-            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut, groups, True)
+            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut, groups,
+                                 True)  # sliced: one layer of the stack (all_gather)
         return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
 
     def gather_layer(layer_params):
