@@ -21,7 +21,7 @@ import optax
 from jax.extend.core import Literal
 
 from zeroflow import jaxprs, offload, padding
-from zeroflow.grads.collectives import as_words
+from zeroflow.grads.collectives import all_gather, as_words
 from zeroflow.mesh import DATA
 from zeroflow.ordering import after
 from zeroflow.padding import NO_PADDING, StatePadding
@@ -103,12 +103,10 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
         def local(shard, whole):
             def body(i, whole):
                 piece = jax.lax.dynamic_index_in_dim(shard, i, 0, keepdims=False)
-                # Gathered on a new leading axis, the devices' parts are the major dimension,
-                # the layout XLA:GPU's all-gather wants; moved into place as the slice is
-                # written. Gathered along ``dim`` itself, XLA:GPU would lay the whole stack
-                # out with that dimension major and copy it into its own layout at the end.
-                parts = jax.lax.all_gather(piece, DATA, axis=0, tiled=False)
-                piece = jnp.moveaxis(parts, 0, dim - 1).reshape(whole.shape[1:])
+                # (sliced: gathered on a new leading axis, then moved into place as the slice
+                # is written; gathered along ``dim`` itself, XLA:GPU would lay the whole stack
+                # out with that dimension major and copy it into its own layout at the end)
+                piece = all_gather(piece, dim - 1, piece.dtype, sliced=True)
                 return jax.lax.dynamic_update_index_in_dim(whole, piece, i, 0)
             return jax.lax.fori_loop(0, shard.shape[0], body, whole)
 
