@@ -237,3 +237,48 @@ def test_streamed_update_lowers_for_cuda_one_copy_per_state_leaf():
     want = {"tensor<" + "x".join(map(str, x.shape)) + "xf32>" for x in fp32_state}
     assert want <= set(copied), (want, copied)
     assert len([c for c in copied if c in want]) >= len(fp32_state)
+
+
+def _moved_to_host(closed) -> list:
+    """The avals of the device arrays ``closed`` moves to pinned host memory."""
+    from zeroflow import jaxprs
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "device_put":
+                found.extend(v.aval for v, d in zip(eqn.invars, eqn.params["devices"])
+                             if getattr(d, "memory_kind", None) == "pinned_host"
+                             and "host" not in str(v.aval))
+            body = jaxprs.call_body(eqn)
+            if body is not None:
+                walk(jaxprs.open_jaxpr(body)[0])
+    walk(closed.jaxpr)
+    return found
+
+
+def test_one_device_host_update_sends_compute_dtype_gradients():
+    """One device, one micro-batch, update on the host (ZeRO-Offload's single-GPU case): the
+    bf16 gradients go to the host as the backward pass made them and are widened and unscaled
+    there (no fp32 copy of them on the device), with the same result as the run without
+    offload."""
+    one = jax.devices()[:1]
+
+    def one_device_run(offload_kind, update_on):
+        plan = zf.ZeroPlan(zf.make_mesh(devices=one), stage=3, offload=offload_kind,
+                           update_on=update_on)
+        tx = make_tx()
+        state = zf.init_train_state(init_params(), tx, plan, PREC)
+        step = zf.make_train_step(loss_fn, tx, plan, PREC)
+        moved = _moved_to_host(step.trace(state, BATCHES[0]).jaxpr)
+        losses = []
+        for raw in BATCHES:
+            state, metrics = step(state, jax.device_put(raw, plan.batch_sharding()))
+            losses.append(float(metrics["loss"]))
+        return moved, (np.array(losses), jax.device_get(state))
+
+    moved, got = one_device_run("optimizer", "host")
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(init_params())}
+    grads = [x for x in moved if tuple(x.shape) in shapes]
+    assert len(grads) == len(shapes) and {x.dtype for x in grads} == {jnp.dtype(jnp.bfloat16)}
+    _assert_same(got, one_device_run("none", "device")[1])

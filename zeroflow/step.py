@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend, offload, padding, update
 from zeroflow import frozen as frozen_weights
-from zeroflow.grads import local_grads, step_routes
+from zeroflow.grads import local_grads, native_gradients, step_routes
 from zeroflow.grads.routes import is_route
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
@@ -105,13 +105,18 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         local, _compute_params(state, plan, layout, route_tree), batch, scale, extras,
         plan=plan, layout=layout, routes=route_tree)
 
-    # Unscale in fp32 and average over devices and micro-batches.
-    grads = jax.tree.map(lambda g: g / (scale * (n * grad_accum)), grads)
-    grad_norm = optax.tree.norm(grads)
+    # Unscale in fp32 and average over devices and micro-batches; gradients bound for the host
+    # in their own dtype (native_gradients) are unscaled there, by the update.
+    divisor = scale * (n * grad_accum)
+    if native_gradients(plan, grad_accum):
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
+    else:
+        grads = jax.tree.map(lambda g: g / divisor, grads)
+        grad_norm, divisor = optax.tree.norm(grads), None
     finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
     if not plan.shards_grads:  # whole gradients: into the master's (padded) form for the update
         grads = padding.pad(grads, pads.master, n)
-    new_master, new_opt, new_compute = _updated(grads, state, finite, tx=tx, plan=plan,
+    new_master, new_opt, new_compute = _updated(grads, state, finite, divisor, tx=tx, plan=plan,
                                                 prec=prec, layout=layout)
     if plan.hierarchical:  # the within-host copy the next step gathers from
         new_compute = hierarchical.refresh(new_compute, layout.layouts, plan)
@@ -166,10 +171,12 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
         out_specs=(specs_grad, P(), P(), P()), axis_names=manual)(params, batch, scale, extras)
 
 
-def _updated(grads, state: TrainState, finite, *, tx: optax.GradientTransformation,
+def _updated(grads, state: TrainState, finite, divisor, *, tx: optax.GradientTransformation,
              plan: ZeroPlan, prec: Precision, layout: StepLayout):
     """``(new_master, new_opt_state, new_compute)``: the optax update wherever the plan keeps
-    the state (on the device; offloaded and streamed through the device; on the host)."""
+    the state (on the device; offloaded and streamed through the device; on the host).
+    ``divisor``: what host-bound gradients in their own dtype (``native_gradients``) are still
+    to be divided by, after widening; None where they come unscaled."""
     shard, pads = layout.state, state.padding
     # Whole compute weights are gathered from the updated shards at stages 1-2: leaf after leaf
     # where the compiler widens half precision (one_at_a_time), else stacks slice by slice.
@@ -190,8 +197,15 @@ def _updated(grads, state: TrainState, finite, *, tx: optax.GradientTransformati
         # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs
         # there, and only the compute-dtype weights travel back (placed by the caller).
         host_grads = offload.to_memory(grads, shard.master, "pinned_host")
-        host_finite = offload.to_memory(finite, plan.replicated(), "pinned_host")
-        return offload.on_host(apply)(host_grads, state.master, state.opt_state, host_finite)
+        host_scalars = offload.to_memory((finite, divisor), plan.replicated(), "pinned_host")
+
+        def unscaled_apply(grads, master, opt_state, scalars):
+            finite, divisor = scalars
+            if divisor is not None:
+                grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
+            return apply(grads, master, opt_state, finite)
+        return offload.on_host(unscaled_apply)(host_grads, state.master, state.opt_state,
+                                               host_scalars)
     # Offloaded state updated on the device, one parameter's state brought in at a time; an
     # optimizer that mixes parameters' state (see zeroflow.update) brings all of it in.
     if plan.traits.separate_host_memory:

@@ -83,7 +83,9 @@ def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
     device peak leaves out the offloaded state, which XLA:CPU counts as device arguments.
     On a ``zf.target_mesh`` this is XLA:GPU's number. ``step_options``: more keywords of
     ``make_train_step`` (``prefetch``, ``compiler_options``); ``trainable`` as for
-    ``zf.init_train_state``."""
+    ``zf.init_train_state``. An offloaded plan on a target mesh is compiled through CPU
+    devices standing in for the GPUs (``zeroflow.memory.on_target``), so its offloaded state
+    stays in host memory as on a GPU."""
     compiled, state = compile_step(loss_fn, params, batch, tx, plan, prec, grad_accum=grad_accum,
                                    gather_per_layer=gather_per_layer, model_state=model_state,
                                    rng=rng, trainable=trainable, **step_options)
@@ -105,8 +107,13 @@ def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
     """``(compiled step, abstract state)`` for the arguments of ``measure_step``: read the
     compiled program's collectives with ``zf.memory.collectives``."""
     import zeroflow as zf
+    from zeroflow.memory import on_target
     from zeroflow.state import abstract_master
 
+    # Offloaded state on abstract GPUs: planned on CPU stand-ins that keep its host memory.
+    target = plan.mesh if plan.offloads and on_target.is_abstract(plan.mesh) else None
+    if target is not None:
+        plan = dataclasses.replace(plan, mesh=on_target.stand_in_mesh(target))
     master = abstract_master(params)
     abstract = jax.eval_shape(lambda ms, key: zf.init_train_state(
         master, tx, plan, prec, model_state=ms, rng=key, trainable=trainable), model_state, rng)
@@ -117,6 +124,8 @@ def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
                                                          sharding=plan.batch_sharding()), batch)
     step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum,
                               gather_per_layer=gather_per_layer, **step_options)
+    if target is not None:
+        return on_target.compile_for(step, state, placed, target), state
     return step.lower(state, placed).compile(), state
 
 

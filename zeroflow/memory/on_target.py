@@ -38,6 +38,12 @@ class CompiledOnTarget:
         return self._executable.hlo_modules()[0].to_string()
 
 
+def is_abstract(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s devices are abstract ones (``zf.target_mesh``): they expose no
+    memories, where every device this process can run on has at least its own."""
+    return not list(mesh.devices.flat)[0].addressable_memories()
+
+
 def stand_in_mesh(target: Mesh) -> Mesh:
     """A ``("data", "model")`` mesh of CPU devices shaped like ``target``'s abstract GPUs."""
     shape = (target.shape[DATA], target.shape[MODEL])

@@ -41,7 +41,8 @@ from jax.extend.core import Literal
 from zeroflow import backend as backends
 from zeroflow import frozen as frozen_weights
 from zeroflow import jaxprs
-from zeroflow.grads.routes import Fetch, Route, step_routes
+from zeroflow.grads.local import native_gradients
+from zeroflow.grads.routes import Fetch, Reduce, Route, step_routes
 from zeroflow.memory.trace_cache import remembered
 from zeroflow.plan import ZeroPlan, path_str
 from zeroflow.precision import Precision
@@ -217,8 +218,13 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
         gathered_whole = [g + (width * w if r.fetch is not Fetch.PER_LAYER else 0.0)
                           for g, w, r in zip(gathered_whole, whole, flat_routes)]
-    grads = [0.0 if r.frozen else F32 * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
-             for w, r in zip(whole, flat_routes)]
+    # Gradients leave the backward pass in fp32, except where they go to the host for the update
+    # as the backward pass makes them (native_gradients): in the weights' dtype there, unless
+    # reduced on use (fp32 stand-ins).
+    native = native_gradients(plan, grad_accum)
+    grad_widths = [width if native and r.reduce is not Reduce.ON_USE else F32 for r in flat_routes]
+    grads = [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
+             for w, r, gw in zip(whole, flat_routes, grad_widths)]
 
     # Traced for the backend compiled for: a remat policy may offload only where host memory
     # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
@@ -231,6 +237,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # The unit's local fp32 gradient: of its trainable weights only.
     unit_grad = (sum(w / shape[0] for w, shape, t in layer_stack if t) if layer_stack
                  else max((w for w, t in zip(whole, flat_mask) if t), default=0.0))
+    unit_grad_width = width if native else F32
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
     # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place,
     # as is every weight on a single device (stage 3 there gathers nothing).
@@ -250,15 +257,16 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # being differentiated, and the gradient buffers of a scanned stack, allocated whole up
     # front) or at its end (every gradient; weights and activations of unstacked layers have
     # been freed one by one as the pass went back through them).
-    in_flight = max(fetched * unit + F32 * unit_grad, recompute_bytes / model + F32 * unit_grad)
+    in_flight = max(fetched * unit, recompute_bytes / model) + unit_grad_width * unit_grad
     at_start = (sum(gathered_whole) + activations + in_flight
                 + sum(g for g, st in zip(grads, stacked) if st) + widened - reused)
     # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
     # input gradient is not needed).
     at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
-              + (fetched if plan.shards_compute else 0) * unit + F32 * unit_grad + widened - reused)
+              + (fetched if plan.shards_compute else 0) * unit + unit_grad_width * unit_grad
+              + widened - reused)
     update = sum(grads) + _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
-                                        flat_routes, plan, backend)
+                                        flat_routes, plan, backend, native)
     host_state = _state_bytes(state_arrays, "pinned_host")
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
@@ -319,12 +327,18 @@ def _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, wide
     return [False] * len(paths)
 
 
-def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backend: str) -> float:
-    """What the update holds besides the gradients: the update direction, whole where the
-    gradients were all-reduced (XLA keeps the reduced and the unscaled gradients), fused into
-    each leaf's update where they arrive sharded; and offloaded state brought in."""
+def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backend: str,
+                  native: bool = False) -> float:
+    """What the update holds on the device besides the gradients: the update direction, whole
+    where the gradients were all-reduced (XLA keeps the reduced and the unscaled gradients),
+    fused into each leaf's update where they arrive sharded; and offloaded state brought in.
+    An update on the host (ZeRO-Offload) holds nothing on the device: the gradients wait there
+    for their copy to the host, unscaled one leaf at a time on the way unless ``native`` (they
+    are unscaled on the host)."""
     local_master = [_local_elements(a.shape, sh) for a, sh in
                     zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
+    if plan.updates_on_host and backend != "cpu":
+        return 0.0 if native else F32 * max(local_master, default=0)
     if _fused_update(plan, backend):
         update = _looped_update_bytes(tx, master)
     else:
