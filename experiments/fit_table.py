@@ -69,27 +69,25 @@ ROWS += [
 
 NOTES = """\
 Notes:
-- Where the 8B full fine-tune can fit one 80 GB H100: bf16 weights (16.1 GB), fp32 master
-  (32.1 GB) and 8-bit moments (16.3 GB) are 64.5 GB; the fp32 gradients add 32.1 GB, so with
-  everything on the GPU the model states alone are 96.6 GB, over the card before any
-  activation. With the master and the 8-bit moments in host memory (48.5 GB there, as
-  XLA:GPU also counts) the estimate expects the GPU to hold the bf16 weights, the gradients,
-  the activations and one parameter's state at a time during the streamed update (70.8 GB).
-  XLA:GPU's program peaks at 87.4 GB: during the update it keeps several whole layer stacks'
-  fp32 master and 8-bit moments on the device at once (the copies in wait for the previous
-  parameter's results, but those results are copied back to the host late), so this row does
-  not fit yet.
-- ZeRO-Offload (the update on the host): XLA:GPU's device peak, 42.4 GB, is far under the
-  estimate (80.3 GB), which counts the gradients and the update's working set as the
-  device's; the host holds 224.8 GB per device (the 96.3 GB of master and moments, and the
-  host update's temporaries, whole fp32 stacks).
-- 8-bit AdamW updates each stack of layers one layer at a time (`zeroflow.optim.by_slices`) and
-  finds codes by comparing with all 255 midpoints of the map (a fused reduction); with every
-  moment dequantized and binary-searched at once the all-GPU row peaks at 171.6 GB.
-- One GPU, no offload: the estimate fuses each parameter's update direction into its update
-  and counts the largest loop output of the update (an 8-bit stack's fp32 direction and new
-  moments), as in the 8B rows; a 34M-parameter model of four scanned 8-bit stacks, compiled
-  the same way, holds all four loops' outputs at once (its estimate is 15% under XLA:GPU).
+- The 8B full fine-tune on one 80 GB H100: bf16 weights (16.1 GB), fp32 master (32.1 GB) and
+  8-bit moments (16.3 GB) are 64.5 GB between steps; on one device nothing sums the
+  gradients, so they stay in bf16 (16.1 GB) until the update reads them. All on the GPU, the
+  backward pass peaks just over the card. With the master and the moments in host memory
+  (48.5 GB there) it fits, updated on the GPU one parameter's state at a time (each
+  parameter's state is copied in once the previous parameter's results are back on the
+  host) or on the host (ZeRO-Offload: the bf16 gradients cross to the host and are widened
+  there; the host holds the state and the host update's temporaries, whole fp32 stacks).
+- 8-bit AdamW updates each stack of layers one layer at a time, in place
+  (`zeroflow.optim.adam`'s `_slice_by_slice`: each layer's direction and moments are written
+  over the slice it read), and finds codes by comparing with all 255 midpoints of the map (a
+  fused reduction); with the layers mapped into fresh zero-filled outputs the all-GPU row
+  peaked at 110.3 GB, with every moment dequantized and binary-searched at once at 171.6 GB.
+- The estimate counts, for an update on one GPU, each parameter's update direction fused into
+  its update except the largest loop's buffers (an 8-bit stack's fp32 direction and new
+  moments); with the state streamed in, one parameter's state as brought in and as made,
+  the gradients not yet read, and the loop's fp32 buffer. On a 34M-parameter model with one
+  512-token sequence, where activations weigh more, it is within 6.3% of XLA:GPU
+  (`experiments/results/one_gpu_estimates.md`).
 - Offloaded rows are compiled on CPU devices standing in for the GPUs
   (`zeroflow.memory.on_target`): the abstract GPUs of `zf.target_mesh` expose no memories,
   so jax drops a sharding's `pinned_host` memory kind on them; planned and traced on CPU

@@ -73,17 +73,25 @@ def test_offloaded_state_is_host_memory_on_abstract_gpus():
     assert est.model_states == pytest.approx(2 * psi / n, rel=1e-3)
 
 
-def test_zero_offload_on_one_gpu_estimate_within_10_percent_of_xla_gpu():
-    """ZeRO-Offload on one H100 (master and Adam moments in host memory, updated there),
-    compiled through CPU stand-ins that keep the host memory: the GPU holds the bf16 weights
-    and the bf16 gradients the backward pass makes (they are widened on the host), not an fp32
-    copy of them, and no update; the estimate follows XLA:GPU's peak within 10%."""
+@pytest.mark.parametrize("optimizer,update_on,accum", [
+    ("adamw", "host", 1), ("adamw", "host", 2), ("adamw", "device", 1), ("adamw_8bit", "device", 1)])
+def test_offloaded_one_gpu_estimate_within_10_percent_of_xla_gpu(optimizer, update_on, accum):
+    """Master and moments in host memory on one H100 (compiled through CPU stand-ins that keep
+    the host memory), one sequence of 512 tokens so that activations count: updated on the
+    host (ZeRO-Offload: the bf16 gradients cross to it, no update on the GPU) or streamed
+    through the GPU one parameter's state at a time (each parameter's state as brought in and
+    as made, the gradients not yet read, an 8-bit stack's fp32 loop buffer). With two
+    micro-batches an fp32 sum of the gradients stays on the GPU beside each micro-batch's bf16
+    ones. The estimate follows XLA:GPU's peak within 10%."""
     params = _params()
     plan = zf.ZeroPlan(zf.target_mesh("h100", data=1), stage=3, offload="optimizer",
-                       update_on="host")
-    prec, tx = zf.Precision(params="bf16"), optax.adamw(1e-3)
-    got, measured = zf.memory.measure_step(loss_fn, params, BATCH, tx, plan, prec)
-    est = zf.memory.estimate_step(loss_fn, params, BATCH, tx, plan, prec)
+                       update_on=update_on)
+    prec = zf.Precision(params="bf16")
+    tx = optax.adamw(1e-3) if optimizer == "adamw" else zf.optim.adamw_8bit(1e-3)
+    batch = {"tokens": jax.ShapeDtypeStruct((accum, 513), jnp.int32)}
+    got, measured = zf.memory.measure_step(loss_fn, params, batch, tx, plan, prec,
+                                           grad_accum=accum)
+    est = zf.memory.estimate_step(loss_fn, params, batch, tx, plan, prec, grad_accum=accum)
     psi = sum(x.size for x in jax.tree.leaves(params))
-    assert got.host_argument_bytes >= 12 * psi  # the ZeRO formula's K = 12 bytes, on the host
+    assert got.host_argument_bytes >= 4 * psi  # the fp32 master, at least, is on the host
     assert abs(est.peak_bytes / measured - 1) < 0.10, (est.terms(), measured)

@@ -116,6 +116,28 @@ def test_trainer_trains_adapters_only_and_its_loss_is_peft_on_its_checkpoint(lor
     assert abs(result.losses[2] - result.losses[1]) > 1e-3  # the adapters moved the loss
 
 
+def test_lora_run_resumes_as_if_uninterrupted(lora_run, tmp_path):
+    """A LoRA run stopped after step 1 and resumed from its checkpoint (adapters, their AdamW
+    state and the frozen base restored) makes step 2 exactly as the uninterrupted run did."""
+    import dataclasses
+    import shutil
+    copy = tmp_path / "run"
+    shutil.copytree(lora_run["run"], copy)
+    shutil.rmtree(copy / "checkpoints" / "2")
+    cfg = lora_run["cfg"]
+    resumed_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(copy)))
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        result = train(resumed_cfg)
+    assert "resumed from step 1" in shown.getvalue()
+    assert sorted(result.losses) == [2]
+    assert result.losses[2] == lora_run["result"].losses[2]
+    _, resumed = _checkpoint(resumed_cfg, 2)
+    _, uninterrupted = _checkpoint(cfg, 2)
+    for name, value in _flat(uninterrupted).items():
+        np.testing.assert_array_equal(_flat(resumed)[name], value, err_msg=name)
+
+
 def test_merged_hf_export_and_peft_folder_give_our_adapted_logits(lora_run):
     import zeroflow as zf
     from zeroflow.models import GPT

@@ -163,8 +163,9 @@ def test_streamed_update_equals_the_whole_update(tx):
 
 
 def test_streamed_update_waits_for_the_previous_parameter():
-    """Each parameter's offloaded state is used only after the previous parameter's results
-    exist (``after``), so the device holds one parameter's state at a time."""
+    """Each parameter's offloaded state is copied in only after the previous parameter's
+    results have been copied back to the host, so the device holds one parameter's state at a
+    time (XLA:GPU otherwise copies every result out at the end of the step)."""
     tx = make_tx()
     plan = zf.ZeroPlan(zf.make_mesh(), stage=3, offload="optimizer")
     state = zf.init_train_state(init_params(), tx, plan, zf.Precision())
@@ -191,23 +192,23 @@ def test_streamed_update_waits_for_the_previous_parameter():
                 ancestors(v, seen)
         return seen
 
-    users = {}
-    for e in jaxpr.eqns:
-        for v in e.invars:
-            if not isinstance(v, jax.extend.core.Literal):
-                users.setdefault(v, []).append(e)
     n_params = len(jax.tree.leaves(state.master))
     by_param = [[c for c in copies if c.outvars[0].aval.shape == p.shape] for p in
                 jax.tree.leaves(state.master)]
     assert all(by_param) and len(copies) >= n_params
-    # The first use of parameter i's state (a select from ``after``) depends on the copy of
-    # parameter i-1's state: the update of i cannot start before i-1's is done.
+    # The copy in of parameter i's state depends on the copy of parameter i-1's results back
+    # to the host, which depends on that parameter's state: the update of i cannot start
+    # before i-1's is done and out of device memory.
+    sent = {id(e): e for e in jaxpr.eqns if e.primitive.name == "device_put"
+            and any(getattr(d, "memory_kind", None) == "pinned_host" for d in e.params["devices"])}
     order = sorted(range(n_params), key=lambda i: jaxpr.eqns.index(by_param[i][0]))
     for before, after in zip(order, order[1:]):
-        first_use = users[by_param[after][0].outvars[0]][0]
-        deps = set().union(*(ancestors(v) for v in first_use.invars
+        copy_in = by_param[after][0]
+        deps = set().union(*(ancestors(v) for v in copy_in.invars
                              if not isinstance(v, jax.extend.core.Literal)))
         assert id(by_param[before][0]) in deps, (before, after)
+        assert any(sent[d].invars[0].aval.shape == by_param[before][0].outvars[0].aval.shape
+                   for d in deps & sent.keys()), (before, after)
 
 
 def test_update_that_mixes_parameters_is_not_streamed():

@@ -105,8 +105,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
         local, _compute_params(state, plan, layout, route_tree), batch, scale, extras,
         plan=plan, layout=layout, routes=route_tree)
 
-    # Unscale in fp32 and average over devices and micro-batches; gradients bound for the host
-    # in their own dtype (native_gradients) are unscaled there, by the update.
+    # Unscale in fp32 and average over devices and micro-batches; gradients in their own dtype
+    # (native_gradients) are widened and unscaled where the update reads them.
     divisor = scale * (n * grad_accum)
     if native_gradients(plan, grad_accum):
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
@@ -175,9 +175,14 @@ def _updated(grads, state: TrainState, finite, divisor, *, tx: optax.GradientTra
              plan: ZeroPlan, prec: Precision, layout: StepLayout):
     """``(new_master, new_opt_state, new_compute)``: the optax update wherever the plan keeps
     the state (on the device; offloaded and streamed through the device; on the host).
-    ``divisor``: what host-bound gradients in their own dtype (``native_gradients``) are still
-    to be divided by, after widening; None where they come unscaled."""
+    ``divisor``: what gradients in their own dtype (``native_gradients``) are still to be
+    divided by, after widening; None where they come unscaled."""
     shard, pads = layout.state, state.padding
+
+    def unscaled(grads, divisor):
+        return grads if divisor is None else jax.tree.map(
+            lambda g: g.astype(jnp.float32) / divisor, grads)
+
     # Whole compute weights are gathered from the updated shards at stages 1-2: leaf after leaf
     # where the compiler widens half precision (one_at_a_time), else stacks slice by slice.
     whole_compute = state.compute is not None and not plan.shards_compute
@@ -186,6 +191,8 @@ def _updated(grads, state: TrainState, finite, divisor, *, tx: optax.GradientTra
     apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads,
                               skip_by_select=not plan.traits.cond_updates_in_place)
     compute_on_device = frozen_weights.split(layout.compute_on_device, layout.trainable)[0]
+    if not plan.updates_on_host:  # on the device: widened as each leaf's update reads it
+        grads = unscaled(grads, divisor)
     if not plan.offloads:
         new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
                                                  compute_shardings=one_by_one and shard.compute)
@@ -201,9 +208,7 @@ def _updated(grads, state: TrainState, finite, divisor, *, tx: optax.GradientTra
 
         def unscaled_apply(grads, master, opt_state, scalars):
             finite, divisor = scalars
-            if divisor is not None:
-                grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
-            return apply(grads, master, opt_state, finite)
+            return apply(unscaled(grads, divisor), master, opt_state, finite)
         return offload.on_host(unscaled_apply)(host_grads, state.master, state.opt_state,
                                                host_scalars)
     # Offloaded state updated on the device, one parameter's state brought in at a time; an

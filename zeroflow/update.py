@@ -160,28 +160,32 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     stored = jax.tree.leaves(grads) + master_leaves + opt_leaves
     host_shardings = (jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state))
 
-    def fetch(k, tie):
-        """Input ``k`` on the device in its own shape: grads are there; offloaded state is
-        copied in, and its use waits for ``tie`` (the previous parameter's results)."""
-        value = stored[k]
-        if k >= n_grads:
-            if tie is not None:  # the copy in waits too: XLA:GPU would start every copy at once
-                value = jax.lax.optimization_barrier((value, tie))[0]
-            value = offload.to_memory(value, host_shardings[k - n_grads], "device")
-            value = after(value, tie) if tie is not None else value
-        return value if entries[k] is None else padding.cut_to(value, *entries[k])
-
-    outs = _replay_by_parameter(closed, groups, plan, fetch, finite, n_grads=n_grads,
-                                n_params=len(master_leaves))
-    n_master = len(master_leaves)
     repad = lambda x, e: x if e is None else padding.pad_to(  # noqa: E731
         x, e[0], -(-e[1] // pads.data_size) * pads.data_size)
+
+    def fetch(k, tie):
+        """Input ``k`` on the device in its own shape: grads are there; offloaded state is
+        copied in once ``tie`` (the previous parameter's results, back in host memory) is
+        there: XLA:GPU would otherwise start every copy in at once, and copy every result out
+        at the end of the step, holding the whole state on the device."""
+        value = stored[k]
+        if k >= n_grads:
+            if tie is not None:
+                value = jax.lax.optimization_barrier((value, tie))[0]
+            value = offload.to_memory(value, host_shardings[k - n_grads], "device")
+        return value if entries[k] is None else padding.cut_to(value, *entries[k])
+
+    def send(k, value):
+        """Output ``k`` back to host memory, in the state's sharding, padded as stored."""
+        return offload.to_memory(repad(value, entries[n_grads + k]), host_shardings[k],
+                                 "pinned_host")
+
+    outs, back = _replay_by_parameter(closed, groups, plan, fetch, send, finite,
+                                      n_grads=n_grads, n_params=len(master_leaves))
+    n_master = len(master_leaves)
     new_compute = None if compute_dtype is None else [
         repad(x.astype(compute_dtype), e) for x, e in
         zip(outs[:n_master], pads.compute or [None] * n_master)]
-    # Results go straight back to host memory, in the state's shardings, padded as stored.
-    back = [offload.to_memory(repad(x, e), s, "pinned_host")
-            for x, s, e in zip(outs, host_shardings, entries[n_grads:])]
     master_tree, opt_tree = out_shape
     new_master = jax.tree.unflatten(jax.tree.structure(master_tree), back[:n_master])
     new_opt = jax.tree.unflatten(jax.tree.structure(opt_tree), back[n_master:])
@@ -190,12 +194,13 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     return new_master, new_opt, new_compute
 
 
-def _replay_by_parameter(closed, groups: list[int], plan, fetch, finite, *, n_grads: int,
-                         n_params: int) -> list:
-    """The update's outputs, its jaxpr replayed one group at a time (``_grouping``: the shared
+def _replay_by_parameter(closed, groups: list[int], plan, fetch, send, finite, *, n_grads: int,
+                         n_params: int) -> tuple[list, list]:
+    """The update's outputs on the device and as sent (``send(k, value)``, as soon as a group
+    has made them), its jaxpr replayed one group at a time (``_grouping``: the shared
     computations first, then parameter after parameter). A group's inputs are fetched when its
-    turn comes (``fetch(k, tie)``, ``tie`` the previous parameter's results); an output keeps
-    its input's value where the step is not ``finite``."""
+    turn comes (``fetch(k, tie)``, ``tie`` the previous parameter's sent results); an output
+    keeps its input's value where the step is not ``finite``."""
     jaxpr = closed.jaxpr
     eqn_group, out_group = plan
     env = dict(zip(jaxpr.constvars, closed.consts))
@@ -205,6 +210,7 @@ def _replay_by_parameter(closed, groups: list[int], plan, fetch, finite, *, n_gr
         return atom.val if isinstance(atom, Literal) else env[atom]
 
     outs: list = [None] * len(jaxpr.outvars)
+    sent: list = [None] * len(jaxpr.outvars)
     previous = None
     for group in [-1] + list(range(n_params)):
         tie = previous if group >= 0 else None
@@ -221,9 +227,10 @@ def _replay_by_parameter(closed, groups: list[int], plan, fetch, finite, *, n_gr
             before = fetched.get(n_grads + k)  # the output's own input (same tree position)
             new = read(var)
             outs[k] = new if before is None else jnp.where(finite, new, before)
-            results.append(outs[k])
+            sent[k] = send(k, outs[k])
+            results.append(sent[k])
         previous = results or previous
-    return outs
+    return outs, sent
 
 
 def _own_shape(shape, entry):

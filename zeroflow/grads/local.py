@@ -163,9 +163,8 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
         x, r, plan.data_size, varying, plan.weight_copies), params, routes)
     wire = Transit.of(plan)
-    # Nothing sums the gradients (one data device, one micro-batch) and the update runs on the
-    # host: they leave the device as the backward pass made them and are widened there, so
-    # the device never holds an fp32 copy of a half-precision gradient (see native_gradients).
+    # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
+    # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
     gather_layer = None if per_layer is None else _layer_gatherer(routes[per_layer],
                                                                   dtypes[per_layer], varying, wire)
@@ -254,10 +253,12 @@ def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
 
 def native_gradients(plan: ZeroPlan, grad_accum: int) -> bool:
     """Whether the step's gradients stay in the dtype the backward pass makes them in (the
-    compute dtype for half-precision weights) until the update widens them: where they go to
-    the host for the update (ZeRO-Offload) and no sum over devices or micro-batches needs
-    fp32. The values are the same: widening later is exact."""
-    return plan.updates_on_host and plan.data_size == 1 and grad_accum == 1
+    compute dtype for half-precision weights) until the update reads them, widened and
+    unscaled there, leaf by leaf: where no sum over devices or micro-batches needs fp32 (one
+    data device, one micro-batch). No whole fp32 copy of the gradients is made before the
+    update, and with the update on the host (ZeRO-Offload) they cross to it at half the size.
+    The values are the same: widening later is exact."""
+    return plan.data_size == 1 and grad_accum == 1
 
 
 def _over_micro_batches(grads_of, batch, extras, grad_accum: int, varying):

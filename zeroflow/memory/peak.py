@@ -6,10 +6,12 @@
   optimizer state, as the plan shards and offloads them) and the batch: the step's arguments;
 - ``whole_weights``: fp32 compute at stages 1-2 keeps no compute copy, so each step gathers the
   whole weights from the master shards for the forward and backward pass;
-- ``gradients``: the fp32 gradients the backward pass leaves, whole where they are all-reduced
-  (stage 0, stage 1 with accumulation) and 1/N where they are reduce-scattered on use; none
-  for frozen weights (``trainable=``), which are stored once in the compute dtype (part of
-  ``model_states``) and keep no master copy or optimizer state;
+- ``gradients``: the gradients the backward pass leaves, fp32, whole where they are
+  all-reduced (stage 0, stage 1 with accumulation) and 1/N where they are reduce-scattered on
+  use; in the compute dtype where nothing sums them (one data device, one micro-batch:
+  ``native_gradients``); none for frozen weights (``trainable=``), which are stored once in
+  the compute dtype (part of ``model_states``) and keep no master copy or optimizer state;
+  a stack a scan reads one layer at a time gets its gradient buffer whole, up front;
 - ``activations``: what the backward pass keeps from the forward pass in device memory (the
   residuals of ``jax.vjp`` of the loss on one device's micro-batch, the weights themselves
   excluded); residuals a remat policy offloads (remat 'offload_dots') are ``host_activations``,
@@ -22,7 +24,9 @@
 - ``update``: while the optimizer runs: the gradients, the update direction optax builds (one
   fp32 array per master shard; on one GPU fused into each leaf's update, except a loop's
   outputs, ``_looped_update_bytes``) and, with ``offload="optimizer", update_on="device"``,
-  the master and optimizer state brought in from the host.
+  one parameter's master and optimizer state brought in from the host and made anew beside
+  it, with the gradients not yet read; with ``update_on="host"``, only the gradients waiting
+  for their copy to the host.
 
 The peak is ``model_states + max(backward, update)`` with ``backward = whole_weights +
 gradients + activations + layer_in_flight + widened``. docs/memory.md compares it with
@@ -218,12 +222,17 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
         gathered_whole = [g + (width * w if r.fetch is not Fetch.PER_LAYER else 0.0)
                           for g, w, r in zip(gathered_whole, whole, flat_routes)]
-    # Gradients leave the backward pass in fp32, except where they go to the host for the update
-    # as the backward pass makes them (native_gradients): in the weights' dtype there, unless
-    # reduced on use (fp32 stand-ins).
+    # Gradients leave the backward pass in fp32, except where nothing sums them: they stay as
+    # the backward pass makes them until the update reads them (native_gradients), in the
+    # weights' dtype unless reduced on use (fp32 stand-ins).
     native = native_gradients(plan, grad_accum)
-    grad_widths = [width if native and r.reduce is not Reduce.ON_USE else F32 for r in flat_routes]
-    grads = [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w) * (2 if grad_accum > 1 else 1)
+    # With accumulation, an fp32 sum beside each micro-batch's own gradients, which stay in the
+    # compute dtype (their widening fuses into the sum) unless reduce-scattered first (or
+    # widened by XLA:CPU).
+    made = [width if r.reduce not in (Reduce.ON_USE, Reduce.AFTER) else F32 for r in flat_routes]
+    grad_widths = [(F32 + (F32 if widening else m)) if grad_accum > 1 else (m if native else F32)
+                   for m in made]
+    grads = [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w)
              for w, r, gw in zip(whole, flat_routes, grad_widths)]
 
     # Traced for the backend compiled for: a remat policy may offload only where host memory
@@ -265,8 +274,9 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
               + (fetched if plan.shards_compute else 0) * unit + unit_grad_width * unit_grad
               + widened - reused)
-    update = sum(grads) + _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
-                                        flat_routes, plan, backend, native)
+    update = _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
+                           flat_routes, plan, backend, native,
+                           grads=[g for g, t in zip(grads, flat_mask) if t])
     host_state = _state_bytes(state_arrays, "pinned_host")
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
@@ -324,30 +334,46 @@ def _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, wide
         # stack per iteration, except a stack split over devices along its stacked axis.
         scanned = scanned_leaves(loss_fn, master, micro, extras)
         return [s and r.dim != 0 for s, r in zip(scanned, flat_routes)]
-    return [False] * len(paths)
+    # Weights used where they are: the loss's own scans read one slice per iteration, and
+    # their backward pass writes the stack's gradient into a whole buffer made up front.
+    return scanned_leaves(loss_fn, master, micro, extras)
 
 
 def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backend: str,
-                  native: bool = False) -> float:
-    """What the update holds on the device besides the gradients: the update direction, whole
-    where the gradients were all-reduced (XLA keeps the reduced and the unscaled gradients),
-    fused into each leaf's update where they arrive sharded; and offloaded state brought in.
-    An update on the host (ZeRO-Offload) holds nothing on the device: the gradients wait there
-    for their copy to the host, unscaled one leaf at a time on the way unless ``native`` (they
-    are unscaled on the host)."""
+                  native: bool = False, *, grads: list[float]) -> float:
+    """What the device holds while the update runs: the gradients (``grads``, one per leaf
+    of ``master``, the trainable parameters), the update direction, whole where the gradients
+    were all-reduced (XLA keeps the reduced and the unscaled gradients), fused into each leaf's
+    update where they arrive sharded; and offloaded state brought in. An update on the host
+    (ZeRO-Offload) holds only the gradients waiting for their copy to the host, unscaled one
+    leaf at a time on the way unless ``native`` (they are unscaled on the host)."""
     local_master = [_local_elements(a.shape, sh) for a, sh in
                     zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
     if plan.updates_on_host and backend != "cpu":
-        return 0.0 if native else F32 * max(local_master, default=0)
+        return sum(grads) + (0.0 if native else F32 * max(local_master, default=0))
+    streams = plan.offloads and backend != "cpu"
     if _fused_update(plan, backend):
-        update = _looped_update_bytes(tx, master)
+        # (streamed: the loop's new state is the parameter's state as made, counted below)
+        direction = _looped_update_bytes(tx, master, only_fp32=streams)
     else:
         all_reduced = not any(r.sharded_grad for r in flat_routes)
-        update = F32 * (sum(local_master) if all_reduced else max(local_master))
-    if plan.offloads and not plan.updates_on_host and backend != "cpu":
+        direction = F32 * (sum(local_master) if all_reduced else max(local_master))
+    if not streams:
         # (XLA:CPU's host and device memory are one: nothing is brought in there.)
-        update += _streamed_in_bytes(master, stored, shard, tx)
-    return update
+        return sum(grads) + direction
+    shared, per_parameter = _streamed_in_bytes(master, stored, shard, tx)
+    if per_parameter is None:  # not streamable: all of the state comes in at once
+        return sum(grads) + direction + shared
+    # Streamed one parameter at a time, each one's results back on the host before the next
+    # one's state comes in: parameter i's update holds its state twice (as brought in, and
+    # as made: a skipped step keeps the old values, so both live until the new ones are back
+    # on the host) and the gradients not yet read (its own, unless a loop widened it into
+    # ``direction``, and those after it).
+    # A gradient a loop reads is widened into the loop's fp32 buffer (``direction``).
+    looped = _looped_gradients(tx, master) if direction else [False] * len(grads)
+    left = [sum(grads[i + 1:]) + (0.0 if looped[i] else grads[i]) for i in range(len(grads))]
+    return direction + shared + max((g + 2 * s for g, s in zip(left, per_parameter)),
+                                    default=0.0)
 
 
 def _fused_update(plan: ZeroPlan, backend: str) -> bool:
@@ -358,25 +384,51 @@ def _fused_update(plan: ZeroPlan, backend: str) -> bool:
     return plan.data_size == 1 and backend != "cpu" and not plan.updates_on_host
 
 
-def _looped_update_bytes(tx, master) -> float:
+def _looped_update_bytes(tx, master, only_fp32: bool = False) -> float:
     """The largest output of a loop inside ``tx.update`` (8-bit AdamW updates each stack of
     layers one slice at a time, ``zeroflow.optim.by_slices``): a loop's outputs (the stack's
     fp32 direction and its new moments) are whole buffers before the rest of the update reads
-    them. Bytes of the whole parameters: used where nothing is split over devices."""
+    them; ``only_fp32``: its fp32 outputs only (the direction, and the moments' scales). Bytes
+    of the whole parameters: used where nothing is split over devices."""
+    return _update_loops(tx, master, only_fp32)[0]
+
+
+def _looped_gradients(tx, master) -> list[bool]:
+    """For each leaf of ``master``: whether a loop inside ``tx.update`` reads its gradient
+    (derived from it alone, scalars aside), widened into the loop's fp32 buffer."""
+    return _update_loops(tx, master, True)[1]
+
+
+def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
     opt_state = jax.eval_shape(tx.init, master)
     closed = jax.make_jaxpr(tx.update)(master, opt_state, master)
+    count = len(jax.tree.leaves(master))
+    looped = [False] * count
 
-    def largest(jaxpr) -> float:
+    def walk(jaxpr, sources) -> float:
+        """``sources``: for each variable, the gradients it is computed from."""
         found = 0.0
         for eqn in jaxpr.eqns:
+            # (a scalar, such as a global norm, does not make a gradient another's)
+            inputs = [sources.get(v, frozenset()) if not isinstance(v, Literal) and v.aval.ndim
+                      else frozenset() for v in eqn.invars]
             if eqn.primitive.name in ("scan", "while"):
                 found = max(found, float(sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize
-                                             for v in eqn.outvars)))
+                                             for v in eqn.outvars
+                                             if not only_fp32 or v.aval.dtype == jnp.float32)))
+                for leaves in inputs:
+                    if len(leaves) == 1:
+                        looped[next(iter(leaves))] = True
             elif jaxprs.call_body(eqn) is not None:
-                found = max(found, largest(jaxprs.open_jaxpr(jaxprs.call_body(eqn))[0]))
+                inner, _ = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
+                found = max(found, walk(inner, dict(zip(inner.invars, inputs))))
+            derived = frozenset().union(*inputs)
+            sources.update((v, derived) for v in eqn.outvars)
         return found
 
-    return largest(closed.jaxpr)
+    # tx.update(updates, opt_state, params): the gradients are its first inputs
+    first = {v: frozenset([i]) for i, v in enumerate(closed.jaxpr.invars[:count])}
+    return walk(closed.jaxpr, first), looped
 
 
 def _micro_batch(batch, n: int, grad_accum: int):
@@ -426,9 +478,11 @@ def _without_data(spec):
     return P(*[None if axis == DATA else axis for axis in spec])
 
 
-def _streamed_in_bytes(master, stored, shard, tx) -> float:
-    """Offloaded state that an on-device update holds at once: one parameter's master and
-    optimizer state when ``zeroflow.update.streamed`` can split the update, else all of it."""
+def _streamed_in_bytes(master, stored, shard, tx) -> tuple[float, list[float] | None]:
+    """Offloaded state an on-device update brings in: ``(shared, per parameter)``, the state
+    shared by all parameters (a step count) and each parameter's master and optimizer state,
+    in the order of ``master``'s leaves, where ``zeroflow.update.streamed`` can split the
+    update; ``(all of it, None)`` where it cannot."""
     from zeroflow.update import owners, streamable
     on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
     sizes = ([_device_bytes(_with_shardings(m, s)) for m, s in
@@ -436,14 +490,17 @@ def _streamed_in_bytes(master, stored, shard, tx) -> float:
              + [_device_bytes(_with_shardings(o, s)) for o, s in
                 zip(jax.tree.leaves(stored.opt_state), jax.tree.leaves(on_device(shard.opt_state)))])
     if not streamable(tx, master):
-        return float(sum(sizes))
-    groups = (list(range(len(jax.tree.leaves(master))))
-              + owners(tx, master, jax.eval_shape(tx.init, master)))
-    per_group: dict = {}
+        return float(sum(sizes)), None
+    count = len(jax.tree.leaves(master))
+    groups = list(range(count)) + owners(tx, master, jax.eval_shape(tx.init, master))
+    per_group = [0.0] * count
+    shared = 0.0
     for g, size in zip(groups, sizes):
-        per_group[g] = per_group.get(g, 0.0) + size
-    shared = per_group.pop(-1, 0.0)
-    return shared + max(per_group.values(), default=0.0)
+        if g < 0:
+            shared += size
+        else:
+            per_group[g] += size
+    return shared, per_group
 
 
 def remat_recompute_bytes(plain, remat, *, grad_accum: int, num_layers: int,

@@ -106,6 +106,20 @@ def moment_bytes(optimizer: str, shape: tuple[int, ...], block_size: int = BLOCK
     raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {list(ADAMW_CHOICES)}")
 
 
+def _slice_by_slice(step, arrays: tuple) -> tuple:
+    """``step`` on each leading-axis slice of ``arrays``, its results written over the slice it
+    read: ``step`` returns, for every input, an array of the input's slice shape and dtype.
+    The loop's buffers are the inputs' own, so where an input is not read afterwards (the
+    gradient, whose buffer takes the update direction) XLA updates it in place; a
+    ``lax.map`` would allocate fresh zero-filled outputs, which XLA:GPU may create early,
+    merged with other parameters' (whole stacks of fp32 alive before their update starts)."""
+    def body(i, arrays):
+        sliced = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in arrays]
+        return tuple(jax.lax.dynamic_update_index_in_dim(x, new, i, 0)
+                     for x, new in zip(arrays, step(*sliced)))
+    return jax.lax.fori_loop(0, jnp.shape(arrays[0])[0], body, tuple(arrays))
+
+
 def _store_moments(mu, nu, block_size, small):
     """(mu codes, mu scales, nu codes, nu scales) of fp32 moments. The second moment is quantized
     as its square root: sqrt(nu) is on |g|'s scale like mu, so the map's seven decades reach
@@ -167,7 +181,7 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
             state = (g, mu_codes, mu_scales, nu_codes, nu_scales)
             if not small and by_slices(jnp.shape(g)):
-                return jax.lax.map(lambda sliced: step(*sliced), state)
+                return _slice_by_slice(step, state)
             return step(*state)
 
         direction, mu_codes, mu_scales, nu_codes, nu_scales = _unzip(
