@@ -84,7 +84,7 @@ def gpt_row(stage: int, devices: int, offload: str = "none", remat: str = "full"
                            update_on="device", remat=remat)
     measured = zf.memory.measure(setup.step, setup.state, setup.batch)
     est = estimate_config_step(cfg, num_devices=devices, stage=stage, offload=offload,
-                               update_on="device", remat=remat)
+                               update_on="device", remat=remat, backend="cpu")
     host = state_bytes(setup.state).get("pinned_host", 0)
     return {"measured": measured.total_bytes - host, "estimate": est.peak_bytes,
             "phase": est.phase, "psi": setup.num_params}

@@ -150,14 +150,19 @@ def _stream_in_jvp(primals, tangents):
 
 
 _FETCHING = frozenset({"all_gather", "device_put", "pcast", "pvary"})
+# Layout changes: a fetched weight is often one of these away from its gather (the sliced
+# gather's moveaxis and reshape, the cut of a padded weight). Saving their output would keep
+# the fetched weight after all; not saving it costs nothing, as their input (the same bytes)
+# is saved instead wherever it is saveable.
+_RELAID = frozenset({"transpose", "reshape", "slice"})
 
 
 def save_all_but_fetched(prim, *_, **__) -> bool:
     """A ``jax.checkpoint`` policy: save whatever the backward pass needs, except weights being
-    fetched (all-gathered, copied in from the host). Those are fetched again in the backward
-    pass, from the shard or host slice the forward pass read, so a scanned layer stack keeps no
-    whole per-layer weight for the backward pass."""
-    return prim.name not in _FETCHING
+    fetched (all-gathered, copied in from the host) and layout changes of them. Those are
+    fetched again in the backward pass, from the shard or host slice the forward pass read, so
+    a scanned layer stack keeps no whole per-layer weight for the backward pass."""
+    return prim.name not in _FETCHING and prim.name not in _RELAID
 
 
 _FLIP = 0x8000

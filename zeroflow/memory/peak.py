@@ -227,11 +227,11 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # weights' dtype unless reduced on use (fp32 stand-ins).
     native = native_gradients(plan, grad_accum)
     # With accumulation, an fp32 sum beside each micro-batch's own gradients, which stay in the
-    # compute dtype (their widening fuses into the sum) unless reduce-scattered first (or
-    # widened by XLA:CPU).
+    # compute dtype (their widening fuses into the sum) unless reduce-scattered first. XLA:CPU
+    # computes half precision in fp32 and keeps the gradients so.
     made = [width if r.reduce not in (Reduce.ON_USE, Reduce.AFTER) else F32 for r in flat_routes]
-    grad_widths = [(F32 + (F32 if widening else m)) if grad_accum > 1 else (m if native else F32)
-                   for m in made]
+    made = [F32 if widening else m for m in made]
+    grad_widths = [(F32 + m) if grad_accum > 1 else (m if native else F32) for m in made]
     grads = [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w)
              for w, r, gw in zip(whole, flat_routes, grad_widths)]
 
@@ -246,7 +246,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # The unit's local fp32 gradient: of its trainable weights only.
     unit_grad = (sum(w / shape[0] for w, shape, t in layer_stack if t) if layer_stack
                  else max((w for w, t in zip(whole, flat_mask) if t), default=0.0))
-    unit_grad_width = width if native else F32
+    unit_grad_width = width if native and not widening else F32
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
     # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place,
     # as is every weight on a single device (stage 3 there gathers nothing).
