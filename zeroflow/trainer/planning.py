@@ -169,7 +169,9 @@ def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
                          remat: str | None = None, backend: str | None = None) -> PeakEstimate:
     """``zf.memory.estimate_step`` for the trainer's GPT step of ``cfg`` on ``num_devices``
     data-parallel devices (times ``parallel.model``); keywords override ``parallel.*`` /
-    ``model.remat``. Needs no devices (a planning mesh) and allocates nothing."""
+    ``model.remat``. Needs no devices (a planning mesh) and allocates nothing. ``backend``:
+    "gpu" or "cpu"; by default the planning mesh's, a GPU's (pass "cpu" to compare with a step
+    compiled by XLA:CPU)."""
     choice = dict(num_devices=num_devices, stage=stage, offload=offload, update_on=update_on,
                   planning=True)
     parts = gpt_step_parts(cfg, remat=remat, **choice)
