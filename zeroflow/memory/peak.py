@@ -35,6 +35,7 @@ gradients + activations + layer_in_flight + widened``. docs/memory.md compares i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -229,8 +230,8 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # With accumulation, an fp32 sum beside each micro-batch's own gradients, which stay in the
     # compute dtype (their widening fuses into the sum) unless reduce-scattered first. XLA:CPU
     # computes half precision in fp32 and keeps the gradients so.
-    made = [width if r.reduce not in (Reduce.ON_USE, Reduce.AFTER) else F32 for r in flat_routes]
-    made = [F32 if widening else m for m in made]
+    made = [F32 if widening or r.reduce in (Reduce.ON_USE, Reduce.AFTER) else width
+            for r in flat_routes]
     grad_widths = [(F32 + m) if grad_accum > 1 else (m if native else F32) for m in made]
     grads = [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w)
              for w, r, gw in zip(whole, flat_routes, grad_widths)]
@@ -352,9 +353,10 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backen
     if plan.updates_on_host and backend != "cpu":
         return sum(grads) + (0.0 if native else F32 * max(local_master, default=0))
     streams = plan.offloads and backend != "cpu"
+    looped = [False] * len(grads)
     if _fused_update(plan, backend):
         # (streamed: the loop's new state is the parameter's state as made, counted below)
-        direction = _looped_update_bytes(tx, master, only_fp32=streams)
+        direction, looped = _update_loops(tx, master, only_fp32=streams)
     else:
         all_reduced = not any(r.sharded_grad for r in flat_routes)
         direction = F32 * (sum(local_master) if all_reduced else max(local_master))
@@ -367,13 +369,12 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backen
     # Streamed one parameter at a time, each one's results back on the host before the next
     # one's state comes in: parameter i's update holds its state twice (as brought in, and
     # as made: a skipped step keeps the old values, so both live until the new ones are back
-    # on the host) and the gradients not yet read (its own, unless a loop widened it into
-    # ``direction``, and those after it).
-    # A gradient a loop reads is widened into the loop's fp32 buffer (``direction``).
-    looped = _looped_gradients(tx, master) if direction else [False] * len(grads)
-    left = [sum(grads[i + 1:]) + (0.0 if looped[i] else grads[i]) for i in range(len(grads))]
-    return direction + shared + max((g + 2 * s for g, s in zip(left, per_parameter)),
-                                    default=0.0)
+    # on the host) and the gradients not yet read: those after it, and its own unless a loop
+    # widened it into its fp32 buffer (``direction``).
+    later = list(itertools.accumulate(reversed(grads)))[::-1][1:] + [0.0]
+    return direction + shared + max(
+        (after + (0.0 if loop else g) + 2 * state
+         for g, after, loop, state in zip(grads, later, looped, per_parameter)), default=0.0)
 
 
 def _fused_update(plan: ZeroPlan, backend: str) -> bool:
@@ -393,13 +394,9 @@ def _looped_update_bytes(tx, master, only_fp32: bool = False) -> float:
     return _update_loops(tx, master, only_fp32)[0]
 
 
-def _looped_gradients(tx, master) -> list[bool]:
-    """For each leaf of ``master``: whether a loop inside ``tx.update`` reads its gradient
-    (derived from it alone, scalars aside), widened into the loop's fp32 buffer."""
-    return _update_loops(tx, master, True)[1]
-
-
 def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
+    """``(the largest loop's output bytes, as _looped_update_bytes; for each leaf of
+    ``master``, whether a loop reads its gradient, derived from it alone, scalars aside)``."""
     opt_state = jax.eval_shape(tx.init, master)
     closed = jax.make_jaxpr(tx.update)(master, opt_state, master)
     count = len(jax.tree.leaves(master))
