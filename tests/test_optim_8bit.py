@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import zeroflow as zf
-from helpers import REPO, assert_leaves_close, assert_leaves_equal, bytes_on, train_losses
+from helpers import REPO, assert_leaves_equal, bytes_on, train_losses
 
 # --- the scheme in numpy (Dettmers et al. 2022, section 2 and appendix) -------------------------
 
@@ -254,9 +254,13 @@ def test_stage3_on_8_devices_matches_one_device(moments):
         if got.dtype == np.float32 and moments != "8bit":
             np.testing.assert_allclose(got, want, rtol=1e-5)
         elif got.dtype == np.float32:  # the scales, the bias's fp32 moments
-            # A code one step off (below) feeds the next step's moment and so, where it is the
-            # block's largest, its scale: a few scales in a hundred move by up to 1e-4.
-            assert np.mean(~np.isclose(got, want, rtol=1e-5, atol=0)) < 0.02
+            # A scale is its block's largest |moment|, a decayed sum of gradients that are each
+            # a sum of 16 per-example products, split into 8 partial sums on 8 devices: fp32
+            # rounds each order differently by up to 15 * 2**-24 (9e-7) of the sum of the
+            # terms' magnitudes, so an entry whose terms cancel k-fold moves by k * 9e-7. 1e-4
+            # allows k up to 100 (the largest seen, on AMD EPYC at AVX512, AVX2 and AVX: 3.7e-5
+            # on "odd", whose output columns past the third get no gradient). How many scales
+            # move past 1e-5 is not bounded: that counts the CPU's rounding events, not a property.
             np.testing.assert_allclose(got, want, rtol=1e-4)
         else:  # codes and bf16 moments
             assert np.mean(got != want) < 1e-3
@@ -315,7 +319,16 @@ def test_checkpoint_restores_onto_other_meshes_and_stages(tmp_path):
         restored = zf.restore_checkpoint(tmp_path / "ckpt", like)
         assert_leaves_equal(zf.padding.unpad(restored.opt_state, restored.padding.opt_state), saved)
         _, resumed, _ = train_losses(step(loss_fn, tx, plan, prec), restored, BATCHES[2:])
-        assert_leaves_close(resumed.master_params, want.master_params, rtol=1e-6, atol=1e-7)
+        # The restored state is bit-equal (above); the two steps after it sum each gradient in
+        # another order on another mesh, so fp32 values differ in their last bits (rtol 1e-6),
+        # and where that moves a moment across a boundary of its 8-bit code, that entry's
+        # update moves by up to one step of the map: under 1.5% of the learning rate (3e-3) a
+        # step. Such entries are rare (a few in 10,000: at most 1 in 1,000 allowed).
+        for got, wanted in zip(jax.tree.leaves(resumed.master_params),
+                               jax.tree.leaves(want.master_params)):
+            got, wanted = np.asarray(got), np.asarray(wanted)
+            assert np.mean(~np.isclose(got, wanted, rtol=1e-6, atol=1e-7)) < 1e-3
+            np.testing.assert_allclose(got, wanted, atol=len(BATCHES[2:]) * 3e-3 * 0.015)
 
 
 # --- the trainer --------------------------------------------------------------------------------
