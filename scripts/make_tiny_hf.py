@@ -7,7 +7,7 @@ Writes what a published checkpoint folder holds: ``config.json`` and ``model.saf
 ``tokenizer_config.json`` (a byte-level BPE trained here with the ``tokenizers`` library on
 the Python standard library's source, with Llama-style begin/end-of-text tokens) and
 ``chat_template.jinja`` (a small chat template that marks the assistant's turns with
-``{% generation %}``). Needs torch and transformers (the ``test`` extra).
+``{% generation %}``). Needs torch and transformers: ``pip install -e ".[hf]"``.
 configs/finetune-llama.yaml fine-tunes it on text, configs/sft-llama.yaml on conversations.
 """
 from __future__ import annotations
@@ -71,8 +71,12 @@ def make_tiny_llama(out: str | Path, *, vocab_size: int = 512, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, mlp: int = 128, context: int = 256,
                     tie: bool = False, max_bytes: int = 2_000_000, seed: int = 0) -> Path:
     """Write the folder and return its path."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise SystemExit(f"make_tiny_hf.py needs torch and transformers ({e}): "
+                         "pip install -e \".[hf]\"") from None
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

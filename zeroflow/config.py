@@ -173,6 +173,8 @@ class TrainConfig:
     "Validation batches per evaluation."
     freeze: str = ""
     "Regex (re.search) on parameter paths such as 'layers/attn/q_proj': matching parameters are frozen (kept once in the compute dtype: no master copy, optimizer state or gradient); '' trains all."
+    eval_only: bool = False
+    "Only evaluate: the latest checkpoint of run.dir (else the initial weights, e.g. model.init_from's), on eval_batches held-out batches; nothing is trained or written."
 
 
 @dataclass
@@ -233,8 +235,16 @@ class CheckpointConfig:
 class RunConfig:
     dir: str = "runs/tiny"
     "Output folder: resolved config, metrics.jsonl, checkpoints/."
-    tensorboard: bool = False
-    "Also write TensorBoard event files to run.dir/tb."
+    tensorboard: bool = True
+    "Write TensorBoard event files to run.dir/tb (view with: tensorboard --logdir run.dir/tb)."
+    plot: bool = True
+    "Write run.dir/plot.png (training and held-out loss, tokens/s) at each evaluation and at the end."
+    wandb: str = one_of("off", "offline", "online")
+    "Also log to Weights & Biases: 'offline' writes run.dir/wandb/ (upload later with 'wandb sync'), 'online' needs a login; pip install zeroflow[wandb]."
+    trackio: bool = False
+    "Also log to trackio (local-first: a database under TRACKIO_DIR, no account; view with 'trackio show'); pip install zeroflow[trackio]."
+    project: str = "zeroflow"
+    "Project name under which Weights & Biases and trackio file the run (the run's name is run.dir's folder name)."
     progress: bool = True
     "Show a progress bar."
 

@@ -3,7 +3,9 @@ checkpoint of a run, or ``--step N`` (restored onto one device, whatever mesh an
 trained it); the step used is named on stderr, and an unreadable latest checkpoint is refused
 unless ``--step`` names the one to use.
 ``--chat`` sends the prompt as a user message through the tokenizer's chat template and
-prints the reply, up to the end-of-text token."""
+prints the reply, up to the end-of-text token. ``--interactive`` loads the model once and
+answers each line read from stdin (a prompt, or with ``--chat`` a message) until end of input
+or an empty line; the first answer compiles the sampler, the next ones reuse it."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
                    help="checkpoint step to sample from (default: the latest, which must be readable)")
     p.add_argument("--chat", action="store_true",
                    help="answer the prompt as a user message, with the tokenizer's chat template")
+    p.add_argument("--interactive", action="store_true",
+                   help="keep the model loaded and answer each line of stdin (empty line or EOF ends)")
     return p
 
 
@@ -94,15 +98,46 @@ def main_args(args) -> int:
     if args.tokens < 1:
         raise ValueError("--tokens must be at least 1")
     model_cfg, tokenizer, params, step = load_params(Path(args.run), args.step)
-    prompt = chat_prompt(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
-    if not prompt:
-        raise ValueError("the prompt encodes to no tokens")
-    new = generate(params, model_cfg, prompt, max_new_tokens=args.tokens, temperature=args.temperature,
-                   top_k=args.top_k or None, rng=jax.random.key(args.seed))
     print(f"[step {step}]", file=sys.stderr)
-    print(tokenizer.decode(until_end(tokenizer, new)) if args.chat
-          else args.prompt + tokenizer.decode(new))
+
+    def answer(text: str, seed: int) -> str:
+        prompt = chat_prompt(tokenizer, text) if args.chat else tokenizer.encode(text)
+        if not prompt:
+            raise ValueError("the prompt encodes to no tokens")
+        new = generate(params, model_cfg, prompt, max_new_tokens=args.tokens,
+                       temperature=args.temperature, top_k=args.top_k or None,
+                       rng=jax.random.key(seed))
+        return tokenizer.decode(until_end(tokenizer, new)) if args.chat else text + tokenizer.decode(new)
+
+    if not args.interactive:
+        print(answer(args.prompt, args.seed))
+        return 0
+    return prompt_loop(answer, args.seed)
+
+
+def prompt_loop(answer, seed: int, lines=None) -> int:
+    """Answer each line of ``lines`` (default: stdin) until an empty line or end of input; the
+    n-th answer samples with seed ``seed + n``. A prompt that cannot be answered (one that
+    encodes to no tokens) is reported on stderr and the loop goes on."""
+    lines = sys.stdin if lines is None else lines
+    interactive = sys.stdin.isatty() if lines is sys.stdin else False
+    for n, line in enumerate(_prompts(lines, interactive)):
+        try:
+            print(answer(line, seed + n), flush=True)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
     return 0
+
+
+def _prompts(lines, interactive: bool):
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = lines.readline()
+        if not line or not line.rstrip("\n"):
+            return
+        # A literal backslash-n in a typed prompt stands for a newline ("def f():\n    ").
+        yield line.rstrip("\n").replace("\\n", "\n")
 
 
 def main(argv=None) -> int:

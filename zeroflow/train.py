@@ -1,7 +1,8 @@
 """``python -m zeroflow.train --config configs/tiny.yaml [section.key=value ...]``
 
 Trains (or resumes) the GPT described by the config. Outputs go to ``run.dir``: the resolved
-``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` (and ``tb/`` with run.tensorboard=true).
+``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``tb/`` (TensorBoard) and ``plot.png``;
+``train.eval_only=true`` only evaluates (docs/runs.md).
 Set ZEROFLOW_TRACEBACK=1 to see full tracebacks instead of one-line errors. What a run folder
 holds and what survives which fault (kill -9, damaged checkpoints): docs/runs.md. Multi-process
 runs: ``python -m zeroflow.launch`` or SLURM, see docs/multihost.md.

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
+from zeroflow.compat import scan_split
 from zeroflow.grads.collectives import all_gather, reduce_scatter, varying
 from zeroflow.jaxprs import bind, call_body, open_jaxpr
 from zeroflow.ordering import after, live
@@ -245,7 +246,7 @@ class _Replay:
     def _scannable(self, eqn, values) -> bool:
         """A scan over a stack of weights (one slice per iteration): each iteration then
         fetches its own slice instead of the whole stack being fetched for the scan."""
-        split = eqn.params["num_consts"] + eqn.params["num_carry"]
+        split = sum(scan_split(eqn.params))
         return any(self._sliceable(v) for v in values[split:])
 
     def _scan(self, eqn, ins):
@@ -255,11 +256,12 @@ class _Replay:
         (whole in every iteration, or stacks split along the stacked axis, such as a stack of
         biases) are fetched whole for the scan."""
         params = eqn.params
-        split = params["num_consts"] + params["num_carry"]
+        n_consts, n_carry = scan_split(params)
+        split = n_consts + n_carry
         values = [self.materialise(v) if isinstance(v, _Lazy) and not (
             k >= split and self._sliceable(v)) else v for k, (v, _) in enumerate(ins)]
         dynamic = [d for _, d in ins]
-        consts, carry = values[:params["num_consts"]], values[params["num_consts"]:split]
+        consts, carry = values[:n_consts], values[n_consts:split]
         xs = values[split:]
         weights = sorted({v.direct for v in xs if isinstance(v, _Lazy)})
         position = {i: k for k, i in enumerate(weights)}
@@ -277,7 +279,7 @@ class _Replay:
             outs = inner.run(body.jaxpr, body.consts, inputs,
                              dynamic[:split] + [True] * len(xs))
             outs = [inner.materialise(v) for v, _ in outs]
-            return outs[:params["num_carry"]], outs[params["num_carry"]:]
+            return outs[:n_carry], outs[n_carry:]
 
         if self.prefetch:  # the next unit's fetch may start as the scan starts
             self.tokens.append(_token([v for v, d in zip(values, dynamic)

@@ -18,7 +18,7 @@ from zeroflow.config_io import save_config
 from zeroflow.data import bits_per_byte, eval_batches, train_batch
 from zeroflow.distributed import StopVote
 from zeroflow.models import LAYER_STACK, flops_per_token
-from zeroflow.trainer import adapters, run_folder
+from zeroflow.trainer import adapters, loggers, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.optim import lr_schedule
 from zeroflow.trainer.reporting import Reporter
@@ -156,6 +156,10 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
 
     Everything that can refuse the run (the config against the folder's run, the data, the
     model's initial weights, the checkpoint) is checked before the folder is written to."""
+    loggers.check_installed(cfg)
+    if cfg.train.eval_only:  # reads the run folder like sample does: no claim, nothing written
+        from zeroflow.trainer.evaluate_only import evaluate_only
+        return evaluate_only(cfg)
     run_dir = Path(cfg.run.dir)
     previous = run_folder.previous_config(run_dir)
     checkpoints_dir = run_dir / "checkpoints"
@@ -181,7 +185,7 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         save_config(cfg, run_dir / run_folder.CONFIG_FILE)
     reporter = Reporter(run_dir, cfg.train.steps, start,
                         progress=cfg.run.progress if progress is None else progress,
-                        tensorboard=cfg.run.tensorboard, flops_per_token=flops_per_token(run.model_cfg),
+                        cfg=cfg, flops_per_token=flops_per_token(run.model_cfg),
                         num_devices=jax.device_count(), resumed=resumed)
     if resumed:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")

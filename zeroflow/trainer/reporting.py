@@ -1,5 +1,6 @@
-"""What a run reports: ``metrics.jsonl``, optional TensorBoard events, and on the terminal a
-rich progress bar, or (progress off, or output not a terminal) a plain line every
+"""What a run reports: ``metrics.jsonl``, the sinks ``run.*`` asks for (TensorBoard events by
+default, W&B, trackio: ``zeroflow.trainer.loggers``), ``plot.png`` redrawn at each evaluation
+and at the end (``zeroflow.trainer.plot``), and on the terminal a rich progress bar, or (progress off, or output not a terminal) a plain line every
 ``train.log_every`` steps. What a person reads (step lines, evaluations, the final summary)
 goes to stdout, never wrapped; warnings and errors go to stderr.
 
@@ -13,12 +14,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from zeroflow.config import Config
+from zeroflow.trainer import loggers
+from zeroflow.trainer.plot import write_plot
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A10G": 125e12,
@@ -64,7 +70,7 @@ class Reporter:
     """Owns the progress bar and the metric sinks; only process 0 writes."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, progress: bool,
-                 tensorboard: bool, flops_per_token: float, num_devices: int,
+                 cfg: Config, flops_per_token: float, num_devices: int,
                  resumed: bool = False):
         self.is_main = jax.process_index() == 0
         self.peak = device_peak_flops()
@@ -72,18 +78,17 @@ class Reporter:
         self.num_devices = num_devices
         self.total_steps = total_steps
         self.out = Console(soft_wrap=True, highlight=False)  # stdout, whatever its width
+        self.run_dir = run_dir
         self.jsonl = None
-        self.tb = None
+        self.sinks: list = []
+        self.plot = cfg.run.plot and self.is_main
         if self.is_main:
             dropped = trim_metrics(run_dir / METRICS, start_step)
             self.jsonl = open(run_dir / METRICS, "a", encoding="utf-8")
             if resumed or dropped:
                 self._row({"event": "resume", "resumed_from_step": start_step,
                            "dropped_rows": dropped})
-        if tensorboard and self.is_main:
-            from tensorboardX import SummaryWriter  # optional dependency: pip install zeroflow[tensorboard]
-            # purge_step: TensorBoard hides the events past the resumed step.
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if resumed else None)
+            self.sinks = loggers.open_sinks(cfg, run_dir, start_step, resumed)
         self.progress = None
         bar = Console(stderr=True)
         # Only when both streams are terminals: while the bar is shown, rich routes stdout
@@ -117,10 +122,21 @@ class Reporter:
             return
         row = {"step": step, **{k: _plain(v) for k, v in m.items()}}
         self._row(row)
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self.tb.add_scalar(k, v, step)
+        numbers = {k: v for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink.log(numbers, step)
+        if "eval_loss" in row:
+            self.draw()
+
+    def draw(self) -> None:
+        """Redraw ``plot.png`` (when ``run.plot``); a plot that fails is reported, not raised."""
+        if not self.plot:
+            return
+        try:
+            write_plot(self.run_dir)
+        except Exception as e:  # noqa: BLE001 - the run's results matter more than its picture
+            print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}", file=sys.stderr)
 
     def _row(self, row: dict[str, Any]) -> None:
         self.jsonl.write(json.dumps(row) + "\n")
@@ -136,8 +152,9 @@ class Reporter:
             self.progress.stop()
         if self.jsonl:
             self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+            self.draw()
+        for sink in self.sinks:
+            sink.close()
 
 
 def step_line(step: int, total: int, m: dict[str, Any]) -> str:

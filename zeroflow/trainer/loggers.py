@@ -1,0 +1,99 @@
+"""Where a run's metrics go besides ``metrics.jsonl``: TensorBoard event files (on by default,
+``run.tensorboard``), Weights & Biases (``run.wandb``: ``offline`` or ``online``) and trackio
+(``run.trackio``, local-first). Each is a sink with ``log(row, step)`` and ``close()``; only
+process 0 makes them. W&B and trackio are optional installs: asking for one that is not
+installed stops the run before it starts, naming the extra to install.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any, Protocol
+
+from zeroflow.config import Config
+
+TB_DIR = "tb"
+"TensorBoard's folder inside the run folder."
+
+
+class Sink(Protocol):
+    def log(self, row: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _require(module: str, extra: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"run.{extra} needs the {module} package: pip install 'zeroflow[{extra}]'"
+                          ) from None
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path, start_step: int, resumed: bool):
+        from tensorboardX import SummaryWriter
+        # purge_step: TensorBoard hides the events past the resumed step.
+        self.writer = SummaryWriter(str(run_dir / TB_DIR),
+                                    purge_step=start_step + 1 if resumed else None)
+
+    def log(self, row: dict[str, float], step: int) -> None:
+        for k, v in row.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, cfg: Config, run_dir: Path, resumed: bool):
+        wandb = _require("wandb", "wandb")
+        # The run's id is its folder's name, so a resumed run goes on in the same W&B run.
+        self.run = wandb.init(project=cfg.run.project, name=run_dir.name, id=_run_id(run_dir),
+                              dir=str(run_dir), mode=cfg.run.wandb, config=dataclasses.asdict(cfg),
+                              resume="allow" if resumed else None)
+
+    def log(self, row: dict[str, float], step: int) -> None:
+        self.run.log(row, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackioSink:
+    def __init__(self, cfg: Config, run_dir: Path, resumed: bool):
+        trackio = _require("trackio", "trackio")
+        self.run = trackio.init(project=cfg.run.project, name=run_dir.name,
+                                config=dataclasses.asdict(cfg),
+                                resume="allow" if resumed else "never", auto_log_cpu=False)
+
+    def log(self, row: dict[str, float], step: int) -> None:
+        self.run.log(row, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _run_id(run_dir: Path) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in run_dir.resolve().name)
+
+
+def check_installed(cfg: Config) -> None:
+    """Fail before anything is trained when an asked-for logger is not installed."""
+    if cfg.run.wandb != "off":
+        _require("wandb", "wandb")
+    if cfg.run.trackio:
+        _require("trackio", "trackio")
+
+
+def open_sinks(cfg: Config, run_dir: Path, start_step: int, resumed: bool) -> list[Any]:
+    """The sinks ``cfg.run`` asks for (call on process 0 only)."""
+    sinks: list[Any] = []
+    if cfg.run.tensorboard:
+        sinks.append(TensorBoardSink(run_dir, start_step, resumed))
+    if cfg.run.wandb != "off":
+        sinks.append(WandbSink(cfg, run_dir, resumed))
+    if cfg.run.trackio:
+        sinks.append(TrackioSink(cfg, run_dir, resumed))
+    return sinks
