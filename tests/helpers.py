@@ -86,3 +86,15 @@ def token_batches(count, *, rows, seq_len, vocab):
     ``s`` drawn from seed ``s``."""
     return [{"tokens": np.random.default_rng(s).integers(0, vocab, size=(rows, seq_len + 1),
                                                          dtype=np.int32)} for s in range(count)]
+
+
+def require_cuda_plugin():
+    """Skip (the calling test, or at module level the module) where no CUDA plugin is installed:
+    XLA:GPU compiles for ``zf.target_mesh`` need ``jax-cuda12-plugin`` or ``jax-cuda13-plugin``,
+    which the test extra installs."""
+    import pytest
+
+    from zeroflow.compat import cuda_plugin_module
+    if cuda_plugin_module() is None:
+        pytest.skip("no CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin) is installed: "
+                    "pip install -e '.[test]'", allow_module_level=True)

@@ -13,7 +13,7 @@ import zeroflow as zf
 from zeroflow.config_io import load_config
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.trainer.planning import compile_config, estimate_config_step
-from helpers import REPO, token_batches, train_losses
+from helpers import REPO, token_batches, train_losses, require_cuda_plugin
 
 LAYERS, WIDTH, MLP, HEADS, SEQ, BATCH, N = 4, 128, 384, 4, 256, 64, 8
 CFG = load_config(REPO / "configs" / "tiny.yaml",
@@ -25,8 +25,7 @@ HOST_ARRAY = re.compile(r"(bf16|f32)\[([0-9,]*)\]\{[0-9,]*:S\(5\)\}")
 @pytest.fixture(scope="module")
 def h100():
     """The step compiled for 8 abstract H100s under each remat choice."""
-    pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA plugin (jax-cuda12-plugin) "
-                        "is not installed: pip install -e '.[test]'")
+    require_cuda_plugin()
     return {remat: compile_config(CFG, **CHOICE, remat=remat, target="h100")
             for remat in ("save_dots", "offload_dots")}
 

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import require_cuda_plugin
 
-pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA plugin (jax-cuda12-plugin) is not "
-                    "installed: pip install -e '.[test]'")
+require_cuda_plugin()
 
 import zeroflow as zf  # noqa: E402
 

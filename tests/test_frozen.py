@@ -11,7 +11,7 @@ import pytest
 
 import zeroflow as zf
 from fixtures import BATCHES, init_params, loss_fn, make_tx
-from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk
+from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk, require_cuda_plugin
 from zeroflow.checkpoint import CheckpointError
 from zeroflow.trainer.planning import estimate_config_step, measure_config
 
@@ -366,8 +366,7 @@ def test_xla_gpu_peak_drops_by_the_frozen_model_states(stage):
     head and the last layer of test_gpu_compile's plain-JAX model (75% of its parameters)
     lowers the peak by at least 3/4 of what the ZeRO accounting says the frozen parameters
     stop costing: (2 + 2 + 12) bytes each -> 2 (stage 2: (2 + 14/N) -> 2; stage 3: 16/N -> 2/N)."""
-    pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA plugin (jax-cuda12-plugin) "
-                        "is not installed: pip install -e '.[test]'")
+    require_cuda_plugin()
     from test_gpu_compile import BATCH as GPU_BATCH, LAYERS, N, _params, loss_fn as gpu_loss
     params = _params()
     head_and_last = lambda path, _: path in ("head", f"up{LAYERS - 1}", f"down{LAYERS - 1}")  # noqa: E731

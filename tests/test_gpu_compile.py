@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import require_cuda_plugin
 
-pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA plugin (jax-cuda12-plugin) is not "
-                    "installed: pip install -e '.[test]'")
+require_cuda_plugin()
 
 import zeroflow as zf  # noqa: E402
 from zeroflow.backend import targets  # noqa: E402
@@ -77,6 +77,31 @@ def test_target_mesh_is_eight_abstract_h100s():
     assert {d.process_index for d in two_hosts.devices.flat} == {0, 1}
 
 
+def test_h200_target_is_an_h100_with_141_gb():
+    """The H200 (same GH100 die, 141 GB HBM3e): its abstract devices report its name and memory,
+    and a step compiled for it has the H100's peak (the same program) but fits where the H100's
+    80 GB does not."""
+    mesh = zf.target_mesh("h200", data=8)
+    assert {d.device_kind for d in mesh.devices.flat} == {"NVIDIA H200"}
+    traits = zf.backend.of(mesh)
+    assert traits.platform == "gpu" and traits.separate_host_memory and traits.compiles_pallas
+    assert traits.memory_bytes == 143771 * 2**20  # nvidia-smi's 143771 MiB (141 GB)
+    assert traits.memory_bytes > 1.7 * zf.backend.of(zf.target_mesh("h100", data=8)).memory_bytes
+
+    def peak(gpu):
+        mesh = zf.target_mesh(gpu, data=8)
+        x = jax.ShapeDtypeStruct((512, 1024), jnp.float32,
+                                 sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+        w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32,
+                                 sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+        compiled = jax.jit(lambda x, w: jnp.tanh(x @ w) @ w.T).lower(x, w).compile()
+        assert "__triton_nested_gemm_fusion" in compiled.as_text()  # XLA:GPU's, not XLA:CPU's
+        m = compiled.memory_analysis()
+        return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                - m.alias_size_in_bytes)
+    assert peak("h200") == peak("h100") > 4 * 2**20  # at least w itself
+
+
 def test_cpu_mesh_traits():
     traits = zf.backend.of(zf.make_mesh())
     assert traits.platform == "cpu" and traits.widens_half_precision
@@ -84,7 +109,7 @@ def test_cpu_mesh_traits():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: zf.target_mesh("h200", data=8), "unknown target GPU 'h200'; choose one of h100"),
+    (lambda: zf.target_mesh("b200", data=8), "unknown target GPU 'b200'; choose one of h100, h200"),
     (lambda: zf.target_mesh("h100", data=3, hosts=2), "do not split into 2 hosts"),
     (lambda: zf.target_mesh("h100", data=0), "data must be a positive int"),
 ])
@@ -98,7 +123,7 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
     monkeypatch.setattr(targets, "plugin_installed", lambda: False)
     targets._topology.cache_clear()
     try:
-        with pytest.raises(targets.TargetUnavailable, match="pip install jax-cuda12-plugin=="):
+        with pytest.raises(targets.TargetUnavailable, match=r"pip install jax-cuda1[23]-plugin=="):
             zf.target_mesh("a100", data=2)
     finally:
         targets._topology.cache_clear()

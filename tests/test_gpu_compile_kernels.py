@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA plugin (jax-cuda12-plugin) is not "
-                    "installed: pip install -e '.[test]'")
+from helpers import require_cuda_plugin
+
+require_cuda_plugin()
 
 from pallas_kernels import (  # noqa: E402
     BlockSizes,

@@ -83,8 +83,8 @@ def test_transit_bytes_counts_padding_and_scales():
 # --- bytes inside and across hosts, read from XLA:GPU programs for two hosts of eight H100s ---
 
 def _target(**kw):
-    pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA plugin (jax-cuda12-plugin) "
-                        "is not installed: pip install -e '.[test]'")
+    from helpers import require_cuda_plugin
+    require_cuda_plugin()
     import zeroflow as zf
     return zf.target_mesh("h100", **kw)
 

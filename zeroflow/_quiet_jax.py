@@ -1,6 +1,7 @@
 """Start JAX without the CUDA plugin's native noise on machines without a GPU.
 
-The test extra installs ``jax-cuda12-plugin`` so that XLA:GPU can compile for GPU targets on
+The test extra installs ``jax-cuda12-plugin`` (Python 3.11, jax 0.10.2) or ``jax-cuda13-plugin``
+(Python 3.12+, jax 0.11.2) so that XLA:GPU can compile for GPU targets on
 any machine (``zf.target_mesh``). Without a GPU driver, its native libraries print "Could not
 find cuda drivers on your machine" to the process's stderr (file descriptor 2, below Python)
 when JAX imports the plugin, and again when it registers it, and jax then prints the plugin's
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
-import importlib.util
 import os
 import sys
+
+from zeroflow.compat import cuda_plugin_module
 
 
 def has_gpu_driver() -> bool:
@@ -24,10 +26,8 @@ def has_gpu_driver() -> bool:
 
 
 def cuda_plugin_installed() -> bool:
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except (ImportError, ValueError):
-        return False
+    """A CUDA plugin (CUDA 12 or 13) is installed."""
+    return cuda_plugin_module() is not None
 
 
 @contextlib.contextmanager
@@ -44,14 +44,26 @@ def _stderr_muted():
 
 
 def start() -> None:
-    """Import JAX (quietly where the plugin cannot work, choosing the CPU there)."""
-    if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu") or (
+    """Import JAX (quietly where the plugin cannot work, choosing the CPU there).
+
+    Where the user imported JAX first (``import jax, zeroflow``), its import has printed the
+    plugin's driver lines already, but no backend has started yet: the plugin's failure (a
+    logged traceback) is still muted and the CPU chosen, unless a platform was."""
+    if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu") or (
             not cuda_plugin_installed() or has_gpu_driver()):
         import jax  # noqa: F401
         return
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    with _stderr_muted():
-        import jax  # noqa: F401
+    if "jax" in sys.modules:
+        import jax
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            return
+        if not jax.config.jax_platforms:
+            jax.config.update("jax_platforms", "cpu")
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        with _stderr_muted():
+            import jax  # noqa: F401
     try:  # the plugin registers at the first backend use: mute that too (private hook)
         from jax._src import xla_bridge
         discover = xla_bridge.discover_pjrt_plugins

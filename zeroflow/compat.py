@@ -101,3 +101,12 @@ def no_pipelined_reduce_scatter() -> dict:
     if _jaxlib_version() < (0, 11):
         return {"xla_gpu_enable_pipelined_reduce_scatter": False}
     return {"xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_OFF"}
+
+
+def pipelined_all_gather() -> dict:
+    """The XLA:GPU compile option that lets its collective pipeliner move the all-gather of a
+    loop's next iteration into the current one (a bool up to jaxlib 0.10, an enum from 0.11,
+    as for ``no_pipelined_reduce_scatter``)."""
+    if _jaxlib_version() < (0, 11):
+        return {"xla_gpu_enable_pipelined_all_gather": True}
+    return {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON"}

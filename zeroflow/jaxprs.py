@@ -14,7 +14,9 @@ import contextlib
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-CALLS = ("jit", "pjit", "closed_call", "core_call")
+from zeroflow.compat import CALL_PRIMITIVES
+
+CALLS = CALL_PRIMITIVES
 "Call primitives: their body is a plain sub-jaxpr that an interpreter may inline."
 
 
@@ -49,8 +51,8 @@ def open_jaxpr(jaxpr) -> tuple:
 
 
 def call_body(eqn):
-    """The body of a call equation (``CALLS``) as stored (``jit``'s ``jaxpr``, ``closed_call``'s
-    ``call_jaxpr``; closed or open), or None for any other equation."""
+    """The body of a call equation (``CALLS``) as stored (``jit``'s and ``eval_jaxpr``'s
+    ``jaxpr``, ``closed_call``'s ``call_jaxpr``; closed or open), or None for any other."""
     if eqn.primitive.name not in CALLS:
         return None
     return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))

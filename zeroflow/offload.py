@@ -4,16 +4,18 @@ host inside a jitted step.
 Every host<->device move in the engine goes through ``to_memory`` (an explicit
 ``jax.device_put`` to a sharding of the named memory kind) or ``to_device`` (the same inside a
 loop body, where only the memory space changes), so a reader can find each transfer by
-searching for them. ``on_host`` runs a function with ``compute_on("device_host")``: its inputs
-must already be in ``pinned_host`` memory, and its outputs stay there.
+searching for them. ``on_host`` runs a function with ``compute_on("device_host")`` (through
+``zeroflow.compat.host_compute``, whose form changed in jax 0.11): its inputs must already be in
+``pinned_host`` memory, and its outputs stay there.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import jax
-from jax.experimental.compute_on import compute_on
 from jax.sharding import Sharding
+
+from zeroflow.compat import host_compute
 
 MEMORY_KINDS = ("device", "pinned_host")
 
@@ -51,12 +53,7 @@ def on_host(fn: Callable) -> Callable:
         out = fn(*args)
         return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), out)
 
-    compiled = jax.jit(relabelled)
-
-    def run(*args):
-        with compute_on("device_host"):
-            return compiled(*args)
-    return run
+    return host_compute(relabelled)
 
 
 def memory_kinds(tree) -> set[str]:

@@ -35,6 +35,7 @@ from jax import lax
 from zeroflow.autocast import interpret, paint
 from zeroflow.autocast.interpret import Copies, Slot, const_slots, run_jaxpr
 from zeroflow.autocast.paint import Ctx, EqnPlan, Painting, Value, fresh, norm
+from zeroflow.compat import scan_split
 from zeroflow.jaxprs import CALLS, bind, call_body, open_jaxpr
 
 
@@ -163,7 +164,7 @@ def _precast(operands, before: dict, groups) -> dict:
 
 def paint_scan(eqn, ins, ctx: Ctx) -> EqnPlan:
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_split(p)
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     body_jaxpr, body_consts = open_jaxpr(p["jaxpr"])
     before = {v.group: set(ctx.groups.held[v.group]) for v in consts if not v.literal}
@@ -185,7 +186,7 @@ def _carry_reason(carry, init) -> str:
 
 def run_scan(plan: EqnPlan, slots):
     p, loop = plan.eqn.params, plan.sub
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_split(p)
     consts, init, xs = slots[:nc], slots[nc:nc + nk], slots[nc + nk:]
     for k, dtypes in loop.precast.items():
         for d in dtypes:

@@ -6,11 +6,12 @@ GPU's published figures (SM count, clocks, memory size and bandwidth, shared mem
 capability) in text form. Steps lowered with arguments sharded over such a mesh compile with
 XLA:GPU (memory analysis, scheduled HLO, Triton kernels), without autotuning and without
 running. The specs are package data in ``gpu_specs/`` (each file says where its figures come
-from), in the schema of the jaxlib this project pins.
+from), in the schema of every supported jaxlib (0.10.2 to 0.12: the fields used are the same).
 
-This needs ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at jaxlib's exact version (no CUDA
-libraries, no driver) and the CPU as JAX's platform: without ``JAX_PLATFORMS=cpu`` the plugin
-tries to start a GPU, fails, and never registers.
+This needs a CUDA plugin at jaxlib's exact version, ``jax-cuda12-plugin`` + ``jax-cuda12-pjrt``
+or ``jax-cuda13-plugin`` + ``jax-cuda13-pjrt`` (no CUDA libraries, no driver;
+``zeroflow.compat.cuda_plugin_module``), and the CPU as JAX's platform: without
+``JAX_PLATFORMS=cpu`` the plugin tries to start a GPU, fails, and never registers.
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from zeroflow.compat import cuda_plugin_install_hint
 from zeroflow.mesh import DATA, MODEL
 
 SPECS = Path(__file__).with_name("gpu_specs")
 TARGETS = {
     "h100": "h100.txtpb",  # SXM5 80 GB
+    "h200": "h200.txtpb",  # SXM 141 GB
     "a100": "a100.txtpb",  # SXM4 80 GB
     "l4": "l4.txtpb",      # 24 GB
 }
@@ -57,9 +60,8 @@ def spec_field(text: str, field: str) -> str:
 
 
 def install_hint() -> str:
-    version = jax.version.__version__
-    return (f"pip install jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version} "
-            f"(and run with JAX_PLATFORMS=cpu)")
+    import jaxlib.version
+    return f"{cuda_plugin_install_hint(jaxlib.version.__version__)} (and run with JAX_PLATFORMS=cpu)"
 
 
 def plugin_installed() -> bool:
@@ -93,7 +95,7 @@ def _topology(gpu: str, hosts: int, per_host: int):
 
 def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1) -> Mesh:
     """A ``("data", "model")`` mesh of ``data x model`` abstract devices of GPU ``gpu``
-    (``"h100"``, ``"a100"``, ``"l4"``) on ``hosts`` hosts of equally many devices, for compiling
+    (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``) on ``hosts`` hosts of equally many devices, for compiling
     (never running) steps: ``ZeroPlan``, ``state_shardings``, ``make_train_step(...).lower(
     abstract_state, abstract_batch).compile()`` and ``zf.memory.measure_step`` work on it.
     The data axis spans hosts; each host holds whole rows of ``model``."""

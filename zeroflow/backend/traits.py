@@ -18,6 +18,8 @@ import dataclasses
 
 import jax
 
+from zeroflow.compat import no_pipelined_reduce_scatter, pipelined_all_gather
+
 
 @dataclasses.dataclass(frozen=True)
 class Traits:
@@ -144,4 +146,4 @@ def compiler_options(traits: Traits) -> dict:
             "xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
             "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
             "xla_gpu_all_reduce_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
-            "xla_gpu_enable_pipelined_reduce_scatter": False}
+            **no_pipelined_reduce_scatter(), **pipelined_all_gather()}

@@ -20,13 +20,14 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
+from zeroflow.compat import REMAT_PRIMITIVES, scan_split
 from zeroflow.jaxprs import bind, call_body, open_jaxpr, source_context
 from zeroflow.lora.adapters import Site
 from zeroflow.lora.views import UnsupportedUse
 
 LAYOUT = ("convert_element_type", "copy", "copy_p", "sharding_constraint", "reduce_precision")
 "Operations that leave a weight's layout as it is."
-REMAT = ("checkpoint", "remat2")
+REMAT = REMAT_PRIMITIVES
 CUSTOM = ("custom_jvp_call", "custom_vjp_call")
 
 
@@ -188,7 +189,7 @@ class Replay:
 
     def _scan(self, eqn, ins, views):
         params = eqn.params
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = scan_split(params)
         split = n_consts + n_carry
         if any(views[n_consts:split]):
             raise UnsupportedUse("a loop carries it from one iteration to the next")

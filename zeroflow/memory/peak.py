@@ -46,6 +46,7 @@ from jax.extend.core import Literal
 from zeroflow import backend as backends
 from zeroflow import frozen as frozen_weights
 from zeroflow import jaxprs
+from zeroflow.compat import scan_split
 from zeroflow.grads.local import native_gradients
 from zeroflow.grads.routes import Fetch, Reduce, Route, step_routes
 from zeroflow.memory.trace_cache import remembered
@@ -119,7 +120,7 @@ def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[b
             invars = [(v, leaf_of.get(v)) if not isinstance(v, Literal) else (v, None)
                       for v in eqn.invars]
             if eqn.primitive.name == "scan":
-                split = eqn.params["num_consts"] + eqn.params["num_carry"]
+                split = sum(scan_split(eqn.params))
                 found.update(i for _, i in invars[split:] if i is not None)
             elif jaxprs.call_body(eqn) is not None:  # inlined by the fetch-on-use replay too
                 inner, _ = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
