@@ -146,16 +146,18 @@ def test_errors_name_the_parameter():
         zf.lora(mlp_loss, rank=0, alpha=4.0, targets="w1")
 
 
-torch = pytest.importorskip("torch", reason="torch is in the test extra")
-transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
-peft = pytest.importorskip("peft", reason="peft is in the test extra")
+# The test extra installs torch, transformers and peft on Python 3.11 only (for 3.12 the package
+# index has only torch's CUDA build): skip this reference comparison there, not the tests above.
+_REFERENCE = "the test extra installs it on Python 3.11 only"
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_peft_folder_gives_our_adapted_logits(arch, tmp_path):
+    torch = pytest.importorskip("torch", reason=_REFERENCE)
+    T = pytest.importorskip("transformers", reason=_REFERENCE)
+    peft = pytest.importorskip("peft", reason=_REFERENCE)
     from zeroflow import hf
     from zeroflow.lora.peft import save_peft
-    T = transformers
     torch.manual_seed(0)
     if arch == "gpt2":
         model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=61, n_embd=16, n_layer=2, n_head=4,
