@@ -95,7 +95,7 @@ def test_bad_records_skipped_are_counted_by_kind(tmp_path, tokenizer_dir):
     assert (data.records, len(data.train), data.bad.total) == (len(records), 6, len(BAD))
     summary = data.summary()
     assert "\n" not in summary and f"skipped {len(BAD)} bad records" in summary
-    assert "2 message without a string 'content' (first: chat.jsonl line 11)" in summary
+    assert "2 message without a string 'content' (first: chat.jsonl line 11: message 0)" in summary
     for _, problem in BAD:
         assert problem in summary
 

@@ -14,6 +14,7 @@ straight into its padded, sharded form (Orbax pads it with zeros as it reads).
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zeroflow import padding
+from zeroflow import checkpoint_manifest, padding
 from zeroflow.plan import path_str
 from zeroflow.state import TrainState
 from zeroflow.zeropp import hierarchical
+
+
+log = logging.getLogger("zeroflow")
 
 
 class CheckpointError(ValueError):
@@ -218,11 +222,17 @@ def _logical_target(like: TrainState, target: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_checkpoint(directory: str | os.PathLike, state: TrainState, *, overwrite: bool = False) -> Path:
-    """Write ``state`` to ``directory`` (which must not exist unless ``overwrite``)."""
+    """Write ``state`` to ``directory`` (which must not exist unless ``overwrite``), then the
+    digests of its files (``zeroflow.checkpoint_manifest``), which a restore checks."""
     directory = Path(directory).absolute()
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory, portable(state), force=overwrite)
         ckptr.wait_until_finished()
+    if jax.process_index() == 0:
+        checkpoint_manifest.write_manifest(directory)
+    if jax.process_count() > 1:  # no process returns before the digests are on disk
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("zeroflow: checkpoint digests written")
     return directory
 
 
@@ -236,6 +246,13 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState) -> TrainS
     directory = Path(directory).absolute()
     if not directory.exists():
         raise CheckpointError(f"no checkpoint at {directory}")
+    try:
+        verified = checkpoint_manifest.verify(directory)
+    except checkpoint_manifest.DigestMismatch as e:
+        raise CheckpointError(f"checkpoint {directory} is unreadable: {e}") from None
+    if not verified:
+        log.warning("checkpoint %s has no digests (saved before zeroflow recorded them): "
+                    "loaded unverified", directory)
     with ocp.StandardCheckpointer() as ckptr:
         try:
             meta = ckptr.metadata(directory)

@@ -8,8 +8,10 @@ ZEROFLOW_TRACEBACK=1 to see the full traceback instead.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 
@@ -37,5 +39,15 @@ def run_cli(prog: str, main: Callable[[argparse.Namespace], int], parser: argpar
         if os.environ.get("ZEROFLOW_TRACEBACK"):
             raise
         message = " ".join(str(e).split("\n")[0:1]) or type(e).__name__
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC and e.filename:
+            message = f"{message} ({_free_bytes(e.filename)} bytes free there)"
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2 if isinstance(e, BAD_INPUT) else 1
+
+
+def _free_bytes(path) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        return f"{shutil.disk_usage(folder).free:,}"
+    except OSError:
+        return "unknown"

@@ -36,7 +36,17 @@ class BadRecord(ValueError):
 
     def __init__(self, kind: str, detail: str = ""):
         super().__init__(f"{kind} ({detail})" if detail else kind)
-        self.kind = kind
+        self.kind, self.detail = kind, detail
+
+
+class TemplateFailed(ValueError):
+    """The chat template itself raised (not its ``raise_exception``): the run stops, naming
+    the template file, the record and the error."""
+
+    def __init__(self, template: str, error: Exception):
+        first = (str(error).splitlines() or [""])[0]
+        super().__init__(f"chat template {template} raised {type(error).__name__}: {first}")
+        self.template, self.error = template, error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +132,8 @@ def _chat(record, cfg: DataConfig, tokenizer: HFTokenizer, template: ChatTemplat
         text, spans = template.render(messages)
     except TemplateError as e:  # the template's own raise_exception: e.g. roles must alternate
         raise BadRecord("rejected by the chat template", str(e).splitlines()[0]) from None
+    except Exception as e:  # noqa: BLE001  a fault of the template itself, not of the record
+        raise TemplateFailed(template.name, e) from None
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     ids = encoding.ids
     if cfg.train_on == "all":

@@ -13,7 +13,7 @@ import os
 
 from zeroflow.config import DataConfig
 from zeroflow.data.corpus import held_out
-from zeroflow.data.examples import BadRecord, example_encoder, training_pairs
+from zeroflow.data.examples import BadRecord, TemplateFailed, example_encoder, training_pairs
 from zeroflow.data.packing import fixed_batches, packed_batches, packing_efficiency
 from zeroflow.data.records import iter_records
 from zeroflow.data.tokenizers import Tokenizer, load_tokenizer
@@ -26,7 +26,7 @@ class BadRecords:
         self.policy = policy
         self.counts: collections.Counter[str] = collections.Counter()
         self.first: dict[str, str] = {}
-        "Where each kind was first seen."
+        "The first example of each kind: where it was, and its detail."
 
     def add(self, where: str, problem: BadRecord | str) -> None:
         kind = problem.kind if isinstance(problem, BadRecord) else str(problem)
@@ -34,7 +34,8 @@ class BadRecords:
             raise ValueError(f"bad record at {where}: {problem} (data.bad_records=stop; "
                              "data.bad_records=skip skips such records and counts them)")
         self.counts[kind] += 1
-        self.first.setdefault(kind, where)
+        detail = getattr(problem, "detail", "")
+        self.first.setdefault(kind, f"{where}: {detail}" if detail else where)
 
     @property
     def total(self) -> int:
@@ -122,13 +123,16 @@ def load_record_data(cfg: DataConfig, seq_len: int) -> RecordData:
     for record in iter_records(cfg.source):
         records += 1
         if record.problem:
-            bad.add(record.where, record.problem)
+            bad.add(record.where, BadRecord(record.problem, record.detail))
             continue
         try:
             example = encode(record.value)
         except BadRecord as e:
             bad.add(record.where, e)
             continue
+        except TemplateFailed as e:
+            raise ValueError(f"{e} on the record at {record.where} (record {records - 1} of "
+                             f"{os.fspath(cfg.source)}); fix the template") from None
         tokens += len(example.tokens)
         num_bytes += example.num_bytes
         split = "val" if held_out(record.where, cfg.val_fraction) else "train"

@@ -34,7 +34,9 @@ class Record:
     value: Any
     "The decoded record (a dict when well formed), or None when it could not be decoded."
     problem: str = ""
-    "Why the record could not be decoded (invalid JSON); empty when it was."
+    "Why the record could not be decoded (``invalid JSON``, ``not UTF-8``); empty when it was."
+    detail: str = ""
+    "Where in the line it went wrong, for the first example of each problem."
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -59,15 +61,22 @@ def is_records_source(source: str | os.PathLike) -> bool:
 
 
 def _jsonl(path: Path, name: str) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    """Lines are decoded one by one, so a line that is not UTF-8 is one bad record."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{name} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Record(where, None, "not UTF-8", f"byte 0x{raw[e.start]:02x} at byte "
+                                                       f"{e.start + 1} of the line")
+                continue
             if not line.strip():
                 continue
-            where = f"{name} line {number}"
             try:
                 yield Record(where, json.loads(line))
             except json.JSONDecodeError as e:
-                yield Record(where, None, f"invalid JSON ({e.msg} at column {e.colno})")
+                yield Record(where, None, "invalid JSON", f"{e.msg} at column {e.colno}")
 
 
 def _json(path: Path, name: str) -> Iterator[Record]:

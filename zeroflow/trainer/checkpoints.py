@@ -10,18 +10,28 @@ and resumes from the newest readable step, so that step is written afresh when t
 there again. Readers (export, sample) move nothing: they refuse an unreadable newest step
 unless told which step to use. Nothing is created until the first save.
 
+Every step also gets its digests (``zeroflow.checkpoint_manifest``: size and SHA-256 of each
+file, written last and atomically) and its ``meta`` says so; a restore or a reader checks them
+before reading, and a step whose files are not what was saved (one flipped bit is enough) is
+treated exactly as an unreadable one. Steps saved before digests existed load, said to be
+unverified.
+
 Runs on packed records also save where their data loader is (a Grain iterator, through
 Grain's own Orbax handler: one small JSON file per process), and restore it with the state.
 """
 from __future__ import annotations
 
+import errno
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from zeroflow import checkpoint_manifest
 from zeroflow.checkpoint import CheckpointError, checked_target, portable, rebuild_state
 from zeroflow.state import TrainState
 from zeroflow.trainer import damage
@@ -33,6 +43,24 @@ LOADER = "loader"
 "Checkpoint item holding the data loader's position (runs with a Grain loader)."
 CORRUPT = ".corrupt"
 "Suffix of a step folder moved aside because it could not be read."
+DIGESTS = "digests"
+"Key of a step's meta naming its manifest: a step saved with digests must have them."
+
+
+class DiskFull(OSError):
+    """No space left for a checkpoint; the message says how much it needs and how much is free."""
+
+
+def _no_space(error: BaseException) -> bool:
+    while error is not None:
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _nbytes(tree) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
 
 
 class UnreadableCheckpoint(CheckpointError):
@@ -49,9 +77,12 @@ class RunCheckpoints:
         """``read_only``: for readers of a run (export, sample): nothing is created or moved."""
         self.directory = Path(directory).absolute()
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=False,
-                                               read_only=read_only, cleanup_tmp_directories=not read_only,
-                                               enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else max(keep, 1), create=False, read_only=read_only,
+            save_interval_steps=0 if read_only else 1, cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=False)
+        if read_only:
+            damage.quiet_read_only_notes()
         # Handlers named up front, so a fresh process can read item metadata before restoring.
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         if with_loader:
@@ -72,13 +103,41 @@ class RunCheckpoints:
         if step in self.manager.all_steps():
             log.warning("replacing checkpoint step %d in %s with this run's", step, self.directory)
             self.manager.delete(step)
-        items = dict(state=ocp.args.StandardSave(portable(state)), meta=ocp.args.JsonSave(meta))
+        saved = portable(state)
+        items = dict(state=ocp.args.StandardSave(saved),
+                     meta=ocp.args.JsonSave({**meta, DIGESTS: checkpoint_manifest.MANIFEST}))
         if loader is not None:
             import grain
             items[LOADER] = grain.checkpoint.CheckpointSave(loader)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-        self.manager.wait_until_finished()
+        damage.quiet_writer_threads()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:  # last, once the step's folder is complete
+                checkpoint_manifest.write_manifest(self.directory / str(step))
+        except Exception as e:  # noqa: BLE001  orbax/tensorstore wrap the OSError their own way
+            if not _no_space(e):
+                raise
+            raise self._disk_full(step, _nbytes(saved)) from None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"zeroflow: step {step} saved with its digests")
         self._written.add(step)
+
+    def _disk_full(self, step: int, needed: int) -> DiskFull:
+        """The error for a save that ran out of space, after removing what it left half-written
+        (the earlier steps are untouched)."""
+        for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        if (self.directory / str(step)).is_dir() and step not in self._written:
+            shutil.rmtree(self.directory / str(step), ignore_errors=True)
+        free = shutil.disk_usage(self.directory).free
+        error = DiskFull(f"no space left on device for checkpoint step {step} in "
+                         f"{self.directory}: it needs about {needed:,} bytes, {free:,} bytes are "
+                         "free; free some space (or lower checkpoint.keep) and run the same "
+                         f"command to resume from step {max(self.steps(), default=0)}")
+        error.errno = errno.ENOSPC
+        return error
 
     def restore(self, step: int, like: TrainState, loader=None) -> tuple[TrainState, dict[str, Any]]:
         """Step ``step`` on ``like``'s layout. ``UnreadableCheckpoint`` when its files are
@@ -89,6 +148,7 @@ class RunCheckpoints:
         step_dir = self.directory / str(step)
         if problem := damage.missing_or_damaged(step_dir, self.directory):
             raise UnreadableCheckpoint(step, problem)
+        verified = self._verify(step, step_dir)
         damage.quiet_closed_loops()
         try:
             meta_tree = self.manager.item_metadata(step)["state"]
@@ -108,7 +168,20 @@ class RunCheckpoints:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001
             raise UnreadableCheckpoint(step, damage.describe(e, step_dir, self.directory)) from None
+        if not verified:
+            log.warning("checkpoint step %d in %s has no digests (saved before zeroflow recorded "
+                        "them): loaded unverified", step, self.directory)
         return rebuild_state(restored["state"], like), dict(restored["meta"])
+
+    def _verify(self, step: int, step_dir: Path) -> bool:
+        """Whether the step's files were checked against its digests (False: it has none, as
+        steps saved before digests existed); ``UnreadableCheckpoint`` when one differs."""
+        expected = DIGESTS in json.loads((step_dir / "meta" / "metadata").read_text("utf-8"))
+        try:
+            return checkpoint_manifest.verify(step_dir, expected=expected)
+        except checkpoint_manifest.DigestMismatch as e:
+            raise UnreadableCheckpoint(step, f"{damage.shown(e.path, self.directory)} "
+                                             f"{e.fault}") from None
 
     def restore_latest(self, like: TrainState, loader=None
                        ) -> tuple[TrainState, dict[str, Any]] | None:
@@ -135,30 +208,28 @@ class RunCheckpoints:
         return None
 
     def read(self, like: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """For readers of a finished or running run: step ``step``, or the newest one, which
-        must be readable (an older one is never used in its place without being asked)."""
+        """For readers of a finished or running run: step ``step``, or the newest readable one
+        (when newer steps are unreadable, one warning line says which and why; nothing is
+        moved)."""
         steps = self.steps()
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}: train the run first")
         if step is not None:
             return self.restore(step, like)
-        try:
-            return self.restore(steps[-1], like)
-        except UnreadableCheckpoint as newest:
-            bad = [newest]
-            for older in reversed(steps[:-1]):
-                try:
-                    self.restore(older, like)
-                except UnreadableCheckpoint as e:
-                    bad.append(e)
-                    continue
-                raise CheckpointError(
-                    f"the newest checkpoint in {self.directory} is unreadable: step "
-                    f"{newest.step}: {newest.reason}; pass --step {older} to use the newest "
-                    f"readable one, or resume training (it moves step {newest.step} aside and "
-                    "saves it again)") from None
-            raise CheckpointError(self.none_readable(bad) + "; copy the steps again if they came "
-                                  "from elsewhere, or train the run again") from None
+        bad: list[UnreadableCheckpoint] = []
+        for candidate in reversed(steps):
+            try:
+                restored = self.restore(candidate, like)
+            except UnreadableCheckpoint as e:
+                bad.append(e)
+                continue
+            if bad:
+                log.warning("%s; using step %d, the newest readable one (resuming the run moves "
+                            "the unreadable steps aside and saves them again)",
+                            "; ".join(str(e) for e in bad), candidate)
+            return restored
+        raise CheckpointError(self.none_readable(bad) + "; copy the steps again if they came "
+                              "from elsewhere, or train the run again")
 
     def none_readable(self, bad: list[UnreadableCheckpoint]) -> str:
         return (f"no readable checkpoint in {self.directory}: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -111,3 +112,36 @@ def quiet_closed_loops() -> None:
     hook.drops_closed_loops = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_DropTensorStoreLeftovers())
+
+
+class _DropReraisedThreadErrors(logging.Filter):
+    """Orbax logs the traceback of an error in one of its writer threads, then raises the same
+    error in the thread that saved; the raised one is reported (in one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
+def quiet_writer_threads() -> None:
+    """Before a save: a failed write (disk full, read-only) is reported once, by the caller,
+    not also as the tracebacks of Orbax's threads and TensorStore's leftover callbacks.
+    Installed once per process; ``ZEROFLOW_TRACEBACK=1`` leaves everything as it was."""
+    if os.environ.get("ZEROFLOW_TRACEBACK"):
+        return
+    quiet_closed_loops()
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _DropReraisedThreadErrors) for f in absl.filters):
+        absl.addFilter(_DropReraisedThreadErrors())
+
+
+class _DropReadOnlyNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+def quiet_read_only_notes() -> None:
+    """Readers open checkpoints read-only on purpose: Orbax's note that a folder is read-only
+    (a run folder on a read-only disk) says nothing to act on."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _DropReadOnlyNote) for f in absl.filters):
+        absl.addFilter(_DropReadOnlyNote())

@@ -155,12 +155,19 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     """Train (or resume) the run in ``cfg.run.dir``; returns losses and the last evaluation.
 
     Everything that can refuse the run (the config against the folder's run, the data, the
-    model's initial weights, the checkpoint) is checked before the folder is written to."""
+    model's initial weights, the checkpoint) is checked before the folder is written to. The
+    folder is held by this trainer alone for the run's life (``run_folder.claim``); a run that
+    fails before its first step leaves the folder as it found it."""
     loggers.check_installed(cfg)
     if cfg.train.eval_only:  # reads the run folder like sample does: no claim, nothing written
         from zeroflow.trainer.evaluate_only import evaluate_only
         return evaluate_only(cfg)
     run_dir = Path(cfg.run.dir)
+    with run_folder.claim(run_dir, holder=jax.process_index() == 0) as held:
+        return _train_held(cfg, run_dir, held, progress)
+
+
+def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     previous = run_folder.previous_config(run_dir)
     checkpoints_dir = run_dir / "checkpoints"
     if checkpoints_dir.is_dir() and any(p.name.isdigit() for p in checkpoints_dir.iterdir()):
@@ -171,6 +178,9 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
                                  with_loader=loader is not None)
     state, resumed = _restored_or_fresh(run, checkpoints, loader)
     start = int(state.step)
+    if start == cfg.train.steps and cfg.train.eval_batches > 0 and not \
+            run_folder.final_eval_recorded(run_dir, start):
+        return _final_eval_only(run, state, checkpoints, held, progress)
     if start >= cfg.train.steps:
         checkpoints.close()
         if jax.process_index() == 0:
@@ -192,13 +202,37 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     reporter.print(_banner(run, state))
     try:
         with _stop_on_signals() as caught:
-            state, losses, last_eval, stopped_by = _train_steps(run, state, loader, checkpoints,
-                                                                reporter, caught)
+            state, losses, last_eval, stopped_by = _train_steps(
+                run, state, loader, checkpoints, reporter, caught,
+                started=held.started if held is not None else lambda: None)
     finally:
         reporter.close()
         checkpoints.close()
     return TrainResult(run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval,
                        stopped_by=stopped_by)
+
+
+def _final_eval_only(run: Run, state, checkpoints: RunCheckpoints, held, progress) -> TrainResult:
+    """The run's steps are done but its final evaluation was never recorded (the run was killed
+    during it): run that evaluation alone and record it."""
+    cfg, run_dir, end = run.cfg, Path(run.cfg.run.dir), int(state.step)
+    checkpoints.close()
+    reporter = Reporter(run_dir, cfg.train.steps, end,
+                        progress=cfg.run.progress if progress is None else progress,
+                        cfg=cfg, flops_per_token=flops_per_token(run.model_cfg),
+                        num_devices=jax.device_count(), resumed=True)
+    try:
+        reporter.print(f"{run_dir}: step {end} is trained; running its final evaluation, "
+                       "which was not recorded")
+        last_eval = _make_eval(run)(state)
+        if held is not None:
+            held.started()
+        if last_eval:
+            reporter.write(end, last_eval)
+            reporter.print(f"final: {_eval_text(last_eval)}")
+    finally:
+        reporter.close()
+    return TrainResult(run_dir=run_dir, step=end, losses={}, eval=last_eval)
 
 
 def _restored_or_fresh(run: Run, checkpoints: RunCheckpoints, loader):
@@ -262,9 +296,11 @@ def _recorder(run: Run, reporter: Reporter, checkpoints: RunCheckpoints, losses:
     return finish_step
 
 
-def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter: Reporter, caught):
+def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter: Reporter, caught,
+                 started=lambda: None):
     """Steps from ``state.step`` to ``train.steps``, with evaluations and checkpoints on their
-    schedules; a caught signal saves and stops at the same step on every process. Returns
+    schedules; a caught signal saves and stops at the same step on every process.
+    ``started()`` is called once the first step ran (compiled and dispatched). Returns
     ``(state, losses, last evaluation, name of the stopping signal or None)``."""
     cfg, tcfg = run.cfg, run.cfg.train
     step_fn, evaluate, batch_for = run.make_step(), _make_eval(run), _batches(run, loader)
@@ -277,6 +313,7 @@ def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter:
     t_last = time.perf_counter()
     for step in range(int(state.step), tcfg.steps):
         state, metrics = step_fn(state, batch_for(step))
+        started()
         # Fetch the previous step's metrics while this one runs: one step in flight.
         if pending is not None:
             finish_step(*pending)

@@ -5,11 +5,24 @@ A run folder (``run.dir``) belongs to one model: its checkpoints only load into 
 another model stops here, with one line, before the folder is changed. The settings that may
 change between a run and its resume (``parallel.*``, precision, ``train.*``, the run-time model
 fields) are not compared; a changed learning-rate schedule is announced.
+
+One trainer at a time: ``claim(run_dir)`` holds an OS lock (``fcntl.flock`` on
+``trainer.lock``) for the run's life. The kernel releases it when the process ends however it
+ends (kill -9 included), so a lock is never stale; a second trainer refuses in one line naming
+the first's pid. Readers (``sample``, ``export``) take no lock. Until the run has started (its
+first step ran), a failure undoes what the run wrote: a folder it created is removed, and in an
+existing folder the files it added are removed and ``config.yaml`` / ``metrics.jsonl`` put back.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 from zeroflow.config import Config
@@ -19,6 +32,9 @@ from zeroflow.trainer.optim import lr_schedule
 log = logging.getLogger("zeroflow")
 
 CONFIG_FILE = "config.yaml"
+LOCK_FILE = "trainer.lock"
+RESTORED_ON_FAILURE = (CONFIG_FILE, "metrics.jsonl")
+"Files a run rewrites before it starts: put back as they were when it fails before starting."
 RESUMABLE_MODEL_FIELDS = ("seq_len", "remat", "attention", "dropout", "lora.dropout")
 "Model fields a resume may change: they do not change the parameters."
 SCHEDULE_FIELDS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
@@ -85,3 +101,145 @@ def announce_schedule_change(previous: Config | None, cfg: Config, applied: int)
                      for k in changed)
     log.warning("%s: the learning-rate schedule follows the new settings, so the rate after "
                 "update %d changes from %.2e to %.2e", what, applied, old, new)
+
+
+class RunFolderInUse(ValueError):
+    """Another trainer holds the run folder."""
+
+
+def check_is_folder(run_dir: Path) -> None:
+    """``run.dir`` must be a folder, or not exist yet (checked before any work)."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists() and not path.is_dir():
+            where = "is" if path == run_dir else f"is inside {path}, which is"
+            raise NotADirectoryError(f"run.dir {run_dir} {where} a file, not a folder; give "
+                                     "a folder (it is created when missing)")
+        if path.exists():
+            return
+
+
+def _not_writable(run_dir: Path, error: OSError) -> PermissionError:
+    return PermissionError(f"run.dir {run_dir} is not writable ({error.strerror or error}): a "
+                           "trainer writes its checkpoints and metrics there; make it writable "
+                           "or give another run.dir (sample and export only read it)")
+
+
+def _make_folder(run_dir: Path) -> list[Path]:
+    """Create ``run_dir`` and missing parents; returns those created, outermost first."""
+    missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()][::-1]
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise _not_writable(run_dir, e) from None
+        raise
+    return missing
+
+
+def _holder(lock: Path) -> str:
+    try:
+        text = lock.read_text(encoding="utf-8").strip()
+    except OSError:
+        text = ""
+    return f"pid {text}" if text.isdigit() else "a process that has not written its pid yet"
+
+
+def _lock(run_dir: Path) -> int:
+    """An open descriptor of ``run_dir/trainer.lock``, exclusively locked, holding our pid."""
+    path = run_dir / LOCK_FILE
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise _not_writable(run_dir, e) from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderInUse(f"run.dir {run_dir} is in use by another trainer ({_holder(path)}"
+                                 "); wait for it to finish or stop it, or give another run.dir "
+                                 "(sample and export may read it meanwhile)") from None
+        try:  # the holder before us may have removed the file between our open and our lock
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+class Claim:
+    """A run folder held by this trainer (``claim``); ``started()`` once the first step ran."""
+
+    def __init__(self, run_dir: Path, created: list[Path]):
+        self.run_dir, self.created, self.armed = run_dir, created, True
+        self.entries = {p.name for p in run_dir.iterdir()}
+        self.saved = {name: (run_dir / name).read_bytes() for name in RESTORED_ON_FAILURE
+                      if (run_dir / name).is_file()}
+
+    def started(self) -> None:
+        self.armed = False
+
+    def undo(self) -> None:
+        """Put the folder back as it was before the run (it failed before starting)."""
+        if self.created:
+            shutil.rmtree(self.created[0], ignore_errors=True)
+            return
+        for entry in self.run_dir.iterdir():
+            if entry.name not in self.entries and entry.name != LOCK_FILE:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        for name, data in self.saved.items():
+            if (self.run_dir / name).read_bytes() != data:
+                tmp = self.run_dir / f"{name}.tmp"
+                tmp.write_bytes(data)
+                os.replace(tmp, self.run_dir / name)
+
+
+@contextlib.contextmanager
+def claim(run_dir: Path, *, holder: bool = True):
+    """Hold ``run_dir`` for a run (``holder``: this process takes the lock and undoes a failed
+    start; the others of a multi-process run do neither)."""
+    check_is_folder(run_dir)
+    if not holder:
+        yield None
+        return
+    created = _make_folder(run_dir)
+    try:
+        fd = _lock(run_dir)
+    except BaseException:
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    held = Claim(run_dir, created)
+    try:
+        yield held
+    except BaseException:
+        if held.armed:
+            held.undo()
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            (run_dir / LOCK_FILE).unlink()
+        os.close(fd)
+
+
+def final_eval_recorded(run_dir: Path, step: int) -> bool:
+    """Whether ``metrics.jsonl`` holds an evaluation at ``step`` (a run killed during its final
+    evaluation has none)."""
+    try:
+        lines = (run_dir / RESTORED_ON_FAILURE[1]).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step") == step and "eval_loss" in row:
+            return True
+    return False

@@ -1,0 +1,190 @@
+"""Checkpoints prove their integrity (a digest of every file, checked before reading), and one
+trainer at a time holds a run folder (docs/runs.md)."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import optax
+import pytest
+
+import zeroflow as zf
+from zeroflow import checkpoint_manifest
+from zeroflow import export
+from zeroflow import train as train_cli
+from zeroflow.checkpoint import CheckpointError
+from zeroflow.trainer import build_run, run_folder, train
+from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
+from fixtures import init_params
+from test_run_faults import (LEAKS, REPO, _logged_steps, _spawn, cli_args, config, metric_rows,
+                             stored_arrays)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """4 steps with a checkpoint every 2: checkpoints/2 and checkpoints/4."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    train(config(run_dir, "train.steps=4", "checkpoint.every=2"))
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    shutil.copytree(finished_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def flip_one_bit(path: Path, rng: random.Random) -> None:
+    data = bytearray(path.read_bytes())
+    bit = rng.randrange(len(data) * 8)
+    data[bit // 8] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(data))
+
+
+def files_of(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file())
+
+
+def stderr_lines(err: str) -> list[str]:
+    lines = err.strip().splitlines()
+    assert len(lines) <= 3 and not any(leak in err for leak in LEAKS), err
+    return lines
+
+
+def test_one_flipped_bit_in_any_file_of_a_checkpoint_is_detected(run_copy):
+    step_dir = run_copy / "checkpoints" / "4"
+    files = files_of(step_dir)
+    assert step_dir / checkpoint_manifest.MANIFEST in files and len(files) > 10
+    like = build_run(config(run_copy, "train.steps=4")).abstract_state()
+    checkpoints = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True)
+    rng = random.Random(32)
+    for file in files:
+        original = file.read_bytes()
+        flip_one_bit(file, rng)
+        with pytest.raises(UnreadableCheckpoint) as caught:
+            checkpoints.restore(4, like)
+        message = str(caught.value)
+        assert message.startswith("checkpoint step 4 is unreadable: ") and "\n" not in message
+        assert str(file.relative_to(run_copy)) in message, message
+        file.write_bytes(original)
+    assert int(checkpoints.restore(4, like)[0].step) == 4  # all put back: it reads again
+
+
+def test_a_flipped_bit_makes_export_and_resume_fall_back_and_the_run_ends_bit_identical(
+        run_copy, tmp_path, caplog, capsys):
+    uninterrupted = stored_arrays(run_copy / "checkpoints" / "4")
+    rng = random.Random(7)
+    damaged = rng.choice(files_of(run_copy / "checkpoints" / "4"))
+    flip_one_bit(damaged, rng)
+    shown = str(damaged.relative_to(run_copy))
+
+    out = tmp_path / "w.npz"
+    proc = subprocess.run([sys.executable, "-m", "zeroflow.export", "--run", str(run_copy), "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    [warning] = stderr_lines(proc.stderr)
+    assert "checkpoint step 4 is unreadable: " in warning and shown in warning, warning
+    assert "using step 2, the newest readable one" in warning
+    assert "from step 2 to" in proc.stdout
+    assert (run_copy / "checkpoints" / "4").is_dir()  # readers move nothing
+
+    # Resumed in this process: the same devices and compiler settings as the run that saved
+    # the uninterrupted checkpoint, so its arrays must come out bit for bit the same.
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert train_cli.main(cli_args(run_copy, "train.steps=4", "checkpoint.every=2")) == 0
+    assert not capsys.readouterr().err.strip()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("checkpoint step 4 is unreadable: " + shown)
+    assert "moved it to checkpoints/4.corrupt, resuming from step 2" in warning
+    for got, want in zip(stored_arrays(run_copy / "checkpoints" / "4"), uninterrupted, strict=True):
+        np.testing.assert_array_equal(got, want)
+    logged = [r["step"] for r in metric_rows(run_copy) if "loss" in r]
+    assert logged == [1, 2, 3, 4]
+
+
+def test_steps_saved_without_digests_load_unverified_and_a_lost_manifest_is_caught(run_copy,
+                                                                                    caplog):
+    step_dir = run_copy / "checkpoints" / "4"
+    like = build_run(config(run_copy, "train.steps=4")).abstract_state()
+    checkpoints = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True)
+    (step_dir / checkpoint_manifest.MANIFEST).unlink()
+    with pytest.raises(UnreadableCheckpoint, match="zeroflow_manifest.json is missing "
+                                                   r"\(the save did not finish\)"):
+        checkpoints.restore(4, like)
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    del meta["digests"]  # as saved before checkpoints had digests
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert int(checkpoints.restore(4, like)[0].step) == 4
+    assert [r.getMessage() for r in caplog.records if r.name == "zeroflow"] == [
+        f"checkpoint step 4 in {run_copy / 'checkpoints'} has no digests (saved before zeroflow "
+        "recorded them): loaded unverified"]
+
+
+def test_engine_checkpoints_carry_digests_too(tmp_path):
+    plan = zf.ZeroPlan(zf.make_mesh(data=-1, model=1), stage=2)
+    state = zf.init_train_state(init_params(), optax.adam(1e-3), plan, zf.Precision(params="fp32"))
+    path = zf.save_checkpoint(tmp_path / "ckpt", state)
+    data_file = max((p for p in files_of(path) if p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    original = data_file.read_bytes()
+    flip_one_bit(data_file, random.Random(0))
+    with pytest.raises(CheckpointError, match="does not match its sha256 digest"):
+        zf.restore_checkpoint(path, state)
+    data_file.write_bytes(original)
+    restored = zf.restore_checkpoint(path, state)
+    for got, want in zip(jax_leaves(restored.master_params), jax_leaves(state.master_params)):
+        np.testing.assert_array_equal(got, want)
+
+
+def jax_leaves(tree):
+    import jax
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# --- one trainer per run folder -----------------------------------------------------------
+
+def test_a_second_trainer_refuses_in_one_line_while_export_reads_the_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    first = _spawn(cli_args(run_dir, "train.steps=100000", "checkpoint.every=2",
+                            "train.eval_batches=0"), tmp_path / "compiled")
+    try:
+        while first.poll() is None and not (run_dir / "checkpoints" / "2").is_dir():
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[1]
+        assert train_cli.main(cli_args(run_dir, "train.steps=100000")) == 2
+        [line] = stderr_lines(capsys.readouterr().err)
+        assert line == (f"zeroflow.train: error: run.dir {run_dir} is in use by another trainer "
+                        f"(pid {first.pid}); wait for it to finish or stop it, or give another "
+                        "run.dir (sample and export may read it meanwhile)")
+        assert export.main(["--run", str(run_dir), "--out", str(tmp_path / "w.npz")]) == 0
+        assert "fp32 parameters from step" in capsys.readouterr().out
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=600)
+    assert first.returncode == 128 + signal.SIGTERM, err
+    logged = [r["step"] for r in metric_rows(run_dir) if "loss" in r]
+    assert logged == list(range(1, len(logged) + 1)) and _logged_steps(run_dir) == len(logged)
+    assert not (run_dir / run_folder.LOCK_FILE).exists()  # removed when the run ends
+
+
+def test_the_lock_of_a_killed_trainer_is_never_stale(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = subprocess.run(
+        [sys.executable, "-c", "import os, sys; from pathlib import Path; "
+         "from zeroflow.trainer.run_folder import claim\n"
+         "with claim(Path(sys.argv[1])):\n    os.kill(os.getpid(), 9)", str(run_dir)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert holder.returncode == -signal.SIGKILL, holder.stderr
+    lock = run_dir / run_folder.LOCK_FILE
+    assert lock.read_text().strip().isdigit()  # left behind by kill -9, with its pid
+    with run_folder.claim(run_dir):  # the kernel released the lock: taken at once
+        with pytest.raises(run_folder.RunFolderInUse, match=f"pid {os.getpid()}"):
+            with run_folder.claim(run_dir):
+                pass
