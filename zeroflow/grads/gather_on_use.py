@@ -271,7 +271,10 @@ class _Replay:
 
         def step(carry, sliced):
             stored_t, data_t = sliced
-            inner = _Replay(stored_t, layer_sources, self.order, self.prefetch)
+            # Unordered: the loop already bounds a slice's fetch to its iteration, and a fetch
+            # tied to the carry cannot be moved into the previous iteration by XLA:GPU's
+            # collective pipeliner (see backend.compiler_options), which is what overlaps it.
+            inner = _Replay(stored_t, layer_sources, order=False)
             data_iter = iter(data_t)
             inputs = list(consts) + list(carry) + [
                 _direct(position[x.direct]) if isinstance(x, _Lazy) else next(data_iter)

@@ -1,0 +1,196 @@
+"""XLA:GPU's own estimate of a step's time, read from its latency-hiding scheduler.
+
+When XLA:GPU schedules a program it models every instruction's time on the target GPU (an
+analytical cost model: no autotuning, nothing runs) and, with verbose logging of
+``latency_hiding_scheduler`` on, prints per scheduled computation ("For computation: NAME"):
+"Total cycles" (microseconds in its model) and "Wasted cycles" per collective kind (time the
+schedule waits for a collective with nothing to overlap it). A ``while`` body (a ``lax.scan``)
+is its own computation and runs its trip count times, so the step's estimate is the entry
+computation's plus each loop body's times its trip count (``known_trip_count`` in the HLO).
+
+What it is not: a measurement. It is the scheduler's model of the target (H100 figures for an
+H100 target), useful to compare two programs for the same target side by side; kernel choices
+that autotuning would make on a real GPU are not in it. A computation with no asynchronous
+collective prints no statistics: those loops (an optimizer update walked slice by slice, for
+instance) are listed in ``uncosted`` and left out of ``step_us``.
+
+The logging has to be on before JAX starts (it is read when XLA's logging initialises):
+``enable()`` sets it in ``os.environ`` for a process about to start, and the memory CLI starts
+itself again with it when asked for a target. ``capture()`` then collects what one compile
+prints, keeping it off the terminal.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+
+LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
+"What makes XLA print its schedule statistics (set before JAX starts)."
+
+_BLOCK = "Statistics after scheduling:"
+_STAT = re.compile(r"\] (Total wasted cycles|Wasted cycles for [\w-]+|Total cycles): ([-\d.e+]+)")
+
+
+def enabled() -> bool:
+    """Whether this process was started with XLA's schedule statistics on."""
+    return (os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0"
+            and "latency_hiding_scheduler" in os.environ.get("TF_CPP_VMODULE", ""))
+
+
+def enable(env: dict | None = None) -> dict:
+    """``env`` (default ``os.environ``) with the logging that prints the statistics turned on;
+    takes effect in a process started with it."""
+    env = os.environ if env is None else env
+    env.update(LOG_ENV)
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+    """One scheduled computation's statistics, in microseconds of XLA's model."""
+    name: str
+    trips: int
+    "How many times it runs per step (a loop body's trip count; 1 for the entry)."
+    total_us: float
+    wasted_us: dict
+    "Wasted (exposed) time per collective kind, e.g. {'all-gather': 12.5}."
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """XLA:GPU's estimate of one step (an estimate, not a measurement; see the module doc)."""
+    computations: tuple
+    uncosted: tuple
+    "Loop bodies XLA printed no statistics for (no asynchronous collective in them)."
+
+    @property
+    def step_us(self) -> float:
+        return sum(c.total_us * c.trips for c in self.computations)
+
+    @property
+    def step_ms(self) -> float:
+        return self.step_us / 1e3
+
+    def exposed_us(self, kind: str | None = None) -> float:
+        """Exposed collective time per step, of one kind ('all-gather', 'reduce-scatter',
+        'all-reduce', 'all-to-all', ...) or of all."""
+        return sum(c.trips * sum(v for k, v in c.wasted_us.items() if kind in (None, k))
+                   for c in self.computations)
+
+    def exposed_by_kind(self) -> dict:
+        kinds = sorted({k for c in self.computations for k in c.wasted_us})
+        return {k: self.exposed_us(k) for k in kinds if self.exposed_us(k) > 0}
+
+    def mfu(self, model_flops: float, peak_flops: float) -> float:
+        """Model flops per second at this step time over the device's peak."""
+        return model_flops / (self.step_us * 1e-6) / peak_flops
+
+
+def loop_trips(hlo_text: str) -> tuple[dict, set]:
+    """``({body name: trip count}, {bodies whose count XLA does not know})`` of every ``while``
+    in a compiled module's text."""
+    trips, unknown = {}, set()
+    for line in hlo_text.splitlines():
+        if " while(" not in line:
+            continue
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        if body is None:
+            continue
+        n = re.search(r'known_trip_count"?:\{"n":"(\d+)"', line)
+        if n is None:
+            unknown.add(body.group(1))
+        else:
+            trips[body.group(1)] = int(n.group(1))
+    return trips, unknown
+
+
+def parse(log_text: str, hlo_text: str) -> StepTime:
+    """The step estimate from what a compile printed (``log_text``) and the compiled module's
+    text (``compiled.as_text()``), which gives the loops' trip counts. A loop nested in a loop
+    runs the product of their counts."""
+    stats = {}
+    for block in log_text.split(_BLOCK)[1:]:
+        block = block.split("Statistics before scheduling")[0]
+        name = re.search(r"For computation: ([^,\s]+)", block)
+        if name is None:
+            continue
+        values = dict(_STAT.findall(block))
+        wasted = {k.removeprefix("Wasted cycles for "): float(v) for k, v in values.items()
+                  if k.startswith("Wasted cycles for ")}
+        stats[name.group(1)] = (float(values.get("Total cycles", 0.0)), wasted)
+    trips, unknown = loop_trips(hlo_text)
+    outer = _enclosing_loops(hlo_text, set(trips) | unknown)
+    comps = []
+    for name, (total, wasted) in stats.items():
+        count = 1
+        for body in [name, *outer.get(name, ())]:
+            count *= trips.get(body, 1)
+        comps.append(Computation(name, count, total, {k: v for k, v in wasted.items() if v}))
+    uncosted = tuple(sorted(b for b in set(trips) | unknown if b not in stats))
+    return StepTime(tuple(comps), uncosted)
+
+
+def _enclosing_loops(hlo_text: str, bodies: set) -> dict:
+    """For each loop body, the loop bodies that (transitively) contain its ``while``."""
+    parent, current = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            current = head.group(1)
+        elif " while(" in line and current is not None:
+            body = re.search(r"body=%?([\w.\-]+)", line)
+            if body is not None and current in bodies:
+                parent[body.group(1)] = current
+    out = {}
+    for body in bodies:
+        chain, seen = [], body
+        while seen in parent and parent[seen] not in chain:
+            seen = parent[seen]
+            chain.append(seen)
+        out[body] = tuple(chain)
+    return out
+
+
+@contextlib.contextmanager
+def capture():
+    """Collect what XLA prints to the process's stderr (file descriptor 2) inside the block:
+    ``with capture() as log: compiled = lowered.compile()``, then ``log.text``. Warnings and
+    errors among it are printed again afterwards; XLA's informational lines are dropped."""
+    log = _Captured()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield log
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            log.text = tmp.read().decode(errors="replace")
+    kept = [line for line in log.text.splitlines()
+            if line.startswith(("W", "E", "F")) and not line.startswith("WARNING: All log")
+            or line.startswith(("Traceback", "  File"))]
+    if kept:
+        print("\n".join(kept), file=sys.stderr)
+
+
+class _Captured:
+    text = ""
+
+
+def of_compile(compile_fn):
+    """``(compiled, StepTime or None)``: ``compile_fn()`` run with its log captured; None when
+    this process was not started with the statistics on (``enabled()``)."""
+    if not enabled():
+        return compile_fn(), None
+    with capture() as log:
+        compiled = compile_fn()
+    if _BLOCK not in log.text:
+        return compiled, None
+    return compiled, parse(log.text, compiled.as_text())
