@@ -156,7 +156,8 @@ def test_corrupt_latest_checkpoint_is_moved_aside_and_written_again(run_copy, ca
     [warning] = [r.getMessage() for r in caplog.records if r.name == "zeroflow"]
     assert "\n" not in warning and not any(leak in warning for leak in LEAKS), warning
     assert warning.startswith("checkpoint step 4 is unreadable: checkpoints/4/state/d/")
-    assert "is cut short" in warning and "moved it to checkpoints/4.corrupt, resuming from step 2" in warning
+    assert "when it was saved" in warning  # its size, read from the step's digests
+    assert "moved it to checkpoints/4.corrupt, resuming from step 2" in warning
     assert sorted(result.losses) == [3, 4]
     assert (run_copy / "checkpoints" / "4.corrupt").is_dir()
     # Step 4 was saved afresh: readable, and the same state the first run saved.
@@ -191,8 +192,8 @@ def _cut(rel):
     (_overwrite("state/_METADATA", b"\x8f\x00garbage"), "checkpoints/4/state/_METADATA is not valid JSON"),
     (_overwrite("meta/metadata", b"{\"step\": "), "checkpoints/4/meta/metadata is not valid JSON"),
     (_delete("state"), "checkpoints/4/state/ is missing"),
-    (_cut("state/manifest.ocdbt"), "checkpoints/4/state/manifest.ocdbt is damaged"),
-    (cut_data_files, "is cut short"),
+    (_cut("state/manifest.ocdbt"), "checkpoints/4/state/manifest.ocdbt has 20 bytes, "),
+    (cut_data_files, " when it was saved"),
 ])
 def test_an_unreadable_step_is_named_with_its_file_and_fault(run_copy, damage, reason):
     damage(run_copy / "checkpoints" / "4")
@@ -216,17 +217,20 @@ def test_no_readable_checkpoint_says_what_to_do_and_moves_nothing(run_copy, caps
     assert snapshot(run_copy) == before
 
 
-def test_export_and_sample_name_their_step_and_refuse_an_unreadable_latest(run_copy, capsys):
+def test_export_and_sample_name_their_step_and_fall_back_from_an_unreadable_latest(
+        run_copy, capsys, caplog):
     cut_data_files(run_copy / "checkpoints" / "4")
     before = snapshot(run_copy)
     out = run_copy.parent / "w.safetensors"
-    assert export.main(["--run", str(run_copy), "--out", str(out)]) == 2
-    line = one_line(capsys.readouterr().err)
-    assert "the newest checkpoint in" in line and "step 4: checkpoints/4/state/d/" in line
-    assert "pass --step 2 to use the newest readable one" in line
-    assert sample.main(["--run", str(run_copy), "--tokens", "2"]) == 2
-    assert "pass --step 2" in one_line(capsys.readouterr().err)
-    assert not out.exists() and snapshot(run_copy) == before  # readers change nothing
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert export.main(["--run", str(run_copy), "--out", str(out)]) == 0
+    assert "from step 2 to" in capsys.readouterr().out
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "zeroflow"]
+    assert warning.startswith("checkpoint step 4 is unreadable: checkpoints/4/state/d/")
+    assert "using step 2, the newest readable one" in warning and "\n" not in warning
+    assert sample.main(["--run", str(run_copy), "--tokens", "2", "--temperature", "0"]) == 0
+    assert "[step 2]" in capsys.readouterr().err
+    assert snapshot(run_copy) == before  # readers change nothing
 
     assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "2"]) == 0
     assert "from step 2 to" in capsys.readouterr().out
@@ -342,3 +346,149 @@ def test_byte_level_hf_export_has_a_tokenizer_giving_our_byte_ids(finished_run, 
     os.umask(umask)
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
         p.name: 0o666 & ~umask for p in out.iterdir()}
+
+
+# --- every fault in one line, and nothing half-done ----------------------------------------
+
+def _unshare_works() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+needs_mount_namespace = pytest.mark.skipif(
+    not _unshare_works(), reason="a full or read-only disk is made with a private mount "
+    "(unshare -rm), which this machine does not allow")
+
+
+def _in_private_mount(setup: str, args: list[str], cache: Path) -> subprocess.CompletedProcess:
+    """``python -m zeroflow.train ARGS`` after the shell commands ``setup`` in a private mount
+    namespace (a tmpfs of a few hundred KB, or a folder mounted read-only)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    env.pop("ZEROFLOW_TRACEBACK", None)
+    command = f'{setup} && exec "$0" -m zeroflow.train "$@"'
+    return subprocess.run(["unshare", "-rm", "sh", "-c", command, sys.executable, *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@needs_mount_namespace
+def test_disk_full_and_a_read_only_folder_each_end_in_one_line(tmp_path, finished_run):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run_dir = disk / "run"
+    common = ["train.steps=8", "checkpoint.every=1", "train.eval_batches=0"]
+    # 700 KB: the first checkpoints fit, a later one does not.
+    full = _in_private_mount(f"mount -t tmpfs -o size=700k tmpfs {disk}",
+                             cli_args(run_dir, *common), tmp_path / "compiled")
+    assert full.returncode == 1, full.stderr
+    line = one_line(full.stderr)
+    assert line.startswith("zeroflow.train: error: no space left on device for checkpoint step ")
+    assert "it needs about " in line and " bytes are free; " in line
+
+    shutil.copytree(finished_run, run_dir)
+    before = snapshot(run_dir)
+    read_only = _in_private_mount(f"mount --bind {run_dir} {run_dir} && mount -o "
+                                  f"remount,bind,ro {run_dir}", cli_args(run_dir, "train.steps=6"),
+                                  tmp_path / "compiled")
+    assert read_only.returncode == 2, read_only.stderr
+    assert one_line(read_only.stderr) == (
+        f"zeroflow.train: error: run.dir {run_dir} is not writable (Read-only file system): a "
+        "trainer writes its checkpoints and metrics there; make it writable or give another "
+        "run.dir (sample and export only read it)")
+    assert snapshot(run_dir) == before
+
+
+def test_run_dir_that_is_a_file_stops_before_any_work(tmp_path, capsys):
+    run_file = tmp_path / "runs"
+    run_file.write_text("not a folder")
+    assert train_cli.main(cli_args(run_file, "train.steps=2")) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"zeroflow.train: error: run.dir {run_file} is a file, not a folder; give a folder (it "
+        "is created when missing)")
+    assert train_cli.main(cli_args(run_file / "inner", "train.steps=2")) == 2
+    assert f"is inside {run_file}, which is a file" in one_line(capsys.readouterr().err)
+    assert run_file.read_text() == "not a folder"
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_files(tmp_path, capsys):
+    run_dir = tmp_path / "new" / "run"
+    # XLA:CPU has no fp16 matmuls: the step fails as it compiles, after every check passed.
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", "precision.params=fp16")) != 0
+    assert "not supported" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_final_evaluation_lost_to_a_kill_is_run_on_resume(run_copy, capsys):
+    rows = metric_rows(run_copy)
+    finals = [r for r in rows if r.get("step") == 4 and "eval_loss" in r]
+    assert len(finals) == 1
+    # What a kill during the final evaluation leaves: the last checkpoint, no evaluation row.
+    (run_copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows
+                                                    if r not in finals))
+    assert train_cli.main(cli_args(run_copy, "train.steps=4", "checkpoint.every=2")) == 0
+    assert "running its final evaluation" in capsys.readouterr().out
+    again = [r for r in metric_rows(run_copy) if r.get("step") == 4 and "eval_loss" in r]
+    assert [r["eval_loss"] for r in again] == [finals[0]["eval_loss"]]
+    assert train_cli.main(cli_args(run_copy, "train.steps=4", "checkpoint.every=2")) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+RAISING_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{{ 1 // (m['content'] | length - 3) }}{% endfor %}"
+"Divides by zero on a message of three characters: a fault of the template, not the record."
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from helpers import load_script
+    folder = tmp_path_factory.mktemp("tokenizer")
+    load_script("make_tiny_hf").train_tokenizer(folder, vocab_size=300, max_bytes=100_000)
+    return folder
+
+
+def _records_args(tmp_path, source, tokenizer, *extra):
+    return [f"data.source={source}", "data.format=chat", f"data.tokenizer={tokenizer}",
+            "data.val_fraction=0", "model.seq_len=64", f"run.dir={tmp_path / 'run'}",
+            "run.progress=false", "train.steps=2", *extra]
+
+
+def _chat(content):
+    return json.dumps({"messages": [{"role": "user", "content": content},
+                                    {"role": "assistant", "content": "fine"}]})
+
+
+def test_bad_data_ends_in_one_line_naming_file_and_line(tmp_path, tokenizer_dir, capsys):
+    from zeroflow.config import DataConfig
+    from zeroflow.data import load_data
+    source = tmp_path / "chat.jsonl"
+    good = [_chat(f"question {i}") for i in range(6)]
+    source.write_bytes("\n".join(good[:2]).encode() + b"\n" + _chat("cafX").encode().replace(b"cafX", b"caf\xe9")
+                       + b"\n" + "\n".join(good[2:]).encode() + b"\n")
+    assert train_cli.main(_records_args(tmp_path, source, tokenizer_dir,
+                                        "data.bad_records=stop")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "bad record at chat.jsonl line 3: not UTF-8 (byte 0xe9 at byte " in line
+    skipped = load_data(DataConfig(source=str(source), format="chat", tokenizer=str(tokenizer_dir),
+                                   val_fraction=0, bad_records="skip"), 64)
+    assert (skipped.records, len(skipped.train)) == (7, 6)
+    assert "1 not UTF-8 (first: chat.jsonl line 3: byte 0xe9" in skipped.summary()
+
+    # Only malformed lines: one line, counted by kind, the first example of each.
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("".join(f"{'{' * (i % 7 + 1)}\n" for i in range(20)) + "[1]\nnot json\n")
+    assert train_cli.main(_records_args(tmp_path, junk, tokenizer_dir)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert ("skipped 22 bad records: 21 invalid JSON (first: junk.jsonl line 1: Expecting "
+            "property name enclosed in double quotes at column 1); 1 not a JSON object (first: "
+            "junk.jsonl line 21: list)") in line and len(line) < 400
+
+    template_dir = tmp_path / "template-tokenizer"
+    shutil.copytree(tokenizer_dir, template_dir)
+    (template_dir / "chat_template.jinja").write_text(RAISING_TEMPLATE)
+    source.write_text("\n".join([_chat("first"), _chat("abc"), _chat("last")]) + "\n")
+    assert train_cli.main(_records_args(tmp_path, source, template_dir, "data.train_on=all")) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"zeroflow.train: error: chat template {template_dir / 'chat_template.jinja'} raised "
+        "ZeroDivisionError: integer division or modulo by zero on the record at chat.jsonl "
+        f"line 2 (record 1 of {source}); fix the template")
+    assert not (tmp_path / "run").exists()
