@@ -52,8 +52,11 @@ def triton_kernels(compiled) -> list[str]:
 
 def compile_for_gpu(fn, *args):
     """XLA:GPU compile of ``jax.jit(fn)`` for the abstract ``args``, kernels traced as for a GPU
-    (outside a train step nothing else says so)."""
-    with compiling_for("gpu"):
+    (outside a train step nothing else says so). From jax 0.11 Pallas' Triton lowering reads
+    the GPU from the abstract mesh in context (inside ``shard_map`` the mesh's own), so the
+    target mesh of the arguments is put in context here."""
+    mesh = next(a.sharding.mesh for a in args if hasattr(a, "sharding"))
+    with compiling_for("gpu"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = jax.jit(fn).trace(*args).lower().compile()
     assert compiled.memory_analysis() is not None  # XLA:GPU's buffer assignment, per device
     return compiled
