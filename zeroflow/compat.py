@@ -22,6 +22,7 @@ plugin is installed before jax is imported.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -110,3 +111,37 @@ def pipelined_all_gather() -> dict:
     if _jaxlib_version() < (0, 11):
         return {"xla_gpu_enable_pipelined_all_gather": True}
     return {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON"}
+
+
+TARGET_CUDNN_VERSION = 90800
+"The oldest cuDNN the CUDA plugins accept (9.8): what cuDNN attention is lowered for without one."
+
+
+def local_cudnn_version() -> int | None:
+    """This machine's cuDNN version as jax reads it (``nvidia-cudnn-cu12`` / ``-cu13`` wheels
+    or a system install), None without one."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo  # private: where jax asks
+        return int(fused_attention_stablehlo.check_cudnn_version())
+    except Exception:  # "cuDNN not found." (RuntimeError), or jax moved the check
+        return None
+
+
+@contextlib.contextmanager
+def cudnn_for_target():
+    """Inside the block, cuDNN attention lowers for abstract GPUs even without a local cuDNN:
+    jax asks the local library's version only to choose what to lower (XLA:GPU compiles the
+    custom call without it; the kernel's graph and workspace are built on a GPU). Yields the
+    version lowered for and whether it was this machine's."""
+    local = local_cudnn_version()
+    if local is not None:
+        yield local, True
+        return
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    saved = fused_attention_stablehlo.check_cudnn_version
+    fused_attention_stablehlo.check_cudnn_version = lambda *a, **k: TARGET_CUDNN_VERSION
+    try:
+        yield TARGET_CUDNN_VERSION, False
+    finally:
+        fused_attention_stablehlo.check_cudnn_version = saved

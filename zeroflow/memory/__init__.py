@@ -5,6 +5,7 @@ accounting, and what XLA says.
     peak = memory.estimate_step(loss_fn, params, batch, tx, plan, prec)  # peak.peak_bytes, terms
     got = memory.measure(step, state, batch)                            # AOT memory_analysis()
     memory.overlap(memory.collectives(compiled))   # async collectives with compute in between
+    t = memory.step_time(loss_fn, params, batch, tx, plan, prec)  # XLA:GPU's estimate (target mesh)
     est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # model states ~ 16.6e9
 
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
@@ -24,10 +25,13 @@ from zeroflow.memory.estimate import (
     parse_bytes,
 )
 from zeroflow.memory.collectives import Collective, collectives, overlap, traffic
-from zeroflow.memory.measure import MeasuredMemory, compile_step, measure, measure_step, state_bytes
+from zeroflow.memory.measure import (MeasuredMemory, compile_step, compile_step_timed, measure,
+                                     measure_step, state_bytes, step_time)
+from zeroflow.memory.schedule import StepTime
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 
-__all__ = ["Collective", "collectives", "compile_step", "overlap", "traffic", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
+__all__ = ["Collective", "collectives", "compile_step", "compile_step_timed", "step_time",
+           "StepTime", "overlap", "traffic", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
            "count_gpt_params", "estimate", "estimate_config",
            "estimate_step", "format_bytes", "hierarchical_copy_bytes", "measure", "measure_step", "remat_recompute_bytes",
            "offloaded_activations", "parse_bytes",

@@ -129,6 +129,26 @@ def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
     return step.lower(state, placed).compile(), state
 
 
+def step_time(loss_fn, params, batch, tx, plan, prec, **options):
+    """XLA:GPU's estimated step (``zeroflow.memory.schedule.StepTime``: ``step_ms``,
+    ``exposed_us(kind)``, ``exposed_by_kind()``, ``mfu(...)``) of the step ``compile_step``
+    compiles for the same arguments, on a ``zf.target_mesh`` (or GPUs). An estimate of XLA's
+    cost model, not a measurement; the process must have been started with
+    ``schedule.LOG_ENV`` in its environment (a one-line ``RuntimeError`` says so otherwise)."""
+    return compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options)[2]
+
+
+def compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options):
+    """``(compiled step, abstract state, StepTime)``: ``compile_step`` and ``step_time`` from
+    one compile (the peak and the estimate of the same program)."""
+    from zeroflow.memory import schedule
+
+    (compiled, state), est = schedule.timed(
+        lambda: compile_step(loss_fn, params, batch, tx, plan, prec, **options),
+        text_of=lambda result: result[0].as_text())
+    return compiled, state, est
+
+
 def _shard_nbytes(leaf) -> tuple[str, int]:
     sharding = leaf.sharding
     shape = sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else tuple(leaf.shape)

@@ -21,12 +21,14 @@ prints, keeping it off the terminal.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
 import re
 import sys
 import tempfile
+import threading
 
 LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
 "What makes XLA print its schedule statistics (set before JAX starts)."
@@ -180,8 +182,59 @@ def capture():
         print("\n".join(kept), file=sys.stderr)
 
 
+_INFO_LINE = re.compile(rb"^(I\d{4} |WARNING: All log messages before absl::InitializeLog)")
+
+
+def drop_info_lines() -> None:
+    """From now on, XLA's informational lines (``I0000 ...``, which the statistics' log level
+    also lets through, from backend start-up for instance) are dropped from this process's
+    stderr; everything else passes. For a process started with ``LOG_ENV``."""
+    sys.stderr.flush()
+    read, write = os.pipe()
+    terminal = os.dup(2)
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump():
+        with os.fdopen(read, "rb") as src, os.fdopen(terminal, "wb", buffering=0) as dst:
+            for line in src:
+                if not _INFO_LINE.match(line):
+                    dst.write(line)
+
+    thread = threading.Thread(target=pump, name="drop-xla-info", daemon=True)
+    thread.start()
+
+    def finish():  # the pipe's last writer closes, the pump reads to the end
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        thread.join(timeout=5)
+    atexit.register(finish)
+
+
 class _Captured:
     text = ""
+
+
+NOT_ENABLED = ("XLA:GPU's step estimate needs the process started with TF_CPP_MIN_LOG_LEVEL=0 "
+               "TF_CPP_VMODULE=latency_hiding_scheduler=1 (XLA reads them at start-up; "
+               "zeroflow.memory.schedule.enable(env) sets them for a subprocess)")
+
+
+def timed(compile_fn, text_of=lambda compiled: compiled.as_text()):
+    """``(compile_fn()'s result, StepTime)``, or a one-line ``RuntimeError`` saying what to set
+    when this process was not started with the statistics on, or what to compile for when the
+    compile printed none (only XLA:GPU schedules with this model). ``text_of`` gives the
+    compiled module's text from the result."""
+    if not enabled():
+        raise RuntimeError(NOT_ENABLED)
+    with capture() as log:
+        result = compile_fn()
+    if _BLOCK not in log.text:
+        raise RuntimeError("no schedule statistics were printed: XLA:GPU's estimate needs a "
+                           "step compiled for GPUs (a zf.target_mesh or GPU devices)")
+    return result, parse(log.text, text_of(result))
 
 
 def of_compile(compile_fn):

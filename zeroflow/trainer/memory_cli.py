@@ -9,6 +9,12 @@ comes from ahead-of-time compilation with abstract inputs.
 "Cheapest" ranks choices by their usual cost in step time: no offload before offload
 (PCIe traffic), then remat none < save_dots < offload_dots (activations over PCIe) < full
 (recompute), then a lower stage (stage 3 adds an all-gather per use). A choice fits when max(estimate, measured) <= --device-memory.
+
+With ``--target`` each compiled row also carries XLA:GPU's *estimated* step time (its
+latency-hiding scheduler's cost model for the target, ``zeroflow.memory.schedule``; nothing
+runs, so it is an estimate, not a measurement), the communication it leaves exposed and the
+MFU it implies. XLA prints those statistics only when the process starts with
+``schedule.LOG_ENV``, so the command starts itself again with it.
 """
 from __future__ import annotations
 
@@ -23,11 +29,12 @@ import jax
 
 from zeroflow.backend import targets
 from zeroflow.config_io import ConfigError, add_config_arguments, load_config
+from zeroflow.memory import schedule
 from zeroflow.memory.collectives import collectives, overlap
 from zeroflow.memory.estimate import (OFFLOADS, REMATS, STAGES, count_gpt_params, format_bytes,
                                       parse_bytes)
 from zeroflow.memory.measure import analysed, device_peak
-from zeroflow.trainer.planning import compile_config, estimate_config_step
+from zeroflow.trainer.planning import attention_note, compile_config, estimate_config_step
 from zeroflow.trainer.setup import run_model_config
 
 MEASURE_MAX_PARAMS = 50_000_000
@@ -35,6 +42,8 @@ MEASURE_MAX_PARAMS = 50_000_000
 MEASURE_MAX_DEVICES = 16
 "... and only meshes up to this many devices (CPU compile time grows with both)."
 REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3}
+DENSE_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "l4": 121e12}
+"Dense bf16 tensor-core peak per GPU (vendor data sheets; SXM for H100/A100), for estimated MFU."
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
@@ -50,6 +59,7 @@ class Row:
     note: str = ""
     overlap: dict | None = None  # zeroflow.memory.collectives.overlap of the compiled step
     measured_host_bytes: float | None = None  # XLA's host-memory buffers per device (host_*)
+    timing: dict | None = None  # XLA:GPU's estimated step: step_ms, exposed_ms, mfu (_timing)
 
     @property
     def need_bytes(self) -> float:
@@ -69,6 +79,7 @@ class Row:
                 "peak_phase": self.estimate.phase, "host_bytes_per_process": round(self.host_bytes),
                 "terms": {k: round(v) for k, v in self.estimate.terms().items()},
                 **({"overlap": self.overlap} if self.overlap is not None else {}),
+                **({"estimated_step": self.timing} if self.timing is not None else {}),
                 **({"note": self.note} if self.note else {})}
 
     @property
@@ -90,15 +101,36 @@ def _choices(text: str, valid: Sequence, name: str, cast=str) -> list:
 
 
 def _measured(cfg, devices: int, stage: int, offload: str, remat: str,
-              target: str | None) -> tuple[float, dict, float]:
-    """XLA's device peak of one choice, the overlap of its collectives and its host-memory
-    bytes per device (offloaded state and activations, where the backend separates them)."""
+              target: str | None) -> tuple[float, dict, float, dict | None]:
+    """XLA's device peak of one choice, the overlap of its collectives, its host-memory
+    bytes per device (offloaded state and activations, where the backend separates them) and,
+    for a target in a process started with the scheduler's logging, XLA:GPU's step estimate."""
     update_on = cfg.parallel.update_on if offload != "none" else "device"
-    compiled, setup = compile_config(cfg, num_devices=devices, stage=stage, offload=offload,
-                                     update_on=update_on, remat=remat, target=target)
+
+    def compile_it():
+        return compile_config(cfg, num_devices=devices, stage=stage, offload=offload,
+                              update_on=update_on, remat=remat, target=target)
+    timing = None
+    if target is not None and schedule.enabled():
+        (compiled, setup), est = schedule.timed(compile_it, text_of=lambda r: r[0].as_text())
+        timing = _timing(est, cfg, devices, target)
+    else:
+        compiled, setup = compile_it()
     got = analysed(compiled)
     return (float(device_peak(got, setup.state)), overlap(collectives(compiled)),
-            float(got.host_total_bytes))
+            float(got.host_total_bytes), timing)
+
+
+def _timing(est, cfg, devices: int, target: str) -> dict:
+    """The JSON fields of an estimated step: ms, exposed ms per collective kind, and the MFU
+    of 6 x parameters x tokens (attention's own flops left out) at the dense bf16 peak."""
+    tokens = cfg.train.batch_size * cfg.model.seq_len / devices
+    flops = 6 * count_gpt_params(cfg.model) * tokens
+    peak = DENSE_BF16_FLOPS.get(target)
+    return {"step_ms": round(est.step_ms, 3),
+            "exposed_ms": {k: round(v / 1e3, 3) for k, v in est.exposed_by_kind().items()},
+            "mfu": None if peak is None else round(est.mfu(flops, peak), 4),
+            "uncosted_loops": list(est.uncosted), "is_estimate": True}
 
 
 def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
@@ -120,17 +152,18 @@ def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REM
                 update_on = cfg.parallel.update_on if offload != "none" else "device"
                 est = estimate_config_step(cfg, num_devices=devices, stage=stage, offload=offload,
                                            update_on=update_on, remat=remat, backend=backend)
-                measured, note, overlapped, host = None, "", None, None
+                measured, note, overlapped, host, timing = None, "", None, None, None
                 if measure == "always":
                     if log:
                         log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
                     try:
-                        measured, overlapped, host = _measured(cfg, devices, stage, offload,
-                                                               remat, target)
+                        measured, overlapped, host, timing = _measured(cfg, devices, stage,
+                                                                       offload, remat, target)
+                        note = attention_note(cfg, target)
                     except Exception as e:  # a choice that cannot compile is reported, not fatal
                         note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
                 rows.append(Row(stage, offload, remat, update_on, est, per_process, measured, note,
-                                overlapped, host))
+                                overlapped, host, timing))
     return rows
 
 
@@ -146,9 +179,11 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
     console = console or Console(width=max(Console().width, 150))
     table = Table(title=title)
     with_overlap = any(r.overlap is not None for r in rows)
+    with_timing = any(r.timing is not None for r in rows)
     for name in ("stage", "offload", "remat", "model states/dev", "activations/dev",
                  "est. peak/dev", "measured/dev", "host/process", "fits") + (
-                     ("overlapped collectives",) if with_overlap else ()):
+                     ("overlapped collectives",) if with_overlap else ()) + (
+                     TIMING_COLUMNS if with_timing else ()):
         table.add_column(name, justify="right" if "/" in name else "left")
     best = cheapest_fit(rows, device_memory)
     for r in rows:
@@ -164,8 +199,11 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
         if with_overlap:
             total = (r.overlap or {}).get("total", {})
             cells.append(f"{total['overlapped']}/{total['count']}" if total else "-")
+        if with_timing:
+            cells += _timing_cells(r.timing)
         table.add_row(*cells, style=style)
     console.print(table)
+    _render_notes(rows, with_timing, console)
     if best is None:
         console.print(f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
                       "shrink train.batch_size or raise parallel.grad_accum.")
@@ -174,6 +212,32 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
                       f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
                       f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)")
     return best
+
+
+TIMING_COLUMNS = ("est. step (XLA:GPU)", "exposed comm.", "est. MFU")
+
+
+def _timing_cells(timing: dict | None) -> list[str]:
+    if timing is None:
+        return ["-", "-", "-"]
+    step = ("≥ " if timing["uncosted_loops"] else "") + f"{timing['step_ms']:.1f} ms"
+    exposed = ", ".join(f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
+                        for k, v in timing["exposed_ms"].items()) or "0"
+    mfu = "-" if timing["mfu"] is None else f"{100 * timing['mfu']:.0f}%"
+    return [step, f"{exposed} ms" if exposed != "0" else "0", mfu]
+
+
+def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
+    """The lines under the table: what the estimate is, and each row's note when measured."""
+    if with_timing:
+        console.print("est. step: XLA:GPU's latency-hiding scheduler's estimate for the target "
+                      "(its cost model; nothing ran), not a measurement; exposed comm.: time it "
+                      "waits on collectives (gather, RS, reduce...); est. MFU: 6 x params x "
+                      "tokens / est. step / dense bf16 peak, attention flops excluded; ≥: loops "
+                      "without collectives are not costed.")
+    notes = {r.note for r in rows if r.note and r.measured_bytes is not None}
+    for note in sorted(notes):
+        console.print(f"measured: {note}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -232,9 +296,24 @@ def _platform(args, devices: int) -> tuple[str, str]:
     return backend, f"{devices} devices, estimated for {backend.upper()} ({named})"
 
 
+def _restart_with_schedule_log(argv: Sequence[str] | None, args) -> None:
+    """Start this command again with XLA's scheduler statistics on (read at start-up), for
+    the estimated step time of a target's rows; only from the command line (``argv`` None)."""
+    if argv is not None or args.target is None or args.measure == "never" or schedule.enabled():
+        return
+    env = schedule.enable(dict(os.environ))
+    env["ZEROFLOW_QUIET_XLA_INFO"] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "zeroflow.memory", *sys.argv[1:]], env)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_intermixed_args(argv)
+    _restart_with_schedule_log(argv, args)
+    if os.environ.get("ZEROFLOW_QUIET_XLA_INFO"):
+        schedule.drop_info_lines()
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.model.init_from:  # the architecture is the checkpoint's config.json

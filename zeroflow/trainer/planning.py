@@ -9,6 +9,7 @@ a time. ``zeroflow.memory`` stays the engine's (any model); this is where it mee
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -17,7 +18,7 @@ from typing import Any
 
 import jax
 
-from zeroflow import backend
+from zeroflow import backend, compat
 from zeroflow.backend import target_mesh
 from zeroflow.config import ModelConfig
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
@@ -157,11 +158,27 @@ def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
 
 
 def compile_config(cfg, **choice):
-    """``(compiled step, StepSetup)`` for one choice (keywords of ``abstract_setup``)."""
+    """``(compiled step, StepSetup)`` for one choice (keywords of ``abstract_setup``). For a
+    ``target`` with ``model.attention: cudnn`` and no local cuDNN, cuDNN attention is lowered
+    for the oldest cuDNN the CUDA plugin accepts (``compat.cudnn_for_target``)."""
     setup = abstract_setup(cfg, **choice)
-    if setup.target is not None:
-        return compile_for(setup.step, setup.state, setup.batch, setup.target), setup
-    return setup.step.lower(setup.state, setup.batch).compile(), setup
+    cudnn = (compat.cudnn_for_target() if choice.get("target") and cfg.model.attention == "cudnn"
+             else contextlib.nullcontext())
+    with cudnn:
+        if setup.target is not None:
+            return compile_for(setup.step, setup.state, setup.batch, setup.target), setup
+        return setup.step.lower(setup.state, setup.batch).compile(), setup
+
+
+def attention_note(cfg, target: str | None) -> str:
+    """One line saying which attention a compiled row of ``cfg`` measured ("" for xla/pallas)."""
+    if cfg.model.attention != "cudnn" or target is None:
+        return ""
+    version = compat.local_cudnn_version()
+    if version is not None:
+        return f"cuDNN attention (lowered for this machine's cuDNN {version})"
+    return (f"cuDNN attention lowered for cuDNN {compat.TARGET_CUDNN_VERSION} (none installed "
+            "here); its workspace, sized on a GPU, is not in the peak")
 
 
 def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,

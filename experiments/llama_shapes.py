@@ -1,0 +1,100 @@
+"""A Llama-shaped loss in plain JAX, the model of ``experiments/vs_gspmd.py``.
+
+RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; the layers' weights are stacked
+on a leading axis and run by ``lax.scan`` under ``jax.checkpoint`` (remat "full": only each
+layer's input is kept; "dots": matmul outputs without batch dimensions are kept too). Compute
+is in bf16 whatever the parameters' dtype (the fp32 masters of a plain ``jax.jit`` step are cast
+inside the loss); nothing here knows about zeroflow.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SHAPES = {
+    "tiny": dict(layers=4, d=256, ffn=512, heads=4, kv=2, vocab=1024),
+    "1b": dict(layers=16, d=2048, ffn=8192, heads=16, kv=8, vocab=32000),
+    "8b": dict(layers=32, d=4096, ffn=14336, heads=32, kv=8, vocab=128256),
+    "70b": dict(layers=80, d=8192, ffn=28672, heads=64, kv=8, vocab=128256),
+}
+"Llama-3-8B and -70B shapes, a ~1B one with Llama-2's vocabulary, and a tiny one for CPU runs."
+
+POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def abstract_params(shape: dict, dtype=jnp.float32) -> dict:
+    """The parameter tree as ``jax.ShapeDtypeStruct``s (nothing allocated)."""
+    layers, d, ffn, vocab = shape["layers"], shape["d"], shape["ffn"], shape["vocab"]
+    head_dim = d // shape["heads"]
+    kv_width = shape["kv"] * head_dim
+
+    def leaf(*dims):
+        return jax.ShapeDtypeStruct(dims, dtype)
+
+    return {"embed": leaf(vocab, d), "head": leaf(d, vocab), "norm": leaf(d),
+            "layers": {"attn_norm": leaf(layers, d), "mlp_norm": leaf(layers, d),
+                       "wq": leaf(layers, d, d), "wk": leaf(layers, d, kv_width),
+                       "wv": leaf(layers, d, kv_width), "wo": leaf(layers, d, d),
+                       "w1": leaf(layers, d, ffn), "w3": leaf(layers, d, ffn),
+                       "w2": leaf(layers, ffn, d)}}
+
+
+def init_params(shape: dict, seed: int = 0) -> dict:
+    """Real fp32 parameters (for the small CPU run): normal(0, 0.02), norms' gains at 0
+    (the norm multiplies by ``1 + gain``)."""
+    leaves, tree = jax.tree.flatten(abstract_params(shape))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [0.02 * jax.random.normal(k, s.shape, s.dtype)
+                                     for k, s in zip(keys, leaves)])
+
+
+def num_params(shape: dict) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(abstract_params(shape)))
+
+
+def _rms_norm(x, gain):
+    x32 = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+    return (x32 * scale).astype(x.dtype) * (1 + gain)
+
+
+def _rotary(x):
+    """Rotary position embedding of ``[batch, time, heads, head_dim]``."""
+    time, head_dim = x.shape[1], x.shape[-1]
+    freq = 1.0 / (10000 ** (jnp.arange(0, head_dim, 2) / head_dim))
+    angle = jnp.arange(time)[:, None] * freq[None]
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    even, odd = x[..., ::2], x[..., 1::2]
+    return jnp.concatenate([even * cos - odd * sin, even * sin + odd * cos], -1).astype(x.dtype)
+
+
+def _layer(shape, dtype, x, p):
+    heads, kv = shape["heads"], shape["kv"]
+    batch, time, d = x.shape
+    head_dim = d // heads
+    w = jax.tree.map(lambda a: a.astype(dtype), p)
+    y = _rms_norm(x, w["attn_norm"])
+    q = _rotary((y @ w["wq"]).reshape(batch, time, heads, head_dim))
+    k = _rotary((y @ w["wk"]).reshape(batch, time, kv, head_dim))
+    v = (y @ w["wv"]).reshape(batch, time, kv, head_dim)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    x = x + o.reshape(batch, time, d) @ w["wo"]
+    y = _rms_norm(x, w["mlp_norm"])
+    return x + (jax.nn.silu(y @ w["w1"]) * (y @ w["w3"])) @ w["w2"], None
+
+
+def make_loss(shape: dict, remat: str = "full", dtype=jnp.bfloat16):
+    """``loss(params, batch)``: next-token cross-entropy of ``batch["tokens"]`` ([B, T+1])."""
+    body = jax.checkpoint(lambda x, p: _layer(shape, dtype, x, p), policy=POLICIES[remat])
+
+    def loss(params, batch):
+        tokens = batch["tokens"]
+        x = params["embed"].astype(dtype)[tokens[:, :-1]]
+        x, _ = jax.lax.scan(body, x, params["layers"])
+        x = _rms_norm(x, params["norm"].astype(dtype))
+        logits = (x @ params["head"].astype(dtype)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return loss

@@ -1,0 +1,361 @@
+"""zeroflow against what a JAX user writes instead: plain ``jax.jit`` GSPMD FSDP, and DDP.
+
+One plain-JAX Llama-shaped loss (``experiments/llama_shapes.py``) through
+(a) GSPMD FSDP: ``jax.jit`` of loss + grad + AdamW with every parameter and optimizer-state
+    leaf sharded over ``data`` on its largest divisible dimension, the batch sharded, the state
+    donated (what MaxText and Levanter do);
+(b) DDP: the same step with everything replicated;
+(c) zeroflow stages 0-3 (``zf.memory.compile_step``), and ZeRO++ options at stage 3;
+each compiled for abstract GPUs (``zf.target_mesh``: 8 x H100, 8 x A100) by XLA:GPU, on a
+machine without them. Per row: XLA:GPU's peak per device (``memory_analysis``), its ratio to
+the ZeRO paper's model-state formula, XLA:GPU's *estimated* step time (its latency-hiding
+scheduler's cost model, ``zeroflow.memory.schedule``; not a measurement), exposed time per
+collective kind, how many all-gathers / reduce-scatters have compute beside them, and the
+estimated MFU (6 x parameters x tokens / step / the GPU's dense bf16 peak; attention's own
+flops are left out). Then the tiny shape actually run on 8 emulated CPU devices: zeroflow
+stage 3 against GSPMD FSDP, steps alternating, the ratio of medians and the losses' agreement.
+
+    python experiments/vs_gspmd.py                 # writes experiments/results/vs_gspmd.md
+    python experiments/vs_gspmd.py --quick         # 1B shape, H100, remat full only
+
+Every compile runs in its own process started with the scheduler's logging on (XLA reads it
+at start-up), so a crash or an out-of-memory compile is one row's note.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "vs_gspmd.md"
+PEAK_BF16 = {"h100": 989e12, "a100": 312e12}
+"Dense bf16 tensor-core peaks: H100 SXM 989 TFLOPS, A100 SXM 312 TFLOPS (vendor data sheets)."
+SEQ = 2048
+PER_DEVICE = {"1b": 2, "8b": 1, "70b": 1}
+"Sequences of SEQ tokens per device and step."
+ZEROPP = {"qwZ": {"quantize_weights": "int8"}, "qgZ": {"quantize_grads": "int8"},
+          "hpZ": {"hierarchical": True}}
+
+
+def _child_env() -> dict:
+    from zeroflow.memory import schedule
+
+    env = schedule.enable(dict(os.environ))
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(HERE.parent),
+                                                      env.get("PYTHONPATH")]))
+    return env
+
+
+def fsdp_spec(shape, devices: int, replicate: bool):
+    """GSPMD FSDP's sharding of one leaf: its largest dimension that divides by ``devices``."""
+    from jax.sharding import PartitionSpec as P
+
+    dims = [i for i, n in enumerate(shape) if n % devices == 0]
+    if replicate or not dims:
+        return P()
+    split = max(dims, key=lambda i: shape[i])
+    return P(*["data" if i == split else None for i in range(len(shape))])
+
+
+def compile_plain(loss, params, batch, tx, mesh, replicate: bool):
+    """The plain ``jax.jit`` step (GSPMD FSDP, or DDP with ``replicate``), compiled."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = mesh.shape["data"]
+
+    def shard(tree):
+        return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, devices, replicate)),
+                            tree)
+
+    def step(state, batch):
+        p, opt = state
+        value, grads = jax.value_and_grad(loss)(p, batch)
+        updates, opt = tx.update(grads, opt, p)
+        return (optax.apply_updates(p, updates), opt), value
+
+    opt = jax.eval_shape(tx.init, params)
+    shardings = (shard(params), shard(opt))
+    jitted = jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, P("data"))),
+                     out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+    return jitted.lower((params, opt), batch).compile()
+
+
+def formula_bytes(system: str, psi: int, n: int) -> float:
+    """The ZeRO paper's model states per device (bf16 weights and gradients, fp32 master and
+    Adam moments: K = 12)."""
+    if system in ("ddp", "stage0"):
+        return 16 * psi
+    if system == "stage1":
+        return 4 * psi + 12 * psi / n
+    if system == "stage2":
+        return 2 * psi + 14 * psi / n
+    return 16 * psi / n
+
+
+def compile_row(row: dict) -> dict:
+    """One row, in this process (started with the logging on): compile and read."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zeroflow as zf
+    from llama_shapes import SHAPES, abstract_params, make_loss, num_params
+    from zeroflow.memory import schedule
+    from zeroflow.memory.measure import analysed
+
+    shape = SHAPES[row["shape"]]
+    mesh = zf.target_mesh(row["target"], data=row["devices"], hosts=row.get("hosts", 1))
+    params = abstract_params(shape)
+    batch = {"tokens": jax.ShapeDtypeStruct((row["devices"] * PER_DEVICE[row["shape"]], SEQ + 1),
+                                            jnp.int32)}
+    loss, tx = make_loss(shape, row["remat"]), optax.adamw(1e-4)
+    system = row["system"]
+    start = time.time()
+    if system in ("gspmd", "ddp"):
+        compiled, est = schedule.timed(
+            lambda: compile_plain(loss, params, batch, tx, mesh, replicate=system == "ddp"))
+    else:
+        plan = zf.ZeroPlan(mesh, stage=int(system[-1]), **ZEROPP.get(row.get("zeropp"), {}))
+        prec = zf.Precision(params="bf16", master="fp32")
+        compiled, _, est = zf.memory.compile_step_timed(loss, params, batch, tx, plan, prec)
+    psi, n = num_params(shape), row["devices"]
+    peak = analysed(compiled).total_bytes
+    flops = 6 * psi * PER_DEVICE[row["shape"]] * SEQ
+    total = zf.memory.overlap(zf.memory.collectives(compiled))["total"]
+    return {**row, "compile_s": round(time.time() - start, 1), "params": psi, "peak_bytes": peak,
+            "formula_bytes": formula_bytes(system, psi, n), "step_ms": est.step_ms,
+            "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
+            "overlapped": f"{total['overlapped']}/{total['count']}",
+            "mfu": est.mfu(flops, PEAK_BF16[row["target"]]), "uncosted": list(est.uncosted)}
+
+
+def run_cpu(steps: int = 8) -> dict:
+    """The tiny shape on 8 emulated CPU devices: zeroflow stage 3 and GSPMD FSDP from the same
+    parameters and batch, losses compared step by step, then steps timed alternately."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import zeroflow as zf
+    from llama_shapes import SHAPES, init_params, make_loss
+
+    shape, tx = SHAPES["tiny"], optax.adamw(1e-3)
+    loss = make_loss(shape, "full")
+    mesh = zf.make_mesh(data=8, model=1)
+    tokens = jax.random.randint(jax.random.key(1), (16, 129), 0, shape["vocab"], jnp.int32)
+    batch = {"tokens": jax.device_put(tokens, NamedSharding(mesh, P("data")))}
+    plan = zf.ZeroPlan(mesh, stage=3)
+    zf_step = zf.make_train_step(loss, tx, plan, zf.Precision(params="bf16", master="fp32"))
+    zf_state = zf.init_train_state(init_params(shape), tx, plan,
+                                   zf.Precision(params="bf16", master="fp32"))
+    plain = jax.jit(lambda s, b: _plain_step(loss, tx, s, b), donate_argnums=0)
+    params = init_params(shape)
+    spec = lambda x: NamedSharding(mesh, fsdp_spec(x.shape, 8, False))  # noqa: E731
+    plain_state = jax.device_put((params, tx.init(params)),
+                                 jax.tree.map(spec, (params, tx.init(params))))
+    losses, times = {"zeroflow": [], "gspmd": []}, {"zeroflow": [], "gspmd": []}
+    for i in range(steps + 2):
+        for name in ("zeroflow", "gspmd"):
+            start = time.perf_counter()
+            if name == "zeroflow":
+                zf_state, metrics = zf_step(zf_state, batch)
+                value = float(metrics["loss"])
+            else:
+                plain_state, value = plain(plain_state, batch)
+                value = float(value)
+            if i >= 2:  # the first two compile and warm up
+                times[name].append(time.perf_counter() - start)
+            losses[name].append(value)
+    diff = float(np.max(np.abs(np.array(losses["zeroflow"]) - np.array(losses["gspmd"]))))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"median_s": med, "ratio": med["zeroflow"] / med["gspmd"], "steps": steps,
+            "losses": losses, "max_loss_diff": diff}
+
+
+def _plain_step(loss, tx, state, batch):
+    import jax
+    import optax
+
+    params, opt = state
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt = tx.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), value
+
+
+def plan_rows(args) -> list[dict]:
+    rows = []
+    for target in args.targets:
+        for shape in args.shapes:
+            for remat in args.remats:
+                base = {"target": target, "shape": shape, "remat": remat, "devices": 8}
+                systems = ["gspmd", "ddp", "stage2", "stage3"]
+                if target == "h100" and (shape == "1b" or remat == "full"):
+                    systems[2:2] = ["stage0", "stage1"]
+                rows += [{**base, "system": s} for s in systems]
+                if target == "h100" and remat == "full":
+                    rows += [{**base, "system": "stage3", "zeropp": z} for z in ("qwZ", "qgZ")]
+                    rows.append({**base, "system": "stage3", "zeropp": "hpZ", "hosts": 2})
+    if args.with_70b:
+        base = {"target": "h100", "shape": "70b", "remat": "full", "devices": 16, "hosts": 2}
+        rows += [{**base, "system": s} for s in ("gspmd", "stage3")]
+    return rows
+
+
+def run_child(payload: dict, mode: str, timeout: float) -> dict:
+    """One compile (or the CPU run) in a fresh process; its failure becomes the row's note."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), f"--{mode}", json.dumps(payload)]
+    env = _child_env()
+    if mode == "cpu":
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+        env.pop("TF_CPP_VMODULE", None)
+        env["TF_CPP_MIN_LOG_LEVEL"] = "1"
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**payload, "note": f"compile over {timeout:.0f} s"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    errors = [ln for ln in out.stderr.splitlines() if "Error" in ln or "error" in ln]
+    return {**payload, "note": (errors[-1] if errors else f"exit {out.returncode}").strip()[:160]}
+
+
+def _label(row: dict) -> str:
+    names = {"gspmd": "plain jit GSPMD FSDP", "ddp": "plain jit DDP (replicated)"}
+    label = names.get(row["system"], f"zeroflow stage {row['system'][-1]}")
+    if row.get("zeropp"):
+        label += f" + {row['zeropp']}" + (f" ({row['hosts']} hosts)" if row.get("hosts") else "")
+    return label
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """Markdown, one table per target x shape x remat, with each step relative to GSPMD's."""
+    out = []
+    groups = {}
+    for row in rows:
+        groups.setdefault((row["target"], row["shape"], row["remat"], row["devices"]), []).append(row)
+    for (target, shape, remat, devices), group in groups.items():
+        gspmd = next((r for r in group if r["system"] == "gspmd" and "step_ms" in r), None)
+        out += ["", f"### {shape}, remat {remat}, {devices} x {target.upper()} "
+                f"({PER_DEVICE[shape]} x {SEQ} tokens per device)", "",
+                "| system | peak / device | / ZeRO formula | est. step (x GSPMD) | exposed "
+                "collectives, ms | overlapped AG+RS | est. MFU | compile |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in group:
+            if "step_ms" not in r:
+                out.append(f"| {_label(r)} | {r.get('note', '-')} | | | | | | |")
+                continue
+            rel = f" ({r['step_ms'] / gspmd['step_ms']:.2f}x)" if gspmd else ""
+            rel = (">= " if r["uncosted"] else "") + f"{r['step_ms']:.1f} ms{rel}"
+            exposed = ", ".join(f"{k} {v:.1f}" for k, v in r["exposed_ms"].items()) or "0"
+            out.append(f"| {_label(r)} | {r['peak_bytes'] / 1e9:.2f} GB | "
+                       f"{r['peak_bytes'] / r['formula_bytes']:.2f}x | {rel} | "
+                       f"{exposed} | {r['overlapped']} | {100 * r['mfu']:.1f}% | "
+                       f"{r['compile_s']:.0f} s |")
+    return out
+
+
+def write_report(rows: list[dict], cpu: dict | None, command: str, path: Path) -> None:
+    import jax
+
+    lines = ["# zeroflow vs plain `jax.jit` GSPMD FSDP and DDP, compiled for 8 GPUs without them",
+             "", f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, no GPU; "
+             f"2026-11-25; jax {jax.__version__} with jax-cuda12-plugin (XLA:GPU compiles for "
+             f"`zf.target_mesh`); command: `{command}`.", "",
+             "Peak: XLA:GPU's `memory_analysis()` per device (arguments + outputs + temporaries "
+             "- aliased). ZeRO formula: 16 Psi/N (stage 3, FSDP), 2 Psi + 14 Psi/N (stage 2), "
+             "4 Psi + 12 Psi/N (stage 1), 16 Psi (DDP, stage 0). **Est. step is XLA:GPU's "
+             "latency-hiding scheduler's estimate for the target (its analytical cost model, "
+             "nothing ran, no autotuning), not a measurement**; exposed: time its schedule "
+             "waits on a collective, per kind; overlapped AG+RS: all-gathers and "
+             "reduce-scatters with a kernel between start and done. Est. MFU: 6 x parameters "
+             "x tokens / est. step / dense bf16 peak (H100 SXM 989 TFLOPS, A100 SXM 312); "
+             "attention's QK^T and PV flops are excluded. AdamW, bf16 compute, fp32 master. "
+             "Loops XLA printed no statistics for (no asynchronous collective inside) are "
+             "not in the step: such a row's step is a lower bound (>=; the loops are listed below "
+             "the tables), not comparable with a fully costed one.",
+             "", "ZeRO++ rows: qwZ = int8 weight gathers, qgZ = int8 two-hop gradient "
+             "reduction, hpZ = a bf16 weight copy per host (2 hosts x 4 GPUs here)."]
+    lines += table_lines(rows)
+    uncosted = [f"- {r['shape']} {r['remat']} {r['target']} {_label(r)}: {', '.join(r['uncosted'])}"
+                for r in rows if r.get("uncosted")]
+    if uncosted:
+        lines += ["", "Loops without statistics (left out of the estimate):", *uncosted]
+    if cpu is not None:
+        lines += ["", "## Run on 8 emulated CPU devices (tiny shape, 16 x 128 tokens)", ""]
+        if "ratio" in cpu:
+            lines += [f"zeroflow stage 3 / GSPMD FSDP, median of {cpu['steps']} steps each, "
+                      f"alternating: **{cpu['ratio']:.2f}x** ({cpu['median_s']['zeroflow'] * 1e3:.1f}"
+                      f" ms vs {cpu['median_s']['gspmd'] * 1e3:.1f} ms); losses over "
+                      f"{len(cpu['losses']['gspmd'])} steps from the same parameters agree within "
+                      f"{cpu['max_loss_diff']:.1e} (first {cpu['losses']['gspmd'][0]:.4f}, last "
+                      f"{cpu['losses']['gspmd'][-1]:.4f} / {cpu['losses']['zeroflow'][-1]:.4f}). "
+                      "The CPU runs the program XLA:CPU makes: it says nothing about the GPU's."]
+        else:
+            lines.append(f"failed: {cpu.get('note')}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    path.with_suffix(".json").write_text(json.dumps({"rows": rows, "cpu": cpu}, indent=1) + "\n")
+
+
+def _progress(i: int, total: int, row: dict) -> str:
+    head = f"[{i}/{total}] {row['target']} {row['shape']} {row['remat']:4s} {_label(row):34s}"
+    if "step_ms" not in row:
+        return f"{head} {row.get('note')}"
+    return (f"{head} peak {row['peak_bytes'] / 1e9:6.2f} GB ({row['peak_bytes'] / row['formula_bytes']:.2f}x)"
+            f"  est. step {row['step_ms']:7.1f} ms  MFU {100 * row['mfu']:4.1f}%  "
+            f"({row['compile_s']:.0f} s)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default="h100,a100")
+    parser.add_argument("--shapes", default="1b,8b")
+    parser.add_argument("--remats", default="full,dots")
+    parser.add_argument("--with-70b", action="store_true", help="Llama-3-70B shape on 2 x 8 H100")
+    parser.add_argument("--quick", action="store_true", help="1B shape, H100, remat full")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the emulated-CPU run")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per compile")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--cpu", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.row:
+        print(json.dumps(compile_row(json.loads(args.row))))
+        return 0
+    if args.cpu:
+        print(json.dumps(run_cpu()))
+        return 0
+    if args.quick:
+        args.targets, args.shapes, args.remats = "h100", "1b", "full"
+    args.targets, args.shapes, args.remats = (a.split(",") for a in (args.targets, args.shapes,
+                                                                     args.remats))
+    command = "python experiments/vs_gspmd.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    todo, rows, cpu = plan_rows(args), [], None
+    for i, row in enumerate(todo, 1):
+        rows.append(run_child(row, "row", args.timeout))
+        print(_progress(i, len(todo), rows[-1]), flush=True)
+        write_report(rows, cpu, command, args.out)
+    if not args.no_cpu:
+        cpu = run_child({}, "cpu", args.timeout)
+        print(f"8 emulated CPU devices: stage 3 / GSPMD {cpu.get('ratio', float('nan')):.2f}x, "
+              f"losses within {cpu.get('max_loss_diff', float('nan')):.1e} {cpu.get('note', '')}")
+    write_report(rows, cpu, command, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
