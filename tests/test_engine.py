@@ -77,14 +77,16 @@ def test_per_device_memory_of_each_stage(stage):
     state = zf.init_train_state(_wide_params(), optax.adam(1e-3), plan, prec)
     model_states = (state.master, state.opt_state)
     ratio = _bytes_on_device0(model_states) / _global_bytes(model_states)
-    compute_ratio = _bytes_on_device0(state.compute) / _global_bytes(state.compute)
     if stage == 0:
         assert ratio == pytest.approx(1.0)
     else:
         assert ratio == pytest.approx(1 / N_DEV, rel=0.05)
     if stage == 3:
-        assert compute_ratio == pytest.approx(1 / N_DEV, rel=0.05)
+        # Every use gathers a shard, so the fp32 master's shard is cast as it is gathered: no
+        # bf16 copy is stored (12 bytes per parameter over N, not 14).
+        assert state.compute is None
     else:
+        compute_ratio = _bytes_on_device0(state.compute) / _global_bytes(state.compute)
         assert compute_ratio == pytest.approx(1.0)
     assert jax.tree.leaves(state.params)[0].dtype == jnp.bfloat16
 

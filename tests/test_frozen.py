@@ -144,9 +144,11 @@ def test_state_bytes_hold_no_master_or_optimizer_state_for_frozen_leaves(stage):
     state = zf.init_train_state(params, optax.adam(1e-3), plan, prec, trainable=MASK)
     train, fixed = trained_leaves(params), frozen_leaves(params)
     stored = (lambda x: math.ceil(x.size / N_DEV)) if stage >= 1 else (lambda x: x.size)
-    # fp32 master + Adam's two fp32 moments (1/N from stage 1), a bf16 compute copy (1/N at
-    # stage 3) of the trainable leaves; the frozen ones: bf16 only; Adam's int32 count.
-    want = (sum(12 * stored(x) + 2 * _per_device(x, stage) for x in jax.tree.leaves(train))
+    # fp32 master + Adam's two fp32 moments (1/N from stage 1), a bf16 compute copy below stage
+    # 3 (at stage 3 the master's shards are cast as they are gathered) of the trainable leaves;
+    # the frozen ones: bf16 only; Adam's int32 count.
+    copy = (lambda x: 0) if stage == 3 else (lambda x: 2 * _per_device(x, stage))
+    want = (sum(12 * stored(x) + copy(x) for x in jax.tree.leaves(train))
             + sum(2 * _per_device(x, stage) for x in jax.tree.leaves(fixed)) + 4)
     got = bytes_on(jax.devices()[0], (state.master, state.compute, state.opt_state, state.frozen))
     assert got == want

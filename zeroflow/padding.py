@@ -87,6 +87,9 @@ class StatePadding:
     frozen: tuple[Entry, ...] = ()
     compute_copies: int = 1
     "Copies of each split leaf the compute array holds along its ZeRO dimension (hpZ: hosts)."
+    cast_on_use: str | None = None
+    "The compute dtype the master is read in when the state keeps no compute copy (stage 3:"
+    " each use casts its shard as it gathers it); None: the weights are used as stored."
 
     @property
     def any(self) -> bool:

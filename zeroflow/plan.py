@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
@@ -248,6 +249,18 @@ class ZeroPlan:
     @property
     def shards_compute(self) -> bool:
         return self.stage >= 3
+
+    def keeps_compute_copy(self, compute_dtype) -> bool:
+        """Whether the state holds the trained weights a second time, in ``compute_dtype``.
+        Below stage 3 that copy is the whole weights the forward pass reads. At stage 3 every
+        use all-gathers a shard anyway, so the master's own shard is cast as it is gathered: no
+        second copy (2 bytes per parameter over N saved; a Llama-8B shape on 8 devices: 2 GB).
+        A copy stays where something else reads it: hpZ's within-host copy, qwZ's quantized
+        gathers, and offload (the master lives in host memory, the weights are used on the
+        device)."""
+        if jnp.dtype(compute_dtype).itemsize >= 4:
+            return False
+        return not self.shards_compute or self.offloads or self.hierarchical or self.quantize_weights
 
     # -- offload -----------------------------------------------------------------------------
     @property

@@ -48,8 +48,13 @@ class TrainState:
     def params(self):
         """The weights the forward pass uses (frozen ones included), in the compute dtype and
         their own shapes."""
-        trained = self.master_params if self.compute is None else padding.unpad(
-            self.compute, self.padding.compute)
+        if self.compute is not None:
+            trained = padding.unpad(self.compute, self.padding.compute)
+        elif self.padding.cast_on_use is not None:  # stage 3 without a compute copy
+            dtype = jnp.dtype(self.padding.cast_on_use)
+            trained = jax.tree.map(lambda x: x.astype(dtype), self.master_params)
+        else:
+            trained = self.master_params
         return frozen_weights.merge(trained, self.frozen_params)
 
     @property
@@ -123,7 +128,8 @@ def _is_layout(x) -> bool:
 
 def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision,
                   frozen_layouts=None) -> StatePadding:
-    compute = () if prec.params == "fp32" else padding.entries_of(layouts.master, plan.shards_compute)
+    copy = plan.keeps_compute_copy(prec.compute_dtype)
+    compute = padding.entries_of(layouts.master, plan.shards_compute) if copy else ()
     if plan.hierarchical:  # the within-host copy (zeroflow.zeropp.hierarchical)
         compute = hierarchical.copy_entries(layouts.master)
     frozen = () if frozen_layouts is None else padding.entries_of(frozen_layouts,
@@ -132,7 +138,9 @@ def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision,
                         compute=compute,
                         opt_state=padding.entries_of(layouts.opt_state, plan.shards_storage),
                         data_size=plan.data_size, frozen=frozen,
-                        compute_copies=plan.weight_copies)
+                        compute_copies=plan.weight_copies,
+                        cast_on_use=None if copy or prec.params == "fp32"
+                        else jnp.dtype(prec.compute_dtype).name)
 
 
 def _check_hierarchical(plan: ZeroPlan, prec: Precision, mask) -> None:
@@ -168,8 +176,8 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
 
     master = stored(layouts.master, plan.shards_storage, host)
     opt = stored(layouts.opt_state, plan.shards_storage, host)
-    compute = None if prec.params == "fp32" else stored(layouts.master, plan.shards_compute,
-                                                         plan.compute_memory_kind)
+    compute = stored(layouts.master, plan.shards_compute, plan.compute_memory_kind) if (
+        plan.keeps_compute_copy(prec.compute_dtype)) else None
     frozen = None if frozen_layouts is None else stored(frozen_layouts, plan.shards_compute,
                                                         plan.compute_memory_kind)
     scalar = plan.replicated()
@@ -243,8 +251,8 @@ def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, p
                                  pads.frozen, plan.data_size)
         else:
             frozen = None
-        compute = None if prec.params == "fp32" else jax.tree.map(
-            lambda x: x.astype(prec.compute_dtype), master)
+        compute = jax.tree.map(lambda x: x.astype(prec.compute_dtype), master) if (
+            plan.keeps_compute_copy(prec.compute_dtype)) else None
         opt_state = tx.init(master)
         n = plan.data_size
         return TrainState(step=jnp.zeros((), jnp.int32), applied=jnp.zeros((), jnp.int32),

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from zeroflow import backend, offload, padding, update
 from zeroflow import frozen as frozen_weights
 from zeroflow.grads import local_grads, native_gradients, step_routes
+from zeroflow.grads import routes
 from zeroflow.grads.routes import is_route
 from zeroflow.mesh import DATA
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
@@ -100,7 +101,8 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     extras = {**({} if state.model_state is None else {"model_state": state.model_state}),
               **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
     local = functools.partial(local_grads, loss_fn=loss_fn, routes=route_tree, plan=plan,
-                              grad_accum=grad_accum, per_layer=per_layer, prefetch=prefetch)
+                              grad_accum=grad_accum, per_layer=per_layer, prefetch=prefetch,
+                              gather_dtype=pads.cast_on_use)
     grads, loss, aux, model_state = _gradients(
         local, _compute_params(state, plan, layout, route_tree), batch, scale, extras,
         plan=plan, layout=layout, routes=route_tree)
@@ -149,6 +151,10 @@ def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route
     params = state.stored_params
     if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
         params = padding.unpad(params, state.padding.master)
+    cast = state.padding.cast_on_use
+    if cast is not None:  # no compute copy (stage 3): shards are cast as gathered, the rest here
+        params = jax.tree.map(lambda x, r: x if r is None or r.sharded else x.astype(cast),
+                              params, routes.trained(route_tree), is_leaf=lambda x: x is None)
     return _place(frozen_weights.merge(params, state.frozen), compute_sh)
 
 

@@ -123,13 +123,15 @@ def _check_new_model_state(old, new) -> None:
 
 
 def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
-                per_layer: str | None, collective: bool = True, prefetch: int = 0):
+                per_layer: str | None, collective: bool = True, prefetch: int = 0,
+                gather_dtype=None):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
     over devices, and the new model state averaged over devices. ``routes``: each leaf's
     ``Route`` (``step_routes``). ``extras``: a dict with ``model_state`` and/or ``rng`` (the
     step's key) when the state carries them. ``collective=False`` is the one-device case, run
     without shard_map. ``prefetch``: how many units ahead a weight fetched on use may be
-    fetched (``gather_on_use.call``)."""
+    fetched (``gather_on_use.call``). ``gather_dtype``: the dtype stage-3 weights stored in
+    fp32 (no compute copy) are cast to as they are gathered; None: their own."""
     varying = _varying if collective else (lambda x: x)
     extras = dict(extras)
     if "rng" in extras:  # one key per device: fold in its index on the data axis
@@ -137,7 +139,8 @@ def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan
             extras["rng"], jax.lax.axis_index(DATA) if collective else 0)
     grads, loss, aux, model_state = _accumulated(
         params, batch, scale, extras, loss_fn=loss_fn, routes=routes, plan=plan,
-        grad_accum=grad_accum, per_layer=per_layer, varying=varying, prefetch=prefetch)
+        grad_accum=grad_accum, per_layer=per_layer, varying=varying, prefetch=prefetch,
+        gather_dtype=gather_dtype)
     if not collective:
         return grads, loss, aux, model_state
     grads = jax.tree.map(lambda g, r: g if r.sharded_grad else jax.lax.psum(g, DATA),
@@ -155,10 +158,11 @@ def _across_devices(x):
 
 
 def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
-                 per_layer: str | None, varying, prefetch: int = 0):
+                 per_layer: str | None, varying, prefetch: int = 0, gather_dtype=None):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
-    dtypes = jax.tree.map(lambda x: x.dtype, params)
+    dtypes = jax.tree.map(lambda x, r: jnp.dtype(gather_dtype) if gather_dtype and r.sharded
+                          else x.dtype, params, routes)
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
     params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
         x, r, plan.data_size, varying, plan.weight_copies), params, routes)

@@ -194,7 +194,10 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     grads = grad_width * trained * split(stage >= 2)
     opt = optimizer_bytes * trained * split(stage >= 1)
     trained_weights = 0.0 if gathered else compute - frozen
-    stored_weights = trained_weights + frozen  # the weight copies kept between steps
+    # zeroflow keeps no compute copy at stage 3 (ZeroPlan.keeps_compute_copy): each use casts
+    # the master's shard as it gathers it. The paper's accounting (``device``) keeps its copy.
+    cast_on_use = stage >= 3 and name != "fp32" and offload == "none"
+    stored_weights = (0.0 if cast_on_use else trained_weights) + frozen  # kept between steps
 
     offloaded = offload != "none"
     with_params = offload == "optimizer+params"
