@@ -319,6 +319,22 @@ def _progress(i: int, total: int, row: dict) -> str:
             f"({row['compile_s']:.0f} s)")
 
 
+def _key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ("target", "shape", "remat", "devices", "system", "zeropp"))
+
+
+def _previous(out: Path) -> dict:
+    """The rows (and CPU run) an earlier run wrote, by row, that compiled."""
+    path = out.with_suffix(".json")
+    if not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    done = {_key(r): r for r in saved["rows"] if "step_ms" in r}
+    if saved.get("cpu") and "ratio" in saved["cpu"]:
+        done["cpu"] = saved["cpu"]
+    return done
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="h100,a100")
@@ -329,6 +345,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-cpu", action="store_true", help="skip the emulated-CPU run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per compile")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows an earlier run wrote to --out's .json")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--cpu", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -342,16 +360,18 @@ def main(argv=None) -> int:
         args.targets, args.shapes, args.remats = "h100", "1b", "full"
     args.targets, args.shapes, args.remats = (a.split(",") for a in (args.targets, args.shapes,
                                                                      args.remats))
-    command = "python experiments/vs_gspmd.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    command = "python experiments/vs_gspmd.py" + "".join(
+        f" {a}" for a in (argv or sys.argv[1:]) if a != "--resume")
     todo, rows, cpu = plan_rows(args), [], None
-    for i, row in enumerate(todo, 1):
-        rows.append(run_child(row, "row", args.timeout))
-        print(_progress(i, len(todo), rows[-1]), flush=True)
-        write_report(rows, cpu, command, args.out)
+    done = _previous(args.out) if args.resume else {}
     if not args.no_cpu:
-        cpu = run_child({}, "cpu", args.timeout)
+        cpu = done.get("cpu") or run_child({}, "cpu", args.timeout)
         print(f"8 emulated CPU devices: stage 3 / GSPMD {cpu.get('ratio', float('nan')):.2f}x, "
               f"losses within {cpu.get('max_loss_diff', float('nan')):.1e} {cpu.get('note', '')}")
+    for i, row in enumerate(todo, 1):
+        rows.append(done.get(_key(row)) or run_child(row, "row", args.timeout))
+        print(_progress(i, len(todo), rows[-1]), flush=True)
+        write_report(rows, cpu, command, args.out)
     write_report(rows, cpu, command, args.out)
     print(f"wrote {args.out}")
     return 0

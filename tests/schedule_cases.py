@@ -27,7 +27,7 @@ N = 8192
 def matmul_and_gather(mesh, dependent: bool):
     """One local 8192^3 bf16 matmul per device and an all-gather of 8192 x 8192 bf16: beside
     it (independent) or feeding it."""
-    @partial(shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+    @partial(shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P("data"), P("data")))
     def body(a, b, x):
         gathered = jax.lax.all_gather(x, "data", tiled=True)
         if dependent:
@@ -58,7 +58,7 @@ def forward_loops(mesh, **options):
     params = {"embed": s((4096, 1024), jnp.float32),
               "layers": {"up": s((8, 1024, 4096), jnp.float32),
                          "down": s((8, 4096, 1024), jnp.float32)}}
-    batch = {"tokens": s((8 * 4, 1025), jnp.int32)}
+    batch = {"tokens": s((8 * 16, 1025), jnp.int32)}
     plan = zf.ZeroPlan(mesh, stage=3)
     compiled, _, est = zf.memory.compile_step_timed(
         scanned_loss, params, batch, optax.adamw(1e-4), plan,

@@ -174,11 +174,13 @@ def attention_note(cfg, target: str | None) -> str:
     """One line saying which attention a compiled row of ``cfg`` measured ("" for xla/pallas)."""
     if cfg.model.attention != "cudnn" or target is None:
         return ""
+    def named(version: int) -> str:
+        return f"{version // 10000}.{version // 100 % 100}"
     version = compat.local_cudnn_version()
     if version is not None:
-        return f"cuDNN attention (lowered for this machine's cuDNN {version})"
-    return (f"cuDNN attention lowered for cuDNN {compat.TARGET_CUDNN_VERSION} (none installed "
-            "here); its workspace, sized on a GPU, is not in the peak")
+        return f"cuDNN attention (lowered for this machine's cuDNN {named(version)})"
+    return (f"cuDNN attention lowered for cuDNN {named(compat.TARGET_CUDNN_VERSION)} (none "
+            "installed here); its workspace, sized on a GPU, is not in the peak")
 
 
 def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
