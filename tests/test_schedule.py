@@ -106,3 +106,46 @@ def test_without_the_pipeliner_the_forward_loop_waits_for_its_gathers():
     """The property above is the pipeliner's doing: with it off, the same check fails."""
     loops = _run_case("stage3-off")["not_pipelined"]
     assert any(loop["exposed_ag_us"] > 0 for loop in loops.values()), loops
+
+
+FLOPS_HLO = """HloModule m
+
+%fused_dot (p0: bf16[64,128], p1: bf16[128,32]) -> bf16[64,32] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fwd.body (p: (s32[])) -> (s32[]) {
+  %f = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  ROOT %t = (s32[]) tuple(%p)
+}
+
+%bwd.body (p: (s32[])) -> (s32[]) {
+  %f1 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  %f2 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  ROOT %t = (s32[]) tuple(%p)
+}
+
+ENTRY %main (a: s32[]) -> s32[] {
+  %w1 = (s32[]) while(%a), condition=%c, body=%fwd.body, backend_config={"known_trip_count":{"n":"4"}}
+  %w2 = (s32[]) while(%a), condition=%c, body=%bwd.body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_loop_without_statistics_is_costed_from_its_matmul_flops():
+    """The forward loop (no collective: no statistics) costs what its matmuls cost at the time
+    per flop XLA gave the backward loop; with no costed loop, at the peak."""
+    flops = 2 * 64 * 32 * 128
+    log = _stats("main", 10.0) + _stats("bwd.body", 6.0, reduce_scatter=1.0)
+    est = schedule.parse(log, FLOPS_HLO, peak_flops=1e12)
+    fwd = next(c for c in est.computations if c.name == "fwd.body")
+    assert (fwd.costed_by, fwd.trips) == ("scaled-flops", 4)
+    assert fwd.total_us == pytest.approx(3.0)  # half the backward body's matmul flops
+    assert est.step_us == pytest.approx(10 + 4 * 6 + 4 * 3)
+    assert est.uncosted == ("fwd.body",)
+    alone = schedule.parse(_stats("main", 10.0), FLOPS_HLO, peak_flops=1e12)
+    assert {c.costed_by for c in alone.computations if c.name != "main"} == {"peak-flops"}
+    assert alone.step_us == pytest.approx(10 + 4 * 3 * flops / 1e12 * 1e6)
+    assert schedule.parse(log, FLOPS_HLO).step_us == pytest.approx(10 + 4 * 6)  # left out

@@ -143,9 +143,10 @@ def compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options):
     one compile (the peak and the estimate of the same program)."""
     from zeroflow.memory import schedule
 
+    peak = schedule.peak_bf16_flops(str(plan.mesh.devices.flat[0].device_kind))
     (compiled, state), est = schedule.timed(
         lambda: compile_step(loss_fn, params, batch, tx, plan, prec, **options),
-        text_of=lambda result: result[0].as_text())
+        text_of=lambda result: result[0].as_text(), peak_flops=peak)
     return compiled, state, est
 
 

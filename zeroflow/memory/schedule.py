@@ -11,8 +11,9 @@ computation's plus each loop body's times its trip count (``known_trip_count`` i
 What it is not: a measurement. It is the scheduler's model of the target (H100 figures for an
 H100 target), useful to compare two programs for the same target side by side; kernel choices
 that autotuning would make on a real GPU are not in it. A computation with no asynchronous
-collective prints no statistics: those loops (an optimizer update walked slice by slice, for
-instance) are listed in ``uncosted`` and left out of ``step_us``.
+collective prints no statistics: those loops (a stage 0-2 forward pass, an optimizer update
+walked slice by slice) are listed in ``uncosted``; ``parse(..., peak_flops=...)`` costs them
+from their matmul flops (see there), otherwise they are left out of ``step_us``.
 
 The logging has to be on before JAX starts (it is read when XLA's logging initialises):
 ``enable()`` sets it in ``os.environ`` for a process about to start, and the memory CLI starts
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -60,6 +62,10 @@ class Computation:
     total_us: float
     wasted_us: dict
     "Wasted (exposed) time per collective kind, e.g. {'all-gather': 12.5}."
+    costed_by: str = "xla"
+    "'xla' (the scheduler's statistics), or for a loop it printed nothing for, its matmul flops"
+    " at XLA's time per flop in the program's costed loops ('scaled-flops') or at the dense peak"
+    " ('peak-flops'); see ``parse``."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +116,14 @@ def loop_trips(hlo_text: str) -> tuple[dict, set]:
     return trips, unknown
 
 
-def parse(log_text: str, hlo_text: str) -> StepTime:
+def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> StepTime:
     """The step estimate from what a compile printed (``log_text``) and the compiled module's
     text (``compiled.as_text()``), which gives the loops' trip counts. A loop nested in a loop
-    runs the product of their counts."""
+    runs the product of their counts. With ``peak_flops`` (the GPU's dense bf16 peak), a loop
+    XLA printed nothing for (no asynchronous collective inside) is costed from its matmuls'
+    flops, at the time per flop XLA's model gave the program's costed loops (the same layers'
+    matmuls: a stage-2 forward loop beside its costed backward loop), or at the peak where no
+    loop is costed (a lower bound); it stays listed in ``uncosted``."""
     stats = {}
     for block in log_text.split(_BLOCK)[1:]:
         block = block.split("Statistics before scheduling")[0]
@@ -133,7 +143,80 @@ def parse(log_text: str, hlo_text: str) -> StepTime:
             count *= trips.get(body, 1)
         comps.append(Computation(name, count, total, {k: v for k, v in wasted.items() if v}))
     uncosted = tuple(sorted(b for b in set(trips) | unknown if b not in stats))
+    if peak_flops and uncosted:
+        comps += _cost_by_flops(uncosted, comps, computations_of(hlo_text), trips, outer,
+                                peak_flops)
     return StepTime(tuple(comps), uncosted)
+
+
+def _cost_by_flops(uncosted, costed, bodies, trips, outer, peak_flops) -> list:
+    """Uncosted loops at their matmul flops, at the microseconds per flop XLA's model gave the
+    costed loops of the same program (the same layers' matmuls, 'scaled-flops'), else at the
+    GPU's dense peak ('peak-flops', a lower bound)."""
+    loops = [(c.total_us * c.trips, gemm_flops(bodies, c.name) * c.trips)
+             for c in costed if c.name in trips]
+    us, flops = sum(u for u, f in loops if f), sum(f for _, f in loops)
+    per_flop, how = (us / flops, "scaled-flops") if flops else (1e6 / peak_flops, "peak-flops")
+    out = []
+    for name in uncosted:
+        count = 1
+        for body in [name, *outer.get(name, ())]:
+            count *= trips.get(body, 1)
+        out.append(Computation(name, count, gemm_flops(bodies, name) * per_flop, {}, how))
+    return out
+
+
+_DEFINED = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = [\w]+\[([\d,]*)\]")
+_CALLED = re.compile(r"calls=\{?([%\w.\-, ]+)\}?")
+
+
+def computations_of(hlo_text: str) -> dict:
+    """``{computation name: its lines}`` of a module's text."""
+    out, name = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            name = head.group(1)
+            out[name] = []
+        elif name is not None:
+            out[name].append(line)
+    return out
+
+
+def gemm_flops(bodies: dict, name: str) -> float:
+    """Matmul flops of one run of computation ``name`` and of the fusions it calls (not of
+    loops inside it): 2 x output elements x contracted size per ``dot``."""
+    shapes = {}
+    for lines in bodies.values():
+        for line in lines:
+            found = _DEFINED.match(line)
+            if found:
+                shapes[found.group(1)] = [int(d) for d in found.group(2).split(",") if d]
+    memo = {}
+
+    def of(comp: str, path: tuple) -> float:
+        if comp not in memo:
+            total = 0.0
+            for line in bodies.get(comp, ()):
+                called = _CALLED.search(line)
+                if called:  # each call site runs its computation once
+                    total += sum(of(c.strip().lstrip("%"), path + (comp,))
+                                 for c in called.group(1).split(",") if c.strip() not in path)
+                if " dot(" in line:
+                    total += _dot_flops(line, shapes)
+            memo[comp] = total
+        return memo[comp]
+    return of(name, ())
+
+
+def _dot_flops(line: str, shapes: dict) -> float:
+    out = _DEFINED.match(line)
+    lhs = re.search(r" dot\(%([\w.\-]+)", line)
+    dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+    if not (out and lhs and dims) or lhs.group(1) not in shapes:
+        return 0.0
+    contracted = math.prod(shapes[lhs.group(1)][int(d)] for d in dims.group(1).split(",") if d)
+    return 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * contracted
 
 
 def _enclosing_loops(hlo_text: str, bodies: set) -> dict:
@@ -222,7 +305,19 @@ NOT_ENABLED = ("XLA:GPU's step estimate needs the process started with TF_CPP_MI
                "zeroflow.memory.schedule.enable(env) sets them for a subprocess)")
 
 
-def timed(compile_fn, text_of=lambda compiled: compiled.as_text()):
+DENSE_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
+"Dense bf16 tensor-core peak per GPU, by a name in its device kind (vendor data sheets; SXM)."
+
+
+def peak_bf16_flops(device_kind: str) -> float | None:
+    """The dense bf16 peak of a GPU from its device kind ('NVIDIA H100 80GB HBM3'), or None."""
+    for name, flops in DENSE_BF16_FLOPS.items():
+        if re.search(rf"\b{name}\b", device_kind):
+            return flops
+    return None
+
+
+def timed(compile_fn, text_of=lambda compiled: compiled.as_text(), peak_flops=None):
     """``(compile_fn()'s result, StepTime)``, or a one-line ``RuntimeError`` saying what to set
     when this process was not started with the statistics on, or what to compile for when the
     compile printed none (only XLA:GPU schedules with this model). ``text_of`` gives the
@@ -234,7 +329,7 @@ def timed(compile_fn, text_of=lambda compiled: compiled.as_text()):
     if _BLOCK not in log.text:
         raise RuntimeError("no schedule statistics were printed: XLA:GPU's estimate needs a "
                            "step compiled for GPUs (a zf.target_mesh or GPU devices)")
-    return result, parse(log.text, text_of(result))
+    return result, parse(log.text, text_of(result), peak_flops)
 
 
 def of_compile(compile_fn):

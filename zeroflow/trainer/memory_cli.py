@@ -112,7 +112,8 @@ def _measured(cfg, devices: int, stage: int, offload: str, remat: str,
                               update_on=update_on, remat=remat, target=target)
     timing = None
     if target is not None and schedule.enabled():
-        (compiled, setup), est = schedule.timed(compile_it, text_of=lambda r: r[0].as_text())
+        (compiled, setup), est = schedule.timed(compile_it, text_of=lambda r: r[0].as_text(),
+                                                peak_flops=DENSE_BF16_FLOPS.get(target))
         timing = _timing(est, cfg, devices, target)
     else:
         compiled, setup = compile_it()
@@ -130,7 +131,9 @@ def _timing(est, cfg, devices: int, target: str) -> dict:
     return {"step_ms": round(est.step_ms, 3),
             "exposed_ms": {k: round(v / 1e3, 3) for k, v in est.exposed_by_kind().items()},
             "mfu": None if peak is None else round(est.mfu(flops, peak), 4),
-            "uncosted_loops": list(est.uncosted), "is_estimate": True}
+            "uncosted_loops": list(est.uncosted), "is_estimate": True,
+            "loops_costed_by_flops": {c.name: c.costed_by for c in est.computations
+                                      if c.costed_by != "xla"}}
 
 
 def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
@@ -220,7 +223,10 @@ TIMING_COLUMNS = ("est. step (XLA:GPU)", "exposed comm.", "est. MFU")
 def _timing_cells(timing: dict | None) -> list[str]:
     if timing is None:
         return ["-", "-", "-"]
-    step = ("≥ " if timing["uncosted_loops"] else "") + f"{timing['step_ms']:.1f} ms"
+    how = set(timing["loops_costed_by_flops"].values())
+    mark = "≥ " if "peak-flops" in how or (timing["uncosted_loops"] and not how) else (
+        "~ " if how else "")
+    step = mark + f"{timing['step_ms']:.1f} ms"
     exposed = ", ".join(f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
                         for k, v in timing["exposed_ms"].items()) or "0"
     mfu = "-" if timing["mfu"] is None else f"{100 * timing['mfu']:.0f}%"
@@ -233,8 +239,9 @@ def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
         console.print("est. step: XLA:GPU's latency-hiding scheduler's estimate for the target "
                       "(its cost model; nothing ran), not a measurement; exposed comm.: time it "
                       "waits on collectives (gather, RS, reduce...); est. MFU: 6 x params x "
-                      "tokens / est. step / dense bf16 peak, attention flops excluded; ≥: loops "
-                      "without collectives are not costed.")
+                      "tokens / est. step / dense bf16 peak, attention flops excluded; ~: loops "
+                      "without collectives (XLA prints nothing for them) costed at their matmul "
+                      "flops, at XLA's time per flop for the step's other loops; ≥: at the peak.")
     notes = {r.note for r in rows if r.note and r.measured_bytes is not None}
     for note in sorted(notes):
         console.print(f"measured: {note}")
