@@ -290,7 +290,7 @@ def write_report(rows: list[dict], cpu: dict | None, command: str, path: Path) -
              "x tokens / est. step / dense bf16 peak (H100 SXM 989 TFLOPS, A100 SXM 312); "
              "attention's QK^T and PV flops are excluded. AdamW, bf16 compute, fp32 master. "
              "Loops XLA printed no statistics for (no asynchronous collective inside) are "
-             "printed by XLA: they are costed from their matmul flops at the time per flop "
+             "costed from their matmul flops at the time per flop "
              "XLA's model gave the same program's costed loops (~), or, where no loop is "
              "costed, at the dense peak (>=, a lower bound). The loops are listed below "
              "the tables.",
@@ -364,6 +364,9 @@ def main(argv=None) -> int:
     if args.cpu:
         print(json.dumps(run_cpu()))
         return 0
+    from zeroflow.memory import schedule
+
+    schedule.drop_info_lines()  # jax's start-up INFO lines, in this process too
     if args.quick:
         args.targets, args.shapes, args.remats = "h100", "1b", "full"
     args.targets, args.shapes, args.remats = (a.split(",") for a in (args.targets, args.shapes,
