@@ -200,7 +200,7 @@ def test_resuming_a_finished_run_says_so_in_one_line(tmp_path, capsys):
 
 
 def test_dropout_uses_the_engine_rng_and_evaluation_runs_without_it(tmp_path):
-    from zeroflow.trainer.loop import _make_eval
+    from zeroflow.trainer.evaluation import make_eval
     base = SHRUNK + ["train.steps=1", "train.eval_every=0", f"run.dir={tmp_path}"]
     run = build_run(load_config(REPO / "configs/tiny.yaml", base + ["model.dropout=0.5"]))
     state = run.init_state()
@@ -208,7 +208,7 @@ def test_dropout_uses_the_engine_rng_and_evaluation_runs_without_it(tmp_path):
     no_dropout = build_run(load_config(REPO / "configs/tiny.yaml", base))
     assert no_dropout.init_state().rng is None
     # Evaluation of the same weights with and without dropout configured: equal (dropout off).
-    assert _make_eval(run)(state) == _make_eval(no_dropout)(state.replace(rng=None))
+    assert make_eval(run)(state) == make_eval(no_dropout)(state.replace(rng=None))
     # Training does use dropout: the first step's loss differs from the dropout-free model's.
     _, with_drop = run.make_step()(state, run.global_batch(np.asarray(
         run.data.train[: 8 * 33]).reshape(8, 33)))

@@ -16,6 +16,7 @@ import jax
 
 from zeroflow.config import Config
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.evaluation import TrainResult, eval_text, make_eval
 from zeroflow.trainer.setup import build_run
 
 
@@ -26,8 +27,6 @@ def _has_checkpoints(directory: Path) -> bool:
 def evaluate_only(cfg: Config):
     """Evaluate the run's newest checkpoint (or initial weights); a ``TrainResult`` whose
     ``eval`` holds ``eval_loss`` (and ``eval_bpb`` for text streams)."""
-    from zeroflow.trainer.loop import TrainResult, _eval_text, _make_eval
-
     if cfg.train.eval_batches <= 0:
         raise ValueError("train.eval_only needs train.eval_batches > 0")
     run_dir = Path(cfg.run.dir)
@@ -44,9 +43,9 @@ def evaluate_only(cfg: Config):
         state = run.init_state()
         source = (f"the initial weights of {cfg.model.init_from}" if cfg.model.init_from
                   else f"freshly initialised weights (no checkpoint in {directory})")
-    result = _make_eval(run)(state)
+    result = make_eval(run)(state)
     if not result:
         raise ValueError(f"no held-out data to evaluate on ({run.data.summary() if run.data else 'no data'})")
     if jax.process_index() == 0:
-        print(f"eval only, {source}: {_eval_text(result)}")
+        print(f"eval only, {source}: {eval_text(result)}")
     return TrainResult(run_dir=run_dir, step=int(state.step), losses={}, eval=result)

@@ -2,24 +2,23 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import signal
 import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from zeroflow import frozen as frozen_weights
-from zeroflow import offload
 from zeroflow.config import Config
 from zeroflow.config_io import save_config
-from zeroflow.data import bits_per_byte, eval_batches, train_batch
+from zeroflow.data import train_batch
 from zeroflow.distributed import StopVote
-from zeroflow.models import LAYER_STACK, flops_per_token
+from zeroflow.models import flops_per_token
 from zeroflow.trainer import adapters, loggers, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.evaluate_only import evaluate_only
+from zeroflow.trainer.evaluation import TrainResult, eval_text, make_eval
 from zeroflow.trainer.optim import lr_schedule
 from zeroflow.trainer.reporting import Reporter
 from zeroflow.trainer.setup import Run, build_run
@@ -27,19 +26,6 @@ from zeroflow.trainer.setup import Run, build_run
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss that loss scaling cannot explain."""
-
-
-@dataclasses.dataclass
-class TrainResult:
-    run_dir: Path
-    step: int
-    "Steps completed (the state's step)."
-    losses: dict[int, float]
-    "Training loss of every step this process ran, keyed by 1-based step."
-    eval: dict[str, float]
-    "Last evaluation: eval_loss and eval_bpb."
-    stopped_by: str | None = None
-    "Signal name when a SIGTERM/SIGINT ended the run early."
 
 
 @contextlib.contextmanager
@@ -63,50 +49,6 @@ def _stop_on_signals():
             signal.signal(sig, old)
 
 
-def _make_eval(run: Run):
-    @jax.jit
-    def eval_loss(state, batch):
-        # Offloaded weights are read from host memory like the train step reads them: the
-        # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
-        # No rng: evaluation is deterministic (dropout off).
-        if run.gather_per_layer is None:  # LoRA: the adapted loss reads every weight whole
-            return run.loss_fn(offload.to_device(state.params), batch)[0]
-        params = {k: v if k == LAYER_STACK else offload.to_device(v) for k, v in state.params.items()}
-        return run.loss_fn(params, batch, offload.to_device)[0]
-
-    def evaluate(state) -> dict[str, float]:
-        cfg = run.cfg
-        if run.data is None or cfg.train.eval_batches <= 0:
-            return {}
-        if getattr(run.data, "packed", False):
-            return _evaluate_packed(state, eval_loss, run)
-        if len(run.data.val) <= cfg.model.seq_len:
-            return {}
-        batches = eval_batches(run.data.val, num_batches=cfg.train.eval_batches,
-                               global_batch=cfg.train.batch_size, seq_len=cfg.model.seq_len,
-                               process_index=jax.process_index(), process_count=jax.process_count())
-        losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
-        loss = float(np.mean(losses))
-        return {"eval_loss": loss, "eval_bpb": bits_per_byte(loss, run.data.tokens_per_byte)}
-    return evaluate
-
-
-def _evaluate_packed(state, eval_loss, run: Run) -> dict[str, float]:
-    """Mean loss per trained token of the held-out examples' fixed batches. No bits per byte:
-    the loss covers only completions, not all the text the tokens stand for."""
-    cfg = run.cfg
-    batches = run.data.eval_batches(num_batches=cfg.train.eval_batches,
-                                    batch_size=cfg.train.batch_size // jax.process_count(),
-                                    process_index=jax.process_index(),
-                                    process_count=jax.process_count())
-    # Weight each batch by its trained tokens (this process's count stands for all).
-    weights = [float(b["loss_mask"].sum()) for b in batches]
-    if not batches or sum(weights) == 0:
-        return {}
-    losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
-    return {"eval_loss": float(np.average(losses, weights=weights))}
-
-
 def _train_loader(run: Run):
     """A Grain iterator of this process's packed training batches (None for token streams)."""
     if run.data is None or not getattr(run.data, "packed", False):
@@ -114,11 +56,6 @@ def _train_loader(run: Run):
     return iter(run.data.train_batches(batch_size=run.cfg.train.batch_size // jax.process_count(),
                                        seed=run.cfg.train.seed, process_index=jax.process_index(),
                                        process_count=jax.process_count()))
-
-
-def _eval_text(result: dict[str, float]) -> str:
-    text = f"eval loss {result.get('eval_loss', float('nan')):.4f}"
-    return text + (f", {result['eval_bpb']:.3f} bits/byte" if "eval_bpb" in result else "")
 
 
 def _host_metrics(metrics) -> dict[str, float]:
@@ -160,7 +97,6 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     fails before its first step leaves the folder as it found it."""
     loggers.check_installed(cfg)
     if cfg.train.eval_only:  # reads the run folder like sample does: no claim, nothing written
-        from zeroflow.trainer.evaluate_only import evaluate_only
         return evaluate_only(cfg)
     run_dir = Path(cfg.run.dir)
     with run_folder.claim(run_dir, holder=jax.process_index() == 0) as held:
@@ -224,12 +160,12 @@ def _final_eval_only(run: Run, state, checkpoints: RunCheckpoints, held, progres
     try:
         reporter.print(f"{run_dir}: step {end} is trained; running its final evaluation, "
                        "which was not recorded")
-        last_eval = _make_eval(run)(state)
+        last_eval = make_eval(run)(state)
         if held is not None:
             held.started()
         if last_eval:
             reporter.write(end, last_eval)
-            reporter.print(f"final: {_eval_text(last_eval)}")
+            reporter.print(f"final: {eval_text(last_eval)}")
     finally:
         reporter.close()
     return TrainResult(run_dir=run_dir, step=end, losses={}, eval=last_eval)
@@ -303,7 +239,7 @@ def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter:
     ``started()`` is called once the first step ran (compiled and dispatched). Returns
     ``(state, losses, last evaluation, name of the stopping signal or None)``."""
     cfg, tcfg = run.cfg, run.cfg.train
-    step_fn, evaluate, batch_for = run.make_step(), _make_eval(run), _batches(run, loader)
+    step_fn, evaluate, batch_for = run.make_step(), make_eval(run), _batches(run, loader)
     losses: dict[int, float] = {}
     finish_step = _recorder(run, reporter, checkpoints, losses)
     meta = lambda s: {"step": s, "seed": tcfg.seed}  # noqa: E731
@@ -332,7 +268,7 @@ def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter:
         if is_eval:
             last_eval = evaluate(state)
             reporter.write(done, last_eval)
-            reporter.print(f"step {done}: {_eval_text(last_eval)}")
+            reporter.print(f"step {done}: {eval_text(last_eval)}")
         if is_ckpt or stop:
             checkpoints.save(done, state, meta(done), loader)
         if stop:
@@ -347,5 +283,5 @@ def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter:
     if last_eval:
         reporter.write(end, last_eval)
         reporter.print(f"final: train loss {losses.get(end, float('nan')):.4f}, "
-                       f"{_eval_text(last_eval)}")
+                       f"{eval_text(last_eval)}")
     return state, losses, last_eval, None
