@@ -34,12 +34,13 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from zeroflow.compat import scan_split
-from zeroflow.grads.collectives import all_gather, reduce_scatter, varying
+from zeroflow.compat import REMAT_PRIMITIVES, scan_split
+from zeroflow.grads.collectives import (all_gather, gather_weight, reduce_scatter,
+                                        save_all_but_fetched, scatter_grad_on_use, varying)
 from zeroflow.jaxprs import bind, call_body, open_jaxpr
 from zeroflow.ordering import after, live
 from zeroflow.zeropp.hosts import HostSplit
-from zeroflow.zeropp.reduce import quantized_reduce_scatter
+from zeroflow.zeropp.reduce import gather_weight_qgz, quantized_reduce_scatter
 
 
 class Source(Protocol):
@@ -84,6 +85,14 @@ class Sharded:
     def give_back(self, stored, grad):
         return _pair_like(stored, self.reduced(grad))
 
+    def fetch_for_grad(self, stored):
+        """``fetch(stored)``, differentiable: the gradient of the fetched weight goes to the
+        stand-in as ``give_back`` would hand it (inside a rematerialised scan body)."""
+        if self.grad_hosts is not None:
+            return gather_weight_qgz(stored[0], stored[1], self)
+        return gather_weight(stored[0], stored[1], self.dim, self.dtype, self.size, self.groups,
+                             self.sliced)
+
     def layer(self):
         """The source of one slice along the leading axis (a scan's iteration), or None when
         that axis is the one split over devices."""
@@ -110,6 +119,11 @@ class Whole:
             return grad
         return _pair_like(stored, reduce_scatter(grad, self.scatter_dim, self.padded))
 
+    def fetch_for_grad(self, stored):
+        if self.scatter_dim is None:
+            return stored
+        return scatter_grad_on_use(stored[0], stored[1], self.scatter_dim)
+
     def layer(self):
         if self.scatter_dim is None:
             return self
@@ -134,6 +148,9 @@ class Frozen:
     def fetch(self, stored):
         return stored if self.dim is None else all_gather(stored, self.dim, self.dtype, self.size,
                                                           sliced=self.sliced)
+
+    def fetch_for_grad(self, stored):  # a constant of the differentiated function
+        return self.fetch(stored)
 
     def layer(self):
         if self.dim is None:
@@ -200,9 +217,11 @@ class _Replay:
     """The interpreter: one pass over a jaxpr, deferring weight-only values and turning each
     operation that meets data into a unit."""
 
-    def __init__(self, stored, sources, order: bool = True, prefetch: int = 0):
+    def __init__(self, stored, sources, order: bool = True, prefetch: int = 0,
+                 rematerialised: bool = False):
         self.stored, self.sources, self.order = stored, sources, order
         self.prefetch = prefetch if order else 0
+        self.rematerialised = rematerialised  # see _rematerialised
         self.tokens: list = []  # one per unit so far, in program order (see _unit_fn)
         self.grad_token = None  # the last unit's, for the next one (see _unit_fn)
 
@@ -231,6 +250,8 @@ class _Replay:
                 outs = [(x, False) for x in self._defer(eqn, values)]
             elif eqn.primitive.name == "scan" and self._scannable(eqn, values):
                 outs = [(o, True) for o in self._scan(eqn, ins)]
+            elif self.rematerialised:
+                outs = [(o, True) for o in self._rematerialised(eqn, ins)]
             else:
                 outs = [(o, True) for o in self._unit(eqn, ins)]
             for var, out in zip(eqn.outvars, outs):
@@ -274,7 +295,7 @@ class _Replay:
             # Unordered: the loop already bounds a slice's fetch to its iteration, and a fetch
             # tied to the carry cannot be moved into the previous iteration by XLA:GPU's
             # collective pipeliner (see backend.compiler_options), which is what overlaps it.
-            inner = _Replay(stored_t, layer_sources, order=False)
+            inner = _Replay(stored_t, layer_sources, order=False, rematerialised=True)
             data_iter = iter(data_t)
             inputs = list(consts) + list(carry) + [
                 _direct(position[x.direct]) if isinstance(x, _Lazy) else next(data_iter)
@@ -324,6 +345,44 @@ class _Replay:
                         [self.stored[i] for i in order], list(value.side.values()), [],
                         self.order)[0]
 
+    def _rematerialised(self, eqn, ins):
+        """In a scan body: the operation as a ``jax.checkpoint`` that fetches its weights
+        itself, under the policy of the loss's own ``jax.checkpoint`` when the operation is one
+        (its body replayed inline), else saving nothing. Fetched weights and their layout
+        changes are never saved (``save_all_but_fetched``): the backward pass fetches them
+        again, from the slice of shards the scan hands both passes. What the loss's policy
+        saves (a dots policy's matmul outputs) is saved, so the backward pass does not redo
+        it, which a unit (``_unit``: residuals are shards and data only) always does."""
+        values = [v for v, _ in ins]
+        lazies = {k: v for k, v in enumerate(values) if isinstance(v, _Lazy)}
+        order = sorted(frozenset().union(*(v.sources for v in lazies.values())))
+        side = {}
+        for v in lazies.values():
+            side.update(v.side)
+        side_keys = list(side)
+        data_pos = [k for k, atom in enumerate(eqn.invars)
+                    if k not in lazies and not isinstance(atom, Literal)]
+        remat = eqn.primitive.name in REMAT_PRIMITIVES
+
+        def run(stored, side_list, data):
+            full = {i: self.sources[i].fetch_for_grad(x) for i, x in zip(order, stored)}
+            side_by_key = dict(zip(side_keys, side_list))
+            vals = list(values)
+            for k, lazy_value in lazies.items():
+                vals[k] = lazy_value.build(full, side_by_key)
+            for k, d in zip(data_pos, data):
+                vals[k] = d
+            if not remat:
+                return bind(eqn, vals)
+            body = _Replay([], [], order=False)
+            return [v for v, _ in body.run(*open_jaxpr(eqn.params["jaxpr"]), vals,
+                                           [True] * len(vals))]
+
+        policy = _but_fetched(eqn.params.get("policy") if remat else None)
+        return jax.checkpoint(run, policy=policy, prevent_cse=False)(
+            [self.stored[i] for i in order], [side[k] for k in side_keys],
+            [values[k] for k in data_pos])
+
     def _unit(self, eqn, ins):
         values = [v for v, _ in ins]
         lazies = {k: v for k, v in enumerate(values) if isinstance(v, _Lazy)}
@@ -354,6 +413,15 @@ class _Replay:
         outs, (token, self.grad_token) = _unit_fn(*args, token=(ahead, self.grad_token))
         self.tokens.append(token)
         return outs
+
+
+def _but_fetched(policy):
+    """``policy`` (a ``jax.checkpoint`` policy; None saves nothing) that never saves a fetched
+    weight or a layout change of one."""
+    if policy is None:
+        return None
+    return lambda prim, *args, **params: (save_all_but_fetched(prim, *args, **params)
+                                          and policy(prim, *args, **params))
 
 
 _NO_TOKEN = object()
