@@ -135,7 +135,8 @@ def test_config_choices_are_the_engines_and_the_models():
     assert plan.QUANTIZE_GRADS_CHOICES == (None, "int8")
     assert choices_of(PrecisionConfig) == {"params": tuple(precision.DTYPES),
                                            "master": precision.MASTER_DTYPES,
-                                           "autocast": precision.AUTOCAST}
+                                           "autocast": precision.AUTOCAST,
+                                           "reduce": tuple(precision.DTYPES)}
     assert gpt._CHOICES == choices_of(ModelConfig)
 
 

@@ -280,3 +280,38 @@ def test_flax_nnx_model_at_stage3_matches_plain_optax():
     losses, state, _ = train_losses(step, state, BATCHES)
     np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-6)
     assert type(state.master) is type(params)  # the nnx State tree comes back as such
+
+
+@pytest.mark.parametrize("stage,scanned", [(0, False), (2, False), (3, False), (3, True)])
+def test_gradients_are_summed_in_the_reduce_dtype(stage, scanned):
+    """``Precision(reduce=...)``: what each device's gradient is summed over devices in. Device 0
+    contributes 1 + 2**-7 to every element and the other seven 1 (all exact in bf16). Their sum,
+    8.0078125, lies between bf16's neighbours 8 and 8.0625: summed in bf16 it is 8, summed in
+    fp32 (the default) it is exact. SGD with rate 1 from zero weights makes the master weights
+    minus the averaged gradient. ``scanned``: a stack of two layers walked by ``lax.scan`` (each
+    iteration fetches its slice; the gradient leaves through the gather's transpose)."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=stage)
+    rows = np.ones((N_DEV, 64), np.float32)
+    rows[0] += 2.0 ** -7
+    batch = {"x": rows}
+    shape = (2, 64) if scanned else (64,)
+
+    def loss(params, batch):
+        x = batch["x"].mean(0).astype(params["w"].dtype)
+        if scanned:
+            # (the carry starts from the data: a constant start fails shard_map's varying-type
+            # check, a limitation of zeroflow's any-model path of its own)
+            total, _ = jax.lax.scan(lambda t, w: (t + jnp.sum(w * x), None), x[0] * 0,
+                                    params["w"])
+            return total.astype(jnp.float32)
+        return jnp.sum(params["w"] * x).astype(jnp.float32)
+
+    got = {}
+    for reduce in ("fp32", "bf16"):
+        prec = zf.Precision(params="bf16", reduce=reduce)
+        tx = optax.sgd(1.0)
+        state = zf.init_train_state({"w": jnp.zeros(shape, jnp.float32)}, tx, plan, prec)
+        state, _ = zf.make_train_step(loss, tx, plan, prec)(state, batch)
+        got[reduce] = np.asarray(state.master_params["w"])
+    np.testing.assert_array_equal(got["fp32"], np.full(shape, -8.0078125 / N_DEV))
+    np.testing.assert_array_equal(got["bf16"], np.full(shape, -8.0 / N_DEV))

@@ -213,6 +213,8 @@ class PrecisionConfig:
     "'none', 'dynamic' or a number (static scale)."
     autocast: str = one_of(*AUTOCAST)
     "Run the unmodified model under zf.autocast: 'none', 'bf16' or 'fp16' (fp16 needs loss_scale)."
+    reduce: str = one_of(*DTYPES)
+    "Dtype gradients are summed over devices in: 'fp32' (exact) or the params dtype (half the bytes)."
     init_scale: float = 32768.0
     "Starting scale of dynamic loss scaling."
     growth_interval: int = 2000

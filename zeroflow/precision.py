@@ -63,6 +63,11 @@ class Precision:
     "Consecutive skipped steps (non-finite gradients) after which the trainer stops."
     autocast: str = "none"
     "Run the loss under zf.autocast in this dtype: 'none', 'bf16' or 'fp16'."
+    reduce: str = "fp32"
+    "What gradients are summed over devices in: 'fp32' (the exact sum of half-precision"
+    " gradients) or the compute dtype (half the bytes on the wire, and half-size transients of"
+    " large gradients, as PyTorch FSDP's reduce_dtype and a bf16 GSPMD program; each device's"
+    " sum is rounded to that dtype)."
 
     @classmethod
     def from_config(cls, section) -> "Precision":
@@ -78,6 +83,9 @@ class Precision:
         object.__setattr__(self, "loss_scale", parse_loss_scale(self.loss_scale))
         self._check_scaling_fields()
         self._check_autocast()
+        if not isinstance(self.reduce, str) or self.reduce not in ("fp32", self.params):
+            raise ValueError(f"unknown reduce dtype {self.reduce!r}; gradients are summed in 'fp32' "
+                             f"or the compute dtype (params={self.params!r})")
 
     def _check_scaling_fields(self):
         for name in ("init_scale", "min_scale"):
@@ -115,6 +123,10 @@ class Precision:
     @property
     def compute_dtype(self):
         return DTYPES[self.params]
+
+    @property
+    def reduce_dtype(self):
+        return DTYPES[self.reduce]
 
     @property
     def dynamic(self) -> bool:

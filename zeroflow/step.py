@@ -102,7 +102,7 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
               **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
     local = functools.partial(local_grads, loss_fn=loss_fn, routes=route_tree, plan=plan,
                               grad_accum=grad_accum, per_layer=per_layer, prefetch=prefetch,
-                              gather_dtype=pads.cast_on_use)
+                              gather_dtype=pads.cast_on_use, reduce_dtype=prec.reduce_dtype)
     grads, loss, aux, model_state = _gradients(
         local, _compute_params(state, plan, layout, route_tree), batch, scale, extras,
         plan=plan, layout=layout, routes=route_tree)

@@ -71,24 +71,29 @@ def _listed(groups):
     return None if groups is None else [list(g) for g in groups]
 
 
-def reduce_scatter(grad, dim: int, padded: int | None = None):
-    """This device's slice (along ``dim``) of the sum over devices of ``grad``, in fp32; with
-    ``padded``, ``grad`` is first padded with zeros to that many entries along ``dim``."""
-    grad = grad.astype(jnp.float32)
+def reduce_scatter(grad, dim: int, padded: int | None = None, dtype=jnp.float32):
+    """This device's slice (along ``dim``) of the sum over devices of ``grad``, summed in
+    ``dtype`` (fp32: exact for half-precision gradients; the compute dtype moves half the bytes,
+    ``Precision.reduce``) and returned in fp32; with ``padded``, ``grad`` is first padded with
+    zeros to that many entries along ``dim``."""
+    grad = grad.astype(dtype)
     if padded is not None:
         grad = pad_to(grad, dim, padded)
-    return jax.lax.psum_scatter(grad, DATA, scatter_dimension=dim, tiled=True)
+    summed = jax.lax.psum_scatter(grad, DATA, scatter_dimension=dim, tiled=True)
+    return summed.astype(jnp.float32)
 
 
-def gathered_tangent(tangent, dim: int, dtype, size: int | None = None, sliced: bool = False):
+def gathered_tangent(tangent, dim: int, dtype, size: int | None = None, sliced: bool = False,
+                     reduce_dtype=jnp.float32):
     # Linear in ``tangent`` (fp32): its transpose pads the cotangent with zeros (the transpose
-    # of the cut) and reduce-scatters it in fp32.
-    return all_gather(tangent, dim, tangent.dtype, size, sliced=sliced).astype(dtype)
+    # of the cut) and reduce-scatters it in ``reduce_dtype`` (see ``reduce_scatter``).
+    return all_gather(tangent.astype(reduce_dtype), dim, reduce_dtype, size,
+                      sliced=sliced).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None, groups=None,
-                  sliced: bool = False):
+                  sliced: bool = False, reduce_dtype=jnp.float32):
     """All-gather a stage-3 weight ``shard`` in the compute ``dtype`` for use (cut to ``size``
     along ``dim`` when the stored weight is padded).
 
@@ -97,21 +102,22 @@ def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None, gro
     over many devices overflow and round), while the shard itself stays in its stored dtype
     (no fp32 copy of the weights is made to differentiate). ``groups``: the shard is one of a
     copy held by each group of devices (hpZ, see ``all_gather``); the stand-in is always the
-    1/N shard of the master, and the gradient is reduce-scattered over all devices.
+    1/N shard of the master, and the gradient is reduce-scattered over all devices (summed in
+    ``reduce_dtype``, see ``reduce_scatter``).
     """
     del stand_in
     return all_gather(shard, dim, dtype, size, groups, sliced=sliced)
 
 
 @gather_weight.defjvp
-def _gather_jvp(dim, dtype, size, groups, sliced, primals, tangents):
+def _gather_jvp(dim, dtype, size, groups, sliced, reduce_dtype, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
     return (all_gather(shard, dim, dtype, size, groups, sliced=sliced),
-            gathered_tangent(d_stand_in, dim, dtype, size, sliced))
+            gathered_tangent(d_stand_in, dim, dtype, size, sliced, reduce_dtype))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def scatter_grad_on_use(weight, stand_in, dim: int):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def scatter_grad_on_use(weight, stand_in, dim: int, reduce_dtype=jnp.float32):
     """``weight`` unchanged; its gradient, reduce-scattered along ``dim``, goes to ``stand_in``.
 
     ``stand_in`` is an fp32 array of zeros shaped like this device's shard of ``weight`` (of its
@@ -120,14 +126,15 @@ def scatter_grad_on_use(weight, stand_in, dim: int):
     soon as this leaf's gradient is complete
     (ZeRO-2), and the gradient that leaves the backward pass is already 1/N of the leaf.
     """
-    del stand_in, dim
+    del stand_in, dim, reduce_dtype
     return weight
 
 
 @scatter_grad_on_use.defjvp
-def _scatter_jvp(dim, primals, tangents):
+def _scatter_jvp(dim, reduce_dtype, primals, tangents):
     (weight, _), (_, d_stand_in) = primals, tangents
-    return weight, gathered_tangent(d_stand_in, dim, weight.dtype, weight.shape[dim])
+    return weight, gathered_tangent(d_stand_in, dim, weight.dtype, weight.shape[dim],
+                                    reduce_dtype=reduce_dtype)
 
 
 @jax.custom_jvp

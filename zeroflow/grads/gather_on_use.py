@@ -70,6 +70,8 @@ class Sharded:
     grad_block: int = 256
     sliced: bool = False
     "One iteration's slice of a stack a scan walks through (``layer()``; see ``all_gather``)."
+    reduce_dtype: Any = jnp.float32
+    "What the gradient is summed over devices in (``Precision.reduce``)."
 
     def fetch(self, stored):
         return all_gather(stored[0], self.dim, self.dtype, self.size, self.groups,
@@ -78,7 +80,7 @@ class Sharded:
     def reduced(self, grad):
         """This device's fp32 slice of the sum over devices of ``grad``."""
         if self.grad_hosts is None:
-            return reduce_scatter(grad, self.dim, self.padded)
+            return reduce_scatter(grad, self.dim, self.padded, self.reduce_dtype)
         return quantized_reduce_scatter(grad, self.dim, self.grad_hosts, self.grad_block,
                                         self.padded)
 
@@ -91,7 +93,7 @@ class Sharded:
         if self.grad_hosts is not None:
             return gather_weight_qgz(stored[0], stored[1], self)
         return gather_weight(stored[0], stored[1], self.dim, self.dtype, self.size, self.groups,
-                             self.sliced)
+                             self.sliced, self.reduce_dtype)
 
     def layer(self):
         """The source of one slice along the leading axis (a scan's iteration), or None when
@@ -110,6 +112,8 @@ class Whole:
     scatter_dim: int | None = None
     padded: int | None = None
     ordered: bool = True
+    reduce_dtype: Any = jnp.float32
+    "As for ``Sharded``."
 
     def fetch(self, stored):
         return stored if self.scatter_dim is None else stored[0]
@@ -117,12 +121,13 @@ class Whole:
     def give_back(self, stored, grad):
         if self.scatter_dim is None:
             return grad
-        return _pair_like(stored, reduce_scatter(grad, self.scatter_dim, self.padded))
+        return _pair_like(stored, reduce_scatter(grad, self.scatter_dim, self.padded,
+                                                 self.reduce_dtype))
 
     def fetch_for_grad(self, stored):
         if self.scatter_dim is None:
             return stored
-        return scatter_grad_on_use(stored[0], stored[1], self.scatter_dim)
+        return scatter_grad_on_use(stored[0], stored[1], self.scatter_dim, self.reduce_dtype)
 
     def layer(self):
         if self.scatter_dim is None:

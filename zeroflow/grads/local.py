@@ -22,21 +22,19 @@ micro-batch, folded from the step's key). Both are data to the engine, never wei
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from zeroflow import offload
 from zeroflow.grads import gather_on_use
-from zeroflow.grads.collectives import (all_gather, gather_weight, reduce_scatter,
-                                        scatter_grad_on_use, stream_in, varying as _varying)
+from zeroflow.grads.collectives import reduce_scatter, stream_in, varying as _varying
 from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route, trained
 from zeroflow.mesh import DATA
 from zeroflow.plan import ZeroPlan, path_str
-from zeroflow.zeropp.gather import QuantizedSharded, gather_weight_quantized
+from zeroflow.zeropp.gather import QuantizedSharded
 from zeroflow.zeropp.hosts import HostSplit
-from zeroflow.zeropp.reduce import gather_weight_qgz
 
 
 class Detached(NamedTuple):
@@ -56,16 +54,21 @@ class Transit(NamedTuple):
     groups: tuple | None = None
     grad_hosts: HostSplit | None = None
     grad_block: int = 256
+    reduce_dtype: Any = jnp.float32
+    "What gradients are summed over devices in (``Precision.reduce``)."
 
     @classmethod
-    def of(cls, plan: ZeroPlan) -> Transit:
+    def of(cls, plan: ZeroPlan, reduce_dtype=jnp.float32) -> Transit:
         return cls(plan.quantize_block if plan.quantize_weights else None, plan.gather_groups,
-                   plan.host_split if plan.quantize_grads else None, plan.quantize_block)
+                   plan.host_split if plan.quantize_grads else None, plan.quantize_block,
+                   reduce_dtype)
 
-    def source(self, dim: int, dtype, size: int | None, padded: int | None
-               ) -> gather_on_use.Sharded:
-        """The ``gather_on_use`` source of a stage-3 weight split along ``dim``."""
-        kw = dict(groups=self.groups, grad_hosts=self.grad_hosts, grad_block=self.grad_block)
+    def source(self, dim: int, dtype, size: int | None, padded: int | None,
+               sliced: bool = False) -> gather_on_use.Sharded:
+        """The ``gather_on_use`` source of a stage-3 weight split along ``dim`` (``sliced``:
+        one layer's slice of a stack, see ``collectives.all_gather``)."""
+        kw = dict(groups=self.groups, grad_hosts=self.grad_hosts, grad_block=self.grad_block,
+                  sliced=sliced, reduce_dtype=self.reduce_dtype)
         if self.weight_block is not None:
             return QuantizedSharded(dim, dtype, size, padded, block_size=self.weight_block, **kw)
         return gather_on_use.Sharded(dim, dtype, size, padded, **kw)
@@ -124,13 +127,14 @@ def _check_new_model_state(old, new) -> None:
 
 def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
                 per_layer: str | None, collective: bool = True, prefetch: int = 0,
-                gather_dtype=None):
+                gather_dtype=None, reduce_dtype=jnp.float32):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
     over devices, and the new model state averaged over devices. ``routes``: each leaf's
     ``Route`` (``step_routes``). ``extras``: a dict with ``model_state`` and/or ``rng`` (the
     step's key) when the state carries them. ``collective=False`` is the one-device case, run
     without shard_map. ``prefetch``: how many units ahead a weight fetched on use may be
-    fetched (``gather_on_use.call``). ``gather_dtype``: the dtype stage-3 weights stored in
+    fetched (``gather_on_use.call``). ``reduce_dtype``: what gradients are summed over
+    devices in (``Precision.reduce``). ``gather_dtype``: the dtype stage-3 weights stored in
     fp32 (no compute copy) are cast to as they are gathered; None: their own."""
     varying = _varying if collective else (lambda x: x)
     extras = dict(extras)
@@ -140,10 +144,10 @@ def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan
     grads, loss, aux, model_state = _accumulated(
         params, batch, scale, extras, loss_fn=loss_fn, routes=routes, plan=plan,
         grad_accum=grad_accum, per_layer=per_layer, varying=varying, prefetch=prefetch,
-        gather_dtype=gather_dtype)
+        gather_dtype=gather_dtype, reduce_dtype=reduce_dtype)
     if not collective:
         return grads, loss, aux, model_state
-    grads = jax.tree.map(lambda g, r: g if r.sharded_grad else jax.lax.psum(g, DATA),
+    grads = jax.tree.map(lambda g, r: g if r.sharded_grad else _all_reduced(g, reduce_dtype),
                          grads, trained(routes))
     return (grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
             jax.tree.map(_across_devices, model_state))
@@ -158,7 +162,8 @@ def _across_devices(x):
 
 
 def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
-                 per_layer: str | None, varying, prefetch: int = 0, gather_dtype=None):
+                 per_layer: str | None, varying, prefetch: int = 0, gather_dtype=None,
+                 reduce_dtype=jnp.float32):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
     dtypes = jax.tree.map(lambda x, r: jnp.dtype(gather_dtype) if gather_dtype and r.sharded
@@ -166,7 +171,7 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
     params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
         x, r, plan.data_size, varying, plan.weight_copies), params, routes)
-    wire = Transit.of(plan)
+    wire = Transit.of(plan, reduce_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
@@ -186,7 +191,8 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
             return loss * scale, (loss, aux, new_state)
 
         (_, (loss, aux, new_state)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-        g = jax.tree.map(lambda x, r: _reduce_late(x if native else x.astype(jnp.float32), r),
+        g = jax.tree.map(lambda x, r: _reduce_late(x if native else x.astype(jnp.float32), r,
+                                                   reduce_dtype),
                          g, trained(routes))
         return g, loss, aux, new_state
 
@@ -223,32 +229,22 @@ def _visible(x, w, r: Route, varying):
 
 
 def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
-    """``gather_layer``: one layer's slice of the stack -> its compute weights on the device.
-    Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
-    ``wire``: how stage-3 slices and their gradients travel (ZeRO++)."""
+    """``gather_layer``: one layer's slice of the stack -> its compute weights on the device,
+    through the same ``gather_on_use`` sources as any other fetch (``_layer_source``). Under
+    the ``save_all_but_fetched`` remat policy the backward pass fetches it again. ``wire``: how
+    stage-3 slices and their gradients travel (ZeRO++)."""
     wire = wire or Transit()
-    block, groups = wire.weight_block, wire.groups
 
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
         if r.frozen:  # fetched without a gradient path
             weight = offload.to_device(varying(x)) if r.stream else x
-            return (all_gather(weight, r.layer_dim, dt, r.cut, sliced=True) if r.sharded
-                    else weight)
+            return _layer_source(r, dt, wire).fetch(weight) if r.sharded else weight
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.value, x.stand_in)
         weight = offload.to_device(varying(x.value)) if r.stream else x.value
-        if r.sharded and wire.grad_hosts is not None:
-            return gather_weight_qgz(weight, x.stand_in,
-                                     wire.source(r.layer_dim, dt, r.cut, r.padded))
-        if r.sharded and block is not None:
-            return gather_weight_quantized(weight, x.stand_in, r.layer_dim, dt, block, r.cut,
-                                           groups)
-        if r.sharded:
-            return gather_weight(weight, x.stand_in, r.layer_dim, dt, r.cut, groups,
-                                 True)  # sliced: one layer of the stack (all_gather)
-        return scatter_grad_on_use(weight, x.stand_in, r.layer_dim)  # stage 2, per layer
+        return _layer_source(r, dt, wire).fetch_for_grad((weight, x.stand_in))
 
     def gather_layer(layer_params):
         return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=_is_route)
@@ -296,12 +292,26 @@ def _is_hole(x) -> bool:
     return x is None
 
 
-def _reduce_late(g, r: Route):
+def _all_reduced(g, dtype):
+    """``g`` summed over ``data`` in ``dtype`` (``Precision.reduce``), in its own dtype."""
+    return jax.lax.psum(g.astype(dtype), DATA).astype(g.dtype)
+
+
+def _reduce_late(g, r: Route, dtype=jnp.float32):
     """Per micro-batch: a gradient to be reduce-scattered that the backward pass left whole (a
     streamed stack split along its layer axis) is reduce-scattered now."""
     if r.reduce is Reduce.AFTER:
-        return reduce_scatter(g, r.dim, r.padded)
+        return reduce_scatter(g, r.dim, r.padded, dtype)
     return g
+
+
+def _layer_source(r: Route, dtype, wire: Transit) -> gather_on_use.Source:
+    """The source of one layer's slice of a per-layer stack (``gather_layer``)."""
+    if r.frozen:
+        return gather_on_use.Frozen(r.layer_dim, dtype, r.cut, sliced=True)
+    if r.sharded:
+        return wire.source(r.layer_dim, dtype, r.cut, r.padded, sliced=True)
+    return gather_on_use.Whole(r.layer_dim, reduce_dtype=wire.reduce_dtype)  # stage 2
 
 
 def _source(r: Route, dtype, widens: bool, wire: Transit = None
@@ -315,7 +325,7 @@ def _source(r: Route, dtype, widens: bool, wire: Transit = None
         return (wire or Transit()).source(r.dim, dtype, r.cut, r.padded)
     scattered = r.reduce is Reduce.ON_USE
     return gather_on_use.Whole(r.dim if scattered else None, r.padded if scattered else None,
-                               ordered=widens)
+                               ordered=widens, reduce_dtype=(wire or Transit()).reduce_dtype)
 
 
 def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gather_layer, given,

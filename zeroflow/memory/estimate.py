@@ -380,13 +380,14 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
 def hierarchical_copy_bytes(*, num_params: int, num_devices: int, hosts: int,
                             precision: Any = "bf16") -> float:
     """Per-device bytes that ZeRO++ hpZ adds at stage 3 on ``hosts`` hosts of
-    ``num_devices / hosts`` devices: its compute-weight copy is split over a host's L devices
-    (``width x P / L``) where plain stage 3's is split over all N (``width x P / N``, the
-    ``compute_weights`` of ``estimate``); the master, gradients and optimizer state do not
-    change. ``estimate_step`` reads it from the state's shapes (``model_states``)."""
+    ``num_devices / hosts`` devices: its compute-weight copy, split over a host's L devices
+    (``width x P / L``), where plain stage 3 keeps no compute copy (each use casts the master's
+    shard as it gathers it, ``ZeroPlan.keeps_compute_copy``); the master, gradients and
+    optimizer state do not change. ``estimate_step`` reads it from the state's shapes
+    (``model_states``)."""
     n = _check_int("num_devices", num_devices, 1)
     h = _check_int("hosts", hosts, 1)
     if n % h:
         raise ValueError(f"hosts={h} must divide num_devices={n}")
     width = DTYPE_BYTES[_precision_name(precision)]
-    return width * float(num_params) * (h / n - 1 / n)
+    return width * float(num_params) * h / n

@@ -46,9 +46,9 @@ def _dequantized(gathered: Quantized, shard_shape, dtype: str, dim: int):
     return parts.reshape(shape)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def gather_weight_quantized(shard, stand_in, dim: int, dtype, block_size: int,
-                            size: int | None = None, groups=None):
+                            size: int | None = None, groups=None, reduce_dtype=jnp.float32):
     """``zeroflow.grads.gather_weight`` with the weight moved as int8 blocks: the gradient goes
     to ``stand_in`` as the exact fp32 reduce-scatter of the devices' gradients."""
     del stand_in
@@ -56,10 +56,10 @@ def gather_weight_quantized(shard, stand_in, dim: int, dtype, block_size: int,
 
 
 @gather_weight_quantized.defjvp
-def _quantized_jvp(dim, dtype, block_size, size, groups, primals, tangents):
+def _quantized_jvp(dim, dtype, block_size, size, groups, reduce_dtype, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
     return (quantized_all_gather(shard, dim, dtype, block_size, size, groups),
-            gathered_tangent(d_stand_in, dim, dtype, size))
+            gathered_tangent(d_stand_in, dim, dtype, size, reduce_dtype=reduce_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +71,10 @@ class QuantizedSharded(Sharded):
     def fetch(self, stored):
         return quantized_all_gather(stored[0], self.dim, self.dtype, self.block_size, self.size,
                                     self.groups)
+
+    def fetch_for_grad(self, stored):
+        if self.grad_hosts is not None:
+            return super().fetch_for_grad(stored)  # qgZ's reduction, this gather
+        return gather_weight_quantized(stored[0], stored[1], self.dim, self.dtype,
+                                       self.block_size, self.size, self.groups,
+                                       self.reduce_dtype)
