@@ -109,6 +109,23 @@ def test_a_flipped_bit_makes_export_and_resume_fall_back_and_the_run_ends_bit_id
     assert logged == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("reader", ["sample", "export"])
+def test_readers_of_a_sound_run_print_no_warnings(finished_run, tmp_path, reader):
+    """Fresh processes, as a user runs them: Orbax's read-only manager notes 'Given directory is
+    read only' (absl WARNING) and XLA may log 'Invalid stack_frame_id'; neither is the user's to
+    act on, so a sound run's readers print nothing else there."""
+    args = (["--tokens", "2", "--prompt", "def "] if reader == "sample"
+            else ["--out", str(tmp_path / "w.npz")])
+    proc = subprocess.run([sys.executable, "-m", f"zeroflow.{reader}", "--run", str(finished_run),
+                           *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert "read only" not in proc.stderr and "stack_frame_id" not in proc.stderr, proc.stderr
+    # sample names the step it read on stderr (its stdout is the text alone); export on stdout
+    assert proc.stderr == ("[step 4]\n" if reader == "sample" else ""), proc.stderr
+    assert reader == "sample" or "from step 4 to" in proc.stdout
+
+
 def test_steps_saved_without_digests_load_unverified_and_a_lost_manifest_is_caught(run_copy,
                                                                                     caplog):
     step_dir = run_copy / "checkpoints" / "4"
