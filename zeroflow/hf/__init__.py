@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and GPT-2 on zeroflow's GPT.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and GPT-2 on zeroflow's GPT;
+frozen encoders (CLIP's vision tower, BERT) read with ``load_encoder``.
 
     from zeroflow import hf
     model, params, cfg = hf.from_pretrained("path/to/hf_dir", dtype="fp32")
@@ -18,6 +19,7 @@ from zeroflow.data.tokenizers import HFTokenizer, hf_tokenizer_file
 from zeroflow.hf.architectures import (CONVERTERS, converter_for_model, read_config,
                                        with_run_fields)
 from zeroflow.hf.convert import RUNTIME_FIELDS, Converter, HFConfig
+from zeroflow.hf.encoders import ENCODERS, HFEncoder, load_encoder
 from zeroflow.hf.load import from_pretrained, load_params
 from zeroflow.hf.reader import HFCheckpointError, SafetensorsReader
 from zeroflow.hf.save import save_pretrained
@@ -34,7 +36,8 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
 
 
 __all__ = [
-    "CONVERTERS", "Converter", "HFCheckpointError", "HFConfig", "HFTokenizer", "RUNTIME_FIELDS",
-    "SafetensorsReader", "converter_for_model", "from_pretrained", "load_params",
+    "CONVERTERS", "Converter", "ENCODERS", "HFCheckpointError", "HFConfig", "HFEncoder",
+    "HFTokenizer", "RUNTIME_FIELDS", "SafetensorsReader", "converter_for_model",
+    "from_pretrained", "load_encoder", "load_params",
     "load_tokenizer", "read_config", "save_pretrained", "with_run_fields",
 ]
