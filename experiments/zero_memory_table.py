@@ -5,7 +5,9 @@ scaled-down GPT sharded over 8 emulated CPU devices for every stage and offload 
 
 Expected: every paper entry within 1% (Table 1 prints 2-3 significant digits), and the
 per-device model-state bytes of the real sharded state within 5% of the estimate (they agree
-to a few bytes: the step counter and Adam's count). Writes ``zero_memory_table.md`` and
+to a few bytes: the step counter and Adam's count). Everything regenerates identically
+except the *XLA device total* column (XLA:CPU's temporary buffers differ between jax versions,
+and may between CPUs), so the file names the machine and jax it was measured with. Writes ``zero_memory_table.md`` and
 ``zero_memory_table.png`` to ``--out``. Compiling the 12 steps for XLA's memory analysis takes
 a few minutes on a laptop CPU; ``--no-compile`` skips it.
 """
@@ -106,6 +108,32 @@ def _err(row, kind):
     return abs(row[f"got_{kind}"] - row[f"est_{kind}"]) / scale
 
 
+def machine_note() -> str:
+    """What the XLA column was measured with. Everything else in the file is arithmetic on
+    shapes and the same everywhere; XLA:CPU's temporary buffers are not."""
+    import datetime
+    import platform
+
+    import jax
+    import jaxlib.version
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                   if line.startswith("model name"))
+        flags = next(line for line in info.splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    bf16 = ("with AVX512-BF16" if "avx512_bf16" in flags.split()
+            else "without AVX512-BF16" if flags else "CPU features unknown")
+    return (f"Measured {datetime.date.today()} by `python experiments/zero_memory_table.py` on "
+            f"{cpu} ({bf16}, {os.cpu_count()} cores), jax {jax.__version__}, jaxlib "
+            f"{jaxlib.version.__version__}. *XLA device total* depends on the machine's XLA: "
+            "its temporary buffers are XLA:CPU's buffer assignment, which changes with the "
+            "jax/XLA version (whether bf16 dots are widened to fp32 copies, fusion) and may "
+            "with the CPU; every other column is arithmetic on shapes and the same everywhere.")
+
+
 def markdown(paper, gpt, cfg, params) -> str:
     lines = ["# ZeRO memory: paper vs estimator vs the sharded state", "",
              "## Paper, Figure 1 (7.5B parameters, 64 devices)", "",
@@ -129,6 +157,7 @@ def markdown(paper, gpt, cfg, params) -> str:
               "pinned_host arrays as arguments); *XLA device total*: args + outputs + temp - alias, "
               "minus the pinned_host state; *est. peak*: model states with fp32 gradients + "
               "activations (see docs/memory.md for why XLA:CPU's temp bytes are larger).", "",
+              machine_note(), "",
               "| stage | offload | est. device | state device | err | est. host | state host | err "
               "| XLA args | est. peak | XLA device total |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in gpt:
