@@ -4,6 +4,7 @@ saw, give the loss and gradients of plain jax on the whole weights."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -104,7 +105,11 @@ def test_every_gather_waits_for_the_values_it_meets():
     be hoisted to the start of the step."""
     weights, batch = _weights(), _batch()
     jaxpr = jax.make_jaxpr(_sharded_grads)(weights, batch)
-    pairs = _gathers_and_producers(jaxpr.jaxpr)
+    # Weight fetches gather a shard; an embedding's row lookup (zeroflow.grads.row_lookup)
+    # gathers the tokens and the rows' cotangents instead, data that exists when it runs.
+    shards = {(w.shape[0] // N, *w.shape[1:]) for w in jax.tree.leaves(weights)}
+    pairs = [(g, p) for g, p in _gathers_and_producers(jaxpr.jaxpr)
+             if tuple(g.invars[0].aval.shape) in shards]
     # six weights used once each: a fetch in the forward pass and one in the backward pass
     assert len(pairs) >= 12, len(pairs)
     def is_select(eqn):  # jnp.where is select_n, or a jit of it named _where
@@ -145,3 +150,41 @@ def test_bf16_units_reduce_in_fp32(remat):
     grads = jax.jit(f)(w, b)
     assert grads.dtype == jnp.float32
     np.testing.assert_array_equal(grads, np.full((N,), 256 + N - 1, np.float32))
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_row_lookup_moves_rows_not_the_table(frozen):
+    """An embedding table split by rows is looked up where its rows are (row_lookup): the step
+    gathers tokens and rows, never the table, and trains as plain optax does (fp32, so the sums
+    are exact up to their order); a repeated token's rows add up in the table's gradient."""
+    from helpers import walk
+    vocab, width = 64, 8
+    k = jax.random.split(jax.random.key(1), 2)
+    params = {"table": jax.random.normal(k[0], (vocab, width)),
+              "head": jax.random.normal(k[1], (width, 3)) / 4}
+    ids = np.random.default_rng(1).integers(0, vocab, size=(N * 2, 6)).astype(np.int32)
+    ids[:, 0] = 5  # one row read by every device
+    batches = [{"ids": ids, "y": np.arange(N * 2 * 6).reshape(N * 2, 6) % 3}]
+
+    def loss(p, b):
+        logits = jnp.tanh(p["table"][b["ids"]]) @ p["head"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], -1))
+
+    plan, prec, tx = zf.ZeroPlan(zf.make_mesh(), stage=3), zf.Precision(), optax.sgd(0.5)
+    trainable = {"table": not frozen, "head": True}
+    state = zf.init_train_state(params, tx, plan, prec, trainable=trainable)
+    step = zf.make_train_step(loss, tx, plan, prec)
+    gathered = [tuple(e.outvars[0].aval.shape) for e in walk(step.trace(state, batches[0]).jaxpr)
+                if e.primitive.name == "all_gather"]
+    assert (vocab, width) not in gathered and gathered, gathered
+    state, metrics = step(state, batches[0])
+
+    def reference(table, head):
+        return loss({"table": table, "head": head}, batches[0])
+    want_loss, (d_table, d_head) = jax.value_and_grad(reference, argnums=(0, 1))(
+        params["table"], params["head"])
+    np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-6)
+    want_table = params["table"] if frozen else params["table"] - 0.5 * d_table
+    np.testing.assert_allclose(state.params["table"], want_table, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.params["head"], params["head"] - 0.5 * d_head,
+                               rtol=1e-5, atol=1e-6)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from zeroflow.compat import REMAT_PRIMITIVES, scan_split
+from zeroflow.grads import row_lookup
 from zeroflow.grads.collectives import (all_gather, gather_weight, reduce_scatter,
                                         save_all_but_fetched, scatter_grad_on_use, varying)
 from zeroflow.jaxprs import bind, call_body, open_jaxpr
@@ -180,6 +181,8 @@ class _Lazy:
     build: Callable
     direct: int | None = None
     "The index of the weight when the value is that weight itself, as stored."
+    cast_of: int | None = None
+    "The index of the weight when the value is that weight or a dtype cast of it."
 
 
 _side_ids = itertools.count()
@@ -215,7 +218,7 @@ def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args
 
 
 def _direct(i: int) -> _Lazy:
-    return _Lazy(frozenset([i]), {}, lambda full, side, i=i: full[i], direct=i)
+    return _Lazy(frozenset([i]), {}, lambda full, side, i=i: full[i], direct=i, cast_of=i)
 
 
 class _Replay:
@@ -335,7 +338,9 @@ class _Replay:
 
         def build(full, side, k):
             return bind(eqn, [b(full, side) for b in builders])[k]
-        return [_Lazy(sources, side, lambda full, s, k=k: build(full, s, k))
+        cast_of = (values[0].cast_of if eqn.primitive.name == "convert_element_type"
+                   and isinstance(values[0], _Lazy) else None)
+        return [_Lazy(sources, side, lambda full, s, k=k: build(full, s, k), cast_of=cast_of)
                 for k in range(len(eqn.outvars))]
 
     def materialise(self, value):
@@ -388,8 +393,33 @@ class _Replay:
             [self.stored[i] for i in order], [side[k] for k in side_keys],
             [values[k] for k in data_pos])
 
+    def _lookup(self, eqn, values):
+        """A row lookup in a table split by rows (``row_lookup``), or None when ``eqn`` is not
+        one: the table itself (or a dtype cast of it), indexed by data."""
+        table, index = values if len(values) == 2 else (None, None)
+        if not (isinstance(table, _Lazy) and table.cast_of is not None
+                and not isinstance(index, _Lazy) and row_lookup.is_row_lookup(eqn)):
+            return None
+        src = self.sources[table.cast_of]
+        if type(src) not in (Sharded, Frozen) or src.dim != 0 or getattr(src, "sliced", False):
+            return None
+        if getattr(src, "groups", None) is not None or getattr(src, "grad_hosts", None):
+            return None
+        stored = self.stored[table.cast_of]
+        dtype = eqn.invars[0].aval.dtype
+        if isinstance(src, Frozen):
+            out = row_lookup.lookup(stored, None, index, dtype)
+        else:
+            out = row_lookup.lookup(stored[0], stored[1], index, dtype)
+        if self.prefetch:  # the next unit's fetch may start once the rows are there
+            self.tokens.append(_token([out]))
+        return [out]
+
     def _unit(self, eqn, ins):
         values = [v for v, _ in ins]
+        looked_up = self._lookup(eqn, values)
+        if looked_up is not None:
+            return looked_up
         lazies = {k: v for k, v in enumerate(values) if isinstance(v, _Lazy)}
         order = sorted(frozenset().union(*(v.sources for v in lazies.values())))
         side = {}
