@@ -25,13 +25,23 @@ def _is_hole(x) -> bool:
     return x is None
 
 
+def is_function(x) -> bool:
+    """Whether ``x`` is a function to call rather than a pytree to read: callable and a leaf of
+    jax's pytrees (or a ``jax.tree_util.Partial``). Being callable alone decides nothing: an
+    Equinox module is callable and is also the pytree of its weights."""
+    if not callable(x):
+        return False
+    return isinstance(x, jax.tree_util.Partial) or jax.tree_util.treedef_is_leaf(
+        jax.tree.structure(x))
+
+
 def trainable_mask(trainable, params) -> Any:
     """A tree of Python bools with the structure of ``params`` (arrays or abstract values), from
     the ``trainable`` argument; one readable ValueError for a tree of another structure, a
     non-bool answer or nothing left to train."""
     if trainable is None:
         return jax.tree.map(lambda _: True, params)
-    if callable(trainable):
+    if is_function(trainable):
         def ask(path, x):
             answer = trainable(path_str(path), x)
             if not isinstance(answer, bool):
@@ -83,7 +93,9 @@ def mask_of(trainable, frozen):
     made; ``frozen`` None: every leaf of ``trainable`` trains."""
     if frozen is None:
         return jax.tree.map(lambda _: True, trainable)
-    return jax.tree.map(lambda t, f: f is None, trainable, frozen, is_leaf=_is_hole)
+    # Both halves None: a hole of the caller's own tree (eqx.partition's), kept a hole.
+    return jax.tree.map(lambda t, f: None if t is None and f is None else f is None,
+                        trainable, frozen, is_leaf=_is_hole)
 
 
 def any_frozen(mask) -> bool:

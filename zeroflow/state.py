@@ -10,7 +10,7 @@ import optax
 from flax import struct
 
 from zeroflow import frozen as frozen_weights
-from zeroflow import padding
+from zeroflow import opt_mirror, padding
 from zeroflow.padding import NO_PADDING, StatePadding
 from zeroflow.plan import LeafLayout, ZeroPlan, path_str
 from zeroflow.precision import LossScaleState, Precision
@@ -100,26 +100,20 @@ class StateLayouts(NamedTuple):
 
 def state_layouts(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan) -> StateLayouts:
     """Layouts of the master weights and of every optimizer-state leaf: a leaf that mirrors a
-    parameter (optax's ``tree_map_params`` finds them, and its shape matches) is laid out like
-    that parameter; any other leaf (Adafactor's factored moments, counters) gets its own layout
-    from its shape, without tensor rules: split along a dimension of at least N entries, or
-    whole when it has none."""
+    parameter is laid out like that parameter; any other leaf (Adafactor's factored moments,
+    counters) gets its own layout from its shape, without tensor rules: split along a
+    dimension of at least N entries, or whole when it has none."""
     master = plan.layouts(abstract_params)
     opt_abstract = jax.eval_shape(tx.init, abstract_master(abstract_params))
+    return StateLayouts(master, _opt_state_layouts(opt_abstract, master, plan))
 
+
+def _opt_state_layouts(opt_abstract, master, plan: ZeroPlan):
+    """A leaf that mirrors a parameter (``zeroflow.opt_mirror``) is laid out like it."""
     def own(x):
         return plan.leaf_layout("", x.shape, tensor_rules=False)
-
-    def mirrored(x, lay: LeafLayout):
-        return lay if tuple(x.shape) == lay.shape else own(x)
-
-    # tree_map_params runs tx.init on a dummy to learn the state's structure, creating a few
-    # scalars on the default device; allow that even under a caller's transfer guard.
-    with jax.transfer_guard("allow"):
-        opt = optax.tree_map_params(tx, mirrored, opt_abstract, master,
-                                    transform_non_params=lambda t: jax.tree.map(own, t),
-                                    is_leaf=lambda x: isinstance(x, LeafLayout))
-    return StateLayouts(master, opt)
+    return opt_mirror.map_mirrored(lambda x, lay: lay, own, opt_abstract, master,
+                                   is_leaf=_is_layout)
 
 
 def _is_layout(x) -> bool:
@@ -232,7 +226,7 @@ def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, p
     leaf is stored once, in the compute dtype, with no master copy and no optimizer state: the
     optimizer ``tx`` sees the trainable leaves only.
     """
-    init_fn: Callable[[], Any] | None = params if callable(params) else None
+    init_fn: Callable[[], Any] | None = params if frozen_weights.is_function(params) else None
     abstract = jax.eval_shape(init_fn) if init_fn else _abstract(params)
     check_float_params(abstract)
     if model_state is not None:

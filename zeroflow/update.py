@@ -15,12 +15,14 @@
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.extend.core import Literal
 
-from zeroflow import jaxprs, offload, padding
+from zeroflow import jaxprs, offload, opt_mirror, padding
 from zeroflow.grads.collectives import all_gather, as_words
 from zeroflow.mesh import DATA
 from zeroflow.ordering import after
@@ -125,11 +127,16 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
 def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
     """For each leaf of ``opt_state``, the index of the parameter it belongs to (-1 for state
     shared by all parameters, such as a step count)."""
-    index = jax.tree.unflatten(jax.tree.structure(master), range(len(jax.tree.leaves(master))))
-    with jax.transfer_guard("allow"):  # tree_map_params runs tx.init on a dummy
-        mapped = optax.tree_map_params(tx, lambda _, i: i, opt_state, index,
-                                       transform_non_params=lambda _: -1)
+    leaves, treedef = jax.tree.flatten(master)
+    index = jax.tree.unflatten(treedef, [_Owner(i, x.shape) for i, x in enumerate(leaves)])
+    mapped = opt_mirror.map_mirrored(lambda _, owner: owner.index, lambda _: -1, opt_state, index,
+                                     is_leaf=lambda x: isinstance(x, _Owner))
     return jax.tree.leaves(mapped)
+
+
+class _Owner(NamedTuple):
+    index: int
+    shape: tuple
 
 
 def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from zeroflow import offload
 from zeroflow.grads import gather_on_use
+from zeroflow.grads.loss_errors import explained
 from zeroflow.grads.collectives import reduce_scatter, stream_in, varying as _varying
 from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route, trained
 from zeroflow.mesh import DATA
@@ -179,12 +180,14 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
                                                                   dtypes[per_layer], varying, wire)
 
     def grads_of(micro, model_state, key):
-        given = {**({} if model_state is None else {"model_state": model_state}),
-                 **({} if key is None else {"rng": key})}
-
         def scaled_loss(p):
-            seen = jax.tree.map(lambda x, w, r: _visible(x, w, r, varying), p, stored, routes,
-                                is_leaf=_is_hole)
+            # The model state's containers are rebuilt at this trace level: Flax NNX variables
+            # may only be mutated inside the trace that made them.
+            given = {**({} if model_state is None else {"model_state": _rebuilt(model_state)}),
+                     **({} if key is None else {"rng": key})}
+            # A hole of the caller's own tree (eqx.partition's None) has no route: it stays one.
+            seen = jax.tree.map(lambda x, w, r: None if r is None else _visible(x, w, r, varying),
+                                p, stored, routes, is_leaf=_is_hole)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
                                   plan.traits.widens_half_precision, gather_layer, given, wire)
             loss, aux, new_state = split_loss(out, model_state)
@@ -292,6 +295,12 @@ def _is_hole(x) -> bool:
     return x is None
 
 
+def _rebuilt(tree):
+    """``tree`` with every pytree node made anew around the same leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _all_reduced(g, dtype):
     """``g`` summed over ``data`` in ``dtype`` (``Precision.reduce``), in its own dtype."""
     return jax.lax.psum(g.astype(dtype), DATA).astype(g.dtype)
@@ -333,6 +342,7 @@ def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gath
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
     to the replay as data. ``wire``: how stage-3 weights and gradients travel (ZeRO++)."""
+    loss_fn = explained(loss_fn)  # one readable error where jax cannot trace the loss here
     call = (lambda p, b, kw: loss_fn(p, b, **kw)) if gather_layer is None else (
         lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
     top = jax.tree.map(lambda r, dt: _source(r, dt, widens, wire), routes, dtypes,
