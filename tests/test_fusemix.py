@@ -75,8 +75,8 @@ def test_loss_with_mixup_is_info_nce_of_mixed_pairs():
                                rtol=1e-4)
 
 
-def _encode(batch):
-    return jnp.tanh(batch["x"] @ jnp.ones((3, 2)))
+def _encode(weights, batch):
+    return jnp.tanh(batch["x"] @ weights)
 
 
 def test_cache_refuses_another_encoder_and_resumes(tmp_path):
@@ -85,17 +85,18 @@ def test_cache_refuses_another_encoder_and_resumes(tmp_path):
     identity = {"encoder": {"architecture": "CLIPVisionModel", "sha256": "a" * 64},
                 "preprocessing": {"image_size": 32}}
     folder = tmp_path / "image"
-    part = cache.encode_to_cache(folder, identity, _encode, inputs, 2, batch_size=16, mesh=mesh,
-                                 progress=False, stop_after=2)
+    weights = np.ones((3, 2), np.float32)
+    part = cache.encode_to_cache(folder, identity, _encode, weights, inputs, 2, batch_size=16,
+                                 mesh=mesh, progress=False, stop_after=2)
     assert cache.rows_done(folder) == 32 and np.all(part[32:] == 0)  # interrupted after 2 batches
-    full = cache.encode_to_cache(folder, identity, _encode, inputs, 2, batch_size=16, mesh=mesh,
-                                 progress=False)
+    full = cache.encode_to_cache(folder, identity, _encode, weights, inputs, 2, batch_size=16,
+                                 mesh=mesh, progress=False)
     assert cache.rows_done(folder) == 50
     np.testing.assert_allclose(full, np.tanh(inputs["x"] @ np.ones((3, 2))), rtol=1e-5)
     other = json.loads(json.dumps(identity))
     other["encoder"]["sha256"] = "b" * 64
     with pytest.raises(cache.StaleCache, match=r"encoder\.sha256") as e:
-        cache.encode_to_cache(folder, other, _encode, inputs, 2, batch_size=16, mesh=mesh,
+        cache.encode_to_cache(folder, other, _encode, weights, inputs, 2, batch_size=16, mesh=mesh,
                               progress=False)
     assert "\n" not in str(e.value)
     changed = {**identity, "preprocessing": {"image_size": 64}}

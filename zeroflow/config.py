@@ -252,6 +252,44 @@ class RunConfig:
 
 
 @dataclass
+class FuseMixConfig:
+    enabled: bool = False
+    "Train FuseMix adapters on two frozen encoders' cached latents instead of the GPT (model.* and data.* are then unused; docs/fusemix.md)."
+    dataset: str = one_of("digits")
+    "Paired data: 'digits' (scikit-learn's 1,797 handwritten 8x8 digits with generated captions)."
+    image_encoder: str = ""
+    "Hugging Face folder of the frozen image encoder (CLIPVisionModel)."
+    text_encoder: str = ""
+    "Hugging Face folder of the frozen text encoder (BertModel) with its tokenizer.json."
+    image_pooling: str = one_of("pooled", "mean")
+    "Image latent: the encoder's pooled output (CLIP: the class token after the final norm) or the mean of its last hidden states."
+    text_pooling: str = one_of("cls", "mean")
+    "Text latent: the [CLS] token's hidden state (BGE) or the mean over real tokens (E5)."
+    max_text_len: int = 16
+    "Tokens per caption, padding included."
+    cache: str = ""
+    "Folder of the latent cache (one subfolder per encoder); '' = run.dir/latents."
+    encode_dtype: str = one_of("bf16", "fp32", "fp16")
+    "Dtype the encoders run in while the cache is built."
+    encode_batch: int = 256
+    "Rows per encoding batch (rounded up to a multiple of the devices)."
+    val_pairs: int = 360
+    "Held-out pairs for retrieval evaluation (never trained on)."
+    shared_dim: int = 64
+    "Width of the shared embedding space."
+    adapter_hidden: int = 256
+    "Hidden width of each adapter MLP."
+    adapter_layers: int = 2
+    "Dense layers per adapter (the last one projects into the shared space)."
+    temperature: float = 0.07
+    "InfoNCE temperature."
+    mixup_alpha: float = 1.0
+    "Latent mixup: lambda ~ Beta(alpha, alpha), one per pair, shared by its image and text; 0 disables mixup."
+    prefetch: int = 2
+    "Batches copied to the devices ahead of the step that uses them."
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -260,3 +298,4 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    fusemix: FuseMixConfig = field(default_factory=FuseMixConfig)

@@ -32,7 +32,10 @@ def main_args(args: argparse.Namespace) -> int:
     # Joins a multi-process job when ZEROFLOW_*/SLURM variables describe one; like the line
     # above, this must come before anything starts a jax backend.
     initialize_from_env()
-    from zeroflow.trainer import train
+    if cfg.fusemix.enabled:
+        from zeroflow.fusemix.trainer import train_fusemix as train
+    else:
+        from zeroflow.trainer import train
     result = train(cfg)
     if result.stopped_by:
         return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.stopped_by, 0)

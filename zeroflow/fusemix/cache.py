@@ -84,13 +84,14 @@ def open_cache(folder: str | os.PathLike, identity: Mapping[str, Any], rows: int
 
 
 def encode_to_cache(folder: str | os.PathLike, identity: Mapping[str, Any],
-                    encode: Callable[[dict[str, jax.Array]], jax.Array],
+                    encode: Callable[[Any, dict[str, jax.Array]], jax.Array], params: Any,
                     inputs: Mapping[str, np.ndarray], dim: int, *, batch_size: int,
                     mesh: jax.sharding.Mesh, label: str = "latents", progress: bool = True,
                     stop_after: int | None = None) -> np.ndarray:
     """Encode every row of ``inputs`` (arrays sharing a leading axis) with ``encode`` (a
-    jittable function of one batch dict -> [batch, dim]) into ``folder``; returns the latents
-    read-only. Batches are split over the mesh's devices (``batch_size`` is rounded up to a
+    jittable function of the params and one batch dict -> [batch, dim]) into ``folder``; returns the latents
+    read-only. ``encode(params, batch)`` is jitted once (the encoder's weights are an argument,
+not constants of the program). Batches are split over the mesh's devices (``batch_size`` is rounded up to a
     multiple of them); the last one is padded, so one program serves every batch.
     ``stop_after``: encode at most that many batches, then return (an interrupted build)."""
     rows = len(next(iter(inputs.values())))
@@ -107,7 +108,7 @@ def encode_to_cache(folder: str | os.PathLike, identity: Mapping[str, Any],
                 break
             stop = min(start + batch_size, rows)
             batch = {k: _padded(v[start:stop], batch_size) for k, v in inputs.items()}
-            out = step(jax.device_put(batch, sharding))
+            out = step(params, jax.device_put(batch, sharding))
             latents[start:stop] = np.asarray(out, np.float32)[:stop - start]
             latents.flush()  # the rows first, then the record that they are there
             _write_meta(Path(folder), {"identity": dict(identity), ROWS_DONE: stop})

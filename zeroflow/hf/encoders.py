@@ -99,7 +99,7 @@ def load_encoder(path: str | os.PathLike, dtype: str = "fp32", *, shardings: Any
     ``module.apply({"params": params}, inputs)`` returns ``{"hidden", "pooled"}`` (inputs:
     ``pixel_values`` [B, C, H, W], or ``input_ids`` and ``attention_mask`` [B, T]); its
     matmuls run in ``dtype`` ('fp32', 'bf16', 'fp16'), the params' dtype too. ``shardings``:
-    a tree of shardings for the params (default: the first device)."""
+    a tree of shardings for the params, or one for every leaf (default: the first device)."""
     np_dtype = _dtype(dtype)
     converter, cfg, raw = read_encoder_config(path)
     module = encoder_module(cfg, np_dtype)
@@ -112,8 +112,9 @@ def load_encoder(path: str | os.PathLike, dtype: str = "fp32", *, shardings: Any
     reader = SafetensorsReader(path, converter.key_prefixes)
     _check_tensors(reader, converter, list(maps.values()), cfg.num_layers)
     if shardings is None:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, abstract)
+        shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _, one=shardings: one, abstract)
     try:
         params = jax.tree_util.tree_map_with_path(
             lambda p, leaf, sharding: _place(maps[path_str(p)], leaf.shape, sharding, np_dtype,

@@ -1,0 +1,154 @@
+"""``python -m zeroflow.train --config configs/fusemix.yaml``: FuseMix through the ZeRO engine.
+
+The latents are encoded once into the cache (or found there), then two adapters train on
+them with ``zf.make_train_step``; the step's key (``state.rng``) draws each batch's mixup, and
+the batch of a step is a function of the step (``stream.batch_rows``), so a run resumed from
+any checkpoint continues exactly as the uninterrupted run. Held-out retrieval recall is
+evaluated every ``train.eval_every`` steps and at the end; metrics go to
+``run.dir/metrics.jsonl``, checkpoints to ``run.dir/checkpoints``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+import zeroflow as zf
+from zeroflow.config import Config
+from zeroflow.config_io import save_config
+from zeroflow.fusemix import digits, latents, retrieval, stream
+from zeroflow.fusemix.model import IMAGE, TEXT, make_loss
+from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.evaluation import TrainResult
+from zeroflow.trainer.optim import make_optimizer
+
+MIXUP_STREAM = 2
+"Folded into the seed's key for the state's rng (the engine derives each step's mixup key)."
+
+
+@dataclasses.dataclass
+class FuseMixRun:
+    cfg: Config
+    plan: zf.ZeroPlan
+    prec: zf.Precision
+    tx: optax.GradientTransformation
+    module: Any
+    loss_fn: Any
+    latents: dict[str, np.ndarray]
+    train_rows: np.ndarray
+    val_rows: np.ndarray
+    groups: np.ndarray
+
+    def init_state(self) -> zf.TrainState:
+        dims = {k: v.shape[1] for k, v in self.latents.items()}
+        init = lambda: self.module.init(jax.random.key(self.cfg.train.seed),  # noqa: E731
+                                        np.zeros((1, dims[IMAGE]), np.float32),
+                                        np.zeros((1, dims[TEXT]), np.float32))["params"]
+        rng = jax.random.fold_in(jax.random.key(self.cfg.train.seed), MIXUP_STREAM)
+        return zf.init_train_state(init, self.tx, self.plan, self.prec, rng=rng)
+
+
+def build_fusemix(cfg: Config, progress: bool) -> FuseMixRun:
+    """The data and its latents (encoded now when the cache lacks them), mesh, plan, optimizer."""
+    fm, par = cfg.fusemix, cfg.parallel
+    if not fm.image_encoder or not fm.text_encoder:
+        raise ValueError("fusemix.image_encoder and fusemix.text_encoder must name Hugging Face "
+                         "folders (python scripts/make_tiny_encoders.py makes tiny ones)")
+    mesh = zf.make_mesh(data=par.data, model=1)
+    pairs = digits.digits_pairs(cfg.train.seed)
+    found = {IMAGE: latents.image_latents(cfg, pairs, mesh, progress),
+             TEXT: latents.text_latents(cfg, pairs, mesh, progress)}
+    train_rows, val_rows = digits.split(len(pairs.captions), fm.val_pairs, cfg.train.seed)
+    plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on)
+    module, loss_fn = make_loss(fm.adapter_hidden, fm.adapter_layers, fm.shared_dim,
+                                fm.temperature, fm.mixup_alpha)
+    decay = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # noqa: E731  kernels only
+    return FuseMixRun(cfg, plan, zf.Precision.from_config(cfg.precision),
+                      make_optimizer(cfg.train, decay), module, loss_fn, found, train_rows,
+                      val_rows, pairs.groups)
+
+
+def evaluate(run: FuseMixRun, state) -> dict[str, float]:
+    """Recall@1/5/10 image->text and text->image on the held-out pairs (no mixup)."""
+    params = jax.device_get(state.params)
+    rows = run.val_rows
+    za, zb = run.module.apply({"params": params},
+                              np.asarray(run.latents[IMAGE][rows], np.float32),
+                              np.asarray(run.latents[TEXT][rows], np.float32))
+    similarity = np.asarray(za, np.float64) @ np.asarray(zb, np.float64).T
+    return retrieval.recall(similarity, run.groups[rows])
+
+
+def _log(run_dir: Path, record: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _recall_text(r: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.3f}" for k, v in r.items())
+
+
+def train_fusemix(cfg: Config, *, progress: bool | None = None) -> TrainResult:
+    """Train (or resume) the FuseMix run of ``cfg`` in ``cfg.run.dir``."""
+    show = cfg.run.progress if progress is None else progress
+    console = Console(stderr=True)
+    run = build_fusemix(cfg, show)
+    run_dir = Path(cfg.run.dir)
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep)
+    try:
+        state = run.init_state()
+        restored = checkpoints.restore_latest(state)
+        state = state if restored is None else restored[0]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        chance = retrieval.chance(run.groups[run.val_rows])
+        console.print(f"FuseMix: {len(run.train_rows)} training pairs, {len(run.val_rows)} "
+                      f"held out (chance recall@1 {chance['r1']:.3f}); latents "
+                      f"{ {k: v.shape[1] for k, v in run.latents.items()} }; ZeRO stage "
+                      f"{run.plan.stage}, mesh {dict(run.plan.mesh.shape)}"
+                      + (f"; resumed at step {int(state.step)}" if restored else ""))
+        state, losses, last = _train_steps(run, state, checkpoints, console, show)
+    finally:
+        checkpoints.close()
+    return TrainResult(run_dir=run_dir, step=int(state.step), losses=losses, eval=last)
+
+
+def _train_steps(run: FuseMixRun, state, checkpoints: RunCheckpoints, console, show: bool):
+    cfg, tcfg = run.cfg, run.cfg.train
+    run_dir, start = Path(cfg.run.dir), int(state.step)
+    step_fn = zf.make_train_step(run.loss_fn, run.tx, run.plan, run.prec,
+                                 grad_accum=cfg.parallel.grad_accum)
+    batches = stream.device_batches(run.latents, run.train_rows, tcfg.batch_size, tcfg.seed,
+                                    start, tcfg.steps, run.plan.batch_sharding(),
+                                    prefetch=cfg.fusemix.prefetch)
+    losses: dict[int, float] = {}
+    last: dict[str, float] = {}
+    columns = [TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[loss]}")]
+    t0 = time.perf_counter()
+    with Progress(*columns, console=console, disable=not show, transient=True) as bar:
+        task = bar.add_task("train", total=tcfg.steps, completed=start, loss="")
+        for step, batch in zip(range(start + 1, tcfg.steps + 1), batches):
+            state, metrics = step_fn(state, batch)
+            if step % tcfg.log_every == 0 or step == tcfg.steps:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                losses[step] = m["loss"]
+                rate = (step - start) / (time.perf_counter() - t0)
+                _log(run_dir, {"step": step, **m, "steps_per_s": rate})
+                bar.update(task, loss=f"loss {m['loss']:.3f}")
+            bar.update(task, completed=step)
+            if (tcfg.eval_every and step % tcfg.eval_every == 0) or step == tcfg.steps:
+                last = evaluate(run, state)
+                _log(run_dir, {"step": step, **last})
+                console.print(f"step {step}: {_recall_text(last)}")
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tcfg.steps:
+                checkpoints.save(step, state, {"step": step, "seed": tcfg.seed})
+    return state, losses, last
