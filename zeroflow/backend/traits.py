@@ -119,6 +119,10 @@ COMBINE_THRESHOLD_BYTES = 2**20
 "Largest combined all-gather / reduce-scatter XLA:GPU may form (see ``compiler_options``)."
 
 
+COLLECTIVES_IN_FLIGHT = 2
+"Asynchronous collectives XLA:GPU may run at once (see ``compiler_options``)."
+
+
 def compiler_options(traits: Traits) -> dict:
     """Per-compile XLA options the train step needs on this backend.
 
@@ -139,6 +143,14 @@ def compiler_options(traits: Traits) -> dict:
     iteration's own weight gather needs it, so the backward loop's gather ran synchronously.
     Each iteration reduce-scatters its own gradient instead (scan model: 3/5 -> 4/4 gathers
     overlapped, 1.46x -> 1.39x of the formula; gpt2-small at 8 x 128 tokens: 1.52x -> 1.32x).
+    Its all-gather pipelining is what we want: a scanned stack's next slice is gathered during
+    this iteration (the forward loop of a Llama-8B shape waits on no gather).
+
+    Two collectives in flight: by default XLA:GPU's scheduler keeps one, so a layer's gradient
+    reduction and the next layer's weight gather take turns; on separate streams (as PyTorch
+    FSDP runs its gathers and reductions) they overlap each other and the compute (Llama-8B
+    shape, 8 x H100, stage 3: XLA:GPU's step estimate 622 -> 568 ms with remat full, 600 ->
+    546 ms with dots saved; peak +1.2 GB / +1.0 GB, the second collective's buffers).
     """
     if traits.platform != "gpu":
         return {}
@@ -146,4 +158,5 @@ def compiler_options(traits: Traits) -> dict:
             "xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
             "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
             "xla_gpu_all_reduce_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+            "xla_gpu_experimental_parallel_collective_overlap_limit": COLLECTIVES_IN_FLIGHT,
             **no_pipelined_reduce_scatter(), **pipelined_all_gather()}
