@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import zeroflow as zf
 from helpers import walk
+from zeroflow.compat import scan_split
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 RNG = np.random.default_rng(0)
@@ -212,7 +213,7 @@ def test_scan_carries_are_stable_and_invariant_weights_are_cast_outside():
     closed = jax.make_jaxpr(zf.autocast(layers_fn))(w_stack, w_in, x)
     (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
     body = scan.params["jaxpr"].jaxpr
-    n = scan.params["num_consts"]
+    n, _ = scan_split(scan.params)  # jax 0.11 has no num_consts
     carry_in = [v.aval.dtype for v in body.invars[n:n + 2]]
     carry_out = [v.aval.dtype for v in body.outvars[:2]]
     assert carry_in == carry_out == [BF16, F32]  # h stays half, the exp accumulator fp32

@@ -56,3 +56,25 @@ def call_body(eqn):
     if eqn.primitive.name not in CALLS:
         return None
     return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+
+
+def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with every call equation (``CALLS``, at any depth) replaced by its body's
+    equations, for passes that group equations by the values they read: from jax 0.11 a
+    ``jit(inline=True)`` call (optax's ``tree_bias_correction``) stays a ``jit`` equation
+    that reads all its arguments at once."""
+    import jax
+
+    def run(jaxpr, consts, args):
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            values = [read(a) for a in eqn.invars]
+            body = call_body(eqn)
+            outs = run(*open_jaxpr(body), values) if body is not None else bind(eqn, values)
+            env.update(zip(eqn.outvars, outs))
+        return [read(a) for a in jaxpr.outvars]
+
+    return jax.make_jaxpr(lambda *args: run(closed.jaxpr, closed.consts, args))(
+        *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars])

@@ -251,8 +251,11 @@ def _step_jaxpr(tx, grads, master, opt_state):
         return optax.apply_updates(master, updates), new_opt
 
     on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    return jax.make_jaxpr(step, return_shape=True)(
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
         grads, jax.tree.map(on_device, master), jax.tree.map(on_device, opt_state))
+    # Calls opened, so that each equation reads the values it computes with: jax >= 0.11 keeps
+    # optax's jit(inline=True) bias correction as one call reading every parameter's moment.
+    return jaxprs.inline_calls(closed), out_shape
 
 
 def streamable(tx: optax.GradientTransformation, master) -> bool:
