@@ -73,14 +73,22 @@ def test_fp32_stage1_gathers_from_master():
 
 
 def _host_to_device_copies(step, state, batch):
-    """``(function, operand type)`` of every copy to device memory in the CUDA lowering."""
+    """``(where, operand type)`` of every copy to device memory in the CUDA lowering. ``where``
+    is the function, and for a copy inside a loop of it, which loop (``"main/while1"``): jax 0.10
+    lowers a scan's body as a function of its own, 0.11 inlines it into ``main``'s loop."""
     text = step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
-    copies, func = [], None
+    copies, func, depth, loops, loop = [], None, 0, 0, None
     for line in text.splitlines():
         if m := re.match(r"\s*func\.func \w+ @(\w+)", line):
-            func = m.group(1)
+            func, depth, loop = m.group(1), 0, None
+        if "stablehlo.while" in line and loop is None:
+            loops, loop = loops + 1, (depth, f"{func}/while{loops + 1}")
         if '_xla_buffer_placement = "device"' in line:
-            copies.append((func, re.search(r": \((tensor<[^>]*>)\)", line).group(1)))
+            where = func if loop is None else loop[1]
+            copies.append((where, re.search(r": \((tensor<[^>]*>)\)", line).group(1)))
+        depth += line.count("{") - line.count("}")
+        if loop is not None and "}" in line and depth <= loop[0]:  # the loop's last region
+            loop = None
     return copies
 
 
