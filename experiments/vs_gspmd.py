@@ -129,7 +129,7 @@ def compile_row(row: dict) -> dict:
             return compile_plain(loss, params, batch, tx, mesh, replicate=system == "ddp")
     else:
         plan = zf.ZeroPlan(mesh, stage=int(system[-1]), **ZEROPP.get(row.get("zeropp"), {}))
-        prec = zf.Precision(params="bf16", master="fp32")
+        prec = zf.Precision(params="bf16", master="fp32", reduce=row.get("reduce", "fp32"))
 
         def compile_it():
             return zf.memory.compile_step(loss, params, batch, tx, plan, prec)[0]
@@ -228,6 +228,8 @@ def plan_rows(args) -> list[dict]:
                 if target == "h100" and (shape == "1b" or remat == "full"):
                     systems[2:2] = ["stage0", "stage1"]
                 rows += [{**base, "system": s} for s in systems]
+                # Gradients summed in bf16, as the plain jit program sums them
+                rows += [{**base, "system": s, "reduce": "bf16"} for s in ("stage2", "stage3")]
                 if target == "h100" and remat == "full":
                     rows += [{**base, "system": "stage3", "zeropp": z} for z in ("qwZ", "qgZ")]
                     rows.append({**base, "system": "stage3", "zeropp": "hpZ", "hosts": 2})
@@ -261,6 +263,8 @@ def _label(row: dict) -> str:
     label = names.get(row["system"], f"zeroflow stage {row['system'][-1]}")
     if row.get("zeropp"):
         label += f" + {row['zeropp']}" + (f" ({row['hosts']} hosts)" if row.get("hosts") else "")
+    if row.get("reduce"):
+        label += f", {row['reduce']} reduction"
     return label
 
 
@@ -359,7 +363,8 @@ def _progress(i: int, total: int, row: dict) -> str:
 
 
 def _key(row: dict) -> tuple:
-    return tuple(row.get(k) for k in ("target", "shape", "remat", "devices", "system", "zeropp"))
+    return tuple(row.get(k) for k in ("target", "shape", "remat", "devices", "system", "zeropp",
+                                      "reduce"))
 
 
 def _previous(out: Path) -> dict:
