@@ -36,6 +36,8 @@ from zeroflow import backend
 from zeroflow.mesh import DATA, MODEL
 
 ZERO_STAGES = (0, 1, 2, 3)
+WIDE = 8
+"A matrix at least this many times wider than tall is split by columns (``leaf_layout``)."
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
 UPDATE_ON_CHOICES = ("device", "host")
 QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
@@ -294,7 +296,9 @@ class ZeroPlan:
         return (None,) * len(shape)
 
     def leaf_layout(self, path: str, shape, *, tensor_rules: bool = True) -> LeafLayout:
-        """The ZeRO dimension: a matrix's rows when they divide by N, else the largest free
+        """The ZeRO dimension: a wide matrix's columns (a vocabulary head, at least ``WIDE``
+        times wider than tall: its matmul is computed where its columns are,
+        ``grads/split_columns.py``) or else a matrix's rows when they divide by N, else the largest free
         dimension that divides by N; failing that, the largest free dimension of at least N
         entries, padded up to a multiple of N; failing that (every free dimension shorter than
         N, or a scalar) none. (Leaves of three or more dimensions keep the largest: a leading
@@ -308,7 +312,9 @@ class ZeroPlan:
             return LeafLayout(shape, tspec, None)
         largest = lambda dims: max(dims, key=lambda d: (shape[d], -d))  # noqa: E731
         even = [d for d in free if shape[d] % n == 0]
-        if len(shape) == 2 and 0 in even:
+        if len(shape) == 2 and 1 in even and shape[1] >= WIDE * shape[0]:
+            zero_dim = 1  # a vocabulary head: split by columns (see grads/split_columns.py)
+        elif len(shape) == 2 and 0 in even:
             zero_dim = 0
         else:
             zero_dim = largest(even) if even else largest(free)

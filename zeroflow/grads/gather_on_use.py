@@ -35,10 +35,11 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from zeroflow.compat import REMAT_PRIMITIVES, scan_split
-from zeroflow.grads import row_lookup
+from zeroflow.grads import row_lookup, split_columns
 from zeroflow.grads.collectives import (all_gather, gather_weight, reduce_scatter,
                                         save_all_but_fetched, scatter_grad_on_use, varying)
 from zeroflow.jaxprs import bind, call_body, open_jaxpr
+from zeroflow.mesh import DATA
 from zeroflow.ordering import after, live
 from zeroflow.zeropp.hosts import HostSplit
 from zeroflow.zeropp.reduce import gather_weight_qgz, quantized_reduce_scatter
@@ -415,11 +416,44 @@ class _Replay:
             self.tokens.append(_token([out]))
         return [out]
 
+    def _plain_source(self, value, dim: int):
+        """The source behind ``value`` when it is a stage-3 weight itself (or a dtype cast of
+        it), split along ``dim``, gathered over every device, whole precision: what the row
+        lookup and the column-split matmul read their shard from; else None."""
+        if not isinstance(value, _Lazy) or value.cast_of is None:
+            return None
+        src = self.sources[value.cast_of]
+        if type(src) not in (Sharded, Frozen) or src.dim != dim or getattr(src, "sliced", False):
+            return None
+        if getattr(src, "groups", None) is not None or getattr(src, "grad_hosts", None):
+            return None
+        return src
+
+    def _split_columns(self, eqn, values):
+        """``data @ weight`` computed where the weight's columns are (``split_columns``), when
+        that moves fewer bytes than gathering the weight; else None."""
+        if len(values) != 2 or isinstance(values[0], _Lazy):
+            return None
+        src = self._plain_source(values[1], 1)
+        data_aval, weight_aval = (v.aval for v in eqn.invars)
+        if src is None or not split_columns.applies(eqn, data_aval, weight_aval, src.dim,
+                                                    jax.lax.axis_size(DATA)):
+            return None
+        stored = self.stored[values[1].cast_of]
+        shard, stand_in = (stored, None) if isinstance(src, Frozen) else stored
+        out = split_columns.matmul(values[0], shard, stand_in, weight_aval.dtype,
+                                   eqn.outvars[0].aval.dtype, weight_aval.shape[1])
+        if self.prefetch:  # the next unit's fetch may start once the product is there
+            self.tokens.append(_token([out]))
+        return [out]
+
     def _unit(self, eqn, ins):
         values = [v for v, _ in ins]
-        looked_up = self._lookup(eqn, values)
-        if looked_up is not None:
-            return looked_up
+        special = self._lookup(eqn, values)
+        if special is None:
+            special = self._split_columns(eqn, values)
+        if special is not None:
+            return special
         lazies = {k: v for k, v in enumerate(values) if isinstance(v, _Lazy)}
         order = sorted(frozenset().union(*(v.sources for v in lazies.values())))
         side = {}
