@@ -180,7 +180,10 @@ def test_stage3_collectives_overlap_compute(stage3):
     assert summary["all-gather"]["fraction"] >= 0.9, summary
     assert summary["reduce-scatter"]["fraction"] >= 0.9, summary
     gathered = {c.bytes for c in colls if c.kind == "all-gather"}
-    assert max(gathered) == V * D * 2  # one bf16 weight per gather, never several combined
+    # one bf16 weight per gather, never several combined; the largest gathered is a layer's
+    # (the embedding is looked up where its rows are and the head, split by columns,
+    # multiplied where its columns are: neither is gathered)
+    assert max(gathered) == D * F * 2
 
 
 def test_without_prefetch_gathers_wait_for_their_own_operation():

@@ -132,6 +132,19 @@ def quiet_writer_threads() -> None:
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _DropReraisedThreadErrors) for f in absl.filters):
         absl.addFilter(_DropReraisedThreadErrors())
+    loop_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropSiblingWriteErrors) for f in loop_log.filters):
+        loop_log.addFilter(_DropSiblingWriteErrors())
+
+
+class _DropSiblingWriteErrors(logging.Filter):
+    """When one of a save's concurrent writes fails, the others that fail too (the same full
+    or read-only disk) are logged by asyncio as never retrieved once they are collected, each
+    with a traceback; the first failure is the one reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("Task exception was never retrieved" in text and "write_fragment" in text)
 
 
 class _DropReadOnlyNote(logging.Filter):
