@@ -18,7 +18,8 @@ import dataclasses
 
 import jax
 
-from zeroflow.compat import no_pipelined_reduce_scatter, pipelined_all_gather
+from zeroflow.compat import (cpu_widens_half_dots, no_pipelined_reduce_scatter,
+                             pipelined_all_gather)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,10 @@ class Traits:
     separate_host_memory: bool = False
     "pinned_host is a memory of its own (GPU/TPU); on XLA:CPU it is the device memory itself."
     widens_half_precision: bool = False
-    "bf16/fp16 matmuls and collectives run in fp32 on converted copies (XLA:CPU)."
+    "bf16/fp16 collectives (gathers, reductions) run in fp32 on converted copies (XLA:CPU)."
+    widens_half_dots: bool = False
+    "bf16/fp16 matmuls run in fp32 on converted copies of their operands (XLA:CPU up to jaxlib"
+    " 0.10, ``compat.cpu_widens_half_dots``)."
     has_cudnn: bool = False
     "cuDNN kernels (jax.nn.dot_product_attention(implementation='cudnn'))."
     overlaps_collectives: bool = False
@@ -57,7 +61,7 @@ def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None 
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     cpu = platform == "cpu"
     return Traits(platform=platform, device_kind=device_kind, separate_host_memory=not cpu,
-                  widens_half_precision=cpu,
+                  widens_half_precision=cpu, widens_half_dots=cpu and cpu_widens_half_dots(),
                   has_cudnn=platform == "gpu" and "AMD" not in device_kind,
                   overlaps_collectives=not cpu, cond_updates_in_place=cpu, compiles_pallas=platform == "gpu",
                   memory_bytes=memory_bytes)

@@ -19,8 +19,9 @@
 - ``layer_in_flight``: the unit being differentiated: one scanned layer (``gather_per_layer``)
   or the largest weight otherwise, as fetched for use plus its whole fp32 local gradient
   before that is reduced;
-- ``widened``: XLA:CPU only: it multiplies half-precision matrices in fp32 and converts a
-  scanned layer stack once, outside the loop (GPUs use bf16/fp16 directly);
+- ``widened``: XLA:CPU up to jaxlib 0.10 only (``Traits.widens_half_dots``): it multiplies
+  half-precision matrices in fp32 and converts a scanned layer stack once, outside the loop
+  (GPUs, and XLA:CPU from 0.11, use bf16/fp16 directly);
 - ``update``: while the optimizer runs: the gradients, the update direction optax builds (one
   fp32 array per master shard; on one GPU fused into each leaf's update, except a loop's
   outputs, ``_looped_update_bytes``) and, with ``offload="optimizer", update_on="device"``,
@@ -209,15 +210,21 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
              zip(shapes, compute_sh)]  # elements on a device with data unsplit (TP split kept)
     half = jnp.dtype(prec.compute_dtype).itemsize < 4
     backend = backend or plan.traits.platform
-    widening = half and backend == "cpu"  # Traits.widens_half_precision
+    traits = _traits_for(plan, backend)
+    widening = half and traits.widens_half_dots  # XLA:CPU up to jaxlib 0.10
+    # A unit's half-precision weights (or gradients) crossing devices go through fp32 copies
+    # where collectives widen (XLA:CPU, every version).
+    wide_collectives = half and traits.widens_half_precision and n > 1
     width = jnp.dtype(prec.compute_dtype).itemsize
-    fetched_width = F32 if widening else width
+    fetched_width = F32 if widening or wide_collectives else width
 
     states = _argument_bytes(state_arrays, batch, n, model_state)
     stored_compute = prec.params != "fp32"
     micro = _micro_batch(batch, n, grad_accum)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
-    stacked = _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, widening)
+    # (whole half-precision weights are fetched on use where collectives widen: fetches_whole)
+    stacked = _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer,
+                       half and traits.widens_half_precision)
     # (a frozen fp32 weight is stored whole below stage 3: nothing to gather)
     gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None
                                   and not r.frozen) else 0.0 for w, r in zip(whole, flat_routes)]
@@ -239,7 +246,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
 
     # Traced for the backend compiled for: a remat policy may offload only where host memory
     # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
-    with backends.tracing_for(_traits_for(plan, backend)):
+    with backends.tracing_for(traits):
         activations, host_activations = (
             _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
                             trainable=flat_mask) / model for kind in ("device", "host"))
@@ -253,7 +260,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place,
     # as is every weight on a single device (stage 3 there gathers nothing).
     gathers = plan.shards_compute and n > 1
-    fetched = fetched_width if (gathers or layer_stack or widening) else 0
+    fetched = fetched_width if (gathers or layer_stack or widening or wide_collectives) else 0
     widened = 0.0
     if widening and layer_stack:
         widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in layer_stack)
@@ -276,9 +283,14 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
               + (fetched if plan.shards_compute else 0) * unit + unit_grad_width * unit_grad
               + widened - reused)
+    # Whole compute weights gathered anew after the update (stages 1-2) are dead while it runs
+    # (donated): unless the stack's gradients already went into their buffer (reused), the
+    # update direction goes there (XLA:CPU from jaxlib 0.11, which no longer widens the stack).
+    free = (width * sum(w for w, _, t in layer_stack if t)
+            if plan.stage in (1, 2) and stored_compute and not reused and backend == "cpu" else 0.0)
     update = _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
                            flat_routes, plan, backend, native,
-                           grads=[g for g, t in zip(grads, flat_mask) if t])
+                           grads=[g for g, t in zip(grads, flat_mask) if t], free=free)
     host_state = _state_bytes(state_arrays, "pinned_host")
     return PeakEstimate(model_states=states, host_state=host_state,
                         gathered_weights=sum(gathered_whole),
@@ -342,13 +354,14 @@ def _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, wide
 
 
 def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backend: str,
-                  native: bool = False, *, grads: list[float]) -> float:
+                  native: bool = False, *, grads: list[float], free: float = 0.0) -> float:
     """What the device holds while the update runs: the gradients (``grads``, one per leaf
     of ``master``, the trainable parameters), the update direction, whole where the gradients
     were all-reduced (XLA keeps the reduced and the unscaled gradients), fused into each leaf's
     update where they arrive sharded; and offloaded state brought in. An update on the host
     (ZeRO-Offload) holds only the gradients waiting for their copy to the host, unscaled one
-    leaf at a time on the way unless ``native`` (they are unscaled on the host)."""
+    leaf at a time on the way unless ``native`` (they are unscaled on the host). ``free``:
+    bytes of dead buffers an unfused update direction is written into."""
     local_master = [_local_elements(a.shape, sh) for a, sh in
                     zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
     if plan.updates_on_host and backend != "cpu":
@@ -363,7 +376,7 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backen
         direction = F32 * (sum(local_master) if all_reduced else max(local_master))
     if not streams:
         # (XLA:CPU's host and device memory are one: nothing is brought in there.)
-        return sum(grads) + direction
+        return sum(grads) + direction - min(free, direction)
     shared, per_parameter = _streamed_in_bytes(master, stored, shard, tx)
     if per_parameter is None:  # not streamable: all of the state comes in at once
         return sum(grads) + direction + shared
