@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -36,140 +35,11 @@ from jax.extend.core import Literal
 
 from zeroflow.compat import REMAT_PRIMITIVES, scan_split
 from zeroflow.grads import row_lookup, split_columns
-from zeroflow.grads.collectives import (all_gather, gather_weight, reduce_scatter,
-                                        save_all_but_fetched, scatter_grad_on_use, varying)
+from zeroflow.grads.collectives import save_all_but_fetched, varying
+from zeroflow.grads.sources import Frozen, Sharded, Source, Whole  # noqa: F401  (gather_on_use.Sharded ...)
 from zeroflow.jaxprs import bind, call_body, open_jaxpr
 from zeroflow.mesh import DATA
 from zeroflow.ordering import after, live
-from zeroflow.zeropp.hosts import HostSplit
-from zeroflow.zeropp.reduce import gather_weight_qgz, quantized_reduce_scatter
-
-
-class Source(Protocol):
-    """How one weight is stored on this device and how its gradient goes back there."""
-
-    def fetch(self, stored) -> jax.Array:
-        """The whole weight, as the loss uses it, from what this device stores."""
-
-    def give_back(self, stored, grad):
-        """The cotangent of ``stored`` for ``grad``, the gradient of the fetched weight."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Sharded:
-    """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
-    all-gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in.
-    ``size``/``padded``: the weight's own and stored length along ``dim`` (they differ when it
-    is stored padded). ``groups``: the groups of devices that each hold a whole copy and gather
-    it among themselves (hpZ: each host's), None: all devices."""
-    dim: int
-    dtype: Any
-    size: int | None = None
-    padded: int | None = None
-    groups: tuple | None = None
-    grad_hosts: HostSplit | None = None
-    "qgZ: the gradient is reduce-scattered as int8 blocks of ``grad_block``, host by host."
-    grad_block: int = 256
-    sliced: bool = False
-    "One iteration's slice of a stack a scan walks through (``layer()``; see ``all_gather``)."
-    reduce_dtype: Any = jnp.float32
-    "What the gradient is summed over devices in (``Precision.reduce``)."
-
-    def fetch(self, stored):
-        return all_gather(stored[0], self.dim, self.dtype, self.size, self.groups,
-                          sliced=self.sliced)
-
-    def reduced(self, grad):
-        """This device's fp32 slice of the sum over devices of ``grad``."""
-        if self.grad_hosts is None:
-            return reduce_scatter(grad, self.dim, self.padded, self.reduce_dtype)
-        return quantized_reduce_scatter(grad, self.dim, self.grad_hosts, self.grad_block,
-                                        self.padded)
-
-    def give_back(self, stored, grad):
-        return _pair_like(stored, self.reduced(grad))
-
-    def fetch_for_grad(self, stored):
-        """``fetch(stored)``, differentiable: the gradient of the fetched weight goes to the
-        stand-in as ``give_back`` would hand it (inside a rematerialised scan body)."""
-        if self.grad_hosts is not None:
-            return gather_weight_qgz(stored[0], stored[1], self)
-        return gather_weight(stored[0], stored[1], self.dim, self.dtype, self.size, self.groups,
-                             self.sliced, self.reduce_dtype)
-
-    def layer(self):
-        """The source of one slice along the leading axis (a scan's iteration), or None when
-        that axis is the one split over devices."""
-        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1,
-                                                              sliced=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Whole:
-    """A whole weight used as it is; with ``scatter_dim`` (ZeRO-2) it is stored as a pair
-    ``(weight, stand_in)`` and the gradient is reduce-scattered into the stand-in (padded to
-    ``padded`` entries along ``scatter_dim`` first, when the stored form is padded).
-    ``ordered``: its use waits for the unit's inputs like a gather (where the compiler widens
-    each use to a converted copy, XLA:CPU); else nothing is fetched and nothing waits."""
-    scatter_dim: int | None = None
-    padded: int | None = None
-    ordered: bool = True
-    reduce_dtype: Any = jnp.float32
-    "As for ``Sharded``."
-
-    def fetch(self, stored):
-        return stored if self.scatter_dim is None else stored[0]
-
-    def give_back(self, stored, grad):
-        if self.scatter_dim is None:
-            return grad
-        return _pair_like(stored, reduce_scatter(grad, self.scatter_dim, self.padded,
-                                                 self.reduce_dtype))
-
-    def fetch_for_grad(self, stored):
-        if self.scatter_dim is None:
-            return stored
-        return scatter_grad_on_use(stored[0], stored[1], self.scatter_dim, self.reduce_dtype)
-
-    def layer(self):
-        if self.scatter_dim is None:
-            return self
-        return None if self.scatter_dim == 0 else dataclasses.replace(
-            self, scatter_dim=self.scatter_dim - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Frozen:
-    """A frozen weight (``zeroflow.frozen``), stored as it is: a shard split along ``dim`` and
-    all-gathered as ``dtype`` (cut to ``size``), or whole (``dim`` None). It is fetched for
-    the forward and the backward pass like any weight, but the unit takes no vjp with respect
-    to it: its gradient is never computed. ``ordered`` as for ``Whole``."""
-    dim: int | None
-    dtype: Any
-    size: int | None = None
-    ordered: bool = True
-    sliced: bool = False
-    "As for ``Sharded``."
-    frozen = True
-
-    def fetch(self, stored):
-        return stored if self.dim is None else all_gather(stored, self.dim, self.dtype, self.size,
-                                                          sliced=self.sliced)
-
-    def fetch_for_grad(self, stored):  # a constant of the differentiated function
-        return self.fetch(stored)
-
-    def layer(self):
-        if self.dim is None:
-            return self
-        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1, sliced=True)
-
-
-def _pair_like(stored, grad):
-    """The cotangent of a ``(weight, stand_in)`` pair: nothing for the weight (its zeros are
-    never materialised: the caller differentiates the stand-in only), ``grad`` for the stand-in."""
-    weight, _ = stored
-    return jax.tree.unflatten(jax.tree.structure(stored), [jnp.zeros_like(weight), grad])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,24 +235,12 @@ class _Replay:
         saves (a dots policy's matmul outputs) is saved, so the backward pass does not redo
         it, which a unit (``_unit``: residuals are shards and data only) always does."""
         values = [v for v, _ in ins]
-        lazies = {k: v for k, v in enumerate(values) if isinstance(v, _Lazy)}
-        order = sorted(frozenset().union(*(v.sources for v in lazies.values())))
-        side = {}
-        for v in lazies.values():
-            side.update(v.side)
-        side_keys = list(side)
-        data_pos = [k for k, atom in enumerate(eqn.invars)
-                    if k not in lazies and not isinstance(atom, Literal)]
+        ops = _Operands(eqn, values)
         remat = eqn.primitive.name in REMAT_PRIMITIVES
 
         def run(stored, side_list, data):
-            full = {i: self.sources[i].fetch_for_grad(x) for i, x in zip(order, stored)}
-            side_by_key = dict(zip(side_keys, side_list))
-            vals = list(values)
-            for k, lazy_value in lazies.items():
-                vals[k] = lazy_value.build(full, side_by_key)
-            for k, d in zip(data_pos, data):
-                vals[k] = d
+            full = {i: self.sources[i].fetch_for_grad(x) for i, x in zip(ops.order, stored)}
+            vals = ops.values_with(full, side_list, data)
             if not remat:
                 return bind(eqn, vals)
             body = _Replay([], [], order=False)
@@ -391,8 +249,7 @@ class _Replay:
 
         policy = _but_fetched(eqn.params.get("policy") if remat else None)
         return jax.checkpoint(run, policy=policy, prevent_cse=False)(
-            [self.stored[i] for i in order], [side[k] for k in side_keys],
-            [values[k] for k in data_pos])
+            [self.stored[i] for i in ops.order], ops.side_values, ops.data)
 
     def _lookup(self, eqn, values):
         """A row lookup in a table split by rows (``row_lookup``), or None when ``eqn`` is not
@@ -454,34 +311,48 @@ class _Replay:
             special = self._split_columns(eqn, values)
         if special is not None:
             return special
-        lazies = {k: v for k, v in enumerate(values) if isinstance(v, _Lazy)}
-        order = sorted(frozenset().union(*(v.sources for v in lazies.values())))
-        side = {}
-        for v in lazies.values():
-            side.update(v.side)
-        side_keys = list(side)
-        data_pos = [k for k, atom in enumerate(eqn.invars)
-                    if k not in lazies and not isinstance(atom, Literal)]
-        anchors = [j for j, k in enumerate(data_pos) if ins[k][1]]
+        ops = _Operands(eqn, values)
+        anchors = [j for j, k in enumerate(ops.data_pos) if ins[k][1]]
 
         def compute(full_list, side_list, data):
-            full, side_by_key = dict(zip(order, full_list)), dict(zip(side_keys, side_list))
-            vals = list(values)
-            for k, lazy_value in lazies.items():
-                vals[k] = lazy_value.build(full, side_by_key)
-            for k, d in zip(data_pos, data):
-                vals[k] = d
-            return bind(eqn, vals)
+            return bind(eqn, ops.values_with(dict(zip(ops.order, full_list)), side_list, data))
 
-        args = (compute, [self.sources[i] for i in order], anchors,
-                [self.stored[i] for i in order], [side[k] for k in side_keys],
-                [values[k] for k in data_pos], self.order)
+        args = (compute, [self.sources[i] for i in ops.order], anchors,
+                [self.stored[i] for i in ops.order], ops.side_values, ops.data, self.order)
         if not self.prefetch:
             return _unit_fn(*args)
         ahead = self.tokens[-self.prefetch] if len(self.tokens) >= self.prefetch else None
         outs, (token, self.grad_token) = _unit_fn(*args, token=(ahead, self.grad_token))
         self.tokens.append(token)
         return outs
+
+
+class _Operands:
+    """An equation's operands split for a unit: the weight-only ones (``_Lazy``, built from the
+    fetched weights ``order`` and the constant arrays ``side``) and the data ones."""
+
+    def __init__(self, eqn, values):
+        self.values = values
+        self.lazies = {k: v for k, v in enumerate(values) if isinstance(v, _Lazy)}
+        self.order = sorted(frozenset().union(*(v.sources for v in self.lazies.values())))
+        side = {}
+        for v in self.lazies.values():
+            side.update(v.side)
+        self.side_keys, self.side_values = list(side), list(side.values())
+        self.data_pos = [k for k, atom in enumerate(eqn.invars)
+                         if k not in self.lazies and not isinstance(atom, Literal)]
+        self.data = [values[k] for k in self.data_pos]
+
+    def values_with(self, full: dict, side_list, data) -> list:
+        """The operands, the weight-only ones built from ``full`` (fetched weights by index)
+        and ``side_list``, the data ones from ``data``."""
+        side_by_key = dict(zip(self.side_keys, side_list))
+        vals = list(self.values)
+        for k, lazy_value in self.lazies.items():
+            vals[k] = lazy_value.build(full, side_by_key)
+        for k, d in zip(self.data_pos, data):
+            vals[k] = d
+        return vals
 
 
 def _but_fetched(policy):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroflow import offload
-from zeroflow.grads import gather_on_use
+from zeroflow.grads import gather_on_use, sources
 from zeroflow.grads.loss_errors import explained
 from zeroflow.grads.collectives import reduce_scatter, stream_in, varying as _varying
 from zeroflow.grads.routes import Fetch, Reduce, Route, is_route as _is_route, trained
@@ -65,14 +65,14 @@ class Transit(NamedTuple):
                    reduce_dtype)
 
     def source(self, dim: int, dtype, size: int | None, padded: int | None,
-               sliced: bool = False) -> gather_on_use.Sharded:
+               sliced: bool = False) -> sources.Sharded:
         """The ``gather_on_use`` source of a stage-3 weight split along ``dim`` (``sliced``:
         one layer's slice of a stack, see ``collectives.all_gather``)."""
         kw = dict(groups=self.groups, grad_hosts=self.grad_hosts, grad_block=self.grad_block,
                   sliced=sliced, reduce_dtype=self.reduce_dtype)
         if self.weight_block is not None:
             return QuantizedSharded(dim, dtype, size, padded, block_size=self.weight_block, **kw)
-        return gather_on_use.Sharded(dim, dtype, size, padded, **kw)
+        return sources.Sharded(dim, dtype, size, padded, **kw)
 
 
 def _shard_shape(shape, r: Route, n: int) -> tuple[int, ...]:
@@ -226,7 +226,7 @@ def _visible(x, w, r: Route, varying):
     if r.stream:
         return Detached(w, x)
     if r.reduce is not Reduce.ALL_REDUCE:
-        # gather_layer / gather_on_use.Sharded / gather_on_use.Whole(dim) fetch it
+        # gather_layer / sources.Sharded / sources.Whole(dim) fetch it
         return Detached(varying(w), x)
     return x
 
@@ -314,26 +314,26 @@ def _reduce_late(g, r: Route, dtype=jnp.float32):
     return g
 
 
-def _layer_source(r: Route, dtype, wire: Transit) -> gather_on_use.Source:
+def _layer_source(r: Route, dtype, wire: Transit) -> sources.Source:
     """The source of one layer's slice of a per-layer stack (``gather_layer``)."""
     if r.frozen:
-        return gather_on_use.Frozen(r.layer_dim, dtype, r.cut, sliced=True)
+        return sources.Frozen(r.layer_dim, dtype, r.cut, sliced=True)
     if r.sharded:
         return wire.source(r.layer_dim, dtype, r.cut, r.padded, sliced=True)
-    return gather_on_use.Whole(r.layer_dim, reduce_dtype=wire.reduce_dtype)  # stage 2
+    return sources.Whole(r.layer_dim, reduce_dtype=wire.reduce_dtype)  # stage 2
 
 
 def _source(r: Route, dtype, widens: bool, wire: Transit = None
-            ) -> gather_on_use.Source | None:
+            ) -> sources.Source | None:
     if r.fetch is not Fetch.ON_USE:
         return None
     if r.frozen:
-        return gather_on_use.Frozen(r.dim if r.sharded else None, dtype, r.cut,
+        return sources.Frozen(r.dim if r.sharded else None, dtype, r.cut,
                                     ordered=r.sharded or widens)
     if r.sharded:
         return (wire or Transit()).source(r.dim, dtype, r.cut, r.padded)
     scattered = r.reduce is Reduce.ON_USE
-    return gather_on_use.Whole(r.dim if scattered else None, r.padded if scattered else None,
+    return sources.Whole(r.dim if scattered else None, r.padded if scattered else None,
                                ordered=widens, reduce_dtype=(wire or Transit()).reduce_dtype)
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroflow.grads.collectives import gathered_tangent
-from zeroflow.grads.gather_on_use import Sharded
+from zeroflow.grads.sources import Sharded
 from zeroflow.mesh import DATA
 from zeroflow.padding import cut_to
 from zeroflow.zeropp.quantize import Quantized, dequantize, quantize
