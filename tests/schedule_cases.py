@@ -14,6 +14,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zeroflow as zf
+from zeroflow import compat
 from zeroflow.memory import schedule
 
 try:
@@ -95,7 +96,7 @@ def main() -> None:
         result = {"pipelined": forward_loops(mesh)}
     else:  # the same with XLA's collective pipeliner off for all-gathers
         result = {"not_pipelined": forward_loops(
-            mesh, compiler_options={"xla_gpu_enable_pipelined_all_gather": False})}
+            mesh, compiler_options=compat.pipelined_all_gather(False))}
     print(json.dumps(result))
 
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import require_cuda_plugin
 
 from zeroflow.memory import schedule
 
@@ -78,7 +79,7 @@ def test_timed_says_what_to_set_when_the_logging_is_off(monkeypatch):
 
 
 def _run_case(case: str) -> dict:
-    pytest.importorskip("jax_plugins.xla_cuda12", reason="GPU-target compiles need jax-cuda12-plugin")
+    require_cuda_plugin()
     env = schedule.enable(dict(os.environ))
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True,

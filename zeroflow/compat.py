@@ -115,13 +115,13 @@ def cpu_widens_half_dots() -> bool:
     return _jaxlib_version() < (0, 11)
 
 
-def pipelined_all_gather() -> dict:
-    """The XLA:GPU compile option that lets its collective pipeliner move the all-gather of a
-    loop's next iteration into the current one (a bool up to jaxlib 0.10, an enum from 0.11,
-    as for ``no_pipelined_reduce_scatter``)."""
+def pipelined_all_gather(on: bool = True) -> dict:
+    """The XLA:GPU compile option that lets (``on``) or stops its collective pipeliner moving
+    the all-gather of a loop's next iteration into the current one (a bool up to jaxlib 0.10,
+    an enum from 0.11, as for ``no_pipelined_reduce_scatter``)."""
     if _jaxlib_version() < (0, 11):
-        return {"xla_gpu_enable_pipelined_all_gather": True}
-    return {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON"}
+        return {"xla_gpu_enable_pipelined_all_gather": on}
+    return {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_" + ("ON" if on else "OFF")}
 
 
 TARGET_CUDNN_VERSION = 90800
