@@ -137,14 +137,21 @@ def quiet_writer_threads() -> None:
         loop_log.addFilter(_DropSiblingWriteErrors())
 
 
+_FAILED_WRITES = ("write_fragment", "RESOURCE_EXHAUSTED", "No space left on device",
+                  "Read-only file system")
+
+
 class _DropSiblingWriteErrors(logging.Filter):
     """When one of a save's concurrent writes fails, the others that fail too (the same full
-    or read-only disk) are logged by asyncio as never retrieved once they are collected, each
-    with a traceback; the first failure is the one reported."""
+    or read-only disk) are logged by asyncio as never retrieved once they are collected (tasks
+    and futures), each with a traceback; the first failure is the one reported."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        return not ("Task exception was never retrieved" in text and "write_fragment" in text)
+        if record.exc_info and record.exc_info[1] is not None:
+            text += " " + str(record.exc_info[1])
+        return not ("exception was never retrieved" in text
+                    and any(mark in text for mark in _FAILED_WRITES))
 
 
 class _DropReadOnlyNote(logging.Filter):
