@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the reference is transformers on torch")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the reference is transformers on torch")
 
 import jax  # noqa: E402
 

@@ -3,7 +3,6 @@ trainer at a time holds a run folder (docs/runs.md)."""
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,25 +18,11 @@ from zeroflow import checkpoint_manifest
 from zeroflow import export
 from zeroflow import train as train_cli
 from zeroflow.checkpoint import CheckpointError
-from zeroflow.trainer import build_run, run_folder, train
+from zeroflow.trainer import build_run, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from fixtures import init_params
-from test_run_faults import (LEAKS, REPO, _logged_steps, _spawn, cli_args, config, metric_rows,
-                             stored_arrays)
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """4 steps with a checkpoint every 2: checkpoints/2 and checkpoints/4."""
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    train(config(run_dir, "train.steps=4", "checkpoint.every=2"))
-    return run_dir
-
-
-@pytest.fixture
-def run_copy(finished_run, tmp_path):
-    shutil.copytree(finished_run, tmp_path / "run")
-    return tmp_path / "run"
+from test_run_faults import (LEAKS, REPO, _logged_steps, _spawn, cli_args, config,  # noqa: F401
+                             finished_run, metric_rows, run_copy, stored_arrays)
 
 
 def flip_one_bit(path: Path, rng: random.Random) -> None:
