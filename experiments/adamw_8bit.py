@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from zeroflow.config_io import apply_overrides, load_config  # noqa: E402
+from zeroflow.config.io import apply_overrides, load_config  # noqa: E402
 from zeroflow.optim import ADAMW_CHOICES  # noqa: E402
 from zeroflow.trainer import train  # noqa: E402
 from zeroflow.trainer.setup import build_run  # noqa: E402

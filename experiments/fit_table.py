@@ -27,8 +27,8 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 from zeroflow.backend import targets  # noqa: E402
-from zeroflow.config_io import load_config  # noqa: E402
-from zeroflow.trainer.memory_cli import plan_rows  # noqa: E402
+from zeroflow.config.io import load_config  # noqa: E402
+from zeroflow.cli.memory import plan_rows  # noqa: E402
 from zeroflow.trainer.setup import run_model_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fit_table.md"
@@ -98,7 +98,7 @@ Notes:
   a dimension after the layer's first; gathered along it, XLA:GPU kept a relaid-out copy of
   those stacks' local shards for the whole step (10.0 GB per device: 36.0 GB, the estimate
   29% under). Each slice is now gathered on a new leading axis and moved into place
-  (`zeroflow.grads.collectives.all_gather(sliced=True)`).
+  (`zeroflow.engine.grads.collectives.all_gather(sliced=True)`).
 - Llama 3.1 70B's architecture is `configs/hf/llama-3.1-70b/config.json`, Meta's published
   config.json for meta-llama/Llama-3.1-70B (hidden 8192, intermediate 28672, 80 layers, 64
   heads, 8 KV heads, vocabulary 128256, rope theta 500000 with llama3 rope scaling).

@@ -104,8 +104,8 @@ def measure_row(name, loss, params, batch, mesh, stage, where):
 
 
 def config_row(config, target, devices, stage, remat, overrides=(), label=""):
-    from zeroflow.config_io import load_config
-    from zeroflow.trainer.memory_cli import plan_rows
+    from zeroflow.config.io import load_config
+    from zeroflow.cli.memory import plan_rows
     cfg = load_config(config, ["model.attention=xla", *overrides])
     if cfg.model.init_from:
         import dataclasses

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zeroflow as zf  # noqa: E402
-from zeroflow.config import ModelConfig  # noqa: E402
+from zeroflow.config.schema import ModelConfig  # noqa: E402
 from zeroflow.models import init_params, make_layerwise_loss_fn, make_loss_fn  # noqa: E402
 
 cfg = ModelConfig(vocab_size=256, seq_len=32, num_layers=args.layers, embed_dim=64, num_heads=4,

@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import zeroflow as zf  # noqa: E402
-from zeroflow.config_io import load_config  # noqa: E402
+from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.memory.measure import state_bytes  # noqa: E402
 from zeroflow.trainer.planning import abstract_setup, estimate_config_step  # noqa: E402
 

@@ -29,7 +29,7 @@ import pathlib  # noqa: E402
 import time  # noqa: E402
 
 from zeroflow import memory  # noqa: E402
-from zeroflow.config import Config  # noqa: E402
+from zeroflow.config.schema import Config  # noqa: E402
 from zeroflow.trainer.planning import abstract_setup  # noqa: E402
 
 GB = 1e9

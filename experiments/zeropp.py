@@ -43,7 +43,7 @@ OPTIONS = {"stage 3": (), "+ hpZ": HPZ, "+ qwZ (int8, block 256)": QWZ,
 
 
 def compile_row(config: str, label: str, overrides) -> dict:
-    from zeroflow.config_io import load_config
+    from zeroflow.config.io import load_config
     from zeroflow.trainer.setup import abstract_batch, build_run, run_model_config
     cfg = load_config(config, [*SMALL, *overrides])
     if cfg.model.init_from:  # only its config.json is read

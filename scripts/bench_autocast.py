@@ -47,7 +47,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import zeroflow as zf
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.memory.measure import measure
 from zeroflow.models import make_loss_fn, param_init_fn
 

@@ -1,7 +1,7 @@
 """Time the digests of a 1 GB checkpoint: ``python scripts/bench_checkpoint_digests.py [--gb 1]``.
 
 Saves a state of ``--gb`` GB of fp32 arrays with ``zf.save_checkpoint`` (Orbax), then times
-``checkpoint_manifest.write_manifest`` and ``verify`` (the check every restore and export
+``checkpoint_digests.write_manifest`` and ``verify`` (the check every restore and export
 runs), with the files in the page cache (hashing speed) and, where the process may drop the
 cache, read from disk.
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import zeroflow as zf
-from zeroflow import checkpoint_manifest
+from zeroflow.engine import checkpoint_digests
 
 
 def _drop_page_cache() -> bool:
@@ -44,17 +44,17 @@ def main() -> None:
         path = zf.save_checkpoint(Path(tmp) / "ckpt", state)  # writes the manifest too
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         t = time.perf_counter()
-        checkpoint_manifest.write_manifest(path)
+        checkpoint_digests.write_manifest(path)
         write_s = time.perf_counter() - t
         t = time.perf_counter()
-        assert checkpoint_manifest.verify(path)
+        assert checkpoint_digests.verify(path)
         cached_s = time.perf_counter() - t
         print(f"checkpoint {size / 1e9:.2f} GB in {len(list(path.rglob('*')))} entries")
         print(f"write_manifest: {write_s:.2f} s ({size / write_s / 1e9:.2f} GB/s)")
         print(f"verify, files in the page cache: {cached_s:.2f} s ({size / cached_s / 1e9:.2f} GB/s)")
         if _drop_page_cache():
             t = time.perf_counter()
-            assert checkpoint_manifest.verify(path)
+            assert checkpoint_digests.verify(path)
             cold_s = time.perf_counter() - t
             print(f"verify, read from disk: {cold_s:.2f} s ({size / cold_s / 1e9:.2f} GB/s)")
         else:

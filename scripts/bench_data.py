@@ -58,7 +58,7 @@ def time_steps(run, batch, steps: int) -> float:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from zeroflow.config_io import load_config
+    from zeroflow.config.io import load_config
     from zeroflow.trainer import build_run
 
     cfg = load_config(args.config, args.overrides)

@@ -94,7 +94,7 @@ def require_cuda_plugin():
     which the test extra installs."""
     import pytest
 
-    from zeroflow.compat import cuda_plugin_module
+    from zeroflow.util.compat import cuda_plugin_module
     if cuda_plugin_module() is None:
         pytest.skip("no CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin) is installed: "
                     "pip install -e '.[test]'", allow_module_level=True)

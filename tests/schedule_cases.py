@@ -14,7 +14,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zeroflow as zf
-from zeroflow import compat
+from zeroflow.util import compat
 from zeroflow.memory import schedule
 
 try:

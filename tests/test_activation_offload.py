@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zeroflow as zf
-from zeroflow.config_io import load_config
+from zeroflow.config.io import load_config
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.trainer.planning import compile_config, estimate_config_step
 from helpers import REPO, token_batches, train_losses, require_cuda_plugin
@@ -60,7 +60,7 @@ def test_offloaded_activations_are_host_buffers_in_the_compiled_hlo(h100):
 
 
 def test_estimator_knows_offloaded_activations(h100):
-    from zeroflow.trainer.memory_cli import Row
+    from zeroflow.cli.memory import Row
     est = {remat: estimate_config_step(CFG, **CHOICE, remat=remat, backend="gpu")
            for remat in h100}
     off, saved = est["offload_dots"], est["save_dots"]

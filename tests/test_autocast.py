@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import zeroflow as zf
 from helpers import walk
-from zeroflow.compat import scan_split
+from zeroflow.util.compat import scan_split
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 RNG = np.random.default_rng(0)
@@ -545,7 +545,7 @@ def test_precision_validates_autocast(kwargs, message):
 
 
 def test_trainer_config_key():
-    from zeroflow.config_io import ConfigError, load_config
+    from zeroflow.config.io import ConfigError, load_config
     assert load_config(None, ["precision.autocast=bf16"]).precision.autocast == "bf16"
     with pytest.raises(ConfigError, match="precision.autocast"):
         load_config(None, ["precision.autocast=int8"])

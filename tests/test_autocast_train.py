@@ -119,7 +119,7 @@ def test_fp16_with_dynamic_scaling_through_the_engine_at_stage_3():
 
 
 def test_trainer_gpt_layerwise_stage_3_bf16_with_offload():
-    from zeroflow.config_io import load_config
+    from zeroflow.config.io import load_config
     from zeroflow.trainer import build_run
 
     shrunk = ["model.vocab_size=64", "model.seq_len=16", "model.num_layers=2", "model.embed_dim=32",

@@ -1,4 +1,4 @@
-"""zeroflow.compat against the jax that is installed (CI runs it on 0.10.2 and 0.11.2): each
+"""zeroflow.util.compat against the jax that is installed (CI runs it on 0.10.2 and 0.11.2): each
 helper is checked against what that jax actually traces, compiles or prints."""
 import os
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from helpers import REPO, walk
-from zeroflow import compat
+from zeroflow.util import compat
 
 
 def _scan_eqn(fn, *args):
@@ -49,11 +49,11 @@ def test_scan_split_of_a_scan_without_consts():
 
 
 def test_call_primitives_include_what_this_jax_traces_for_a_call():
-    """A nested jit traces to a call equation that ``zeroflow.jaxprs.call_body`` opens, and jax's
+    """A nested jit traces to a call equation that ``zeroflow.util.jaxprs.call_body`` opens, and jax's
     closed call primitive (``closed_call`` up to 0.10, ``eval_jaxpr`` from 0.11) is a call."""
     from jax.extend.core.primitives import closed_call_p
 
-    from zeroflow.jaxprs import call_body
+    from zeroflow.util.jaxprs import call_body
 
     traced = jax.make_jaxpr(lambda x: jax.jit(jnp.cos)(x) * 2)(1.0)
     call = traced.jaxpr.eqns[0]
@@ -123,7 +123,7 @@ def test_startup_prints_no_traceback_without_a_gpu(code):
     """With the CUDA plugin installed and no GPU driver, importing zeroflow (before or after
     jax) and listing devices prints no traceback: the CPU is chosen and the plugin's failure
     to find CUDA muted."""
-    from zeroflow._quiet_jax import has_gpu_driver
+    from zeroflow.util.quiet_jax import has_gpu_driver
     if compat.cuda_plugin_module() is None or has_gpu_driver():
         pytest.skip("needs the CUDA plugin installed on a machine without a GPU driver")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}

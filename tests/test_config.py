@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from zeroflow.config import CHOICES, Config, ModelConfig, ParallelConfig
-from zeroflow.config_io import (ConfigError, apply_overrides, config_from_dict, config_to_dict,
+from zeroflow.config.schema import CHOICES, Config, ModelConfig, ParallelConfig
+from zeroflow.config.io import (ConfigError, apply_overrides, config_from_dict, config_to_dict,
                                 field_docs, load_config, parse_cli, save_config)
 
 YAML = """\
@@ -123,8 +123,8 @@ def test_choices_live_in_field_metadata():
 
 
 def test_config_choices_are_the_engines_and_the_models():
-    from zeroflow import plan, precision
-    from zeroflow.config import PrecisionConfig, choices_of
+    from zeroflow.engine import plan, precision
+    from zeroflow.config.schema import PrecisionConfig, choices_of
     from zeroflow.models import gpt
     assert choices_of(ParallelConfig) == {"zero_stage": plan.ZERO_STAGES,
                                           "offload": plan.OFFLOAD_CHOICES,
@@ -142,7 +142,7 @@ def test_config_choices_are_the_engines_and_the_models():
 
 def test_precision_is_built_from_the_precision_section():
     import zeroflow as zf
-    from zeroflow.config import PrecisionConfig
+    from zeroflow.config.schema import PrecisionConfig
     assert ({f.name for f in dataclasses.fields(PrecisionConfig)}
             == {f.name for f in dataclasses.fields(zf.Precision)})
     cfg = load_config(None, ["precision.loss_scale=1024", "precision.autocast=bf16",

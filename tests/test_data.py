@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zeroflow.config import DataConfig
+from zeroflow.config.schema import DataConfig
 from helpers import load_script
 from zeroflow.data import (ByteTokenizer, bits_per_byte, eval_batches, list_source_files,
                            load_data, load_tokenizer, stdlib_root, train_batch,

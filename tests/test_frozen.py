@@ -12,7 +12,7 @@ import pytest
 import zeroflow as zf
 from fixtures import BATCHES, init_params, loss_fn, make_tx
 from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk, require_cuda_plugin
-from zeroflow.checkpoint import CheckpointError
+from zeroflow.engine.checkpoint import CheckpointError
 from zeroflow.trainer.planning import estimate_config_step, measure_config
 
 N_DEV = 8
@@ -285,8 +285,8 @@ def test_trainer_freezes_by_regex_at_stage3_with_layerwise_gathers(tmp_path, cap
     the banner counts both, and export reads the frozen weights back."""
     from fixtures import TINY_TRAINER
 
-    from zeroflow import export
-    from zeroflow.config_io import load_config
+    from zeroflow.cli import export
+    from zeroflow.config.io import load_config
     from zeroflow.trainer import build_run, train
     from zeroflow.trainer.checkpoints import RunCheckpoints
     cfg = load_config("configs/tiny.yaml", TINY_TRAINER + [
@@ -321,7 +321,7 @@ def test_trainer_freezes_by_regex_at_stage3_with_layerwise_gathers(tmp_path, cap
 def test_trainer_freeze_bad_pattern_is_one_line(pattern, match):
     from fixtures import TINY_TRAINER
 
-    from zeroflow.config_io import load_config
+    from zeroflow.config.io import load_config
     from zeroflow.trainer import build_run
     with pytest.raises(ValueError, match=match) as info:
         build_run(load_config("configs/tiny.yaml", TINY_TRAINER + [f"train.freeze={pattern}"]),
@@ -351,7 +351,7 @@ def test_trainer_memory_estimate_with_freeze_is_within_10_percent():
     compiled step (the trainer's own, layers gathered one at a time at stage 3)."""
     from fixtures import TINY_TRAINER
 
-    from zeroflow.config_io import load_config
+    from zeroflow.config.io import load_config
     cfg = load_config("configs/tiny.yaml", TINY_TRAINER + [
         "model.embed_dim=128", "model.mlp_dim=512", "precision.params=bf16",
         "train.freeze=^embedding|layers/(attn|mlp/up)/"])

@@ -10,7 +10,7 @@ pytest.importorskip("sklearn", reason="the digits come with scikit-learn (the fu
 pytest.importorskip("transformers", reason="the encoders are made with transformers")
 
 from helpers import REPO, load_script  # noqa: E402
-from zeroflow.config_io import load_config  # noqa: E402
+from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.fusemix.cache import rows_done  # noqa: E402
 from zeroflow.fusemix.trainer import train_fusemix  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""zeroflow.grads.gather_on_use: weights fetched just before each use, in a loss zeroflow never
+"""zeroflow.engine.grads.gather_on_use: weights fetched just before each use, in a loss zeroflow never
 saw, give the loss and gradients of plain jax on the whole weights."""
 
 import jax
@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeroflow as zf
-from zeroflow.grads import gather_on_use
-from zeroflow.grads.collectives import varying
-from zeroflow.mesh import DATA
+from zeroflow.engine.grads import gather_on_use
+from zeroflow.engine.grads.collectives import varying
+from zeroflow.engine.mesh import DATA
 
 N = 8
 
@@ -105,7 +105,7 @@ def test_every_gather_waits_for_the_values_it_meets():
     be hoisted to the start of the step."""
     weights, batch = _weights(), _batch()
     jaxpr = jax.make_jaxpr(_sharded_grads)(weights, batch)
-    # Weight fetches gather a shard; an embedding's row lookup (zeroflow.grads.row_lookup)
+    # Weight fetches gather a shard; an embedding's row lookup (zeroflow.engine.grads.row_lookup)
     # gathers the tokens and the rows' cotangents instead, data that exists when it runs.
     shards = {(w.shape[0] // N, *w.shape[1:]) for w in jax.tree.leaves(weights)}
     pairs = [(g, p) for g, p in _gathers_and_producers(jaxpr.jaxpr)

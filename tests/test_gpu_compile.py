@@ -224,7 +224,7 @@ def test_memory_cli_compiles_for_the_target(capsys):
 
 
 def _tiny_model():
-    from zeroflow.config_io import load_config
+    from zeroflow.config.io import load_config
     return load_config("configs/tiny.yaml", []).model
 
 

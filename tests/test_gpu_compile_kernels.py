@@ -31,7 +31,7 @@ from pallas_kernels import (  # noqa: E402
 )
 from pallas_kernels._backend import compiling_for  # noqa: E402
 from zeroflow.backend import target_mesh  # noqa: E402
-from zeroflow.config_io import load_config  # noqa: E402
+from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.trainer.setup import build_run  # noqa: E402
 
 from helpers import REPO  # noqa: E402

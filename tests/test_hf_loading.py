@@ -18,7 +18,7 @@ import zeroflow as zf  # noqa: E402
 from zeroflow import hf  # noqa: E402
 from zeroflow.models import abstract_params  # noqa: E402
 from zeroflow.models.rules import gpt_tensor_rules  # noqa: E402
-from zeroflow.plan import path_str  # noqa: E402
+from zeroflow.engine.plan import path_str  # noqa: E402
 
 T = transformers
 QWEN2 = (T.Qwen2ForCausalLM, T.Qwen2Config, dict(

@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is in the test extra (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
-from zeroflow import export, sample  # noqa: E402
-from zeroflow import train as train_cli  # noqa: E402
-from zeroflow.config import DataConfig  # noqa: E402
-from zeroflow.config_io import load_config  # noqa: E402
+from zeroflow.cli import export, sample  # noqa: E402
+from zeroflow.cli import train as train_cli  # noqa: E402
+from zeroflow.config.schema import DataConfig  # noqa: E402
+from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.data import load_data, stdlib_root, train_batch  # noqa: E402
 from zeroflow.trainer import train  # noqa: E402
 from helpers import load_script

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 import zeroflow as zf
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_loss_fn
 from helpers import assert_leaves_close, train_losses
 

@@ -1,4 +1,4 @@
-"""Multi-process runs: ``zeroflow.launch`` on local CPU processes, ``zeroflow.distributed`` settings."""
+"""Multi-process runs: ``zeroflow.launch`` on local CPU processes, ``zeroflow.engine.distributed`` settings."""
 import json
 import os
 import signal
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zeroflow.distributed import ProcessSettings, requested, settings_from_env
-from zeroflow.launch import free_port, process_env
+from zeroflow.engine.distributed import ProcessSettings, requested, settings_from_env
+from zeroflow.cli.launch import free_port, process_env
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from fixtures import TINY_TRAINER
 
@@ -121,7 +121,7 @@ def test_processes_under_slurm_find_each_other():
     script = textwrap.dedent("""
         import jax, numpy as np
         from jax.experimental import multihost_utils
-        from zeroflow.distributed import initialize, initialize_from_env
+        from zeroflow.engine.distributed import initialize, initialize_from_env
         assert initialize_from_env()
         initialize()  # a second call is harmless
         ranks = multihost_utils.process_allgather(np.int32(jax.process_index()))

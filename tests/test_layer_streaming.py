@@ -14,8 +14,8 @@ import pytest
 
 import zeroflow as zf
 from helpers import assert_leaves_equal, token_batches
-from zeroflow import offload
-from zeroflow.config import ModelConfig
+from zeroflow.engine import offload
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_layerwise_loss_fn, make_loss_fn
 
 CFG = ModelConfig(vocab_size=256, seq_len=32, num_layers=3, embed_dim=64, num_heads=4, mlp_dim=128,

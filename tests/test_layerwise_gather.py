@@ -9,7 +9,7 @@ import pytest
 
 import zeroflow as zf
 from helpers import assert_leaves_close, token_batches, train_losses
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_layerwise_loss_fn, make_loss_fn
 
 CFG = ModelConfig(vocab_size=256, seq_len=32, num_layers=4, embed_dim=64, num_heads=4, mlp_dim=256,
@@ -65,7 +65,7 @@ def test_fetched_weights_are_not_saved_for_the_backward_pass(padded):
     from jax.ad_checkpoint import print_saved_residuals
     from jax.sharding import PartitionSpec as P
 
-    from zeroflow.grads.collectives import all_gather, save_all_but_fetched
+    from zeroflow.engine.grads.collectives import all_gather, save_all_but_fetched
     mesh = zf.make_mesh()
     n, rows, width = mesh.shape["data"], 4, 64
     cols = 6 * n - (3 if padded else 0)  # stored padded to 6 n columns

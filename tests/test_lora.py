@@ -118,7 +118,7 @@ def test_scanned_stack_trains_at_stage3_with_prefetch_like_plain_optax():
 
 
 def test_gpt_adapted_loss_starts_at_base_and_merges():
-    from zeroflow.config import ModelConfig
+    from zeroflow.config.schema import ModelConfig
     from zeroflow.models import make_loss_fn
     from zeroflow.models.gpt import init_params
     cfg = ModelConfig(vocab_size=37, seq_len=8, num_layers=2, embed_dim=16, num_heads=4,

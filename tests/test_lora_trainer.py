@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeroflow.config_io import ConfigError, load_config, parse_cli, save_config
+from zeroflow.config.io import ConfigError, load_config, parse_cli, save_config
 
 torch = pytest.importorskip("torch", reason="torch is in the test extra")
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 peft = pytest.importorskip("peft", reason="peft is in the test extra")
 
-from zeroflow import export  # noqa: E402
+from zeroflow.cli import export  # noqa: E402
 from zeroflow.data import eval_batches, load_data, train_batch  # noqa: E402
-from zeroflow.plan import path_str  # noqa: E402
+from zeroflow.engine.plan import path_str  # noqa: E402
 from zeroflow.trainer import build_run, train  # noqa: E402
 from zeroflow.trainer.checkpoints import RunCheckpoints  # noqa: E402
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import zeroflow as zf
-from zeroflow.config_io import load_config
+from zeroflow.config.io import load_config
 from zeroflow.trainer import TrainingDiverged, train
 from zeroflow.trainer.optim import lr_schedule
 from fixtures import TINY_TRAINER, linear_loss

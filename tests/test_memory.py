@@ -10,8 +10,8 @@ import pytest
 
 import zeroflow as zf
 from zeroflow import memory
-from zeroflow.config import Config
-from zeroflow.trainer.memory_cli import main
+from zeroflow.config.schema import Config
+from zeroflow.cli.memory import main
 from zeroflow.trainer.planning import abstract_setup, estimate_config_step
 
 GB = 1e9
@@ -216,7 +216,7 @@ def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
     """What makes ``--measure never`` take seconds: the 48 choices (4 stages x 3 offloads x 4
     remat policies) trace the model's loss a few times per remat policy, not several times per
     choice; the estimates are what tracing every time gives."""
-    from zeroflow.trainer.memory_cli import plan_rows
+    from zeroflow.cli.memory import plan_rows
     from zeroflow.trainer import planning
     from zeroflow.trainer.planning import _loss_by_fields
 

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models import (
     GPT,
     abstract_params,

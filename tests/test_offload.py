@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import zeroflow as zf
-from zeroflow import offload, update
-from zeroflow.state import state_shardings
+from zeroflow.engine import offload, update
+from zeroflow.engine.state import state_shardings
 
 STEPS = 2
 
@@ -242,7 +242,7 @@ def test_streamed_update_lowers_for_cuda_one_copy_per_state_leaf():
 
 def _moved_to_host(closed) -> list:
     """The avals of the device arrays ``closed`` moves to pinned host memory."""
-    from zeroflow import jaxprs
+    from zeroflow.util import jaxprs
     found = []
 
     def walk(jaxpr):

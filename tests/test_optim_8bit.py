@@ -336,7 +336,7 @@ def test_checkpoint_restores_onto_other_meshes_and_stages(tmp_path):
 @pytest.mark.parametrize("name,state_type", [("adamw_8bit", zf.optim.ScaleByAdam8bitState),
                                              ("adamw_bf16", zf.optim.ScaleByAdamBf16State)])
 def test_trainer_optimizer_choice(name, state_type):
-    from zeroflow.config_io import apply_overrides, load_config
+    from zeroflow.config.io import apply_overrides, load_config
     from zeroflow.trainer.setup import build_run
     cfg = apply_overrides(load_config(REPO / "configs" / "tiny.yaml"), [f"train.optimizer={name}"])
     state = build_run(cfg, with_data=False).abstract_state()
@@ -346,7 +346,7 @@ def test_trainer_optimizer_choice(name, state_type):
 
 
 def test_trainer_rejects_an_unknown_optimizer_in_one_line():
-    from zeroflow.config_io import apply_overrides, load_config
+    from zeroflow.config.io import apply_overrides, load_config
     with pytest.raises(ValueError, match=r"adamw_8bit") as err:
         apply_overrides(load_config(REPO / "configs" / "tiny.yaml"), ["train.optimizer=adamw8bit"])
     assert "\n" not in str(err.value)
@@ -368,7 +368,7 @@ def real_state_bytes_per_param(cfg) -> float:
                                         "model.positions=learned", "model.mlp_activation=gelu",
                                         "model.num_kv_heads=2", "model.embed_dim=96"]])
 def test_estimate_config_counts_the_configs_optimizer_state(model):
-    from zeroflow.config_io import apply_overrides, load_config
+    from zeroflow.config.io import apply_overrides, load_config
     from zeroflow.memory.estimate import optimizer_bytes_per_param
     base = apply_overrides(load_config(REPO / "configs" / "tiny.yaml"),
                            model + ["parallel.zero_stage=1", "parallel.data=8"])

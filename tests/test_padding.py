@@ -128,7 +128,7 @@ GPT_ODD = dict(vocab_size=251, seq_len=16, num_layers=3, embed_dim=36, num_heads
 
 
 def _gpt_run(stage, offload="none"):
-    from zeroflow.config import ModelConfig
+    from zeroflow.config.schema import ModelConfig
     from zeroflow.models import init_params, make_layerwise_loss_fn
     cfg = ModelConfig(**GPT_ODD)
     params, _ = init_params(cfg, jax.random.key(0))

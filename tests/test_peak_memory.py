@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import zeroflow as zf
-from zeroflow.grads import gather_on_use
+from zeroflow.engine.grads import gather_on_use
 from zeroflow.memory import __main__ as memory_cli
 
 WIDTH, DEPTH, BATCH = 512, 16, 16

@@ -17,9 +17,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from zeroflow import export, sample
-from zeroflow import train as train_cli
-from zeroflow.config_io import load_config
+from zeroflow.cli import export, sample
+from zeroflow.cli import train as train_cli
+from zeroflow.config.io import load_config
 from zeroflow.trainer import build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from zeroflow.trainer.reporting import trim_metrics
@@ -265,7 +265,7 @@ def damaged_hf_folders(tmp_path_factory):
     """A small Llama folder written by zeroflow, and copies with a cut and a random
     model.safetensors."""
     from zeroflow import hf
-    from zeroflow.config import ModelConfig
+    from zeroflow.config.schema import ModelConfig
     from zeroflow.models import GPT, init_params
     root = tmp_path_factory.mktemp("hf")
     model_cfg = ModelConfig(vocab_size=256, seq_len=32, num_layers=1, embed_dim=32, num_heads=2,
@@ -458,7 +458,7 @@ def _chat(content):
 
 
 def test_bad_data_ends_in_one_line_naming_file_and_line(tmp_path, tokenizer_dir, capsys):
-    from zeroflow.config import DataConfig
+    from zeroflow.config.schema import DataConfig
     from zeroflow.data import load_data
     source = tmp_path / "chat.jsonl"
     good = [_chat(f"question {i}") for i in range(6)]

@@ -14,10 +14,10 @@ import optax
 import pytest
 
 import zeroflow as zf
-from zeroflow import checkpoint_manifest
-from zeroflow import export
-from zeroflow import train as train_cli
-from zeroflow.checkpoint import CheckpointError
+from zeroflow.engine import checkpoint_digests
+from zeroflow.cli import export
+from zeroflow.cli import train as train_cli
+from zeroflow.engine.checkpoint import CheckpointError
 from zeroflow.trainer import build_run, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from fixtures import init_params
@@ -45,7 +45,7 @@ def stderr_lines(err: str) -> list[str]:
 def test_one_flipped_bit_in_any_file_of_a_checkpoint_is_detected(run_copy):
     step_dir = run_copy / "checkpoints" / "4"
     files = files_of(step_dir)
-    assert step_dir / checkpoint_manifest.MANIFEST in files and len(files) > 10
+    assert step_dir / checkpoint_digests.MANIFEST in files and len(files) > 10
     like = build_run(config(run_copy, "train.steps=4")).abstract_state()
     checkpoints = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True)
     rng = random.Random(32)
@@ -116,7 +116,7 @@ def test_steps_saved_without_digests_load_unverified_and_a_lost_manifest_is_caug
     step_dir = run_copy / "checkpoints" / "4"
     like = build_run(config(run_copy, "train.steps=4")).abstract_state()
     checkpoints = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True)
-    (step_dir / checkpoint_manifest.MANIFEST).unlink()
+    (step_dir / checkpoint_digests.MANIFEST).unlink()
     with pytest.raises(UnreadableCheckpoint, match="zeroflow_manifest.json is missing "
                                                    r"\(the save did not finish\)"):
         checkpoints.restore(4, like)

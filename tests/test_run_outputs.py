@@ -14,7 +14,7 @@ import pytest
 
 from fixtures import TINY_TRAINER
 from helpers import REPO
-from zeroflow.config_io import apply_overrides, load_config
+from zeroflow.config.io import apply_overrides, load_config
 from zeroflow.trainer import plot as plot_module
 from zeroflow.trainer import reporting, train
 
@@ -114,7 +114,7 @@ def test_eval_only_without_checkpoint_evaluates_the_initial_weights(tmp_path):
 
 
 def test_sample_interactive_loads_once_and_answers_each_line(trained, monkeypatch, capsys):
-    from zeroflow import sample
+    from zeroflow.cli import sample
     run_dir = trained[0]
     args = ["--run", str(run_dir), "--tokens", "6", "--temperature", "0"]
     alone = []

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeroflow as zf
-from zeroflow.checkpoint import CheckpointError
-from zeroflow.config import ModelConfig
+from zeroflow.engine.checkpoint import CheckpointError
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_loss_fn
 from zeroflow.models.rules import gpt_tensor_rules
 from fixtures import BATCHES, init_params as mlp_params, loss_fn as mlp_loss, make_tx

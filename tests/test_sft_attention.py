@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models import GPT, init_params
 from zeroflow.models import gpt as gpt_module
 from pallas_kernels import BlockSizes, flash_attention, reference_attention

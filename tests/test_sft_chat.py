@@ -10,7 +10,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
-from zeroflow.config import DataConfig  # noqa: E402
+from zeroflow.config.schema import DataConfig  # noqa: E402
 from zeroflow.data import BadRecord, load_chat_template, load_tokenizer  # noqa: E402
 from zeroflow.data.examples import example_encoder, training_pairs  # noqa: E402
 from helpers import load_script  # noqa: E402

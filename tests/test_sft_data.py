@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from zeroflow import train as train_cli
-from zeroflow.config import DataConfig
+from zeroflow.cli import train as train_cli
+from zeroflow.config.schema import DataConfig
 from zeroflow.data import iter_records, load_data
 from zeroflow.data.packing import packed_batches, packing_efficiency
 from helpers import load_script

@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is in the test extra (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
-from zeroflow import sample  # noqa: E402
-from zeroflow.config_io import load_config  # noqa: E402
+from zeroflow.cli import sample  # noqa: E402
+from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.data import load_data  # noqa: E402
 from zeroflow.trainer import train  # noqa: E402
 from helpers import load_script  # noqa: E402

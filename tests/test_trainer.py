@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from zeroflow.config_io import load_config
+from zeroflow.config.io import load_config
 from zeroflow.trainer import TrainingDiverged, build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from fixtures import TINY_TRAINER
@@ -170,7 +170,7 @@ def test_diverging_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
 def test_sample_and_export_from_a_run(tmp_path, capsys):
     from safetensors.numpy import load_file
 
-    from zeroflow import export, sample
+    from zeroflow.cli import export, sample
     cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=2", "train.eval_every=0",
                                                              "parallel.zero_stage=3", f"run.dir={tmp_path}"])
     result = train(cfg)

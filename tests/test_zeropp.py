@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeroflow import zeropp
+from zeroflow.engine import zeropp
 
 
 def numpy_quantize(x, block_size):
@@ -92,7 +92,7 @@ def _target(**kw):
 def test_target_devices_are_numbered_host_major():
     """What the cross-host counts rest on: a compiled program's logical device ids index
     ``mesh.devices.flat``, and on the 1x2x8 target ids 0-7 are host 0 and 8-15 host 1."""
-    from zeroflow.zeropp.hosts import hosts_of
+    from zeroflow.engine.zeropp.hosts import hosts_of
     mesh = _target(data=16, hosts=2)
     assert [d.id for d in mesh.devices.flat] == list(range(16))
     assert hosts_of(mesh) == (0,) * 8 + (1,) * 8
@@ -252,7 +252,7 @@ def test_qwz_gathers_int8_one_layer_at_a_time_and_trains_like_plain_stage3():
 
     import zeroflow as zf
     from helpers import token_batches, train_losses
-    from zeroflow.config import ModelConfig
+    from zeroflow.config.schema import ModelConfig
     from zeroflow.models import init_params, make_layerwise_loss_fn
     cfg = ModelConfig(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=4,
                       mlp_dim=256, remat="full")
@@ -277,7 +277,7 @@ def test_qwz_gathers_int8_one_layer_at_a_time_and_trains_like_plain_stage3():
 
 
 def test_trainer_keys_reach_the_plan_and_bad_combinations_are_one_line():
-    from zeroflow.config_io import ConfigError, load_config
+    from zeroflow.config.io import ConfigError, load_config
     from zeroflow.trainer.setup import build_run
     cfg = load_config("configs/tiny.yaml", ["parallel.zero_stage=3", "parallel.quantize_weights=int8",
                                             "parallel.quantize_block=64"])

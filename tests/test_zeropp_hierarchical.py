@@ -228,7 +228,7 @@ def test_estimators_count_the_copy_per_host():
 
 
 def test_trainer_keys_reach_the_plan_and_bad_combinations_are_one_line():
-    from zeroflow.config_io import ConfigError, load_config
+    from zeroflow.config.io import ConfigError, load_config
     from zeroflow.trainer.setup import build_run
     on = ["parallel.zero_stage=3", "precision.params=bf16", "parallel.hierarchical=true",
           "parallel.quantize_grads=int8", "parallel.hosts=2"]

@@ -12,21 +12,22 @@
     f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
     lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
 """
-from zeroflow import _quiet_jax
+from zeroflow.util import quiet_jax as _quiet_jax
 
-_quiet_jax.start()  # before anything imports jax: see zeroflow/_quiet_jax.py
+_quiet_jax.start()  # before anything imports jax: see zeroflow/util/quiet_jax.py
 
 from zeroflow.backend import target_mesh  # noqa: E402
-from zeroflow.mesh import make_mesh, planning_mesh  # noqa: E402
-from zeroflow.plan import PlanDescription, ZeroPlan  # noqa: E402
-from zeroflow.precision import LossScaleState, Precision  # noqa: E402
-from zeroflow.state import TrainState, init_train_state, state_shardings  # noqa: E402
-from zeroflow.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
-from zeroflow.step import make_train_step  # noqa: E402
+from zeroflow.engine.mesh import make_mesh, planning_mesh  # noqa: E402
+from zeroflow.engine.plan import PlanDescription, ZeroPlan  # noqa: E402
+from zeroflow.engine.precision import LossScaleState, Precision  # noqa: E402
+from zeroflow.engine.state import TrainState, init_train_state, state_shardings  # noqa: E402
+from zeroflow.engine.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
+from zeroflow.engine.step import make_train_step  # noqa: E402
 from zeroflow.autocast import (  # noqa: E402
     AutocastPolicy, autocast, autocast_report, scaled_value_and_grad)
 from zeroflow.lora import LoRA, lora, lora_merge  # noqa: E402
-from zeroflow import backend, memory, offload, optim, padding  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
+from zeroflow import backend, memory, optim  # noqa: E402  (zf.memory.estimate, zf.memory.measure)
+from zeroflow.engine import offload, padding  # noqa: E402  (zf.offload, zf.padding)
 
 __all__ = ["make_mesh", "planning_mesh", "target_mesh", "backend", "Precision", "LossScaleState",
            "ZeroPlan",

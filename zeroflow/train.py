@@ -1,50 +1,9 @@
 """``python -m zeroflow.train --config configs/tiny.yaml [section.key=value ...]``
 
-Trains (or resumes) the GPT described by the config. Outputs go to ``run.dir``: the resolved
-``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``tb/`` (TensorBoard) and ``plot.png``;
-``train.eval_only=true`` only evaluates (docs/runs.md).
-Set ZEROFLOW_TRACEBACK=1 to see full tracebacks instead of one-line errors. What a run folder
-holds and what survives which fault (kill -9, damaged checkpoints): docs/runs.md. Multi-process
-runs: ``python -m zeroflow.launch`` or SLURM, see docs/multihost.md.
-"""
-from __future__ import annotations
-
-import argparse
+The program is ``zeroflow.cli.train``; this module only lets ``python -m zeroflow.train`` start it."""
 import sys
 
-from zeroflow.cli import run_cli, set_cpu_devices
-from zeroflow.config_io import add_config_arguments, config_from_args
-from zeroflow.distributed import initialize_from_env
-
-PROG = "zeroflow.train"
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                   help="emulate N CPU devices (testing data/model parallelism without a GPU)")
-    return add_config_arguments(p)
-
-
-def main_args(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)  # ConfigError is a ValueError: one line, exit 2
-    set_cpu_devices(args.cpu_devices)
-    # Joins a multi-process job when ZEROFLOW_*/SLURM variables describe one; like the line
-    # above, this must come before anything starts a jax backend.
-    initialize_from_env()
-    if cfg.fusemix.enabled:
-        from zeroflow.fusemix.trainer import train_fusemix as train
-    else:
-        from zeroflow.trainer import train
-    result = train(cfg)
-    if result.stopped_by:
-        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.stopped_by, 0)
-    return 0
-
-
-def main(argv=None) -> int:
-    return run_cli(PROG, main_args, parser(), argv)
-
+from zeroflow.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -50,7 +50,7 @@ def spec_key(spec: dict) -> str:
 
 def config_for(spec: dict):
     """The trainer ``Config`` of a spec, on one device."""
-    from zeroflow.config import Config
+    from zeroflow.config.schema import Config
     cfg = Config()
     cfg.model = dataclasses.replace(cfg.model, **spec["model"])
     cfg.train.batch_size = spec["batch"]

@@ -9,7 +9,7 @@ rebuild the primitive from its public counterpart (``lax.scan``, ``lax.while_loo
 ``jax.custom_vjp``) around a Python body that interprets the painted sub-jaxpr, so jax derives
 the new sub-jaxprs, their dtypes and their transposes itself. The only things read from a
 primitive are its params; their names are version-dependent, and every such read lives in this
-file (a call's body: ``zeroflow.jaxprs.call_body``).
+file (a call's body: ``zeroflow.util.jaxprs.call_body``).
 
 - Loops (``scan``, ``while``): a carry enters in its current dtype if the body gives it back
   in that dtype; otherwise it takes the dtype the program declared, and the body casts it back
@@ -35,8 +35,8 @@ from jax import lax
 from zeroflow.autocast import interpret, paint
 from zeroflow.autocast.interpret import Copies, Slot, const_slots, run_jaxpr
 from zeroflow.autocast.paint import Ctx, EqnPlan, Painting, Value, fresh, norm
-from zeroflow.compat import scan_split
-from zeroflow.jaxprs import CALLS, bind, call_body, open_jaxpr
+from zeroflow.util.compat import scan_split
+from zeroflow.util.jaxprs import CALLS, bind, call_body, open_jaxpr
 
 
 def _const_values(consts, ctx: Ctx) -> list[Value]:

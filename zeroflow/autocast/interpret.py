@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from zeroflow import jaxprs
+from zeroflow.util import jaxprs
 from zeroflow.autocast import lists, paint
 from zeroflow.autocast.policy import AutocastPolicy
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from zeroflow import jaxprs
+from zeroflow.util import jaxprs
 from zeroflow.autocast import cost, lists
 from zeroflow.autocast.policy import AutocastPolicy, split_scope
 

@@ -10,7 +10,7 @@ from), in the schema of every supported jaxlib (0.10.2 to 0.12: the fields used 
 
 This needs a CUDA plugin at jaxlib's exact version, ``jax-cuda12-plugin`` + ``jax-cuda12-pjrt``
 or ``jax-cuda13-plugin`` + ``jax-cuda13-pjrt`` (no CUDA libraries, no driver;
-``zeroflow.compat.cuda_plugin_module``), and the CPU as JAX's platform: without
+``zeroflow.util.compat.cuda_plugin_module``), and the CPU as JAX's platform: without
 ``JAX_PLATFORMS=cpu`` the plugin tries to start a GPU, fails, and never registers.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.compat import cuda_plugin_install_hint
-from zeroflow.mesh import DATA, MODEL
+from zeroflow.util.compat import cuda_plugin_install_hint
+from zeroflow.engine.mesh import DATA, MODEL
 
 SPECS = Path(__file__).with_name("gpu_specs")
 TARGETS = {
@@ -65,7 +65,7 @@ def install_hint() -> str:
 
 
 def plugin_installed() -> bool:
-    from zeroflow._quiet_jax import cuda_plugin_installed
+    from zeroflow.util.quiet_jax import cuda_plugin_installed
     return cuda_plugin_installed()
 
 

@@ -18,7 +18,7 @@ import dataclasses
 
 import jax
 
-from zeroflow.compat import (cpu_widens_half_dots, no_pipelined_reduce_scatter,
+from zeroflow.util.compat import (cpu_widens_half_dots, no_pipelined_reduce_scatter,
                              pipelined_all_gather)
 
 

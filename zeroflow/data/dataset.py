@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zeroflow.config import DataConfig
+from zeroflow.config.schema import DataConfig
 from zeroflow.data.corpus import STDLIB, iter_documents
 from zeroflow.data.record_data import RecordData, load_record_data
 from zeroflow.data.records import RECORD_SUFFIXES, is_saved_dataset

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from zeroflow.config import DataConfig
+from zeroflow.config.schema import DataConfig
 from zeroflow.data.chat import ChatTemplate, assistant_mask, load_chat_template
 from zeroflow.data.tokenizers import HFTokenizer, Tokenizer
 

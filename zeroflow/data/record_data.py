@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import os
 
-from zeroflow.config import DataConfig
+from zeroflow.config.schema import DataConfig
 from zeroflow.data.corpus import held_out
 from zeroflow.data.examples import BadRecord, TemplateFailed, example_encoder, training_pairs
 from zeroflow.data.packing import fixed_batches, packed_batches, packing_efficiency

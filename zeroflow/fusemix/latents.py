@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroflow import hf
-from zeroflow.config import Config
+from zeroflow.config.schema import Config
 from zeroflow.fusemix import cache, digits
 from zeroflow.fusemix.model import IMAGE, TEXT
 from zeroflow.models.encoders import mean_pool

@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import zeroflow as zf
-from zeroflow.config import Config
-from zeroflow.config_io import save_config
+from zeroflow.config.schema import Config
+from zeroflow.config.io import save_config
 from zeroflow.fusemix import digits, latents, retrieval, stream
 from zeroflow.fusemix.model import IMAGE, TEXT, make_loss
 from zeroflow.trainer.checkpoints import RunCheckpoints

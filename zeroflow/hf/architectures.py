@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.hf.convert import RUNTIME_FIELDS, Converter, HFConfig
 from zeroflow.hf.gpt2 import GPT2
 from zeroflow.hf.llama import LLAMA, MISTRAL, QWEN2

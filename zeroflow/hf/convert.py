@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.hf.reader import HFCheckpointError
 from zeroflow.hf.tensors import TensorMap
 

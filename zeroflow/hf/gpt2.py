@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.hf.convert import Converter, get, merged, refuse
 from zeroflow.hf.tensors import TensorMap, tensor_map
 from zeroflow.models.gpt import head_dim, max_positions, num_kv_heads

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.hf.convert import DROP, Converter, get, merged, read_rope, refuse, write_rope
 from zeroflow.hf.tensors import TensorMap, tensor_map
 from zeroflow.models.gpt import head_dim, max_positions, num_kv_heads

@@ -19,13 +19,13 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.hf.architectures import CONFIG_FILE, CONVERTERS, converter_for_model
 from zeroflow.hf.convert import HFConfig
 from zeroflow.hf.load import DTYPES
 from zeroflow.hf.reader import INDEX_FILE, HFCheckpointError
 from zeroflow.hf.tensors import TensorMap, to_hf
-from zeroflow.plan import path_str
+from zeroflow.engine.plan import path_str
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 5 * 10**9

@@ -20,8 +20,8 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
-from zeroflow.compat import REMAT_PRIMITIVES, scan_split
-from zeroflow.jaxprs import bind, call_body, open_jaxpr, source_context
+from zeroflow.util.compat import REMAT_PRIMITIVES, scan_split
+from zeroflow.util.jaxprs import bind, call_body, open_jaxpr, source_context
 from zeroflow.lora.adapters import Site
 from zeroflow.lora.views import UnsupportedUse
 

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from zeroflow.optim import moment_bytes
-from zeroflow.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
+from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
 
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES

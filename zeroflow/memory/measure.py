@@ -17,6 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroflow.engine.state import abstract_master, init_train_state, state_shardings
+from zeroflow.engine.step import make_train_step
+from zeroflow.memory import on_target, schedule
+
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredMemory:
@@ -77,7 +81,7 @@ def analysed(compiled) -> MeasuredMemory:
 def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
                  gather_per_layer: str | None = None, model_state=None, rng=None,
                  trainable=None, **step_options) -> tuple[MeasuredMemory, float]:
-    """``(memory_analysis, device peak)`` of ``zf.make_train_step(loss_fn, tx, plan, prec, ...)``
+    """``(memory_analysis, device peak)`` of ``make_train_step(loss_fn, tx, plan, prec, ...)``
     for abstract fp32 ``params`` and global ``batch`` (the arguments of ``estimate_step``):
     the state is built abstractly in the plan's shardings, nothing is allocated or run. The
     device peak leaves out the offloaded state, which XLA:CPU counts as device arguments.
@@ -106,23 +110,19 @@ def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
                  trainable=None, **step_options):
     """``(compiled step, abstract state)`` for the arguments of ``measure_step``: read the
     compiled program's collectives with ``zf.memory.collectives``."""
-    import zeroflow as zf
-    from zeroflow.memory import on_target
-    from zeroflow.state import abstract_master
-
     # Offloaded state on abstract GPUs: planned on CPU stand-ins that keep its host memory.
     target = plan.mesh if plan.offloads and on_target.is_abstract(plan.mesh) else None
     if target is not None:
         plan = dataclasses.replace(plan, mesh=on_target.stand_in_mesh(target))
     master = abstract_master(params)
-    abstract = jax.eval_shape(lambda ms, key: zf.init_train_state(
+    abstract = jax.eval_shape(lambda ms, key: init_train_state(
         master, tx, plan, prec, model_state=ms, rng=key, trainable=trainable), model_state, rng)
-    shardings = zf.state_shardings(master, tx, plan, prec, model_state, rng, trainable=trainable)
+    shardings = state_shardings(master, tx, plan, prec, model_state, rng, trainable=trainable)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          abstract, shardings)
     placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
                                                          sharding=plan.batch_sharding()), batch)
-    step = zf.make_train_step(loss_fn, tx, plan, prec, grad_accum,
+    step = make_train_step(loss_fn, tx, plan, prec, grad_accum,
                               gather_per_layer=gather_per_layer, **step_options)
     if target is not None:
         return on_target.compile_for(step, state, placed, target), state
@@ -141,8 +141,6 @@ def step_time(loss_fn, params, batch, tx, plan, prec, **options):
 def compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options):
     """``(compiled step, abstract state, StepTime)``: ``compile_step`` and ``step_time`` from
     one compile (the peak and the estimate of the same program)."""
-    from zeroflow.memory import schedule
-
     peak = schedule.peak_bf16_flops(str(plan.mesh.devices.flat[0].device_kind))
     (compiled, state), est = schedule.timed(
         lambda: compile_step(loss_fn, params, batch, tx, plan, prec, **options),

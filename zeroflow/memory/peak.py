@@ -43,16 +43,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
+from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend as backends
-from zeroflow import frozen as frozen_weights
-from zeroflow import jaxprs
-from zeroflow.compat import scan_split
-from zeroflow.grads.local import native_gradients
-from zeroflow.grads.routes import Fetch, Reduce, Route, step_routes
+from zeroflow.autocast import autocast
+from zeroflow.engine.mesh import DATA
+from zeroflow.engine.state import abstract_master, init_train_state, state_shardings
+from zeroflow.engine.update import owners, streamable
+from zeroflow.engine import frozen as frozen_weights
+from zeroflow.util import jaxprs
+from zeroflow.util.compat import scan_split
+from zeroflow.engine.grads.local import native_gradients
+from zeroflow.engine.grads.routes import Fetch, Reduce, Route, step_routes
 from zeroflow.memory.trace_cache import remembered
-from zeroflow.plan import ZeroPlan, path_str
-from zeroflow.precision import Precision
+from zeroflow.engine.plan import ZeroPlan, path_str
+from zeroflow.engine.precision import Precision
 
 F32 = 4
 
@@ -194,7 +199,6 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     those names, arrays or ShapeDtypeStructs); the loss is then called with them as keywords.
     ``trainable``: as for ``zf.init_train_state``; a frozen leaf costs its compute-dtype bytes
     (1/N at stage 3) and nothing else."""
-    from zeroflow.state import abstract_master
 
     master = abstract_master(params)
     mask = frozen_weights.trainable_mask(trainable, master)
@@ -303,11 +307,9 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
 def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, trainable=None):
     """The state as stored (abstract; leaves ZeRO pads are larger than the parameters), its
     shardings, and its ``(arrays, shardings)`` pairs."""
-    import zeroflow as zf
-    from zeroflow.state import state_shardings
 
     shard = state_shardings(master, tx, plan, prec, trainable=trainable)
-    stored = jax.eval_shape(lambda: zf.init_train_state(master, tx, plan, prec,
+    stored = jax.eval_shape(lambda: init_train_state(master, tx, plan, prec,
                                                         trainable=trainable))
     # Memory kinds from the plan, not from the shardings: a zf.target_mesh's abstract devices
     # expose no memories, so jax drops a sharding's pinned_host there.
@@ -461,7 +463,6 @@ def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
                                   params)
     fn = loss_fn
     if prec.autocast != "none":
-        from zeroflow.autocast import autocast
         fn = autocast(loss_fn, dtype=prec.autocast)
     residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer,
                                      extras=extras, memory=memory, trainable=trainable)
@@ -483,18 +484,14 @@ def _with_shardings(shapes, shardings, dtype=None):
 
 
 def _without_data(spec):
-    from jax.sharding import PartitionSpec as P
-
-    from zeroflow.mesh import DATA
     return P(*[None if axis == DATA else axis for axis in spec])
 
 
 def _streamed_in_bytes(master, stored, shard, tx) -> tuple[float, list[float] | None]:
     """Offloaded state an on-device update brings in: ``(shared, per parameter)``, the state
     shared by all parameters (a step count) and each parameter's master and optimizer state,
-    in the order of ``master``'s leaves, where ``zeroflow.update.streamed`` can split the
+    in the order of ``master``'s leaves, where ``zeroflow.engine.update.streamed`` can split the
     update; ``(all of it, None)`` where it cannot."""
-    from zeroflow.update import owners, streamable
     on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
     sizes = ([_device_bytes(_with_shardings(m, s)) for m, s in
               zip(jax.tree.leaves(stored.master), jax.tree.leaves(on_device(shard.master)))]

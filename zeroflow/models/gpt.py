@@ -22,8 +22,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from zeroflow import backend
-from zeroflow.config import ModelConfig, choices_of
-from zeroflow.grads.collectives import save_all_but_fetched
+from zeroflow.config.schema import ModelConfig, choices_of
+from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.models.axes import (EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITIONS,
                                   VOCAB)
 
@@ -282,7 +282,7 @@ class Block(nn.Module):
 def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Module]:
     """``block`` under the ``remat`` policy. ``fetched``: the engine fetches each layer's
     weights inside the block (``layer_transform``); they are then never kept for the backward
-    pass, even with remat "none" (the engine fetches them again, see ``zeroflow.grads``)."""
+    pass, even with remat "none" (the engine fetches them again, see ``zeroflow.engine.grads``)."""
     # prevent_cse=False is safe (and faster) because the block runs inside a scan.
     if remat == "full":
         return nn.remat(block, prevent_cse=False)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models.gpt import GPT
 
 

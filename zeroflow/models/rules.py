@@ -12,11 +12,11 @@ import re
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zeroflow.config import ModelConfig
-from zeroflow.mesh import MODEL
+from zeroflow.config.schema import ModelConfig
+from zeroflow.engine.mesh import MODEL
 from zeroflow.models import axes
 from zeroflow.models.gpt import abstract_params
-from zeroflow.plan import path_str
+from zeroflow.engine.plan import path_str
 
 LOGICAL_TO_MESH = {axes.HEADS: MODEL, axes.KV_HEADS: MODEL, axes.MLP: MODEL, axes.VOCAB: MODEL}
 

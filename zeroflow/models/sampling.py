@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models.gpt import GPT
 
 

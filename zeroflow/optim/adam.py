@@ -4,7 +4,7 @@ block and moment) or bf16 (4 bytes per parameter), instead of optax's 8 bytes of
 Each is an optax ``GradientTransformation``; the state's trees have the parameters' structure,
 so ZeRO shards them like any optimizer state: the codes and the bf16 moments have each
 parameter's shape and are split with it, the per-block scales are split along their own largest
-dimension (``zeroflow.state.state_layouts``). The update dequantizes, runs Adam in fp32 and
+dimension (``zeroflow.engine.state.state_layouts``). The update dequantizes, runs Adam in fp32 and
 quantizes the new moments again, one parameter at a time.
 """
 from __future__ import annotations

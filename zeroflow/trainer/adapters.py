@@ -12,9 +12,9 @@ import re
 import jax
 
 import zeroflow as zf
-from zeroflow.config import LoraConfig
+from zeroflow.config.schema import LoraConfig
 from zeroflow.lora import Site
-from zeroflow.plan import path_str
+from zeroflow.engine.plan import path_str
 
 BASE, ADAPTERS = "base", "lora"
 "The two top-level keys of a LoRA run's parameters (those of ``LoRA.loss``)."

@@ -10,7 +10,7 @@ and resumes from the newest readable step, so that step is written afresh when t
 there again. Readers (export, sample) move nothing: they refuse an unreadable newest step
 unless told which step to use. Nothing is created until the first save.
 
-Every step also gets its digests (``zeroflow.checkpoint_manifest``: size and SHA-256 of each
+Every step also gets its digests (``zeroflow.engine.checkpoint_digests``: size and SHA-256 of each
 file, written last and atomically) and its ``meta`` says so; a restore or a reader checks them
 before reading, and a step whose files are not what was saved (one flipped bit is enough) is
 treated exactly as an unreadable one. Steps saved before digests existed load, said to be
@@ -31,9 +31,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zeroflow import checkpoint_manifest
-from zeroflow.checkpoint import CheckpointError, checked_target, portable, rebuild_state
-from zeroflow.state import TrainState
+from zeroflow.engine import checkpoint_digests
+from zeroflow.engine.checkpoint import CheckpointError, checked_target, portable, rebuild_state
+from zeroflow.engine.state import TrainState
 from zeroflow.trainer import damage
 
 log = logging.getLogger("zeroflow")
@@ -105,7 +105,7 @@ class RunCheckpoints:
             self.manager.delete(step)
         saved = portable(state)
         items = dict(state=ocp.args.StandardSave(saved),
-                     meta=ocp.args.JsonSave({**meta, DIGESTS: checkpoint_manifest.MANIFEST}))
+                     meta=ocp.args.JsonSave({**meta, DIGESTS: checkpoint_digests.MANIFEST}))
         if loader is not None:
             import grain
             items[LOADER] = grain.checkpoint.CheckpointSave(loader)
@@ -114,7 +114,7 @@ class RunCheckpoints:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
             self.manager.wait_until_finished()
             if jax.process_index() == 0:  # last, once the step's folder is complete
-                checkpoint_manifest.write_manifest(self.directory / str(step))
+                checkpoint_digests.write_manifest(self.directory / str(step))
         except Exception as e:  # noqa: BLE001  orbax/tensorstore wrap the OSError their own way
             if not _no_space(e):
                 raise
@@ -178,8 +178,8 @@ class RunCheckpoints:
         steps saved before digests existed); ``UnreadableCheckpoint`` when one differs."""
         expected = DIGESTS in json.loads((step_dir / "meta" / "metadata").read_text("utf-8"))
         try:
-            return checkpoint_manifest.verify(step_dir, expected=expected)
-        except checkpoint_manifest.DigestMismatch as e:
+            return checkpoint_digests.verify(step_dir, expected=expected)
+        except checkpoint_digests.DigestMismatch as e:
             raise UnreadableCheckpoint(step, f"{damage.shown(e.path, self.directory)} "
                                              f"{e.fault}") from None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from zeroflow.config import Config
+from zeroflow.config.schema import Config
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.evaluation import TrainResult, eval_text, make_eval
 from zeroflow.trainer.setup import build_run

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from zeroflow import offload
+from zeroflow.engine import offload
 from zeroflow.data import bits_per_byte, eval_batches
 from zeroflow.models import LAYER_STACK
 from zeroflow.trainer.setup import Run

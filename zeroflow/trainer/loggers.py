@@ -11,7 +11,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Protocol
 
-from zeroflow.config import Config
+from zeroflow.config.schema import Config
 
 TB_DIR = "tb"
 "TensorBoard's folder inside the run folder."

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import jax
 
-from zeroflow import frozen as frozen_weights
-from zeroflow.config import Config
-from zeroflow.config_io import save_config
+from zeroflow.engine import frozen as frozen_weights
+from zeroflow.config.schema import Config
+from zeroflow.config.io import save_config
 from zeroflow.data import train_batch
-from zeroflow.distributed import StopVote
+from zeroflow.engine.distributed import StopVote
 from zeroflow.models import flops_per_token
 from zeroflow.trainer import adapters, loggers, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints

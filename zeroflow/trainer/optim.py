@@ -5,7 +5,7 @@ from __future__ import annotations
 import optax
 
 from zeroflow import optim
-from zeroflow.config import TrainConfig
+from zeroflow.config.schema import TrainConfig
 
 ADAMW = {"adamw": optax.adamw, "adamw_8bit": optim.adamw_8bit, "adamw_bf16": optim.adamw_bf16}
 "``train.optimizer`` -> the AdamW factory (the same arguments as ``optax.adamw``)."

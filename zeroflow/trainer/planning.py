@@ -18,16 +18,18 @@ from typing import Any
 
 import jax
 
-from zeroflow import backend, compat
+from zeroflow import backend
+
+from zeroflow.util import compat
 from zeroflow.backend import target_mesh
-from zeroflow.config import ModelConfig
+from zeroflow.config.schema import ModelConfig
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
-from zeroflow.mesh import planning_mesh
+from zeroflow.engine.mesh import planning_mesh
 from zeroflow.models import abstract_params
-from zeroflow.padding import unpadded_shapes
-from zeroflow.plan import path_str
+from zeroflow.engine.padding import unpadded_shapes
+from zeroflow.engine.plan import path_str
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
 
 

@@ -25,8 +25,8 @@ import os
 import shutil
 from pathlib import Path
 
-from zeroflow.config import Config
-from zeroflow.config_io import ConfigError, load_config
+from zeroflow.config.schema import Config
+from zeroflow.config.io import ConfigError, load_config
 from zeroflow.trainer.optim import lr_schedule
 
 log = logging.getLogger("zeroflow")

@@ -11,13 +11,13 @@ import numpy as np
 import optax
 
 import zeroflow as zf
-from zeroflow.config import Config, ModelConfig
-from zeroflow.config_io import batch_split_problem
+from zeroflow.config.schema import Config, ModelConfig
+from zeroflow.config.io import batch_split_problem
 from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
-from zeroflow.plan import path_str
+from zeroflow.engine.plan import path_str
 from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
 
@@ -42,7 +42,7 @@ class Run:
     def gather_per_layer(self) -> str | None:
         """The engine's ``gather_per_layer``: the GPT's layer stack, a top-level key of the
         parameters only without LoRA. With LoRA stage 3 fetches each weight on use instead
-        (``zeroflow.grads.gather_on_use``), which replays the layer scan one layer at a time."""
+        (``zeroflow.engine.grads.gather_on_use``), which replays the layer scan one layer at a time."""
         return LAYER_STACK if self.lora is None else None
 
     def abstract_params(self):

@@ -1,0 +1,148 @@
+"""``python -m zeroflow.sample --run RUN_DIR --prompt "def "``: continue a prompt with the latest
+checkpoint of a run, or ``--step N`` (restored onto one device, whatever mesh and ZeRO stage
+trained it); the step used is named on stderr, and an unreadable latest checkpoint is refused
+unless ``--step`` names the one to use.
+``--chat`` sends the prompt as a user message through the tokenizer's chat template and
+prints the reply, up to the end-of-text token. ``--interactive`` loads the model once and
+answers each line read from stdin (a prompt, or with ``--chat`` a message) until end of input
+or an empty line; the first answer compiles the sampler, the next ones reuse it."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from zeroflow.cli.common import run_cli
+
+PROG = "zeroflow.sample"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__)
+    p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--tokens", type=int, default=200, help="how many tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step to sample from (default: the latest, which must be readable)")
+    p.add_argument("--chat", action="store_true",
+                   help="answer the prompt as a user message, with the tokenizer's chat template")
+    p.add_argument("--interactive", action="store_true",
+                   help="keep the model loaded and answer each line of stdin (empty line or EOF ends)")
+    return p
+
+
+def chat_prompt(tokenizer, message: str) -> list[int]:
+    """Token ids of a one-message conversation rendered with the tokenizer's chat template,
+    ending with the template's assistant header (add_generation_prompt)."""
+    from zeroflow.data import load_chat_template
+    from zeroflow.data.tokenizers import HFTokenizer
+
+    template = load_chat_template(tokenizer.folder) if isinstance(tokenizer, HFTokenizer) else None
+    if template is None:
+        raise ValueError(f"--chat needs a tokenizer folder with a chat template; the run's "
+                         f"tokenizer is {tokenizer.name}")
+    text, _ = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    return tokenizer.backend.encode(text, add_special_tokens=False).ids
+
+
+def until_end(tokenizer, tokens: list[int]) -> list[int]:
+    """``tokens`` up to (not including) the first end-of-text token."""
+    eos = getattr(tokenizer, "eos_id", None)
+    return tokens[:tokens.index(eos)] if eos in tokens else tokens
+
+
+def load_params(run_dir: Path, step: int | None = None):
+    """(model config, tokenizer, fp32 params, step) of checkpoint ``step`` (default: the
+    latest, which must be readable), on one device; a LoRA run's adapters folded into its
+    base weights. Nothing in the run folder is changed."""
+    from zeroflow.trainer.adapters import merged
+
+    run, params, step = load_run_params(run_dir, step)
+    return run.model_cfg, run.data.tokenizer, merged(run.lora, params), step
+
+
+def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool = True):
+    """(the run as ``build_run`` makes it, its fp32 params as trained, step) of checkpoint
+    ``step`` on one device: a LoRA run's are ``{"base", "lora"}``. ``with_data=False``: the
+    run has no data (nor tokenizer)."""
+    import jax
+
+    from zeroflow.config.io import load_config
+    from zeroflow.trainer import build_run
+    from zeroflow.trainer.checkpoints import RunCheckpoints
+
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a zeroflow run folder?")
+    cfg = load_config(run_dir / "config.yaml")
+    single = dataclasses.replace(cfg.parallel, data=1, model=1, zero_stage=0, offload="none",
+                                 update_on="device", grad_accum=1)
+    cfg = dataclasses.replace(cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32"))
+    run = build_run(cfg, devices=jax.devices()[:1], with_data=with_data)
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep, read_only=True)
+    try:
+        state, meta = checkpoints.read(run.abstract_state(), step)
+    finally:
+        checkpoints.close()
+    return run, state.params, meta["step"]
+
+
+def main_args(args) -> int:
+    import jax
+
+    from zeroflow.models import generate
+
+    if args.tokens < 1:
+        raise ValueError("--tokens must be at least 1")
+    model_cfg, tokenizer, params, step = load_params(Path(args.run), args.step)
+    print(f"[step {step}]", file=sys.stderr)
+
+    def answer(text: str, seed: int) -> str:
+        prompt = chat_prompt(tokenizer, text) if args.chat else tokenizer.encode(text)
+        if not prompt:
+            raise ValueError("the prompt encodes to no tokens")
+        new = generate(params, model_cfg, prompt, max_new_tokens=args.tokens,
+                       temperature=args.temperature, top_k=args.top_k or None,
+                       rng=jax.random.key(seed))
+        return tokenizer.decode(until_end(tokenizer, new)) if args.chat else text + tokenizer.decode(new)
+
+    if not args.interactive:
+        print(answer(args.prompt, args.seed))
+        return 0
+    return prompt_loop(answer, args.seed)
+
+
+def prompt_loop(answer, seed: int, lines=None) -> int:
+    """Answer each line of ``lines`` (default: stdin) until an empty line or end of input; the
+    n-th answer samples with seed ``seed + n``. A prompt that cannot be answered (one that
+    encodes to no tokens) is reported on stderr and the loop goes on."""
+    lines = sys.stdin if lines is None else lines
+    interactive = sys.stdin.isatty() if lines is sys.stdin else False
+    for n, line in enumerate(_prompts(lines, interactive)):
+        try:
+            print(answer(line, seed + n), flush=True)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _prompts(lines, interactive: bool):
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = lines.readline()
+        if not line or not line.rstrip("\n"):
+            return
+        # A literal backslash-n in a typed prompt stands for a newline ("def f():\n    ").
+        yield line.rstrip("\n").replace("\\n", "\n")
+
+
+def main(argv=None) -> int:
+    return run_cli(PROG, main_args, parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

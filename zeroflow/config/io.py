@@ -1,0 +1,459 @@
+"""Load, override, validate and save the run configuration.
+
+    cfg = load_config("configs/tiny.yaml", ["train.steps=100", "parallel.zero_stage=3"])
+
+A YAML file fills the nested dataclasses of ``zeroflow.config``; ``section.key=value`` overrides
+are applied on top; the result is validated. Any problem raises ``ConfigError`` with one readable
+line that names the key, and for unknown keys lists the valid ones. Values are coerced from the
+field's type, never guessed from the text: YAML reads ``3e-4`` as a string, and that is fine
+for a float field; a float is refused for an int field.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import os
+import re
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from zeroflow.config import schema as config_module
+from zeroflow.config.schema import CHOICES, Config
+from zeroflow.engine.plan import update_needs_offload
+from zeroflow.engine.precision import parse_loss_scale
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).splitlines()))
+
+
+# --- schema -------------------------------------------------------------------------------------
+
+def _sections() -> dict[str, type]:
+    return {f.name: _hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, type]:
+    return typing.get_type_hints(cls)
+
+
+def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """``{"train.steps": "Number of optimizer steps.", ...}``, from the docstrings in config.py."""
+    tree = ast.parse(inspect.getsource(config_module))
+    class_docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            docs = class_docs.setdefault(node.name, {})
+            for stmt, nxt in zip(node.body, node.body[1:]):
+                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                        and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str)):
+                    docs[stmt.target.id] = nxt.value.value
+    return {key: class_docs.get(cls.__name__, {}).get(f.name, "") for key, cls, f in _leaves()}
+
+
+def _is_section(typ) -> bool:
+    """A nested section (``model.lora``): a field whose type is itself a config dataclass."""
+    return isinstance(typ, type) and dataclasses.is_dataclass(typ)
+
+
+def _leaves(cls: type = Config, prefix: str = ""):
+    """``(dotted key, owning class, field)`` of every settable key, nested sections entered."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        typ = _hints(cls)[f.name]
+        if _is_section(typ):
+            yield from _leaves(typ, key)
+        elif prefix:  # the top level holds sections only
+            yield key, cls, f
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def describe_config(cfg: Config | None = None) -> str:
+    """Every key with its type, current value and doc, one per line (used by ``--help``)."""
+    cfg = cfg or Config()
+    lines = []
+    for key, cls, f in _leaves():
+        choices = f.metadata.get(CHOICES)
+        kind = "|".join(map(str, choices)) if choices else _hints(cls)[f.name].__name__
+        lines.append(f"  {f'{key}={_get(cfg, key)}':<32} ({kind}) {field_docs()[key]}")
+    return "\n".join(lines)
+
+
+def _unknown(what: str, name: str, valid: Sequence[str], *, section: str = "",
+             where: str = "") -> ConfigError:
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
+    scope = f"keys in {section}" if section else "sections"
+    return ConfigError(f"unknown {what} '{prefix}{name}'{where}{hint} "
+                       f"valid {scope}: {', '.join(valid)}")
+
+
+# --- coercion -----------------------------------------------------------------------------------
+
+def _coerce(key: str, value: Any, typ: type, where: str) -> Any:
+    """Turn a YAML value or a command-line string into ``typ``, or raise ConfigError."""
+    def bad() -> ConfigError:
+        shown = f"{value!r}" if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+        hint = " (quote it in YAML)" if typ is str and isinstance(value, bool) else ""
+        return ConfigError(f"{key}: expected {typ.__name__}, got {shown}{hint}{where}")
+
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad()
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip(), 10)
+            except ValueError:
+                pass
+        raise bad()
+    if typ is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                raise bad() from None
+        else:
+            raise bad()
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite float, got {value!r}{where}")
+        return number
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. ``loss_scale: 1024`` in YAML
+        raise bad()
+    raise TypeError(f"config field {key} has unsupported type {typ!r}")
+
+
+def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
+    section, _, name = dotted.partition(".")
+    sections = _sections()
+    if section not in sections:
+        bare = [k for k in field_docs() if k.endswith("." + section)] if not name else []
+        if bare:  # ``steps=100``: point at ``train.steps``
+            raise ConfigError(f"key '{dotted}'{where} needs its section; did you mean '{bare[0]}'?")
+        raise _unknown("section", section, list(sections), where=where)
+    _set_in(getattr(cfg, section), sections[section], section, name, value, where)
+
+
+def _set_in(obj, cls: type, prefix: str, name: str, value: Any, where: str) -> None:
+    """Set ``name`` (dotted below ``prefix``) of the section ``obj``; a nested section takes
+    a mapping of its keys (YAML) or its own dotted keys (``model.lora.rank=8``)."""
+    head, _, rest = name.partition(".")
+    fields = _fields(cls)
+    typ = _hints(cls)[head] if head in fields else None
+    if typ is None or (rest and not _is_section(typ)):
+        raise _unknown("key", name, list(fields), section=prefix, where=where)
+    key = f"{prefix}.{head}"
+    if not _is_section(typ):
+        setattr(obj, head, _coerce(key, value, typ, where))
+        return
+    if rest:
+        _set_in(getattr(obj, head), typ, key, rest, value, where)
+    elif isinstance(value, Mapping):
+        for sub, sub_value in value.items():
+            _set_in(getattr(obj, head), typ, key, str(sub), sub_value, where)
+    elif value is not None:
+        keys = ", ".join(f"{key}.{k}" for k in _fields(typ))
+        raise ConfigError(f"{key} is a section: set its keys ({keys}), got {value!r}{where}")
+
+
+# --- building a Config --------------------------------------------------------------------------
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Nested plain dict of ``cfg`` (sections -> keys -> values), in field order."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: Mapping[str, Any] | None, overrides: Sequence[str] = (), *,
+                     where: str = "") -> Config:
+    """Build and validate a Config from nested ``{section: {key: value}}`` plus overrides."""
+    cfg = Config()
+    where_text = f" (in {where})" if where else ""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping of sections at the top level{where_text}, "
+                          f"got {type(data).__name__}")
+    for section, values in data.items():
+        if str(section) not in _sections():
+            raise _unknown("section", str(section), list(_sections()), where=where_text)
+        if values is None:
+            continue
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"section '{section}' must be a mapping of keys{where_text}, "
+                              f"got {values!r}")
+        for name, value in values.items():
+            _set(cfg, f"{section}.{name}", value, where_text)
+    return validate_config(apply_overrides(cfg, overrides, validate=False))
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str], *, validate: bool = True) -> Config:
+    """A copy of ``cfg`` with ``section.key=value`` overrides applied (later ones win)."""
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    cfg = copy.deepcopy(cfg)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value "
+                              "(e.g. train.steps=100)")
+        _set(cfg, key.strip(), value, f" (in override '{item}')")
+    return validate_config(cfg) if validate else cfg
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config (None = dataclass defaults), apply overrides, validate."""
+    data: Any = None
+    where = ""
+    if path is not None:
+        where = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {where}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError(f"cannot parse {where}: {problem}{at}") from None
+    return config_from_dict(data, overrides, where=where)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML; ``load_config(path)`` gives it back. Written to a
+    temporary file and renamed, so a process killed meanwhile leaves the old file whole."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = os.fspath(path) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("# Resolved zeroflow config; rerun with: --config " + os.fspath(path) + "\n")
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+    os.replace(tmp, path)
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+def _check_loss_scale(value: str) -> str | None:
+    try:
+        parse_loss_scale(value)
+    except ValueError:
+        return f"precision.loss_scale must be 'none', 'dynamic' or a positive number; got {value!r}"
+    return None
+
+
+def batch_split_problem(batch_size: int, grad_accum: int, data_size: int | None = None) -> str | None:
+    """Why ``train.batch_size`` cannot be split into ``parallel.grad_accum`` micro-batches (and,
+    once the mesh is known, over ``data_size`` devices), or None when it can."""
+    if grad_accum <= 0:
+        return None  # reported on its own ("parallel.grad_accum must be positive")
+    if data_size is None:
+        if batch_size % grad_accum:
+            return (f"train.batch_size ({batch_size}) must be divisible by "
+                    f"parallel.grad_accum ({grad_accum})")
+    elif batch_size % (data_size * grad_accum):
+        return (f"train.batch_size {batch_size} does not divide by data axis size {data_size} x "
+                f"parallel.grad_accum {grad_accum}")
+    return None
+
+
+def validate_config(cfg: Config) -> Config:
+    """Check choices, ranges and cross-field rules; return ``cfg`` or raise ConfigError."""
+    problems: list[str] = []
+    for key, _, f in _leaves():
+        choices = f.metadata.get(CHOICES)
+        value = _get(cfg, key)
+        if choices and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(f"{key} must be one of "
+                            f"{', '.join(map(str, choices))}; got {value!r}{hint}")
+    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
+    rules = [
+        (m.vocab_size > 0, "model.vocab_size must be positive"),
+        (m.seq_len > 0, "model.seq_len must be positive"),
+        (m.num_layers > 0, "model.num_layers must be positive"),
+        (m.embed_dim > 0, "model.embed_dim must be positive"),
+        (m.num_heads > 0, "model.num_heads must be positive"),
+        (m.num_kv_heads >= 0, "model.num_kv_heads must be >= 0 (0 = num_heads)"),
+        (m.head_dim >= 0, "model.head_dim must be >= 0 (0 = embed_dim // num_heads)"),
+        (m.mlp_dim > 0, "model.mlp_dim must be positive"),
+        (m.rope_base > 0, "model.rope_base must be positive"),
+        (0 < m.mlp_density <= 1, f"model.mlp_density must be in (0, 1]; got {m.mlp_density}"),
+        (m.mlp_block_size > 0, "model.mlp_block_size must be positive"),
+        (0 <= m.dropout < 1, f"model.dropout must be in [0, 1); got {m.dropout}"),
+        (m.max_positions >= 0, "model.max_positions must be >= 0 (0 = seq_len)"),
+        (m.norm_eps > 0, "model.norm_eps must be positive"),
+        (m.sliding_window >= 0, "model.sliding_window must be >= 0 (0 = attend to all)"),
+        (m.rope_scaling_factor > 0 and m.rope_original_max_positions > 0
+         and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+         "model.rope_scaling_factor and model.rope_original_max_positions must be positive and "
+         "0 < model.rope_low_freq_factor < model.rope_high_freq_factor"),
+        (bool(d.source), "data.source must not be empty"),
+        (0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1); got {d.val_fraction}"),
+        (d.max_bytes >= 0, "data.max_bytes must be >= 0 (0 = no cap)"),
+        (d.packing_bins > 0, "data.packing_bins must be positive"),
+        (bool(d.tokenizer), "data.tokenizer must be 'byte', a SentencePiece .model path or a "
+                            "Hugging Face tokenizer.json (or its folder)"),
+        (t.steps > 0, f"train.steps must be positive; got {t.steps}"),
+        (t.batch_size > 0, f"train.batch_size must be positive; got {t.batch_size}"),
+        (t.lr >= 0, "train.lr must be >= 0"),
+        (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
+        (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
+        (t.weight_decay >= 0, "train.weight_decay must be >= 0"),
+        (0 <= t.b1 < 1 and 0 <= t.b2 < 1, "train.b1 and train.b2 must be in [0, 1)"),
+        (t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables it)"),
+        (t.seed >= 0, "train.seed must be >= 0"),
+        (t.log_every > 0, "train.log_every must be positive"),
+        (t.eval_every >= 0, "train.eval_every must be >= 0 (0 = only at the end)"),
+        (t.eval_batches >= 0, "train.eval_batches must be >= 0"),
+        (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
+        (p.model > 0, "parallel.model must be positive"),
+        (p.grad_accum > 0, "parallel.grad_accum must be positive"),
+        (p.quantize_weights == "none" or p.zero_stage == 3,
+         f"parallel.quantize_weights={p.quantize_weights} quantizes stage-3 weight gathers; "
+         f"parallel.zero_stage is {p.zero_stage} (set it to 3)"),
+        (p.quantize_block > 0, "parallel.quantize_block must be positive"),
+        (p.quantize_grads == "none" or p.zero_stage == 3,
+         f"parallel.quantize_grads={p.quantize_grads} quantizes the reduction of gathered stage-3 "
+         f"weights' gradients; parallel.zero_stage is {p.zero_stage} (set it to 3)"),
+        (not p.hierarchical or p.zero_stage == 3,
+         f"parallel.hierarchical=true keeps a within-host copy of stage-3 weights; "
+         f"parallel.zero_stage is {p.zero_stage} (set it to 3)"),
+        (not p.hierarchical or p.offload == "none",
+         f"parallel.hierarchical=true keeps its weight copy on the device; parallel.offload is "
+         f"{p.offload} (set it to none)"),
+        (not p.hierarchical or cfg.precision.params != "fp32",
+         "parallel.hierarchical=true keeps a within-host copy of the compute-dtype weights; "
+         "precision.params is fp32, which keeps none (set it to bf16)"),
+        (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
+        (c.every >= 0, "checkpoint.every must be >= 0"),
+        (c.keep > 0, "checkpoint.keep must be positive"),
+    ]
+    if m.num_heads > 0:
+        if m.head_dim == 0 and m.embed_dim % m.num_heads:
+            rules.append((False, f"model.num_heads ({m.num_heads}) must divide model.embed_dim "
+                                 f"({m.embed_dim}) when model.head_dim is 0"))
+        if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
+            rules.append((False, f"model.num_kv_heads ({m.num_kv_heads}) must divide "
+                                 f"model.num_heads ({m.num_heads})"))
+    problems += _lora_problems(m.lora, t.freeze)
+    if t.freeze:
+        try:
+            re.compile(t.freeze)
+        except re.error as e:
+            rules.append((False, f"train.freeze must be a regular expression; {t.freeze!r}: {e}"))
+    batch_problem = batch_split_problem(t.batch_size, p.grad_accum)
+    if batch_problem:
+        rules.append((False, batch_problem))
+    if update_needs_offload(p.offload, p.update_on):
+        rules.append((False, "parallel.update_on=host needs parallel.offload "
+                             "'optimizer' or 'optimizer+params'"))
+    if p.update_on == "host" and t.optimizer == "adamw_8bit":
+        # XLA:GPU stops with a check failure compiling the 8-bit update as host code (an
+        # asynchronous op XLA:CPU cannot emit); streamed through the device it compiles.
+        rules.append((False, "train.optimizer=adamw_8bit is updated on the device: use "
+                             "parallel.update_on=device with parallel.offload (the state "
+                             "streams through the device one parameter at a time)"))
+    problems += [message for ok, message in rules if not ok]
+    loss_scale_problem = _check_loss_scale(cfg.precision.loss_scale)
+    if loss_scale_problem:
+        problems.append(loss_scale_problem)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return cfg
+
+
+def _lora_problems(lora, freeze: str) -> list[str]:
+    """What is wrong with ``model.lora``; whether its targets match a weight of the model is
+    checked when the run is built (``zeroflow.trainer.adapters``), where the model is known."""
+    out = []
+    if lora.rank < 0:
+        out.append(f"model.lora.rank must be >= 0 (0 = off); got {lora.rank}")
+    if not lora.alpha > 0:
+        out.append(f"model.lora.alpha must be positive; got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        out.append(f"model.lora.dropout must be in [0, 1); got {lora.dropout}")
+    if lora.rank > 0:
+        try:
+            re.compile(lora.targets or "(?!)")
+        except re.error as e:
+            out.append(f"model.lora.targets must be a regular expression; {lora.targets!r}: {e}")
+        if not lora.targets:
+            out.append("model.lora.targets must not be empty: a regex on parameter paths such "
+                       "as '(attn|mlp)/\\w+/kernel'")
+        if freeze:
+            out.append(f"train.freeze={freeze!r} with model.lora.rank={lora.rank}: LoRA already "
+                       "freezes every base weight and trains the adapters only; narrow "
+                       "model.lora.targets instead (or set train.freeze='')")
+    return out
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--config FILE`` and ``key=value`` overrides to ``parser``; keys listed in --help."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="YAML config file (default: the dataclass defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="dotted overrides applied after the file, e.g. train.steps=100")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = ((parser.epilog or "") + "\nconfig keys (section.key=default):\n"
+                     + describe_config())
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def parse_cli(argv: Sequence[str], *, prog: str | None = None,
+              description: str | None = None) -> Config:
+    """``--config FILE [key=value ...]`` -> Config. A bad config exits with usage and one line."""
+    parser = add_config_arguments(argparse.ArgumentParser(prog=prog, description=description))
+    args = parser.parse_intermixed_args(list(argv))
+    try:
+        return config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))

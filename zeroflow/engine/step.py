@@ -1,0 +1,353 @@
+"""The ZeRO train step: one jitted, state-donating ``train_step(state, batch)``.
+
+Forward and backward run inside ``shard_map`` over the ``data`` axis so that the collectives
+are explicit and the same on every backend:
+- stage 0/1: local gradients are all-reduced (``psum``) once per step;
+- stage 2:   each gradient is reduce-scattered (``psum_scatter``) inside the backward pass as
+             soon as it is complete, onto the device that owns that slice of the master weights;
+- stage 3:   compute weights arrive sharded and each is all-gathered just before its use, and
+             again for the backward pass; its gradient is reduce-scattered.
+How weights reach the loss and gradients leave it is ``zeroflow.engine.grads``. The optimizer update
+(``zeroflow.engine.update``) then runs on the sharded fp32 arrays outside ``shard_map``, so any optax
+transform (global-norm clipping included) sees the true global gradient. ``model`` stays an
+automatic axis, which is how tensor-parallel rules compose with ZeRO.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zeroflow import backend
+
+from zeroflow.engine import offload, padding, update
+from zeroflow.engine import frozen as frozen_weights
+from zeroflow.engine.grads import local_grads, native_gradients, step_routes
+from zeroflow.engine.grads import routes
+from zeroflow.engine.grads.routes import is_route
+from zeroflow.engine.mesh import DATA
+from zeroflow.engine.plan import LeafLayout, ZeroPlan, path_str
+from zeroflow.engine.precision import Precision
+from zeroflow.engine.state import TrainState, state_shardings
+from zeroflow.engine.zeropp import hierarchical
+
+LossFn = Callable[..., Any]
+
+
+def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError("batch has no array leaves")
+    sizes = {path_str(p): (jnp.shape(x)[0] if jnp.ndim(x) else None) for p, x in leaves}
+    if None in sizes.values():
+        raise ValueError("every batch leaf needs a leading batch axis; scalars found at "
+                         + ", ".join(k for k, v in sizes.items() if v is None))
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch leaves disagree on the leading batch size: {sizes}")
+    size = next(iter(sizes.values()))
+    if size % divisor:
+        raise ValueError(f"batch size {size} does not divide by data axis size {data_size} x "
+                         f"grad_accum {grad_accum} = {divisor}")
+
+
+class StepLayout(NamedTuple):
+    """Everything about where arrays live that one state layout needs, computed once per layout
+    (not per trace): per-leaf layouts, the state's shardings and the compute weights' shardings
+    as the step reads them, and the trainable mask. ``abstract_master`` has the parameters' own
+    (unpadded) shapes, frozen ones included; ``layouts`` and the compute shardings are those of
+    the whole tree (what the loss reads), ``state`` has the trainable/frozen split."""
+    layouts: Any
+    state: TrainState
+    compute_on_device: Any
+    compute_stored: Any
+    trainable: Any
+
+
+def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPlan,
+                prec: Precision, model_state=None, rng=None, trainable=None) -> StepLayout:
+    mask = frozen_weights.trainable_mask(trainable, abstract_master)
+    return StepLayout(
+        layouts=plan.layouts(abstract_master),
+        state=state_shardings(abstract_master, tx, plan, prec, model_state, rng, trainable=mask),
+        compute_on_device=plan.compute_shardings(abstract_master, padded=True,
+                                                 memory_kind="device" if plan.offloads else None),
+        compute_stored=plan.compute_shardings(abstract_master, padded=True),
+        trainable=mask)
+
+
+def _place(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+
+
+def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
+               plan: ZeroPlan, prec: Precision, grad_accum: int, layout: StepLayout,
+               per_layer: str | None = None, prefetch: int = 0):
+    """One optimizer step on a global batch; returns ``(new_state, metrics)``: gradients on
+    every device, reduced by the plan, then the update where the plan keeps the state."""
+    n = plan.data_size
+    check_batch(batch, n * grad_accum, n, grad_accum)
+    batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch)
+    if per_layer is not None and per_layer not in layout.layouts:
+        raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
+    route_tree = step_routes(layout.layouts, plan, prec, per_layer, grad_accum,
+                             trainable=layout.trainable)
+    pads = state.padding
+    scale = prec.step_scale(state.loss_scale)
+    # What the loss gets besides weights and data: the step's key (local_grads folds in the
+    # device and micro-batch) and the model state.
+    extras = {**({} if state.model_state is None else {"model_state": state.model_state}),
+              **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
+    local = functools.partial(local_grads, loss_fn=loss_fn, routes=route_tree, plan=plan,
+                              grad_accum=grad_accum, per_layer=per_layer, prefetch=prefetch,
+                              gather_dtype=pads.cast_on_use, reduce_dtype=prec.reduce_dtype)
+    grads, loss, aux, model_state = _gradients(
+        local, _compute_params(state, plan, layout, route_tree), batch, scale, extras,
+        plan=plan, layout=layout, routes=route_tree)
+
+    # Unscale in fp32 and average over devices and micro-batches; gradients in their own dtype
+    # (native_gradients) are widened and unscaled where the update reads them.
+    divisor = scale * (n * grad_accum)
+    if native_gradients(plan, grad_accum):
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
+    else:
+        grads = jax.tree.map(lambda g: g / divisor, grads)
+        grad_norm, divisor = optax.tree.norm(grads), None
+    finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
+    if not plan.shards_grads:  # whole gradients: into the master's (padded) form for the update
+        grads = padding.pad(grads, pads.master, n)
+    new_master, new_opt, new_compute = _updated(grads, state, finite, divisor, tx=tx, plan=plan,
+                                                prec=prec, layout=layout)
+    if plan.hierarchical:  # the within-host copy the next step gathers from
+        new_compute = hierarchical.refresh(new_compute, layout.layouts, plan)
+
+    # A skipped step changes nothing, the model state included (its statistics may be NaN).
+    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
+                               state.model_state)
+    loss_scale = prec.next_loss_scale(state.loss_scale, finite)
+    skipped = jnp.logical_not(finite).astype(jnp.int32)
+    new_state = TrainState(step=state.step + 1, applied=state.applied + (1 - skipped),
+                           master=new_master, compute=new_compute, opt_state=new_opt,
+                           loss_scale=loss_scale, model_state=model_state, rng=state.rng,
+                           frozen=state.frozen, padding=pads)
+    new_state = _place(new_state, layout.state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
+               "applied": new_state.applied,
+               "consecutive_skips": skipped if loss_scale is None else loss_scale.skips, **aux}
+    return new_state, metrics
+
+
+def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route_tree):
+    """Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
+    stage 3 they are whole on every device (fp32 compute gathers them from the master here).
+    Offloaded weights stream in here, whole, except the layer stacks that the loss fetches one
+    layer at a time (gather_layer): those stay in host memory. Frozen weights join the
+    trainable ones here, laid out as they are."""
+    streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
+    compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
+                              layout.compute_on_device, layout.compute_stored, streamed)
+    params = state.stored_params
+    if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
+        params = padding.unpad(params, state.padding.master)
+    cast = state.padding.cast_on_use
+    if cast is not None:  # no compute copy (stage 3): shards are cast as gathered, the rest here
+        params = jax.tree.map(lambda x, r: x if r is None or r.sharded else x.astype(cast),
+                              params, routes.trained(route_tree), is_leaf=lambda x: x is None)
+    return _place(frozen_weights.merge(params, state.frozen), compute_sh)
+
+
+def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: StepLayout, routes):
+    """``local`` (``local_grads`` bound to the step) on every device's rows of ``batch``:
+    gradients as the routes leave them (sharded or whole), loss, aux and model state."""
+    if plan.data_size == 1:  # one device on the data axis: no shard_map, no collectives to place
+        return local(params, batch, scale, extras, collective=False)
+    is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+    specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
+                            layout.layouts, is_leaf=is_layout)
+    specs_grad = jax.tree.map(lambda lay, r: None if r.frozen else lay.data_only_spec(
+        r.sharded_grad), layout.layouts, routes, is_leaf=is_layout)
+    batch_specs = jax.tree.map(lambda _: P(DATA), batch)
+    # ``model`` stays automatic for tensor-parallel rules; without them every axis is manual,
+    # which is what kernels with custom partitioners (cuDNN attention) need.
+    manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
+    return jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P(), P()),
+        out_specs=(specs_grad, P(), P(), P()), axis_names=manual)(params, batch, scale, extras)
+
+
+def _updated(grads, state: TrainState, finite, divisor, *, tx: optax.GradientTransformation,
+             plan: ZeroPlan, prec: Precision, layout: StepLayout):
+    """``(new_master, new_opt_state, new_compute)``: the optax update wherever the plan keeps
+    the state (on the device; offloaded and streamed through the device; on the host).
+    ``divisor``: what gradients in their own dtype (``native_gradients``) are still to be
+    divided by, after widening; None where they come unscaled."""
+    shard, pads = layout.state, state.padding
+
+    def unscaled(grads, divisor):
+        return grads if divisor is None else jax.tree.map(
+            lambda g: g.astype(jnp.float32) / divisor, grads)
+
+    # Whole compute weights are gathered from the updated shards at stages 1-2: leaf after leaf
+    # where the compiler widens half precision (one_at_a_time), else stacks slice by slice.
+    whole_compute = state.compute is not None and not plan.shards_compute
+    one_by_one = whole_compute and plan.traits.widens_half_precision
+    compute_dtype = None if state.compute is None else prec.compute_dtype
+    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads,
+                              skip_by_select=not plan.traits.cond_updates_in_place)
+    compute_on_device = frozen_weights.split(layout.compute_on_device, layout.trainable)[0]
+    if not plan.updates_on_host:  # on the device: widened as each leaf's update reads it
+        grads = unscaled(grads, divisor)
+    if not plan.offloads:
+        new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
+                                                 compute_shardings=one_by_one and shard.compute)
+        if whole_compute and not one_by_one:
+            new_compute = update.gather_by_slices(new_compute, shard.master, plan.mesh,
+                                                  into=state.compute)
+        return new_master, new_opt, new_compute
+    if plan.updates_on_host:
+        # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs
+        # there, and only the compute-dtype weights travel back (placed by the caller).
+        host_grads = offload.to_memory(grads, shard.master, "pinned_host")
+        host_scalars = offload.to_memory((finite, divisor), plan.replicated(), "pinned_host")
+
+        def unscaled_apply(grads, master, opt_state, scalars):
+            finite, divisor = scalars
+            return apply(unscaled(grads, divisor), master, opt_state, finite)
+        return offload.on_host(unscaled_apply)(host_grads, state.master, state.opt_state,
+                                               host_scalars)
+    # Offloaded state updated on the device, one parameter's state brought in at a time; an
+    # optimizer that mixes parameters' state (see zeroflow.engine.update) brings all of it in.
+    if plan.traits.separate_host_memory:
+        streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
+                                   compute_dtype=compute_dtype, shardings=shard, pads=pads)
+        if streamed is not None:
+            return streamed
+    master = offload.to_memory(state.master, shard.master, "device")
+    opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
+    return apply(grads, master, opt_state, finite, compute_shardings=(
+        one_by_one and not plan.offloads_params and compute_on_device))
+
+
+def _traced_for(fn, state, batch, *, layout: StepLayout, traits: backend.Traits):
+    """``fn`` traced with the plan's backend traits current: code that sees only arrays (the
+    model's attention, Pallas kernels) compiles for the mesh's devices, not this process's."""
+    with backend.tracing_for(traits):
+        return fn(state, batch, layout=layout)
+
+
+class TrainStep:
+    """``step(state, batch) -> (state, metrics)``: one ``jax.jit`` per state layout.
+
+    The jit is built on the first call, when the state's shapes are known, so that its
+    ``out_shardings`` are exactly the plan's (``state_shardings``): the new state comes back in
+    the layout it went in, the next call hits the compile cache, and donation can reuse every
+    buffer. ``lower``/``trace`` and ``jitted(state)`` give the usual AOT access.
+    """
+
+    def __init__(self, fn, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision,
+                 donate: bool, compiler_options: dict | None = None, trainable=None):
+        self._fn, self._tx, self._plan, self._prec = fn, tx, plan, prec
+        self._trainable = trainable
+        self.compiler_options = {**backend.compiler_options(plan.traits), **(compiler_options or {})}
+        self._donate = (0,) if donate else ()
+        self._by_layout: dict[Any, Any] = {}
+
+    def jitted(self, state: TrainState):
+        """The ``jax.jit`` object for states shaped like ``state``."""
+        leaves, treedef = jax.tree.flatten(state)
+        key = (treedef, tuple(x.shape for x in leaves))  # cheap: this runs on every step
+        if key not in self._by_layout:
+            shapes = padding.unpadded_shapes(state.master, state.padding.master)
+            mask = frozen_weights.mask_of(state.master, state.frozen)
+            if state.frozen is not None:
+                shapes = frozen_weights.merge(shapes, padding.unpadded_shapes(
+                    state.frozen, state.padding.frozen))
+            if self._trainable is not None:
+                _check_same_split(frozen_weights.trainable_mask(self._trainable, shapes), mask)
+            layout = step_layout(shapes, self._tx, self._plan, self._prec, state.model_state,
+                                 state.rng, trainable=mask)
+            self._by_layout[key] = jax.jit(functools.partial(_traced_for, self._fn, layout=layout,
+                                                             traits=self._plan.traits),
+                                           donate_argnums=self._donate,
+                                           compiler_options=self.compiler_options or None,
+                                           out_shardings=(layout.state, self._plan.replicated()))
+        return self._by_layout[key]
+
+    def __call__(self, state: TrainState, batch):
+        return self.jitted(state)(state, batch)
+
+    def lower(self, state: TrainState, batch):
+        return self.jitted(state).lower(state, batch)
+
+    def trace(self, state: TrainState, batch):
+        return self.jitted(state).trace(state, batch)
+
+
+def _check_same_split(want, have) -> None:
+    """``make_train_step(trainable=...)`` must describe the state it is given."""
+    differ = [path_str(p) for (p, w), h in zip(jax.tree_util.tree_leaves_with_path(want),
+                                                jax.tree.leaves(have)) if w != h]
+    if differ:
+        raise ValueError(f"make_train_step's trainable differs from the state's (built by "
+                         f"init_train_state(trainable=...)) at {', '.join(differ[:4])}"
+                         + (" ..." if len(differ) > 4 else ""))
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: ZeroPlan,
+                    prec: Precision, grad_accum: int = 1, *, donate: bool = True,
+                    gather_per_layer: str | None = None, prefetch: int | None = None,
+                    compiler_options: dict | None = None, trainable=None) -> TrainStep:
+    """A compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
+
+    ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
+    pytree whose leaves share a leading global batch axis divisible by data size x grad_accum.
+    When the state carries them, the loss also gets ``model_state=`` (and must then return
+    ``(loss, aux, new_model_state)``) and ``rng=`` (a key of its own per step, device and
+    micro-batch) as keyword arguments. ``aux`` may not reuse a name of the step's metrics.
+
+    ``gather_per_layer``: the top-level key of stacked layer weights (leading layer axis, e.g.
+    the GPT's ``"layers"`` from ``nn.scan``). Then ``loss_fn(params, batch, gather_layer)`` is
+    given those weights still sharded, and must call ``gather_layer(one_layer_params)`` inside
+    its layer loop: at stage 3 each layer is all-gathered just before it runs (and again in the
+    backward pass under remat) instead of the whole model at once. Below stage 3
+    ``gather_layer`` returns its input, except with ``offload="optimizer+params"``: then the
+    layer weights stay in host memory and ``gather_layer`` copies each layer to the device
+    when it runs. The loss must treat ``params[gather_per_layer]`` as opaque until
+    ``gather_layer`` returns: scan over it (a leaf may be a pair of host copy and gradient
+    stand-in) and hand each layer's slice to ``gather_layer``.
+    The result is a ``TrainStep``: a ``jax.jit`` with the plan's output shardings, with
+    ``.lower(state, batch)`` for ahead-of-time compilation.
+
+    ``prefetch``: at stage 3, how many operations ahead a weight may be all-gathered (forward
+    and backward), so that the gather overlaps the compute before it; each step ahead holds
+    one more operation's weights. Default: 1 where collectives run beside compute (GPUs), 0 on
+    XLA:CPU (which runs them in line). ``compiler_options``: XLA options
+    for this step's compile, over the ones the backend needs (``zeroflow.backend.compiler_options``:
+    on GPUs, collective combining bounded so that gradients are reduced one weight at a time).
+
+    Frozen weights: the step reads the trainable/frozen split from the state
+    (``init_train_state(trainable=...)``); only the trainable leaves are differentiated, the
+    frozen ones enter the loss as constants (fetched on use at stage 3, without a gradient
+    path) and come back unchanged. ``trainable`` (optional, the same spellings): checked
+    against the state's split on the first call.
+    """
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
+    if not isinstance(plan, ZeroPlan):
+        raise ValueError(f"plan must be a zf.ZeroPlan, got {type(plan).__name__}")
+    if not isinstance(prec, Precision):
+        raise ValueError(f"prec must be a zf.Precision, got {type(prec).__name__}")
+    if prec.autocast != "none":  # half-precision compute for a model written in fp32
+        from zeroflow.autocast import autocast
+        loss_fn = autocast(loss_fn, dtype=prec.autocast)
+    if prefetch is None:
+        prefetch = 1 if plan.traits.overlaps_collectives else 0
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
+    step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
+                             grad_accum=grad_accum, per_layer=gather_per_layer, prefetch=prefetch)
+    return TrainStep(step, tx, plan, prec, donate, compiler_options, trainable)

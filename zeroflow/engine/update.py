@@ -1,0 +1,288 @@
+"""The optimizer update on the sharded fp32 state, wherever the plan keeps that state.
+
+- ``apply``: the optax update where the state already is (device, or host under ``compute_on``);
+  a non-finite gradient changes nothing.
+- ``streamed``: master weights and optimizer state kept in host memory (``offload``) and updated
+  on the device one parameter at a time: each parameter's master and optimizer-state leaves are
+  copied in, updated and copied back before the next parameter's update starts, so the device
+  holds one parameter's state, not the model's. The optax update is traced once and replayed
+  grouped by parameter (the computations that read no offloaded state, such as the global
+  gradient norm of ``clip_by_global_norm`` or the step count, run first); a transform that
+  mixes several parameters' offloaded state (a norm over the updates, say) cannot be split and
+  the update falls back to bringing the whole state in.
+- ``one_at_a_time``: reshard leaf after leaf (``Traits.widens_half_precision``).
+- ``gather_by_slices``: whole stacked weights gathered one leading-axis slice at a time.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.extend.core import Literal
+
+from zeroflow.util import jaxprs
+
+from zeroflow.engine import offload, opt_mirror, padding
+from zeroflow.engine.grads.collectives import all_gather, as_words
+from zeroflow.engine.mesh import DATA
+from zeroflow.engine.ordering import after
+from zeroflow.engine.padding import NO_PADDING, StatePadding
+
+
+def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation, compute_dtype,
+          compute_shardings=None, pads: StatePadding = NO_PADDING, skip_by_select: bool = False):
+    """The update on fp32 arrays; returns ``(new_master, new_opt_state, new_compute)``
+    (``new_compute`` None for fp32). ``compute_shardings``: where the new compute weights go,
+    when they should be moved there one leaf after the other (see ``one_at_a_time``).
+    ``pads``: where the stored arrays (and ``grads``, in the master's form) are padded; the
+    optimizer sees them unpadded. ``skip_by_select``: a skipped step (``finite`` false) keeps
+    the old values through an elementwise select instead of a ``lax.cond`` (see
+    ``Traits.cond_updates_in_place``)."""
+    grads, master = padding.unpad(grads, pads.master), padding.unpad(master, pads.master)
+    opt_state = padding.unpad(opt_state, pads.opt_state)
+
+    def step(grads, master, opt_state):
+        updates, new_opt = tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), new_opt
+
+    def keep(grads, master, opt_state):
+        return master, opt_state
+
+    if skip_by_select:
+        # Fused into each leaf's update, writing into the donated buffer.
+        new_master, new_opt = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                           step(grads, master, opt_state), (master, opt_state))
+    else:
+        # A cond: the skipped branch is never computed, and XLA:CPU updates the optimizer
+        # state in place.
+        new_master, new_opt = jax.lax.cond(finite, step, keep, grads, master, opt_state)
+    new_compute = None if compute_dtype is None else padding.pad(
+        jax.tree.map(lambda x: x.astype(compute_dtype), new_master), pads.compute, pads.data_size)
+    new_master = padding.pad(new_master, pads.master, pads.data_size)
+    new_opt = padding.pad(new_opt, pads.opt_state, pads.data_size)
+    if compute_dtype is None:
+        return new_master, new_opt, None
+    if compute_shardings:
+        new_compute = one_at_a_time(new_compute, compute_shardings)
+    return new_master, new_opt, new_compute
+
+
+def one_at_a_time(tree, shardings):
+    """``tree`` resharded to ``shardings`` leaf after leaf, each move waiting for the one before
+    it, and half-precision leaves moved as integer words (``Traits.widens_half_precision``: XLA:CPU
+    would gather them through fp32 temporaries, for every leaf at once)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    moved, previous = [], None
+    for x, s in zip(leaves, treedef.flatten_up_to(shardings)):
+        if previous is not None:
+            x = after(x, previous)
+        previous = as_words(x, lambda w: jax.lax.with_sharding_constraint(w, s))
+        moved.append(previous)
+    return jax.tree.unflatten(treedef, moved)
+
+
+def gather_by_slices(tree, stored_shardings, mesh, into=None):
+    """``tree``'s leaves whole on every device, where they are stored split over ``DATA``:
+    a stack (3 or more dimensions) split along a dimension other than its first is gathered one
+    leading-axis slice at a time, into the whole array in place; other leaves are left to
+    ``jit``'s output shardings. ``into``: the previous whole weights (donated; same structure),
+    whose buffers the slices overwrite, so that no second whole stack is allocated.
+
+    Why: an all-gather writes each device's part contiguously, so gathering a ``(layers, rows,
+    cols)`` stack split by rows in one go produces a buffer laid out rows-major, which XLA:GPU
+    then copies into the array's own layout: a second whole copy of the stack (the bf16 weights
+    at ZeRO-1/2). One slice at a time, each gathered on a new leading (device) axis, the slice
+    is written in the stack's own layout and the temporary is one slice."""
+    def one(x, sharding, old):
+        split = [(d, axes) for d, axes in enumerate(sharding.spec) if axes]
+        if (x.ndim < 3 or len(split) != 1 or split[0][1] not in (DATA, (DATA,))
+                or split[0][0] == 0 or x.shape[split[0][0]] % mesh.shape[DATA]):
+            return x
+        dim = split[0][0]
+        if old is None or old.shape != x.shape or old.dtype != x.dtype:
+            old = jnp.zeros(x.shape, x.dtype)
+
+        def local(shard, whole):
+            def body(i, whole):
+                piece = jax.lax.dynamic_index_in_dim(shard, i, 0, keepdims=False)
+                # (sliced: gathered on a new leading axis, then moved into place as the slice
+                # is written; gathered along ``dim`` itself, XLA:GPU would lay the whole stack
+                # out with that dimension major and copy it into its own layout at the end)
+                piece = all_gather(piece, dim - 1, piece.dtype, sliced=True)
+                return jax.lax.dynamic_update_index_in_dim(whole, piece, i, 0)
+            return jax.lax.fori_loop(0, shard.shape[0], body, whole)
+
+        spec = jax.P(*[DATA if d == dim else None for d in range(x.ndim)])
+        # check_vma off: jax types an all-gather's result as varying over DATA, although every
+        # device holds the same whole slice.
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, jax.P()), out_specs=jax.P(),
+                             axis_names={DATA}, check_vma=False)(x, old)
+
+    olds = jax.tree.leaves(into) if into is not None else [None] * len(jax.tree.leaves(tree))
+    return jax.tree.unflatten(jax.tree.structure(tree), [
+        one(x, sh, old) for x, sh, old in zip(jax.tree.leaves(tree),
+                                              jax.tree.leaves(stored_shardings), olds, strict=True)])
+
+
+def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
+    """For each leaf of ``opt_state``, the index of the parameter it belongs to (-1 for state
+    shared by all parameters, such as a step count)."""
+    leaves, treedef = jax.tree.flatten(master)
+    index = jax.tree.unflatten(treedef, [_Owner(i, x.shape) for i, x in enumerate(leaves)])
+    mapped = opt_mirror.map_mirrored(lambda _, owner: owner.index, lambda _: -1, opt_state, index,
+                                     is_leaf=lambda x: isinstance(x, _Owner))
+    return jax.tree.leaves(mapped)
+
+
+class _Owner(NamedTuple):
+    index: int
+    shape: tuple
+
+
+def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
+             compute_dtype, shardings, pads: StatePadding = NO_PADDING):
+    """The update of host-resident ``master`` / ``opt_state`` on the device, one parameter at a
+    time; returns ``(new_master, new_opt_state, new_compute)`` with the state back in host
+    memory, or None where ``tx`` mixes several parameters' state (see the module docstring).
+    ``shardings``: the state's ``TrainState`` of shardings; ``pads`` as for ``apply``."""
+    n_grads, master_leaves = len(jax.tree.leaves(grads)), jax.tree.leaves(master)
+    opt_leaves = jax.tree.leaves(opt_state)
+    # Where each input leaf is padded (grads are in the master's form), to cut and re-pad it.
+    entries = (list(pads.master or [None] * n_grads) + list(pads.master or [None] * len(master_leaves))
+               + list(pads.opt_state or [None] * len(opt_leaves)))
+    own = lambda tree, es: jax.tree.unflatten(jax.tree.structure(tree), [  # noqa: E731
+        jax.ShapeDtypeStruct(_own_shape(x.shape, e), x.dtype)
+        for x, e in zip(jax.tree.leaves(tree), es)])
+    groups = [-1] * n_grads + list(range(len(master_leaves))) + owners(
+        tx, own(master, entries[n_grads:n_grads + len(master_leaves)]),
+        own(opt_state, entries[n_grads + len(master_leaves):]))
+
+    closed, out_shape = _step_jaxpr(
+        tx, own(grads, entries[:n_grads]), own(master, entries[n_grads:n_grads + len(master_leaves)]),
+        own(opt_state, entries[n_grads + len(master_leaves):]))
+    plan = _grouping(closed.jaxpr, groups, n_grads)
+    if plan is None:
+        return None
+
+    stored = jax.tree.leaves(grads) + master_leaves + opt_leaves
+    host_shardings = (jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state))
+
+    repad = lambda x, e: x if e is None else padding.pad_to(  # noqa: E731
+        x, e[0], -(-e[1] // pads.data_size) * pads.data_size)
+
+    def fetch(k, tie):
+        """Input ``k`` on the device in its own shape: grads are there; offloaded state is
+        copied in once ``tie`` (the previous parameter's results, back in host memory) is
+        there: XLA:GPU would otherwise start every copy in at once, and copy every result out
+        at the end of the step, holding the whole state on the device."""
+        value = stored[k]
+        if k >= n_grads:
+            if tie is not None:
+                value = jax.lax.optimization_barrier((value, tie))[0]
+            value = offload.to_memory(value, host_shardings[k - n_grads], "device")
+        return value if entries[k] is None else padding.cut_to(value, *entries[k])
+
+    def send(k, value):
+        """Output ``k`` back to host memory, in the state's sharding, padded as stored."""
+        return offload.to_memory(repad(value, entries[n_grads + k]), host_shardings[k],
+                                 "pinned_host")
+
+    outs, back = _replay_by_parameter(closed, groups, plan, fetch, send, finite,
+                                      n_grads=n_grads, n_params=len(master_leaves))
+    n_master = len(master_leaves)
+    new_compute = None if compute_dtype is None else [
+        repad(x.astype(compute_dtype), e) for x, e in
+        zip(outs[:n_master], pads.compute or [None] * n_master)]
+    master_tree, opt_tree = out_shape
+    new_master = jax.tree.unflatten(jax.tree.structure(master_tree), back[:n_master])
+    new_opt = jax.tree.unflatten(jax.tree.structure(opt_tree), back[n_master:])
+    if new_compute is not None:
+        new_compute = jax.tree.unflatten(jax.tree.structure(master_tree), new_compute)
+    return new_master, new_opt, new_compute
+
+
+def _replay_by_parameter(closed, groups: list[int], plan, fetch, send, finite, *, n_grads: int,
+                         n_params: int) -> tuple[list, list]:
+    """The update's outputs on the device and as sent (``send(k, value)``, as soon as a group
+    has made them), its jaxpr replayed one group at a time (``_grouping``: the shared
+    computations first, then parameter after parameter). A group's inputs are fetched when its
+    turn comes (``fetch(k, tie)``, ``tie`` the previous parameter's sent results); an output
+    keeps its input's value where the step is not ``finite``."""
+    jaxpr = closed.jaxpr
+    eqn_group, out_group = plan
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    fetched: dict = {}
+
+    def read(atom):
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    outs: list = [None] * len(jaxpr.outvars)
+    sent: list = [None] * len(jaxpr.outvars)
+    previous = None
+    for group in [-1] + list(range(n_params)):
+        tie = previous if group >= 0 else None
+        for k, var in enumerate(jaxpr.invars):
+            if groups[k] == group:
+                fetched[k] = env[var] = fetch(k, tie)
+        for eqn in (e for e, g in zip(jaxpr.eqns, eqn_group) if g == group):
+            for var, value in zip(eqn.outvars, jaxprs.bind(eqn, [read(a) for a in eqn.invars])):
+                env[var] = value
+        results = []
+        for k, var in enumerate(jaxpr.outvars):
+            if out_group[k] != group:
+                continue
+            before = fetched.get(n_grads + k)  # the output's own input (same tree position)
+            new = read(var)
+            outs[k] = new if before is None else jnp.where(finite, new, before)
+            sent[k] = send(k, outs[k])
+            results.append(sent[k])
+        previous = results or previous
+    return outs, sent
+
+
+def _own_shape(shape, entry):
+    return tuple(shape) if entry is None else tuple(
+        entry[1] if d == entry[0] else s for d, s in enumerate(shape))
+
+
+def _step_jaxpr(tx, grads, master, opt_state):
+    def step(grads, master, opt_state):
+        updates, new_opt = tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), new_opt
+
+    on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
+        grads, jax.tree.map(on_device, master), jax.tree.map(on_device, opt_state))
+    # Calls opened, so that each equation reads the values it computes with: jax >= 0.11 keeps
+    # optax's jit(inline=True) bias correction as one call reading every parameter's moment.
+    return jaxprs.inline_calls(closed), out_shape
+
+
+def streamable(tx: optax.GradientTransformation, master) -> bool:
+    """Whether ``streamed`` can update ``tx``'s state one parameter at a time."""
+    opt_state = jax.eval_shape(tx.init, master)
+    n = len(jax.tree.leaves(master))
+    closed, _ = _step_jaxpr(tx, master, master, opt_state)
+    return _grouping(closed.jaxpr, [-1] * n + list(range(n)) + owners(tx, master, opt_state),
+                     n) is not None
+
+
+def _grouping(jaxpr, groups: list[int], n_grads: int):
+    """The parameter each equation and each output belongs to (-1: none, computed first), from
+    which offloaded inputs they read; None when an equation reads two parameters' state."""
+    owner = {var: g for var, g, k in zip(jaxpr.invars, groups, range(len(groups)))
+             if k >= n_grads and g >= 0}
+    eqn_group = []
+    for eqn in jaxpr.eqns:
+        found = {owner[a] for a in eqn.invars if not isinstance(a, Literal) and a in owner}
+        if len(found) > 1:
+            return None
+        group = found.pop() if found else -1
+        eqn_group.append(group)
+        for var in eqn.outvars:
+            if group >= 0:
+                owner[var] = group
+    out_group = [owner.get(v, -1) if not isinstance(v, Literal) else -1 for v in jaxpr.outvars]
+    return eqn_group, out_group
