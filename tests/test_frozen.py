@@ -13,6 +13,7 @@ import zeroflow as zf
 from fixtures import BATCHES, init_params, loss_fn, make_tx
 from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk, require_cuda_plugin
 from zeroflow.engine.checkpoint import CheckpointError
+from zeroflow.util.tree import path_str
 from zeroflow.trainer.planning import estimate_config_step, measure_config
 
 N_DEV = 8
@@ -160,11 +161,11 @@ def test_optimizer_sees_only_trainable_leaves():
     seen = []
 
     def init(params):
-        seen.append(sorted(zf.plan.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)))
+        seen.append(sorted(path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)))
         return optax.EmptyState()
 
     def update(updates, state, params=None):
-        seen.append(sorted(zf.plan.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)))
+        seen.append(sorted(path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)))
         return updates, state
 
     tx = optax.GradientTransformation(init, update)
@@ -273,7 +274,7 @@ def test_estimate_step_with_frozen_weights_is_within_10_percent(stage):
     # parameter, 1/N from stage 1), from the ZeRO paper's accounting.
     _, everything = zf.memory.measure_step(loss, params, batch, tx, plan, prec)
     frozen_params = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(params)
-                        if not backbone_frozen(zf.plan.path_str(p), x))
+                        if not backbone_frozen(path_str(p), x))
     assert everything - measured >= 0.75 * 12 * frozen_params / (N_DEV if stage else 1)
 
 
@@ -303,7 +304,7 @@ def test_trainer_freezes_by_regex_at_stage3_with_layerwise_gathers(tmp_path, cap
     is_frozen = lambda path: path == "embedding" or path.startswith("layers/attn/")  # noqa: E731
     frozen = trained = 0
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(end)):
-        path = zf.plan.path_str(path)
+        path = path_str(path)
         if is_frozen(path):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             frozen += a.size
@@ -377,6 +378,6 @@ def test_xla_gpu_peak_drops_by_the_frozen_model_states(stage):
                                     zf.Precision(params="bf16"), trainable=t)[1]
              for t in (None, head_and_last)]
     frozen = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(params)
-                 if not head_and_last(zf.plan.path_str(p), x))
+                 if not head_and_last(path_str(p), x))
     saved = frozen * ((2 + 14 / N - 2) if stage == 2 else (16 / N - 2 / N))
     assert peaks[0] - peaks[1] >= 0.75 * saved, (peaks, saved)

@@ -18,7 +18,8 @@ import zeroflow as zf  # noqa: E402
 from zeroflow import hf  # noqa: E402
 from zeroflow.models import abstract_params  # noqa: E402
 from zeroflow.models.rules import gpt_tensor_rules  # noqa: E402
-from zeroflow.engine.plan import path_str  # noqa: E402
+from zeroflow.util.tree import path_str  # noqa: E402
+from zeroflow.engine.plan import LeafLayout  # noqa: E402
 
 T = transformers
 QWEN2 = (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
@@ -82,7 +83,7 @@ def test_each_device_gets_only_its_shard_and_each_tensor_is_read_once(spec, mesh
     split = 0
     for (path, leaf), want, layout, whole in zip(
             jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(expected),
-            jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, zf.plan.LeafLayout)),
+            jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout)),
             jax.tree.leaves(reference)):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim), path_str(path)
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(whole))

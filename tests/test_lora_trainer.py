@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft", reason="peft is in the test extra")
 
 from zeroflow.cli import export  # noqa: E402
 from zeroflow.data import eval_batches, load_data, train_batch  # noqa: E402
-from zeroflow.engine.plan import path_str  # noqa: E402
+from zeroflow.util.tree import path_str  # noqa: E402
 from zeroflow.trainer import build_run, train  # noqa: E402
 from zeroflow.trainer.checkpoints import RunCheckpoints  # noqa: E402
 

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import zeroflow as zf
+from zeroflow.engine import zeropp
 from test_zeropp import W, V, _mlp_batches, _mlp_loss, _mlp_params, _stage3_on_two_hosts, numpy_quantize
 
 
@@ -177,8 +178,8 @@ def test_hpz_gathers_stay_in_the_host_and_qgz_sends_int8_sums_across(hpz_on_two_
     gathers_in_host = [c for c in colls if c.kind == "all-gather" and c.cross_host == 0]
     assert sum(c.within_host for c in gathers_in_host) > 0
     assert moved["reduce-scatter"]["count"] == 0
-    assert moved["all-to-all"]["cross_host"] == (zf.zeropp.transit_bytes((W // 16,), 256)
-                                                 + zf.zeropp.transit_bytes((V // 16,), 256))
+    assert moved["all-to-all"]["cross_host"] == (zeropp.transit_bytes((W // 16,), 256)
+                                                 + zeropp.transit_bytes((V // 16,), 256))
 
 
 @pytest.mark.parametrize("options, message", [

@@ -40,7 +40,7 @@ PEFT_FORMAT = "peft"
 def flat_weights(params) -> dict[str, np.ndarray]:
     import jax
 
-    from zeroflow.engine.plan import path_str
+    from zeroflow.util.tree import path_str
     return {path_str(p): np.asarray(jax.device_get(x), dtype=np.float32)
             for p, x in jax.tree_util.tree_leaves_with_path(params)}
 

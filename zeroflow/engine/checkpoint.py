@@ -23,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from zeroflow.engine import checkpoint_digests, padding
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 from zeroflow.engine.state import TrainState
 from zeroflow.engine.zeropp import hierarchical
 

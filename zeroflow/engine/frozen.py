@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 
 
 def _is_hole(x) -> bool:

@@ -34,6 +34,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflow import backend
 from zeroflow.engine.mesh import DATA, MODEL
+from zeroflow.util.tree import path_str
 
 ZERO_STAGES = (0, 1, 2, 3)
 WIDE = 8
@@ -48,19 +49,6 @@ def update_needs_offload(offload: str, update_on: str) -> bool:
     """True when ``update_on`` asks for a host update but nothing is offloaded: the one rule
     tying the two settings (``ZeroPlan`` and the config validation both ask it)."""
     return update_on == "host" and offload == "none"
-
-
-def path_str(path) -> str:
-    """'/'-joined key path of a pytree leaf, e.g. ``Dense_0/kernel``."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)

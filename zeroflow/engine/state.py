@@ -12,7 +12,8 @@ from flax import struct
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import opt_mirror, padding
 from zeroflow.engine.padding import NO_PADDING, StatePadding
-from zeroflow.engine.plan import LeafLayout, ZeroPlan, path_str
+from zeroflow.engine.plan import LeafLayout, ZeroPlan
+from zeroflow.util.tree import path_str
 from zeroflow.engine.precision import LossScaleState, Precision
 from zeroflow.engine.zeropp import hierarchical
 

@@ -31,7 +31,8 @@ from zeroflow.engine.grads import local_grads, native_gradients, step_routes
 from zeroflow.engine.grads import routes
 from zeroflow.engine.grads.routes import is_route
 from zeroflow.engine.mesh import DATA
-from zeroflow.engine.plan import LeafLayout, ZeroPlan, path_str
+from zeroflow.engine.plan import LeafLayout, ZeroPlan
+from zeroflow.util.tree import path_str
 from zeroflow.engine.precision import Precision
 from zeroflow.engine.state import TrainState, state_shardings
 from zeroflow.engine.zeropp import hierarchical

@@ -28,7 +28,7 @@ from zeroflow.hf.load import _dtype, _place
 from zeroflow.hf.reader import HFCheckpointError, SafetensorsReader
 from zeroflow.hf.tensors import TensorMap
 from zeroflow.models.encoders import VISION, EncoderConfig, encoder_module
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 
 ENCODERS: dict[str, EncoderConverter] = {c.architecture: c for c in (CLIP_VISION, BERT)}
 "Encoder architecture name (config.json ``architectures[0]``) -> converter."

@@ -25,7 +25,8 @@ from zeroflow.hf.convert import Converter, HFConfig
 from zeroflow.hf.reader import HFCheckpointError, SafetensorsReader
 from zeroflow.hf.tensors import TensorMap, read_region
 from zeroflow.models.gpt import GPT, abstract_params
-from zeroflow.engine.plan import ZeroPlan, path_str
+from zeroflow.engine.plan import ZeroPlan
+from zeroflow.util.tree import path_str
 
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(jnp.bfloat16),
           "fp16": np.dtype(np.float16)}

@@ -25,7 +25,7 @@ from zeroflow.hf.convert import HFConfig
 from zeroflow.hf.load import DTYPES
 from zeroflow.hf.reader import INDEX_FILE, HFCheckpointError
 from zeroflow.hf.tensors import TensorMap, to_hf
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 5 * 10**9

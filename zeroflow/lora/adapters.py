@@ -26,7 +26,7 @@ import string
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@
     merged = lo.merge(params, adapters)                 # W + (alpha / rank) * a b, in fp32
 
 ``lo.loss`` traces ``loss_fn`` to a jaxpr and replays it (``replay.py``): every matmul that
-reads a weight whose path (``zeroflow.engine.plan.path_str``) matches ``targets`` (``re.search``)
+reads a weight whose path (``zeroflow.util.tree.path_str``) matches ``targets`` (``re.search``)
 also computes ``(alpha / rank) * (dropout(x) @ a) @ b``. The base weights are inputs like any
 other: the engine keeps them frozen (``trainable=``), or take gradients of the ``"lora"``
 part only.
@@ -23,7 +23,7 @@ from zeroflow.autocast.interpret import trace
 from zeroflow.lora.adapters import Site, flatten, init_factors, nest, update
 from zeroflow.lora.replay import Replay
 from zeroflow.lora.views import View
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 
 _DROPOUT_SALT = 0x10A
 "Folded into the step's key, so the adapters' dropout draws differ from the model's own."

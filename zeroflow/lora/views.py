@@ -25,7 +25,7 @@ class UnsupportedUse(Exception):
 @dataclasses.dataclass(frozen=True)
 class View:
     path: str
-    "The parameter's '/'-joined path (``zeroflow.engine.plan.path_str``)."
+    "The parameter's '/'-joined path (``zeroflow.util.tree.path_str``)."
     shape: tuple[int, ...]
     "The parameter's own shape."
     axes: tuple[tuple[tuple[int, ...], ...], ...]

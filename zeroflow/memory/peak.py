@@ -56,7 +56,8 @@ from zeroflow.util.compat import scan_split
 from zeroflow.engine.grads.local import native_gradients
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, step_routes
 from zeroflow.memory.trace_cache import remembered
-from zeroflow.engine.plan import ZeroPlan, path_str
+from zeroflow.engine.plan import ZeroPlan
+from zeroflow.util.tree import path_str
 from zeroflow.engine.precision import Precision
 
 F32 = 4

@@ -16,7 +16,7 @@ from zeroflow.config.schema import ModelConfig
 from zeroflow.engine.mesh import MODEL
 from zeroflow.models import axes
 from zeroflow.models.gpt import abstract_params
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 
 LOGICAL_TO_MESH = {axes.HEADS: MODEL, axes.KV_HEADS: MODEL, axes.MLP: MODEL, axes.VOCAB: MODEL}
 

@@ -14,7 +14,7 @@ import jax
 import zeroflow as zf
 from zeroflow.config.schema import LoraConfig
 from zeroflow.lora import Site
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 
 BASE, ADAPTERS = "base", "lora"
 "The two top-level keys of a LoRA run's parameters (those of ``LoRA.loss``)."

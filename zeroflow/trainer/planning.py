@@ -29,7 +29,7 @@ from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_by
 from zeroflow.engine.mesh import planning_mesh
 from zeroflow.models import abstract_params
 from zeroflow.engine.padding import unpadded_shapes
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
 
 

@@ -17,7 +17,7 @@ from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)
 from zeroflow.models.rules import gpt_tensor_rules
-from zeroflow.engine.plan import path_str
+from zeroflow.util.tree import path_str
 from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
 

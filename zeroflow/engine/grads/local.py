@@ -33,7 +33,8 @@ from zeroflow.engine.grads.loss_errors import explained
 from zeroflow.engine.grads.collectives import reduce_scatter, stream_in, varying as _varying
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route as _is_route, trained
 from zeroflow.engine.mesh import DATA
-from zeroflow.engine.plan import ZeroPlan, path_str
+from zeroflow.engine.plan import ZeroPlan
+from zeroflow.util.tree import path_str
 from zeroflow.engine.zeropp.gather import QuantizedSharded
 from zeroflow.engine.zeropp.hosts import HostSplit
 

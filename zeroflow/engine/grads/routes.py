@@ -22,7 +22,9 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.plan import LeafLayout, ZeroPlan, path_str
+from zeroflow.engine.plan import LeafLayout, ZeroPlan
+
+from zeroflow.util.tree import path_str
 from zeroflow.engine.precision import Precision
 
 
