@@ -8,6 +8,12 @@ accounting, and what XLA says.
     t = memory.step_time(loss_fn, params, batch, tx, plan, prec)  # XLA:GPU's estimate (target mesh)
     est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # model states ~ 16.6e9
 
+Two verbs, two sources of truth: ``estimate*`` computes from shapes alone (no compile, no
+devices: ``estimate`` the ZeRO paper's model states, ``estimate_step`` the step's peak,
+``estimate_config`` a trainer config's); ``measure*`` and ``compile_step`` ask XLA, by compiling
+(``measure`` a compiled step's ``memory_analysis()``, ``measure_step`` compile and read it,
+``step_time`` XLA:GPU's own step-time estimate of that compile).
+
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
 offload x remat choice and names the cheapest that fits (the trainer's side of planning, a
 Config's GPT step, is ``zeroflow.trainer.planning``). See docs/memory.md.
@@ -30,9 +36,16 @@ from zeroflow.memory.measure import (MeasuredMemory, compile_step, compile_step_
 from zeroflow.memory.schedule import StepTime
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 
-__all__ = ["Collective", "collectives", "compile_step", "compile_step_timed", "step_time",
-           "StepTime", "overlap", "traffic", "MemoryEstimate", "ModelStates", "MeasuredMemory", "PeakEstimate", "activations",
-           "count_gpt_params", "estimate", "estimate_config",
-           "estimate_step", "format_bytes", "hierarchical_copy_bytes", "measure", "measure_step", "remat_recompute_bytes",
-           "offloaded_activations", "parse_bytes",
-           "state_bytes"]
+__all__ = [
+    # From shapes, no compile
+    "MemoryEstimate", "ModelStates", "PeakEstimate", "activations", "count_gpt_params",
+    "estimate", "estimate_config", "estimate_step", "hierarchical_copy_bytes",
+    "offloaded_activations", "remat_recompute_bytes",
+    # From XLA's compile
+    "MeasuredMemory", "StepTime", "compile_step", "compile_step_timed", "measure",
+    "measure_step", "state_bytes", "step_time",
+    # Collectives in a compiled program
+    "Collective", "collectives", "overlap", "traffic",
+    # Units
+    "format_bytes", "parse_bytes",
+]
