@@ -27,8 +27,9 @@ from typing import Any
 import yaml
 
 from zeroflow.config import schema as config_module
-from zeroflow.config.schema import CHOICES, Config
-from zeroflow.engine.plan import update_needs_offload
+from zeroflow.config.schema import CHOICES, Config, ParallelConfig
+from zeroflow.engine.plan import (Keys, batch_split_problem, hierarchical_copy_problem,
+                                  plan_problems)
 from zeroflow.engine.precision import parse_loss_scale
 
 _TRUE = ("true", "1", "yes", "on")
@@ -274,33 +275,35 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 
 # --- validation ---------------------------------------------------------------------------------
+# One function per section, each returning its one-line problems. The rules that tie the
+# engine's settings together are the engine's own (``zeroflow.engine.plan``), spelled with the
+# config's keys.
 
-def _check_loss_scale(value: str) -> str | None:
-    try:
-        parse_loss_scale(value)
-    except ValueError:
-        return f"precision.loss_scale must be 'none', 'dynamic' or a positive number; got {value!r}"
-    return None
-
-
-def batch_split_problem(batch_size: int, grad_accum: int, data_size: int | None = None) -> str | None:
-    """Why ``train.batch_size`` cannot be split into ``parallel.grad_accum`` micro-batches (and,
-    once the mesh is known, over ``data_size`` devices), or None when it can."""
-    if grad_accum <= 0:
-        return None  # reported on its own ("parallel.grad_accum must be positive")
-    if data_size is None:
-        if batch_size % grad_accum:
-            return (f"train.batch_size ({batch_size}) must be divisible by "
-                    f"parallel.grad_accum ({grad_accum})")
-    elif batch_size % (data_size * grad_accum):
-        return (f"train.batch_size {batch_size} does not divide by data axis size {data_size} x "
-                f"parallel.grad_accum {grad_accum}")
-    return None
+CONFIG_KEYS = Keys({name: f"parallel.{name}" for name in ParallelConfig().plan_settings()}
+                   | {"stage": "parallel.zero_stage", "grad_accum": "parallel.grad_accum",
+                      "batch_size": "train.batch_size", "params": "precision.params"},
+                   python=False)
+"How the engine's rules name the settings in a config's messages."
 
 
 def validate_config(cfg: Config) -> Config:
     """Check choices, ranges and cross-field rules; return ``cfg`` or raise ConfigError."""
-    problems: list[str] = []
+    problems = (_choice_problems(cfg) + _model_problems(cfg.model)
+                + _lora_problems(cfg.model.lora, cfg.train.freeze) + _data_problems(cfg.data)
+                + _train_problems(cfg.train) + _parallel_problems(cfg)
+                + _precision_problems(cfg.precision) + _checkpoint_problems(cfg.checkpoint))
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return cfg
+
+
+def _failed(rules: Sequence[tuple[bool, str]]) -> list[str]:
+    """The messages of the ``(holds, message)`` rules that do not hold."""
+    return [message for holds, message in rules if not holds]
+
+
+def _choice_problems(cfg: Config) -> list[str]:
+    problems = []
     for key, _, f in _leaves():
         choices = f.metadata.get(CHOICES)
         value = _get(cfg, key)
@@ -309,8 +312,11 @@ def validate_config(cfg: Config) -> Config:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             problems.append(f"{key} must be one of "
                             f"{', '.join(map(str, choices))}; got {value!r}{hint}")
-    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
-    rules = [
+    return problems
+
+
+def _model_problems(m) -> list[str]:
+    problems = _failed([
         (m.vocab_size > 0, "model.vocab_size must be positive"),
         (m.seq_len > 0, "model.seq_len must be positive"),
         (m.num_layers > 0, "model.num_layers must be positive"),
@@ -330,12 +336,36 @@ def validate_config(cfg: Config) -> Config:
          and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
          "model.rope_scaling_factor and model.rope_original_max_positions must be positive and "
          "0 < model.rope_low_freq_factor < model.rope_high_freq_factor"),
+    ])
+    return problems + _head_problems(m)
+
+
+def _head_problems(m) -> list[str]:
+    """The heads split the embedding, and the key/value heads the query heads."""
+    if m.num_heads <= 0:
+        return []  # reported on its own
+    return _failed([
+        (m.head_dim != 0 or m.embed_dim % m.num_heads == 0,
+         f"model.num_heads ({m.num_heads}) must divide model.embed_dim ({m.embed_dim}) when "
+         f"model.head_dim is 0"),
+        (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads == 0,
+         f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})"),
+    ])
+
+
+def _data_problems(d) -> list[str]:
+    return _failed([
         (bool(d.source), "data.source must not be empty"),
         (0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1); got {d.val_fraction}"),
         (d.max_bytes >= 0, "data.max_bytes must be >= 0 (0 = no cap)"),
         (d.packing_bins > 0, "data.packing_bins must be positive"),
         (bool(d.tokenizer), "data.tokenizer must be 'byte', a SentencePiece .model path or a "
                             "Hugging Face tokenizer.json (or its folder)"),
+    ])
+
+
+def _train_problems(t) -> list[str]:
+    problems = _failed([
         (t.steps > 0, f"train.steps must be positive; got {t.steps}"),
         (t.batch_size > 0, f"train.batch_size must be positive; got {t.batch_size}"),
         (t.lr >= 0, "train.lr must be >= 0"),
@@ -348,61 +378,48 @@ def validate_config(cfg: Config) -> Config:
         (t.log_every > 0, "train.log_every must be positive"),
         (t.eval_every >= 0, "train.eval_every must be >= 0 (0 = only at the end)"),
         (t.eval_batches >= 0, "train.eval_batches must be >= 0"),
-        (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
-        (p.model > 0, "parallel.model must be positive"),
-        (p.grad_accum > 0, "parallel.grad_accum must be positive"),
-        (p.quantize_weights == "none" or p.zero_stage == 3,
-         f"parallel.quantize_weights={p.quantize_weights} quantizes stage-3 weight gathers; "
-         f"parallel.zero_stage is {p.zero_stage} (set it to 3)"),
-        (p.quantize_block > 0, "parallel.quantize_block must be positive"),
-        (p.quantize_grads == "none" or p.zero_stage == 3,
-         f"parallel.quantize_grads={p.quantize_grads} quantizes the reduction of gathered stage-3 "
-         f"weights' gradients; parallel.zero_stage is {p.zero_stage} (set it to 3)"),
-        (not p.hierarchical or p.zero_stage == 3,
-         f"parallel.hierarchical=true keeps a within-host copy of stage-3 weights; "
-         f"parallel.zero_stage is {p.zero_stage} (set it to 3)"),
-        (not p.hierarchical or p.offload == "none",
-         f"parallel.hierarchical=true keeps its weight copy on the device; parallel.offload is "
-         f"{p.offload} (set it to none)"),
-        (not p.hierarchical or cfg.precision.params != "fp32",
-         "parallel.hierarchical=true keeps a within-host copy of the compute-dtype weights; "
-         "precision.params is fp32, which keeps none (set it to bf16)"),
-        (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
-        (c.every >= 0, "checkpoint.every must be >= 0"),
-        (c.keep > 0, "checkpoint.keep must be positive"),
-    ]
-    if m.num_heads > 0:
-        if m.head_dim == 0 and m.embed_dim % m.num_heads:
-            rules.append((False, f"model.num_heads ({m.num_heads}) must divide model.embed_dim "
-                                 f"({m.embed_dim}) when model.head_dim is 0"))
-        if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
-            rules.append((False, f"model.num_kv_heads ({m.num_kv_heads}) must divide "
-                                 f"model.num_heads ({m.num_heads})"))
-    problems += _lora_problems(m.lora, t.freeze)
+    ])
     if t.freeze:
         try:
             re.compile(t.freeze)
         except re.error as e:
-            rules.append((False, f"train.freeze must be a regular expression; {t.freeze!r}: {e}"))
-    batch_problem = batch_split_problem(t.batch_size, p.grad_accum)
-    if batch_problem:
-        rules.append((False, batch_problem))
-    if update_needs_offload(p.offload, p.update_on):
-        rules.append((False, "parallel.update_on=host needs parallel.offload "
-                             "'optimizer' or 'optimizer+params'"))
-    if p.update_on == "host" and t.optimizer == "adamw_8bit":
+            problems.append(f"train.freeze must be a regular expression; {t.freeze!r}: {e}")
+    return problems
+
+
+def _parallel_problems(cfg: Config) -> list[str]:
+    """The section's own ranges, then the engine's rules between its settings (and the batch
+    size, the optimizer and the precision they constrain)."""
+    p = cfg.parallel
+    problems = _failed([
+        (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
+        (p.model > 0, "parallel.model must be positive"),
+        (p.grad_accum > 0, "parallel.grad_accum must be positive"),
+        (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
         # XLA:GPU stops with a check failure compiling the 8-bit update as host code (an
         # asynchronous op XLA:CPU cannot emit); streamed through the device it compiles.
-        rules.append((False, "train.optimizer=adamw_8bit is updated on the device: use "
-                             "parallel.update_on=device with parallel.offload (the state "
-                             "streams through the device one parameter at a time)"))
-    problems += [message for ok, message in rules if not ok]
-    loss_scale_problem = _check_loss_scale(cfg.precision.loss_scale)
-    if loss_scale_problem:
-        problems.append(loss_scale_problem)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return cfg
+        (p.update_on != "host" or cfg.train.optimizer != "adamw_8bit",
+         "train.optimizer=adamw_8bit is updated on the device: use parallel.update_on=device "
+         "with parallel.offload (the state streams through the device one parameter at a time)"),
+    ])
+    problems += plan_problems(**p.plan_settings(), keys=CONFIG_KEYS)
+    more = [hierarchical_copy_problem(p.hierarchical, cfg.precision.params, CONFIG_KEYS),
+            batch_split_problem(cfg.train.batch_size, p.grad_accum, keys=CONFIG_KEYS)]
+    return problems + [problem for problem in more if problem]
+
+
+def _precision_problems(prec) -> list[str]:
+    try:
+        parse_loss_scale(prec.loss_scale)
+    except ValueError:
+        return [f"precision.loss_scale must be 'none', 'dynamic' or a positive number; "
+                f"got {prec.loss_scale!r}"]
+    return []
+
+
+def _checkpoint_problems(c) -> list[str]:
+    return _failed([(c.every >= 0, "checkpoint.every must be >= 0"),
+                    (c.keep > 0, "checkpoint.keep must be positive")])
 
 
 def _lora_problems(lora, freeze: str) -> list[str]:

@@ -202,6 +202,15 @@ class ParallelConfig:
     hosts: int = 0
     "Hosts the data axis spans, for emulated devices of one process (0: each device's own host)."
 
+    def plan_settings(self) -> dict:
+        """The ``ZeroPlan`` arguments these keys set ('none' and ``hosts=0`` read as None): the
+        trainer's plan is built from them, and the validation checks the plan's rules on them."""
+        return dict(stage=self.zero_stage, offload=self.offload, update_on=self.update_on,
+                    quantize_weights=None if self.quantize_weights == "none" else self.quantize_weights,
+                    quantize_block=self.quantize_block, hierarchical=self.hierarchical,
+                    quantize_grads=None if self.quantize_grads == "none" else self.quantize_grads,
+                    hosts=self.hosts or None)
+
 
 @dataclass
 class PrecisionConfig:

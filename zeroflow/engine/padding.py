@@ -18,6 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from zeroflow.engine.plan import is_layout
+
 Entry = tuple[int, int] | None
 "Per array leaf: ``(dim, logical size)`` when the stored array is padded along ``dim``."
 
@@ -40,9 +42,7 @@ def cut_to(x, dim: int, size: int):
 
 def entries_of(layouts, with_zero: bool) -> tuple[Entry, ...]:
     """The padding entries of a tree of ``LeafLayout`` (flatten order)."""
-    from zeroflow.engine.plan import LeafLayout
-    return tuple(lay.padding(with_zero) for lay in
-                 jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout)))
+    return tuple(lay.padding(with_zero) for lay in jax.tree.leaves(layouts, is_leaf=is_layout))
 
 
 def unpad(tree, entries: tuple[Entry, ...]):

@@ -45,10 +45,132 @@ QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
 QUANTIZE_GRADS_CHOICES = (None, "int8")
 
 
-def update_needs_offload(offload: str, update_on: str) -> bool:
-    """True when ``update_on`` asks for a host update but nothing is offloaded: the one rule
-    tying the two settings (``ZeroPlan`` and the config validation both ask it)."""
-    return update_on == "host" and offload == "none"
+# -- the rules tying settings together, each stated once ---------------------------------------
+# A rule is a function of the plain settings (no mesh) that returns the one-line problem, or
+# None. ``ZeroPlan`` raises the first problem; the config validation (``zeroflow.config.io``)
+# reports them all, spelled with its own keys (``Keys``).
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """How a rule's message names the settings. By default as ``ZeroPlan``'s arguments with
+    Python values (``stage``, ``hierarchical=True``); the config passes its own keys and values
+    as written in YAML (``parallel.zero_stage``, ``parallel.hierarchical=true``)."""
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
+    python: bool = True
+
+    def __call__(self, name: str) -> str:
+        return self.names.get(name, name)
+
+    def set(self, name: str, value: Any) -> str:
+        """``name=value``, as the user writes it."""
+        if self.python:
+            return f"{self(name)}={value!r}"
+        shown = "none" if value is None else str(value).lower() if isinstance(value, bool) else value
+        return f"{self(name)}={shown}"
+
+
+PLAN_KEYS = Keys({"batch_size": "batch size", "params": "Precision.params"})
+"The engine's spelling: ``ZeroPlan``'s arguments, the batch's leading size, ``Precision``'s field."
+
+
+def host_update_problem(offload: str, update_on: str, keys: Keys = PLAN_KEYS) -> str | None:
+    """The update runs on the host only where the offloaded state already is."""
+    if update_on == "host" and offload == "none":
+        return (f"{keys.set('update_on', 'host')} needs {keys('offload')} 'optimizer' or "
+                f"'optimizer+params'")
+    return None
+
+
+def quantize_weights_problem(quantize_weights: str | None, stage: int,
+                             keys: Keys = PLAN_KEYS) -> str | None:
+    """qwZ quantizes weight gathers, which only stage 3 has."""
+    if quantize_weights is None or stage == 3:
+        return None
+    return (f"{keys.set('quantize_weights', quantize_weights)} quantizes stage-3 weight gathers; "
+            f"{keys('stage')} is {stage} (set it to 3)")
+
+
+def quantize_grads_problem(quantize_grads: str | None, stage: int,
+                           keys: Keys = PLAN_KEYS) -> str | None:
+    """qgZ quantizes the reduce-scatter of gathered weights' gradients: stage 3 only."""
+    if quantize_grads is None or stage == 3:
+        return None
+    return (f"{keys.set('quantize_grads', quantize_grads)} quantizes the reduction of gathered "
+            f"stage-3 weights' gradients; {keys('stage')} is {stage} (set it to 3)")
+
+
+def quantize_block_problem(quantize_block: int, keys: Keys = PLAN_KEYS) -> str | None:
+    if (isinstance(quantize_block, bool) or not isinstance(quantize_block, int)
+            or quantize_block < 1):
+        return f"{keys('quantize_block')} must be a positive int; got {quantize_block!r}"
+    return None
+
+
+def hierarchical_problem(hierarchical: bool, stage: int, offload: str,
+                         keys: Keys = PLAN_KEYS) -> str | None:
+    """hpZ keeps a second copy of the stage-3 compute weights, in device memory."""
+    if not hierarchical:
+        return None
+    if stage != 3:
+        return (f"{keys.set('hierarchical', True)} keeps a within-host copy of stage-3 weights; "
+                f"{keys('stage')} is {stage} (set it to 3)")
+    if offload != "none":
+        return (f"{keys.set('hierarchical', True)} keeps its weight copy in device memory; it "
+                f"does not combine with {keys.set('offload', offload)} "
+                f"(use {keys.set('offload', 'none')})")
+    return None
+
+
+def hierarchical_hosts_problem(hierarchical: bool, hosts: int | None,
+                               keys: Keys = PLAN_KEYS) -> str | None:
+    """hpZ gathers within each host, which only helps when there are two or more (``hosts``:
+    how many the data axis spans, None while unknown)."""
+    if hierarchical and hosts == 1:
+        return (f"{keys.set('hierarchical', True)} needs a data axis spanning two or more hosts; "
+                f"on one host plain stage 3 gathers within it already (emulated devices: "
+                f"{keys('hosts')}=H)")
+    return None
+
+
+def hierarchical_copy_problem(hierarchical: bool, params: str,
+                              keys: Keys = PLAN_KEYS) -> str | None:
+    """hpZ's copy is of the compute-dtype weights; fp32 weights keep none (``params``: the
+    ``Precision.params`` name of the compute dtype)."""
+    if hierarchical and params == "fp32":
+        return (f"{keys.set('hierarchical', True)} keeps a within-host copy of the compute-dtype "
+                f"weights; {keys('params')} is fp32, which keeps none (set it to bf16)")
+    return None
+
+
+def plan_problems(stage: int, offload: str = "none", update_on: str = "device",
+                  quantize_weights: str | None = None, quantize_block: int = 256,
+                  hierarchical: bool = False, quantize_grads: str | None = None,
+                  hosts: int | None = None, keys: Keys = PLAN_KEYS) -> list[str]:
+    """Every rule between ``ZeroPlan``'s settings, given valid choices and no mesh (``hosts``:
+    None while the mesh is to tell)."""
+    found = [host_update_problem(offload, update_on, keys),
+             quantize_weights_problem(quantize_weights, stage, keys),
+             quantize_block_problem(quantize_block, keys),
+             quantize_grads_problem(quantize_grads, stage, keys),
+             hierarchical_problem(hierarchical, stage, offload, keys),
+             hierarchical_hosts_problem(hierarchical, hosts, keys)]
+    return [problem for problem in found if problem]
+
+
+def batch_split_problem(batch_size: int, grad_accum: int, data_size: int | None = None,
+                        keys: Keys = PLAN_KEYS) -> str | None:
+    """The global batch splits into ``grad_accum`` micro-batches, each over ``data_size``
+    devices (None: before the mesh is known, the micro-batches alone)."""
+    if grad_accum <= 0:
+        return None  # a problem of its own, reported where grad_accum is read
+    if data_size is None:
+        if batch_size % grad_accum:
+            return (f"{keys('batch_size')} {batch_size} does not divide by "
+                    f"{keys('grad_accum')} {grad_accum}")
+    elif batch_size % (data_size * grad_accum):
+        return (f"{keys('batch_size')} {batch_size} does not divide by data axis size "
+                f"{data_size} x {keys('grad_accum')} {grad_accum}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +213,11 @@ class LeafLayout:
         entries = [None] * len(self.shape)
         entries[self.zero_dim] = DATA
         return P(*entries)
+
+
+def is_layout(x) -> bool:
+    """``is_leaf`` of a tree of ``LeafLayout``: the one test for the end of such a tree."""
+    return isinstance(x, LeafLayout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,24 +264,39 @@ class ZeroPlan:
                 or set(self.mesh.axis_names) != {DATA, MODEL}):
             raise ValueError("ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh "
                              "(or zf.planning_mesh to plan for devices this machine has not)")
+        self._check_choices()
+        problems = plan_problems(self.stage, self.offload, self.update_on, self.quantize_weights,
+                                 self.quantize_block, self.hierarchical, self.quantize_grads,
+                                 self.hosts)
+        if problems:
+            raise ValueError(problems[0])
+        if self.hosts is not None:
+            from zeroflow.engine.zeropp.hosts import hosts_of
+            hosts_of(self.mesh, self.hosts)  # the one check of a given host count
+        if self.hierarchical:
+            problem = hierarchical_hosts_problem(True, self.host_split.hosts)
+            if problem:
+                raise ValueError(problem)
+        object.__setattr__(self, "tensor_rules", self._checked_rules())
+        if self.traits is None:
+            object.__setattr__(self, "traits", backend.of(self.mesh))
+        elif not isinstance(self.traits, backend.Traits):
+            raise ValueError(f"traits must be a zeroflow.backend.Traits, got {type(self.traits).__name__}")
+
+    def _check_choices(self) -> None:
+        """Each setting on its own; the rules between them are ``plan_problems``."""
         if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if self.offload not in OFFLOAD_CHOICES:
-            raise ValueError(f"unknown offload {self.offload!r}; choose one of {list(OFFLOAD_CHOICES)}")
-        if self.update_on not in UPDATE_ON_CHOICES:
-            raise ValueError(f"unknown update_on {self.update_on!r}; choose one of {list(UPDATE_ON_CHOICES)}")
-        if update_needs_offload(self.offload, self.update_on):
-            raise ValueError("update_on='host' needs offload='optimizer' or 'optimizer+params'")
-        if self.quantize_weights not in QUANTIZE_WEIGHTS_CHOICES:
-            raise ValueError(f"unknown quantize_weights {self.quantize_weights!r}; choose one of "
-                             f"{list(QUANTIZE_WEIGHTS_CHOICES)}")
-        if self.quantize_weights is not None and self.stage != 3:
-            raise ValueError(f"quantize_weights={self.quantize_weights!r} quantizes the stage-3 "
-                             f"weight gathers; stage {self.stage} gathers no weights (use stage=3)")
-        if (isinstance(self.quantize_block, bool) or not isinstance(self.quantize_block, int)
-                or self.quantize_block < 1):
-            raise ValueError(f"quantize_block must be a positive int, got {self.quantize_block!r}")
-        self._check_zeropp()
+        for name, choices in (("offload", OFFLOAD_CHOICES), ("update_on", UPDATE_ON_CHOICES),
+                              ("quantize_weights", QUANTIZE_WEIGHTS_CHOICES),
+                              ("quantize_grads", QUANTIZE_GRADS_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of "
+                                 f"{list(choices)}")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical must be a bool, got {self.hierarchical!r}")
+
+    def _checked_rules(self) -> tuple[tuple[str, P], ...]:
         rules = []
         for rule in self.tensor_rules:
             try:
@@ -167,37 +309,7 @@ class ZeroPlan:
                 if axis not in (None, MODEL):
                     raise ValueError(f"tensor rule {pattern!r} may only use the 'model' axis, got {spec}")
             rules.append((pattern, spec))
-        object.__setattr__(self, "tensor_rules", tuple(rules))
-        if self.traits is None:
-            object.__setattr__(self, "traits", backend.of(self.mesh))
-        elif not isinstance(self.traits, backend.Traits):
-            raise ValueError(f"traits must be a zeroflow.backend.Traits, got {type(self.traits).__name__}")
-
-    def _check_zeropp(self) -> None:
-        if self.quantize_grads not in QUANTIZE_GRADS_CHOICES:
-            raise ValueError(f"unknown quantize_grads {self.quantize_grads!r}; choose one of "
-                             f"{list(QUANTIZE_GRADS_CHOICES)}")
-        if self.quantize_grads is not None and self.stage != 3:
-            raise ValueError(f"quantize_grads={self.quantize_grads!r} quantizes the reduce-scatter "
-                             f"of gathered stage-3 weights' gradients; stage {self.stage} gathers "
-                             f"no weights (use stage=3)")
-        if not isinstance(self.hierarchical, bool):
-            raise ValueError(f"hierarchical must be a bool, got {self.hierarchical!r}")
-        if self.hosts is not None:
-            from zeroflow.engine.zeropp.hosts import hosts_of
-            hosts_of(self.mesh, self.hosts)  # the one check of a given host count
-        if not self.hierarchical:
-            return
-        if self.stage != 3:
-            raise ValueError(f"hierarchical=True keeps a second, within-host copy of the stage-3 "
-                             f"compute weights; stage {self.stage} keeps them whole (use stage=3)")
-        if self.offload != "none":
-            raise ValueError(f"hierarchical=True keeps its weight copy in device memory; it does "
-                             f"not combine with offload={self.offload!r} (use offload='none')")
-        if self.host_split.hosts == 1:
-            raise ValueError("hierarchical=True needs a data axis spanning two or more hosts; this "
-                             "mesh is on one host, where plain stage 3 gathers within it already "
-                             "(emulated devices: ZeroPlan(hosts=H), parallel.hosts=H in the trainer)")
+        return tuple(rules)
 
     @property
     def host_split(self):
@@ -344,7 +456,7 @@ class ZeroPlan:
     def _shardings(self, params, with_zero: bool, kind, padded: bool):
         def one(lay: LeafLayout):
             return self._named(lay.spec(with_zero) if padded else lay.logical_spec(with_zero), kind)
-        return jax.tree.map(one, self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout))
+        return jax.tree.map(one, self.layouts(params), is_leaf=is_layout)
 
     def replicated(self, memory_kind: str | None = None) -> NamedSharding:
         return self._named(P(), memory_kind)
@@ -361,7 +473,7 @@ class ZeroPlan:
         """Per-device bytes of the fp32 master weights of ``params`` under this plan, what padding
         adds, and the leaves (and share of elements) kept whole over ``data``."""
         rows = [(path_str(path), lay) for path, lay in jax.tree_util.tree_leaves_with_path(
-            self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout))]
+            self.layouts(params), is_leaf=is_layout)]
         split = self.shards_storage
         total = sum(math.prod(lay.shape) for _, lay in rows)
         whole = [p for p, lay in rows if lay.zero_dim is None]

@@ -12,7 +12,9 @@ import optax
 
 import zeroflow as zf
 from zeroflow.config.schema import Config, ModelConfig
-from zeroflow.config.io import batch_split_problem
+from zeroflow.config.io import CONFIG_KEYS
+from zeroflow.engine.plan import batch_split_problem, hierarchical_hosts_problem
+from zeroflow.engine.zeropp.hosts import host_split
 from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)
@@ -168,13 +170,15 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None,
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
     if model_cfg.lora.rank > 0:
         rules = adapters.base_rules(rules)
-    plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on,
-                       tensor_rules=rules, quantize_block=par.quantize_block,
-                       quantize_weights=None if par.quantize_weights == "none" else par.quantize_weights,
-                       quantize_grads=None if par.quantize_grads == "none" else par.quantize_grads,
-                       hierarchical=par.hierarchical, hosts=par.hosts or None, traits=traits)
+    if par.hierarchical:  # the one rule the mesh decides, spelled with the config's keys
+        problem = hierarchical_hosts_problem(True, host_split(mesh, par.hosts or None).hosts,
+                                             CONFIG_KEYS)
+        if problem:
+            raise ValueError(problem)
+    plan = zf.ZeroPlan(mesh, tensor_rules=rules, traits=traits, **par.plan_settings())
     prec = zf.Precision.from_config(cfg.precision)
-    batch_problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, plan.data_size)
+    batch_problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, plan.data_size,
+                                        CONFIG_KEYS)
     if batch_problem:
         raise ValueError(batch_problem)
     shapes, _ = abstract_params(model_cfg)
