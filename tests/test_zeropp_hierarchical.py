@@ -184,14 +184,14 @@ def test_hpz_gathers_stay_in_the_host_and_qgz_sends_int8_sums_across(hpz_on_two_
 
 @pytest.mark.parametrize("options, message", [
     ({"stage": 3, "hierarchical": True}, "hierarchical=True needs a data axis spanning two or more"),
-    ({"stage": 2, "hierarchical": True, "hosts": 2}, "hierarchical=True keeps a second, within-host"),
+    ({"stage": 2, "hierarchical": True, "hosts": 2}, "hierarchical=True keeps a within-host copy of stage-3 weights; stage is 2"),
     ({"stage": 3, "hierarchical": True, "hosts": 2, "offload": "optimizer"},
      "does not combine with offload='optimizer'"),
     ({"stage": 3, "hierarchical": 1, "hosts": 2}, "hierarchical must be a bool"),
-    ({"stage": 1, "quantize_grads": "int8"}, "quantize_grads='int8' quantizes the reduce-scatter"),
+    ({"stage": 1, "quantize_grads": "int8"}, "quantize_grads='int8' quantizes the reduction of gathered stage-3"),
     ({"stage": 3, "quantize_grads": "int4"}, "unknown quantize_grads 'int4'"),
     ({"stage": 3, "quantize_grads": "int8", "hosts": 3}, "hosts must be a positive int dividing"),
-    ({"stage": 2, "quantize_weights": "int8"}, "quantize_weights='int8' quantizes the stage-3"),
+    ({"stage": 2, "quantize_weights": "int8"}, "quantize_weights='int8' quantizes stage-3 weight gathers; stage is 2"),
     ({"stage": 3, "quantize_weights": "int4"}, "unknown quantize_weights 'int4'"),
     ({"stage": 3, "quantize_weights": "int8", "quantize_block": 0}, "quantize_block must be"),
 ])
@@ -204,7 +204,7 @@ def test_bad_zeropp_plans_are_one_line_errors(options, message):
 def test_hpz_without_a_bf16_copy_or_with_frozen_weights_is_a_one_line_error():
     plan = zf.ZeroPlan(zf.make_mesh(), stage=3, hierarchical=True, hosts=2)
     for prec, trainable, message in [
-            (zf.Precision(), None, "with params='fp32' there is none"),
+            (zf.Precision(), None, "Precision.params is fp32, which keeps none"),
             (zf.Precision(params="bf16"), lambda path, _: path != "w2", "frozen weights")]:
         with pytest.raises(ValueError, match=message) as e:
             zf.init_train_state(_mlp_params(), optax.sgd(0.1), plan, prec, trainable=trainable)

@@ -12,7 +12,8 @@ from flax import struct
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import opt_mirror, padding
 from zeroflow.engine.padding import NO_PADDING, StatePadding
-from zeroflow.engine.plan import LeafLayout, ZeroPlan
+from zeroflow.engine.plan import ZeroPlan, is_layout
+from zeroflow.engine.plan_rules import hierarchical_copy_problem
 from zeroflow.util.tree import path_str
 from zeroflow.engine.precision import LossScaleState, Precision
 from zeroflow.engine.zeropp import hierarchical
@@ -114,11 +115,7 @@ def _opt_state_layouts(opt_abstract, master, plan: ZeroPlan):
     def own(x):
         return plan.leaf_layout("", x.shape, tensor_rules=False)
     return opt_mirror.map_mirrored(lambda x, lay: lay, own, opt_abstract, master,
-                                   is_leaf=_is_layout)
-
-
-def _is_layout(x) -> bool:
-    return isinstance(x, LeafLayout)
+                                   is_leaf=is_layout)
 
 
 def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision,
@@ -141,9 +138,9 @@ def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision,
 def _check_hierarchical(plan: ZeroPlan, prec: Precision, mask) -> None:
     if not plan.hierarchical:
         return
-    if prec.params == "fp32":
-        raise ValueError("hierarchical=True keeps a within-host copy of the compute-dtype weights; "
-                         "with params='fp32' there is none (use Precision(params='bf16'))")
+    problem = hierarchical_copy_problem(True, prec.params)
+    if problem:
+        raise ValueError(problem)
     if frozen_weights.any_frozen(mask):
         raise ValueError("hierarchical=True does not keep frozen weights in its within-host copy "
                          "yet; train every leaf or use hierarchical=False")
@@ -167,7 +164,7 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
 
     def stored(lays, with_zero: bool, kind):
         return jax.tree.map(lambda lay: plan._named(lay.spec(with_zero), kind), lays,
-                            is_leaf=_is_layout)
+                            is_leaf=is_layout)
 
     master = stored(layouts.master, plan.shards_storage, host)
     opt = stored(layouts.opt_state, plan.shards_storage, host)
