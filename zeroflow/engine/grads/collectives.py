@@ -1,8 +1,9 @@
-"""The per-device collectives of the ZeRO gradient computation, as differentiable functions.
+"""The per-device collectives of the ZeRO gradient computation, some as differentiable functions.
 
 Each runs inside ``shard_map`` over the ``data`` axis:
-- ``gather_weight``: a stage-3 weight shard all-gathered for use; its gradient is the
-  reduce-scatter of the devices' gradients, summed in fp32 into a stand-in;
+- ``all_gather`` / ``reduce_scatter``: a stage-3 weight shard made whole, a gradient summed
+  over devices into this device's slice (``sources.Stage3Collectives`` picks these or their
+  ZeRO++ variants; ``sources.gather_weight`` makes the pair one differentiable fetch);
 - ``scatter_grad_on_use``: a whole (stage-2) weight passed through unchanged whose gradient is
   reduce-scattered the moment the backward pass has produced it, so the full-size local
   gradient of a leaf is a transient, never held for all leaves at once;
@@ -16,7 +17,7 @@ A leaf stored padded (``zeroflow.engine.padding``: its dimension does not divide
 and then cut to its own size, and its gradient is padded with zeros before the reduce-scatter;
 the loss never sees the padding.
 
-The three are ``custom_jvp``s whose tangent map is linear in a stand-in (zeros shaped like
+The differentiable ones are ``custom_jvp``s whose tangent map is linear in a stand-in (zeros shaped like
 the gradient that leaves the backward pass, fp32 where it is reduced; never read, so XLA drops
 it) and whose primal is plain jax: so ``jax.checkpoint`` sees the gather or copy and can
 recompute it (``save_all_but_fetched``), and the gradient comes from transposing the tangent
@@ -89,31 +90,6 @@ def gathered_tangent(tangent, dim: int, dtype, size: int | None = None, sliced: 
     # of the cut) and reduce-scatters it in ``reduce_dtype`` (see ``reduce_scatter``).
     return all_gather(tangent.astype(reduce_dtype), dim, reduce_dtype, size,
                       sliced=sliced).astype(dtype)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def gather_weight(shard, stand_in, dim: int, dtype, size: int | None = None, groups=None,
-                  sliced: bool = False, reduce_dtype=jnp.float32):
-    """All-gather a stage-3 weight ``shard`` in the compute ``dtype`` for use (cut to ``size``
-    along ``dim`` when the stored weight is padded).
-
-    The gradient goes to ``stand_in``, fp32 zeros shaped like the shard and never read: it is
-    the reduce-scatter of the devices' gradients, summed and returned in fp32 (bf16/fp16 sums
-    over many devices overflow and round), while the shard itself stays in its stored dtype
-    (no fp32 copy of the weights is made to differentiate). ``groups``: the shard is one of a
-    copy held by each group of devices (hpZ, see ``all_gather``); the stand-in is always the
-    1/N shard of the master, and the gradient is reduce-scattered over all devices (summed in
-    ``reduce_dtype``, see ``reduce_scatter``).
-    """
-    del stand_in
-    return all_gather(shard, dim, dtype, size, groups, sliced=sliced)
-
-
-@gather_weight.defjvp
-def _gather_jvp(dim, dtype, size, groups, sliced, reduce_dtype, primals, tangents):
-    (shard, _), (_, d_stand_in) = primals, tangents
-    return (all_gather(shard, dim, dtype, size, groups, sliced=sliced),
-            gathered_tangent(d_stand_in, dim, dtype, size, sliced, reduce_dtype))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))

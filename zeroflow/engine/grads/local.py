@@ -22,7 +22,7 @@ micro-batch, folded from the step's key). Both are data to the engine, never wei
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,49 +31,24 @@ from zeroflow.engine import offload
 from zeroflow.engine.grads import gather_on_use, sources
 from zeroflow.engine.grads.loss_errors import explained
 from zeroflow.engine.grads.collectives import reduce_scatter, stream_in, varying as _varying
-from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route as _is_route, trained
+from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route, trained
+from zeroflow.engine.grads.sources import PLAIN, Stage3Collectives
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.util.tree import path_str
-from zeroflow.engine.zeropp.gather import QuantizedSharded
-from zeroflow.engine.zeropp.hosts import HostSplit
 
 
-class Detached(NamedTuple):
-    """A weight handed to the loss as its ``value`` (whole, or in host memory) together with
-    the zero ``stand_in`` its gradient is taken against (see ``scatter_grad_on_use`` and
-    ``stream_in``). ``nn.scan`` slices both fields, so ``gather_layer`` gets one layer of each."""
-    value: jax.Array
+class WeightAndStandIn(NamedTuple):
+    """A weight handed to the loss as stored (a shard, a whole weight or a host copy) together
+    with the zero ``stand_in`` its gradient is taken against (see ``scatter_grad_on_use`` and
+    ``stream_in``): the loss never differentiates ``weight`` itself. ``nn.scan`` slices both
+    fields, so ``gather_layer`` gets one layer of each."""
+    weight: jax.Array
     stand_in: jax.Array
 
 
-class Transit(NamedTuple):
-    """How stage-3 weights and their gradients travel (ZeRO++; all None: plain stage 3):
-    ``weight_block``: gathered as int8 blocks of that many entries (qwZ); ``groups``: gathered
-    within each host from its own copy (hpZ); ``grad_hosts``: gradients reduce-scattered as
-    int8 blocks of ``grad_block`` entries, within and then across these hosts (qgZ)."""
-    weight_block: int | None = None
-    groups: tuple | None = None
-    grad_hosts: HostSplit | None = None
-    grad_block: int = 256
-    reduce_dtype: Any = jnp.float32
-    "What gradients are summed over devices in (``Precision.reduce``)."
-
-    @classmethod
-    def of(cls, plan: ZeroPlan, reduce_dtype=jnp.float32) -> Transit:
-        return cls(plan.quantize_block if plan.quantize_weights else None, plan.gather_groups,
-                   plan.host_split if plan.quantize_grads else None, plan.quantize_block,
-                   reduce_dtype)
-
-    def source(self, dim: int, dtype, size: int | None, padded: int | None,
-               sliced: bool = False) -> sources.Sharded:
-        """The ``gather_on_use`` source of a stage-3 weight split along ``dim`` (``sliced``:
-        one layer's slice of a stack, see ``collectives.all_gather``)."""
-        kw = dict(groups=self.groups, grad_hosts=self.grad_hosts, grad_block=self.grad_block,
-                  sliced=sliced, reduce_dtype=self.reduce_dtype)
-        if self.weight_block is not None:
-            return QuantizedSharded(dim, dtype, size, padded, block_size=self.weight_block, **kw)
-        return sources.Sharded(dim, dtype, size, padded, **kw)
+def _is_pair(x) -> bool:
+    return isinstance(x, WeightAndStandIn)
 
 
 def _shard_shape(shape, r: Route, n: int) -> tuple[int, ...]:
@@ -173,12 +148,12 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
     params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
         x, r, plan.data_size, varying, plan.weight_copies), params, routes)
-    wire = Transit.of(plan, reduce_dtype)
+    collectives = Stage3Collectives.of(plan, reduce_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
-    gather_layer = None if per_layer is None else _layer_gatherer(routes[per_layer],
-                                                                  dtypes[per_layer], varying, wire)
+    gather_layer = None if per_layer is None else _layer_gatherer(
+        routes[per_layer], dtypes[per_layer], varying, collectives)
 
     def grads_of(micro, model_state, key):
         def scaled_loss(p):
@@ -190,7 +165,8 @@ def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPla
             seen = jax.tree.map(lambda x, w, r: None if r is None else _visible(x, w, r, varying),
                                 p, stored, routes, is_leaf=_is_hole)
             out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
-                                  plan.traits.widens_half_precision, gather_layer, given, wire)
+                                  plan.traits.widens_half_precision, gather_layer, given,
+                                  collectives)
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
 
@@ -219,39 +195,38 @@ def _differentiable(x, r: Route, n: int, varying, copies: int = 1):
 
 
 def _visible(x, w, r: Route, varying):
-    """What the loss sees for one leaf: the weight as it is, or a ``Detached`` pair of the
-    stored weight ``w`` (shard, whole or in host memory) and its stand-in ``x``; a frozen
+    """What the loss sees for one leaf: the weight as it is, or a ``WeightAndStandIn`` pair of
+    the stored weight ``w`` (shard, whole or in host memory) and its stand-in ``x``; a frozen
     weight as stored (a constant of the differentiated function)."""
     if r.frozen:
         return w if r.stream else varying(w)
     if r.stream:
-        return Detached(w, x)
+        return WeightAndStandIn(w, x)
     if r.reduce is not Reduce.ALL_REDUCE:
         # gather_layer / sources.Sharded / sources.Whole(dim) fetch it
-        return Detached(varying(w), x)
+        return WeightAndStandIn(varying(w), x)
     return x
 
 
-def _layer_gatherer(routes, dtypes, varying, wire: Transit = None):
+def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives = PLAIN):
     """``gather_layer``: one layer's slice of the stack -> its compute weights on the device,
-    through the same ``gather_on_use`` sources as any other fetch (``_layer_source``). Under
-    the ``save_all_but_fetched`` remat policy the backward pass fetches it again. ``wire``: how
-    stage-3 slices and their gradients travel (ZeRO++)."""
-    wire = wire or Transit()
+    through the layer's slice of the same source any other fetch uses (``Source.layer``).
+    Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
+    ``collectives``: how stage-3 slices and their gradients travel (ZeRO++)."""
 
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
         if r.frozen:  # fetched without a gradient path
             weight = offload.to_device(varying(x)) if r.stream else x
-            return _layer_source(r, dt, wire).fetch(weight) if r.sharded else weight
+            return _source(r, dt, collectives).layer().fetch(weight) if r.sharded else weight
         if r.stream and r.reduce is not Reduce.ON_USE:
-            return stream_in(x.value, x.stand_in)
-        weight = offload.to_device(varying(x.value)) if r.stream else x.value
-        return _layer_source(r, dt, wire).fetch_for_grad((weight, x.stand_in))
+            return stream_in(x.weight, x.stand_in)
+        weight = offload.to_device(varying(x.weight)) if r.stream else x.weight
+        return _source(r, dt, collectives).layer().fetch_for_grad((weight, x.stand_in))
 
     def gather_layer(layer_params):
-        return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=_is_route)
+        return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=is_route)
     return gather_layer
 
 
@@ -315,44 +290,34 @@ def _reduce_late(g, r: Route, dtype=jnp.float32):
     return g
 
 
-def _layer_source(r: Route, dtype, wire: Transit) -> sources.Source:
-    """The source of one layer's slice of a per-layer stack (``gather_layer``)."""
-    if r.frozen:
-        return sources.Frozen(r.layer_dim, dtype, r.cut, sliced=True)
-    if r.sharded:
-        return wire.source(r.layer_dim, dtype, r.cut, r.padded, sliced=True)
-    return sources.Whole(r.layer_dim, reduce_dtype=wire.reduce_dtype)  # stage 2
-
-
-def _source(r: Route, dtype, widens: bool, wire: Transit = None
-            ) -> sources.Source | None:
-    if r.fetch is not Fetch.ON_USE:
-        return None
+def _source(r: Route, dtype, collectives: Stage3Collectives = PLAIN,
+            widens: bool = True) -> sources.Source:
+    """The source of a leaf as its route stores it (``.layer()``: of one layer's slice).
+    ``widens``: the backend widens each use of a half-precision weight (XLA:CPU), so a whole
+    weight's use waits for its unit's inputs like a gather."""
     if r.frozen:
         return sources.Frozen(r.dim if r.sharded else None, dtype, r.cut,
-                                    ordered=r.sharded or widens)
+                              ordered=r.sharded or widens)
     if r.sharded:
-        return (wire or Transit()).source(r.dim, dtype, r.cut, r.padded)
+        return sources.Sharded(r.dim, dtype, r.cut, r.padded, collectives=collectives)
     scattered = r.reduce is Reduce.ON_USE
     return sources.Whole(r.dim if scattered else None, r.padded if scattered else None,
-                               ordered=widens, reduce_dtype=(wire or Transit()).reduce_dtype)
+                         ordered=widens, reduce_dtype=collectives.reduce_dtype)
 
 
 def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gather_layer, given,
-                    wire: Transit = None):
+                    collectives: Stage3Collectives = PLAIN):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
-    to the replay as data. ``wire``: how stage-3 weights and gradients travel (ZeRO++)."""
+    to the replay as data. ``collectives``: how stage-3 weights and gradients travel (ZeRO++)."""
     loss_fn = explained(loss_fn)  # one readable error where jax cannot trace the loss here
     call = (lambda p, b, kw: loss_fn(p, b, **kw)) if gather_layer is None else (
         lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
-    top = jax.tree.map(lambda r, dt: _source(r, dt, widens, wire), routes, dtypes,
-                       is_leaf=_is_route)
-    is_detached = lambda x: isinstance(x, Detached)  # noqa: E731
-    leaves, treedef = jax.tree.flatten(seen, is_leaf=is_detached)
+    top = jax.tree.map(lambda r, dt: _source(r, dt, collectives, widens)
+                       if r.fetch is Fetch.ON_USE else None, routes, dtypes, is_leaf=is_route)
+    leaves, treedef = jax.tree.flatten(seen, is_leaf=_is_pair)
     specs = treedef.flatten_up_to(top)
     if not any(specs):
         return call(seen, micro, given)
     return gather_on_use.call(lambda ls, b, kw: call(jax.tree.unflatten(treedef, ls), b, kw),
                               leaves, specs, micro, given, order=True, prefetch=prefetch)
-

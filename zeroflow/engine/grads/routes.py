@@ -11,21 +11,26 @@ A route is two choices and two facts:
   reduce-scattered after each micro-batch's backward pass;
 - ``sharded``: the compute weight is stored as a shard (ZeRO-3) and gathered for each use;
 - ``stream``: the compute weight lives in host memory and is copied in per layer.
-A frozen weight (``zeroflow.engine.frozen``) is fetched like any other stored weight but has no
-gradient: its route reduces nothing (``Reduce.NONE``).
+
+The decision is one table, ``ROUTES``: a ``RouteKey`` (what the stage does with gradients,
+where the layer stack's compute weights live, where the leaf is split, whether it trains;
+``route_key``) to a ``Decision``, a row per case with its reason. The one choice outside it is
+the backend's: where XLA:CPU widens half precision, a weight the table uses as stored is
+fetched on use instead (``fetches_whole``).
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.plan import LeafLayout, ZeroPlan
-
-from zeroflow.util.tree import path_str
+from zeroflow.engine.grads.sources import dim_in_layer
+from zeroflow.engine.plan import LeafLayout, ZeroPlan, is_layout
 from zeroflow.engine.precision import Precision
+from zeroflow.util.tree import is_under, path_str
 
 
 class Fetch(enum.Enum):
@@ -72,60 +77,177 @@ class Route:
         """The gradient leaves ``local_grads`` split over ``data``."""
         return self.reduce in (Reduce.ON_USE, Reduce.AFTER)
 
-    @property
-    def layer_dim(self) -> int:
-        return self.dim - 1
+
+# -- the table's key -------------------------------------------------------------------------
+class Stage(enum.Enum):
+    """The ZeRO stage as routes see it: what happens to a trained gradient."""
+    ALL_REDUCED = "stage 0, or 1 with micro-batches: whole gradients, all-reduced once per step"
+    SCATTERED = "stage 1 with one micro-batch, or 2: whole weights, gradients reduce-scattered"
+    GATHERED = "stage 3: weights stored as shards and gathered for each use"
 
 
-def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
-                grad_accum: int = 1, trainable=None):
-    """A ``Route`` per leaf of ``layouts`` (``plan.layouts``), as the train step takes them.
-    ``per_layer``: the top-level key of the layer stack handed to ``gather_layer`` (or None).
-    ``trainable``: a mask of bools matching ``layouts`` (None: every leaf trains); a frozen
-    leaf is fetched as the compute weights are and reduces nothing.
+class Memory(enum.Enum):
+    """Where the layer stack's compute weights live between steps."""
+    DEVICE = "device memory"
+    HOST = "host memory (offload='optimizer+params'), copied in one layer at a time"
+
+
+class Place(enum.Enum):
+    """Where a leaf is split over ``data``, and whether it is in the per-layer stack."""
+    WHOLE = "not split (no dimension of N entries): whole on every device"
+    SPLIT = "split, outside the layer stack"
+    STACK_WHOLE = "in the layer stack, not split"
+    STACK_BY_LAYER = "in the layer stack, split along its layer axis: each device holds whole layers"
+    STACK_IN_LAYER = "in the layer stack, split within each layer"
+
+
+ALL_REDUCED, SCATTERED, GATHERED = Stage
+DEVICE, HOST = Memory
+WHOLE, SPLIT, STACK_WHOLE, STACK_BY_LAYER, STACK_IN_LAYER = Place
+TRAINED, FROZEN = True, False
+
+
+class RouteKey(NamedTuple):
+    stage: Stage
+    memory: Memory
+    "``HOST`` only for the layer stack: any other offloaded weight the step brings in whole."
+    place: Place
+    trains: bool
+
+
+class Decision(NamedTuple):
+    fetch: Fetch
+    reduce: Reduce
+    sharded: bool
+    stream: bool
+
+
+def route_key(plan: ZeroPlan, prec: Precision, lay: LeafLayout, path: str, *,
+              per_layer: str | None, grad_accum: int = 1, trains: bool = True) -> RouteKey:
+    """The table's key for the leaf at ``path`` (``path_str``) of layout ``lay``. ``per_layer``:
+    the top-level key of the stack handed to ``gather_layer`` (or None).
 
     Stage 1 reduces gradients once per step: with one micro-batch that is on use, as stage 2
     (a reduce-scatter moves half the bytes of an all-reduce and leaves each device the slice
     its optimizer shard needs); with several it accumulates whole gradients and reduces them
-    once at the end, where stage 2 reduce-scatters every micro-batch's.
-    """
-    reduces_on_use = plan.shards_grads or (plan.shards_storage and grad_accum == 1)
-    # Offloaded compute weights stay in host memory; fp32 at stages 1-2 keeps no compute copy:
-    # it is gathered from the master on the device.
-    from_host = plan.offloads_params and (prec.params != "fp32" or plan.stage in (0, 3))
-    fetch_whole = fetches_whole(plan, prec.compute_dtype)
+    once at the end, where stage 2 reduce-scatters every micro-batch's."""
+    if plan.shards_compute:
+        stage = GATHERED
+    elif plan.shards_grads or (plan.shards_storage and grad_accum == 1):
+        stage = SCATTERED
+    else:
+        stage = ALL_REDUCED
+    in_stack = is_under(path, per_layer)
+    # fp32 at stages 1-2 keeps no compute copy: the weights are gathered from the master on
+    # the device, so nothing of them stays in host memory.
+    host = in_stack and plan.offloads_params and (prec.params != "fp32" or plan.stage in (0, 3))
+    if lay.zero_dim is None:
+        place = STACK_WHOLE if in_stack else WHOLE
+    elif not in_stack:
+        place = SPLIT
+    else:
+        place = STACK_BY_LAYER if dim_in_layer(lay.zero_dim) is None else STACK_IN_LAYER
+    return RouteKey(stage, HOST if host else DEVICE, place, trains)
+
+
+# -- the table -------------------------------------------------------------------------------
+# (stage, stack memory, place, trains): (fetch, reduce, sharded, stream). A frozen weight is
+# fetched as the compute weights are and reduces nothing; it never has a gradient to scatter.
+_S, _U, _L = Fetch.STORED, Fetch.ON_USE, Fetch.PER_LAYER
+ROUTES: dict[RouteKey, Decision] = {RouteKey(*k): Decision(*v) for k, v in {
+    # Stage 0, or stage 1 accumulating micro-batches: every weight is whole on the device and
+    # every gradient whole, summed over the micro-batches and all-reduced once.
+    (ALL_REDUCED, DEVICE, WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, SPLIT, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, SPLIT, FROZEN): (_S, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
+    # ... a stack in host memory is copied in one layer at a time; its gradient stays whole.
+    (ALL_REDUCED, HOST, STACK_WHOLE, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
+    (ALL_REDUCED, HOST, STACK_WHOLE, FROZEN): (_L, Reduce.NONE, False, True),
+    (ALL_REDUCED, HOST, STACK_BY_LAYER, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
+    (ALL_REDUCED, HOST, STACK_BY_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
+    (ALL_REDUCED, HOST, STACK_IN_LAYER, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
+    (ALL_REDUCED, HOST, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
+
+    # Stage 2 (or 1, one micro-batch): weights whole; a split gradient is reduce-scattered the
+    # moment it is complete. Not split: nothing to scatter, all-reduced as at stage 0.
+    (SCATTERED, DEVICE, WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (SCATTERED, DEVICE, WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    # Fetched on use: each use's unit reduce-scatters its gradient (per iteration inside a
+    # loss's scan, where one reduce-scatter of the stacked gradient would hold the fp32 stack).
+    (SCATTERED, DEVICE, SPLIT, TRAINED): (_U, Reduce.ON_USE, False, False),
+    (SCATTERED, DEVICE, SPLIT, FROZEN): (_S, Reduce.NONE, False, False),
+    (SCATTERED, DEVICE, STACK_WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (SCATTERED, DEVICE, STACK_WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    # A layer's slice is not split the same way on every device: the stack is scattered whole.
+    (SCATTERED, DEVICE, STACK_BY_LAYER, TRAINED): (_U, Reduce.ON_USE, False, False),
+    (SCATTERED, DEVICE, STACK_BY_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
+    # gather_layer scatters each layer's gradient inside the scan's backward pass.
+    (SCATTERED, DEVICE, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, False, False),
+    (SCATTERED, DEVICE, STACK_IN_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
+    # A stack in host memory is copied in one layer at a time ...
+    (SCATTERED, HOST, STACK_WHOLE, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
+    (SCATTERED, HOST, STACK_WHOLE, FROZEN): (_L, Reduce.NONE, False, True),
+    # ... a layer's gradient is whole on each device: the stacked one is scattered after the
+    # micro-batch's backward pass,
+    (SCATTERED, HOST, STACK_BY_LAYER, TRAINED): (_L, Reduce.AFTER, False, True),
+    (SCATTERED, HOST, STACK_BY_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
+    # ... or, split within the layer, scattered per layer in the backward pass.
+    (SCATTERED, HOST, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, False, True),
+    (SCATTERED, HOST, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
+
+    # Stage 3: a split weight is stored as shards, gathered for each use and its gradient
+    # reduce-scattered on use; a weight no dimension splits is whole, as at stage 0.
+    (GATHERED, DEVICE, WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (GATHERED, DEVICE, WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    (GATHERED, DEVICE, SPLIT, TRAINED): (_U, Reduce.ON_USE, True, False),
+    (GATHERED, DEVICE, SPLIT, FROZEN): (_U, Reduce.NONE, True, False),
+    (GATHERED, DEVICE, STACK_WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
+    (GATHERED, DEVICE, STACK_WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    # No layer's slice is split the same way on every device: gather_on_use gathers the stack
+    # for the loss's scan.
+    (GATHERED, DEVICE, STACK_BY_LAYER, TRAINED): (_U, Reduce.ON_USE, True, False),
+    (GATHERED, DEVICE, STACK_BY_LAYER, FROZEN): (_U, Reduce.NONE, True, False),
+    # gather_layer gathers one layer's slice inside the scan.
+    (GATHERED, DEVICE, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, True, False),
+    (GATHERED, DEVICE, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, True, False),
+    # A stack in host memory: not split, copied in whole per layer;
+    (GATHERED, HOST, STACK_WHOLE, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
+    (GATHERED, HOST, STACK_WHOLE, FROZEN): (_L, Reduce.NONE, False, True),
+    # split along the layer axis, it cannot be copied in one layer at a time: gathered as above;
+    (GATHERED, HOST, STACK_BY_LAYER, TRAINED): (_U, Reduce.ON_USE, True, False),
+    (GATHERED, HOST, STACK_BY_LAYER, FROZEN): (_U, Reduce.NONE, True, False),
+    # split within a layer: the layer's shard is copied in, then gathered.
+    (GATHERED, HOST, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, True, True),
+    (GATHERED, HOST, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, True, True),
+}.items()}
+
+
+def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
+                grad_accum: int = 1, trainable=None):
+    """A ``Route`` per leaf of ``layouts`` (``plan.layouts``), as the train step takes them:
+    the row of ``ROUTES`` at each leaf's ``route_key``. ``per_layer``: the top-level key of
+    the layer stack handed to ``gather_layer`` (or None). ``trainable``: a mask of bools
+    matching ``layouts`` (None: every leaf trains)."""
+    whole_on_use = fetches_whole(plan, prec.compute_dtype)
 
     def route(path, lay: LeafLayout, trains: bool = True) -> Route:
-        under = per_layer is not None and (path_str(path) + "/").startswith(per_layer + "/")
-        split = lay.zero_dim is not None
-        sharded = plan.shards_compute and split
-        scatter = trains and reduces_on_use and not plan.shards_compute and split
-        within_layer = under and split and lay.zero_dim > 0  # a layer's slice is itself split
-        # A stage-3 stack split along its layer axis cannot be fetched one layer at a time.
-        stream = from_host and under and not (sharded and not within_layer)
-        if under and (((sharded or scatter) and within_layer) or stream):
-            fetch = Fetch.PER_LAYER
-        elif sharded or fetch_whole or scatter:
-            # Whole stage-2 weights go through gather_on_use too: each use's unit reduce-
-            # scatters its gradient (per iteration inside a loss's scan, where one reduce-
-            # scatter of the stacked gradient after the scan would hold the whole fp32 stack).
+        key = route_key(plan, prec, lay, path_str(path), per_layer=per_layer,
+                        grad_accum=grad_accum, trains=trains)
+        fetch, reduce, sharded, stream = ROUTES[key]
+        if fetch is Fetch.STORED and whole_on_use:
             fetch = Fetch.ON_USE
-        else:
-            fetch = Fetch.STORED
-        if not trains:
-            reduce = Reduce.NONE
-        elif sharded or (scatter and (fetch is not Fetch.PER_LAYER or lay.zero_dim > 0)):
-            reduce = Reduce.ON_USE
-        elif scatter:  # a streamed stack split along its layer axis: whole per layer
-            reduce = Reduce.AFTER
-        else:
-            reduce = Reduce.ALL_REDUCE
         size = None if lay.zero_dim is None else lay.shape[lay.zero_dim]
-        padded = size + lay.pad if split and lay.pad else None
+        padded = size + lay.pad if size is not None and lay.pad else None
         return Route(lay.zero_dim, fetch, reduce, sharded, stream, size, padded)
-    if trainable is None:
-        return jax.tree_util.tree_map_with_path(route, layouts, is_leaf=_is_layout)
-    return jax.tree_util.tree_map_with_path(route, layouts, trainable, is_leaf=_is_layout)
+    trees = (layouts,) if trainable is None else (layouts, trainable)
+    return jax.tree_util.tree_map_with_path(route, *trees, is_leaf=is_layout)
 
 
 def trained(routes):
@@ -143,8 +265,5 @@ def fetches_whole(plan: ZeroPlan, dtype) -> bool:
 
 
 def is_route(x) -> bool:
+    """The leaf predicate of a tree of routes."""
     return isinstance(x, Route)
-
-
-def _is_layout(x) -> bool:
-    return isinstance(x, LeafLayout)

@@ -1,26 +1,44 @@
 """Where a weight fetched on use comes from and where its gradient goes: one ``Source`` per
-kind of stored weight, used by every stage-3 path alike (``gather_on_use``'s units and scan
-bodies, and the per-layer ``gather_layer``). A ZeRO++ variant is a source of its own:
-``Sharded`` (plain stage 3, and qgZ's int8 gradient reduction through ``grad_hosts``),
-``zeroflow.engine.zeropp.gather.QuantizedSharded`` (qwZ's int8 gathers); ``Whole`` is a stage-0-2
-weight (its gradient reduce-scattered on use at stage 2), ``Frozen`` one never differentiated.
+kind of stored weight, used by every path that fetches weights alike (``gather_on_use``'s units
+and scan bodies, and the per-layer ``gather_layer``): ``Sharded`` is a stage-3 weight, gathered
+and reduce-scattered by its ``Stage3Collectives`` (plain, or ZeRO++'s variants); ``Whole`` a
+stage-0-2 weight (its gradient reduce-scattered on use at stage 2); ``Frozen`` one never
+differentiated.
+
+A source fetches in two ways: ``fetch``, inside a unit, which takes the gradient itself and
+hands it to ``give_back``; and ``fetch_for_grad``, differentiable on its own (a layer of a
+rematerialised scan), whose gradient reaches the stand-in as ``give_back`` would hand it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.grads.collectives import (all_gather, gather_weight, reduce_scatter,
-                                        scatter_grad_on_use)
+from zeroflow.engine.grads.collectives import (all_gather, gathered_tangent, reduce_scatter,
+                                               scatter_grad_on_use)
+from zeroflow.engine.plan import ZeroPlan
+from zeroflow.engine.zeropp.gather import quantized_all_gather
 from zeroflow.engine.zeropp.hosts import HostSplit
-from zeroflow.engine.zeropp.reduce import gather_weight_qgz, quantized_reduce_scatter
+from zeroflow.engine.zeropp.reduce import quantized_reduce_scatter
+
+
+def dim_in_layer(dim: int) -> int | None:
+    """Where a layer stack's ZeRO dimension ``dim`` falls in one layer's slice (the stack's
+    leading, layer axis dropped): ``dim - 1``; None when ``dim`` is the layer axis itself,
+    where each device holds whole layers and no slice is split alike on every device."""
+    return None if dim == 0 else dim - 1
 
 
 class Source(Protocol):
     """How one weight is stored on this device and how its gradient goes back there."""
+    ordered: bool
+    "Its fetch waits for the unit's inputs (``ordering.after``); else the compiler places it."
+    frozen: bool
+    "Never differentiated: the unit takes no vjp with respect to it."
 
     def fetch(self, stored) -> jax.Array:
         """The whole weight, as the loss uses it, from what this device stores."""
@@ -28,54 +46,142 @@ class Source(Protocol):
     def give_back(self, stored, grad):
         """The cotangent of ``stored`` for ``grad``, the gradient of the fetched weight."""
 
+    def fetch_for_grad(self, stored) -> jax.Array:
+        """``fetch(stored)``, differentiable: the gradient reaches what ``give_back`` fills."""
+
+    def layer(self) -> Source | None:
+        """The source of one slice along the leading axis (a scan's iteration), or None when
+        that axis is the one split over devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage3Collectives:
+    """How stage-3 weights are gathered and their gradients reduce-scattered: ZeRO++'s three
+    options, each one field (all unset: plain stage 3, full-precision over every device).
+
+    - hpZ, ``groups``: each weight is gathered within a group of devices that holds a whole
+      copy between them (each host's; the copy is ``zeroflow.engine.zeropp.hierarchical``'s);
+    - qwZ, ``weight_block``: gathered as int8 blocks of that many entries
+      (``zeroflow.engine.zeropp.gather``);
+    - qgZ, ``grad_hosts``: gradients reduce-scattered as int8 blocks of ``grad_block``
+      entries, within and then across these hosts (``zeroflow.engine.zeropp.reduce``).
+    The gradient always reaches the 1/N shard of the master over all devices."""
+    groups: tuple | None = None
+    weight_block: int | None = None
+    grad_hosts: HostSplit | None = None
+    grad_block: int = 256
+    reduce_dtype: Any = jnp.float32
+    "What gradients are summed over devices in (``Precision.reduce``), exact reductions only."
+
+    @classmethod
+    def of(cls, plan: ZeroPlan, reduce_dtype=jnp.float32) -> Stage3Collectives:
+        return cls(plan.gather_groups, plan.quantize_block if plan.quantize_weights else None,
+                   plan.host_split if plan.quantize_grads else None, plan.quantize_block,
+                   reduce_dtype)
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain stage 3: gathered whole over every device in full precision, reduced exactly."""
+        return self.groups is None and self.weight_block is None and self.grad_hosts is None
+
+    @property
+    def reduces_by_transpose(self) -> bool:
+        """The gradient reduction is the transpose of the gather (an exact reduce-scatter),
+        which qgZ's quantizing one is not."""
+        return self.grad_hosts is None
+
+    def gather(self, shard, dim: int, dtype, size: int | None = None, *, sliced: bool = False):
+        """The whole weight in ``dtype`` from this device's ``shard`` (see ``all_gather``)."""
+        if self.weight_block is not None:
+            return quantized_all_gather(shard, dim, dtype, self.weight_block, size, self.groups)
+        return all_gather(shard, dim, dtype, size, self.groups, sliced=sliced)
+
+    def reduce_scatter(self, grad, dim: int, padded: int | None = None):
+        """This device's fp32 slice of the sum over all devices of ``grad``."""
+        if self.grad_hosts is not None:
+            return quantized_reduce_scatter(grad, dim, self.grad_hosts, self.grad_block, padded)
+        return reduce_scatter(grad, dim, padded, self.reduce_dtype)
+
+
+PLAIN = Stage3Collectives()
+
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
-    all-gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in.
-    ``size``/``padded``: the weight's own and stored length along ``dim`` (they differ when it
-    is stored padded). ``groups``: the groups of devices that each hold a whole copy and gather
-    it among themselves (hpZ: each host's), None: all devices."""
+    gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in, both
+    by ``collectives``. ``size``/``padded``: the weight's own and stored length along ``dim``
+    (they differ when it is stored padded)."""
     dim: int
     dtype: Any
     size: int | None = None
     padded: int | None = None
-    groups: tuple | None = None
-    grad_hosts: HostSplit | None = None
-    "qgZ: the gradient is reduce-scattered as int8 blocks of ``grad_block``, host by host."
-    grad_block: int = 256
     sliced: bool = False
     "One iteration's slice of a stack a scan walks through (``layer()``; see ``all_gather``)."
-    reduce_dtype: Any = jnp.float32
-    "What the gradient is summed over devices in (``Precision.reduce``)."
+    collectives: Stage3Collectives = PLAIN
+    ordered = True
+    frozen = False
+
+    def gathered(self, shard):
+        return self.collectives.gather(shard, self.dim, self.dtype, self.size, sliced=self.sliced)
 
     def fetch(self, stored):
-        return all_gather(stored[0], self.dim, self.dtype, self.size, self.groups,
-                          sliced=self.sliced)
+        return self.gathered(stored[0])
 
     def reduced(self, grad):
         """This device's fp32 slice of the sum over devices of ``grad``."""
-        if self.grad_hosts is None:
-            return reduce_scatter(grad, self.dim, self.padded, self.reduce_dtype)
-        return quantized_reduce_scatter(grad, self.dim, self.grad_hosts, self.grad_block,
-                                        self.padded)
+        return self.collectives.reduce_scatter(grad, self.dim, self.padded)
 
     def give_back(self, stored, grad):
         return _pair_like(stored, self.reduced(grad))
 
     def fetch_for_grad(self, stored):
-        """``fetch(stored)``, differentiable: the gradient of the fetched weight goes to the
-        stand-in as ``give_back`` would hand it (inside a rematerialised scan body)."""
-        if self.grad_hosts is not None:
-            return gather_weight_qgz(stored[0], stored[1], self)
-        return gather_weight(stored[0], stored[1], self.dim, self.dtype, self.size, self.groups,
-                             self.sliced, self.reduce_dtype)
+        gather = gather_weight if self.collectives.reduces_by_transpose else gather_weight_vjp
+        return gather(stored[0], stored[1], self)
 
     def layer(self):
-        """The source of one slice along the leading axis (a scan's iteration), or None when
-        that axis is the one split over devices."""
-        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1,
-                                                              sliced=True)
+        dim = dim_in_layer(self.dim)
+        return None if dim is None else dataclasses.replace(self, dim=dim, sliced=True)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def gather_weight(shard, stand_in, source: Sharded):
+    """``source.gathered(shard)``, whose gradient goes to ``stand_in`` (fp32 zeros shaped like
+    the 1/N shard of the master, never read): the tangent map is linear in the stand-in, so
+    the gradient is its transpose, the reduce-scatter of the devices' gradients summed in
+    ``reduce_dtype`` and returned in fp32, while the shard itself stays in its stored dtype
+    (no fp32 copy of the weights is made to differentiate). Its primal is plain jax, so
+    ``jax.checkpoint`` sees the gather and recomputes it (``save_all_but_fetched``)."""
+    del stand_in
+    return source.gathered(shard)
+
+
+@gather_weight.defjvp
+def _gather_weight_jvp(source: Sharded, primals, tangents):
+    (shard, _), (_, d_stand_in) = primals, tangents
+    return source.gathered(shard), gathered_tangent(
+        d_stand_in, source.dim, source.dtype, source.size, source.sliced,
+        source.collectives.reduce_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def gather_weight_vjp(shard, stand_in, source: Sharded):
+    """``gather_weight`` for a reduction that is not the transpose of the gather (qgZ's
+    quantizing one): a ``custom_vjp`` whose backward pass is ``source.reduced``. It keeps no
+    residual, so a rematerialised layer saves no gathered weight either."""
+    del stand_in
+    return source.gathered(shard)
+
+
+def _gather_weight_fwd(shard, stand_in, source):
+    return source.gathered(shard), None
+
+
+def _gather_weight_bwd(source, _, grad):
+    return None, source.reduced(grad)
+
+
+gather_weight_vjp.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +195,8 @@ class Whole:
     padded: int | None = None
     ordered: bool = True
     reduce_dtype: Any = jnp.float32
-    "As for ``Sharded``."
+    "What the gradient is summed over devices in (``Precision.reduce``)."
+    frozen = False
 
     def fetch(self, stored):
         return stored if self.scatter_dim is None else stored[0]
@@ -108,27 +215,30 @@ class Whole:
     def layer(self):
         if self.scatter_dim is None:
             return self
-        return None if self.scatter_dim == 0 else dataclasses.replace(
-            self, scatter_dim=self.scatter_dim - 1)
+        dim = dim_in_layer(self.scatter_dim)
+        return None if dim is None else dataclasses.replace(self, scatter_dim=dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class Frozen:
-    """A frozen weight (``zeroflow.engine.frozen``), stored as it is: a shard split along ``dim`` and
-    all-gathered as ``dtype`` (cut to ``size``), or whole (``dim`` None). It is fetched for
+    """A frozen weight (``zeroflow.engine.frozen``), stored as it is: a shard split along ``dim``
+    and all-gathered as ``dtype`` (cut to ``size``), or whole (``dim`` None). It is fetched for
     the forward and the backward pass like any weight, but the unit takes no vjp with respect
-    to it: its gradient is never computed. ``ordered`` as for ``Whole``."""
+    to it: its gradient is never computed. ``ordered`` as for ``Whole``, ``sliced`` as for
+    ``Sharded``."""
     dim: int | None
     dtype: Any
     size: int | None = None
     ordered: bool = True
     sliced: bool = False
-    "As for ``Sharded``."
     frozen = True
 
     def fetch(self, stored):
         return stored if self.dim is None else all_gather(stored, self.dim, self.dtype, self.size,
                                                           sliced=self.sliced)
+
+    def give_back(self, stored, grad):  # never called: nothing differentiates a frozen weight
+        return None
 
     def fetch_for_grad(self, stored):  # a constant of the differentiated function
         return self.fetch(stored)
@@ -136,7 +246,8 @@ class Frozen:
     def layer(self):
         if self.dim is None:
             return self
-        return None if self.dim == 0 else dataclasses.replace(self, dim=self.dim - 1, sliced=True)
+        dim = dim_in_layer(self.dim)
+        return None if dim is None else dataclasses.replace(self, dim=dim, sliced=True)
 
 
 def _pair_like(stored, grad):

@@ -6,20 +6,17 @@ reduce-scatter as plain stage 3's, and the fp32 master never passes through the 
 Each device quantizes its own shard (flattened, ``zeroflow.engine.zeropp.quantize``), the int8
 values and scales of all shards are gathered along a new leading axis, and the shards are
 dequantized and laid side by side along the weight's ZeRO dimension, as a tiled all-gather
-would. Inside a rematerialised layer (``save_all_but_fetched``) the dequantized weight is not
-kept for the backward pass (the int8 gather and the dequantization run again, as a plain
-gather does): an 8-layer GPT's step needs the same temporary memory as plain stage 3's.
+would. ``zeroflow.engine.grads.sources.Stage3Collectives`` gathers this way when the plan
+sets ``quantize_weights``. Inside a rematerialised layer (``save_all_but_fetched``) the
+dequantized weight is not kept for the backward pass (the int8 gather and the dequantization
+run again, as a plain gather does): an 8-layer GPT's step needs the same temporary memory as
+plain stage 3's.
 """
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.grads.collectives import gathered_tangent
-from zeroflow.engine.grads.sources import Sharded
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.padding import cut_to
 from zeroflow.engine.zeropp.quantize import Quantized, dequantize, quantize
@@ -44,37 +41,3 @@ def _dequantized(gathered: Quantized, shard_shape, dtype: str, dim: int):
     shape = list(shard_shape)
     shape[dim] *= parts.shape[dim]
     return parts.reshape(shape)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def gather_weight_quantized(shard, stand_in, dim: int, dtype, block_size: int,
-                            size: int | None = None, groups=None, reduce_dtype=jnp.float32):
-    """``zeroflow.engine.grads.gather_weight`` with the weight moved as int8 blocks: the gradient goes
-    to ``stand_in`` as the exact fp32 reduce-scatter of the devices' gradients."""
-    del stand_in
-    return quantized_all_gather(shard, dim, dtype, block_size, size, groups)
-
-
-@gather_weight_quantized.defjvp
-def _quantized_jvp(dim, dtype, block_size, size, groups, reduce_dtype, primals, tangents):
-    (shard, _), (_, d_stand_in) = primals, tangents
-    return (quantized_all_gather(shard, dim, dtype, block_size, size, groups),
-            gathered_tangent(d_stand_in, dim, dtype, size, reduce_dtype=reduce_dtype))
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizedSharded(Sharded):
-    """A stage-3 weight fetched on use (``gather_on_use``) as int8 blocks of ``block_size``
-    entries; its gradient leaves as ``Sharded``'s does (fp32 reduce-scatter)."""
-    block_size: int = 256
-
-    def fetch(self, stored):
-        return quantized_all_gather(stored[0], self.dim, self.dtype, self.block_size, self.size,
-                                    self.groups)
-
-    def fetch_for_grad(self, stored):
-        if self.grad_hosts is not None:
-            return super().fetch_for_grad(stored)  # qgZ's reduction, this gather
-        return gather_weight_quantized(stored[0], stored[1], self.dim, self.dtype,
-                                       self.block_size, self.size, self.groups,
-                                       self.reduce_dtype)

@@ -27,12 +27,8 @@ import jax.numpy as jnp
 
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.padding import Entry
-from zeroflow.engine.plan import LeafLayout, ZeroPlan
+from zeroflow.engine.plan import ZeroPlan, is_layout
 from zeroflow.engine.zeropp.hosts import HostSplit
-
-
-def _is_layout(x) -> bool:
-    return isinstance(x, LeafLayout)
 
 
 def copy_entries(layouts) -> tuple[Entry, ...]:
@@ -40,7 +36,7 @@ def copy_entries(layouts) -> tuple[Entry, ...]:
     is stored longer than its own size along its ZeRO dimension (H copies, each padded), so
     ``zeroflow.engine.padding.unpad`` cuts it back to the first copy's own entries."""
     return tuple(None if lay.zero_dim is None else (lay.zero_dim, lay.shape[lay.zero_dim])
-                 for lay in jax.tree.leaves(layouts, is_leaf=_is_layout))
+                 for lay in jax.tree.leaves(layouts, is_leaf=is_layout))
 
 
 def tile(tree, entries: tuple[Entry, ...], copies: int):
@@ -68,7 +64,7 @@ def refresh(compute, layouts, plan: ZeroPlan):
     """The secondary copy from ``compute``, the updated compute weights stored 1/N over
     ``data`` (padded, as ``plan`` stores stage-3 weights)."""
     split = plan.host_split
-    lays = jax.tree.leaves(layouts, is_leaf=_is_layout)
+    lays = jax.tree.leaves(layouts, is_leaf=is_layout)
     leaves, treedef = jax.tree.flatten(compute)
     specs = [lay.data_only_spec(True) for lay in lays]
 

@@ -16,10 +16,12 @@ device's 1/N slice of the sum over devices, which plain stage 3 does with one fp
 int8 values are never added: every sum is over dequantized fp32 values. The bytes that cross
 hosts are one int8 slice (plus scales) per peer host where plain stage 3 sends fp32: about a
 quarter. Each slice is quantized on its own (blocks never straddle two destinations).
+
+``zeroflow.engine.grads.sources.Stage3Collectives`` reduces this way when the plan sets
+``quantize_grads``; a quantizing reduction is not the transpose of the gather, so a weight
+fetched outside a unit differentiates through ``sources.gather_weight_vjp``.
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,24 +61,3 @@ def quantized_reduce_scatter(grad, dim: int, split: HostSplit, block_size: int,
     host_sums = _exchanged(jnp.swapaxes(slices, 0, 1), split.within, block_size)
     mine = _exchanged(host_sums.reshape(hosts, -1), split.across, block_size)
     return jnp.moveaxis(mine.reshape(slice_shape), 0, dim)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def gather_weight_qgz(shard, stand_in, source):
-    """``source.fetch((shard, stand_in))`` (a stage-3 ``gather_on_use.Sharded`` with qgZ set:
-    plain, int8 or within-host gather), whose gradient goes to ``stand_in`` as
-    ``source.give_back`` reduces it (``quantized_reduce_scatter``). A ``custom_vjp``, not a
-    ``custom_jvp`` like ``zeroflow.engine.grads.gather_weight``: quantizing is not linear, so the
-    reduction cannot be the transpose of a tangent map."""
-    return source.fetch((shard, stand_in))
-
-
-def _qgz_fwd(shard, stand_in, source):
-    return source.fetch((shard, stand_in)), None
-
-
-def _qgz_bwd(source, _, grad):
-    return None, source.reduced(grad)
-
-
-gather_weight_qgz.defvjp(_qgz_fwd, _qgz_bwd)
