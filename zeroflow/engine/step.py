@@ -58,27 +58,39 @@ def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
 
 class StepLayout(NamedTuple):
     """Everything about where arrays live that one state layout needs, computed once per layout
-    (not per trace): per-leaf layouts, the state's shardings and the compute weights' shardings
-    as the step reads them, and the trainable mask. ``abstract_master`` has the parameters' own
-    (unpadded) shapes, frozen ones included; ``layouts`` and the compute shardings are those of
-    the whole tree (what the loss reads), ``state`` has the trainable/frozen split."""
+    (not per trace) by ``step_layout``, and read by the step and the memory estimator alike."""
     layouts: Any
+    "Per-leaf ``LeafLayout``s of the whole tree (frozen leaves included): what the loss reads."
     state: TrainState
-    compute_on_device: Any
-    compute_stored: Any
+    "The state's shardings, with the trainable/frozen split."
+    compute_as_used: Any
+    "The compute weights' shardings as the forward pass reads them: in device memory."
+    compute_as_stored: Any
+    "The compute weights' shardings as the state keeps them between steps (pinned host memory"
+    " under ``offload='optimizer+params'``)."
     trainable: Any
+    "The trainable mask (a tree of bools)."
+    update_path: update.UpdatePath
+    "Where the optimizer update runs (``update.update_path``)."
+    compute_refresh: update.ComputeRefresh
+    "How the new compute weights reach their stored layout (``update.compute_refresh``)."
 
 
 def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPlan,
                 prec: Precision, model_state=None, rng=None, trainable=None) -> StepLayout:
+    """The ``StepLayout`` of a state of ``abstract_master`` (the parameters' own, unpadded
+    shapes, frozen ones included) under ``plan``; the rest as for ``init_train_state``."""
     mask = frozen_weights.trainable_mask(trainable, abstract_master)
+    path = update.update_path(plan, tx, frozen_weights.split(abstract_master, mask)[0])
     return StepLayout(
         layouts=plan.layouts(abstract_master),
         state=state_shardings(abstract_master, tx, plan, prec, model_state, rng, trainable=mask),
-        compute_on_device=plan.compute_shardings(abstract_master, padded=True,
-                                                 memory_kind="device" if plan.offloads else None),
-        compute_stored=plan.compute_shardings(abstract_master, padded=True),
-        trainable=mask)
+        compute_as_used=plan.compute_shardings(abstract_master, padded=True,
+                                               memory_kind="device" if plan.offloads else None),
+        compute_as_stored=plan.compute_shardings(abstract_master, padded=True),
+        trainable=mask,
+        update_path=path,
+        compute_refresh=update.compute_refresh(plan, prec.compute_dtype, path))
 
 
 def _place(tree, shardings):
@@ -149,8 +161,8 @@ def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route
     layer at a time (gather_layer): those stay in host memory. Frozen weights join the
     trainable ones here, laid out as they are."""
     streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
-    compute_sh = jax.tree.map(lambda here, stored, stream: stored if stream else here,
-                              layout.compute_on_device, layout.compute_stored, streamed)
+    compute_sh = jax.tree.map(lambda used, stored, stream: stored if stream else used,
+                              layout.compute_as_used, layout.compute_as_stored, streamed)
     params = state.stored_params
     if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
         params = padding.unpad(params, state.padding.master)
@@ -182,55 +194,57 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
 
 def _updated(grads, state: TrainState, finite, divisor, *, tx: optax.GradientTransformation,
              plan: ZeroPlan, prec: Precision, layout: StepLayout):
-    """``(new_master, new_opt_state, new_compute)``: the optax update wherever the plan keeps
-    the state (on the device; offloaded and streamed through the device; on the host).
-    ``divisor``: what gradients in their own dtype (``native_gradients``) are still to be
-    divided by, after widening; None where they come unscaled."""
-    shard, pads = layout.state, state.padding
-
-    def unscaled(grads, divisor):
-        return grads if divisor is None else jax.tree.map(
-            lambda g: g.astype(jnp.float32) / divisor, grads)
-
-    # Whole compute weights are gathered from the updated shards at stages 1-2: leaf after leaf
-    # where the compiler widens half precision (one_at_a_time), else stacks slice by slice.
-    whole_compute = state.compute is not None and not plan.shards_compute
-    one_by_one = whole_compute and plan.traits.widens_half_precision
+    """``(new_master, new_opt_state, new_compute)``: the optax update where
+    ``layout.update_path`` says it runs. ``divisor``: what gradients in their own dtype
+    (``native_gradients``) are still to be divided by, after widening; None where they come
+    unscaled."""
     compute_dtype = None if state.compute is None else prec.compute_dtype
-    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=pads,
+    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=state.padding,
                               skip_by_select=not plan.traits.cond_updates_in_place)
-    compute_on_device = frozen_weights.split(layout.compute_on_device, layout.trainable)[0]
-    if not plan.updates_on_host:  # on the device: widened as each leaf's update reads it
-        grads = unscaled(grads, divisor)
-    if not plan.offloads:
-        new_master, new_opt, new_compute = apply(grads, state.master, state.opt_state, finite,
-                                                 compute_shardings=one_by_one and shard.compute)
-        if whole_compute and not one_by_one:
-            new_compute = update.gather_by_slices(new_compute, shard.master, plan.mesh,
-                                                  into=state.compute)
-        return new_master, new_opt, new_compute
-    if plan.updates_on_host:
-        # ZeRO-Offload: gradients go to the host (in the master's sharding), the update runs
-        # there, and only the compute-dtype weights travel back (placed by the caller).
-        host_grads = offload.to_memory(grads, shard.master, "pinned_host")
-        host_scalars = offload.to_memory((finite, divisor), plan.replicated(), "pinned_host")
+    if layout.update_path is update.UpdatePath.ON_HOST:
+        return _updated_on_host(grads, state, finite, divisor, apply=apply, plan=plan,
+                                layout=layout)
+    grads = _unscaled(grads, divisor)  # on the device: widened as each leaf's update reads it
+    if layout.update_path is update.UpdatePath.STREAMED:
+        return update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
+                               compute_dtype=compute_dtype, shardings=layout.state,
+                               pads=state.padding)
+    leaf_after_leaf = layout.compute_refresh is update.ComputeRefresh.LEAF_AFTER_LEAF
+    if layout.update_path is update.UpdatePath.BROUGHT_IN_WHOLE:
+        master = offload.to_memory(state.master, layout.state.master, "device")
+        opt_state = offload.to_memory(state.opt_state, layout.state.opt_state, "device")
+        compute_as_used = frozen_weights.split(layout.compute_as_used, layout.trainable)[0]
+        return apply(grads, master, opt_state, finite,
+                     compute_shardings=compute_as_used if leaf_after_leaf else None)
+    # UpdatePath.IN_PLACE: the state is in device memory already.
+    new_master, new_opt, new_compute = apply(
+        grads, state.master, state.opt_state, finite,
+        compute_shardings=layout.state.compute if leaf_after_leaf else None)
+    if layout.compute_refresh is update.ComputeRefresh.BY_SLICES:
+        new_compute = update.gather_by_slices(new_compute, layout.state.master, plan.mesh,
+                                              into=state.compute)
+    return new_master, new_opt, new_compute
 
-        def unscaled_apply(grads, master, opt_state, scalars):
-            finite, divisor = scalars
-            return apply(unscaled(grads, divisor), master, opt_state, finite)
-        return offload.on_host(unscaled_apply)(host_grads, state.master, state.opt_state,
-                                               host_scalars)
-    # Offloaded state updated on the device, one parameter's state brought in at a time; an
-    # optimizer that mixes parameters' state (see zeroflow.engine.update) brings all of it in.
-    if plan.traits.separate_host_memory:
-        streamed = update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
-                                   compute_dtype=compute_dtype, shardings=shard, pads=pads)
-        if streamed is not None:
-            return streamed
-    master = offload.to_memory(state.master, shard.master, "device")
-    opt_state = offload.to_memory(state.opt_state, shard.opt_state, "device")
-    return apply(grads, master, opt_state, finite, compute_shardings=(
-        one_by_one and not plan.offloads_params and compute_on_device))
+
+def _unscaled(grads, divisor):
+    """``grads`` widened to fp32 and divided by ``divisor``; as they are where it is None."""
+    return grads if divisor is None else jax.tree.map(
+        lambda g: g.astype(jnp.float32) / divisor, grads)
+
+
+def _updated_on_host(grads, state: TrainState, finite, divisor, *, apply, plan: ZeroPlan,
+                     layout: StepLayout):
+    """ZeRO-Offload (``UpdatePath.ON_HOST``): gradients go to the host (in the master's
+    sharding), are unscaled and applied there, and only the compute-dtype weights travel back
+    (placed by the caller)."""
+    host_grads = offload.to_memory(grads, layout.state.master, "pinned_host")
+    host_scalars = offload.to_memory((finite, divisor), plan.replicated(), "pinned_host")
+
+    def unscaled_apply(grads, master, opt_state, scalars):
+        finite, divisor = scalars
+        return apply(_unscaled(grads, divisor), master, opt_state, finite)
+    return offload.on_host(unscaled_apply)(host_grads, state.master, state.opt_state,
+                                           host_scalars)
 
 
 def _traced_for(fn, state, batch, *, layout: StepLayout, traits: backend.Traits):
@@ -256,12 +270,13 @@ class TrainStep:
         self.compiler_options = {**backend.compiler_options(plan.traits), **(compiler_options or {})}
         self._donate = (0,) if donate else ()
         self._by_layout: dict[Any, Any] = {}
+        self._layouts: dict[Any, StepLayout] = {}
 
-    def jitted(self, state: TrainState):
-        """The ``jax.jit`` object for states shaped like ``state``."""
-        leaves, treedef = jax.tree.flatten(state)
-        key = (treedef, tuple(x.shape for x in leaves))  # cheap: this runs on every step
-        if key not in self._by_layout:
+    def layout(self, state: TrainState) -> StepLayout:
+        """The ``StepLayout`` of states shaped like ``state``: what the jit for them is built
+        from (the update path included)."""
+        key = _shapes_key(state)
+        if key not in self._layouts:
             shapes = padding.unpadded_shapes(state.master, state.padding.master)
             mask = frozen_weights.mask_of(state.master, state.frozen)
             if state.frozen is not None:
@@ -269,8 +284,15 @@ class TrainStep:
                     state.frozen, state.padding.frozen))
             if self._trainable is not None:
                 _check_same_split(frozen_weights.trainable_mask(self._trainable, shapes), mask)
-            layout = step_layout(shapes, self._tx, self._plan, self._prec, state.model_state,
-                                 state.rng, trainable=mask)
+            self._layouts[key] = step_layout(shapes, self._tx, self._plan, self._prec,
+                                             state.model_state, state.rng, trainable=mask)
+        return self._layouts[key]
+
+    def jitted(self, state: TrainState):
+        """The ``jax.jit`` object for states shaped like ``state``."""
+        key = _shapes_key(state)
+        if key not in self._by_layout:
+            layout = self.layout(state)
             self._by_layout[key] = jax.jit(functools.partial(_traced_for, self._fn, layout=layout,
                                                              traits=self._plan.traits),
                                            donate_argnums=self._donate,
@@ -286,6 +308,12 @@ class TrainStep:
 
     def trace(self, state: TrainState, batch):
         return self.jitted(state).trace(state, batch)
+
+
+def _shapes_key(state: TrainState):
+    """What tells one state layout from another: cheap, as it runs on every step."""
+    leaves, treedef = jax.tree.flatten(state)
+    return treedef, tuple(x.shape for x in leaves)
 
 
 def _check_same_split(want, have) -> None:

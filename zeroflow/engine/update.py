@@ -1,5 +1,9 @@
 """The optimizer update on the sharded fp32 state, wherever the plan keeps that state.
 
+Where it runs is one value per step layout, ``UpdatePath`` (chosen by ``update_path``, read by
+the step and by the memory estimator alike); how the new compute-dtype weights reach their
+stored layout is another, ``ComputeRefresh`` (``compute_refresh``). The mechanisms:
+
 - ``apply``: the optax update where the state already is (device, or host under ``compute_on``);
   a non-finite gradient changes nothing.
 - ``streamed``: master weights and optimizer state kept in host memory (``offload``) and updated
@@ -8,13 +12,14 @@
   holds one parameter's state, not the model's. The optax update is traced once and replayed
   grouped by parameter (the computations that read no offloaded state, such as the global
   gradient norm of ``clip_by_global_norm`` or the step count, run first); a transform that
-  mixes several parameters' offloaded state (a norm over the updates, say) cannot be split and
-  the update falls back to bringing the whole state in.
-- ``one_at_a_time``: reshard leaf after leaf (``Traits.widens_half_precision``).
+  mixes several parameters' offloaded state (a norm over the updates, say) cannot be split
+  (``streamable``), and ``update_path`` brings its state in whole instead.
+- ``reshard_leaf_after_leaf``: reshard leaf after leaf (``Traits.widens_half_precision``).
 - ``gather_by_slices``: whole stacked weights gathered one leading-axis slice at a time.
 """
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import jax
@@ -29,13 +34,93 @@ from zeroflow.engine.grads.collectives import all_gather, as_words
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.ordering import after
 from zeroflow.engine.padding import NO_PADDING, StatePadding
+from zeroflow.engine.plan import ZeroPlan
+
+
+class UpdatePath(enum.Enum):
+    """Where the optimizer update runs and how the state reaches it (``update_path``)."""
+
+    IN_PLACE = "in device memory, where the state is"
+    """The state lives in device memory (no offload): the optax update reads and writes it
+    where it is, into the donated buffers (``apply``)."""
+
+    ON_HOST = "on the host (ZeRO-Offload)"
+    """``update_on="host"``: the gradients are copied to pinned host memory and the update runs
+    on the host CPU, where the offloaded state is; only the compute-dtype weights come back.
+    Chosen whenever the plan asks for it: the device never holds the optimizer state."""
+
+    STREAMED = "on the device, one parameter's offloaded state at a time"
+    """Offloaded state, ``update_on="device"``: each parameter's master and optimizer state is
+    copied in, updated and copied back before the next one's comes in (``streamed``), so the
+    device holds one parameter's state. Chosen where host memory is a memory of its own
+    (``Traits.separate_host_memory``: the copies are real) and ``tx``'s update splits by
+    parameter (``streamable``)."""
+
+    BROUGHT_IN_WHOLE = "on the device, all offloaded state brought in at once"
+    """Offloaded state, ``update_on="device"``, copied to the device all at once and updated
+    there (``apply``). Chosen where streaming cannot split or help: ``tx`` mixes several
+    parameters' state (a norm over the updates), or host memory is device memory (XLA:CPU: the
+    copies cost nothing, and streaming would only order them)."""
+
+    @property
+    def copies_state_in(self) -> bool:
+        """The update runs on the device on offloaded state it copies in first."""
+        return self in (UpdatePath.STREAMED, UpdatePath.BROUGHT_IN_WHOLE)
+
+
+class ComputeRefresh(enum.Enum):
+    """How the new compute-dtype weights reach the layout they are stored in after the update
+    (``compute_refresh``)."""
+
+    AS_MADE = "placed as made"
+    """Nothing moves them by hand: there are none (fp32), they are split like the master
+    (stage 3), they are made where they are stored (an update on the host or streamed from it),
+    or the jit's output shardings place them."""
+
+    LEAF_AFTER_LEAF = "gathered whole, leaf after leaf"
+    """Whole weights gathered from the updated shards one leaf after the other, half precision
+    moved as integer words (``reshard_leaf_after_leaf``): where the compiler widens
+    half-precision collectives (``Traits.widens_half_precision``), which would otherwise gather
+    every leaf at once through fp32 temporaries."""
+
+    BY_SLICES = "gathered whole, stacks slice by slice"
+    """Whole weights gathered from the updated shards, a stack one leading-axis slice at a time
+    into the donated old weights (``gather_by_slices``): an update in device memory on a
+    compiler that gathers half precision as it is."""
+
+
+def update_path(plan: ZeroPlan, tx: optax.GradientTransformation, master) -> UpdatePath:
+    """Where the step runs ``tx``'s update of the trainable ``master`` (abstract, the
+    parameters' own shapes) under ``plan``: see each ``UpdatePath`` member for when and why."""
+    if not plan.offloads:
+        return UpdatePath.IN_PLACE
+    if plan.updates_on_host:
+        return UpdatePath.ON_HOST
+    if plan.traits.separate_host_memory and streamable(tx, master):
+        return UpdatePath.STREAMED
+    return UpdatePath.BROUGHT_IN_WHOLE
+
+
+def compute_refresh(plan: ZeroPlan, compute_dtype, path: UpdatePath) -> ComputeRefresh:
+    """How the step makes the new compute weights whole after an update along ``path``: only
+    weights kept as a whole compute copy (stages 0-2 in half precision) are moved by hand, where
+    the update made them in device memory."""
+    whole_copy = plan.keeps_compute_copy(compute_dtype) and not plan.shards_compute
+    if not whole_copy or path in (UpdatePath.ON_HOST, UpdatePath.STREAMED):
+        return ComputeRefresh.AS_MADE
+    if plan.traits.widens_half_precision:
+        # (weights stored in host memory are copied out as made, by the step's placement)
+        in_device = path is UpdatePath.IN_PLACE or not plan.offloads_params
+        return ComputeRefresh.LEAF_AFTER_LEAF if in_device else ComputeRefresh.AS_MADE
+    return ComputeRefresh.BY_SLICES if path is UpdatePath.IN_PLACE else ComputeRefresh.AS_MADE
 
 
 def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation, compute_dtype,
           compute_shardings=None, pads: StatePadding = NO_PADDING, skip_by_select: bool = False):
     """The update on fp32 arrays; returns ``(new_master, new_opt_state, new_compute)``
     (``new_compute`` None for fp32). ``compute_shardings``: where the new compute weights go,
-    when they should be moved there one leaf after the other (see ``one_at_a_time``).
+    when they should be moved there one leaf after the other (``reshard_leaf_after_leaf``;
+    ``ComputeRefresh.LEAF_AFTER_LEAF``), else None.
     ``pads``: where the stored arrays (and ``grads``, in the master's form) are padded; the
     optimizer sees them unpadded. ``skip_by_select``: a skipped step (``finite`` false) keeps
     the old values through an elementwise select instead of a ``lax.cond`` (see
@@ -64,12 +149,12 @@ def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
     new_opt = padding.pad(new_opt, pads.opt_state, pads.data_size)
     if compute_dtype is None:
         return new_master, new_opt, None
-    if compute_shardings:
-        new_compute = one_at_a_time(new_compute, compute_shardings)
+    if compute_shardings is not None:
+        new_compute = reshard_leaf_after_leaf(new_compute, compute_shardings)
     return new_master, new_opt, new_compute
 
 
-def one_at_a_time(tree, shardings):
+def reshard_leaf_after_leaf(tree, shardings):
     """``tree`` resharded to ``shardings`` leaf after leaf, each move waiting for the one before
     it, and half-precision leaves moved as integer words (``Traits.widens_half_precision``: XLA:CPU
     would gather them through fp32 temporaries, for every leaf at once)."""
@@ -145,8 +230,9 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
              compute_dtype, shardings, pads: StatePadding = NO_PADDING):
     """The update of host-resident ``master`` / ``opt_state`` on the device, one parameter at a
     time; returns ``(new_master, new_opt_state, new_compute)`` with the state back in host
-    memory, or None where ``tx`` mixes several parameters' state (see the module docstring).
-    ``shardings``: the state's ``TrainState`` of shardings; ``pads`` as for ``apply``."""
+    memory. ``tx`` must split by parameter (``streamable``; ``update_path`` chooses this path
+    only then). ``shardings``: the state's ``TrainState`` of shardings; ``pads`` as for
+    ``apply``."""
     n_grads, master_leaves = len(jax.tree.leaves(grads)), jax.tree.leaves(master)
     opt_leaves = jax.tree.leaves(opt_state)
     # Where each input leaf is padded (grads are in the master's form), to cut and re-pad it.
@@ -162,9 +248,11 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     closed, out_shape = _step_jaxpr(
         tx, own(grads, entries[:n_grads]), own(master, entries[n_grads:n_grads + len(master_leaves)]),
         own(opt_state, entries[n_grads + len(master_leaves):]))
-    plan = _grouping(closed.jaxpr, groups, n_grads)
-    if plan is None:
-        return None
+    grouping = _grouping(closed.jaxpr, groups, n_grads)
+    if grouping is None:
+        raise ValueError("this optimizer's update mixes several parameters' state (a norm over "
+                         "the updates, say), so it cannot run one parameter at a time; "
+                         "update_path brings such state in whole (UpdatePath.BROUGHT_IN_WHOLE)")
 
     stored = jax.tree.leaves(grads) + master_leaves + opt_leaves
     host_shardings = (jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state))
@@ -189,7 +277,7 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
         return offload.to_memory(repad(value, entries[n_grads + k]), host_shardings[k],
                                  "pinned_host")
 
-    outs, back = _replay_by_parameter(closed, groups, plan, fetch, send, finite,
+    outs, back = _replay_by_parameter(closed, groups, grouping, fetch, send, finite,
                                       n_grads=n_grads, n_params=len(master_leaves))
     n_master = len(master_leaves)
     new_compute = None if compute_dtype is None else [
@@ -203,15 +291,15 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     return new_master, new_opt, new_compute
 
 
-def _replay_by_parameter(closed, groups: list[int], plan, fetch, send, finite, *, n_grads: int,
-                         n_params: int) -> tuple[list, list]:
+def _replay_by_parameter(closed, groups: list[int], grouping, fetch, send, finite, *,
+                         n_grads: int, n_params: int) -> tuple[list, list]:
     """The update's outputs on the device and as sent (``send(k, value)``, as soon as a group
     has made them), its jaxpr replayed one group at a time (``_grouping``: the shared
     computations first, then parameter after parameter). A group's inputs are fetched when its
     turn comes (``fetch(k, tie)``, ``tie`` the previous parameter's sent results); an output
     keeps its input's value where the step is not ``finite``."""
     jaxpr = closed.jaxpr
-    eqn_group, out_group = plan
+    eqn_group, out_group = grouping
     env = dict(zip(jaxpr.constvars, closed.consts))
     fetched: dict = {}
 

@@ -28,7 +28,9 @@ import re
 from typing import Any
 
 from zeroflow.optim import moment_bytes
-from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES
+from zeroflow.engine.mesh import planning_mesh
+from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES, ZeroPlan
+from zeroflow.engine.precision import DTYPES
 
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES
@@ -154,6 +156,29 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     ``frozen_params``: how many of the ``num_params`` are frozen: stored once in the compute
     dtype (beside the compute weights, offloaded with them), nothing else.
     """
+    n = _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes)
+    per_process = min(n, 8) if devices_per_process is None else _check_int(
+        "devices_per_process", devices_per_process, 1)
+    name = _precision_name(precision)
+    grad_width = (DTYPE_BYTES[name] if gradient_bytes is None
+                  else _check_int("gradient_bytes", gradient_bytes, 1))
+    p = float(num_params)
+    if isinstance(frozen_params, bool) or not isinstance(frozen_params, (int, float)) or not (
+            0 <= frozen_params <= p):
+        raise ValueError(f"frozen_params must be a number in [0, num_params={num_params}], got "
+                         f"{frozen_params!r}")
+    # The plan's own reading of the choices (a planning mesh: nothing but the sizes is needed).
+    plan = ZeroPlan(planning_mesh(n), stage=stage, offload=offload, update_on=update_on)
+    states = _model_states(plan, name, p, float(frozen_params), grad_width, optimizer_bytes)
+    resident = p if resident_params is None else min(
+        float(_check_int("resident_params", resident_params, 0)), p)
+    return _memory_estimate(plan, states, name=name, params=p, resident=resident,
+                            per_process=per_process, activation_bytes=float(activation_bytes),
+                            remat=remat)
+
+
+def _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes) -> int:
+    """The number of devices, once every choice of ``estimate`` is known to be valid."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"num_params must be a number >= 0, got {num_params!r}")
     n = _check_int("num_devices", num_devices, 1)
@@ -165,63 +190,87 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
         raise ValueError(f"unknown update_on {update_on!r}; choose one of {list(UPDATE_ONS)}")
     if update_on == "host" and offload == "none":
         raise ValueError("update_on='host' needs offload='optimizer' or 'optimizer+params'")
-    per_process = min(n, 8) if devices_per_process is None else _check_int(
-        "devices_per_process", devices_per_process, 1)
     if activation_bytes < 0:
         raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes!r}")
-    name = _precision_name(precision)
-    width = DTYPE_BYTES[name]
-    grad_width = width if gradient_bytes is None else _check_int("gradient_bytes", gradient_bytes, 1)
-    p = float(num_params)
-    if isinstance(frozen_params, bool) or not isinstance(frozen_params, (int, float)) or not (
-            0 <= frozen_params <= p):
-        raise ValueError(f"frozen_params must be a number in [0, num_params={num_params}], got "
-                         f"{frozen_params!r}")
-    f = float(frozen_params)
-    trained = p - f
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class _StateBytes:
+    """Per-device bytes of each model state under one plan, wherever it is kept."""
+    compute: float
+    "Compute weights, frozen ones included, on the device during forward/backward."
+    frozen: float
+    "Frozen weights: stored as used, no master, gradient or moments."
+    master: float
+    grads: float
+    opt: float
+    trained_weights: float
+    "The trained weights' compute copy (0 where fp32 gathers it from the master each step)."
+    stored_weights: float
+    "Compute-dtype weights kept between steps."
+    host_compute: float
+    "Compute weights kept in host memory."
+
+
+def _model_states(plan: ZeroPlan, name: str, p: float, f: float, grad_width: int,
+                  optimizer_bytes: float) -> _StateBytes:
+    """The ZeRO paper's accounting of ``p`` parameters (``f`` of them frozen) in precision
+    ``name`` under ``plan``."""
+    n, width, trained = plan.data_size, DTYPE_BYTES[name], p - f
 
     def split(sharded: bool) -> float:
         return 1.0 / n if sharded else 1.0
 
-    compute = width * p * split(stage >= 3)  # on the device during forward/backward
-    frozen = width * f * split(stage >= 3)  # stored as used: no master, gradient or moments
+    compute = width * p * split(plan.shards_compute)  # on the device during forward/backward
+    frozen = width * f * split(plan.shards_compute)  # stored as used: no master, gradient or moments
     # fp32: one copy serves compute and optimizer. Where storage and compute layouts agree
     # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
     # gathered from the sharded master for each step and dropped after it.
-    shared = name == "fp32" and stage in (0, 3)
-    gathered = name == "fp32" and stage in (1, 2)
-    master = 0.0 if shared else 4 * trained * split(stage >= 1)
-    grads = grad_width * trained * split(stage >= 2)
-    opt = optimizer_bytes * trained * split(stage >= 1)
+    shared = name == "fp32" and plan.shards_storage == plan.shards_compute
+    gathered = name == "fp32" and plan.shards_storage and not plan.shards_compute
+    master = 0.0 if shared else 4 * trained * split(plan.shards_storage)
     trained_weights = 0.0 if gathered else compute - frozen
     # zeroflow keeps no compute copy at stage 3 (ZeroPlan.keeps_compute_copy): each use casts
     # the master's shard as it gathers it. The paper's accounting (``device``) keeps its copy.
-    cast_on_use = stage >= 3 and name != "fp32" and offload == "none"
-    stored_weights = (0.0 if cast_on_use else trained_weights) + frozen  # kept between steps
+    cast_on_use = width < 4 and not plan.keeps_compute_copy(DTYPES[name])
+    with_params = plan.offloads_params
+    return _StateBytes(
+        compute=compute, frozen=frozen, master=master,
+        grads=grad_width * trained * split(plan.shards_grads),
+        opt=optimizer_bytes * trained * split(plan.shards_storage),
+        trained_weights=trained_weights,
+        stored_weights=(0.0 if cast_on_use else trained_weights) + frozen,  # kept between steps
+        host_compute=((trained_weights if (with_params or (shared and plan.offloads)) else 0.0)
+                      + (frozen if with_params else 0.0)))
 
-    offloaded = offload != "none"
-    with_params = offload == "optimizer+params"
-    host_compute = ((trained_weights if (with_params or (shared and offloaded)) else 0.0)
-                    + (frozen if with_params else 0.0))
+
+def _memory_estimate(plan: ZeroPlan, states: _StateBytes, *, name: str, params: float,
+                     resident: float, per_process: int, activation_bytes: float,
+                     remat: str | None) -> MemoryEstimate:
+    """``states`` placed on the device and the host as ``plan`` keeps them, during forward and
+    backward, during the update and between steps."""
+    s, offloaded = states, plan.offloads
     # Weights kept on the host come in for forward/backward, the streamed layers one at a time.
-    resident = p if resident_params is None else min(float(_check_int("resident_params", resident_params, 0)), p)
-    streamed = offload == "optimizer+params" and host_compute > 0 and p > 0
-    forward = compute * resident / p if streamed else compute
-    device = ModelStates(compute_weights=forward, gradients=grads,
-                         master=0.0 if offloaded else master, optimizer=0.0 if offloaded else opt)
-    if not offloaded or update_on == "device":
-        update = compute + grads + master + opt  # new compute weights are made on the device
+    streamed = plan.offloads_params and s.host_compute > 0 and params > 0
+    forward = s.compute * resident / params if streamed else s.compute
+    device = ModelStates(compute_weights=forward, gradients=s.grads,
+                         master=0.0 if offloaded else s.master,
+                         optimizer=0.0 if offloaded else s.opt)
+    if not plan.updates_on_host:
+        update = s.compute + s.grads + s.master + s.opt  # new compute weights are made on the device
     else:
         # The update runs on the host; compute weights stored there stay there.
-        update = compute - host_compute + grads
-    between = stored_weights - host_compute + (0.0 if offloaded else master + opt)
-    host = ModelStates(compute_weights=host_compute * per_process,
-                       master=(master if offloaded else 0.0) * per_process,
-                       optimizer=(opt if offloaded else 0.0) * per_process)
-    return MemoryEstimate(num_params=int(p), num_devices=n, stage=stage, offload=offload,
-                          update_on=update_on, precision=name, device=device, host=host,
-                          update_bytes=update, between_steps_bytes=between,
-                          activation_bytes=float(activation_bytes), remat=remat)
+        update = s.compute - s.host_compute + s.grads
+    between = s.stored_weights - s.host_compute + (0.0 if offloaded else s.master + s.opt)
+    host = ModelStates(compute_weights=s.host_compute * per_process,
+                       master=(s.master if offloaded else 0.0) * per_process,
+                       optimizer=(s.opt if offloaded else 0.0) * per_process)
+    return MemoryEstimate(num_params=int(params), num_devices=plan.data_size, stage=plan.stage,
+                          offload=plan.offload, update_on=plan.update_on, precision=name,
+                          device=device, host=host, update_bytes=update,
+                          between_steps_bytes=between, activation_bytes=activation_bytes,
+                          remat=remat)
 
 
 # --------------------------------------------------------------------------- activations

@@ -22,16 +22,20 @@
 - ``widened``: XLA:CPU up to jaxlib 0.10 only (``Traits.widens_half_dots``): it multiplies
   half-precision matrices in fp32 and converts a scanned layer stack once, outside the loop
   (GPUs, and XLA:CPU from 0.11, use bf16/fp16 directly);
-- ``update``: while the optimizer runs: the gradients, the update direction optax builds (one
-  fp32 array per master shard; on one GPU fused into each leaf's update, except a loop's
-  outputs, ``_looped_update_bytes``) and, with ``offload="optimizer", update_on="device"``,
-  one parameter's master and optimizer state brought in from the host and made anew beside
-  it, with the gradients not yet read; with ``update_on="host"``, only the gradients waiting
-  for their copy to the host.
+- ``update``: while the optimizer runs, along the step's own ``UpdatePath``: the gradients,
+  the update direction optax builds (one fp32 array per master shard; on one GPU fused into
+  each leaf's update, except a loop's outputs, ``_looped_update_bytes``) and, streamed, one
+  parameter's master and optimizer state brought in from the host and made anew beside it,
+  with the gradients not yet read (brought in whole: all of the state); on the host, only the
+  gradients waiting for their copy to the host.
 
 The peak is ``model_states + max(backward, update)`` with ``backward = whole_weights +
 gradients + activations + layer_in_flight + widened``. docs/memory.md compares it with
 ``memory_analysis()`` for every stage, offload and remat choice.
+
+Every choice the step makes is read from the step itself, for the plan with the traits of the
+backend compiled for: its ``StepLayout`` (state shardings, the update path), its routes, and
+``Traits`` for what the compiler does with them; never a platform name or a stage number.
 """
 from __future__ import annotations
 
@@ -47,18 +51,19 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend as backends
 from zeroflow.autocast import autocast
-from zeroflow.engine.mesh import DATA
-from zeroflow.engine.state import abstract_master, init_train_state, state_shardings
-from zeroflow.engine.update import owners, streamable
 from zeroflow.engine import frozen as frozen_weights
+from zeroflow.engine.grads.local import native_gradients
+from zeroflow.engine.grads.routes import Fetch, Reduce, fetches_whole, is_route, step_routes
+from zeroflow.engine.mesh import DATA
+from zeroflow.engine.plan import ZeroPlan
+from zeroflow.engine.precision import Precision
+from zeroflow.engine.state import abstract_master, init_train_state
+from zeroflow.engine.step import step_layout
+from zeroflow.engine.update import UpdatePath, owners
+from zeroflow.memory.trace_cache import remembered
 from zeroflow.util import jaxprs
 from zeroflow.util.compat import scan_split
-from zeroflow.engine.grads.local import native_gradients
-from zeroflow.engine.grads.routes import Fetch, Reduce, Route, step_routes
-from zeroflow.memory.trace_cache import remembered
-from zeroflow.engine.plan import ZeroPlan
-from zeroflow.util.tree import path_str
-from zeroflow.engine.precision import Precision
+from zeroflow.util.tree import is_under, path_str
 
 F32 = 4
 
@@ -81,6 +86,9 @@ class PeakEstimate:
     update: float
     host_activations: float = 0.0
     "Activations offloaded to pinned host memory for the backward pass, per device."
+    update_path: UpdatePath | None = None
+    "Where the step runs the optimizer update (its ``StepLayout.update_path``): what ``update``"
+    " counts. Not a term."
 
     @property
     def peak_bytes(self) -> float:
@@ -94,25 +102,12 @@ class PeakEstimate:
         return max(moments, key=moments.get)
 
     def terms(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "update_path"}
 
 
 def _local_elements(shape, sharding) -> int:
     return math.prod(sharding.shard_shape(tuple(shape)) if sharding is not None else shape)
-
-
-def _kind_bytes(tree, kind: str) -> float:
-    """Bytes one device holds of ``tree``'s leaves in memory ``kind`` (None counts as device)."""
-    total = 0.0
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if (getattr(sharding, "memory_kind", None) or "device") == kind:
-            total += _local_elements(leaf.shape, sharding) * jnp.dtype(leaf.dtype).itemsize
-    return total
-
-
-def _device_bytes(tree) -> float:
-    return _kind_bytes(tree, "device")
 
 
 def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[bool]:
@@ -173,15 +168,77 @@ def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None
     return found
 
 
-def _traits_for(plan: ZeroPlan, platform: str | None) -> backends.Traits:
+def _compiled_for(plan: ZeroPlan, platform: str | None) -> ZeroPlan:
+    """``plan`` with the traits of the platform its step is compiled for (``estimate_step``'s
+    ``backend``; None: the mesh's own), so that every choice below reads them from the plan."""
     if platform is None or plan.traits.platform == platform:
-        return plan.traits
-    return backends.for_platform(platform)
+        return plan
+    return dataclasses.replace(plan, traits=backends.for_platform(platform))
 
 
 def _memory_of(x) -> str:
     space = getattr(getattr(x, "aval", None), "memory_space", None)
     return "host" if space is not None and space.name.lower() == "host" else "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+    """The per-leaf facts the terms add up, one entry per parameter leaf (flatten order)."""
+    shapes: list
+    whole: list
+    "Elements of the leaf on one device with ``data`` unsplit (tensor-parallel splits kept)."
+    routes: list
+    "The step's ``Route`` of each leaf."
+    trains: tuple
+    "Whether the leaf trains (``trainable=``)."
+    stacked: list
+    "Whether the step uses the leaf one layer's slice at a time (``_stacked``)."
+
+    @property
+    def layer_stack(self) -> list[tuple[float, tuple, bool]]:
+        """``(whole, shape, trains)`` of each leaf used one slice at a time."""
+        return [(w, shape, t) for w, shape, st, t in
+                zip(self.whole, self.shapes, self.stacked, self.trains) if st]
+
+    def over_stack(self, values) -> float:
+        """The sum of ``values`` (one per leaf) over the leaves used one slice at a time."""
+        return sum(v for v, st in zip(values, self.stacked) if st)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Widths:
+    """Bytes per element of the weights and gradients as the backend compiled for holds them."""
+    compute: int
+    "The compute dtype's."
+    widening: bool
+    "Half-precision matmuls run in fp32 on converted copies (XLA:CPU up to jaxlib 0.10)."
+    wide_collectives: bool
+    "A unit's half-precision weights (or gradients) cross devices through fp32 copies (XLA:CPU,"
+    " every version)."
+
+    @property
+    def fetched(self) -> int:
+        """A weight fetched for its use."""
+        return F32 if self.widening or self.wide_collectives else self.compute
+
+
+def _widths(plan: ZeroPlan, prec: Precision) -> _Widths:
+    width = jnp.dtype(prec.compute_dtype).itemsize
+    half = width < 4
+    return _Widths(compute=width, widening=half and plan.traits.widens_half_dots,
+                   wide_collectives=(half and plan.traits.widens_half_precision
+                                     and plan.data_size > 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+    """The backward pass's terms (``_backward``)."""
+    in_flight: float
+    widened: float
+    reused: float
+    "Bytes of the donated half-precision stack that the stack's gradients are written into."
+    start: float
+    end: float
 
 
 def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *,
@@ -199,43 +256,78 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     ``model_state`` / ``rng``: what the state will carry (``zf.init_train_state``'s arguments of
     those names, arrays or ShapeDtypeStructs); the loss is then called with them as keywords.
     ``trainable``: as for ``zf.init_train_state``; a frozen leaf costs its compute-dtype bytes
-    (1/N at stage 3) and nothing else."""
+    (1/N at stage 3) and nothing else.
 
+    The choices are the step's own: its ``StepLayout`` (the update path included) and routes,
+    for the plan with the traits of ``backend``."""
+    plan = _compiled_for(plan, backend)
     master = abstract_master(params)
-    mask = frozen_weights.trainable_mask(trainable, master)
-    flat_mask = tuple(jax.tree.leaves(mask))
-    stored, shard, state_arrays = _stored_state(master, tx, plan, prec, mask)
-    n, model = plan.data_size, plan.model_size
-    layouts = plan.layouts(master)
-    route_tree = step_routes(layouts, plan, prec, gather_per_layer, grad_accum, trainable=mask)
-    flat_routes = jax.tree.leaves(route_tree, is_leaf=lambda x: isinstance(x, Route))
+    layout = step_layout(master, tx, plan, prec, trainable=trainable)
+    micro = _micro_batch(batch, plan.data_size, grad_accum)
+    extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
+    leaves = _leaf_facts(loss_fn, master, micro, extras, layout, plan, prec, gather_per_layer,
+                         grad_accum)
+    widths = _widths(plan, prec)
+    native = native_gradients(plan, grad_accum)
+    stored, state_arrays = _stored_state(master, tx, plan, prec, layout)
+    gathered = _gathered_whole(leaves, plan, prec, widths)
+    grads = _gradient_bytes(leaves, plan, grad_accum, widths)
+    # Traced for the backend compiled for: a remat policy may offload only where host memory
+    # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
+    with backends.tracing_for(plan.traits):
+        activations, host_activations = (
+            _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
+                            trainable=leaves.trains) / plan.model_size
+            for kind in ("device", "host"))
+    backward = _backward(leaves, plan, prec, widths, native=native, gathered=gathered,
+                         grads=grads, activations=activations, recompute_bytes=recompute_bytes)
+    update = _update_bytes(frozen_weights.split(master, layout.trainable)[0], stored, layout.state,
+                           tx, leaves.routes, plan, layout.update_path, native,
+                           grads=[g for g, t in zip(grads, leaves.trains) if t],
+                           free=_dead_compute_bytes(leaves, plan, prec, widths, backward.reused))
+    return PeakEstimate(model_states=_argument_bytes(state_arrays, batch, plan.data_size,
+                                                     model_state),
+                        host_state=_state_bytes(state_arrays, "pinned_host"),
+                        gathered_weights=sum(gathered),
+                        gradients=sum(grads), activations=activations,
+                        layer_in_flight=backward.in_flight, widened=backward.widened,
+                        backward_start=backward.start, backward_end=backward.end, update=update,
+                        host_activations=host_activations, update_path=layout.update_path)
+
+
+def _leaf_facts(loss_fn, master, micro, extras, layout, plan: ZeroPlan, prec: Precision,
+                gather_per_layer, grad_accum: int) -> _Leaves:
+    """The ``_Leaves`` of ``master`` under the step's ``layout``: the step's routes, and which
+    leaves the loss's scans (or ``gather_per_layer``) use one slice at a time."""
+    routes = jax.tree.leaves(step_routes(layout.layouts, plan, prec, gather_per_layer, grad_accum,
+                                         trainable=layout.trainable), is_leaf=is_route)
     shapes = [x.shape for x in jax.tree.leaves(master)]
     compute_sh = jax.tree.leaves(plan.compute_shardings(master, memory_kind=None))
     whole = [_local_elements(s, sh.update(spec=_without_data(sh.spec))) for s, sh in
-             zip(shapes, compute_sh)]  # elements on a device with data unsplit (TP split kept)
-    half = jnp.dtype(prec.compute_dtype).itemsize < 4
-    backend = backend or plan.traits.platform
-    traits = _traits_for(plan, backend)
-    widening = half and traits.widens_half_dots  # XLA:CPU up to jaxlib 0.10
-    # A unit's half-precision weights (or gradients) crossing devices go through fp32 copies
-    # where collectives widen (XLA:CPU, every version).
-    wide_collectives = half and traits.widens_half_precision and n > 1
-    width = jnp.dtype(prec.compute_dtype).itemsize
-    fetched_width = F32 if widening or wide_collectives else width
-
-    states = _argument_bytes(state_arrays, batch, n, model_state)
-    stored_compute = prec.params != "fp32"
-    micro = _micro_batch(batch, n, grad_accum)
-    extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
+             zip(shapes, compute_sh)]
     # (whole half-precision weights are fetched on use where collectives widen: fetches_whole)
-    stacked = _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer,
-                       half and traits.widens_half_precision)
-    # (a frozen fp32 weight is stored whole below stage 3: nothing to gather)
-    gathered_whole = [F32 * w if (not stored_compute and plan.stage in (1, 2) and r.dim is not None
-                                  and not r.frozen) else 0.0 for w, r in zip(whole, flat_routes)]
+    stacked = _stacked(loss_fn, master, micro, extras, routes, gather_per_layer,
+                       fetches_whole(plan, prec.compute_dtype))
+    return _Leaves(shapes=shapes, whole=whole, routes=routes,
+                   trains=tuple(jax.tree.leaves(layout.trainable)), stacked=stacked)
+
+
+def _gathered_whole(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths) -> list:
+    """Per leaf, the bytes of whole weights the step makes for the forward and backward pass."""
+    # Weights stored split but used whole with no compute copy (fp32 at stages 1-2) are
+    # gathered from the master; a frozen fp32 weight is stored whole there: nothing to gather.
+    from_master = (plan.shards_storage and not plan.shards_compute
+                   and not plan.keeps_compute_copy(prec.compute_dtype))
+    gathered = [F32 * w if (from_master and r.dim is not None and not r.frozen) else 0.0
+                for w, r in zip(leaves.whole, leaves.routes)]
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
-        gathered_whole = [g + (width * w if r.fetch is not Fetch.PER_LAYER else 0.0)
-                          for g, w, r in zip(gathered_whole, whole, flat_routes)]
+        gathered = [g + (widths.compute * w if r.fetch is not Fetch.PER_LAYER else 0.0)
+                    for g, w, r in zip(gathered, leaves.whole, leaves.routes)]
+    return gathered
+
+
+def _gradient_bytes(leaves: _Leaves, plan: ZeroPlan, grad_accum: int, widths: _Widths) -> list:
+    """Per leaf, the bytes of the gradient the backward pass leaves (none for a frozen leaf)."""
     # Gradients leave the backward pass in fp32, except where nothing sums them: they stay as
     # the backward pass makes them until the update reads them (native_gradients), in the
     # weights' dtype unless reduced on use (fp32 stand-ins).
@@ -243,85 +335,82 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # With accumulation, an fp32 sum beside each micro-batch's own gradients, which stay in the
     # compute dtype (their widening fuses into the sum) unless reduce-scattered first. XLA:CPU
     # computes half precision in fp32 and keeps the gradients so.
-    made = [F32 if widening or r.reduce in (Reduce.ON_USE, Reduce.AFTER) else width
-            for r in flat_routes]
+    made = [F32 if widths.widening or r.reduce in (Reduce.ON_USE, Reduce.AFTER) else widths.compute
+            for r in leaves.routes]
     grad_widths = [(F32 + m) if grad_accum > 1 else (m if native else F32) for m in made]
-    grads = [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w)
-             for w, r, gw in zip(whole, flat_routes, grad_widths)]
+    n = plan.data_size
+    return [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w)
+            for w, r, gw in zip(leaves.whole, leaves.routes, grad_widths)]
 
-    # Traced for the backend compiled for: a remat policy may offload only where host memory
-    # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
-    with backends.tracing_for(traits):
-        activations, host_activations = (
-            _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
-                            trainable=flat_mask) / model for kind in ("device", "host"))
-    layer_stack = [(w, shape, t) for w, shape, st, t in zip(whole, shapes, stacked, flat_mask) if st]
-    unit = (sum(w / shape[0] for w, shape, _ in layer_stack) if layer_stack else max(whole))
+
+def _backward(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths, *, native: bool,
+              gathered: list, grads: list, activations: float, recompute_bytes: float) -> _Backward:
+    """The unit being differentiated, what XLA:CPU widens, and the backward pass's two moments."""
+    n, stack = plan.data_size, leaves.layer_stack
+    unit = (sum(w / shape[0] for w, shape, _ in stack) if stack else max(leaves.whole))
     # The unit's local fp32 gradient: of its trainable weights only.
-    unit_grad = (sum(w / shape[0] for w, shape, t in layer_stack if t) if layer_stack
-                 else max((w for w, t in zip(whole, flat_mask) if t), default=0.0))
-    unit_grad_width = width if native and not widening else F32
+    unit_grad = (sum(w / shape[0] for w, shape, t in stack if t) if stack
+                 else max((w for w, t in zip(leaves.whole, leaves.trains) if t), default=0.0))
+    unit_grad_width = widths.compute if native and not widths.widening else F32
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
     # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place,
     # as is every weight on a single device (stage 3 there gathers nothing).
     gathers = plan.shards_compute and n > 1
-    fetched = fetched_width if (gathers or layer_stack or widening or wide_collectives) else 0
+    fetched = (widths.fetched if (gathers or stack or widths.widening or widths.wide_collectives)
+               else 0)
     widened = 0.0
-    if widening and layer_stack:
-        widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in layer_stack)
+    if widths.widening and stack:
+        widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in stack)
     # Once XLA:CPU has widened a whole stored stack (stages 0-2), the donated half-precision
     # stack is dead until the new weights are written: the stack's gradients go into its buffer.
     reused = 0.0
-    if widened and not plan.shards_compute and stored_compute:
-        reused = min(width * sum(w for w, _, _ in layer_stack),
-                     sum(g for g, st in zip(grads, stacked) if st))
+    if widened and not plan.shards_compute and plan.keeps_compute_copy(prec.compute_dtype):
+        reused = min(widths.compute * sum(w for w, _, _ in stack), leaves.over_stack(grads))
 
     # The backward pass peaks at its start (all it keeps from the forward pass, the first layer
     # being differentiated, and the gradient buffers of a scanned stack, allocated whole up
     # front) or at its end (every gradient; weights and activations of unstacked layers have
     # been freed one by one as the pass went back through them).
-    in_flight = max(fetched * unit, recompute_bytes / model) + unit_grad_width * unit_grad
-    at_start = (sum(gathered_whole) + activations + in_flight
-                + sum(g for g, st in zip(grads, stacked) if st) + widened - reused)
+    in_flight = max(fetched * unit, recompute_bytes / plan.model_size) + unit_grad_width * unit_grad
+    start = (sum(gathered) + activations + in_flight + leaves.over_stack(grads) + widened - reused)
     # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
     # input gradient is not needed).
-    at_end = (sum(g for g, st in zip(gathered_whole, stacked) if st) + sum(grads)
-              + (fetched if plan.shards_compute else 0) * unit + unit_grad_width * unit_grad
-              + widened - reused)
-    # Whole compute weights gathered anew after the update (stages 1-2) are dead while it runs
-    # (donated): unless the stack's gradients already went into their buffer (reused), the
-    # update direction goes there (XLA:CPU from jaxlib 0.11, which no longer widens the stack).
-    free = (width * sum(w for w, _, t in layer_stack if t)
-            if plan.stage in (1, 2) and stored_compute and not reused and backend == "cpu" else 0.0)
-    update = _update_bytes(frozen_weights.split(master, mask)[0], stored, shard, tx,
-                           flat_routes, plan, backend, native,
-                           grads=[g for g, t in zip(grads, flat_mask) if t], free=free)
-    host_state = _state_bytes(state_arrays, "pinned_host")
-    return PeakEstimate(model_states=states, host_state=host_state,
-                        gathered_weights=sum(gathered_whole),
-                        gradients=sum(grads), activations=activations,
-                        layer_in_flight=in_flight, widened=widened,
-                        backward_start=at_start, backward_end=at_end, update=update,
-                        host_activations=host_activations)
+    end = (leaves.over_stack(gathered) + sum(grads)
+           + (fetched if plan.shards_compute else 0) * unit + unit_grad_width * unit_grad
+           + widened - reused)
+    return _Backward(in_flight=in_flight, widened=widened, reused=reused, start=start, end=end)
 
 
-def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, trainable=None):
-    """The state as stored (abstract; leaves ZeRO pads are larger than the parameters), its
-    shardings, and its ``(arrays, shardings)`` pairs."""
+def _dead_compute_bytes(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths,
+                        reused: float) -> float:
+    """Bytes of dead buffers an update direction of its own is written into. Whole compute
+    weights gathered anew after the update (stages 1-2) are dead while it runs (donated):
+    unless the stack's gradients already went into their buffer (``reused``), an update that
+    materialises its directions (a ``lax.cond``, ``Traits.cond_updates_in_place``: XLA:CPU,
+    from jaxlib 0.11 on, where it no longer widens the stack) writes them there."""
+    regathered = (plan.shards_storage and not plan.shards_compute
+                  and plan.keeps_compute_copy(prec.compute_dtype))
+    if not regathered or reused or not plan.traits.cond_updates_in_place:
+        return 0.0
+    return widths.compute * sum(w for w, _, t in leaves.layer_stack if t)
 
-    shard = state_shardings(master, tx, plan, prec, trainable=trainable)
+
+def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, layout):
+    """The state as stored (abstract; leaves ZeRO pads are larger than the parameters) and its
+    ``(arrays, shardings, memory kind)`` entries."""
+    shard = layout.state
     stored = jax.eval_shape(lambda: init_train_state(master, tx, plan, prec,
-                                                        trainable=trainable))
+                                                        trainable=layout.trainable))
     # Memory kinds from the plan, not from the shardings: a zf.target_mesh's abstract devices
     # expose no memories, so jax drops a sharding's pinned_host there.
-    host = "pinned_host" if plan.offloads else "device"
-    weights = "pinned_host" if plan.offloads_params else "device"
+    host = plan.storage_memory_kind or "device"
+    weights = plan.compute_memory_kind or "device"
     state_arrays = [(stored.master, shard.master, host), (stored.opt_state, shard.opt_state, host)]
     if shard.compute is not None:
         state_arrays.append((stored.compute, shard.compute, weights))
     if shard.frozen is not None:
         state_arrays.append((stored.frozen, shard.frozen, weights))
-    return stored, shard, state_arrays
+    return stored, state_arrays
 
 
 def _state_bytes(state_arrays, kind: str) -> float:
@@ -344,7 +433,7 @@ def _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, wide
     """For each leaf: whether the step uses it one layer's slice at a time."""
     paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(master)]
     if gather_per_layer is not None:
-        return [(q + "/").startswith(gather_per_layer + "/") for q in paths]
+        return [is_under(q, gather_per_layer) for q in paths]
     if widening or any(r.fetch is Fetch.ON_USE for r in flat_routes):
         # Weights fetched on use (stage 3, stage 2's whole weights, whole half-precision
         # weights on XLA:CPU): the step descends into the loss's scans and uses one slice of a
@@ -356,32 +445,35 @@ def _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, wide
     return scanned_leaves(loss_fn, master, micro, extras)
 
 
-def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backend: str,
+def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, path: UpdatePath,
                   native: bool = False, *, grads: list[float], free: float = 0.0) -> float:
-    """What the device holds while the update runs: the gradients (``grads``, one per leaf
-    of ``master``, the trainable parameters), the update direction, whole where the gradients
-    were all-reduced (XLA keeps the reduced and the unscaled gradients), fused into each leaf's
-    update where they arrive sharded; and offloaded state brought in. An update on the host
-    (ZeRO-Offload) holds only the gradients waiting for their copy to the host, unscaled one
-    leaf at a time on the way unless ``native`` (they are unscaled on the host). ``free``:
-    bytes of dead buffers an unfused update direction is written into."""
+    """What the device holds while the update runs along ``path`` (the step's ``UpdatePath``):
+    the gradients (``grads``, one per leaf of ``master``, the trainable parameters), the update
+    direction, whole where the gradients were all-reduced (XLA keeps the reduced and the
+    unscaled gradients), fused into each leaf's update where they arrive sharded; and offloaded
+    state brought in. An update on the host (ZeRO-Offload) holds only the gradients waiting for
+    their copy to the host, unscaled one leaf at a time on the way unless ``native`` (they are
+    unscaled on the host). ``free``: bytes of dead buffers an unfused update direction is
+    written into."""
     local_master = [_local_elements(a.shape, sh) for a, sh in
                     zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
-    if plan.updates_on_host and backend != "cpu":
+    if not plan.traits.separate_host_memory:
+        # Host memory is device memory (XLA:CPU): on every path nothing is copied, and the
+        # device holds what an update of state in device memory holds.
+        path = UpdatePath.IN_PLACE
+    if path is UpdatePath.ON_HOST:
         return sum(grads) + (0.0 if native else F32 * max(local_master, default=0))
-    streams = plan.offloads and backend != "cpu"
     looped = [False] * len(grads)
-    if _fused_update(plan, backend):
-        # (streamed: the loop's new state is the parameter's state as made, counted below)
-        direction, looped = _update_loops(tx, master, only_fp32=streams)
+    if _fused_update(plan):
+        # (state copied in: the loop's new state is the parameter's state as made, counted below)
+        direction, looped = _update_loops(tx, master, only_fp32=path.copies_state_in)
     else:
         all_reduced = not any(r.sharded_grad for r in flat_routes)
         direction = F32 * (sum(local_master) if all_reduced else max(local_master))
-    if not streams:
-        # (XLA:CPU's host and device memory are one: nothing is brought in there.)
+    if path is UpdatePath.IN_PLACE:
         return sum(grads) + direction - min(free, direction)
-    shared, per_parameter = _streamed_in_bytes(master, stored, shard, tx)
-    if per_parameter is None:  # not streamable: all of the state comes in at once
+    shared, per_parameter = _brought_in_bytes(stored, shard, tx, master, path)
+    if path is UpdatePath.BROUGHT_IN_WHOLE:  # all of the state comes in at once
         return sum(grads) + direction + shared
     # Streamed one parameter at a time, each one's results back on the host before the next
     # one's state comes in: parameter i's update holds its state twice (as brought in, and
@@ -394,12 +486,13 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, backen
          for g, after, loop, state in zip(grads, later, looped, per_parameter)), default=0.0)
 
 
-def _fused_update(plan: ZeroPlan, backend: str) -> bool:
-    """Whether each leaf's update direction is fused into its update, never a buffer of its
-    own: on one device no collective reduces the gradients, and where a skipped step is a
-    select (GPUs, ``Traits.cond_updates_in_place`` false) XLA computes direction and new
-    state in one pass per leaf. (XLA:CPU's ``lax.cond`` update materialises the directions.)"""
-    return plan.data_size == 1 and backend != "cpu" and not plan.updates_on_host
+def _fused_update(plan: ZeroPlan) -> bool:
+    """Whether each leaf's update direction on the device is fused into its update, never a
+    buffer of its own: on one device no collective reduces the gradients, and where a skipped
+    step is a select (GPUs, ``Traits.cond_updates_in_place`` false) XLA computes direction and
+    new state in one pass per leaf. (XLA:CPU's ``lax.cond`` update materialises the
+    directions.)"""
+    return plan.data_size == 1 and not plan.traits.cond_updates_in_place
 
 
 def _looped_update_bytes(tx, master, only_fp32: bool = False) -> float:
@@ -479,26 +572,21 @@ def _largest_residual(loss_fn, params, micro, prec: Precision, gather_per_layer)
                      default=0))
 
 
-def _with_shardings(shapes, shardings, dtype=None):
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sh),
-                        shapes, shardings)
-
-
 def _without_data(spec):
     return P(*[None if axis == DATA else axis for axis in spec])
 
 
-def _streamed_in_bytes(master, stored, shard, tx) -> tuple[float, list[float] | None]:
-    """Offloaded state an on-device update brings in: ``(shared, per parameter)``, the state
-    shared by all parameters (a step count) and each parameter's master and optimizer state,
-    in the order of ``master``'s leaves, where ``zeroflow.engine.update.streamed`` can split the
-    update; ``(all of it, None)`` where it cannot."""
-    on_device = lambda tree: jax.tree.map(lambda sh: sh.with_memory_kind("device"), tree)  # noqa: E731
-    sizes = ([_device_bytes(_with_shardings(m, s)) for m, s in
-              zip(jax.tree.leaves(stored.master), jax.tree.leaves(on_device(shard.master)))]
-             + [_device_bytes(_with_shardings(o, s)) for o, s in
-                zip(jax.tree.leaves(stored.opt_state), jax.tree.leaves(on_device(shard.opt_state)))])
-    if not streamable(tx, master):
+def _brought_in_bytes(stored, shard, tx, master,
+                      path: UpdatePath) -> tuple[float, list[float] | None]:
+    """Offloaded state an update on the device copies in: ``(shared, per parameter)``, the
+    state shared by all parameters (a step count) and each parameter's master and optimizer
+    state, in the order of ``master``'s leaves, where ``path`` streams it
+    (``UpdatePath.STREAMED``); ``(all of it, None)`` where it is brought in whole."""
+    sizes = [float(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize)
+             for arrays, shardings in ((stored.master, shard.master),
+                                       (stored.opt_state, shard.opt_state))
+             for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))]
+    if path is not UpdatePath.STREAMED:
         return float(sum(sizes)), None
     count = len(jax.tree.leaves(master))
     groups = list(range(count)) + owners(tx, master, jax.eval_shape(tx.init, master))
@@ -519,7 +607,7 @@ def remat_recompute_bytes(plain, remat, *, grad_accum: int, num_layers: int,
     (objects with ``loss_fn, params, batch, plan, prec, gather_per_layer``; the stack of
     ``num_layers`` layers scanned under ``gather_per_layer``)."""
     micro = _micro_batch(remat.batch, remat.plan.data_size, grad_accum)
-    with backends.tracing_for(_traits_for(remat.plan, backend)):  # where remat may offload
+    with backends.tracing_for(_compiled_for(remat.plan, backend).traits):  # where remat may offload
         kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
                 for p in (plain, remat)]
     # The layer being differentiated holds its recomputed activations and, beside them, the
