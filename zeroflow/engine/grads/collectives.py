@@ -17,8 +17,8 @@ A leaf stored padded (``zeroflow.engine.padding``: its dimension does not divide
 and then cut to its own size, and its gradient is padded with zeros before the reduce-scatter;
 the loss never sees the padding.
 
-The differentiable ones are ``custom_jvp``s whose tangent map is linear in a stand-in (zeros shaped like
-the gradient that leaves the backward pass, fp32 where it is reduced; never read, so XLA drops
+The differentiable ones are ``custom_jvp``s whose tangent map is linear in a stand-in (zeros
+shaped like the gradient that leaves the backward pass, fp32 where it is reduced; never read, so XLA drops
 it) and whose primal is plain jax: so ``jax.checkpoint`` sees the gather or copy and can
 recompute it (``save_all_but_fetched``), and the gradient comes from transposing the tangent
 map (an all-gather transposes to the reduce-scatter, in the tangent's fp32).
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from zeroflow.engine import offload
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.padding import cut_to, pad_to
+from zeroflow.engine.zeropp.hosts import index_groups
 
 
 def varying(x):
@@ -59,17 +60,13 @@ def all_gather(shard, dim: int, dtype, size: int | None = None, groups=None, *,
     only the one gathered slice is copied."""
     if sliced and dim > 0:
         parts = jax.lax.all_gather(shard.astype(dtype), DATA, axis=0, tiled=False,
-                                   axis_index_groups=_listed(groups))
+                                   axis_index_groups=index_groups(groups))
         whole = jnp.moveaxis(parts, 0, dim).reshape(
             *shard.shape[:dim], parts.shape[0] * shard.shape[dim], *shard.shape[dim + 1:])
     else:
         whole = jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True,
-                                   axis_index_groups=_listed(groups))
+                                   axis_index_groups=index_groups(groups))
     return whole if size is None else cut_to(whole, dim, size)
-
-
-def _listed(groups):
-    return None if groups is None else [list(g) for g in groups]
 
 
 def reduce_scatter(grad, dim: int, padded: int | None = None, dtype=jnp.float32):

@@ -37,7 +37,7 @@ from zeroflow.util.compat import REMAT_PRIMITIVES, scan_split
 from zeroflow.engine.grads import row_lookup, split_columns
 from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.engine.grads.fetch_unit import run_unit, token
-from zeroflow.engine.grads.sources import Frozen, Sharded, Source, Whole  # noqa: F401  (gather_on_use.Sharded ...)
+from zeroflow.engine.grads.sources import Frozen, Sharded, Source, Whole  # noqa: F401 (re-exported)
 from zeroflow.util.jaxprs import bind, call_body, open_jaxpr
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.ordering import after
@@ -85,7 +85,8 @@ def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args
     inputs += flat_args
     dynamic += [True] * len(flat_args)
     replay = _Replay(stored, sources, order, prefetch)
-    outs = [replay.materialise(x) for x, _ in replay.run(closed.jaxpr, closed.consts, inputs, dynamic)]
+    outs = [replay.materialise(x)
+            for x, _ in replay.run(closed.jaxpr, closed.consts, inputs, dynamic)]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
@@ -179,7 +180,8 @@ class _Replay:
             inner = _Replay(stored_t, layer_sources, order=False, rematerialised=True)
             data_iter = iter(data_t)
             inputs = list(consts) + list(carry) + [
-                _weight_itself(position[x.direct]) if isinstance(x, _WeightOnly) else next(data_iter)
+                _weight_itself(position[x.direct]) if isinstance(x, _WeightOnly)
+                else next(data_iter)
                 for x in xs]
             outs = inner.run(body.jaxpr, body.consts, inputs,
                              dynamic[:split] + [True] * len(xs))
@@ -323,8 +325,8 @@ class _Replay:
 
 
 class _Operands:
-    """An equation's operands split for a unit: the weight-only ones (``_WeightOnly``, built from the
-    fetched weights ``order`` and the constant arrays ``side``) and the data ones."""
+    """An equation's operands split for a unit: the weight-only ones (``_WeightOnly``, built from
+    the fetched weights ``order`` and the constant arrays ``side``) and the data ones."""
 
     def __init__(self, eqn, values):
         self.values = values

@@ -97,7 +97,7 @@ class Place(enum.Enum):
     WHOLE = "not split (no dimension of N entries): whole on every device"
     SPLIT = "split, outside the layer stack"
     STACK_WHOLE = "in the layer stack, not split"
-    STACK_BY_LAYER = "in the layer stack, split along its layer axis: each device holds whole layers"
+    STACK_BY_LAYER = "in the layer stack, split along its layer axis: each device holds layers"
     STACK_IN_LAYER = "in the layer stack, split within each layer"
 
 
@@ -153,79 +153,78 @@ def route_key(plan: ZeroPlan, prec: Precision, lay: LeafLayout, path: str, *,
 # -- the table -------------------------------------------------------------------------------
 # (stage, stack memory, place, trains): (fetch, reduce, sharded, stream). A frozen weight is
 # fetched as the compute weights are and reduces nothing; it never has a gradient to scatter.
-_S, _U, _L = Fetch.STORED, Fetch.ON_USE, Fetch.PER_LAYER
 ROUTES: dict[RouteKey, Decision] = {RouteKey(*k): Decision(*v) for k, v in {
     # Stage 0, or stage 1 accumulating micro-batches: every weight is whole on the device and
     # every gradient whole, summed over the micro-batches and all-reduced once.
-    (ALL_REDUCED, DEVICE, WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, SPLIT, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, SPLIT, FROZEN): (_S, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, SPLIT, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, SPLIT, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
     # ... a stack in host memory is copied in one layer at a time; its gradient stays whole.
-    (ALL_REDUCED, HOST, STACK_WHOLE, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
-    (ALL_REDUCED, HOST, STACK_WHOLE, FROZEN): (_L, Reduce.NONE, False, True),
-    (ALL_REDUCED, HOST, STACK_BY_LAYER, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
-    (ALL_REDUCED, HOST, STACK_BY_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
-    (ALL_REDUCED, HOST, STACK_IN_LAYER, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
-    (ALL_REDUCED, HOST, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
+    (ALL_REDUCED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
+    (ALL_REDUCED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+    (ALL_REDUCED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
+    (ALL_REDUCED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+    (ALL_REDUCED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
+    (ALL_REDUCED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
 
     # Stage 2 (or 1, one micro-batch): weights whole; a split gradient is reduce-scattered the
     # moment it is complete. Not split: nothing to scatter, all-reduced as at stage 0.
-    (SCATTERED, DEVICE, WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (SCATTERED, DEVICE, WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    (SCATTERED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (SCATTERED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
     # Fetched on use: each use's unit reduce-scatters its gradient (per iteration inside a
     # loss's scan, where one reduce-scatter of the stacked gradient would hold the fp32 stack).
-    (SCATTERED, DEVICE, SPLIT, TRAINED): (_U, Reduce.ON_USE, False, False),
-    (SCATTERED, DEVICE, SPLIT, FROZEN): (_S, Reduce.NONE, False, False),
-    (SCATTERED, DEVICE, STACK_WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (SCATTERED, DEVICE, STACK_WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    (SCATTERED, DEVICE, SPLIT, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, False, False),
+    (SCATTERED, DEVICE, SPLIT, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+    (SCATTERED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (SCATTERED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
     # A layer's slice is not split the same way on every device: the stack is scattered whole.
-    (SCATTERED, DEVICE, STACK_BY_LAYER, TRAINED): (_U, Reduce.ON_USE, False, False),
-    (SCATTERED, DEVICE, STACK_BY_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
+    (SCATTERED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, False, False),
+    (SCATTERED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
     # gather_layer scatters each layer's gradient inside the scan's backward pass.
-    (SCATTERED, DEVICE, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, False, False),
-    (SCATTERED, DEVICE, STACK_IN_LAYER, FROZEN): (_S, Reduce.NONE, False, False),
+    (SCATTERED, DEVICE, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, False, False),
+    (SCATTERED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
     # A stack in host memory is copied in one layer at a time ...
-    (SCATTERED, HOST, STACK_WHOLE, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
-    (SCATTERED, HOST, STACK_WHOLE, FROZEN): (_L, Reduce.NONE, False, True),
+    (SCATTERED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
+    (SCATTERED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
     # ... a layer's gradient is whole on each device: the stacked one is scattered after the
     # micro-batch's backward pass,
-    (SCATTERED, HOST, STACK_BY_LAYER, TRAINED): (_L, Reduce.AFTER, False, True),
-    (SCATTERED, HOST, STACK_BY_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
+    (SCATTERED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.AFTER, False, True),
+    (SCATTERED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
     # ... or, split within the layer, scattered per layer in the backward pass.
-    (SCATTERED, HOST, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, False, True),
-    (SCATTERED, HOST, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, False, True),
+    (SCATTERED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, False, True),
+    (SCATTERED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
 
     # Stage 3: a split weight is stored as shards, gathered for each use and its gradient
     # reduce-scattered on use; a weight no dimension splits is whole, as at stage 0.
-    (GATHERED, DEVICE, WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (GATHERED, DEVICE, WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
-    (GATHERED, DEVICE, SPLIT, TRAINED): (_U, Reduce.ON_USE, True, False),
-    (GATHERED, DEVICE, SPLIT, FROZEN): (_U, Reduce.NONE, True, False),
-    (GATHERED, DEVICE, STACK_WHOLE, TRAINED): (_S, Reduce.ALL_REDUCE, False, False),
-    (GATHERED, DEVICE, STACK_WHOLE, FROZEN): (_S, Reduce.NONE, False, False),
+    (GATHERED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (GATHERED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+    (GATHERED, DEVICE, SPLIT, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
+    (GATHERED, DEVICE, SPLIT, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
+    (GATHERED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+    (GATHERED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
     # No layer's slice is split the same way on every device: gather_on_use gathers the stack
     # for the loss's scan.
-    (GATHERED, DEVICE, STACK_BY_LAYER, TRAINED): (_U, Reduce.ON_USE, True, False),
-    (GATHERED, DEVICE, STACK_BY_LAYER, FROZEN): (_U, Reduce.NONE, True, False),
+    (GATHERED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
+    (GATHERED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
     # gather_layer gathers one layer's slice inside the scan.
-    (GATHERED, DEVICE, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, True, False),
-    (GATHERED, DEVICE, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, True, False),
+    (GATHERED, DEVICE, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, True, False),
+    (GATHERED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, True, False),
     # A stack in host memory: not split, copied in whole per layer;
-    (GATHERED, HOST, STACK_WHOLE, TRAINED): (_L, Reduce.ALL_REDUCE, False, True),
-    (GATHERED, HOST, STACK_WHOLE, FROZEN): (_L, Reduce.NONE, False, True),
+    (GATHERED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
+    (GATHERED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
     # split along the layer axis, it cannot be copied in one layer at a time: gathered as above;
-    (GATHERED, HOST, STACK_BY_LAYER, TRAINED): (_U, Reduce.ON_USE, True, False),
-    (GATHERED, HOST, STACK_BY_LAYER, FROZEN): (_U, Reduce.NONE, True, False),
+    (GATHERED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
+    (GATHERED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
     # split within a layer: the layer's shard is copied in, then gathered.
-    (GATHERED, HOST, STACK_IN_LAYER, TRAINED): (_L, Reduce.ON_USE, True, True),
-    (GATHERED, HOST, STACK_IN_LAYER, FROZEN): (_L, Reduce.NONE, True, True),
+    (GATHERED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, True, True),
+    (GATHERED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, True, True),
 }.items()}
 
 

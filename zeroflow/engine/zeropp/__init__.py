@@ -14,7 +14,8 @@ inside and across hosts.
   cross-host bytes are counted against and the within-host groups are built from
   (``zeroflow.engine.zeropp.hosts``).
 
-Which of them a stage-3 fetch uses is one value, ``zeroflow.engine.grads.sources.Stage3Collectives``.
+Which of them a stage-3 fetch uses is one value,
+``zeroflow.engine.grads.sources.Stage3Collectives``.
 """
 from zeroflow.engine.zeropp.quantize import Quantized, dequantize, quantize, transit_bytes
 

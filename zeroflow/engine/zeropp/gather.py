@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.padding import cut_to
+from zeroflow.engine.zeropp.hosts import index_groups
 from zeroflow.engine.zeropp.quantize import Quantized, dequantize, quantize
 
 
@@ -28,7 +29,7 @@ def quantized_all_gather(shard, dim: int, dtype, block_size: int, size: int | No
     moved as int8 blocks of ``block_size`` entries; cut to ``size`` along ``dim`` when the
     stored weight is padded. ``groups``: as for ``zeroflow.engine.grads.collectives.all_gather``."""
     q = quantize(shard, block_size)
-    listed = None if groups is None else [list(g) for g in groups]
+    listed = index_groups(groups)
     gathered = Quantized(jax.lax.all_gather(q.values, DATA, axis_index_groups=listed),
                          jax.lax.all_gather(q.scales, DATA, axis_index_groups=listed))
     whole = _dequantized(gathered, shard.shape, jnp.dtype(dtype).name, dim)

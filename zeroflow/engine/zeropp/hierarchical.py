@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.padding import Entry
 from zeroflow.engine.plan import ZeroPlan, is_layout
-from zeroflow.engine.zeropp.hosts import HostSplit
+from zeroflow.engine.zeropp.hosts import HostSplit, index_groups
 
 
 def copy_entries(layouts) -> tuple[Entry, ...]:
@@ -57,7 +57,7 @@ def _regrouped(piece, dim: int, split: HostSplit):
     moves = [(p, (p % hosts) * local + p // hosts) for p in range(hosts * local)]
     piece = jax.lax.ppermute(piece, DATA, moves)
     return jax.lax.all_gather(piece, DATA, axis=dim, tiled=True,
-                              axis_index_groups=[list(g) for g in split.across])
+                              axis_index_groups=index_groups(split.across))
 
 
 def refresh(compute, layouts, plan: ZeroPlan):

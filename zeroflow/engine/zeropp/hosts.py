@@ -46,6 +46,12 @@ class HostSplit(NamedTuple):
         return tuple(tuple(h * self.local + i for h in range(self.hosts)) for i in range(self.local))
 
 
+def index_groups(groups):
+    """``groups`` (tuples of ``data`` indices, hashable for static arguments, or None: every
+    device) as the ``axis_index_groups`` jax's collectives take."""
+    return None if groups is None else [list(g) for g in groups]
+
+
 def host_split(mesh, hosts: int | None = None) -> HostSplit:
     """How the ``data`` axis of ``mesh`` runs over hosts (``hosts_of``); a ValueError when a
     host's devices are not one run of equally many consecutive ``data`` indices (every device

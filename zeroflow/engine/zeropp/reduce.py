@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.padding import pad_to
-from zeroflow.engine.zeropp.hosts import HostSplit
+from zeroflow.engine.zeropp.hosts import HostSplit, index_groups
 from zeroflow.engine.zeropp.quantize import dequantize, quantize
 
 
@@ -37,7 +37,7 @@ def _exchanged(rows, groups, block_size: int):
     row, exchanged within ``groups`` (an all-to-all), dequantized and summed over the senders
     in fp32: ``[k]``."""
     q = jax.vmap(lambda r: quantize(r, block_size))(rows)
-    listed = [list(g) for g in groups]
+    listed = index_groups(groups)
     values = jax.lax.all_to_all(q.values, DATA, 0, 0, axis_index_groups=listed)
     scales = jax.lax.all_to_all(q.scales, DATA, 0, 0, axis_index_groups=listed)
     received = dequantize(q._replace(values=values, scales=scales), rows.shape[1:])
