@@ -30,6 +30,7 @@ from typing import Any
 from zeroflow.optim import moment_bytes
 from zeroflow.engine.mesh import planning_mesh
 from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES, ZeroPlan
+from zeroflow.engine.plan_rules import host_update_problem
 from zeroflow.engine.precision import DTYPES
 
 STAGES = ZERO_STAGES
@@ -188,8 +189,9 @@ def _check_inputs(num_params, num_devices, stage, offload, update_on, activation
         raise ValueError(f"unknown offload {offload!r}; choose one of {list(OFFLOADS)}")
     if update_on not in UPDATE_ONS:
         raise ValueError(f"unknown update_on {update_on!r}; choose one of {list(UPDATE_ONS)}")
-    if update_on == "host" and offload == "none":
-        raise ValueError("update_on='host' needs offload='optimizer' or 'optimizer+params'")
+    problem = host_update_problem(offload, update_on)
+    if problem:
+        raise ValueError(problem)
     if activation_bytes < 0:
         raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes!r}")
     return n
