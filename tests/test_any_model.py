@@ -176,3 +176,19 @@ def test_optimizers_built_from_groups_match_plain_optax_at_stage3(name):
     for key in params:
         np.testing.assert_allclose(np.asarray(state.master_params[key]), want_params[key],
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_the_estimator_traces_nnx_model_state():
+    # estimate_step traces the loss inside jax.vjp; NNX refuses to mutate BatchStat variables
+    # made at another trace level, so the estimator must hand the loss fresh model-state values
+    # as the step does (it raised flax.errors.TraceContextError before). The bound is loose:
+    # the 10% goal on this corpus is not met yet (docs/memory.md, "models it never saw").
+    corpus = nnx_net()
+    plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=1), zf.Precision()
+    loss = engine_loss(corpus.forward, True)
+    batch = corpus.batches(1, 64)[0]
+    kw = dict(model_state=corpus.model_state, rng=KEY)
+    est = zf.memory.estimate_step(loss, corpus.params, batch, TX, plan, prec, **kw)
+    _, measured = zf.memory.measure_step(loss, corpus.params, batch, TX, plan, prec, **kw)
+    assert est.activations > 0
+    assert 0.7 < est.peak_bytes / measured < 1.3

@@ -105,8 +105,6 @@ def test_batch_split_config_and_trainer_name_the_keys():
         rules.batch_split_problem(24, 2, 8), PLAN_KEYS)
 
 
-@pytest.mark.xfail(reason="until zeroflow/engine/step.py check_batch states the rule with "
-                          "plan_rules.batch_split_problem", strict=False)
 def test_train_step_gives_the_batch_rules_message():
     import jax.numpy as jnp
     plan, prec, tx = zf.ZeroPlan(zf.make_mesh(), stage=1), zf.Precision(), optax.sgd(0.1)

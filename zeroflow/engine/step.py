@@ -31,7 +31,8 @@ from zeroflow.engine.grads import local_grads, native_gradients, step_routes
 from zeroflow.engine.grads import routes
 from zeroflow.engine.grads.routes import is_route
 from zeroflow.engine.mesh import DATA
-from zeroflow.engine.plan import LeafLayout, ZeroPlan
+from zeroflow.engine.plan import ZeroPlan, is_layout
+from zeroflow.engine.plan_rules import batch_split_problem
 from zeroflow.util.tree import path_str
 from zeroflow.engine.precision import Precision
 from zeroflow.engine.state import TrainState, state_shardings
@@ -40,7 +41,10 @@ from zeroflow.engine.zeropp import hierarchical
 LossFn = Callable[..., Any]
 
 
-def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
+def check_batch(batch, data_size: int, grad_accum: int) -> None:
+    """One readable line where ``batch`` cannot be split as the step splits it: every leaf
+    needs the same leading batch axis, which splits over ``grad_accum`` x the data devices
+    (``plan_rules.batch_split_problem``). The memory estimator asks the same."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch has no array leaves")
@@ -50,10 +54,9 @@ def check_batch(batch, divisor: int, data_size: int, grad_accum: int) -> None:
                          + ", ".join(k for k, v in sizes.items() if v is None))
     if len(set(sizes.values())) > 1:
         raise ValueError(f"batch leaves disagree on the leading batch size: {sizes}")
-    size = next(iter(sizes.values()))
-    if size % divisor:
-        raise ValueError(f"batch size {size} does not divide by data axis size {data_size} x "
-                         f"grad_accum {grad_accum} = {divisor}")
+    problem = batch_split_problem(next(iter(sizes.values())), grad_accum, data_size)
+    if problem:
+        raise ValueError(problem)
 
 
 class StepLayout(NamedTuple):
@@ -103,7 +106,7 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     """One optimizer step on a global batch; returns ``(new_state, metrics)``: gradients on
     every device, reduced by the plan, then the update where the plan keeps the state."""
     n = plan.data_size
-    check_batch(batch, n * grad_accum, n, grad_accum)
+    check_batch(batch, n, grad_accum)
     batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch)
     if per_layer is not None and per_layer not in layout.layouts:
         raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
@@ -178,7 +181,6 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
     gradients as the routes leave them (sharded or whole), loss, aux and model state."""
     if plan.data_size == 1:  # one device on the data axis: no shard_map, no collectives to place
         return local(params, batch, scale, extras, collective=False)
-    is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
     specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
                             layout.layouts, is_leaf=is_layout)
     specs_grad = jax.tree.map(lambda lay, r: None if r.frozen else lay.data_only_spec(

@@ -58,7 +58,7 @@ from zeroflow.engine.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.precision import Precision
 from zeroflow.engine.state import abstract_master, init_train_state
-from zeroflow.engine.step import step_layout
+from zeroflow.engine.step import check_batch, step_layout
 from zeroflow.engine.update import UpdatePath, owners
 from zeroflow.memory.trace_cache import remembered
 from zeroflow.util import jaxprs
@@ -152,8 +152,11 @@ def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None
         def loss(trained):
             given = iter(trained)
             p = treedef.unflatten([next(given) if t else x for t, x in zip(keep, leaves)])
-            out = (loss_fn(p, batch, **extras) if gather_per_layer is None
-                   else loss_fn(p, batch, lambda x: x, **extras))
+            # Fresh model-state values, made inside this trace as the step hands them over:
+            # Flax NNX refuses to mutate a variable made at another trace level.
+            here = jax.tree.map(lambda x: x, extras)
+            out = (loss_fn(p, batch, **here) if gather_per_layer is None
+                   else loss_fn(p, batch, lambda x: x, **here))
             return out[0] if isinstance(out, tuple) else out
         _, vjp = jax.vjp(loss, [x for t, x in zip(keep, leaves) if t])
         inputs = jax.tree.leaves(params)
@@ -540,10 +543,7 @@ def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
 
 def _micro_batch(batch, n: int, grad_accum: int):
     """One device's micro-batch of the global ``batch``, abstract."""
-    rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
-    if len(rows) != 1 or next(iter(rows)) % (n * grad_accum):
-        raise ValueError(f"batch of {sorted(rows)} rows does not divide by data axis size {n} x "
-                         f"grad_accum {grad_accum}")
+    check_batch(batch, n, grad_accum)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // (n * grad_accum),)
                                                        + tuple(np.shape(x)[1:]), x.dtype), batch)
 
