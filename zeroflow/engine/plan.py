@@ -237,6 +237,18 @@ class ZeroPlan:
             return False
         return not self.shards_compute or self.offloads or self.hierarchical or self.quantize_weights
 
+    @property
+    def gathers_whole_weights(self) -> bool:
+        """Stages 1-2: the master is sharded while the forward pass reads whole weights, so the
+        whole weights are all-gathered from the shards (after each update into the compute
+        copy, or, with none, from the master for each step)."""
+        return self.shards_storage and not self.shards_compute
+
+    def keeps_whole_compute_copy(self, compute_dtype) -> bool:
+        """The compute copy is kept whole (below stage 3): the update's new weights must be
+        gathered into it."""
+        return self.keeps_compute_copy(compute_dtype) and not self.shards_compute
+
     # -- offload -----------------------------------------------------------------------------
     @property
     def offloads(self) -> bool:

@@ -105,7 +105,7 @@ def compute_refresh(plan: ZeroPlan, compute_dtype, path: UpdatePath) -> ComputeR
     """How the step makes the new compute weights whole after an update along ``path``: only
     weights kept as a whole compute copy (stages 0-2 in half precision) are moved by hand, where
     the update made them in device memory."""
-    whole_copy = plan.keeps_compute_copy(compute_dtype) and not plan.shards_compute
+    whole_copy = plan.keeps_whole_compute_copy(compute_dtype)
     if not whole_copy or path in (UpdatePath.ON_HOST, UpdatePath.STREAMED):
         return ComputeRefresh.AS_MADE
     if plan.traits.widens_half_precision:

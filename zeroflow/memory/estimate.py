@@ -230,7 +230,7 @@ def _model_states(plan: ZeroPlan, name: str, p: float, f: float, grad_width: int
     # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
     # gathered from the sharded master for each step and dropped after it.
     shared = name == "fp32" and plan.shards_storage == plan.shards_compute
-    gathered = name == "fp32" and plan.shards_storage and not plan.shards_compute
+    gathered = name == "fp32" and plan.gathers_whole_weights
     master = 0.0 if shared else 4 * trained * split(plan.shards_storage)
     trained_weights = 0.0 if gathered else compute - frozen
     # zeroflow keeps no compute copy at stage 3 (ZeroPlan.keeps_compute_copy): each use casts

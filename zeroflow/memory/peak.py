@@ -319,7 +319,7 @@ def _gathered_whole(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _W
     """Per leaf, the bytes of whole weights the step makes for the forward and backward pass."""
     # Weights stored split but used whole with no compute copy (fp32 at stages 1-2) are
     # gathered from the master; a frozen fp32 weight is stored whole there: nothing to gather.
-    from_master = (plan.shards_storage and not plan.shards_compute
+    from_master = (plan.gathers_whole_weights
                    and not plan.keeps_compute_copy(prec.compute_dtype))
     gathered = [F32 * w if (from_master and r.dim is not None and not r.frozen) else 0.0
                 for w, r in zip(leaves.whole, leaves.routes)]
@@ -367,7 +367,7 @@ def _backward(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths,
     # Once XLA:CPU has widened a whole stored stack (stages 0-2), the donated half-precision
     # stack is dead until the new weights are written: the stack's gradients go into its buffer.
     reused = 0.0
-    if widened and not plan.shards_compute and plan.keeps_compute_copy(prec.compute_dtype):
+    if widened and plan.keeps_whole_compute_copy(prec.compute_dtype):
         reused = min(widths.compute * sum(w for w, _, _ in stack), leaves.over_stack(grads))
 
     # The backward pass peaks at its start (all it keeps from the forward pass, the first layer
@@ -391,7 +391,7 @@ def _dead_compute_bytes(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths
     unless the stack's gradients already went into their buffer (``reused``), an update that
     materialises its directions (a ``lax.cond``, ``Traits.cond_updates_in_place``: XLA:CPU,
     from jaxlib 0.11 on, where it no longer widens the stack) writes them there."""
-    regathered = (plan.shards_storage and not plan.shards_compute
+    regathered = (plan.gathers_whole_weights
                   and plan.keeps_compute_copy(prec.compute_dtype))
     if not regathered or reused or not plan.traits.cond_updates_in_place:
         return 0.0

@@ -140,7 +140,8 @@ def route_key(plan: ZeroPlan, prec: Precision, lay: LeafLayout, path: str, *,
     in_stack = is_under(path, per_layer)
     # fp32 at stages 1-2 keeps no compute copy: the weights are gathered from the master on
     # the device, so nothing of them stays in host memory.
-    host = in_stack and plan.offloads_params and (prec.params != "fp32" or plan.stage in (0, 3))
+    host = in_stack and plan.offloads_params and (plan.keeps_compute_copy(prec.compute_dtype)
+                                                   or not plan.gathers_whole_weights)
     if lay.zero_dim is None:
         place = STACK_WHOLE if in_stack else WHOLE
     elif not in_stack:
