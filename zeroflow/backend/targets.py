@@ -7,6 +7,8 @@ capability) in text form. Steps lowered with arguments sharded over such a mesh 
 XLA:GPU (memory analysis, scheduled HLO, Triton kernels), without autotuning and without
 running. The specs are package data in ``gpu_specs/`` (each file says where its figures come
 from), in the schema of every supported jaxlib (0.10.2 to 0.12: the fields used are the same).
+A GPU below compute capability 7.5 (the V100) compiles only with CUDA 12's ptxas: CUDA 13's
+dropped Volta, and XLA:GPU would then fall back to a driver that is not there.
 
 This needs a CUDA plugin at jaxlib's exact version, ``jax-cuda12-plugin`` + ``jax-cuda12-pjrt``
 or ``jax-cuda13-plugin`` + ``jax-cuda13-pjrt`` (no CUDA libraries, no driver;
@@ -17,14 +19,18 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.util.compat import cuda_plugin_install_hint
 from zeroflow.engine.mesh import DATA, MODEL
+from zeroflow.util.compat import cuda_plugin_install_hint
+from zeroflow.util.quiet_jax import cuda_plugin_installed
 
 SPECS = Path(__file__).with_name("gpu_specs")
 TARGETS = {
@@ -32,6 +38,7 @@ TARGETS = {
     "h200": "h200.txtpb",  # SXM 141 GB
     "a100": "a100.txtpb",  # SXM4 80 GB
     "l4": "l4.txtpb",      # 24 GB
+    "v100": "v100.txtpb",  # SXM2 32 GB (sm_70)
 }
 "Target GPU names and their spec files."
 
@@ -65,7 +72,6 @@ def install_hint() -> str:
 
 
 def plugin_installed() -> bool:
-    from zeroflow.util.quiet_jax import cuda_plugin_installed
     return cuda_plugin_installed()
 
 
@@ -76,6 +82,7 @@ def _topology(gpu: str, hosts: int, per_host: int):
         raise TargetUnavailable(f"compiling for a {gpu} target needs the CUDA plugin: "
                                 f"{install_hint()}")
     text = spec_text(gpu)
+    _check_ptxas(gpu, text)
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=text,
                                             topology=f"1x{hosts}x{per_host}")
@@ -93,12 +100,61 @@ def _topology(gpu: str, hosts: int, per_host: int):
     return topo
 
 
+LAST_CUDA_FOR_SM = ((7, 5), 12)
+"CUDA 13's ptxas dropped compute capabilities below 7.5 (Volta: sm_70); CUDA 12's is the last."
+
+
+def ptxas_path() -> str | None:
+    """The ptxas XLA:GPU runs: under jax's CUDA path (``CUDA_ROOT``, or the ``nvidia-cuda-nvcc``
+    wheel) when it has one, else the first on ``PATH``, else ``/usr/local/cuda``'s."""
+    from jax._src import lib  # the CUDA root jax hands XLA (xla_gpu_cuda_data_dir)
+    if lib.cuda_path and (Path(lib.cuda_path) / "bin" / "ptxas").is_file():
+        return str(Path(lib.cuda_path) / "bin" / "ptxas")
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/ptxas")
+    return str(default) if default.is_file() else None
+
+
+def ptxas_release(path: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of ``ptxas --version`` ("release 12.9"), or None if unreadable."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def _check_ptxas(gpu: str, text: str) -> None:
+    """A GPU older than CUDA 13 supports needs CUDA 12's ptxas: without one XLA:GPU's compile
+    fails late, saying ptxas is "too old" and falling back to a driver that is not there."""
+    major = int(re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)", text)[1])
+    minor = int(re.search(r"cuda_compute_capability\s*{[^}]*minor:\s*(\d+)", text)[1])
+    oldest, last_cuda = LAST_CUDA_FOR_SM
+    if (major, minor) >= oldest:
+        return
+    path = ptxas_path()
+    release = ptxas_release(path) if path else None
+    if release is not None and release[0] <= last_cuda:
+        return
+    found = f"{path} is CUDA {release[0]}.{release[1]}'s" if release else (
+        f"{path} gives no version" if path else "no ptxas was found")
+    raise TargetUnavailable(
+        f"XLA:GPU compiles for a {gpu} (sm_{major}{minor}) only with CUDA {last_cuda}'s ptxas "
+        f"(CUDA 13 dropped compute capabilities below 7.5) and {found}: pip install --target DIR "
+        f"nvidia-cuda-nvcc-cu{last_cuda}, then run with CUDA_ROOT=DIR/nvidia/cuda_nvcc set before "
+        "JAX starts")
+
+
 def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1) -> Mesh:
     """A ``("data", "model")`` mesh of ``data x model`` abstract devices of GPU ``gpu``
-    (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``) on ``hosts`` hosts of equally many devices, for compiling
-    (never running) steps: ``ZeroPlan``, ``state_shardings``, ``make_train_step(...).lower(
-    abstract_state, abstract_batch).compile()`` and ``zf.memory.measure_step`` work on it.
-    The data axis spans hosts; each host holds whole rows of ``model``."""
+    (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``, ``"v100"``) on ``hosts`` hosts of equally
+    many devices, for compiling (never running) steps: ``ZeroPlan``, ``state_shardings``,
+    ``make_train_step(...).lower(abstract_state, abstract_batch).compile()`` and
+    ``zf.memory.measure_step`` work on it. The data axis spans hosts; each host holds whole
+    rows of ``model``. The V100 (sm_70) needs CUDA 12's ptxas (``TargetUnavailable`` says how)."""
     for name, size in ((DATA, data), (MODEL, model), ("hosts", hosts)):
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"target_mesh: {name} must be a positive int, got {size!r}")

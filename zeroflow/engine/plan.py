@@ -35,6 +35,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from zeroflow import backend
 from zeroflow.engine.mesh import DATA, MODEL
 from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
+from zeroflow.engine.zeropp.hosts import host_split, hosts_of
 from zeroflow.util.tree import path_str
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -144,7 +145,6 @@ class ZeroPlan:
         if problems:
             raise ValueError(problems[0])
         if self.hosts is not None:
-            from zeroflow.engine.zeropp.hosts import hosts_of
             hosts_of(self.mesh, self.hosts)  # the one check of a given host count
         if self.hierarchical:
             problem = hierarchical_hosts_problem(True, self.host_split.hosts)
@@ -187,7 +187,6 @@ class ZeroPlan:
     @property
     def host_split(self):
         """The ``data`` axis as hosts x local devices (``zeroflow.engine.zeropp.hosts.HostSplit``)."""
-        from zeroflow.engine.zeropp.hosts import host_split
         if isinstance(self.mesh, AbstractMesh) and self.hosts is None:
             raise ValueError("a planning mesh has no devices to read hosts from; pass hosts=H")
         return host_split(self.mesh, self.hosts)

@@ -24,19 +24,18 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend
-
-from zeroflow.engine import offload, padding, update
+from zeroflow.autocast import autocast
 from zeroflow.engine import frozen as frozen_weights
-from zeroflow.engine.grads import local_grads, native_gradients, step_routes
-from zeroflow.engine.grads import routes
+from zeroflow.engine import offload, padding, update
+from zeroflow.engine.grads import local_grads, native_gradients, routes, step_routes
 from zeroflow.engine.grads.routes import is_route
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan, is_layout
 from zeroflow.engine.plan_rules import batch_split_problem
-from zeroflow.util.tree import path_str
 from zeroflow.engine.precision import Precision
 from zeroflow.engine.state import TrainState, state_shardings
 from zeroflow.engine.zeropp import hierarchical
+from zeroflow.util.tree import path_str
 
 LossFn = Callable[..., Any]
 
@@ -373,7 +372,6 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
     if not isinstance(prec, Precision):
         raise ValueError(f"prec must be a zf.Precision, got {type(prec).__name__}")
     if prec.autocast != "none":  # half-precision compute for a model written in fp32
-        from zeroflow.autocast import autocast
         loss_fn = autocast(loss_fn, dtype=prec.autocast)
     if prefetch is None:
         prefetch = 1 if plan.traits.overlaps_collectives else 0

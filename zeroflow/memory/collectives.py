@@ -29,6 +29,7 @@ import math
 import re
 from collections.abc import Sequence
 
+from zeroflow.engine.zeropp.hosts import hosts_of
 from zeroflow.memory.replica_groups import groups_of, permute_pairs
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -153,7 +154,6 @@ def _hosts_of_inputs(compiled) -> tuple[int, ...] | None:
     """The hosts of the mesh a compiled step's inputs are sharded over, when they are."""
     import jax
 
-    from zeroflow.engine.zeropp.hosts import hosts_of
     try:
         shardings = jax.tree.leaves(compiled.input_shardings)
     except Exception:  # not a jax Compiled
