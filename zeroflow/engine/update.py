@@ -31,6 +31,7 @@ from zeroflow.util import jaxprs
 
 from zeroflow.engine import offload, opt_mirror, padding
 from zeroflow.engine.grads.collectives import all_gather, as_words
+from zeroflow.engine.grads.sources import dim_in_layer
 from zeroflow.engine.mesh import DATA
 from zeroflow.engine.ordering import after
 from zeroflow.engine.padding import NO_PADDING, StatePadding
@@ -195,7 +196,7 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
                 # (sliced: gathered on a new leading axis, then moved into place as the slice
                 # is written; gathered along ``dim`` itself, XLA:GPU would lay the whole stack
                 # out with that dimension major and copy it into its own layout at the end)
-                piece = all_gather(piece, dim - 1, piece.dtype, sliced=True)
+                piece = all_gather(piece, dim_in_layer(dim), piece.dtype, sliced=True)
                 return jax.lax.dynamic_update_index_in_dim(whole, piece, i, 0)
             return jax.lax.fori_loop(0, shard.shape[0], body, whole)
 
