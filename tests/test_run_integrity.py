@@ -3,6 +3,7 @@ trainer at a time holds a run folder (docs/runs.md)."""
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,3 +191,24 @@ def test_the_lock_of_a_killed_trainer_is_never_stale(tmp_path):
         with pytest.raises(run_folder.RunFolderInUse, match=f"pid {os.getpid()}"):
             with run_folder.claim(run_dir):
                 pass
+
+
+def test_a_reader_lists_again_when_a_running_trainer_deletes_the_step_it_chose(run_copy,
+                                                                               monkeypatch):
+    # What a reader of a live run meets: it lists steps [2], the trainer saves 4 and deletes 2
+    # (checkpoint.keep) before the reader opens it. The reader must read step 4, not report
+    # the run as unreadable (it did, under load, while export read a training run).
+    from zeroflow.cli.sample import load_run_params
+
+    step4, held = run_copy / "checkpoints" / "4", run_copy.parent / "held-4"
+    step4.rename(held)  # the reader's listing sees only step 2
+    real_restore = RunCheckpoints.restore
+
+    def trainer_moves_on(self, step, like, loader=None):
+        if step == 2 and held.exists():  # saved 4, deleted 2, while the reader held the list
+            held.rename(step4)
+            shutil.rmtree(run_copy / "checkpoints" / "2")
+        return real_restore(self, step, like, loader)
+    monkeypatch.setattr(RunCheckpoints, "restore", trainer_moves_on)
+    _, _, step = load_run_params(run_copy)
+    assert step == 4 and not held.exists()

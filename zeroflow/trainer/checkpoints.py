@@ -51,6 +51,10 @@ class DiskFull(OSError):
     """No space left for a checkpoint; the message says how much it needs and how much is free."""
 
 
+READ_ATTEMPTS = 3
+"How often a reader lists the steps again when the ones it listed were deleted under it."
+
+
 def _no_space(error: BaseException) -> bool:
     while error is not None:
         if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
@@ -210,26 +214,41 @@ class RunCheckpoints:
     def read(self, like: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
         """For readers of a finished or running run: step ``step``, or the newest readable one
         (when newer steps are unreadable, one warning line says which and why; nothing is
-        moved)."""
-        steps = self.steps()
-        if not steps:
+        moved). A running trainer deletes old steps as it saves new ones: a step that vanishes
+        while it is read is no fault of the run, and the steps are listed again."""
+        if not self.steps():
             raise FileNotFoundError(f"no checkpoint in {self.directory}: train the run first")
         if step is not None:
             return self.restore(step, like)
+        for _ in range(READ_ATTEMPTS):
+            self.manager.reload()
+            restored, bad, vanished = self._newest_readable(like)
+            if restored is not None:
+                return restored
+            if not vanished:
+                break
+        raise CheckpointError(self.none_readable(bad) + "; copy the steps again if they came "
+                              "from elsewhere, or train the run again")
+
+    def _newest_readable(self, like: TrainState):
+        """``(restored or None, unreadable steps, whether a step vanished while being read)``."""
         bad: list[UnreadableCheckpoint] = []
-        for candidate in reversed(steps):
+        vanished = False
+        for candidate in reversed(self.steps()):
             try:
                 restored = self.restore(candidate, like)
             except UnreadableCheckpoint as e:
+                if not (self.directory / str(candidate)).exists():
+                    vanished = True  # deleted by the running trainer after it was listed
+                    continue
                 bad.append(e)
                 continue
             if bad:
                 log.warning("%s; using step %d, the newest readable one (resuming the run moves "
                             "the unreadable steps aside and saves them again)",
                             "; ".join(str(e) for e in bad), candidate)
-            return restored
-        raise CheckpointError(self.none_readable(bad) + "; copy the steps again if they came "
-                              "from elsewhere, or train the run again")
+            return restored, bad, vanished
+        return None, bad, vanished
 
     def none_readable(self, bad: list[UnreadableCheckpoint]) -> str:
         return (f"no readable checkpoint in {self.directory}: "
