@@ -127,3 +127,40 @@ def test_recall_counts_group_matches():
     # image 0 -> text 0 (hit); image 1 -> text 0 (group 0: miss), text 1 second; image 2 -> text 2
     assert r["i2t_r1"] == pytest.approx(2 / 3) and r["i2t_r2"] == 1.0
     assert retrieval.chance(np.arange(10), ks=(1,))["r1"] == pytest.approx(0.1)
+
+
+def _layer_norm(x, scale, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps) * scale + bias
+
+
+def _gelu(x):
+    from math import erf
+    return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+
+
+def test_residual_adapter_matches_numpy():
+    """The paper's adapter: blocks x + W2 gelu(W1 LN(x)) at the latent's width, LN, projection."""
+    module, _ = model.make_loss(0, 2, 6, temperature=0.1, mixup_alpha=0.0, adapter="residual",
+                                expansion=3)
+    rng = np.random.default_rng(4)
+    image, text = rng.normal(size=(5, 4)), rng.normal(size=(5, 3))
+    params = module.init(jax.random.key(1), image, text)["params"]
+    p = jax.tree.map(lambda v: np.asarray(v, np.float64), params)
+
+    def adapter(q, x):
+        for i in range(2):
+            b = q[f"block{i}"]
+            h = _layer_norm(x, b["norm"]["scale"], b["norm"]["bias"], model.PAPER_NORM_EPS)
+            h = _gelu(h @ b["up"]["kernel"] + b["up"]["bias"])
+            x = x + h @ b["down"]["kernel"] + b["down"]["bias"]
+        x = _layer_norm(x, q["norm"]["scale"], q["norm"]["bias"], model.PAPER_NORM_EPS)
+        return _unit(x @ q["project"]["kernel"] + q["project"]["bias"])
+
+    assert p["image_adapter"]["block0"]["up"]["kernel"].shape == (4, 12)
+    assert p["text_adapter"]["block1"]["down"]["kernel"].shape == (9, 3)
+    za, zb = module.apply({"params": params}, image.astype(np.float32), text.astype(np.float32))
+    np.testing.assert_allclose(za, adapter(p["image_adapter"], image), atol=1e-5)
+    np.testing.assert_allclose(zb, adapter(p["text_adapter"], text), atol=1e-5)
+    with pytest.raises(ValueError, match="choose one of mlp, residual"):
+        model.make_loss(8, 2, 4, temperature=0.1, mixup_alpha=0.0, adapter="resnet")

@@ -32,16 +32,61 @@ class Adapter(nn.Module):
         return nn.Dense(self.out, name=f"dense{self.layers - 1}")(x)
 
 
+PAPER_NORM_EPS = 1e-5
+"The released code's LayerNorm epsilon (PyTorch's default); its GELU is the exact (erf) one."
+
+
+class ResidualBlock(nn.Module):
+    """Pre-norm inverted bottleneck at the input's width: ``x + W2 gelu(W1 LayerNorm(x))``,
+    ``W1`` widening by ``expansion``."""
+    expansion: int
+
+    @nn.compact
+    def __call__(self, x):
+        width = x.shape[-1]
+        h = nn.LayerNorm(epsilon=PAPER_NORM_EPS, name="norm")(x)
+        h = nn.gelu(nn.Dense(self.expansion * width, name="up")(h), approximate=False)
+        return x + nn.Dense(width, name="down")(h)
+
+
+class ResidualAdapter(nn.Module):
+    """The FuseMix paper's adapter (its released code's ``MLPContrastiveFusion``): ``blocks``
+    residual blocks at the latent's own width, a LayerNorm, a Dense into the shared space."""
+    blocks: int
+    expansion: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.blocks):
+            x = ResidualBlock(self.expansion, name=f"block{i}")(x)
+        return nn.Dense(self.out, name="project")(
+            nn.LayerNorm(epsilon=PAPER_NORM_EPS, name="norm")(x))
+
+
+ADAPTERS = ("mlp", "residual")
+"mlp: ``Adapter`` (layers Dense of hidden); residual: ``ResidualAdapter`` (hidden unused)."
+
+
 class FuseMix(nn.Module):
     hidden: int
     layers: int
     shared_dim: int
+    adapter: str = "mlp"
+    expansion: int = 4
+
+    def _adapter(self, name: str) -> nn.Module:
+        if self.adapter == "residual":
+            return ResidualAdapter(self.layers, self.expansion, self.shared_dim, name=name)
+        if self.adapter == "mlp":
+            return Adapter(self.hidden, self.layers, self.shared_dim, name=name)
+        raise ValueError(f"unknown adapter {self.adapter!r}; choose one of {', '.join(ADAPTERS)}")
 
     @nn.compact
     def __call__(self, image, text):
         """Unit-norm fp32 embeddings ``(image [B, shared], text [B, shared])``."""
-        za = Adapter(self.hidden, self.layers, self.shared_dim, name="image_adapter")(image)
-        zb = Adapter(self.hidden, self.layers, self.shared_dim, name="text_adapter")(text)
+        za = self._adapter("image_adapter")(image)
+        zb = self._adapter("text_adapter")(text)
         return _unit(za), _unit(zb)
 
 
@@ -87,7 +132,11 @@ def fusemix_loss(params, batch, *, rng=None, module: FuseMix, temperature: float
     return info_nce(za, zb, temperature), aux
 
 
-def make_loss(hidden: int, layers: int, shared_dim: int, temperature: float, mixup_alpha: float):
-    module = FuseMix(hidden, layers, shared_dim)
+def make_loss(hidden: int, layers: int, shared_dim: int, temperature: float, mixup_alpha: float,
+              adapter: str = "mlp", expansion: int = 4):
+    """``(module, loss_fn)``: the adapters (``ADAPTERS``) and the engine's loss bound to them."""
+    if adapter not in ADAPTERS:
+        raise ValueError(f"unknown adapter {adapter!r}; choose one of {', '.join(ADAPTERS)}")
+    module = FuseMix(hidden, layers, shared_dim, adapter, expansion)
     return module, functools.partial(fusemix_loss, module=module, temperature=temperature,
                                      mixup_alpha=mixup_alpha)
