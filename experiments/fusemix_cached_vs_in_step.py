@@ -22,7 +22,6 @@ import argparse
 import datetime
 import functools
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from machine import cpu_name  # noqa: E402
 import zeroflow as zf  # noqa: E402
 from zeroflow import hf  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
@@ -144,17 +144,6 @@ def main(argv=None) -> int:
               f"{rates['in step'][-1]:.1f} steps/s", flush=True)
     write(args, cfg, run, rates)
     return 0
-
-
-def cpu_name() -> str:
-    """The processor's model name (Linux's /proc/cpuinfo), else the machine type."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def write(args, cfg, run, rates) -> None:

@@ -38,12 +38,12 @@ def _args(argv=None):
 ARGS = _args() if __name__ == "__main__" else None
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin describes targets only then
 sys.path.insert(0, ROOT)  # this checkout's zeroflow, not an installed one
+sys.path.insert(0, os.path.join(ROOT, "experiments"))  # machine.py, also when imported
 if ARGS is not None and ARGS.cuda_root:
     os.environ["CUDA_ROOT"] = ARGS.cuda_root  # read when jax starts: its ptxas for XLA:GPU
 
 import datetime  # noqa: E402
 import functools  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -51,6 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from machine import cpu_name  # noqa: E402
 import zeroflow as zf  # noqa: E402
 from zeroflow.backend import targets  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
@@ -173,17 +174,6 @@ def main(args) -> int:
                           f"{row['paper'] / GB:.2f} GB [{row['seconds']:.0f} s]", flush=True)
     write(args, rows, skipped, n_params)
     return 0
-
-
-def cpu_name() -> str:
-    """The processor's model name (Linux's /proc/cpuinfo), else the machine type."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def write(args, rows, skipped, n_params) -> None:
