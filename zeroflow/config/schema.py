@@ -286,10 +286,14 @@ class FuseMixConfig:
     "Held-out pairs for retrieval evaluation (never trained on)."
     shared_dim: int = 64
     "Width of the shared embedding space."
+    adapter: str = one_of("mlp", "residual")
+    "Each adapter: 'mlp' (adapter_layers Dense layers of adapter_hidden, the last into the shared space) or 'residual' (the FuseMix paper's: adapter_layers pre-norm residual blocks widened adapter_expansion times, a LayerNorm and a Dense into the shared space)."
     adapter_hidden: int = 256
-    "Hidden width of each adapter MLP."
+    "adapter=mlp: hidden width of each adapter MLP."
     adapter_layers: int = 2
-    "Dense layers per adapter (the last one projects into the shared space)."
+    "Dense layers per adapter (the last one projects into the shared space); adapter=residual: residual blocks per adapter."
+    adapter_expansion: int = 4
+    "adapter=residual: how many times each block's hidden layer widens the latent."
     temperature: float = 0.07
     "InfoNCE temperature."
     mixup_alpha: float = 1.0

@@ -69,7 +69,8 @@ def build_fusemix(cfg: Config, progress: bool) -> FuseMixRun:
     train_rows, val_rows = digits.split(len(pairs.captions), fm.val_pairs, cfg.train.seed)
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on)
     module, loss_fn = make_loss(fm.adapter_hidden, fm.adapter_layers, fm.shared_dim,
-                                fm.temperature, fm.mixup_alpha)
+                                fm.temperature, fm.mixup_alpha, adapter=fm.adapter,
+                                expansion=fm.adapter_expansion)
     decay = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # noqa: E731  kernels only
     return FuseMixRun(cfg, plan, zf.Precision.from_config(cfg.precision),
                       make_optimizer(cfg.train, decay), module, loss_fn, found, train_rows,
