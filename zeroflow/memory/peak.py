@@ -50,7 +50,6 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend as backends
-from zeroflow.autocast import autocast
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.grads.local import native_gradients
 from zeroflow.engine.grads.routes import Fetch, Reduce, fetches_whole, is_route, step_routes
@@ -58,11 +57,10 @@ from zeroflow.engine.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.precision import Precision
 from zeroflow.engine.state import abstract_master, init_train_state
-from zeroflow.engine.step import check_batch, step_layout
+from zeroflow.engine.step import step_layout
 from zeroflow.engine.update import UpdatePath, owners
-from zeroflow.memory.trace_cache import remembered
+from zeroflow.memory.residuals import largest_residual, micro_batch, residual_bytes, scanned_leaves
 from zeroflow.util import jaxprs
-from zeroflow.util.compat import scan_split
 from zeroflow.util.tree import is_under, path_str
 
 F32 = 4
@@ -110,78 +108,12 @@ def _local_elements(shape, sharding) -> int:
     return math.prod(sharding.shard_shape(tuple(shape)) if sharding is not None else shape)
 
 
-def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[bool]:
-    """For each leaf of ``params``: whether a ``lax.scan`` in the loss takes one slice of it per
-    iteration (a stack of layers), which the stage-3 step then fetches one slice at a time."""
-    closed = jax.make_jaxpr(lambda p, b, e: loss_fn(p, b, **e))(params, batch, extras or {})
-    count = len(jax.tree.leaves(params))
-    found: set[int] = set()
-
-    def visit(jaxpr, leaf_of):
-        for eqn in jaxpr.eqns:
-            invars = [(v, leaf_of.get(v)) if not isinstance(v, Literal) else (v, None)
-                      for v in eqn.invars]
-            if eqn.primitive.name == "scan":
-                split = sum(scan_split(eqn.params))
-                found.update(i for _, i in invars[split:] if i is not None)
-            elif jaxprs.call_body(eqn) is not None:  # inlined by the fetch-on-use replay too
-                inner, _ = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
-                visit(inner, {iv: i for (_, i), iv in zip(invars, inner.invars) if i is not None})
-
-    visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:count])})
-    return [i in found for i in range(count)]
-
-
-@remembered  # a plan traces the same loss for every stage and offload
-def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
-                         extras: dict | None = None, memory: str | None = None,
-                         trainable: tuple[bool, ...] | None = None) -> list:
-    """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the
-    backward pass, the parameters themselves excluded (also as a scan keeps them: its slices
-    stacked again). Traced abstractly: nothing runs. ``extras``: the keywords the step passes
-    the loss (``model_state``, ``rng``). ``memory``: only those in ``"device"`` or in ``"host"``
-    memory (a remat policy's offloaded residuals), default all. ``trainable``: one bool per
-    leaf of ``params`` (flatten order); the frozen ones are constants of the vjp, as in the
-    step (what only their gradient would need is not kept)."""
-    found: list = []
-
-    def probe(params, batch, extras):
-        leaves, treedef = jax.tree.flatten(params)
-        keep = trainable or (True,) * len(leaves)
-
-        def loss(trained):
-            given = iter(trained)
-            p = treedef.unflatten([next(given) if t else x for t, x in zip(keep, leaves)])
-            # Fresh model-state values, made inside this trace as the step hands them over:
-            # Flax NNX refuses to mutate a variable made at another trace level.
-            here = jax.tree.map(lambda x: x, extras)
-            out = (loss_fn(p, batch, **here) if gather_per_layer is None
-                   else loss_fn(p, batch, lambda x: x, **here))
-            return out[0] if isinstance(out, tuple) else out
-        _, vjp = jax.vjp(loss, [x for t, x in zip(keep, leaves) if t])
-        inputs = jax.tree.leaves(params)
-        weights = {(tuple(p.shape), p.dtype) for p in inputs}
-        found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(vjp)
-                     if not any(r is p for p in inputs)
-                     and (tuple(r.shape), r.dtype) not in weights
-                     and memory in (None, _memory_of(r)))
-        return 0
-
-    jax.make_jaxpr(probe)(params, batch, extras or {})
-    return found
-
-
 def _compiled_for(plan: ZeroPlan, platform: str | None) -> ZeroPlan:
     """``plan`` with the traits of the platform its step is compiled for (``estimate_step``'s
     ``backend``; None: the mesh's own), so that every choice below reads them from the plan."""
     if platform is None or plan.traits.platform == platform:
         return plan
     return dataclasses.replace(plan, traits=backends.for_platform(platform))
-
-
-def _memory_of(x) -> str:
-    space = getattr(getattr(x, "aval", None), "memory_space", None)
-    return "host" if space is not None and space.name.lower() == "host" else "device"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +198,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     plan = _compiled_for(plan, backend)
     master = abstract_master(params)
     layout = step_layout(master, tx, plan, prec, trainable=trainable)
-    micro = _micro_batch(batch, plan.data_size, grad_accum)
+    micro = micro_batch(batch, plan.data_size, grad_accum)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     leaves = _leaf_facts(loss_fn, master, micro, extras, layout, plan, prec, gather_per_layer,
                          grad_accum)
@@ -279,7 +211,7 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
     with backends.tracing_for(plan.traits):
         activations, host_activations = (
-            _residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
+            residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
                             trainable=leaves.trains) / plan.model_size
             for kind in ("device", "host"))
     backward = _backward(leaves, plan, prec, widths, native=native, gathered=gathered,
@@ -541,37 +473,6 @@ def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
     return walk(closed.jaxpr, first), looped
 
 
-def _micro_batch(batch, n: int, grad_accum: int):
-    """One device's micro-batch of the global ``batch``, abstract."""
-    check_batch(batch, n, grad_accum)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // (n * grad_accum),)
-                                                       + tuple(np.shape(x)[1:]), x.dtype), batch)
-
-
-def _residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
-                    extras: dict | None = None, memory: str | None = None,
-                    trainable: tuple[bool, ...] | None = None) -> float:
-    """Bytes of the loss's residuals on one micro-batch, as the step runs it (autocast too);
-    ``memory``: only those in device or in host memory (``activation_residuals``)."""
-    compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
-                                  params)
-    fn = loss_fn
-    if prec.autocast != "none":
-        fn = autocast(loss_fn, dtype=prec.autocast)
-    residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer,
-                                     extras=extras, memory=memory, trainable=trainable)
-    return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
-
-
-def _largest_residual(loss_fn, params, micro, prec: Precision, gather_per_layer) -> float:
-    compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
-                                  params)
-    residuals = activation_residuals(loss_fn, compute_params, micro,
-                                     gather_per_layer=gather_per_layer)
-    return float(max((math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals),
-                     default=0))
-
-
 def _without_data(spec):
     return P(*[None if axis == DATA else axis for axis in spec])
 
@@ -606,13 +507,13 @@ def remat_recompute_bytes(plain, remat, *, grad_accum: int, num_layers: int,
     ``recompute_bytes``: ``plain`` and ``remat`` are the same step without and with remat
     (objects with ``loss_fn, params, batch, plan, prec, gather_per_layer``; the stack of
     ``num_layers`` layers scanned under ``gather_per_layer``)."""
-    micro = _micro_batch(remat.batch, remat.plan.data_size, grad_accum)
+    micro = micro_batch(remat.batch, remat.plan.data_size, grad_accum)
     with backends.tracing_for(_compiled_for(remat.plan, backend).traits):  # where remat may offload
-        kept = [_residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
+        kept = [residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
                 for p in (plain, remat)]
     # The layer being differentiated holds its recomputed activations and, beside them, the
     # cotangent of the largest (attention scores: XLA:GPU keeps both in fp32). The scan
     # stacks each activation over the layers, hence the division.
-    largest = _largest_residual(plain.loss_fn, plain.params, micro, plain.prec,
+    largest = largest_residual(plain.loss_fn, plain.params, micro, plain.prec,
                                 plain.gather_per_layer) / num_layers
     return max(kept[0] - kept[1], 0.0) / num_layers + largest

@@ -1,0 +1,116 @@
+"""What the backward pass keeps from the forward pass, from the loss's jaxpr alone (nothing
+compiled): ``jax.vjp``'s residuals on one device's micro-batch, which leaves a loss's scan reads
+a layer at a time, and where a remat policy keeps each residual. ``estimate_step``'s
+activation terms (``zeroflow.memory.peak``) are built from these."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from zeroflow.autocast import autocast
+from zeroflow.engine.precision import Precision
+from zeroflow.engine.step import check_batch
+from zeroflow.memory.trace_cache import remembered
+from zeroflow.util import jaxprs
+from zeroflow.util.compat import scan_split
+
+
+def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[bool]:
+    """For each leaf of ``params``: whether a ``lax.scan`` in the loss takes one slice of it per
+    iteration (a stack of layers), which the stage-3 step then fetches one slice at a time."""
+    closed = jax.make_jaxpr(lambda p, b, e: loss_fn(p, b, **e))(params, batch, extras or {})
+    count = len(jax.tree.leaves(params))
+    found: set[int] = set()
+
+    def visit(jaxpr, leaf_of):
+        for eqn in jaxpr.eqns:
+            invars = [(v, leaf_of.get(v)) if not isinstance(v, Literal) else (v, None)
+                      for v in eqn.invars]
+            if eqn.primitive.name == "scan":
+                split = sum(scan_split(eqn.params))
+                found.update(i for _, i in invars[split:] if i is not None)
+            elif jaxprs.call_body(eqn) is not None:  # inlined by the fetch-on-use replay too
+                inner, _ = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
+                visit(inner, {iv: i for (_, i), iv in zip(invars, inner.invars) if i is not None})
+
+    visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:count])})
+    return [i in found for i in range(count)]
+
+
+@remembered  # a plan traces the same loss for every stage and offload
+def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
+                         extras: dict | None = None, memory: str | None = None,
+                         trainable: tuple[bool, ...] | None = None) -> list:
+    """``ShapeDtypeStruct``s of what ``jax.vjp`` of ``loss_fn(params, batch)`` keeps for the
+    backward pass, the parameters themselves excluded (also as a scan keeps them: its slices
+    stacked again). Traced abstractly: nothing runs. ``extras``: the keywords the step passes
+    the loss (``model_state``, ``rng``). ``memory``: only those in ``"device"`` or in ``"host"``
+    memory (a remat policy's offloaded residuals), default all. ``trainable``: one bool per
+    leaf of ``params`` (flatten order); the frozen ones are constants of the vjp, as in the
+    step (what only their gradient would need is not kept)."""
+    found: list = []
+
+    def probe(params, batch, extras):
+        leaves, treedef = jax.tree.flatten(params)
+        keep = trainable or (True,) * len(leaves)
+
+        def loss(trained):
+            given = iter(trained)
+            p = treedef.unflatten([next(given) if t else x for t, x in zip(keep, leaves)])
+            # Fresh model-state values, made inside this trace as the step hands them over:
+            # Flax NNX refuses to mutate a variable made at another trace level.
+            here = jax.tree.map(lambda x: x, extras)
+            out = (loss_fn(p, batch, **here) if gather_per_layer is None
+                   else loss_fn(p, batch, lambda x: x, **here))
+            return out[0] if isinstance(out, tuple) else out
+        _, vjp = jax.vjp(loss, [x for t, x in zip(keep, leaves) if t])
+        inputs = jax.tree.leaves(params)
+        weights = {(tuple(p.shape), p.dtype) for p in inputs}
+        found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(vjp)
+                     if not any(r is p for p in inputs)
+                     and (tuple(r.shape), r.dtype) not in weights
+                     and memory in (None, memory_of(r)))
+        return 0
+
+    jax.make_jaxpr(probe)(params, batch, extras or {})
+    return found
+
+
+def memory_of(x) -> str:
+    space = getattr(getattr(x, "aval", None), "memory_space", None)
+    return "host" if space is not None and space.name.lower() == "host" else "device"
+
+
+def micro_batch(batch, n: int, grad_accum: int):
+    """One device's micro-batch of the global ``batch``, abstract."""
+    check_batch(batch, n, grad_accum)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // (n * grad_accum),)
+                                                       + tuple(np.shape(x)[1:]), x.dtype), batch)
+
+
+def residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
+                    extras: dict | None = None, memory: str | None = None,
+                    trainable: tuple[bool, ...] | None = None) -> float:
+    """Bytes of the loss's residuals on one micro-batch, as the step runs it (autocast too);
+    ``memory``: only those in device or in host memory (``activation_residuals``)."""
+    compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
+                                  params)
+    fn = loss_fn
+    if prec.autocast != "none":
+        fn = autocast(loss_fn, dtype=prec.autocast)
+    residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer,
+                                     extras=extras, memory=memory, trainable=trainable)
+    return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
+
+
+def largest_residual(loss_fn, params, micro, prec: Precision, gather_per_layer) -> float:
+    compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
+                                  params)
+    residuals = activation_residuals(loss_fn, compute_params, micro,
+                                     gather_per_layer=gather_per_layer)
+    return float(max((math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals),
+                     default=0))
