@@ -24,20 +24,10 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import zeroflow as zf  # noqa: E402
-from model_corpus import CORPUS, LARGER  # noqa: E402
+from model_corpus import CORPUS, LARGER, engine_loss  # noqa: E402
 
 RESULTS = HERE / "results" / "estimator_corpus.md"
 BATCH = 64
-
-
-def loss_of(forward, stateful):
-    """The corpus model as a zeroflow loss (model state through ``model_state=``)."""
-    if stateful:
-        def loss_fn(params, batch, *, model_state, rng):
-            loss, new_state = forward(params, model_state, batch, rng)
-            return loss, {}, new_state
-        return loss_fn
-    return lambda params, batch, *, rng: forward(params, None, batch, rng)[0]
 
 
 def rows():
@@ -45,7 +35,7 @@ def rows():
     for name, make in CORPUS.items():
         corpus = make(0, LARGER)
         batch = corpus.batches(1, BATCH)[0]
-        loss = loss_of(corpus.forward, corpus.model_state is not None)
+        loss = engine_loss(corpus.forward, corpus.model_state is not None)
         extras = dict(model_state=corpus.model_state, rng=jax.random.key(0))
         for stage in (1, 2, 3):
             plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=stage), zf.Precision()
@@ -56,7 +46,7 @@ def rows():
 
 
 def main() -> None:
-    lines = [f"# estimate_step on models it was not written for\n",
+    lines = ["# estimate_step on models it was not written for\n",
              f"{datetime.date.today()}, {platform.node() or 'this machine'}: "
              f"{os.cpu_count()} CPU cores, jax {jax.__version__}, 8 emulated CPU devices. "
              f"Command: `python experiments/estimator_corpus.py`.\n",

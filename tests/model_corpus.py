@@ -38,6 +38,17 @@ class Corpus(NamedTuple):
     batches: Callable  # (count, size, seed) -> list of batches
 
 
+def engine_loss(forward, stateful):
+    """A corpus ``forward`` as zeroflow's loss: the model state through ``model_state=`` (loss,
+    no aux, new state) when ``stateful``, else the loss alone."""
+    if stateful:
+        def loss_fn(params, batch, *, model_state, rng):
+            loss, new_state = forward(params, model_state, batch, rng)
+            return loss, {}, new_state
+        return loss_fn
+    return lambda params, batch, *, rng: forward(params, None, batch, rng)[0]
+
+
 def token_batches(count, size=16, seed=0, dims: Size = TINY):
     rng = np.random.default_rng(seed)
     return [{"tokens": rng.integers(0, dims.vocab, (size, dims.seq + 1)).astype(np.int32)}

@@ -11,20 +11,11 @@ import pytest
 
 import zeroflow as zf
 from helpers import optax_losses, train_losses
-from model_corpus import EqxTransformer, eqx_transformer, nnx_net
+from model_corpus import EqxTransformer, engine_loss, eqx_transformer, nnx_net
 
 N_DEV = 8
 KEY = jax.random.key(3)
 TX = optax.adamw(1e-2, weight_decay=0.1)
-
-
-def engine_loss(forward, stateful):
-    if stateful:
-        def loss_fn(params, batch, *, model_state, rng):
-            loss, new_state = forward(params, model_state, batch, rng)
-            return loss, {}, new_state
-        return loss_fn
-    return lambda params, batch, *, rng: forward(params, None, batch, rng)[0]
 
 
 def reference(forward, params, model_state, tx, batches, key):

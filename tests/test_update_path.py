@@ -16,22 +16,10 @@ from zeroflow.engine import offload, update
 from zeroflow.engine.state import state_shardings
 from zeroflow.engine.step import step_layout
 from zeroflow.engine.update import ComputeRefresh, UpdatePath
+from test_offload import init_params, loss_fn  # the same small model, one bias stored padded
 
 IN_PLACE, ON_HOST, STREAMED, WHOLE = (UpdatePath.IN_PLACE, UpdatePath.ON_HOST,
                                       UpdatePath.STREAMED, UpdatePath.BROUGHT_IN_WHOLE)
-
-
-def loss_fn(params, batch):
-    hidden = jnp.tanh(batch["x"].astype(params["w_in"].dtype) @ params["w_in"])
-    pred = (hidden @ params["w_out"]).astype(jnp.float32) + params["bias"].astype(jnp.float32)
-    return jnp.mean((pred - batch["y"]) ** 2)
-
-
-def init_params():
-    rng = np.random.default_rng(0)
-    return {"w_in": rng.normal(size=(16, 64)).astype(np.float32) * 0.3,
-            "w_out": rng.normal(size=(64, 10)).astype(np.float32) * 0.3,
-            "bias": np.zeros(10, np.float32)}  # (10,): stored padded over 8 devices
 
 
 BATCH = {"x": np.random.default_rng(1).normal(size=(16, 16)).astype(np.float32),
