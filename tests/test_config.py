@@ -230,3 +230,10 @@ def test_every_field_has_a_doc():
     docs = field_docs()
     assert docs["train.steps"] == "Number of optimizer steps."
     assert [key for key, doc in docs.items() if not doc] == []
+
+
+@pytest.mark.parametrize("key", ["shared_dim", "adapter_hidden", "adapter_layers",
+                                 "adapter_expansion"])
+def test_fusemix_adapter_sizes_must_be_positive(key):
+    with pytest.raises(ConfigError, match=f"fusemix.{key} must be positive"):
+        load_config("configs/fusemix.yaml", [f"fusemix.{key}=0"])

@@ -291,7 +291,8 @@ def validate_config(cfg: Config) -> Config:
     problems = (_choice_problems(cfg) + _model_problems(cfg.model)
                 + _lora_problems(cfg.model.lora, cfg.train.freeze) + _data_problems(cfg.data)
                 + _train_problems(cfg.train) + _parallel_problems(cfg)
-                + _precision_problems(cfg.precision) + _checkpoint_problems(cfg.checkpoint))
+                + _precision_problems(cfg.precision) + _checkpoint_problems(cfg.checkpoint)
+                + _fusemix_problems(cfg.fusemix))
     if problems:
         raise ConfigError("; ".join(problems))
     return cfg
@@ -415,6 +416,13 @@ def _precision_problems(prec) -> list[str]:
         return [f"precision.loss_scale must be 'none', 'dynamic' or a positive number; "
                 f"got {prec.loss_scale!r}"]
     return []
+
+
+def _fusemix_problems(f) -> list[str]:
+    return _failed([(f.shared_dim > 0, "fusemix.shared_dim must be positive"),
+                     (f.adapter_hidden > 0, "fusemix.adapter_hidden must be positive"),
+                     (f.adapter_layers > 0, "fusemix.adapter_layers must be positive"),
+                     (f.adapter_expansion > 0, "fusemix.adapter_expansion must be positive")])
 
 
 def _checkpoint_problems(c) -> list[str]:
