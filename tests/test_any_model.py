@@ -11,7 +11,7 @@ import pytest
 
 import zeroflow as zf
 from helpers import optax_losses, train_losses
-from model_corpus import EqxTransformer, engine_loss, eqx_transformer, nnx_net
+from model_corpus import CORPUS, LARGER, EqxTransformer, engine_loss, eqx_transformer, nnx_net
 
 N_DEV = 8
 KEY = jax.random.key(3)
@@ -169,17 +169,20 @@ def test_optimizers_built_from_groups_match_plain_optax_at_stage3(name):
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_the_estimator_traces_nnx_model_state():
-    # estimate_step traces the loss inside jax.vjp; NNX refuses to mutate BatchStat variables
-    # made at another trace level, so the estimator must hand the loss fresh model-state values
-    # as the step does (it raised flax.errors.TraceContextError before). The bound is loose:
-    # the 10% goal on this corpus is not met yet (docs/memory.md, "models it never saw").
-    corpus = nnx_net()
-    plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=1), zf.Precision()
-    loss = engine_loss(corpus.forward, True)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_the_estimator_holds_on_the_corpus(name, stage):
+    """``estimate_step`` within 10% of XLA:CPU's compiled peak (``measure_step``) on models it
+    was not written for, at the size where their activations dominate. The NNX model also
+    checks that the estimator hands the loss fresh model-state values inside its trace, as
+    the step does (NNX raised flax.errors.TraceContextError before). Summing jax's vjp
+    residuals instead (the estimator's term for losses that loop over layers) gives 1.23x,
+    0.86x and 0.55x here (experiments/estimator_corpus.py)."""
+    corpus = CORPUS[name](0, LARGER)
+    plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=stage), zf.Precision()
+    loss = engine_loss(corpus.forward, corpus.model_state is not None)
     batch = corpus.batches(1, 64)[0]
     kw = dict(model_state=corpus.model_state, rng=KEY)
     est = zf.memory.estimate_step(loss, corpus.params, batch, TX, plan, prec, **kw)
     _, measured = zf.memory.measure_step(loss, corpus.params, batch, TX, plan, prec, **kw)
-    assert est.activations > 0
-    assert 0.7 < est.peak_bytes / measured < 1.3
+    assert est.peak_bytes == pytest.approx(measured, rel=0.10), est.terms()

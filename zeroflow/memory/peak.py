@@ -12,10 +12,13 @@
   ``native_gradients``); none for frozen weights (``trainable=``), which are stored once in
   the compute dtype (part of ``model_states``) and keep no master copy or optimizer state;
   a stack a scan reads one layer at a time gets its gradient buffer whole, up front;
-- ``activations``: what the backward pass keeps from the forward pass in device memory (the
-  residuals of ``jax.vjp`` of the loss on one device's micro-batch, the weights themselves
-  excluded); residuals a remat policy offloads (remat 'offload_dots') are ``host_activations``,
-  not part of the device peak;
+- ``activations``: for a loss that loops over a stack of layers (a ``lax.scan``), what the
+  backward pass keeps from the forward pass in device memory (the residuals of ``jax.vjp`` of
+  the loss on one device's micro-batch, the weights themselves excluded), a remat's
+  recomputation being part of ``layer_in_flight``; for any other loss, the most its forward
+  and backward pass hold at once, as XLA fuses them (``zeroflow.memory.liveness``: residuals
+  as XLA keeps them, cotangents, layout copies and recomputation). Residuals a remat policy
+  offloads (remat 'offload_dots') are ``host_activations``, not part of the device peak;
 - ``layer_in_flight``: the unit being differentiated: one scanned layer (``gather_per_layer``)
   or the largest weight otherwise, as fetched for use plus its whole fp32 local gradient
   before that is reduced;
@@ -59,7 +62,8 @@ from zeroflow.engine.precision import Precision
 from zeroflow.engine.state import abstract_master, init_train_state
 from zeroflow.engine.step import step_layout
 from zeroflow.engine.update import UpdatePath, owners
-from zeroflow.memory.residuals import largest_residual, micro_batch, residual_bytes, scanned_leaves
+from zeroflow.memory.residuals import (held_bytes, largest_residual, micro_batch, residual_bytes,
+                                       scanned_leaves)
 from zeroflow.util import jaxprs
 from zeroflow.util.tree import is_under, path_str
 
@@ -214,6 +218,12 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
             residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
                             trainable=leaves.trains) / plan.model_size
             for kind in ("device", "host"))
+        if not leaves.layer_stack:
+            # A loss with no loop over layers: what its forward and backward pass hold at
+            # their fullest, recomputation included (``recompute_bytes`` is then ignored).
+            activations = held_bytes(loss_fn, master, micro, prec, gather_per_layer, extras,
+                                     trainable=leaves.trains) / plan.model_size
+            recompute_bytes = 0.0
     backward = _backward(leaves, plan, prec, widths, native=native, gathered=gathered,
                          grads=grads, activations=activations, recompute_bytes=recompute_bytes)
     update = _update_bytes(frozen_weights.split(master, layout.trainable)[0], stored, layout.state,

@@ -14,6 +14,8 @@ from jax.extend.core import Literal
 from zeroflow.autocast import autocast
 from zeroflow.engine.precision import Precision
 from zeroflow.engine.step import check_batch
+from zeroflow.memory import liveness
+from zeroflow.memory.liveness import memory_of
 from zeroflow.memory.trace_cache import remembered
 from zeroflow.util import jaxprs
 from zeroflow.util.compat import scan_split
@@ -41,6 +43,24 @@ def scanned_leaves(loss_fn, params, batch, extras: dict | None = None) -> list[b
     return [i in found for i in range(count)]
 
 
+def _differentiated(loss_fn, params, batch, extras, gather_per_layer, trainable):
+    """``(loss of the trainable leaves, those leaves)``: ``loss_fn`` as the step differentiates
+    it, the frozen leaves constants. Called inside a trace."""
+    leaves, treedef = jax.tree.flatten(params)
+    keep = trainable or (True,) * len(leaves)
+
+    def loss(trained):
+        given = iter(trained)
+        p = treedef.unflatten([next(given) if t else x for t, x in zip(keep, leaves)])
+        # Fresh model-state values, made inside this trace as the step hands them over:
+        # Flax NNX refuses to mutate a variable made at another trace level.
+        here = jax.tree.map(lambda x: x, extras)
+        out = (loss_fn(p, batch, **here) if gather_per_layer is None
+               else loss_fn(p, batch, lambda x: x, **here))
+        return out[0] if isinstance(out, tuple) else out
+    return loss, [x for t, x in zip(keep, leaves) if t]
+
+
 @remembered  # a plan traces the same loss for every stage and offload
 def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None = None,
                          extras: dict | None = None, memory: str | None = None,
@@ -55,19 +75,9 @@ def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None
     found: list = []
 
     def probe(params, batch, extras):
-        leaves, treedef = jax.tree.flatten(params)
-        keep = trainable or (True,) * len(leaves)
-
-        def loss(trained):
-            given = iter(trained)
-            p = treedef.unflatten([next(given) if t else x for t, x in zip(keep, leaves)])
-            # Fresh model-state values, made inside this trace as the step hands them over:
-            # Flax NNX refuses to mutate a variable made at another trace level.
-            here = jax.tree.map(lambda x: x, extras)
-            out = (loss_fn(p, batch, **here) if gather_per_layer is None
-                   else loss_fn(p, batch, lambda x: x, **here))
-            return out[0] if isinstance(out, tuple) else out
-        _, vjp = jax.vjp(loss, [x for t, x in zip(keep, leaves) if t])
+        loss, trained = _differentiated(loss_fn, params, batch, extras, gather_per_layer,
+                                        trainable)
+        _, vjp = jax.vjp(loss, trained)
         inputs = jax.tree.leaves(params)
         weights = {(tuple(p.shape), p.dtype) for p in inputs}
         found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(vjp)
@@ -80,9 +90,18 @@ def activation_residuals(loss_fn, params, batch, *, gather_per_layer: str | None
     return found
 
 
-def memory_of(x) -> str:
-    space = getattr(getattr(x, "aval", None), "memory_space", None)
-    return "host" if space is not None and space.name.lower() == "host" else "device"
+@remembered
+def _held_by_gradient(loss_fn, params, batch, *, gather_per_layer: str | None = None,
+                      extras: dict | None = None,
+                      trainable: tuple[bool, ...] | None = None) -> list:
+    """``[bytes]``: ``liveness.peak_bytes`` of the gradient of ``loss_fn`` (as
+    ``activation_residuals`` differentiates it), in a list for ``remembered``."""
+    def gradient(params, batch, extras):
+        loss, trained = _differentiated(loss_fn, params, batch, extras, gather_per_layer,
+                                        trainable)
+        return jax.grad(loss)(trained)
+    closed = jax.make_jaxpr(gradient)(params, batch, extras or {})
+    return [liveness.peak_bytes(closed)]
 
 
 def micro_batch(batch, n: int, grad_accum: int):
@@ -105,6 +124,20 @@ def residual_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
     residuals = activation_residuals(fn, compute_params, micro, gather_per_layer=gather_per_layer,
                                      extras=extras, memory=memory, trainable=trainable)
     return float(sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals))
+
+
+def held_bytes(loss_fn, params, micro, prec: Precision, gather_per_layer,
+               extras: dict | None = None, trainable: tuple[bool, ...] | None = None) -> float:
+    """The most bytes the forward and backward pass of one micro-batch hold in device memory at
+    once, parameters and gradients aside (``zeroflow.memory.liveness``), as the step runs the
+    loss (autocast too)."""
+    compute_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), prec.compute_dtype),
+                                  params)
+    fn = loss_fn
+    if prec.autocast != "none":
+        fn = autocast(loss_fn, dtype=prec.autocast)
+    return _held_by_gradient(fn, compute_params, micro, gather_per_layer=gather_per_layer,
+                             extras=extras, trainable=trainable)[0]
 
 
 def largest_residual(loss_fn, params, micro, prec: Precision, gather_per_layer) -> float:
