@@ -46,6 +46,9 @@ class Traits:
     "A ``lax.cond`` over the optimizer update writes into the donated state's buffers (XLA:CPU);"
     " XLA:GPU returns the branch's results in new buffers and copies them back, which holds a"
     " second copy of the whole optimizer state: there a skipped step is an elementwise select."
+    copies_conv_layouts: bool = False
+    "A convolution whose operands are not channels-last reads transposed copies of them"
+    " (XLA:CPU); XLA:GPU's layout assignment picks the convolution's layouts instead."
     compiles_pallas: bool = False
     "Pallas kernels compile (Triton on GPU) instead of running in the interpreter."
     memory_bytes: int | None = None
@@ -63,7 +66,8 @@ def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None 
     return Traits(platform=platform, device_kind=device_kind, separate_host_memory=not cpu,
                   widens_half_precision=cpu, widens_half_dots=cpu and cpu_widens_half_dots(),
                   has_cudnn=platform == "gpu" and "AMD" not in device_kind,
-                  overlaps_collectives=not cpu, cond_updates_in_place=cpu, compiles_pallas=platform == "gpu",
+                  overlaps_collectives=not cpu, cond_updates_in_place=cpu, copies_conv_layouts=cpu,
+                  compiles_pallas=platform == "gpu",
                   memory_bytes=memory_bytes)
 
 

@@ -16,9 +16,10 @@ order instead, with these rules:
    ``exp``, ``tanh``, ``div``...) computes for more than one consumer. Every other value is
    recomputed inside each consumer: the buffers it is computed from live until its last
    consumer has run.
-2. **Layout copies.** A convolution whose operand (or result) is not in the native layout
-   (channels last: ``NHWC``, ``HWIO``) reads (or writes) a transposed copy; the copies of one
-   value are made together and each lives until its convolution has run.
+2. **Layout copies** (``Traits.copies_conv_layouts``: XLA:CPU). A convolution whose operand
+   (or result) is not in the native layout (channels last: ``NHWC``, ``HWIO``) reads (or
+   writes) a transposed copy; the copies of one value are made together and each lives until
+   its convolution has run. XLA:GPU chooses the convolutions' layouts instead.
 3. **In place.** A fused elementwise result or a scatter is written over a buffer of the same
    size that dies at it.
 4. **Loops.** A loop body's own peak adds to what is live when the loop runs.
@@ -35,6 +36,7 @@ import math
 import numpy as np
 from jax.extend.core import Literal
 
+from zeroflow import backend
 from zeroflow.util import jaxprs
 from zeroflow.util.compat import REMAT_PRIMITIVES
 
@@ -206,7 +208,8 @@ def _loop_peak(e: _Eqn) -> float:
 
 def peak_bytes(closed) -> float:
     """The most bytes of device buffers live at once while ``closed`` (a ``ClosedJaxpr`` or
-    ``Jaxpr``: the gradient of a loss) runs, its inputs and outputs not counted."""
+    ``Jaxpr``: the gradient of a loss) runs on the backend being traced for
+    (``zeroflow.backend.current()``), its inputs and outputs not counted."""
     jaxpr, _ = jaxprs.open_jaxpr(closed)
     outputs = set(_vars(jaxpr.outvars))
     eqns = flat_equations(jaxpr)
@@ -222,7 +225,7 @@ def peak_bytes(closed) -> float:
     counted = lambda v: (v in graph.buffers and v not in graph.inputs  # noqa: E731
                          and v not in outputs and not becomes_output.get(v, False)
                          and memory_of(v) == "device")
-    copies = _layout_copies(graph)
+    copies = _layout_copies(graph) if backend.current().copies_conv_layouts else []
     live: set = set()
     held = best = 0.0
     for i, e in enumerate(eqns):
