@@ -3,7 +3,8 @@
 The models are the test corpus (``tests/model_corpus.py``: an Equinox transformer, a Flax NNX
 network with attention, BatchNorm and Dropout, an Equinox CNN) at its ``LARGER`` size, 8
 emulated CPU devices, 64 examples per step, AdamW, fp32, stages 1-3. Per row: the estimate, XLA's
-peak (``zf.memory.measure_step``), their ratio, and the estimate's largest terms. A second
+peak (``zf.memory.measure_step``), their ratio, and the estimate's largest terms; then the same
+against XLA:GPU compiled for 8 abstract H100s (where a CUDA plugin is installed). A last
 table checks the activation term alone: ``zeroflow.memory.liveness.peak_bytes`` of one device's
 gradient (8 examples) against the temporaries XLA:CPU allocates for that gradient compiled on
 one device.
@@ -28,13 +29,16 @@ import optax  # noqa: E402
 
 import zeroflow as zf  # noqa: E402
 from zeroflow.memory import liveness  # noqa: E402
+from zeroflow.util.compat import cuda_plugin_module  # noqa: E402
 from model_corpus import CORPUS, LARGER, engine_loss  # noqa: E402
 
 RESULTS = HERE / "results" / "estimator_corpus.md"
 BATCH = 64
 
 
-def rows():
+def rows(mesh=None, backend=None):
+    """Estimate and compiled peak per corpus model and stage, on ``mesh`` (default: the 8 CPU
+    devices; a ``zf.target_mesh`` compiles for GPUs that are not here)."""
     tx = optax.adamw(1e-3)
     for name, make in CORPUS.items():
         corpus = make(0, LARGER)
@@ -42,8 +46,9 @@ def rows():
         loss = engine_loss(corpus.forward, corpus.model_state is not None)
         extras = dict(model_state=corpus.model_state, rng=jax.random.key(0))
         for stage in (1, 2, 3):
-            plan, prec = zf.ZeroPlan(zf.make_mesh(), stage=stage), zf.Precision()
-            est = zf.memory.estimate_step(loss, corpus.params, batch, tx, plan, prec, **extras)
+            plan, prec = zf.ZeroPlan(mesh or zf.make_mesh(), stage=stage), zf.Precision()
+            est = zf.memory.estimate_step(loss, corpus.params, batch, tx, plan, prec,
+                                          backend=backend, **extras)
             _, peak = zf.memory.measure_step(loss, corpus.params, batch, tx, plan, prec, **extras)
             terms = sorted(est.terms().items(), key=lambda kv: -kv[1])[:3]
             yield name, stage, est.peak_bytes, peak, terms
@@ -65,6 +70,17 @@ def gradient_rows():
         yield name, walked, temp
 
 
+def _table(found) -> list[str]:
+    lines = []
+    for name, stage, est, peak, terms in found:
+        shown = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in terms)
+        line = (f"| {name} | {stage} | {est / 1e6:.2f} MB | {peak / 1e6:.2f} MB | "
+                f"{est / peak:.2f} | {shown} |")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
 def main() -> None:
     lines = ["# estimate_step on models it was not written for\n",
              f"{datetime.date.today()}, {platform.node() or 'this machine'}: "
@@ -72,12 +88,16 @@ def main() -> None:
              f"Command: `python experiments/estimator_corpus.py`.\n",
              "| model | stage | estimate | XLA:CPU peak | estimate / XLA | largest terms |",
              "|---|---|---|---|---|---|"]
-    for name, stage, est, peak, terms in rows():
-        shown = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in terms)
-        line = (f"| {name} | {stage} | {est / 1e6:.2f} MB | {peak / 1e6:.2f} MB | "
-                f"{est / peak:.2f} | {shown} |")
-        print(line, flush=True)
-        lines.append(line)
+    lines += _table(rows())
+    if cuda_plugin_module() is None:
+        print("no CUDA plugin installed: the XLA:GPU table is left out", flush=True)
+    else:
+        lines += ["", "The same steps compiled by XLA:GPU for 8 abstract H100s "
+                  "(`zf.target_mesh('h100', data=8)`, no GPU; the estimate with "
+                  "`backend='gpu'`).", "",
+                  "| model | stage | estimate | XLA:GPU peak | estimate / XLA | largest terms |",
+                  "|---|---|---|---|---|---|"]
+        lines += _table(rows(zf.target_mesh("h100", data=8), backend="gpu"))
     lines += ["", "One device's gradient (8 examples): the walk against XLA:CPU's temporaries.", "",
               "| model | liveness.peak_bytes | XLA:CPU temp | walk / XLA |", "|---|---|---|---|"]
     for name, walked, temp in gradient_rows():

@@ -39,15 +39,22 @@ OPTIONAL = ("applied", "rng", "loss_scale")
 "Saved entries a restore can do without (older checkpoints, another precision or no dropout)."
 
 
-def portable(state: TrainState) -> dict[str, Any]:
-    """The saved part of a state, unpadded; the compute copy is derived, so it is left out."""
-    out = {"step": state.step, "applied": state.applied, "master": state.master_params,
-           "opt_state": padding.unpad(state.opt_state, state.padding.opt_state)}
+def _counters(state: TrainState) -> dict[str, Any]:
+    """The entries saved as the state holds them: step, updates applied, the loss scale and the
+    model state (``state`` may be abstract)."""
+    out = {"step": state.step, "applied": state.applied}
     if state.loss_scale is not None:
         ls = state.loss_scale
         out["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}
     if state.model_state is not None:
         out["model_state"] = state.model_state
+    return out
+
+
+def portable(state: TrainState) -> dict[str, Any]:
+    """The saved part of a state, unpadded; the compute copy is derived, so it is left out."""
+    out = {**_counters(state), "master": state.master_params,
+           "opt_state": padding.unpad(state.opt_state, state.padding.opt_state)}
     if state.rng is not None:
         out["rng"] = jax.random.key_data(state.rng)
     if state.frozen is not None:
@@ -58,13 +65,7 @@ def portable(state: TrainState) -> dict[str, Any]:
 def _stored_target(like: TrainState) -> dict[str, Any]:
     """What Orbax reads into: ``portable``'s entries, with master and optimizer state in their
     stored (padded) shapes and shardings. ``like`` may be abstract (ShapeDtypeStructs)."""
-    target = {"step": like.step, "applied": like.applied, "master": like.master,
-              "opt_state": like.opt_state}
-    if like.loss_scale is not None:
-        ls = like.loss_scale
-        target["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}
-    if like.model_state is not None:
-        target["model_state"] = like.model_state
+    target = {**_counters(like), "master": like.master, "opt_state": like.opt_state}
     if like.rng is not None:
         data = jax.eval_shape(jax.random.key_data, like.rng)
         target["rng"] = jax.ShapeDtypeStruct(data.shape, data.dtype,

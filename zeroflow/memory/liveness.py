@@ -158,12 +158,13 @@ class _Graph:
             for o in e.outs:
                 self.sources[o] = found
 
+    def buffers_of(self, var) -> set:
+        """The buffers ``var`` is read from: itself, or those a fused value is computed from."""
+        return {var} if (var in self.buffers or var in self.inputs) else self.sources.get(var, set())
+
     def read_by(self, e: _Eqn) -> set:
         """The buffers equation ``e`` reads, through the fused values it reads."""
-        found: set = set()
-        for v in _vars(e.ins):
-            found |= {v} if (v in self.buffers or v in self.inputs) else self.sources.get(v, set())
-        return found
+        return set().union(*(self.buffers_of(v) for v in _vars(e.ins)))
 
 
 def _native_specs(rank: int) -> dict:
@@ -186,7 +187,7 @@ def _layout_copies(graph: _Graph) -> list[tuple[int, int, int]]:
         for spec, var, kind in ((numbers.lhs_spec, e.ins[0], "lhs"),
                                 (numbers.rhs_spec, e.ins[1], "rhs")):
             if tuple(spec) != native[kind] and not isinstance(var, Literal):
-                for buffer in graph.read_by(_Eqn(e.name, [var], [], {})):
+                for buffer in graph.buffers_of(var):
                     wanted.setdefault(buffer, []).append(i)
         if tuple(numbers.out_spec) != native["out"]:
             copies.append((i, i, nbytes(e.outs[0])))
@@ -226,6 +227,9 @@ def peak_bytes(closed) -> float:
                          and v not in outputs and not becomes_output.get(v, False)
                          and memory_of(v) == "device")
     copies = _layout_copies(graph) if backend.current().copies_conv_layouts else []
+    dies_at: dict = {}
+    for buffer, i in last.items():
+        dies_at.setdefault(i, []).append(buffer)
     live: set = set()
     held = best = 0.0
     for i, e in enumerate(eqns):
@@ -242,11 +246,14 @@ def peak_bytes(closed) -> float:
         for o in made:
             live.add(o)
             held += nbytes(o)
+            if o not in last:  # read by nothing: freed once made
+                dies_at.setdefault(i, []).append(o)
         transient = sum(size for first, use, size in copies if first <= i <= use)
         if e.name in _LOOPS:
             transient += _loop_peak(e)
         best = max(best, held + transient)
-        for buffer in [b for b in live if last.get(b, -1) <= i]:
-            live.discard(buffer)
-            held -= nbytes(buffer)
+        for buffer in dies_at.get(i, ()):
+            if buffer in live:
+                live.discard(buffer)
+                held -= nbytes(buffer)
     return best

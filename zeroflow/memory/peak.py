@@ -214,16 +214,19 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # Traced for the backend compiled for: a remat policy may offload only where host memory
     # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
     with backends.tracing_for(plan.traits):
-        activations, host_activations = (
-            residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras, memory=kind,
-                            trainable=leaves.trains) / plan.model_size
-            for kind in ("device", "host"))
-        if not leaves.layer_stack:
-            # A loss with no loop over layers: what its forward and backward pass hold at
-            # their fullest, recomputation included (``recompute_bytes`` is then ignored).
+        host_activations = residual_bytes(loss_fn, master, micro, prec, gather_per_layer,
+                                          extras, memory="host",
+                                          trainable=leaves.trains) / plan.model_size
+        if leaves.layer_stack:
+            activations = residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras,
+                                         memory="device", trainable=leaves.trains)
+        else:
+            # No loop over layers: what the forward and backward pass hold at their fullest,
+            # recomputation included (``recompute_bytes`` is then ignored).
             activations = held_bytes(loss_fn, master, micro, prec, gather_per_layer, extras,
-                                     trainable=leaves.trains) / plan.model_size
+                                     trainable=leaves.trains)
             recompute_bytes = 0.0
+        activations /= plan.model_size
     backward = _backward(leaves, plan, prec, widths, native=native, gathered=gathered,
                          grads=grads, activations=activations, recompute_bytes=recompute_bytes)
     update = _update_bytes(frozen_weights.split(master, layout.trainable)[0], stored, layout.state,
