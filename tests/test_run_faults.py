@@ -399,6 +399,27 @@ def test_disk_full_and_a_read_only_folder_each_end_in_one_line(tmp_path, finishe
     assert snapshot(run_dir) == before
 
 
+def test_a_plot_that_fails_beside_the_run_s_error_is_not_a_second_line(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A full disk fails the checkpoint and the last redraw of plot.png alike: the run's error
+    is the one line to read, so the plot's warning is left out when the run is failing, and
+    printed when the run itself went well (the control)."""
+    from zeroflow.trainer import loop, reporting
+
+    def no_space(run_dir):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(reporting, "write_plot", no_space)
+    train(config(tmp_path / "fine", "train.steps=1", "run.plot=true"))
+    assert "warning: could not draw" in capsys.readouterr().err
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(loop, "_train_steps", disk_full)
+    with pytest.raises(OSError):
+        train(config(tmp_path / "failing", "train.steps=1", "run.plot=true"))
+    assert "could not draw" not in capsys.readouterr().err
+
+
 def test_run_dir_that_is_a_file_stops_before_any_work(tmp_path, capsys):
     run_file = tmp_path / "runs"
     run_file.write_text("not a folder")

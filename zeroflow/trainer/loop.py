@@ -136,13 +136,15 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     if resumed:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(_banner(run, state))
+    failing = True
     try:
         with _stop_on_signals() as caught:
             state, losses, last_eval, stopped_by = _train_steps(
                 run, state, loader, checkpoints, reporter, caught,
                 started=held.started if held is not None else lambda: None)
+        failing = False
     finally:
-        reporter.close()
+        reporter.close(failing=failing)
         checkpoints.close()
     return TrainResult(run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval,
                        stopped_by=stopped_by)

@@ -129,14 +129,17 @@ class Reporter:
         if "eval_loss" in row:
             self.draw()
 
-    def draw(self) -> None:
-        """Redraw ``plot.png`` (when ``run.plot``); a plot that fails is reported, not raised."""
+    def draw(self, report: bool = True) -> None:
+        """Redraw ``plot.png`` (when ``run.plot``); a plot that fails is reported (``report``),
+        not raised."""
         if not self.plot:
             return
         try:
             write_plot(self.run_dir)
         except Exception as e:  # noqa: BLE001 - the run's results matter more than its picture
-            print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}", file=sys.stderr)
+            if report:
+                print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}",
+                      file=sys.stderr)
 
     def _row(self, row: dict[str, Any]) -> None:
         self.jsonl.write(json.dumps(row) + "\n")
@@ -147,12 +150,15 @@ class Reporter:
         if self.is_main:
             self.out.print(message, markup=False)
 
-    def close(self) -> None:
+    def close(self, failing: bool = False) -> None:
+        """Stop the bar, close the files and draw the plot a last time. ``failing``: the run is
+        ending on an error, which is the one line to read: a plot that fails too (a full disk
+        fails both) is not reported beside it."""
         if self.progress is not None:
             self.progress.stop()
         if self.jsonl:
             self.jsonl.close()
-            self.draw()
+            self.draw(report=not failing)
         for sink in self.sinks:
             sink.close()
 
