@@ -238,7 +238,7 @@ def peak_bytes(closed) -> float:
             # Rule 3: written over a buffer of the same size that dies here.
             dying = [b for b in graph.read_by(e) if b in live and last.get(b) == i]
             for o in made:
-                same = next((b for b in sorted(dying, key=id) if nbytes(b) == nbytes(o)), None)
+                same = next((b for b in dying if nbytes(b) == nbytes(o)), None)
                 if same is not None:
                     dying.remove(same)
                     live.discard(same)
