@@ -1,4 +1,4 @@
-"""Where XLA:GPU's split-K rewrite adds memory that ``zf.memory.estimate_step`` does not count.
+"""XLA:GPU's split-K rewrite: the chunks it chooses, and the memory their partial sums take.
 
 XLA:GPU (the ``splitk-rewriter`` pass) cuts the contraction of a small matmul with a long
 contracted dimension into ``s`` chunks, computes them as one batched matmul into an
@@ -8,8 +8,9 @@ while. Two parts, both compiled for an abstract H100 (``zf.target_mesh``, no GPU
 CUDA plugin at jaxlib's version installed):
 
 1. **The choice of s** for one ``[K, M]^T @ [K, N]`` fp32 matmul over a grid of shapes: the
-   leading dimension of the 3-D matmul fusion XLA emits (1: not split) and the temporaries it
-   allocates.
+   leading dimension of the 3-D matmul fusion XLA emits (1: not split), the temporaries it
+   allocates, and where it differs, the ``s`` of ``zeroflow.memory.split_k.chunks`` (the
+   estimator's fit).
 2. **The corpus's NNX step** (``tests/model_corpus.py``, the step of
    ``experiments/estimator_corpus.py``, stage 1, 8 abstract H100s): the buffers live at the
    compiled step's peak (XLA's ``*live-range.txt`` dump), with the split matmuls' partial sums
@@ -41,6 +42,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zeroflow as zf  # noqa: E402
+from zeroflow.memory import split_k  # noqa: E402
 from zeroflow.util.compat import cuda_plugin_module  # noqa: E402
 from model_corpus import CORPUS, LARGER, engine_loss  # noqa: E402
 
@@ -62,6 +64,7 @@ def split_of(k: int, m: int, n: int) -> tuple[int, int]:
 
 
 def grid_lines() -> list[str]:
+    matched = [0, 0]
     lines = ["| M x N | " + " | ".join(f"K={k}" for k in CONTRACTIONS) + " |",
              "|---|" + "---|" * len(CONTRACTIONS)]
     for i, m in enumerate(SIDES):
@@ -69,10 +72,14 @@ def grid_lines() -> list[str]:
             cells = []
             for k in CONTRACTIONS:
                 s, temp = split_of(k, m, n)
-                cells.append(f"{s} ({temp / 2**20:.2f} MiB)" if s > 1 else "1")
+                fit = split_k.chunks(m, n, k)
+                cells.append((f"{s} ({temp / 2**20:.2f} MiB)" if s > 1 else "1")
+                             + (f" [fit: {fit}]" if fit != s else ""))
+                matched[0] += fit == s
+                matched[1] += 1
             lines.append(f"| {m} x {n} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
-    return lines
+    return lines + ["", f"`split_k.chunks` gives XLA's choice on {matched[0]} of {matched[1]} shapes."]
 
 
 def _peak_buffers(live_range: str) -> list[tuple[str, int]]:
@@ -112,8 +119,9 @@ def main() -> None:
              ", compiled for abstract H100s (`zf.target_mesh`). Command: "
              "`python experiments/xla_gpu_split_k.py`.\n",
              "## The split XLA:GPU chooses for `[K, M]^T @ [K, N]` (fp32)\n",
-             "Each cell: the number of chunks (1: not split) and the temporaries allocated "
-             "(the `s x M x N` fp32 partial sums).\n"]
+             "Each cell: the number of chunks (1: not split), the temporaries allocated "
+             "(the `s x M x N` fp32 partial sums), and in brackets the estimator's fit "
+             "(`zeroflow.memory.split_k.chunks`) where it differs.\n"]
     lines += grid_lines()
     lines += ["", "## The corpus NNX step, stage 1, 8 x H100\n"] + nnx_step_lines()
     RESULTS.parent.mkdir(exist_ok=True)

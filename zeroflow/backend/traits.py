@@ -49,6 +49,12 @@ class Traits:
     copies_conv_layouts: bool = False
     "A convolution whose operands are not channels-last reads transposed copies of them"
     " (XLA:CPU); XLA:GPU's layout assignment picks the convolution's layouts instead."
+    fuses_matmul_and_reduction_operands: bool = False
+    "Matmuls and reductions compute their elementwise operands inside their kernels (XLA:GPU:"
+    " Triton matmul fusions, reduction input fusions), so those are not buffers of their own."
+    splits_k: bool = False
+    "A small matmul with a long contraction runs as chunks summed from an fp32 buffer of"
+    " partial results (XLA:GPU's split-K rewrite, ``zeroflow.memory.split_k``)."
     compiles_pallas: bool = False
     "Pallas kernels compile (Triton on GPU) instead of running in the interpreter."
     memory_bytes: int | None = None
@@ -67,6 +73,7 @@ def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None 
                   widens_half_precision=cpu, widens_half_dots=cpu and cpu_widens_half_dots(),
                   has_cudnn=platform == "gpu" and "AMD" not in device_kind,
                   overlaps_collectives=not cpu, cond_updates_in_place=cpu, copies_conv_layouts=cpu,
+                  fuses_matmul_and_reduction_operands=platform == "gpu", splits_k=platform == "gpu",
                   compiles_pallas=platform == "gpu",
                   memory_bytes=memory_bytes)
 

@@ -15,18 +15,28 @@ order instead, with these rules:
    outside ``FUSIBLE`` but a gather), and a value an expensive elementwise chain (``EXPENSIVE``:
    ``exp``, ``tanh``, ``div``...) computes for more than one consumer. Every other value is
    recomputed inside each consumer: the buffers it is computed from live until its last
-   consumer has run.
+   consumer has run. Where ``Traits.fuses_matmul_and_reduction_operands`` (XLA:GPU), matmuls
+   and reductions (``REDUCTIONS``) also read fused operands: Triton computes a matmul's
+   elementwise operands in the kernel (at every size tried, up to 8192 x 4096 @ 4096 x 14336),
+   and a reduction kernel its input's.
 2. **Layout copies** (``Traits.copies_conv_layouts``: XLA:CPU). A convolution whose operand
    (or result) is not in the native layout (channels last: ``NHWC``, ``HWIO``) reads (or
    writes) a transposed copy; the copies of one value are made together and each lives until
    its convolution has run. XLA:GPU chooses the convolutions' layouts instead.
 3. **In place.** A fused elementwise result or a scatter is written over a buffer of the same
-   size that dies at it.
+   size that dies at it; on XLA:GPU not a result a reduction reads (XLA computes the two in
+   one kernel with outputs of their own: the corpus CNN's activation gradient beside its
+   bias gradient).
 4. **Loops.** A loop body's own peak adds to what is live when the loop runs.
+5. **Split-K** (``Traits.splits_k``: XLA:GPU). A small matmul with a long contraction writes
+   fp32 partial sums beside everything live while it runs (``zeroflow.memory.split_k``). How
+   long XLA keeps them after is its schedule's choice (in the corpus's NNX step, until a
+   gradient's reduce-scatter): the walk counts the matmul alone.
 
 The parameters (inputs) and the gradients (outputs, also as made before a transpose or a
-reshape) are not counted: ``estimate_step`` has terms of its own for them. Values in host memory (a remat policy's offloaded residuals) are not
-device buffers. Measured against XLA:CPU on the corpus models it was not fitted to: docs/memory.md.
+reshape) are not counted: ``estimate_step`` has terms of its own for them. Values in host
+memory (a remat policy's offloaded residuals) are not device buffers. Measured against XLA:CPU
+and XLA:GPU on the corpus models: docs/memory.md.
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from zeroflow import backend
+from zeroflow.memory import split_k
 from zeroflow.util import jaxprs
 from zeroflow.util.compat import REMAT_PRIMITIVES
 
@@ -62,6 +73,10 @@ READS_IN_PLACE = frozenset({"gather"})
 IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul",
                       "dynamic_update_slice"})
 "Outside ``FUSIBLE``, writing its result over its first operand when that dies there."
+
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "argmax", "argmin"})
+"Outside ``FUSIBLE``; on XLA:GPU reading their fused input inside the reduction kernel."
 
 _LOOPS = ("scan", "while", "cond")
 
@@ -132,7 +147,8 @@ class _Graph:
     """Which values of ``eqns`` are buffers (rule 1) and, for every value, the buffers it is
     computed from (itself for a buffer or an input)."""
 
-    def __init__(self, eqns: list[_Eqn], inputs: set, outputs: set):
+    def __init__(self, eqns: list[_Eqn], inputs: set, outputs: set,
+                 reads_fused=READS_IN_PLACE):
         self.eqns, self.inputs = eqns, inputs
         consumers: dict = {}
         for i, e in enumerate(eqns):
@@ -143,7 +159,7 @@ class _Graph:
         for e in eqns:
             if e.name not in FUSIBLE:
                 self.buffers.update(e.outs)
-                if e.name not in READS_IN_PLACE:
+                if e.name not in reads_fused:
                     self.buffers.update(_vars(e.ins))
                 continue
             chain = e.name in EXPENSIVE or any(costly.get(v, False) for v in _vars(e.ins)
@@ -214,7 +230,11 @@ def peak_bytes(closed) -> float:
     jaxpr, _ = jaxprs.open_jaxpr(closed)
     outputs = set(_vars(jaxpr.outvars))
     eqns = flat_equations(jaxpr)
-    graph = _Graph(eqns, set(jaxpr.invars) | set(jaxpr.constvars), outputs)
+    traits = backend.current()
+    gpu_fusion = traits.fuses_matmul_and_reduction_operands
+    graph = _Graph(eqns, set(jaxpr.invars) | set(jaxpr.constvars), outputs,
+                   READS_IN_PLACE | ({"dot_general"} | REDUCTIONS if gpu_fusion else set()))
+    reduced = {v for e in eqns if e.name in REDUCTIONS for v in _vars(e.ins)} if gpu_fusion else set()
     last: dict = {}
     becomes_output: dict = {}
     for i, e in enumerate(eqns):
@@ -226,7 +246,7 @@ def peak_bytes(closed) -> float:
     counted = lambda v: (v in graph.buffers and v not in graph.inputs  # noqa: E731
                          and v not in outputs and not becomes_output.get(v, False)
                          and memory_of(v) == "device")
-    copies = _layout_copies(graph) if backend.current().copies_conv_layouts else []
+    copies = _layout_copies(graph) if traits.copies_conv_layouts else []
     dies_at: dict = {}
     for buffer, i in last.items():
         dies_at.setdefault(i, []).append(buffer)
@@ -238,6 +258,8 @@ def peak_bytes(closed) -> float:
             # Rule 3: written over a buffer of the same size that dies here.
             dying = [b for b in graph.read_by(e) if b in live and last.get(b) == i]
             for o in made:
+                if o in reduced:  # (XLA:GPU writes it beside the reduction: a buffer of its own)
+                    continue
                 same = next((b for b in dying if nbytes(b) == nbytes(o)), None)
                 if same is not None:
                     dying.remove(same)
@@ -251,6 +273,10 @@ def peak_bytes(closed) -> float:
         transient = sum(size for first, use, size in copies if first <= i <= use)
         if e.name in _LOOPS:
             transient += _loop_peak(e)
+        elif e.name == "dot_general" and traits.splits_k:
+            # (the sum is written once they are done: a counted result is not there yet)
+            partial = split_k.partial_sums_bytes(e)
+            transient += max(0, partial - sum(nbytes(o) for o in made)) if partial else 0
         best = max(best, held + transient)
         for buffer in dies_at.get(i, ()):
             if buffer in live:
