@@ -190,6 +190,38 @@ def test_row_lookup_moves_rows_not_the_table(frozen):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_a_wide_embedding_table_is_looked_up_where_its_rows_are():
+    """A Flax embedding table with a small vocabulary is wider than tall (16 x 256 here, as
+    256 x 2048 in configs/gpt-1b.yaml) but is looked up, not multiplied: it is split by rows
+    and read through row_lookup (no all-gather of the table), while a head of the same shape
+    is split by columns. Equal to plain SGD."""
+    from helpers import walk
+    vocab, width = 16, 256
+    k = jax.random.split(jax.random.key(3), 3)
+    params = {"embedding": jax.random.normal(k[0], (vocab, width)),
+              "down": jax.random.normal(k[1], (width, vocab)) / 16,
+              "head": jax.random.normal(k[2], (vocab, width)) / 4}
+    batch = {"ids": (np.arange(N * 2 * 4).reshape(N * 2, 4) * 7 % vocab).astype(np.int32)}
+
+    def loss(p, b):
+        h = jnp.tanh(p["embedding"][b["ids"]]) @ p["down"]  # (rows, 4, vocab)
+        return jnp.mean(jnp.tanh(h @ p["head"]) ** 2)
+
+    plan, prec, tx = zf.ZeroPlan(zf.make_mesh(), stage=3), zf.Precision(), optax.sgd(0.5)
+    layouts = plan.layouts(params)
+    assert (layouts["embedding"].zero_dim, layouts["head"].zero_dim) == (0, 1)
+    state = zf.init_train_state(params, tx, plan, prec)
+    step = zf.make_train_step(loss, tx, plan, prec)
+    gathered = [tuple(e.outvars[0].aval.shape) for e in walk(step.trace(state, batch).jaxpr)
+                if e.primitive.name == "all_gather"]
+    assert (vocab, width) not in gathered, gathered
+    state, metrics = step(state, batch)
+    want_loss, grads = jax.value_and_grad(loss)(params, batch)
+    np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(state.params["embedding"],
+                               params["embedding"] - 0.5 * grads["embedding"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_wide_head_is_multiplied_where_its_columns_are(frozen):
     """A vocabulary-shaped weight (at least ``plan.WIDE`` times wider than tall) is split by

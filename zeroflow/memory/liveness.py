@@ -17,8 +17,8 @@ order instead, with these rules:
    recomputed inside each consumer: the buffers it is computed from live until its last
    consumer has run. Where ``Traits.fuses_matmul_and_reduction_operands`` (XLA:GPU), matmuls
    and reductions (``REDUCTIONS``) also read fused operands: Triton computes a matmul's
-   elementwise operands in the kernel (at every size tried, up to 8192 x 4096 @ 4096 x 14336),
-   and a reduction kernel its input's.
+   elementwise operands in the kernel (as compiled without autotuning: on a GPU the autotuner
+   may choose cuBLAS, which reads written-out operands), and a reduction kernel its input's.
 2. **Layout copies** (``Traits.copies_conv_layouts``: XLA:CPU). A convolution whose operand
    (or result) is not in the native layout (channels last: ``NHWC``, ``HWIO``) reads (or
    writes) a transposed copy; the copies of one value are made together and each lives until
