@@ -61,11 +61,12 @@ FUSIBLE = EXPENSIVE | frozenset({
     "abs", "add", "add_any", "and", "bitcast_convert_type", "broadcast_in_dim", "ceil",
     "clamp", "concatenate", "convert_element_type", "copy", "copy_p", "dynamic_slice", "eq",
     "expand_dims", "floor", "ge", "gt", "imag", "integer_pow", "iota", "is_finite", "le", "lt",
-    "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pad", "real",
+    "max", "min", "mul", "ne", "neg", "nextafter", "not", "one_minus_square", "or", "pad", "real",
     "reduce_precision", "reshape", "rev", "round", "select_n", "shift_left",
     "shift_right_arithmetic", "shift_right_logical", "sign", "slice", "square", "squeeze",
-    "stop_gradient", "sub", "transpose", "xor", "optimization_barrier"})
-"Primitives XLA fuses into their consumers (elementwise work and data movement)."
+    "stop_gradient", "sub", "transpose", "unstack", "xor", "optimization_barrier"})
+"""Primitives XLA fuses into their consumers (elementwise work and data movement).
+``one_minus_square`` (``tanh``'s derivative) and ``unstack`` are jax 0.11's."""
 
 READS_IN_PLACE = frozenset({"gather"})
 "Outside ``FUSIBLE`` (a buffer of its own) but reading its operand where it lies."
