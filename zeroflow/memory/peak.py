@@ -23,8 +23,9 @@
   or the largest weight otherwise, as fetched for use plus its whole fp32 local gradient
   before that is reduced;
 - ``widened``: XLA:CPU up to jaxlib 0.10 only (``Traits.widens_half_dots``): it multiplies
-  half-precision matrices in fp32 and converts a scanned layer stack once, outside the loop
-  (GPUs, and XLA:CPU from 0.11, use bf16/fp16 directly);
+  half-precision matrices in fp32 and converts a stored half-precision layer stack once,
+  outside the loop (GPUs, and XLA:CPU from 0.11, use bf16/fp16 directly; stage 3 without a
+  compute copy stores no such stack);
 - ``update``: while the optimizer runs, along the step's own ``UpdatePath``: the gradients,
   the update direction optax builds (one fp32 array per master shard; on one GPU fused into
   each leaf's update, except a loop's outputs, ``_looped_update_bytes``) and, streamed, one
@@ -307,7 +308,9 @@ def _backward(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths,
     fetched = (widths.fetched if (gathers or stack or widths.widening or widths.wide_collectives)
                else 0)
     widened = 0.0
-    if widths.widening and stack:
+    if widths.widening and stack and plan.keeps_compute_copy(prec.compute_dtype):
+        # (with no compute copy, stage 3 casts the fp32 master's shard as it gathers it: there
+        # is no half-precision stack to widen)
         widened = F32 * sum(w / (n if plan.shards_compute else 1) for w, _, _ in stack)
     # Once XLA:CPU has widened a whole stored stack (stages 0-2), the donated half-precision
     # stack is dead until the new weights are written: the stack's gradients go into its buffer.
