@@ -44,12 +44,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import zeroflow as zf  # noqa: E402
 from zeroflow.memory import split_k  # noqa: E402
 from zeroflow.util.compat import cuda_plugin_module  # noqa: E402
+from helpers import split_k_chunks  # noqa: E402
 from model_corpus import CORPUS, LARGER, engine_loss  # noqa: E402
 
 RESULTS = HERE / "results" / "xla_gpu_split_k.md"
 SIDES = (16, 64, 128, 256, 512, 1024, 2048)
 CONTRACTIONS = (128, 512, 2048, 8192, 32768, 131072)
-_SPLIT_DOT = re.compile(r"= f32\[(\d+),\d+,\d+\]\S* fusion\(.*kind=kCustom.*gemm")
 
 
 def split_of(k: int, m: int, n: int) -> tuple[int, int]:
@@ -59,8 +59,7 @@ def split_of(k: int, m: int, n: int) -> tuple[int, int]:
     rhs = jax.ShapeDtypeStruct((k, n), jnp.float32, sharding=replicated)
     matmul = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ()))))
     compiled = matmul.trace(lhs, rhs).lower().compile()
-    found = [int(m.group(1)) for m in map(_SPLIT_DOT.search, compiled.as_text().splitlines()) if m]
-    return (found[0] if found else 1), compiled.memory_analysis().temp_size_in_bytes
+    return split_k_chunks(compiled.as_text()), compiled.memory_analysis().temp_size_in_bytes
 
 
 def grid_lines() -> list[str]:
@@ -79,7 +78,8 @@ def grid_lines() -> list[str]:
                 matched[1] += 1
             lines.append(f"| {m} x {n} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
-    return lines + ["", f"`split_k.chunks` gives XLA's choice on {matched[0]} of {matched[1]} shapes."]
+    agreed, shapes = matched
+    return lines + ["", f"`split_k.chunks` gives XLA's choice on {agreed} of {shapes} shapes."]
 
 
 def _peak_buffers(live_range: str) -> list[tuple[str, int]]:

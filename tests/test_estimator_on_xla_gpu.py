@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zeroflow as zf
-from helpers import require_cuda_plugin
+from helpers import require_cuda_plugin, split_k_chunks
 from model_corpus import CORPUS, LARGER, engine_loss
 from zeroflow import backend
 from zeroflow.backend.traits import for_platform
@@ -34,16 +34,6 @@ def _compiled_on_h100(fn, *shapes):
     return jax.jit(fn).trace(*specs).lower().compile()
 
 
-def _leading_split(compiled) -> int:
-    """The chunks of the one split matmul in ``compiled`` (1 when it has none)."""
-    for line in compiled.as_text().splitlines():
-        if "kind=kCustom" in line and "gemm" in line and " fusion(" in line:
-            shape = line.split("= f32[", 1)[1].split("]", 1)[0].split(",")
-            if len(shape) == 3:
-                return int(shape[0])
-    return 1
-
-
 @pytest.mark.parametrize("m,n,k", [
     (128, 512, 512), (64, 64, 8192), (16, 1024, 2048), (256, 1024, 512), (512, 512, 8192),
     (1024, 1024, 2048), (512, 1024, 512), (2048, 2048, 8192)])
@@ -51,9 +41,10 @@ def test_split_k_chooses_the_chunks_xla_gpu_compiles(m, n, k):
     compiled = _compiled_on_h100(lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ()))),
                                  (k, m), (k, n))
     chunks = split_k.chunks(m, n, k)
-    assert chunks == _leading_split(compiled)
+    assert chunks == split_k_chunks(compiled.as_text())
     # (the partial sums are the program's only temporaries)
-    assert compiled.memory_analysis().temp_size_in_bytes == (chunks * m * n * 4 if chunks > 1 else 0)
+    partial_sums = chunks * m * n * 4 if chunks > 1 else 0
+    assert compiled.memory_analysis().temp_size_in_bytes == partial_sums
 
 
 def _sine_loss(w, x):

@@ -52,6 +52,8 @@ GPT-1B stage-3 peak by 0.7 GB (cuDNN attention) and 2.1 GB (XLA attention), docs
 def is_lookup_table(path: str) -> bool:
     """Whether the leaf at ``path`` (``util.tree.path_str``) is a lookup table by its name."""
     return path.rsplit("/", 1)[-1] in LOOKUP_TABLE_NAMES
+
+
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
 UPDATE_ON_CHOICES = ("device", "host")
 QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
@@ -293,12 +295,13 @@ class ZeroPlan:
     def leaf_layout(self, path: str, shape, *, tensor_rules: bool = True) -> LeafLayout:
         """The ZeRO dimension: a wide matrix's columns (a vocabulary head, at least ``WIDE``
         times wider than tall and not a lookup table, ``is_lookup_table``: its matmul is
-        computed where its columns are, ``grads/split_columns.py``) or else a matrix's rows when they divide by N, else the largest free
-        dimension that divides by N; failing that, the largest free dimension of at least N
-        entries, padded up to a multiple of N; failing that (every free dimension shorter than
-        N, or a scalar) none. (Leaves of three or more dimensions keep the largest: a leading
-        axis there is often a stack of layers, fetched one layer at a time.) ``tensor_rules=False``:
-        an array that is not a parameter (optimizer state of its own shape)."""
+        computed where its columns are, ``grads/split_columns.py``) or else a matrix's rows
+        when they divide by N, else the largest free dimension that divides by N; failing that,
+        the largest free dimension of at least N entries, padded up to a multiple of N; failing
+        that (every free dimension shorter than N, or a scalar) none. (Leaves of three or more
+        dimensions keep the largest: a leading axis there is often a stack of layers, fetched one
+        layer at a time.) ``tensor_rules=False``: an array that is not a parameter (optimizer
+        state of its own shape)."""
         shape = tuple(int(d) for d in shape)
         tspec = self._tensor_spec(path, shape) if tensor_rules else (None,) * len(shape)
         n = self.data_size

@@ -235,7 +235,8 @@ def peak_bytes(closed) -> float:
     gpu_fusion = traits.fuses_matmul_and_reduction_operands
     graph = _Graph(eqns, set(jaxpr.invars) | set(jaxpr.constvars), outputs,
                    READS_IN_PLACE | ({"dot_general"} | REDUCTIONS if gpu_fusion else set()))
-    reduced = {v for e in eqns if e.name in REDUCTIONS for v in _vars(e.ins)} if gpu_fusion else set()
+    reduced = ({v for e in eqns if e.name in REDUCTIONS for v in _vars(e.ins)} if gpu_fusion
+               else set())
     last: dict = {}
     becomes_output: dict = {}
     for i, e in enumerate(eqns):
@@ -276,8 +277,7 @@ def peak_bytes(closed) -> float:
             transient += _loop_peak(e)
         elif e.name == "dot_general" and traits.splits_k:
             # (the sum is written once they are done: a counted result is not there yet)
-            partial = split_k.partial_sums_bytes(e)
-            transient += max(0, partial - sum(nbytes(o) for o in made)) if partial else 0
+            transient += max(0, split_k.partial_sums_bytes(e) - sum(nbytes(o) for o in made))
         best = max(best, held + transient)
         for buffer in dies_at.get(i, ()):
             if buffer in live:
