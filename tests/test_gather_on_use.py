@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 import zeroflow as zf
 from zeroflow.engine.grads import gather_on_use
 from zeroflow.engine.grads.collectives import varying
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 
 N = 8
 

@@ -92,7 +92,7 @@ def _target(**kw):
 def test_target_devices_are_numbered_host_major():
     """What the cross-host counts rest on: a compiled program's logical device ids index
     ``mesh.devices.flat``, and on the 1x2x8 target ids 0-7 are host 0 and 8-15 host 1."""
-    from zeroflow.engine.zeropp.hosts import hosts_of
+    from zeroflow.engine.hosts import hosts_of
     mesh = _target(data=16, hosts=2)
     assert [d.id for d in mesh.devices.flat] == list(range(16))
     assert hosts_of(mesh) == (0,) * 8 + (1,) * 8

@@ -17,9 +17,9 @@ from zeroflow.util import quiet_jax as _quiet_jax
 _quiet_jax.start()  # before anything imports jax: see zeroflow/util/quiet_jax.py
 
 from zeroflow.backend import target_mesh  # noqa: E402
-from zeroflow.engine.mesh import make_mesh, planning_mesh  # noqa: E402
+from zeroflow.backend.mesh import make_mesh, planning_mesh  # noqa: E402
 from zeroflow.engine.plan import PlanDescription, ZeroPlan  # noqa: E402
-from zeroflow.engine.precision import LossScaleState, Precision  # noqa: E402
+from zeroflow.autocast.precision import LossScaleState, Precision  # noqa: E402
 from zeroflow.engine.state import TrainState, init_train_state, state_shardings  # noqa: E402
 from zeroflow.engine.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 from zeroflow.engine.step import make_train_step  # noqa: E402

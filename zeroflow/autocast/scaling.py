@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from zeroflow.autocast.interpret import autocast
 from zeroflow.autocast.lists import UNSCALE_SCOPE
-from zeroflow.engine.precision import LossScaleState, Precision
+from zeroflow.autocast.precision import LossScaleState, Precision
 
 
 def unscale(grads, scale):

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.engine.mesh import DATA, MODEL
+from zeroflow.backend.mesh import DATA, MODEL
 from zeroflow.util.compat import cuda_plugin_install_hint
 from zeroflow.util.quiet_jax import cuda_plugin_installed
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from zeroflow.cli.common import run_cli
-from zeroflow.engine.precision import DTYPES
+from zeroflow.autocast.precision import DTYPES
 
 PROG = "zeroflow.export"
 FORMATS = (".safetensors", ".npz")

@@ -30,7 +30,7 @@ from zeroflow.config import schema as config_module
 from zeroflow.config.schema import CHOICES, Config, ParallelConfig
 from zeroflow.engine.plan_rules import (Keys, batch_split_problem, hierarchical_copy_problem,
                                         plan_problems)
-from zeroflow.engine.precision import parse_loss_scale
+from zeroflow.autocast.precision import parse_loss_scale
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")

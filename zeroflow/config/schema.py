@@ -6,7 +6,7 @@ section (``model.lora``, set with ``model.lora.rank=8`` or a mapping under ``lor
 Loading and validation live in ``zeroflow.config.io``.
 
 The allowed values of the engine's settings are the engine's own constants (``zeroflow.engine.plan``,
-``zeroflow.engine.precision``); the model's are spelled here, on ``ModelConfig``, and the model reads
+``zeroflow.autocast.precision``); the model's are spelled here, on ``ModelConfig``, and the model reads
 them back with ``choices_of`` (it imports this module, so it cannot be imported from here).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
 from zeroflow.engine.plan import (OFFLOAD_CHOICES, QUANTIZE_GRADS_CHOICES, QUANTIZE_WEIGHTS_CHOICES,
                            UPDATE_ON_CHOICES, ZERO_STAGES)
-from zeroflow.engine.precision import AUTOCAST, DTYPES, MASTER_DTYPES
+from zeroflow.autocast.precision import AUTOCAST, DTYPES, MASTER_DTYPES
 
 CHOICES = "choices"
 "Field-metadata key holding the allowed values of an enumerated field (checked by config_io)."

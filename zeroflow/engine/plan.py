@@ -33,9 +33,9 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflow import backend
-from zeroflow.engine.mesh import DATA, MODEL
+from zeroflow.backend.mesh import DATA, MODEL
 from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
-from zeroflow.engine.zeropp.hosts import host_split, hosts_of
+from zeroflow.engine.hosts import host_split, hosts_of
 from zeroflow.util.tree import path_str
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -132,7 +132,7 @@ class ZeroPlan:
     weights are reduce-scattered as int8 blocks in two hops, within the host and then across
     hosts, summed in fp32 after each (``zeroflow.engine.zeropp.reduce``).
     ``hosts``: how many hosts the ``data`` axis spans, for meshes of emulated devices that all
-    belong to one process (None: each device's ``process_index``; ``zeroflow.engine.zeropp.hosts``).
+    belong to one process (None: each device's ``process_index``; ``zeroflow.engine.hosts``).
     """
     mesh: Mesh
     stage: int = 0
@@ -199,7 +199,7 @@ class ZeroPlan:
 
     @property
     def host_split(self):
-        """The ``data`` axis as hosts x local devices (``zeroflow.engine.zeropp.hosts.HostSplit``)."""
+        """The ``data`` axis as hosts x local devices (``zeroflow.engine.hosts.HostSplit``)."""
         if isinstance(self.mesh, AbstractMesh) and self.hosts is None:
             raise ValueError("a planning mesh has no devices to read hosts from; pass hosts=H")
         return host_split(self.mesh, self.hosts)

@@ -15,7 +15,7 @@ from zeroflow.engine.padding import NO_PADDING, StatePadding
 from zeroflow.engine.plan import ZeroPlan, is_layout
 from zeroflow.engine.plan_rules import hierarchical_copy_problem
 from zeroflow.util.tree import path_str
-from zeroflow.engine.precision import LossScaleState, Precision
+from zeroflow.autocast.precision import LossScaleState, Precision
 from zeroflow.engine.zeropp import hierarchical
 
 

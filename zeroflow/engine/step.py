@@ -29,10 +29,10 @@ from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import offload, padding, update
 from zeroflow.engine.grads import local_grads, native_gradients, routes, step_routes
 from zeroflow.engine.grads.routes import is_route
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan, is_layout
 from zeroflow.engine.plan_rules import batch_split_problem
-from zeroflow.engine.precision import Precision
+from zeroflow.autocast.precision import Precision
 from zeroflow.engine.state import TrainState, state_shardings
 from zeroflow.engine.zeropp import hierarchical
 from zeroflow.util.tree import path_str

@@ -32,7 +32,7 @@ from zeroflow.util import jaxprs
 from zeroflow.engine import offload, opt_mirror, padding
 from zeroflow.engine.grads.collectives import all_gather, as_words
 from zeroflow.engine.grads.sources import dim_in_layer
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.ordering import after
 from zeroflow.engine.padding import NO_PADDING, StatePadding
 from zeroflow.engine.plan import ZeroPlan

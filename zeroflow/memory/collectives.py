@@ -11,7 +11,7 @@ collective is synchronous.
 Each collective also says how many bytes one device exchanges with devices of its own host and
 with devices of other hosts (``within_host``, ``cross_host``), read from its replica groups
 (``zeroflow.memory.replica_groups``) and the host of each logical device id
-(``zeroflow.engine.zeropp.hosts_of``: a compiled program's ids index its mesh's ``devices.flat``).
+(``zeroflow.engine.hosts_of``: a compiled program's ids index its mesh's ``devices.flat``).
 The count is that of a direct exchange, in which every member sends each other member the
 piece that member needs: ``bytes / group`` per peer for an all-gather (the gathered result)
 and an all-to-all, the output slice for a reduce-scatter, twice ``bytes / group`` for an
@@ -29,7 +29,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from zeroflow.engine.zeropp.hosts import hosts_of
+from zeroflow.engine.hosts import hosts_of
 from zeroflow.memory.replica_groups import groups_of, permute_pairs
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -77,7 +77,7 @@ class Collective:
 def collectives(compiled, hosts: Sequence[int] | None = None) -> list[Collective]:
     """Every collective of ``compiled`` (a ``jax.stages.Compiled``, or its ``as_text()``), in
     schedule order within each computation. ``hosts``: the host of each logical device id
-    (``zeroflow.engine.zeropp.hosts_of(mesh)``); by default read from the mesh of a compiled step's
+    (``zeroflow.engine.hosts_of(mesh)``); by default read from the mesh of a compiled step's
     inputs (a device's ``process_index``), unknown for text."""
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     if hosts is None and not isinstance(compiled, str):

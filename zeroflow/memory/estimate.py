@@ -28,10 +28,10 @@ import re
 from typing import Any
 
 from zeroflow.optim import moment_bytes
-from zeroflow.engine.mesh import planning_mesh
+from zeroflow.backend.mesh import planning_mesh
 from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES, ZeroPlan
 from zeroflow.engine.plan_rules import host_update_problem
-from zeroflow.engine.precision import DTYPES
+from zeroflow.autocast.precision import DTYPES
 
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES

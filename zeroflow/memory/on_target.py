@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.engine.mesh import DATA, MODEL
+from zeroflow.backend.mesh import DATA, MODEL
 
 
 class CompiledOnTarget:

@@ -57,9 +57,9 @@ from zeroflow import backend as backends
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.grads.local import native_gradients
 from zeroflow.engine.grads.routes import Fetch, Reduce, fetches_whole, is_route, step_routes
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan
-from zeroflow.engine.precision import Precision
+from zeroflow.autocast.precision import Precision
 from zeroflow.engine.state import abstract_master, init_train_state
 from zeroflow.engine.step import step_layout
 from zeroflow.engine.update import UpdatePath, owners

@@ -12,7 +12,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from zeroflow.autocast import autocast
-from zeroflow.engine.precision import Precision
+from zeroflow.autocast.precision import Precision
 from zeroflow.engine.step import check_batch
 from zeroflow.memory import liveness
 from zeroflow.memory.liveness import memory_of

@@ -13,7 +13,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zeroflow.config.schema import ModelConfig
-from zeroflow.engine.mesh import MODEL
+from zeroflow.backend.mesh import MODEL
 from zeroflow.models import axes
 from zeroflow.models.gpt import abstract_params
 from zeroflow.util.tree import path_str

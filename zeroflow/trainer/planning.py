@@ -26,7 +26,7 @@ from zeroflow.config.schema import ModelConfig
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
-from zeroflow.engine.mesh import planning_mesh
+from zeroflow.backend.mesh import planning_mesh
 from zeroflow.models import abstract_params
 from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.util.tree import path_str

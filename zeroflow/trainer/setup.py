@@ -14,7 +14,7 @@ import zeroflow as zf
 from zeroflow.config.schema import Config, ModelConfig
 from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.engine.plan_rules import batch_split_problem, hierarchical_hosts_problem
-from zeroflow.engine.zeropp.hosts import host_split
+from zeroflow.engine.hosts import host_split
 from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
                              param_init_fn)

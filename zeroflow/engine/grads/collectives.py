@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from zeroflow.engine import offload
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.padding import cut_to, pad_to
-from zeroflow.engine.zeropp.hosts import index_groups
+from zeroflow.engine.hosts import index_groups
 
 
 def varying(x):

@@ -39,7 +39,7 @@ from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.engine.grads.fetch_unit import run_unit, token
 from zeroflow.engine.grads.sources import Frozen, Sharded, Source, Whole  # noqa: F401 (re-exported)
 from zeroflow.util.jaxprs import bind, call_body, open_jaxpr
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.ordering import after
 
 

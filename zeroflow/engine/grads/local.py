@@ -33,7 +33,7 @@ from zeroflow.engine.grads.loss_errors import explained
 from zeroflow.engine.grads.collectives import reduce_scatter, stream_in, varying as _varying
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route, trained
 from zeroflow.engine.grads.sources import PLAIN, Stage3Collectives
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.util.tree import path_str
 

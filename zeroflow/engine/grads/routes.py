@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from zeroflow.engine.grads.sources import dim_in_layer
 from zeroflow.engine.plan import LeafLayout, ZeroPlan, is_layout
-from zeroflow.engine.precision import Precision
+from zeroflow.autocast.precision import Precision
 from zeroflow.util.tree import is_under, path_str
 
 

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 
 
 def is_row_lookup(eqn) -> bool:

@@ -22,7 +22,7 @@ from zeroflow.engine.grads.collectives import (all_gather, gathered_tangent, red
                                                scatter_grad_on_use)
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.zeropp.gather import quantized_all_gather
-from zeroflow.engine.zeropp.hosts import HostSplit
+from zeroflow.engine.hosts import HostSplit
 from zeroflow.engine.zeropp.reduce import quantized_reduce_scatter
 
 

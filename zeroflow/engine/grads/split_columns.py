@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 
 
 def applies(eqn, data_aval, weight_aval, dim: int, n: int) -> bool:

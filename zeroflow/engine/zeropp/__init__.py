@@ -10,9 +10,10 @@ inside and across hosts.
   within the host and refreshed after each update;
 - ``quantized_reduce_scatter``: qgZ, a gradient reduce-scattered as int8 in two all-to-all
   hops (within the host, across hosts) with fp32 sums (``zeroflow.engine.zeropp.reduce``);
-- ``hosts_of`` / ``host_split``: the host of every device of a mesh, which the collectives'
-  cross-host bytes are counted against and the within-host groups are built from
-  (``zeroflow.engine.zeropp.hosts``).
+
+The host of every device (``zeroflow.engine.hosts``), which the collectives' cross-host bytes
+are counted against and the within-host groups are built from, lives beside the plan that
+checks it.
 
 Which of them a stage-3 fetch uses is one value,
 ``zeroflow.engine.grads.sources.Stage3Collectives``.

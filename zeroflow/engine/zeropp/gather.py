@@ -17,9 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.padding import cut_to
-from zeroflow.engine.zeropp.hosts import index_groups
+from zeroflow.engine.hosts import index_groups
 from zeroflow.engine.zeropp.quantize import Quantized, dequantize, quantize
 
 

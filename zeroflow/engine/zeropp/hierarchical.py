@@ -25,10 +25,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.padding import Entry
 from zeroflow.engine.plan import ZeroPlan, is_layout
-from zeroflow.engine.zeropp.hosts import HostSplit, index_groups
+from zeroflow.engine.hosts import HostSplit, index_groups
 
 
 def copy_entries(layouts) -> tuple[Entry, ...]:

@@ -26,9 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.padding import pad_to
-from zeroflow.engine.zeropp.hosts import HostSplit, index_groups
+from zeroflow.engine.hosts import HostSplit, index_groups
 from zeroflow.engine.zeropp.quantize import dequantize, quantize
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zeroflow.engine.mesh import DATA
+from zeroflow.backend.mesh import DATA
 
 
 def hosts_of(mesh, hosts: int | None = None) -> tuple[int, ...]:
