@@ -10,6 +10,7 @@ of ``lists.py`` and the bytes cost model of ``cost.py``) and replayed with the p
 (``interpret.py``, ``higher_order.py``). ``report.py`` prints the decisions; ``scaling.py``
 holds loss scaling for use outside the engine. Details: ``docs/autocast.md``.
 """
+
 # higher_order registers the painters and runners of loops, conditionals, calls, remat and
 # custom rules with paint and interpret, which look them up by primitive name.
 from zeroflow.autocast import higher_order  # noqa: F401
@@ -18,4 +19,10 @@ from zeroflow.autocast.policy import AutocastPolicy
 from zeroflow.autocast.report import AutocastReport, autocast_report
 from zeroflow.autocast.scaling import scaled_value_and_grad
 
-__all__ = ["autocast", "AutocastPolicy", "autocast_report", "AutocastReport", "scaled_value_and_grad"]
+__all__ = [
+    "autocast",
+    "AutocastPolicy",
+    "autocast_report",
+    "AutocastReport",
+    "scaled_value_and_grad",
+]

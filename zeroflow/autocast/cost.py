@@ -22,6 +22,7 @@ casts its table; the cost model covers its twin, a matmul against a large fp32 t
 rows on the other side (a tied output projection over a 50k vocabulary with a small batch):
 casting the V x D table moves 12 * V * D bytes for a saving of about 6 * N * (V + D).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +35,7 @@ CAST_BYTES = HALF_BYTES + FULL_BYTES
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """One floating-point operand of the op, as the cost model sees it."""
+
     size: int
     is_low: bool
     "Already in the half dtype."
@@ -53,8 +55,10 @@ class Verdict:
 
     def reason(self) -> str:
         verb = "converted" if self.convert else "kept fp32"
-        return (f"cost model: {verb}; casts move {fmt_bytes(self.cast_bytes)}, "
-                f"half precision saves {fmt_bytes(self.saved_bytes)}")
+        return (
+            f"cost model: {verb}; casts move {fmt_bytes(self.cast_bytes)}, "
+            f"half precision saves {fmt_bytes(self.saved_bytes)}"
+        )
 
 
 def judge(operands: list[Operand], out_size: int, *, train: bool) -> Verdict:

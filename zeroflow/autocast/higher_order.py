@@ -25,6 +25,7 @@ file (a call's body: ``zeroflow.util.jaxprs.call_body``).
   declared dtypes (the jvp / vjp of the original call, inputs cast back).
 - ``shard_map``: its body is painted per shard.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +75,14 @@ def paint_call(eqn, ins, ctx: Ctx) -> EqnPlan:
     jaxpr, consts = open_jaxpr(call_body(eqn))
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), ins, ctx.into_call(ctx.path + "/"))
     name = eqn.params.get("name", eqn.primitive.name)
-    return EqnPlan(eqn, "call", f"inlined {eqn.primitive.name} '{name}'", (None,) * len(ins),
-                   tuple(body.outs), sub=CallPlan(body, consts))
+    return EqnPlan(
+        eqn,
+        "call",
+        f"inlined {eqn.primitive.name} '{name}'",
+        (None,) * len(ins),
+        tuple(body.outs),
+        sub=CallPlan(body, consts),
+    )
 
 
 def run_call(plan: EqnPlan, slots):
@@ -88,8 +95,14 @@ def paint_remat(eqn, ins, ctx: Ctx) -> EqnPlan:
     inner = [fresh(v, ctx.groups) for v in ins]  # casts inside are recomputed, not saved
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), inner, ctx.inside(ctx.path + "/"))
     outs = tuple(fresh(v, ctx.groups) for v in body.outs)
-    return EqnPlan(eqn, "remat", "checkpointed body painted inside (casts recomputed in backward)",
-                   (None,) * len(ins), outs, sub=CallPlan(body, consts))
+    return EqnPlan(
+        eqn,
+        "remat",
+        "checkpointed body painted inside (casts recomputed in backward)",
+        (None,) * len(ins),
+        outs,
+        sub=CallPlan(body, consts),
+    )
 
 
 def run_remat(plan: EqnPlan, slots):
@@ -99,8 +112,9 @@ def run_remat(plan: EqnPlan, slots):
         return _values(run_jaxpr(body.body, const_slots(body.consts), _slots(arrays, dtypes)))
 
     params = plan.eqn.params
-    fn = jax.checkpoint(checkpointed, prevent_cse=params.get("prevent_cse", True),
-                        policy=params.get("policy"))
+    fn = jax.checkpoint(
+        checkpointed, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
+    )
     return [Slot.of(x) for x in fn(*_values(slots))]
 
 
@@ -117,14 +131,25 @@ class LoopPlan:
     cond_consts: list = dataclasses.field(default_factory=list)
 
 
-def _paint_loop(body_jaxpr, body_consts, consts, init, xs, ctx: Ctx, *, trips: int,
-                cond_jaxpr=None, cond_consts_vals=(), cond_consts=()):
+def _paint_loop(
+    body_jaxpr,
+    body_consts,
+    consts,
+    init,
+    xs,
+    ctx: Ctx,
+    *,
+    trips: int,
+    cond_jaxpr=None,
+    cond_consts_vals=(),
+    cond_consts=(),
+):
     """Paint a loop body (and a while loop's cond) until its carries are stable.
 
     Returns ``(body, cond, carry_dtypes, groups)``; the caller adopts ``groups``.
     """
     n = len(init)
-    declared = [norm(v.aval.dtype) for v in body_jaxpr.invars[len(consts):len(consts) + n]]
+    declared = [norm(v.aval.dtype) for v in body_jaxpr.invars[len(consts) : len(consts) + n]]
     shared = [dataclasses.replace(v, cast_share=v.cast_share / max(trips, 1)) for v in consts]
 
     def attempt(carry, force):
@@ -133,13 +158,22 @@ def _paint_loop(body_jaxpr, body_consts, consts, init, xs, ctx: Ctx, *, trips: i
         carry_in = [fresh(v, groups, dtype=d) for v, d in zip(init, carry)]
         x_in = [fresh(v, groups) for v in xs]
         targets = (list(carry) if force else [None] * n) + [None] * (len(body_jaxpr.outvars) - n)
-        body = paint.paint_jaxpr(body_jaxpr, _const_values(body_consts, c), shared + carry_in + x_in,
-                                 c.inside(ctx.path + "/body/"), out_targets=targets)
+        body = paint.paint_jaxpr(
+            body_jaxpr,
+            _const_values(body_consts, c),
+            shared + carry_in + x_in,
+            c.inside(ctx.path + "/body/"),
+            out_targets=targets,
+        )
         cond = None
         if cond_jaxpr is not None:
             cond_in = [fresh(v, groups, dtype=d) for v, d in zip(init, carry)]
-            cond = paint.paint_jaxpr(cond_jaxpr, _const_values(cond_consts, c),
-                                     list(cond_consts_vals) + cond_in, c.inside(ctx.path + "/cond/"))
+            cond = paint.paint_jaxpr(
+                cond_jaxpr,
+                _const_values(cond_consts, c),
+                list(cond_consts_vals) + cond_in,
+                c.inside(ctx.path + "/cond/"),
+            )
         return body, cond, groups
 
     carry = [norm(v.dtype) for v in init]
@@ -165,17 +199,24 @@ def _precast(operands, before: dict, groups) -> dict:
 def paint_scan(eqn, ins, ctx: Ctx) -> EqnPlan:
     p = eqn.params
     nc, nk = scan_split(p)
-    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+    consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
     body_jaxpr, body_consts = open_jaxpr(p["jaxpr"])
     before = {v.group: set(ctx.groups.held[v.group]) for v in consts if not v.literal}
-    body, _, carry, groups = _paint_loop(body_jaxpr, body_consts, consts, init, xs, ctx,
-                                         trips=p["length"])
+    body, _, carry, groups = _paint_loop(
+        body_jaxpr, body_consts, consts, init, xs, ctx, trips=p["length"]
+    )
     ctx.groups.adopt(groups)
-    in_dtypes = [None] * nc + [paint._cast_to(v, d, ctx) for v, d in zip(init, carry)] + [None] * len(xs)
+    in_dtypes = (
+        [None] * nc + [paint._cast_to(v, d, ctx) for v, d in zip(init, carry)] + [None] * len(xs)
+    )
     outs = [fresh(body.outs[k], ctx.groups, dtype=carry[k]) for k in range(nk)]
     outs += [fresh(v, ctx.groups) for v in body.outs[nk:]]
-    plan = LoopPlan(body=body, body_consts=body_consts, carry=carry,
-                    precast=_precast(list(enumerate(consts)), before, ctx.groups))
+    plan = LoopPlan(
+        body=body,
+        body_consts=body_consts,
+        carry=carry,
+        precast=_precast(list(enumerate(consts)), before, ctx.groups),
+    )
     return EqnPlan(eqn, "loop", _carry_reason(carry, init), tuple(in_dtypes), tuple(outs), sub=plan)
 
 
@@ -187,7 +228,7 @@ def _carry_reason(carry, init) -> str:
 def run_scan(plan: EqnPlan, slots):
     p, loop = plan.eqn.params, plan.sub
     nc, nk = scan_split(p)
-    consts, init, xs = slots[:nc], slots[nc:nc + nk], slots[nc + nk:]
+    consts, init, xs = slots[:nc], slots[nc : nc + nk], slots[nc + nk :]
     for k, dtypes in loop.precast.items():
         for d in dtypes:
             consts[k].copies.get(d)  # cast once, outside the loop
@@ -195,32 +236,55 @@ def run_scan(plan: EqnPlan, slots):
 
     def body(carry, x):
         inside = [Slot(Copies(parent=s.copies), s.dtype) for s in consts]
-        outs = run_jaxpr(loop.body, const_slots(loop.body_consts),
-                         inside + _slots(carry, loop.carry) + _slots(x, x_dtypes))
+        outs = run_jaxpr(
+            loop.body,
+            const_slots(loop.body_consts),
+            inside + _slots(carry, loop.carry) + _slots(x, x_dtypes),
+        )
         return _values(outs[:nk]), _values(outs[nk:])
 
-    carry, ys = lax.scan(body, [s.copies.get(d) for s, d in zip(init, loop.carry)], _values(xs),
-                         length=p["length"], reverse=p.get("reverse", False),
-                         unroll=p.get("unroll", 1), _split_transpose=p.get("_split_transpose", False))
+    carry, ys = lax.scan(
+        body,
+        [s.copies.get(d) for s, d in zip(init, loop.carry)],
+        _values(xs),
+        length=p["length"],
+        reverse=p.get("reverse", False),
+        unroll=p.get("unroll", 1),
+        _split_transpose=p.get("_split_transpose", False),
+    )
     return [Slot.of(x) for x in list(carry) + list(ys)]
 
 
 def paint_while(eqn, ins, ctx: Ctx) -> EqnPlan:
     p = eqn.params
     cc, bc = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = ins[:cc], ins[cc:cc + bc], ins[cc + bc:]
+    cconsts, bconsts, init = ins[:cc], ins[cc : cc + bc], ins[cc + bc :]
     body_jaxpr, body_consts = open_jaxpr(p["body_jaxpr"])
     cond_jaxpr, cond_consts = open_jaxpr(p["cond_jaxpr"])
     before = {v.group: set(ctx.groups.held[v.group]) for v in cconsts + bconsts if not v.literal}
     body, cond, carry, groups = _paint_loop(
-        body_jaxpr, body_consts, bconsts, init, [], ctx, trips=1, cond_jaxpr=cond_jaxpr,
-        cond_consts_vals=cconsts, cond_consts=cond_consts)
+        body_jaxpr,
+        body_consts,
+        bconsts,
+        init,
+        [],
+        ctx,
+        trips=1,
+        cond_jaxpr=cond_jaxpr,
+        cond_consts_vals=cconsts,
+        cond_consts=cond_consts,
+    )
     ctx.groups.adopt(groups)
     in_dtypes = [None] * (cc + bc) + [paint._cast_to(v, d, ctx) for v, d in zip(init, carry)]
     outs = tuple(fresh(body.outs[k], ctx.groups, dtype=carry[k]) for k in range(len(init)))
-    plan = LoopPlan(body=body, body_consts=body_consts, carry=carry, cond=cond,
-                    cond_consts=cond_consts,
-                    precast=_precast(list(enumerate(cconsts + bconsts)), before, ctx.groups))
+    plan = LoopPlan(
+        body=body,
+        body_consts=body_consts,
+        carry=carry,
+        cond=cond,
+        cond_consts=cond_consts,
+        precast=_precast(list(enumerate(cconsts + bconsts)), before, ctx.groups),
+    )
     return EqnPlan(eqn, "loop", _carry_reason(carry, init), tuple(in_dtypes), outs, sub=plan)
 
 
@@ -230,17 +294,21 @@ def run_while(plan: EqnPlan, slots):
     for k, dtypes in loop.precast.items():
         for d in dtypes:
             slots[k].copies.get(d)
-    cconsts, bconsts, init = slots[:cc], slots[cc:cc + bc], slots[cc + bc:]
+    cconsts, bconsts, init = slots[:cc], slots[cc : cc + bc], slots[cc + bc :]
 
     def view(consts):
         return [Slot(Copies(parent=s.copies), s.dtype) for s in consts]
 
     def cond_fn(carry):
-        out = run_jaxpr(loop.cond, const_slots(loop.cond_consts), view(cconsts) + _slots(carry, loop.carry))
+        out = run_jaxpr(
+            loop.cond, const_slots(loop.cond_consts), view(cconsts) + _slots(carry, loop.carry)
+        )
         return out[0].value
 
     def body_fn(carry):
-        out = run_jaxpr(loop.body, const_slots(loop.body_consts), view(bconsts) + _slots(carry, loop.carry))
+        out = run_jaxpr(
+            loop.body, const_slots(loop.body_consts), view(bconsts) + _slots(carry, loop.carry)
+        )
         return _values(out)
 
     out = lax.while_loop(cond_fn, body_fn, [s.copies.get(d) for s, d in zip(init, loop.carry)])
@@ -260,8 +328,11 @@ def paint_cond(eqn, ins, ctx: Ctx) -> EqnPlan:
     for k, closed in enumerate(eqn.params["branches"]):
         jaxpr, c = open_jaxpr(closed)
         operands = [fresh(v, ctx.groups) for v in ops]
-        branches.append(paint.paint_jaxpr(jaxpr, _const_values(c, ctx), operands,
-                                          ctx.inside(f"{ctx.path}/branch{k}/")))
+        branches.append(
+            paint.paint_jaxpr(
+                jaxpr, _const_values(c, ctx), operands, ctx.inside(f"{ctx.path}/branch{k}/")
+            )
+        )
         consts.append(c)
     first = branches[0].jaxpr
     targets = []
@@ -271,8 +342,14 @@ def paint_cond(eqn, ins, ctx: Ctx) -> EqnPlan:
     for b in branches:
         _retarget(b, targets, ctx.groups)
     outs = tuple(fresh(v, ctx.groups) for v in branches[0].outs)
-    return EqnPlan(eqn, "cond", f"{len(branches)} branches painted on the same operands",
-                   (None,) * len(ins), outs, sub=CondPlan(branches, consts))
+    return EqnPlan(
+        eqn,
+        "cond",
+        f"{len(branches)} branches painted on the same operands",
+        (None,) * len(ins),
+        outs,
+        sub=CondPlan(branches, consts),
+    )
 
 
 def run_cond(plan: EqnPlan, slots):
@@ -281,8 +358,12 @@ def run_cond(plan: EqnPlan, slots):
 
     def branch(k):
         def fn(*arrays):
-            return _values(run_jaxpr(plan.sub.branches[k], const_slots(plan.sub.consts[k]),
-                                     _slots(arrays, dtypes)))
+            return _values(
+                run_jaxpr(
+                    plan.sub.branches[k], const_slots(plan.sub.consts[k]), _slots(arrays, dtypes)
+                )
+            )
+
         return fn
 
     out = lax.switch(index.value, [branch(k) for k in range(len(plan.sub.branches))], *_values(ops))
@@ -295,8 +376,14 @@ def paint_shard_map(eqn, ins, ctx: Ctx) -> EqnPlan:
     inner = [fresh(v, ctx.groups) for v in ins]  # per-shard values
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), inner, ctx.inside(ctx.path + "/"))
     outs = tuple(fresh(v, ctx.groups) for v in body.outs)
-    return EqnPlan(eqn, "shard_map", "body painted per shard", (None,) * len(ins), outs,
-                   sub=CallPlan(body, consts))
+    return EqnPlan(
+        eqn,
+        "shard_map",
+        "body painted per shard",
+        (None,) * len(ins),
+        outs,
+        sub=CallPlan(body, consts),
+    )
 
 
 def shard_map_kwargs(params) -> dict:
@@ -315,15 +402,22 @@ def shard_map_kwargs(params) -> dict:
         axes = frozenset(mesh.axis_names) - frozenset(params["auto"])
     else:
         axes = frozenset(mesh.axis_names)
-    return dict(mesh=mesh, in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]),
-                axis_names=set(axes), check_vma=params.get("check_vma", params.get("check_rep", True)))
+    return dict(
+        mesh=mesh,
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=set(axes),
+        check_vma=params.get("check_vma", params.get("check_rep", True)),
+    )
 
 
 def run_shard_map(plan: EqnPlan, slots):
     body, dtypes = plan.sub, [s.dtype for s in slots]
 
     def per_shard(*arrays):
-        return tuple(_values(run_jaxpr(body.body, const_slots(body.consts), _slots(arrays, dtypes))))
+        return tuple(
+            _values(run_jaxpr(body.body, const_slots(body.consts), _slots(arrays, dtypes)))
+        )
 
     out = jax.shard_map(per_shard, **shard_map_kwargs(plan.eqn.params))(*_values(slots))
     return [Slot.of(x) for x in out]
@@ -347,19 +441,32 @@ def custom_call_name(eqn) -> str:
 def paint_custom(eqn, ins, ctx: Ctx) -> EqnPlan:
     name = custom_call_name(eqn)
     if name not in ctx.policy.custom_calls:
-        return paint.declared(eqn, ins, ctx, f"{eqn.primitive.name} '{name}': declared dtypes, "
-                              "custom rule kept (opt in with AutocastPolicy.custom_calls)")
+        return paint.declared(
+            eqn,
+            ins,
+            ctx,
+            f"{eqn.primitive.name} '{name}': declared dtypes, "
+            "custom rule kept (opt in with AutocastPolicy.custom_calls)",
+        )
     jaxpr, consts = open_jaxpr(eqn.params["call_jaxpr"])
     inner = [fresh(v, ctx.groups) for v in ins]
     body = paint.paint_jaxpr(jaxpr, _const_values(consts, ctx), inner, ctx.inside(ctx.path + "/"))
     outs = tuple(fresh(v, ctx.groups) for v in body.outs)
-    return EqnPlan(eqn, "custom", f"'{name}' opted in: body under autocast, rule at declared dtypes",
-                   (None,) * len(ins), outs, sub=CustomPlan(body, consts))
+    return EqnPlan(
+        eqn,
+        "custom",
+        f"'{name}' opted in: body under autocast, rule at declared dtypes",
+        (None,) * len(ins),
+        outs,
+        sub=CustomPlan(body, consts),
+    )
 
 
 def _cast_tree(arrays, dtypes):
-    return [lax.convert_element_type(a, d) if paint.is_float(d) and paint.dtype_of(a) != norm(d) else a
-            for a, d in zip(arrays, dtypes)]
+    return [
+        lax.convert_element_type(a, d) if paint.is_float(d) and paint.dtype_of(a) != norm(d) else a
+        for a, d in zip(arrays, dtypes)
+    ]
 
 
 def run_custom(plan: EqnPlan, slots):
@@ -378,9 +485,12 @@ def run_custom(plan: EqnPlan, slots):
         fn = jax.custom_jvp(body)
 
         def jvp(primals, tangents):
-            _, t_out = jax.jvp(original, _cast_tree(primals, declared_in), _cast_tree(tangents, declared_in))
+            _, t_out = jax.jvp(
+                original, _cast_tree(primals, declared_in), _cast_tree(tangents, declared_in)
+            )
             out = fn(*primals)
             return out, _cast_tree(t_out, [paint.dtype_of(o) for o in out])
+
         fn.defjvp(jvp)
     else:
         fn = jax.custom_vjp(body)
@@ -392,21 +502,34 @@ def run_custom(plan: EqnPlan, slots):
             _, pullback = jax.vjp(original, *residuals)
             grads = pullback(_cast_tree(list(cts), declared_out))
             return tuple(_cast_tree(grads, dtypes))
+
         fn.defvjp(fwd, bwd)
     return [Slot.of(x) for x in fn(*_values(slots))]
 
 
-paint.PAINTERS.update({
-    **dict.fromkeys(CALLS, paint_call),
-    "remat2": paint_remat, "checkpoint": paint_remat,
-    "scan": paint_scan, "while": paint_while, "cond": paint_cond,
-    "shard_map": paint_shard_map,
-    "custom_jvp_call": paint_custom, "custom_vjp_call": paint_custom,
-})
-interpret.RUNNERS.update({
-    **dict.fromkeys(CALLS, run_call),
-    "remat2": run_remat, "checkpoint": run_remat,
-    "scan": run_scan, "while": run_while, "cond": run_cond,
-    "shard_map": run_shard_map,
-    "custom_jvp_call": run_custom, "custom_vjp_call": run_custom,
-})
+paint.PAINTERS.update(
+    {
+        **dict.fromkeys(CALLS, paint_call),
+        "remat2": paint_remat,
+        "checkpoint": paint_remat,
+        "scan": paint_scan,
+        "while": paint_while,
+        "cond": paint_cond,
+        "shard_map": paint_shard_map,
+        "custom_jvp_call": paint_custom,
+        "custom_vjp_call": paint_custom,
+    }
+)
+interpret.RUNNERS.update(
+    {
+        **dict.fromkeys(CALLS, run_call),
+        "remat2": run_remat,
+        "checkpoint": run_remat,
+        "scan": run_scan,
+        "while": run_while,
+        "cond": run_cond,
+        "shard_map": run_shard_map,
+        "custom_jvp_call": run_custom,
+        "custom_vjp_call": run_custom,
+    }
+)

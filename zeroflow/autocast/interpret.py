@@ -6,6 +6,7 @@ ordinary jax primitives, ``jax.grad`` of the interpreted function derives the ba
 from the half-precision forward (a low ``dot_general`` transposes into low dots), and the
 result composes with ``jit``, ``shard_map``, ``vmap`` and the rest.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,9 +19,9 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from zeroflow.util import jaxprs
 from zeroflow.autocast import lists, paint
 from zeroflow.autocast.policy import AutocastPolicy
+from zeroflow.util import jaxprs
 
 RUNNERS: dict[str, Callable] = {}
 """Primitive name -> ``runner(plan, slots) -> slots`` for higher-order primitives, filled by
@@ -58,7 +59,11 @@ class Copies:
         found = self._find(dtype)
         if found is None:
             source = self._widest()  # cast from the most precise copy
-            found = literal_as(source, dtype) if self.literal else lax.convert_element_type(source, dtype)
+            found = (
+                literal_as(source, dtype)
+                if self.literal
+                else lax.convert_element_type(source, dtype)
+            )
             self.arrays[dtype] = found
         return found
 
@@ -75,6 +80,7 @@ def literal_as(value, dtype):
 
 class Slot(NamedTuple):
     """A jaxpr variable's copies and the dtype the painting says it currently has."""
+
     copies: Copies
     dtype: Any
 
@@ -118,14 +124,18 @@ def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> 
                 env[var] = slot
 
     outs = [read(v) for v in jaxpr.outvars]
-    return [slot if target is None else Slot(slot.copies, paint.norm(target))
-            for slot, target in zip(outs, painting.out_dtypes)]
+    return [
+        slot if target is None else Slot(slot.copies, paint.norm(target))
+        for slot, target in zip(outs, painting.out_dtypes)
+    ]
 
 
 def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
     eqn = plan.eqn
-    args = [slot.value if dtype is None else slot.copies.get(dtype)
-            for slot, dtype in zip(slots, plan.in_dtypes)]
+    args = [
+        slot.value if dtype is None else slot.copies.get(dtype)
+        for slot, dtype in zip(slots, plan.in_dtypes)
+    ]
     out = jaxprs.bind(eqn, args, plan.params)
     result = []
     for array, value in zip(out, plan.outs):
@@ -164,10 +174,14 @@ def trace(fn, args, kwargs):
 def paint_closed(closed, low, policy: AutocastPolicy) -> paint.Painting:
     groups = paint.Groups()
     ctx = paint.Ctx(low=low, policy=policy, groups=groups)
-    consts = [paint.Value(dtype=paint.dtype_of(c), group=groups.new(paint.dtype_of(c)))
-              for c in closed.consts]
-    ins = [paint.Value(dtype=paint.norm(v.aval.dtype), group=groups.new(v.aval.dtype))
-           for v in closed.jaxpr.invars]
+    consts = [
+        paint.Value(dtype=paint.dtype_of(c), group=groups.new(paint.dtype_of(c)))
+        for c in closed.consts
+    ]
+    ins = [
+        paint.Value(dtype=paint.norm(v.aval.dtype), group=groups.new(v.aval.dtype))
+        for v in closed.jaxpr.invars
+    ]
     declared_out = [v.aval.dtype for v in closed.jaxpr.outvars]
     return paint.paint_jaxpr(closed.jaxpr, consts, ins, ctx, out_targets=declared_out)
 

@@ -22,6 +22,7 @@ Anything else keeps the dtypes the program declared (its inputs are cast back to
 numbers, linear algebra, FFTs, bit casts, ``custom_jvp``/``custom_vjp`` calls and
 ``pallas_call`` (unless a policy opts them in), and primitives we do not know.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -29,32 +30,129 @@ import numpy as np
 
 ALLOW = frozenset({"dot_general", "conv_general_dilated"})
 
-FP32 = frozenset({
-    # exponentials, logarithms, powers, roots
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "sqrt", "rsqrt", "cbrt",
-    # special functions with large dynamic range
-    "erf_inv", "lgamma", "digamma", "polygamma", "zeta", "igamma", "igammac", "igamma_grad_a",
-    "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e", "tan", "sinh", "cosh", "asin",
-    "acos", "asinh", "acosh", "atanh",
-    # accumulations
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
-    "scatter-add", "scatter-mul", "psum", "psum_invariant", "reduce_scatter",
-})
+FP32 = frozenset(
+    {
+        # exponentials, logarithms, powers, roots
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "pow",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        # special functions with large dynamic range
+        "erf_inv",
+        "lgamma",
+        "digamma",
+        "polygamma",
+        "zeta",
+        "igamma",
+        "igammac",
+        "igamma_grad_a",
+        "regularized_incomplete_beta",
+        "bessel_i0e",
+        "bessel_i1e",
+        "tan",
+        "sinh",
+        "cosh",
+        "asin",
+        "acos",
+        "asinh",
+        "acosh",
+        "atanh",
+        # accumulations
+        "reduce_sum",
+        "reduce_prod",
+        "cumsum",
+        "cumprod",
+        "cumlogsumexp",
+        "reduce_window_sum",
+        "scatter-add",
+        "scatter-mul",
+        "psum",
+        "psum_invariant",
+        "reduce_scatter",
+    }
+)
 
-FOLLOW = frozenset({
-    "add", "add_any", "sub", "mul", "div", "neg", "abs", "sign", "max", "min", "rem",
-    "integer_pow", "square", "tanh", "logistic", "erf", "erfc", "sin", "cos", "atan", "atan2",
-    "round", "floor", "ceil", "clamp", "select_n", "concatenate",
-})
+FOLLOW = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "abs",
+        "sign",
+        "max",
+        "min",
+        "rem",
+        "integer_pow",
+        "square",
+        "tanh",
+        "logistic",
+        "erf",
+        "erfc",
+        "sin",
+        "cos",
+        "atan",
+        "atan2",
+        "round",
+        "floor",
+        "ceil",
+        "clamp",
+        "select_n",
+        "concatenate",
+    }
+)
 
-NEUTRAL = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
-    "dynamic_slice", "gather", "rev", "copy", "copy_p", "reduce_max", "reduce_min", "argmax",
-    "argmin", "cummax", "cummin", "reduce_window_max", "reduce_window_min", "top_k",
-    "stop_gradient", "sharding_constraint", "mesh_cast", "reshard", "pvary", "pcast",
-    "all_gather", "all_gather_invariant", "all_to_all", "ppermute", "pmax", "pmin", "split",
-    "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
-})
+NEUTRAL = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "rev",
+        "copy",
+        "copy_p",
+        "reduce_max",
+        "reduce_min",
+        "argmax",
+        "argmin",
+        "cummax",
+        "cummin",
+        "reduce_window_max",
+        "reduce_window_min",
+        "top_k",
+        "stop_gradient",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+        "pvary",
+        "pcast",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "ppermute",
+        "pmax",
+        "pmin",
+        "split",
+        "is_finite",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+    }
+)
 COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 "Neutral ops that compare two operands: mixed dtypes compare in the wider one (exactly)."
 
@@ -86,8 +184,27 @@ def parse_dtype(dtype) -> np.dtype:
 def known_primitive_names() -> frozenset[str]:
     """Names a policy may mention: our lists, jax's public primitives and the higher-order ones."""
     import jax.extend.core.primitives as prims
-    public = {getattr(prims, a).name for a in dir(prims)
-              if a.endswith("_p") and hasattr(getattr(prims, a), "name")}
-    structural = {"scan", "while", "cond", "remat2", "checkpoint", "jit", "pjit", "closed_call",
-                  "core_call", "shard_map", "custom_jvp_call", "custom_vjp_call", "pallas_call"}
-    return frozenset(public | structural | ALLOW | FP32 | FOLLOW | NEUTRAL | OPERAND_LED | PASSTHROUGH)
+
+    public = {
+        getattr(prims, a).name
+        for a in dir(prims)
+        if a.endswith("_p") and hasattr(getattr(prims, a), "name")
+    }
+    structural = {
+        "scan",
+        "while",
+        "cond",
+        "remat2",
+        "checkpoint",
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "shard_map",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "pallas_call",
+    }
+    return frozenset(
+        public | structural | ALLOW | FP32 | FOLLOW | NEUTRAL | OPERAND_LED | PASSTHROUGH
+    )

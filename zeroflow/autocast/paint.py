@@ -11,6 +11,7 @@ Casts are tracked by *group*: a value and all its casts form one group, and a dt
 group already holds is never cast again. Explicit casts in the program join the group of their
 input, so back-to-back opposite casts cancel (the second returns the original).
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from zeroflow.util import jaxprs
 from zeroflow.autocast import cost, lists
 from zeroflow.autocast.policy import AutocastPolicy, split_scope
+from zeroflow.util import jaxprs
 
 F32 = np.dtype(np.float32)
 
@@ -61,6 +62,7 @@ def widened(dtype) -> np.dtype:
 @dataclasses.dataclass(frozen=True)
 class Value:
     """What painting knows about one value."""
+
     dtype: Any
     group: int
     "Id of the value's cast group (the value and its casts)."
@@ -145,8 +147,13 @@ class Ctx:
     "While painting one eqn: the indices of its outputs whose every use ends in fp32 ops."
 
     def inside(self, path: str, scope: str = "") -> Ctx:
-        return dataclasses.replace(self, path=path, scope=join_scope(self.scope, scope),
-                                   fp32_outs=frozenset(), eqn_fp32_outs=frozenset())
+        return dataclasses.replace(
+            self,
+            path=path,
+            scope=join_scope(self.scope, scope),
+            fp32_outs=frozenset(),
+            eqn_fp32_outs=frozenset(),
+        )
 
     def into_call(self, path: str) -> Ctx:
         """The context of an inlined call's body: its outputs' uses are the call's."""
@@ -160,8 +167,9 @@ def join_scope(outer: str, inner: str) -> str:
 def fresh(value: Value, groups: Groups, **changes) -> Value:
     """The same value held by a new group (a loop carry, a branch operand, a remat input)."""
     dtype = changes.pop("dtype", value.dtype)
-    return dataclasses.replace(value, dtype=norm(dtype), group=groups.new(dtype), literal=False,
-                               cast_share=1.0, **changes)
+    return dataclasses.replace(
+        value, dtype=norm(dtype), group=groups.new(dtype), literal=False, cast_share=1.0, **changes
+    )
 
 
 def literal_value(lit, groups: Groups) -> Value:
@@ -187,11 +195,14 @@ def paint_jaxpr(jaxpr, const_values, in_values, ctx: Ctx, out_targets=None) -> P
     allow_uses = count_allow_uses(jaxpr, ctx.policy)
     plans = []
     for i, eqn in enumerate(jaxpr.eqns):
-        ins = [read(v) if isinstance(v, jcore.Literal) else _share(read(v), allow_uses.get(v, 1))
-               for v in eqn.invars]
+        ins = [
+            read(v) if isinstance(v, jcore.Literal) else _share(read(v), allow_uses.get(v, 1))
+            for v in eqn.invars
+        ]
         sub_ctx = dataclasses.replace(
             ctx.inside(f"{ctx.path}{eqn.primitive.name}#{i}", str(eqn.source_info.name_stack)),
-            eqn_fp32_outs=frozenset(k for k, v in enumerate(eqn.outvars) if v in fp32_only))
+            eqn_fp32_outs=frozenset(k for k, v in enumerate(eqn.outvars) if v in fp32_only),
+        )
         painter = PAINTERS.get(eqn.primitive.name)
         if painter is not None:
             plan = painter(eqn, ins, sub_ctx)
@@ -254,8 +265,11 @@ def uses_only_fp32(jaxpr, policy: AutocastPolicy, fp32_outs=frozenset()) -> set:
             return True
         if kind not in ("follow", "neutral"):
             return False
-        return all(v in result for v in eqn.outvars
-                   if not isinstance(v, jcore.DropVar) and is_float(v.aval.dtype))
+        return all(
+            v in result
+            for v in eqn.outvars
+            if not isinstance(v, jcore.DropVar) and is_float(v.aval.dtype)
+        )
 
     def decide(v) -> None:
         if isinstance(v, jcore.DropVar) or v in other_outputs or not is_float(v.aval.dtype):
@@ -291,8 +305,14 @@ def paint_simple(eqn, ins, ctx: Ctx, fp32_only: set) -> EqnPlan:
         return _paint_convert(eqn, ins, ctx)
     floats = [i for i, v in enumerate(eqn.invars) if is_float(v.aval.dtype)]
     if any(ins[i].pinned for i in floats) or lists.UNSCALE_SCOPE in split_scope(ctx.scope):
-        return declared(eqn, ins, ctx, "after gradient unscaling: fp32 from here on", decision="fp32",
-                        pinned=True)
+        return declared(
+            eqn,
+            ins,
+            ctx,
+            "after gradient unscaling: fp32 from here on",
+            decision="fp32",
+            pinned=True,
+        )
     if not floats:
         return declared(eqn, ins, ctx, "no floating-point input", decision="neutral")
     if any(np.dtype(eqn.invars[i].aval.dtype).itemsize > 4 for i in floats):
@@ -311,27 +331,60 @@ def paint_simple(eqn, ins, ctx: Ctx, fp32_only: set) -> EqnPlan:
         return _paint_neutral(eqn, ins, ctx, floats, fp32_only)
     if kind == "operand_led":
         lead = ins[floats[0]]
-        return run_at(eqn, ins, ctx, floats, lead.dtype, "neutral",
-                      "update takes the buffer's dtype", sensitive=lead.sensitive)
+        return run_at(
+            eqn,
+            ins,
+            ctx,
+            floats,
+            lead.dtype,
+            "neutral",
+            "update takes the buffer's dtype",
+            sensitive=lead.sensitive,
+        )
     if kind == "passthrough":
         return _paint_passthrough(eqn, ins, ctx)
     return declared(eqn, ins, ctx, "not on any list: declared dtypes")
 
 
-def declared(eqn, ins, ctx: Ctx, reason: str, *, decision: str = "declared",
-             pinned: bool = False, sensitive="inherit") -> EqnPlan:
+def declared(
+    eqn,
+    ins,
+    ctx: Ctx,
+    reason: str,
+    *,
+    decision: str = "declared",
+    pinned: bool = False,
+    sensitive="inherit",
+) -> EqnPlan:
     """Run ``eqn`` exactly as the program declared it: inputs cast back to their declared
     dtypes. ``sensitive``: True or False for the outputs, or "inherit" from the inputs."""
     in_dtypes = tuple(_cast_to(val, v.aval.dtype, ctx) for v, val in zip(eqn.invars, ins))
     pinned = pinned or any(val.pinned for val in ins)
     sens = any(val.sensitive for val in ins) if sensitive == "inherit" else sensitive
-    outs = tuple(Value(dtype=norm(v.aval.dtype), group=ctx.groups.new(v.aval.dtype), sensitive=sens,
-                       pinned=pinned) for v in eqn.outvars)
+    outs = tuple(
+        Value(
+            dtype=norm(v.aval.dtype),
+            group=ctx.groups.new(v.aval.dtype),
+            sensitive=sens,
+            pinned=pinned,
+        )
+        for v in eqn.outvars
+    )
     return EqnPlan(eqn, decision, reason, in_dtypes, outs)
 
 
-def run_at(eqn, ins, ctx: Ctx, floats, dtype, decision: str, reason: str, *,
-           sensitive: bool = False, params=None) -> EqnPlan:
+def run_at(
+    eqn,
+    ins,
+    ctx: Ctx,
+    floats,
+    dtype,
+    decision: str,
+    reason: str,
+    *,
+    sensitive: bool = False,
+    params=None,
+) -> EqnPlan:
     """Cast the floating inputs to ``dtype`` (fp32-list ops: widen to at least fp32) and run."""
     in_dtypes = [None] * len(ins)
     for i in floats:
@@ -343,8 +396,14 @@ def run_at(eqn, ins, ctx: Ctx, floats, dtype, decision: str, reason: str, *,
         out_dtype = norm(v.aval.dtype)
         if is_float(out_dtype) and out_dtype in float_in:
             out_dtype = widened(out_dtype) if decision == "fp32" else np.dtype(dtype)
-        outs.append(Value(dtype=out_dtype, group=ctx.groups.new(out_dtype),
-                          sensitive=sensitive and is_float(out_dtype), at_rest=False))
+        outs.append(
+            Value(
+                dtype=out_dtype,
+                group=ctx.groups.new(out_dtype),
+                sensitive=sensitive and is_float(out_dtype),
+                at_rest=False,
+            )
+        )
     return EqnPlan(eqn, decision, reason, tuple(in_dtypes), tuple(outs), params=params)
 
 
@@ -369,8 +428,9 @@ def _paint_convert(eqn, ins, ctx: Ctx) -> EqnPlan:
     if np.dtype(x.dtype) != new:
         ctx.groups.add(x.group, new)
     out = dataclasses.replace(x, dtype=new, sensitive=x.sensitive and new.itemsize >= 4)
-    return EqnPlan(eqn, "alias", f"explicit cast to {new.name} (shares the value's casts)",
-                   (None,), (out,))
+    return EqnPlan(
+        eqn, "alias", f"explicit cast to {new.name} (shares the value's casts)", (None,), (out,)
+    )
 
 
 def _paint_allow(eqn, ins, ctx: Ctx, floats, forced: bool) -> EqnPlan:
@@ -378,16 +438,22 @@ def _paint_allow(eqn, ins, ctx: Ctx, floats, forced: bool) -> EqnPlan:
     if forced or not ctx.policy.cost_model:
         reason = "allow list (policy: low scope)" if forced else "allow list"
     else:
-        operands = [cost.Operand(size=cost.size_of(eqn.invars[i].aval),
-                                 is_low=np.dtype(ins[i].dtype) == low,
-                                 cast_ready=ins[i].literal or ctx.groups.has(ins[i].group, low),
-                                 cast_share=ins[i].cast_share, at_rest=ins[i].at_rest)
-                    for i in floats]
+        operands = [
+            cost.Operand(
+                size=cost.size_of(eqn.invars[i].aval),
+                is_low=np.dtype(ins[i].dtype) == low,
+                cast_ready=ins[i].literal or ctx.groups.has(ins[i].group, low),
+                cast_share=ins[i].cast_share,
+                at_rest=ins[i].at_rest,
+            )
+            for i in floats
+        ]
         out_size = sum(cost.size_of(v.aval) for v in eqn.outvars)
         verdict = cost.judge(operands, out_size, train=ctx.policy.train)
         if not verdict.convert:
-            return declared(eqn, ins, ctx, "allow list, " + verdict.reason(), decision="fp32",
-                            sensitive=False)
+            return declared(
+                eqn, ins, ctx, "allow list, " + verdict.reason(), decision="fp32", sensitive=False
+            )
         reason = "allow list, " + verdict.reason()
     params = dict(eqn.params)
     if "preferred_element_type" in params:
@@ -405,15 +471,26 @@ def _low_compatible(value: Value, eqn_var, low) -> bool:
 
 def _paint_follow(eqn, ins, ctx: Ctx, floats, fp32_only: set) -> EqnPlan:
     low = ctx.low
-    outs_fp32 = [v for v in eqn.outvars if is_float(v.aval.dtype) and not isinstance(v, jcore.DropVar)]
+    outs_fp32 = [
+        v for v in eqn.outvars if is_float(v.aval.dtype) and not isinstance(v, jcore.DropVar)
+    ]
     if outs_fp32 and all(v in fp32_only for v in outs_fp32):
-        return run_at(eqn, ins, ctx, floats, F32, "fp32", "every use ends in an fp32-list op",
-                      sensitive=True)
+        return run_at(
+            eqn, ins, ctx, floats, F32, "fp32", "every use ends in an fp32-list op", sensitive=True
+        )
     half_in = any(np.dtype(ins[i].dtype) == low and not ins[i].literal for i in floats)
     sensitive = any(ins[i].sensitive and np.dtype(ins[i].dtype) != low for i in floats)
     if sensitive:
-        return run_at(eqn, ins, ctx, floats, F32, "fp32", "an input comes from an fp32-list op",
-                      sensitive=True)
+        return run_at(
+            eqn,
+            ins,
+            ctx,
+            floats,
+            F32,
+            "fp32",
+            "an input comes from an fp32-list op",
+            sensitive=True,
+        )
     if half_in:
         return run_at(eqn, ins, ctx, floats, low, "low", "follows its half input")
     return declared(eqn, ins, ctx, "no half input", decision="neutral")
@@ -428,18 +505,37 @@ def _paint_neutral(eqn, ins, ctx: Ctx, floats, fp32_only: set) -> EqnPlan:
     if len(dtypes) == 1:
         dtype = dtypes.pop()
         only = ins[arrays[0]]
-        if (len(arrays) == 1 and dtype != ctx.low and not (only.sensitive or only.pinned)
-                and ctx.groups.has(only.group, ctx.low)):
+        if (
+            len(arrays) == 1
+            and dtype != ctx.low
+            and not (only.sensitive or only.pinned)
+            and ctx.groups.has(only.group, ctx.low)
+        ):
             # e.g. ``w.T`` after ``w`` was cast for another matmul: move the half copy, not
             # the fp32 one, so the weight is not cast a second time.
             return run_at(eqn, ins, ctx, floats, ctx.low, "low", "uses the half copy made earlier")
-        if comparison and dtype == ctx.low and not all(
-                _low_compatible(ins[i], eqn.invars[i], ctx.low) for i in floats):
+        if (
+            comparison
+            and dtype == ctx.low
+            and not all(_low_compatible(ins[i], eqn.invars[i], ctx.low) for i in floats)
+        ):
             return run_at(eqn, ins, ctx, floats, F32, "fp32", "compares with a constant in fp32")
-        plan = run_at(eqn, ins, ctx, floats, dtype, "neutral", "takes its input's dtype",
-                      sensitive=any(ins[i].sensitive for i in arrays))
-        if len(arrays) == 1 and len(plan.outs) == 1 and only.at_rest and (
-                cost.size_of(eqn.outvars[0].aval) == cost.size_of(eqn.invars[arrays[0]].aval)):
+        plan = run_at(
+            eqn,
+            ins,
+            ctx,
+            floats,
+            dtype,
+            "neutral",
+            "takes its input's dtype",
+            sensitive=any(ins[i].sensitive for i in arrays),
+        )
+        if (
+            len(arrays) == 1
+            and len(plan.outs) == 1
+            and only.at_rest
+            and (cost.size_of(eqn.outvars[0].aval) == cost.size_of(eqn.invars[arrays[0]].aval))
+        ):
             # a transpose / reshape of a weight: casting it reads the whole weight as before
             plan.outs = (dataclasses.replace(plan.outs[0], at_rest=True),)
         return plan
@@ -450,8 +546,12 @@ def _paint_neutral(eqn, ins, ctx: Ctx, floats, fp32_only: set) -> EqnPlan:
 
 def _paint_passthrough(eqn, ins, ctx: Ctx) -> EqnPlan:
     # Each output is a new array in the interpreter, so it starts a group of its own.
-    outs = tuple(fresh(ins[i], ctx.groups) if i < len(ins) and is_float(v.aval.dtype) else
-                 Value(dtype=norm(v.aval.dtype), group=ctx.groups.new(v.aval.dtype))
-                 for i, v in enumerate(eqn.outvars))
-    return EqnPlan(eqn, "neutral", "each operand passes through in its own dtype",
-                   (None,) * len(ins), outs)
+    outs = tuple(
+        fresh(ins[i], ctx.groups)
+        if i < len(ins) and is_float(v.aval.dtype)
+        else Value(dtype=norm(v.aval.dtype), group=ctx.groups.new(v.aval.dtype))
+        for i, v in enumerate(eqn.outvars)
+    )
+    return EqnPlan(
+        eqn, "neutral", "each operand passes through in its own dtype", (None,) * len(ins), outs
+    )

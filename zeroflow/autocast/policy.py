@@ -1,4 +1,5 @@
 """``AutocastPolicy``: per-primitive and per-name-scope overrides of the default lists."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,9 @@ def _as_tuple(value, field: str) -> tuple[str, ...]:
     try:
         items = tuple(value)
     except TypeError:
-        raise ValueError(f"AutocastPolicy.{field} must be a sequence of strings, got {value!r}") from None
+        raise ValueError(
+            f"AutocastPolicy.{field} must be a sequence of strings, got {value!r}"
+        ) from None
     bad = [x for x in items if not isinstance(x, str) or not x]
     if bad:
         raise ValueError(f"AutocastPolicy.{field} must hold non-empty strings, got {bad[0]!r}")
@@ -30,6 +33,7 @@ class AutocastPolicy:
     ``docs/autocast.md``). Scope names match ``jax.named_scope`` names and Flax module paths
     (``"Block_0/attn"`` or just ``"attn"``), as a run of whole path components.
     """
+
     low: tuple[str, ...] = ()
     "Extra primitives that start in half precision (added to the allow list)."
     fp32: tuple[str, ...] = ()
@@ -52,22 +56,30 @@ class AutocastPolicy:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             if field.type == "tuple[str, ...]":
-                object.__setattr__(self, field.name, _as_tuple(getattr(self, field.name), field.name))
+                object.__setattr__(
+                    self, field.name, _as_tuple(getattr(self, field.name), field.name)
+                )
         known = lists.known_primitive_names()
         seen: dict[str, str] = {}
         for field in _PRIMITIVE_FIELDS:
             for name in getattr(self, field):
                 if name not in known:
                     close = sorted(k for k in known if k.startswith(name[:3]))[:8]
-                    raise ValueError(f"AutocastPolicy.{field}: unknown primitive {name!r}"
-                                     + (f"; similar: {close}" if close else ""))
+                    raise ValueError(
+                        f"AutocastPolicy.{field}: unknown primitive {name!r}"
+                        + (f"; similar: {close}" if close else "")
+                    )
                 if name in seen:
-                    raise ValueError(f"AutocastPolicy: primitive {name!r} is in both "
-                                     f"{seen[name]!r} and {field!r}")
+                    raise ValueError(
+                        f"AutocastPolicy: primitive {name!r} is in both "
+                        f"{seen[name]!r} and {field!r}"
+                    )
                 seen[name] = field
         for field in ("cost_model", "train"):
             if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"AutocastPolicy.{field} must be True or False, got {getattr(self, field)!r}")
+                raise ValueError(
+                    f"AutocastPolicy.{field} must be True or False, got {getattr(self, field)!r}"
+                )
 
     def category(self, primitive: str) -> str:
         """``"low"``, ``"fp32"``, ``"follow"``, ``"neutral"``, ``"operand_led"``,
@@ -77,9 +89,13 @@ class AutocastPolicy:
                 return field
         if primitive in lists.ALLOW:
             return "low"
-        for name, members in (("fp32", lists.FP32), ("follow", lists.FOLLOW),
-                              ("neutral", lists.NEUTRAL), ("operand_led", lists.OPERAND_LED),
-                              ("passthrough", lists.PASSTHROUGH)):
+        for name, members in (
+            ("fp32", lists.FP32),
+            ("follow", lists.FOLLOW),
+            ("neutral", lists.NEUTRAL),
+            ("operand_led", lists.OPERAND_LED),
+            ("passthrough", lists.PASSTHROUGH),
+        ):
             if primitive in members:
                 return name
         return "keep"
@@ -101,4 +117,4 @@ def split_scope(scope: str) -> list[str]:
 
 def _contains_run(parts: list[str], run: list[str]) -> bool:
     n = len(run)
-    return n > 0 and any(parts[i:i + n] == run for i in range(len(parts) - n + 1))
+    return n > 0 and any(parts[i : i + n] == run for i in range(len(parts) - n + 1))

@@ -1,4 +1,5 @@
 """Precision as one value: compute dtype, master dtype and the loss-scaling policy."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,10 +26,13 @@ def parse_loss_scale(value: Any) -> str | float:
         try:
             value = float(value)
         except ValueError:
-            raise ValueError(f"loss_scale must be 'none', 'dynamic' or a positive number, "
-                             f"got {value!r}") from None
+            raise ValueError(
+                f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}"
+            ) from None
     elif not _is_number(value):
-        raise ValueError(f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}")
+        raise ValueError(
+            f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}"
+        )
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"a static loss_scale must be a positive finite number, got {value!r}")
     return value
@@ -39,6 +43,7 @@ class LossScaleState:
     """Current loss scale, the count of clean steps since it last changed and the count of
     consecutive skipped steps. ``dynamic`` (static): whether the scale adapts; a static scale is
     always the configured one, also after restoring a checkpoint saved with another."""
+
     scale: jax.Array
     good_steps: jax.Array
     skips: jax.Array
@@ -50,10 +55,11 @@ class Precision:
     """``params``: compute dtype of the weights the forward pass uses; ``master``: dtype of the
     weights the optimizer updates; ``loss_scale``: "none", "dynamic" or a positive float;
     ``autocast``: "none", or "bf16" / "fp16" to run the loss under ``zf.autocast``."""
+
     params: str = "fp32"
     master: str = "fp32"
     loss_scale: Any = "none"
-    init_scale: float = 2.0 ** 15
+    init_scale: float = 2.0**15
     "Starting scale for dynamic loss scaling."
     growth_interval: int = 2000
     "Clean steps after which a dynamic scale doubles."
@@ -70,22 +76,26 @@ class Precision:
     " sum is rounded to that dtype)."
 
     @classmethod
-    def from_config(cls, section) -> "Precision":
+    def from_config(cls, section) -> Precision:
         """From the config's ``precision`` section (``zeroflow.config.PrecisionConfig``), whose
         fields carry the same names: a field only one side has fails here, not silently."""
         return cls(**dataclasses.asdict(section))
 
     def __post_init__(self):
         if not isinstance(self.params, str) or self.params not in DTYPES:
-            raise ValueError(f"unknown params dtype {self.params!r}; choose one of {sorted(DTYPES)}")
+            raise ValueError(
+                f"unknown params dtype {self.params!r}; choose one of {sorted(DTYPES)}"
+            )
         if self.master not in MASTER_DTYPES:
             raise ValueError(f"unknown master dtype {self.master!r}; master weights are 'fp32'")
         object.__setattr__(self, "loss_scale", parse_loss_scale(self.loss_scale))
         self._check_scaling_fields()
         self._check_autocast()
         if not isinstance(self.reduce, str) or self.reduce not in ("fp32", self.params):
-            raise ValueError(f"unknown reduce dtype {self.reduce!r}; gradients are summed in 'fp32' "
-                             f"or the compute dtype (params={self.params!r})")
+            raise ValueError(
+                f"unknown reduce dtype {self.reduce!r}; gradients are summed in 'fp32' "
+                f"or the compute dtype (params={self.params!r})"
+            )
 
     def _check_scaling_fields(self):
         for name in ("init_scale", "min_scale"):
@@ -97,8 +107,9 @@ class Precision:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.min_scale > self.init_scale:
-            raise ValueError(f"min_scale ({self.min_scale:g}) must not exceed init_scale "
-                             f"({self.init_scale:g})")
+            raise ValueError(
+                f"min_scale ({self.min_scale:g}) must not exceed init_scale ({self.init_scale:g})"
+            )
 
     def _check_autocast(self):
         if not isinstance(self.autocast, str) or self.autocast not in AUTOCAST:
@@ -106,11 +117,15 @@ class Precision:
         if self.autocast == "none":
             return
         if self.params not in ("fp32", self.autocast):
-            raise ValueError(f"autocast={self.autocast!r} with params={self.params!r} mixes two half "
-                             f"types; use params='fp32' or params={self.autocast!r}")
+            raise ValueError(
+                f"autocast={self.autocast!r} with params={self.params!r} mixes two half "
+                f"types; use params='fp32' or params={self.autocast!r}"
+            )
         if self.autocast == "fp16" and not self.scaled:
-            raise ValueError("autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
-                             "in fp16); set loss_scale='dynamic' or a number")
+            raise ValueError(
+                "autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
+                "in fp16); set loss_scale='dynamic' or a number"
+            )
 
     @property
     def summary(self) -> str:
@@ -140,8 +155,12 @@ class Precision:
         if not self.scaled:
             return None
         zero = jnp.asarray(0, jnp.int32)
-        return LossScaleState(scale=jnp.asarray(self.start_scale, jnp.float32), good_steps=zero,
-                              skips=zero, dynamic=self.dynamic)
+        return LossScaleState(
+            scale=jnp.asarray(self.start_scale, jnp.float32),
+            good_steps=zero,
+            skips=zero,
+            dynamic=self.dynamic,
+        )
 
     @property
     def start_scale(self) -> float:
@@ -160,16 +179,25 @@ class Precision:
             return state
         skips = jnp.where(finite, 0, state.skips + 1).astype(jnp.int32)
         if not self.dynamic:
-            return LossScaleState(scale=self.step_scale(state), good_steps=state.good_steps,
-                                  skips=skips, dynamic=False)
+            return LossScaleState(
+                scale=self.step_scale(state),
+                good_steps=state.good_steps,
+                skips=skips,
+                dynamic=False,
+            )
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = good >= self.growth_interval
-        scale = jnp.where(finite,
-                          jnp.where(grow, state.scale * 2.0, state.scale),
-                          jnp.maximum(state.scale * 0.5, self.min_scale))
-        return LossScaleState(scale=scale.astype(jnp.float32),
-                              good_steps=jnp.where(grow, 0, good).astype(jnp.int32), skips=skips,
-                              dynamic=True)
+        scale = jnp.where(
+            finite,
+            jnp.where(grow, state.scale * 2.0, state.scale),
+            jnp.maximum(state.scale * 0.5, self.min_scale),
+        )
+        return LossScaleState(
+            scale=scale.astype(jnp.float32),
+            good_steps=jnp.where(grow, 0, good).astype(jnp.int32),
+            skips=skips,
+            dynamic=True,
+        )
 
 
 def _is_number(value) -> bool:

@@ -1,4 +1,5 @@
 """``zf.autocast_report``: every decision the painting made, and why."""
+
 from __future__ import annotations
 
 import collections
@@ -39,11 +40,14 @@ class AutocastReport:
 
     def __str__(self) -> str:
         head = ("path", "op", "inputs", "outputs", "decision", "reason")
-        rows = [head] + [(d.path, d.primitive, d.inputs, d.outputs, d.decision, d.reason)
-                         for d in self.decisions]
+        rows = [head] + [
+            (d.path, d.primitive, d.inputs, d.outputs, d.decision, d.reason) for d in self.decisions
+        ]
         widths = [min(max(len(r[k]) for r in rows), 48) for k in range(len(head) - 1)]
-        lines = [f"autocast {self.dtype}: {len(self.decisions)} decisions "
-                 + ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items()))]
+        lines = [
+            f"autocast {self.dtype}: {len(self.decisions)} decisions "
+            + ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items()))
+        ]
         for r in rows:
             lines.append("  ".join(c[:w].ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
         return "\n".join(lines)
@@ -69,8 +73,17 @@ def _rows(painting: paint.Painting, out: list) -> None:
             text = _type(var.aval, value.dtype) + ("" if cast is None else f"->{_short(cast)}")
             ins.append(("lit " if isinstance(var, jcore.Literal) else "") + text)
         outs = [_type(v.aval, val.dtype) for v, val in zip(eqn.outvars, plan.outs)]
-        out.append(Decision(plan.path, eqn.primitive.name, plan.scope, " ".join(ins),
-                            " ".join(outs), plan.decision, plan.reason))
+        out.append(
+            Decision(
+                plan.path,
+                eqn.primitive.name,
+                plan.scope,
+                " ".join(ins),
+                " ".join(outs),
+                plan.decision,
+                plan.reason,
+            )
+        )
         for sub in _sub_paintings(plan.sub):
             _rows(sub, out)
 
@@ -85,7 +98,9 @@ def _sub_paintings(sub) -> list:
     return [sub.body]
 
 
-def autocast_report(fn, *args, dtype="bf16", policy: AutocastPolicy | None = None, **kwargs) -> AutocastReport:
+def autocast_report(
+    fn, *args, dtype="bf16", policy: AutocastPolicy | None = None, **kwargs
+) -> AutocastReport:
     """What ``zf.autocast(fn, dtype, policy)`` would do on these arguments (arrays or
     ``jax.ShapeDtypeStruct``s; nothing is computed). ``print()`` it for a table."""
     low = lists.parse_dtype(dtype)

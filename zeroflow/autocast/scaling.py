@@ -6,6 +6,7 @@ Unscaling runs inside the ``UNSCALE_SCOPE`` name scope: ``zf.autocast`` keeps it
 everything computed from its result (the optimizer update, if the whole step is autocast), in
 fp32.
 """
+
 from __future__ import annotations
 
 import jax
@@ -19,11 +20,16 @@ from zeroflow.autocast.precision import LossScaleState, Precision
 def unscale(grads, scale):
     """``(grads / scale in fp32, all finite)``, marked as the end of half precision."""
     with jax.named_scope(UNSCALE_SCOPE):
+
         def one(g):
             return g.astype(jnp.float32) / scale if jnp.issubdtype(g.dtype, jnp.floating) else g
+
         grads = jax.tree.map(one, grads)
-        checks = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)
-                  if jnp.issubdtype(g.dtype, jnp.floating)]
+        checks = [
+            jnp.all(jnp.isfinite(g))
+            for g in jax.tree.leaves(grads)
+            if jnp.issubdtype(g.dtype, jnp.floating)
+        ]
         finite = jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
     return grads, finite
 
@@ -44,8 +50,10 @@ def scaled_value_and_grad(fn, prec: Precision, *, argnums=0, has_aux: bool = Fal
 
     def grad_fn(loss_scale: LossScaleState | None, *args, **kwargs):
         if prec.scaled and not isinstance(loss_scale, LossScaleState):
-            raise ValueError("loss_scale must be the LossScaleState from prec.init_loss_scale() "
-                             f"(or the one the last call returned), got {type(loss_scale).__name__}")
+            raise ValueError(
+                "loss_scale must be the LossScaleState from prec.init_loss_scale() "
+                f"(or the one the last call returned), got {type(loss_scale).__name__}"
+            )
         scale = loss_scale.scale if prec.scaled else jnp.ones((), jnp.float32)
 
         def scaled(*a, **k):

@@ -1,5 +1,6 @@
 """Device meshes with the two axes zeroflow shards over: ``data`` (ZeRO + data parallel) and
 ``model`` (tensor parallel)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -12,7 +13,9 @@ DATA = "data"
 MODEL = "model"
 
 
-def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    data: int = -1, model: int = 1, *, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A ``Mesh`` with axes ``("data", "model")`` over ``devices`` (default: all devices).
 
     ``-1`` on one axis takes the remaining devices. The product must equal the device count:
@@ -29,12 +32,14 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence[jax.Device] |
         known = model if data == -1 else data
         if n % known:
             raise ValueError(
-                f"mesh: {n} devices do not divide by {MODEL if data == -1 else DATA}={known}")
+                f"mesh: {n} devices do not divide by {MODEL if data == -1 else DATA}={known}"
+            )
         data, model = (n // known, model) if data == -1 else (data, n // known)
     if data * model != n:
         raise ValueError(
             f"mesh data={data} x model={model} needs {data * model} devices, but {n} are available "
-            f"({jax.default_backend()}); use -1 for one axis to take the rest")
+            f"({jax.default_backend()}); use -1 for one axis to take the rest"
+        )
     grid = np.asarray(devices, dtype=object).reshape(data, model)
     # Auto axes: shardings are propagated by the compiler (GSPMD/Shardy); zeroflow places the
     # explicit collectives itself inside shard_map where the HLO must show them.
@@ -48,4 +53,6 @@ def planning_mesh(data: int, model: int = 1) -> AbstractMesh:
     for name, size in ((DATA, data), (MODEL, model)):
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"mesh axis {name!r} must be a positive int, got {size!r}")
-    return AbstractMesh((int(data), int(model)), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+    return AbstractMesh(
+        (int(data), int(model)), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto)
+    )

@@ -15,6 +15,7 @@ or ``jax-cuda13-plugin`` + ``jax-cuda13-pjrt`` (no CUDA libraries, no driver;
 ``zeroflow.util.compat.cuda_plugin_module``), and the CPU as JAX's platform: without
 ``JAX_PLATFORMS=cpu`` the plugin tries to start a GPU, fails, and never registers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,7 @@ TARGETS = {
     "h100": "h100.txtpb",  # SXM5 80 GB
     "h200": "h200.txtpb",  # SXM 141 GB
     "a100": "a100.txtpb",  # SXM4 80 GB
-    "l4": "l4.txtpb",      # 24 GB
+    "l4": "l4.txtpb",  # 24 GB
     "v100": "v100.txtpb",  # SXM2 32 GB (sm_70)
 }
 "Target GPU names and their spec files."
@@ -68,35 +69,44 @@ def spec_field(text: str, field: str) -> str:
 
 def install_hint() -> str:
     import jaxlib.version
-    return f"{cuda_plugin_install_hint(jaxlib.version.__version__)} (and run with JAX_PLATFORMS=cpu)"
+
+    return (
+        f"{cuda_plugin_install_hint(jaxlib.version.__version__)} (and run with JAX_PLATFORMS=cpu)"
+    )
 
 
 def plugin_installed() -> bool:
     return cuda_plugin_installed()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _topology(gpu: str, hosts: int, per_host: int):
     from jax.experimental import topologies
+
     if not plugin_installed():
-        raise TargetUnavailable(f"compiling for a {gpu} target needs the CUDA plugin: "
-                                f"{install_hint()}")
+        raise TargetUnavailable(
+            f"compiling for a {gpu} target needs the CUDA plugin: {install_hint()}"
+        )
     text = spec_text(gpu)
     _check_ptxas(gpu, text)
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=text,
-                                            topology=f"1x{hosts}x{per_host}")
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=text, topology=f"1x{hosts}x{per_host}"
+        )
     except Exception as e:  # the plugin did not register (platform) or rejected the spec
         platforms = os.environ.get("JAX_PLATFORMS", "")
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         if platforms != "cpu":
             raise TargetUnavailable(
                 f"compiling for a {gpu} target needs JAX_PLATFORMS=cpu set before JAX starts "
-                f"(it is {platforms!r}): {why}") from None
-        raise TargetUnavailable(f"the CUDA plugin could not describe a {gpu} topology ({why}); "
-                                f"{install_hint()}") from None
+                f"(it is {platforms!r}): {why}"
+            ) from None
+        raise TargetUnavailable(
+            f"the CUDA plugin could not describe a {gpu} topology ({why}); {install_hint()}"
+        ) from None
     _MEMORY[spec_field(text, "device_description_str")] = int(
-        spec_field(text, "device_memory_size"))
+        spec_field(text, "device_memory_size")
+    )
     return topo
 
 
@@ -108,6 +118,7 @@ def ptxas_path() -> str | None:
     """The ptxas XLA:GPU runs: under jax's CUDA path (``CUDA_ROOT``, or the ``nvidia-cuda-nvcc``
     wheel) when it has one, else the first on ``PATH``, else ``/usr/local/cuda``'s."""
     from jax._src import lib  # the CUDA root jax hands XLA (xla_gpu_cuda_data_dir)
+
     if lib.cuda_path and (Path(lib.cuda_path) / "bin" / "ptxas").is_file():
         return str(Path(lib.cuda_path) / "bin" / "ptxas")
     found = shutil.which("ptxas")
@@ -139,13 +150,17 @@ def _check_ptxas(gpu: str, text: str) -> None:
     release = ptxas_release(path) if path else None
     if release is not None and release[0] <= last_cuda:
         return
-    found = f"{path} is CUDA {release[0]}.{release[1]}'s" if release else (
-        f"{path} gives no version" if path else "no ptxas was found")
+    found = (
+        f"{path} is CUDA {release[0]}.{release[1]}'s"
+        if release
+        else (f"{path} gives no version" if path else "no ptxas was found")
+    )
     raise TargetUnavailable(
         f"XLA:GPU compiles for a {gpu} (sm_{major}{minor}) only with CUDA {last_cuda}'s ptxas "
         f"(CUDA 13 dropped compute capabilities below 7.5) and {found}: pip install --target DIR "
         f"nvidia-cuda-nvcc-cu{last_cuda}, then run with CUDA_ROOT=DIR/nvidia/cuda_nvcc set before "
-        "JAX starts")
+        "JAX starts"
+    )
 
 
 def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1) -> Mesh:
@@ -160,8 +175,10 @@ def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1) -> Mesh:
             raise ValueError(f"target_mesh: {name} must be a positive int, got {size!r}")
     total = data * model
     if total % hosts or (total // hosts) % model:
-        raise ValueError(f"target_mesh: {data} x {model} devices do not split into {hosts} hosts "
-                         f"holding whole rows of model={model}")
+        raise ValueError(
+            f"target_mesh: {data} x {model} devices do not split into {hosts} hosts "
+            f"holding whole rows of model={model}"
+        )
     topo = _topology(gpu.lower(), int(hosts), total // hosts)
     devices = sorted(topo.devices, key=lambda d: (d.process_index, d.id))
     grid = np.asarray(devices, dtype=object).reshape(data, model)

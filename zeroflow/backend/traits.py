@@ -10,6 +10,7 @@ CPU test mesh, a real GPU and a GPU target of abstract devices (``zf.target_mesh
 While a step is traced its traits are current (``tracing_for``), so code that only sees
 arrays (a model's attention choice, a Pallas kernel's ``interpret``) reads ``current()``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,14 +19,18 @@ import dataclasses
 
 import jax
 
-from zeroflow.util.compat import (cpu_widens_half_dots, no_pipelined_reduce_scatter,
-                             pipelined_all_gather)
+from zeroflow.util.compat import (
+    cpu_widens_half_dots,
+    no_pipelined_reduce_scatter,
+    pipelined_all_gather,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Traits:
     """The backend properties the engine's choices depend on. Build with ``of(mesh)`` or, in
     tests, directly."""
+
     platform: str
     "'cpu', 'gpu' or 'tpu'."
     device_kind: str = ""
@@ -69,13 +74,21 @@ def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None 
     """The traits of a platform's compiler, as zeroflow knows them."""
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     cpu = platform == "cpu"
-    return Traits(platform=platform, device_kind=device_kind, separate_host_memory=not cpu,
-                  widens_half_precision=cpu, widens_half_dots=cpu and cpu_widens_half_dots(),
-                  has_cudnn=platform == "gpu" and "AMD" not in device_kind,
-                  overlaps_collectives=not cpu, cond_updates_in_place=cpu, copies_conv_layouts=cpu,
-                  fuses_matmul_and_reduction_operands=platform == "gpu", splits_k=platform == "gpu",
-                  compiles_pallas=platform == "gpu",
-                  memory_bytes=memory_bytes)
+    return Traits(
+        platform=platform,
+        device_kind=device_kind,
+        separate_host_memory=not cpu,
+        widens_half_precision=cpu,
+        widens_half_dots=cpu and cpu_widens_half_dots(),
+        has_cudnn=platform == "gpu" and "AMD" not in device_kind,
+        overlaps_collectives=not cpu,
+        cond_updates_in_place=cpu,
+        copies_conv_layouts=cpu,
+        fuses_matmul_and_reduction_operands=platform == "gpu",
+        splits_k=platform == "gpu",
+        compiles_pallas=platform == "gpu",
+        memory_bytes=memory_bytes,
+    )
 
 
 def of(mesh) -> Traits:
@@ -93,6 +106,7 @@ def of(mesh) -> Traits:
 
 def _memory_bytes(device) -> int | None:
     from zeroflow.backend import targets  # a target's devices carry their spec's size
+
     size = targets.memory_of(device)
     if size is not None:
         return size
@@ -103,14 +117,16 @@ def _memory_bytes(device) -> int | None:
     return None if not stats else stats.get("bytes_limit")
 
 
-_CURRENT: contextvars.ContextVar[Traits | None] = contextvars.ContextVar("zeroflow_traits",
-                                                                         default=None)
+_CURRENT: contextvars.ContextVar[Traits | None] = contextvars.ContextVar(
+    "zeroflow_traits", default=None
+)
 
 
 @contextlib.contextmanager
 def tracing_for(traits: Traits):
     """Make ``traits`` current while a step is traced (and Pallas kernels compile for it)."""
     from pallas_kernels import _backend as kernels
+
     token = _CURRENT.set(traits)
     try:
         with kernels.compiling_for(traits.platform if traits.compiles_pallas else "cpu"):
@@ -127,6 +143,7 @@ def current() -> Traits:
     if traits is not None:
         return traits
     from pallas_kernels._backend import target_platform
+
     return for_platform(target_platform())
 
 
@@ -169,9 +186,12 @@ def compiler_options(traits: Traits) -> dict:
     """
     if traits.platform != "gpu":
         return {}
-    return {"xla_gpu_enable_latency_hiding_scheduler": True,
-            "xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
-            "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
-            "xla_gpu_all_reduce_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
-            "xla_gpu_experimental_parallel_collective_overlap_limit": COLLECTIVES_IN_FLIGHT,
-            **no_pipelined_reduce_scatter(), **pipelined_all_gather()}
+    return {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+        "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+        "xla_gpu_all_reduce_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": COLLECTIVES_IN_FLIGHT,
+        **no_pipelined_reduce_scatter(),
+        **pipelined_all_gather(),
+    }

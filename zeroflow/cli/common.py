@@ -5,6 +5,7 @@ a file that cannot be read: ``prog: error: <one line>``), 1 for a run that faile
 (e.g. a diverging loss), 128 + N for a run stopped by signal N after saving. Set
 ZEROFLOW_TRACEBACK=1 to see the full traceback instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,16 @@ def set_cpu_devices(count: int | None) -> None:
     """Emulate ``count`` CPU devices; must run before jax creates its backend."""
     if count:
         import jax
+
         jax.config.update("jax_num_cpu_devices", int(count))
 
 
-def run_cli(prog: str, main: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,
-            argv: Sequence[str] | None = None) -> int:
+def run_cli(
+    prog: str,
+    main: Callable[[argparse.Namespace], int],
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+) -> int:
     """Parse, run, and turn the errors a user can cause into ``prog: error: <one line>``."""
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(levelname)s: %(message)s")

@@ -19,6 +19,7 @@ adapters alone as a Hugging Face peft folder (``adapter_config.json`` and
 ``adapter_model.safetensors``) for the base model: ``model.init_from``, or for a run that
 started from random weights its frozen base, written to ``DIR/base`` as a Hugging Face folder.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zeroflow.cli.common import run_cli
 from zeroflow.autocast.precision import DTYPES
+from zeroflow.cli.common import run_cli
 
 PROG = "zeroflow.export"
 FORMATS = (".safetensors", ".npz")
@@ -41,14 +42,18 @@ def flat_weights(params) -> dict[str, np.ndarray]:
     import jax
 
     from zeroflow.util.tree import path_str
-    return {path_str(p): np.asarray(jax.device_get(x), dtype=np.float32)
-            for p, x in jax.tree_util.tree_leaves_with_path(params)}
+
+    return {
+        path_str(p): np.asarray(jax.device_get(x), dtype=np.float32)
+        for p, x in jax.tree_util.tree_leaves_with_path(params)
+    }
 
 
 def write_weights(weights: dict[str, np.ndarray], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         from safetensors.numpy import save_file
+
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out))
     else:
         np.savez(out, **weights)
@@ -61,23 +66,38 @@ def readable_by_all(*paths: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     for path in paths:
-        for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
+        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
             os.chmod(file, 0o666 & ~umask)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
-    p.add_argument("--out", required=True,
-                   help="output file (.safetensors or .npz), or folder with --format hf or peft")
-    p.add_argument("--format", choices=("file", HF_FORMAT, PEFT_FORMAT), default="file",
-                   help="'file' (default: one file of '/'-keyed arrays, by --out's suffix), "
-                        "'hf' (a Hugging Face checkpoint folder) or 'peft' (a LoRA run's "
-                        "adapters as a peft folder)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                   help="weight dtype of --format hf (default fp32)")
-    p.add_argument("--step", type=int, default=None,
-                   help="checkpoint step to export (default: the latest, which must be readable)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output file (.safetensors or .npz), or folder with --format hf or peft",
+    )
+    p.add_argument(
+        "--format",
+        choices=("file", HF_FORMAT, PEFT_FORMAT),
+        default="file",
+        help="'file' (default: one file of '/'-keyed arrays, by --out's suffix), "
+        "'hf' (a Hugging Face checkpoint folder) or 'peft' (a LoRA run's "
+        "adapters as a peft folder)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="fp32",
+        help="weight dtype of --format hf (default fp32)",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="checkpoint step to export (default: the latest, which must be readable)",
+    )
     return p
 
 
@@ -87,6 +107,7 @@ def _hf_config(model_cfg):
     import dataclasses
 
     from zeroflow import hf
+
     if not model_cfg.init_from:
         return model_cfg
     return dataclasses.replace(hf.read_config(model_cfg.init_from), model=model_cfg)
@@ -95,9 +116,9 @@ def _hf_config(model_cfg):
 def export_hf(run_dir: Path, out: Path, dtype: str = "fp32", step: int | None = None) -> str:
     """Write the run's latest weights as a Hugging Face folder; returns a summary line."""
     from zeroflow import hf
+    from zeroflow.cli.sample import load_params
     from zeroflow.data.tokenizers import ByteTokenizer, copy_tokenizer
     from zeroflow.models import GPT
-    from zeroflow.cli.sample import load_params
 
     model_cfg, tokenizer, params, step = load_params(run_dir, step)
     cfg = _hf_config(model_cfg)
@@ -109,9 +130,11 @@ def export_hf(run_dir: Path, out: Path, dtype: str = "fp32", step: int | None = 
         written = tokenizer.write_hf(out) + " (byte ids)"
     readable_by_all(out)
     architecture = getattr(cfg, "architecture", None) or hf.converter_for_model(cfg).architecture
-    return (f"wrote {architecture} ({dtype}) from step {step} to {out}"
-            + (f" with {written}" if written else " (no tokenizer.json: the run's tokenizer is "
-               f"{tokenizer.name!r})"))
+    return f"wrote {architecture} ({dtype}) from step {step} to {out}" + (
+        f" with {written}"
+        if written
+        else f" (no tokenizer.json: the run's tokenizer is {tokenizer.name!r})"
+    )
 
 
 def export_peft(run_dir: Path, out: Path, step: int | None = None) -> str:
@@ -123,9 +146,12 @@ def export_peft(run_dir: Path, out: Path, step: int | None = None) -> str:
 
     config = run_dir / "config.yaml"
     if config.exists() and load_config(config).model.lora.rank == 0:
-        raise ValueError(f"--format peft writes LoRA adapters, and {run_dir} trained every "
-                         "weight (model.lora.rank is 0): use --format hf for its weights")
+        raise ValueError(
+            f"--format peft writes LoRA adapters, and {run_dir} trained every "
+            "weight (model.lora.rank is 0): use --format hf for its weights"
+        )
     from zeroflow.cli.sample import load_run_params
+
     run, params, step = load_run_params(run_dir, step, with_data=False)
     model_cfg, lora = run.model_cfg, run.cfg.model.lora
     cfg = _hf_config(model_cfg)
@@ -133,13 +159,14 @@ def export_peft(run_dir: Path, out: Path, step: int | None = None) -> str:
     if not base:  # the frozen base is the run's own random initialisation: written beside
         from zeroflow import hf
         from zeroflow.models import GPT
+
         base = str((out / "base").absolute())
         hf.save_pretrained(GPT(model_cfg), params[BASE], cfg, out / "base")
-    save_peft(params[ADAPTERS], cfg, out, alpha=lora.alpha, base_model=base,
-              dropout=lora.dropout)
+    save_peft(params[ADAPTERS], cfg, out, alpha=lora.alpha, base_model=base, dropout=lora.dropout)
     readable_by_all(out)
-    return (f"wrote peft LoRA adapters (r={lora.rank}) from step {step} to {out}, for the "
-            f"base {base}")
+    return (
+        f"wrote peft LoRA adapters (r={lora.rank}) from step {step} to {out}, for the base {base}"
+    )
 
 
 def main_args(args) -> int:
@@ -151,9 +178,12 @@ def main_args(args) -> int:
         print(export_peft(Path(args.run), out, args.step))
         return 0
     if out.suffix not in FORMATS:
-        raise ValueError(f"--out must end in {' or '.join(FORMATS)}, got {out.name!r} "
-                         "(or use --format hf for a Hugging Face folder)")
+        raise ValueError(
+            f"--out must end in {' or '.join(FORMATS)}, got {out.name!r} "
+            "(or use --format hf for a Hugging Face folder)"
+        )
     from zeroflow.cli.sample import load_params
+
     _, _, params, step = load_params(Path(args.run), args.step)
     weights = flat_weights(params)
     write_weights(weights, out)

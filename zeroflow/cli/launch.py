@@ -6,6 +6,7 @@ environment (``ZEROFLOW_COORDINATOR`` on a free localhost port, ``ZEROFLOW_NUM_P
 fails the others are stopped and the launcher exits with the failing code. SIGINT/SIGTERM are
 forwarded to every process, which save and stop (a second signal kills them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from zeroflow.engine.distributed import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from zeroflow.engine.distributed import (
+    ENV_COORDINATOR,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 
 PROG = "zeroflow.launch"
 STOP_GRACE_S = 5.0
@@ -34,22 +40,38 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def process_env(base: Mapping[str, str], *, index: int, processes: int, coordinator: str,
-                cpu_devices: int | None, devices_per_process: int | None) -> dict[str, str]:
+def process_env(
+    base: Mapping[str, str],
+    *,
+    index: int,
+    processes: int,
+    coordinator: str,
+    cpu_devices: int | None,
+    devices_per_process: int | None,
+) -> dict[str, str]:
     """The environment of process ``index``."""
-    env = {**base, ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(processes),
-           ENV_PROCESS_ID: str(index), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **base,
+        ENV_COORDINATOR: coordinator,
+        ENV_NUM_PROCESSES: str(processes),
+        ENV_PROCESS_ID: str(index),
+        "PYTHONUNBUFFERED": "1",
+    }
     if cpu_devices:
         env["JAX_PLATFORMS"] = "cpu"
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         # An inherited device-count flag would fight JAX_NUM_CPU_DEVICES.
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
+        flags = re.sub(
+            r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")
+        ).strip()
         env.pop("XLA_FLAGS", None)
         if flags:
             env["XLA_FLAGS"] = flags
     if devices_per_process:
         first = index * devices_per_process
-        env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in range(first, first + devices_per_process))
+        env[ENV_LOCAL_DEVICE_IDS] = ",".join(
+            str(d) for d in range(first, first + devices_per_process)
+        )
     return env
 
 
@@ -62,8 +84,13 @@ class Job:
         self.readers: list[threading.Thread] = []
         for i, env in enumerate(envs):
             try:
-                proc = subprocess.Popen(list(command), env=dict(env), stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, process_group=0)
+                proc = subprocess.Popen(
+                    list(command),
+                    env=dict(env),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    process_group=0,
+                )
             except OSError:
                 self.stop()
                 raise
@@ -127,13 +154,28 @@ def _first_failure(job: Job) -> tuple[int, int] | None:
     return None
 
 
-def launch(command: Sequence[str], processes: int, *, cpu_devices: int | None = None,
-           devices_per_process: int | None = None, host: str = "127.0.0.1", port: int | None = None) -> int:
+def launch(
+    command: Sequence[str],
+    processes: int,
+    *,
+    cpu_devices: int | None = None,
+    devices_per_process: int | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> int:
     """Run the job to completion; returns 0, or the exit code of the first process that failed."""
     coordinator = f"{host}:{port or free_port(host)}"
-    envs = [process_env(os.environ, index=i, processes=processes, coordinator=coordinator,
-                        cpu_devices=cpu_devices, devices_per_process=devices_per_process)
-            for i in range(processes)]
+    envs = [
+        process_env(
+            os.environ,
+            index=i,
+            processes=processes,
+            coordinator=coordinator,
+            cpu_devices=cpu_devices,
+            devices_per_process=devices_per_process,
+        )
+        for i in range(processes)
+    ]
     forwarded: list[int] = []
     job: Job | None = None
 
@@ -152,7 +194,9 @@ def launch(command: Sequence[str], processes: int, *, cpu_devices: int | None = 
             failed = None if forwarded else _first_failure(job)
             if failed:
                 live = sum(p.poll() is None for p in job.procs)
-                say(f"process {failed[0]} failed with exit code {failed[1]}; stopping the other {live}")
+                say(
+                    f"process {failed[0]} failed with exit code {failed[1]}; stopping the other {live}"
+                )
                 job.stop(skip=failed[0])
                 job.finish_output()
                 return failed[1]
@@ -160,7 +204,9 @@ def launch(command: Sequence[str], processes: int, *, cpu_devices: int | None = 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if job is not None and any(p.poll() is None for p in job.procs):  # the launcher itself failed
+        if job is not None and any(
+            p.poll() is None for p in job.procs
+        ):  # the launcher itself failed
             job.stop()
     job.finish_output()
     codes = [exit_code(p.returncode) for p in job.procs]
@@ -173,13 +219,28 @@ def launch(command: Sequence[str], processes: int, *, cpu_devices: int | None = 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1],
-                                usage=f"python -m {PROG} --processes P [options] -- COMMAND ...")
-    p.add_argument("--processes", type=int, required=True, metavar="P", help="how many processes to start")
-    p.add_argument("--cpu-devices", type=int, default=None, metavar="D",
-                   help="run on CPU with D emulated devices per process (collectives over gloo)")
-    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                   help="GPU: process i uses accelerators i*K .. i*K+K-1")
+    p = argparse.ArgumentParser(
+        prog=f"python -m {PROG}",
+        description=__doc__.split("\n\n")[1],
+        usage=f"python -m {PROG} --processes P [options] -- COMMAND ...",
+    )
+    p.add_argument(
+        "--processes", type=int, required=True, metavar="P", help="how many processes to start"
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="D",
+        help="run on CPU with D emulated devices per process (collectives over gloo)",
+    )
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="GPU: process i uses accelerators i*K .. i*K+K-1",
+    )
     p.add_argument("--host", default="127.0.0.1", help="coordinator address (default: %(default)s)")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     return p
@@ -190,9 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" not in argv:
         if any(a in ("-h", "--help") for a in argv):
             parser().parse_args(["--help"])  # prints usage and every option, then exits 0
-        parser().error("give the command after --, e.g. -- python -m zeroflow.train --config configs/tiny.yaml")
+        parser().error(
+            "give the command after --, e.g. -- python -m zeroflow.train --config configs/tiny.yaml"
+        )
     split = argv.index("--")
-    args, command = parser().parse_args(argv[:split]), argv[split + 1:]
+    args, command = parser().parse_args(argv[:split]), argv[split + 1 :]
     if not command:
         parser().error("the command after -- is empty")
     for name in ("processes", "cpu_devices", "devices_per_process"):
@@ -200,8 +263,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value is not None and value < 1:
             parser().error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
-        return launch(command, args.processes, cpu_devices=args.cpu_devices,
-                      devices_per_process=args.devices_per_process, host=args.host, port=args.port)
+        return launch(
+            command,
+            args.processes,
+            cpu_devices=args.cpu_devices,
+            devices_per_process=args.devices_per_process,
+            host=args.host,
+            port=args.port,
+        )
     except OSError as e:  # the command could not be started
         say(f"error: cannot start {command[0]!r}: {e.strerror or e}")
         return 127

@@ -16,6 +16,7 @@ runs, so it is an estimate, not a measurement), the communication it leaves expo
 MFU it implies. XLA prints those statistics only when the process starts with
 ``schedule.LOG_ENV``, so the command starts itself again with it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,14 @@ from zeroflow.backend import targets
 from zeroflow.config.io import ConfigError, add_config_arguments, load_config
 from zeroflow.memory import schedule
 from zeroflow.memory.collectives import collectives, overlap
-from zeroflow.memory.estimate import (OFFLOADS, REMATS, STAGES, count_gpt_params, format_bytes,
-                                      parse_bytes)
+from zeroflow.memory.estimate import (
+    OFFLOADS,
+    REMATS,
+    STAGES,
+    count_gpt_params,
+    format_bytes,
+    parse_bytes,
+)
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.trainer.planning import attention_note, compile_config, estimate_config_step
 from zeroflow.trainer.setup import run_model_config
@@ -69,18 +76,30 @@ class Row:
     @property
     def host_bytes(self) -> float:
         """Pinned host memory per process (its devices' offloaded state and activations)."""
-        return (self.estimate.host_state + self.estimate.host_activations) * self.devices_per_process
+        return (
+            self.estimate.host_state + self.estimate.host_activations
+        ) * self.devices_per_process
 
     def as_json(self) -> dict:
-        return {"stage": self.stage, "offload": self.offload, "update_on": self.update_on,
-                "remat": self.remat, "estimated_peak_bytes": round(self.estimate.peak_bytes),
-                "measured_peak_bytes": None if self.measured_bytes is None else round(self.measured_bytes),
-                "measured_host_bytes": None if self.measured_host_bytes is None else round(self.measured_host_bytes),
-                "peak_phase": self.estimate.phase, "host_bytes_per_process": round(self.host_bytes),
-                "terms": {k: round(v) for k, v in self.estimate.terms().items()},
-                **({"overlap": self.overlap} if self.overlap is not None else {}),
-                **({"estimated_step": self.timing} if self.timing is not None else {}),
-                **({"note": self.note} if self.note else {})}
+        return {
+            "stage": self.stage,
+            "offload": self.offload,
+            "update_on": self.update_on,
+            "remat": self.remat,
+            "estimated_peak_bytes": round(self.estimate.peak_bytes),
+            "measured_peak_bytes": None
+            if self.measured_bytes is None
+            else round(self.measured_bytes),
+            "measured_host_bytes": None
+            if self.measured_host_bytes is None
+            else round(self.measured_host_bytes),
+            "peak_phase": self.estimate.phase,
+            "host_bytes_per_process": round(self.host_bytes),
+            "terms": {k: round(v) for k, v in self.estimate.terms().items()},
+            **({"overlap": self.overlap} if self.overlap is not None else {}),
+            **({"estimated_step": self.timing} if self.timing is not None else {}),
+            **({"note": self.note} if self.note else {}),
+        }
 
     @property
     def cost(self) -> tuple:
@@ -95,31 +114,47 @@ def _choices(text: str, valid: Sequence, name: str, cast=str) -> list:
         except ValueError:
             value = item.strip()
         if value not in valid:
-            raise ValueError(f"unknown {name} {item.strip()!r}; choose from {', '.join(map(str, valid))}")
+            raise ValueError(
+                f"unknown {name} {item.strip()!r}; choose from {', '.join(map(str, valid))}"
+            )
         out.append(value)
     return out
 
 
-def _measured(cfg, devices: int, stage: int, offload: str, remat: str,
-              target: str | None) -> tuple[float, dict, float, dict | None]:
+def _measured(
+    cfg, devices: int, stage: int, offload: str, remat: str, target: str | None
+) -> tuple[float, dict, float, dict | None]:
     """XLA's device peak of one choice, the overlap of its collectives, its host-memory
     bytes per device (offloaded state and activations, where the backend separates them) and,
     for a target in a process started with the scheduler's logging, XLA:GPU's step estimate."""
     update_on = cfg.parallel.update_on if offload != "none" else "device"
 
     def compile_it():
-        return compile_config(cfg, num_devices=devices, stage=stage, offload=offload,
-                              update_on=update_on, remat=remat, target=target)
+        return compile_config(
+            cfg,
+            num_devices=devices,
+            stage=stage,
+            offload=offload,
+            update_on=update_on,
+            remat=remat,
+            target=target,
+        )
+
     timing = None
     if target is not None and schedule.enabled():
-        (compiled, setup), est = schedule.timed(compile_it, text_of=lambda r: r[0].as_text(),
-                                                peak_flops=DENSE_BF16_FLOPS.get(target))
+        (compiled, setup), est = schedule.timed(
+            compile_it, text_of=lambda r: r[0].as_text(), peak_flops=DENSE_BF16_FLOPS.get(target)
+        )
         timing = _timing(est, cfg, devices, target)
     else:
         compiled, setup = compile_it()
     got = analysed(compiled)
-    return (float(device_peak(got, setup.state)), overlap(collectives(compiled)),
-            float(got.host_total_bytes), timing)
+    return (
+        float(device_peak(got, setup.state)),
+        overlap(collectives(compiled)),
+        float(got.host_total_bytes),
+        timing,
+    )
 
 
 def _timing(est, cfg, devices: int, target: str) -> dict:
@@ -128,45 +163,86 @@ def _timing(est, cfg, devices: int, target: str) -> dict:
     tokens = cfg.train.batch_size * cfg.model.seq_len / devices
     flops = 6 * count_gpt_params(cfg.model) * tokens
     peak = DENSE_BF16_FLOPS.get(target)
-    return {"step_ms": round(est.step_ms, 3),
-            "exposed_ms": {k: round(v / 1e3, 3) for k, v in est.exposed_by_kind().items()},
-            "mfu": None if peak is None else round(est.mfu(flops, peak), 4),
-            "uncosted_loops": list(est.uncosted), "is_estimate": True,
-            "loops_costed_by_flops": {c.name: c.costed_by for c in est.computations
-                                      if c.costed_by != "xla"}}
+    return {
+        "step_ms": round(est.step_ms, 3),
+        "exposed_ms": {k: round(v / 1e3, 3) for k, v in est.exposed_by_kind().items()},
+        "mfu": None if peak is None else round(est.mfu(flops, peak), 4),
+        "uncosted_loops": list(est.uncosted),
+        "is_estimate": True,
+        "loops_costed_by_flops": {
+            c.name: c.costed_by for c in est.computations if c.costed_by != "xla"
+        },
+    }
 
 
-def plan_rows(cfg, *, devices: int, stages=STAGES, offloads=OFFLOADS, remats=REMATS,
-              measure: str = "auto", devices_per_process: int | None = None, log=None,
-              backend: str | None = None, target: str | None = None) -> list[Row]:
+def plan_rows(
+    cfg,
+    *,
+    devices: int,
+    stages=STAGES,
+    offloads=OFFLOADS,
+    remats=REMATS,
+    measure: str = "auto",
+    devices_per_process: int | None = None,
+    log=None,
+    backend: str | None = None,
+    target: str | None = None,
+) -> list[Row]:
     """One Row per choice: the estimated peak, and the measured peak where compiled
     (for ``target``'s abstract GPUs when given: XLA:GPU's peak, and its overlap; offloaded
     choices compiled through CPU stand-ins, ``zeroflow.memory.on_target``)."""
     num_params = count_gpt_params(cfg.model)
     if measure == "auto":
-        measure = "always" if target is not None or (
-            num_params <= MEASURE_MAX_PARAMS and
-            devices * cfg.parallel.model <= MEASURE_MAX_DEVICES) else "never"
+        measure = (
+            "always"
+            if target is not None
+            or (
+                num_params <= MEASURE_MAX_PARAMS
+                and devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
+            )
+            else "never"
+        )
     per_process = devices_per_process or min(devices, 8)
     rows = []
     for stage in stages:
         for offload in offloads:
             for remat in remats:
                 update_on = cfg.parallel.update_on if offload != "none" else "device"
-                est = estimate_config_step(cfg, num_devices=devices, stage=stage, offload=offload,
-                                           update_on=update_on, remat=remat, backend=backend)
+                est = estimate_config_step(
+                    cfg,
+                    num_devices=devices,
+                    stage=stage,
+                    offload=offload,
+                    update_on=update_on,
+                    remat=remat,
+                    backend=backend,
+                )
                 measured, note, overlapped, host, timing = None, "", None, None, None
                 if measure == "always":
                     if log:
                         log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
                     try:
-                        measured, overlapped, host, timing = _measured(cfg, devices, stage,
-                                                                       offload, remat, target)
+                        measured, overlapped, host, timing = _measured(
+                            cfg, devices, stage, offload, remat, target
+                        )
                         note = attention_note(cfg, target)
                     except Exception as e:  # a choice that cannot compile is reported, not fatal
                         note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-                rows.append(Row(stage, offload, remat, update_on, est, per_process, measured, note,
-                                overlapped, host, timing))
+                rows.append(
+                    Row(
+                        stage,
+                        offload,
+                        remat,
+                        update_on,
+                        est,
+                        per_process,
+                        measured,
+                        note,
+                        overlapped,
+                        host,
+                        timing,
+                    )
+                )
     return rows
 
 
@@ -183,22 +259,43 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
     table = Table(title=title)
     with_overlap = any(r.overlap is not None for r in rows)
     with_timing = any(r.timing is not None for r in rows)
-    for name in ("stage", "offload", "remat", "model states/dev", "activations/dev",
-                 "est. peak/dev", "measured/dev", "host/process", "fits") + (
-                     ("overlapped collectives",) if with_overlap else ()) + (
-                     TIMING_COLUMNS if with_timing else ()):
+    for name in (
+        (
+            "stage",
+            "offload",
+            "remat",
+            "model states/dev",
+            "activations/dev",
+            "est. peak/dev",
+            "measured/dev",
+            "host/process",
+            "fits",
+        )
+        + (("overlapped collectives",) if with_overlap else ())
+        + (TIMING_COLUMNS if with_timing else ())
+    ):
         table.add_column(name, justify="right" if "/" in name else "left")
     best = cheapest_fit(rows, device_memory)
     for r in rows:
         e = r.estimate
-        measured = format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
+        measured = (
+            format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
+        )
         if r.measured_host_bytes:
             measured += f" (+{format_bytes(r.measured_host_bytes)} host)"
         fits = "yes" if r.need_bytes <= device_memory else "no"
         style = "bold green" if r is best else None
-        cells = [str(r.stage), r.offload, r.remat, format_bytes(e.model_states),
-                 format_bytes(e.activations), format_bytes(e.peak_bytes), measured,
-                 format_bytes(r.host_bytes), fits]
+        cells = [
+            str(r.stage),
+            r.offload,
+            r.remat,
+            format_bytes(e.model_states),
+            format_bytes(e.activations),
+            format_bytes(e.peak_bytes),
+            measured,
+            format_bytes(r.host_bytes),
+            fits,
+        ]
         if with_overlap:
             total = (r.overlap or {}).get("total", {})
             cells.append(f"{total['overlapped']}/{total['count']}" if total else "-")
@@ -208,12 +305,16 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
     console.print(table)
     _render_notes(rows, with_timing, console)
     if best is None:
-        console.print(f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
-                      "shrink train.batch_size or raise parallel.grad_accum.")
+        console.print(
+            f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
+            "shrink train.batch_size or raise parallel.grad_accum."
+        )
     else:
-        console.print(f"Cheapest choice that fits in {format_bytes(device_memory)}: "
-                      f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
-                      f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)")
+        console.print(
+            f"Cheapest choice that fits in {format_bytes(device_memory)}: "
+            f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
+            f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)"
+        )
     return best
 
 
@@ -224,11 +325,19 @@ def _timing_cells(timing: dict | None) -> list[str]:
     if timing is None:
         return ["-", "-", "-"]
     how = set(timing["loops_costed_by_flops"].values())
-    mark = "≥ " if "peak-flops" in how or (timing["uncosted_loops"] and not how) else (
-        "~ " if how else "")
+    mark = (
+        "≥ "
+        if "peak-flops" in how or (timing["uncosted_loops"] and not how)
+        else ("~ " if how else "")
+    )
     step = mark + f"{timing['step_ms']:.1f} ms"
-    exposed = ", ".join(f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
-                        for k, v in timing["exposed_ms"].items()) or "0"
+    exposed = (
+        ", ".join(
+            f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
+            for k, v in timing["exposed_ms"].items()
+        )
+        or "0"
+    )
     mfu = "-" if timing["mfu"] is None else f"{100 * timing['mfu']:.0f}%"
     return [step, f"{exposed} ms" if exposed != "0" else "0", mfu]
 
@@ -236,39 +345,66 @@ def _timing_cells(timing: dict | None) -> list[str]:
 def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
     """The lines under the table: what the estimate is, and each row's note when measured."""
     if with_timing:
-        console.print("est. step: XLA:GPU's latency-hiding scheduler's estimate for the target "
-                      "(its cost model; nothing ran), not a measurement; exposed comm.: time it "
-                      "waits on collectives (gather, RS, reduce...); est. MFU: 6 x params x "
-                      "tokens / est. step / dense bf16 peak, attention flops excluded; ~: loops "
-                      "without collectives (XLA prints nothing for them) costed at their matmul "
-                      "flops, at XLA's time per flop for the step's other loops; ≥: at the peak.")
+        console.print(
+            "est. step: XLA:GPU's latency-hiding scheduler's estimate for the target "
+            "(its cost model; nothing ran), not a measurement; exposed comm.: time it "
+            "waits on collectives (gather, RS, reduce...); est. MFU: 6 x params x "
+            "tokens / est. step / dense bf16 peak, attention flops excluded; ~: loops "
+            "without collectives (XLA prints nothing for them) costed at their matmul "
+            "flops, at XLA's time per flop for the step's other loops; ≥: at the peak."
+        )
     notes = {r.note for r in rows if r.note and r.measured_bytes is not None}
     for note in sorted(notes):
         console.print(f"measured: {note}")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--devices", type=int, default=None,
-                        help="data-parallel devices (default: parallel.data, or all devices)")
-    parser.add_argument("--device-memory", default=None,
-                        help="memory per device, e.g. 80GB, 24GiB (default: the target's, else 80GB)")
-    parser.add_argument("--target", default=None,
-                        help="compile for this GPU without having one (h100, a100, l4): the "
-                             "measured column is XLA:GPU's peak, with the collectives' overlap")
-    parser.add_argument("--devices-per-process", type=int, default=None,
-                        help="devices sharing one host's memory (default: min(devices, 8))")
-    parser.add_argument("--measure", choices=("auto", "always", "never"), default="auto",
-                        help=f"compile to measure (auto: models <= {MEASURE_MAX_PARAMS:,} params "
-                             f"on <= {MEASURE_MAX_DEVICES} devices)")
+    parser = argparse.ArgumentParser(
+        prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="data-parallel devices (default: parallel.data, or all devices)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        default=None,
+        help="memory per device, e.g. 80GB, 24GiB (default: the target's, else 80GB)",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="compile for this GPU without having one (h100, a100, l4): the "
+        "measured column is XLA:GPU's peak, with the collectives' overlap",
+    )
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="devices sharing one host's memory (default: min(devices, 8))",
+    )
+    parser.add_argument(
+        "--measure",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help=f"compile to measure (auto: models <= {MEASURE_MAX_PARAMS:,} params "
+        f"on <= {MEASURE_MAX_DEVICES} devices)",
+    )
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--offloads", default=",".join(OFFLOADS))
     parser.add_argument("--remats", default=",".join(REMATS))
-    parser.add_argument("--backend", choices=("gpu", "cpu"), default=None,
-                        help="estimate for this platform (default: this machine's; 'cpu' adds "
-                             "XLA:CPU's fp32 copies of half-precision weights)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object per choice instead of the table")
+    parser.add_argument(
+        "--backend",
+        choices=("gpu", "cpu"),
+        default=None,
+        help="estimate for this platform (default: this machine's; 'cpu' adds "
+        "XLA:CPU's fp32 copies of half-precision weights)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per choice instead of the table"
+    )
     add_config_arguments(parser)
     return parser
 
@@ -333,24 +469,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
         devices = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else None)
         wanted = (devices or 1) * cfg.parallel.model
-        if args.target is None and args.measure != "never" and devices and wanted <= MEASURE_MAX_DEVICES:
+        if (
+            args.target is None
+            and args.measure != "never"
+            and devices
+            and wanted <= MEASURE_MAX_DEVICES
+        ):
             _emulate_devices(wanted)
         devices = devices or jax.device_count() // cfg.parallel.model
         backend, where = _platform(args, devices)
-        title = (f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
-                 f"batch {cfg.train.batch_size}, {cfg.precision.params}, {where}")
-        rows = plan_rows(cfg, devices=devices, stages=stages, offloads=offloads, remats=remats,
-                         measure=args.measure, devices_per_process=args.devices_per_process,
-                         log=lambda m: print(m, file=sys.stderr), backend=backend,
-                         target=args.target)
+        title = (
+            f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
+            f"batch {cfg.train.batch_size}, {cfg.precision.params}, {where}"
+        )
+        rows = plan_rows(
+            cfg,
+            devices=devices,
+            stages=stages,
+            offloads=offloads,
+            remats=remats,
+            measure=args.measure,
+            devices_per_process=args.devices_per_process,
+            log=lambda m: print(m, file=sys.stderr),
+            backend=backend,
+            target=args.target,
+        )
     except (ValueError, ConfigError) as e:
         parser.error(str(e))
     if args.json:
         for row in rows:
-            print(json.dumps({**row.as_json(), "fits": row.need_bytes <= device_memory,
-                              "device_memory_bytes": device_memory,
-                              **({"target": args.target} if args.target else {})}))
+            print(
+                json.dumps(
+                    {
+                        **row.as_json(),
+                        "fits": row.need_bytes <= device_memory,
+                        "device_memory_bytes": device_memory,
+                        **({"target": args.target} if args.target else {}),
+                    }
+                )
+            )
     else:
         render(rows, device_memory, title)
     return 0
-

@@ -6,6 +6,7 @@ unless ``--step`` names the one to use.
 prints the reply, up to the end-of-text token. ``--interactive`` loads the model once and
 answers each line read from stdin (a prompt, or with ``--chat`` a message) until end of input
 or an empty line; the first answer compiles the sampler, the next ones reuse it."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step", type=int, default=None,
-                   help="checkpoint step to sample from (default: the latest, which must be readable)")
-    p.add_argument("--chat", action="store_true",
-                   help="answer the prompt as a user message, with the tokenizer's chat template")
-    p.add_argument("--interactive", action="store_true",
-                   help="keep the model loaded and answer each line of stdin (empty line or EOF ends)")
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="checkpoint step to sample from (default: the latest, which must be readable)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="answer the prompt as a user message, with the tokenizer's chat template",
+    )
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="keep the model loaded and answer each line of stdin (empty line or EOF ends)",
+    )
     return p
 
 
@@ -43,8 +54,10 @@ def chat_prompt(tokenizer, message: str) -> list[int]:
 
     template = load_chat_template(tokenizer.folder) if isinstance(tokenizer, HFTokenizer) else None
     if template is None:
-        raise ValueError(f"--chat needs a tokenizer folder with a chat template; the run's "
-                         f"tokenizer is {tokenizer.name}")
+        raise ValueError(
+            f"--chat needs a tokenizer folder with a chat template; the run's "
+            f"tokenizer is {tokenizer.name}"
+        )
     text, _ = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
     return tokenizer.backend.encode(text, add_special_tokens=False).ids
 
@@ -52,7 +65,7 @@ def chat_prompt(tokenizer, message: str) -> list[int]:
 def until_end(tokenizer, tokens: list[int]) -> list[int]:
     """``tokens`` up to (not including) the first end-of-text token."""
     eos = getattr(tokenizer, "eos_id", None)
-    return tokens[:tokens.index(eos)] if eos in tokens else tokens
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
 def load_params(run_dir: Path, step: int | None = None):
@@ -78,9 +91,18 @@ def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool =
     if not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a zeroflow run folder?")
     cfg = load_config(run_dir / "config.yaml")
-    single = dataclasses.replace(cfg.parallel, data=1, model=1, zero_stage=0, offload="none",
-                                 update_on="device", grad_accum=1)
-    cfg = dataclasses.replace(cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32"))
+    single = dataclasses.replace(
+        cfg.parallel,
+        data=1,
+        model=1,
+        zero_stage=0,
+        offload="none",
+        update_on="device",
+        grad_accum=1,
+    )
+    cfg = dataclasses.replace(
+        cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32")
+    )
     run = build_run(cfg, devices=jax.devices()[:1], with_data=with_data)
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep, read_only=True)
     try:
@@ -104,10 +126,20 @@ def main_args(args) -> int:
         prompt = chat_prompt(tokenizer, text) if args.chat else tokenizer.encode(text)
         if not prompt:
             raise ValueError("the prompt encodes to no tokens")
-        new = generate(params, model_cfg, prompt, max_new_tokens=args.tokens,
-                       temperature=args.temperature, top_k=args.top_k or None,
-                       rng=jax.random.key(seed))
-        return tokenizer.decode(until_end(tokenizer, new)) if args.chat else text + tokenizer.decode(new)
+        new = generate(
+            params,
+            model_cfg,
+            prompt,
+            max_new_tokens=args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            rng=jax.random.key(seed),
+        )
+        return (
+            tokenizer.decode(until_end(tokenizer, new))
+            if args.chat
+            else text + tokenizer.decode(new)
+        )
 
     if not args.interactive:
         print(answer(args.prompt, args.seed))

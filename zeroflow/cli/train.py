@@ -7,6 +7,7 @@ Set ZEROFLOW_TRACEBACK=1 to see full tracebacks instead of one-line errors. What
 holds and what survives which fault (kill -9, damaged checkpoints): docs/runs.md. Multi-process
 runs: ``python -m zeroflow.launch`` or SLURM, see docs/multihost.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,13 @@ PROG = "zeroflow.train"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                   help="emulate N CPU devices (testing data/model parallelism without a GPU)")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="emulate N CPU devices (testing data/model parallelism without a GPU)",
+    )
     return add_config_arguments(p)
 
 

@@ -8,6 +8,7 @@ line that names the key, and for unknown keys lists the valid ones. Values are c
 field's type, never guessed from the text: YAML reads ``3e-4`` as a string, and that is fine
 for a float field; a float is refused for an int field.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,15 @@ from typing import Any
 
 import yaml
 
+from zeroflow.autocast.precision import parse_loss_scale
 from zeroflow.config import schema as config_module
 from zeroflow.config.schema import CHOICES, Config, ParallelConfig
-from zeroflow.engine.plan_rules import (Keys, batch_split_problem, hierarchical_copy_problem,
-                                        plan_problems)
-from zeroflow.autocast.precision import parse_loss_scale
+from zeroflow.engine.plan_rules import (
+    Keys,
+    batch_split_problem,
+    hierarchical_copy_problem,
+    plan_problems,
+)
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -44,6 +49,7 @@ class ConfigError(ValueError):
 
 
 # --- schema -------------------------------------------------------------------------------------
+
 
 def _sections() -> dict[str, type]:
     return {f.name: _hints(Config)[f.name] for f in dataclasses.fields(Config)}
@@ -67,9 +73,13 @@ def field_docs() -> dict[str, str]:
         if isinstance(node, ast.ClassDef):
             docs = class_docs.setdefault(node.name, {})
             for stmt, nxt in zip(node.body, node.body[1:]):
-                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                        and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                        and isinstance(nxt.value.value, str)):
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
                     docs[stmt.target.id] = nxt.value.value
     return {key: class_docs.get(cls.__name__, {}).get(f.name, "") for key, cls, f in _leaves()}
 
@@ -107,20 +117,24 @@ def describe_config(cfg: Config | None = None) -> str:
     return "\n".join(lines)
 
 
-def _unknown(what: str, name: str, valid: Sequence[str], *, section: str = "",
-             where: str = "") -> ConfigError:
+def _unknown(
+    what: str, name: str, valid: Sequence[str], *, section: str = "", where: str = ""
+) -> ConfigError:
     prefix = f"{section}." if section else ""
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
     scope = f"keys in {section}" if section else "sections"
-    return ConfigError(f"unknown {what} '{prefix}{name}'{where}{hint} "
-                       f"valid {scope}: {', '.join(valid)}")
+    return ConfigError(
+        f"unknown {what} '{prefix}{name}'{where}{hint} valid {scope}: {', '.join(valid)}"
+    )
 
 
 # --- coercion -----------------------------------------------------------------------------------
 
+
 def _coerce(key: str, value: Any, typ: type, where: str) -> Any:
     """Turn a YAML value or a command-line string into ``typ``, or raise ConfigError."""
+
     def bad() -> ConfigError:
         shown = f"{value!r}" if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
         hint = " (quote it in YAML)" if typ is str and isinstance(value, bool) else ""
@@ -202,29 +216,34 @@ def _set_in(obj, cls: type, prefix: str, name: str, value: Any, where: str) -> N
 
 # --- building a Config --------------------------------------------------------------------------
 
+
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Nested plain dict of ``cfg`` (sections -> keys -> values), in field order."""
     return dataclasses.asdict(cfg)
 
 
-def config_from_dict(data: Mapping[str, Any] | None, overrides: Sequence[str] = (), *,
-                     where: str = "") -> Config:
+def config_from_dict(
+    data: Mapping[str, Any] | None, overrides: Sequence[str] = (), *, where: str = ""
+) -> Config:
     """Build and validate a Config from nested ``{section: {key: value}}`` plus overrides."""
     cfg = Config()
     where_text = f" (in {where})" if where else ""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping of sections at the top level{where_text}, "
-                          f"got {type(data).__name__}")
+        raise ConfigError(
+            f"expected a mapping of sections at the top level{where_text}, "
+            f"got {type(data).__name__}"
+        )
     for section, values in data.items():
         if str(section) not in _sections():
             raise _unknown("section", str(section), list(_sections()), where=where_text)
         if values is None:
             continue
         if not isinstance(values, Mapping):
-            raise ConfigError(f"section '{section}' must be a mapping of keys{where_text}, "
-                              f"got {values!r}")
+            raise ConfigError(
+                f"section '{section}' must be a mapping of keys{where_text}, got {values!r}"
+            )
         for name, value in values.items():
             _set(cfg, f"{section}.{name}", value, where_text)
     return validate_config(apply_overrides(cfg, overrides, validate=False))
@@ -238,8 +257,9 @@ def apply_overrides(cfg: Config, overrides: Sequence[str], *, validate: bool = T
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError(f"override '{item}' is not of the form section.key=value "
-                              "(e.g. train.steps=100)")
+            raise ConfigError(
+                f"override '{item}' is not of the form section.key=value (e.g. train.steps=100)"
+            )
         _set(cfg, key.strip(), value, f" (in override '{item}')")
     return validate_config(cfg) if validate else cfg
 
@@ -279,20 +299,32 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 # engine's settings together are the engine's own (``zeroflow.engine.plan``), spelled with the
 # config's keys.
 
-CONFIG_KEYS = Keys({name: f"parallel.{name}" for name in ParallelConfig().plan_settings()}
-                   | {"stage": "parallel.zero_stage", "grad_accum": "parallel.grad_accum",
-                      "batch_size": "train.batch_size", "params": "precision.params"},
-                   python=False)
+CONFIG_KEYS = Keys(
+    {name: f"parallel.{name}" for name in ParallelConfig().plan_settings()}
+    | {
+        "stage": "parallel.zero_stage",
+        "grad_accum": "parallel.grad_accum",
+        "batch_size": "train.batch_size",
+        "params": "precision.params",
+    },
+    python=False,
+)
 "How the engine's rules name the settings in a config's messages."
 
 
 def validate_config(cfg: Config) -> Config:
     """Check choices, ranges and cross-field rules; return ``cfg`` or raise ConfigError."""
-    problems = (_choice_problems(cfg) + _model_problems(cfg.model)
-                + _lora_problems(cfg.model.lora, cfg.train.freeze) + _data_problems(cfg.data)
-                + _train_problems(cfg.train) + _parallel_problems(cfg)
-                + _precision_problems(cfg.precision) + _checkpoint_problems(cfg.checkpoint)
-                + _fusemix_problems(cfg.fusemix))
+    problems = (
+        _choice_problems(cfg)
+        + _model_problems(cfg.model)
+        + _lora_problems(cfg.model.lora, cfg.train.freeze)
+        + _data_problems(cfg.data)
+        + _train_problems(cfg.train)
+        + _parallel_problems(cfg)
+        + _precision_problems(cfg.precision)
+        + _checkpoint_problems(cfg.checkpoint)
+        + _fusemix_problems(cfg.fusemix)
+    )
     if problems:
         raise ConfigError("; ".join(problems))
     return cfg
@@ -311,33 +343,39 @@ def _choice_problems(cfg: Config) -> list[str]:
         if choices and value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            problems.append(f"{key} must be one of "
-                            f"{', '.join(map(str, choices))}; got {value!r}{hint}")
+            problems.append(
+                f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}"
+            )
     return problems
 
 
 def _model_problems(m) -> list[str]:
-    problems = _failed([
-        (m.vocab_size > 0, "model.vocab_size must be positive"),
-        (m.seq_len > 0, "model.seq_len must be positive"),
-        (m.num_layers > 0, "model.num_layers must be positive"),
-        (m.embed_dim > 0, "model.embed_dim must be positive"),
-        (m.num_heads > 0, "model.num_heads must be positive"),
-        (m.num_kv_heads >= 0, "model.num_kv_heads must be >= 0 (0 = num_heads)"),
-        (m.head_dim >= 0, "model.head_dim must be >= 0 (0 = embed_dim // num_heads)"),
-        (m.mlp_dim > 0, "model.mlp_dim must be positive"),
-        (m.rope_base > 0, "model.rope_base must be positive"),
-        (0 < m.mlp_density <= 1, f"model.mlp_density must be in (0, 1]; got {m.mlp_density}"),
-        (m.mlp_block_size > 0, "model.mlp_block_size must be positive"),
-        (0 <= m.dropout < 1, f"model.dropout must be in [0, 1); got {m.dropout}"),
-        (m.max_positions >= 0, "model.max_positions must be >= 0 (0 = seq_len)"),
-        (m.norm_eps > 0, "model.norm_eps must be positive"),
-        (m.sliding_window >= 0, "model.sliding_window must be >= 0 (0 = attend to all)"),
-        (m.rope_scaling_factor > 0 and m.rope_original_max_positions > 0
-         and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
-         "model.rope_scaling_factor and model.rope_original_max_positions must be positive and "
-         "0 < model.rope_low_freq_factor < model.rope_high_freq_factor"),
-    ])
+    problems = _failed(
+        [
+            (m.vocab_size > 0, "model.vocab_size must be positive"),
+            (m.seq_len > 0, "model.seq_len must be positive"),
+            (m.num_layers > 0, "model.num_layers must be positive"),
+            (m.embed_dim > 0, "model.embed_dim must be positive"),
+            (m.num_heads > 0, "model.num_heads must be positive"),
+            (m.num_kv_heads >= 0, "model.num_kv_heads must be >= 0 (0 = num_heads)"),
+            (m.head_dim >= 0, "model.head_dim must be >= 0 (0 = embed_dim // num_heads)"),
+            (m.mlp_dim > 0, "model.mlp_dim must be positive"),
+            (m.rope_base > 0, "model.rope_base must be positive"),
+            (0 < m.mlp_density <= 1, f"model.mlp_density must be in (0, 1]; got {m.mlp_density}"),
+            (m.mlp_block_size > 0, "model.mlp_block_size must be positive"),
+            (0 <= m.dropout < 1, f"model.dropout must be in [0, 1); got {m.dropout}"),
+            (m.max_positions >= 0, "model.max_positions must be >= 0 (0 = seq_len)"),
+            (m.norm_eps > 0, "model.norm_eps must be positive"),
+            (m.sliding_window >= 0, "model.sliding_window must be >= 0 (0 = attend to all)"),
+            (
+                m.rope_scaling_factor > 0
+                and m.rope_original_max_positions > 0
+                and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+                "model.rope_scaling_factor and model.rope_original_max_positions must be positive and "
+                "0 < model.rope_low_freq_factor < model.rope_high_freq_factor",
+            ),
+        ]
+    )
     return problems + _head_problems(m)
 
 
@@ -345,41 +383,54 @@ def _head_problems(m) -> list[str]:
     """The heads split the embedding, and the key/value heads the query heads."""
     if m.num_heads <= 0:
         return []  # reported on its own
-    return _failed([
-        (m.head_dim != 0 or m.embed_dim % m.num_heads == 0,
-         f"model.num_heads ({m.num_heads}) must divide model.embed_dim ({m.embed_dim}) when "
-         f"model.head_dim is 0"),
-        (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads == 0,
-         f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})"),
-    ])
+    return _failed(
+        [
+            (
+                m.head_dim != 0 or m.embed_dim % m.num_heads == 0,
+                f"model.num_heads ({m.num_heads}) must divide model.embed_dim ({m.embed_dim}) when "
+                f"model.head_dim is 0",
+            ),
+            (
+                m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads == 0,
+                f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})",
+            ),
+        ]
+    )
 
 
 def _data_problems(d) -> list[str]:
-    return _failed([
-        (bool(d.source), "data.source must not be empty"),
-        (0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1); got {d.val_fraction}"),
-        (d.max_bytes >= 0, "data.max_bytes must be >= 0 (0 = no cap)"),
-        (d.packing_bins > 0, "data.packing_bins must be positive"),
-        (bool(d.tokenizer), "data.tokenizer must be 'byte', a SentencePiece .model path or a "
-                            "Hugging Face tokenizer.json (or its folder)"),
-    ])
+    return _failed(
+        [
+            (bool(d.source), "data.source must not be empty"),
+            (0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1); got {d.val_fraction}"),
+            (d.max_bytes >= 0, "data.max_bytes must be >= 0 (0 = no cap)"),
+            (d.packing_bins > 0, "data.packing_bins must be positive"),
+            (
+                bool(d.tokenizer),
+                "data.tokenizer must be 'byte', a SentencePiece .model path or a "
+                "Hugging Face tokenizer.json (or its folder)",
+            ),
+        ]
+    )
 
 
 def _train_problems(t) -> list[str]:
-    problems = _failed([
-        (t.steps > 0, f"train.steps must be positive; got {t.steps}"),
-        (t.batch_size > 0, f"train.batch_size must be positive; got {t.batch_size}"),
-        (t.lr >= 0, "train.lr must be >= 0"),
-        (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
-        (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
-        (t.weight_decay >= 0, "train.weight_decay must be >= 0"),
-        (0 <= t.b1 < 1 and 0 <= t.b2 < 1, "train.b1 and train.b2 must be in [0, 1)"),
-        (t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables it)"),
-        (t.seed >= 0, "train.seed must be >= 0"),
-        (t.log_every > 0, "train.log_every must be positive"),
-        (t.eval_every >= 0, "train.eval_every must be >= 0 (0 = only at the end)"),
-        (t.eval_batches >= 0, "train.eval_batches must be >= 0"),
-    ])
+    problems = _failed(
+        [
+            (t.steps > 0, f"train.steps must be positive; got {t.steps}"),
+            (t.batch_size > 0, f"train.batch_size must be positive; got {t.batch_size}"),
+            (t.lr >= 0, "train.lr must be >= 0"),
+            (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
+            (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
+            (t.weight_decay >= 0, "train.weight_decay must be >= 0"),
+            (0 <= t.b1 < 1 and 0 <= t.b2 < 1, "train.b1 and train.b2 must be in [0, 1)"),
+            (t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables it)"),
+            (t.seed >= 0, "train.seed must be >= 0"),
+            (t.log_every > 0, "train.log_every must be positive"),
+            (t.eval_every >= 0, "train.eval_every must be >= 0 (0 = only at the end)"),
+            (t.eval_batches >= 0, "train.eval_batches must be >= 0"),
+        ]
+    )
     if t.freeze:
         try:
             re.compile(t.freeze)
@@ -392,20 +443,26 @@ def _parallel_problems(cfg: Config) -> list[str]:
     """The section's own ranges, then the engine's rules between its settings (and the batch
     size, the optimizer and the precision they constrain)."""
     p = cfg.parallel
-    problems = _failed([
-        (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
-        (p.model > 0, "parallel.model must be positive"),
-        (p.grad_accum > 0, "parallel.grad_accum must be positive"),
-        (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
-        # XLA:GPU stops with a check failure compiling the 8-bit update as host code (an
-        # asynchronous op XLA:CPU cannot emit); streamed through the device it compiles.
-        (p.update_on != "host" or cfg.train.optimizer != "adamw_8bit",
-         "train.optimizer=adamw_8bit is updated on the device: use parallel.update_on=device "
-         "with parallel.offload (the state streams through the device one parameter at a time)"),
-    ])
+    problems = _failed(
+        [
+            (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
+            (p.model > 0, "parallel.model must be positive"),
+            (p.grad_accum > 0, "parallel.grad_accum must be positive"),
+            (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
+            # XLA:GPU stops with a check failure compiling the 8-bit update as host code (an
+            # asynchronous op XLA:CPU cannot emit); streamed through the device it compiles.
+            (
+                p.update_on != "host" or cfg.train.optimizer != "adamw_8bit",
+                "train.optimizer=adamw_8bit is updated on the device: use parallel.update_on=device "
+                "with parallel.offload (the state streams through the device one parameter at a time)",
+            ),
+        ]
+    )
     problems += plan_problems(**p.plan_settings(), keys=CONFIG_KEYS)
-    more = [hierarchical_copy_problem(p.hierarchical, cfg.precision.params, CONFIG_KEYS),
-            batch_split_problem(cfg.train.batch_size, p.grad_accum, keys=CONFIG_KEYS)]
+    more = [
+        hierarchical_copy_problem(p.hierarchical, cfg.precision.params, CONFIG_KEYS),
+        batch_split_problem(cfg.train.batch_size, p.grad_accum, keys=CONFIG_KEYS),
+    ]
     return problems + [problem for problem in more if problem]
 
 
@@ -413,21 +470,31 @@ def _precision_problems(prec) -> list[str]:
     try:
         parse_loss_scale(prec.loss_scale)
     except ValueError:
-        return [f"precision.loss_scale must be 'none', 'dynamic' or a positive number; "
-                f"got {prec.loss_scale!r}"]
+        return [
+            f"precision.loss_scale must be 'none', 'dynamic' or a positive number; "
+            f"got {prec.loss_scale!r}"
+        ]
     return []
 
 
 def _fusemix_problems(f) -> list[str]:
-    return _failed([(f.shared_dim > 0, "fusemix.shared_dim must be positive"),
-                     (f.adapter_hidden > 0, "fusemix.adapter_hidden must be positive"),
-                     (f.adapter_layers > 0, "fusemix.adapter_layers must be positive"),
-                     (f.adapter_expansion > 0, "fusemix.adapter_expansion must be positive")])
+    return _failed(
+        [
+            (f.shared_dim > 0, "fusemix.shared_dim must be positive"),
+            (f.adapter_hidden > 0, "fusemix.adapter_hidden must be positive"),
+            (f.adapter_layers > 0, "fusemix.adapter_layers must be positive"),
+            (f.adapter_expansion > 0, "fusemix.adapter_expansion must be positive"),
+        ]
+    )
 
 
 def _checkpoint_problems(c) -> list[str]:
-    return _failed([(c.every >= 0, "checkpoint.every must be >= 0"),
-                    (c.keep > 0, "checkpoint.keep must be positive")])
+    return _failed(
+        [
+            (c.every >= 0, "checkpoint.every must be >= 0"),
+            (c.keep > 0, "checkpoint.keep must be positive"),
+        ]
+    )
 
 
 def _lora_problems(lora, freeze: str) -> list[str]:
@@ -446,26 +513,40 @@ def _lora_problems(lora, freeze: str) -> list[str]:
         except re.error as e:
             out.append(f"model.lora.targets must be a regular expression; {lora.targets!r}: {e}")
         if not lora.targets:
-            out.append("model.lora.targets must not be empty: a regex on parameter paths such "
-                       "as '(attn|mlp)/\\w+/kernel'")
+            out.append(
+                "model.lora.targets must not be empty: a regex on parameter paths such "
+                "as '(attn|mlp)/\\w+/kernel'"
+            )
         if freeze:
-            out.append(f"train.freeze={freeze!r} with model.lora.rank={lora.rank}: LoRA already "
-                       "freezes every base weight and trains the adapters only; narrow "
-                       "model.lora.targets instead (or set train.freeze='')")
+            out.append(
+                f"train.freeze={freeze!r} with model.lora.rank={lora.rank}: LoRA already "
+                "freezes every base weight and trains the adapters only; narrow "
+                "model.lora.targets instead (or set train.freeze='')"
+            )
     return out
 
 
 # --- command line -------------------------------------------------------------------------------
 
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--config FILE`` and ``key=value`` overrides to ``parser``; keys listed in --help."""
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="YAML config file (default: the dataclass defaults)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="dotted overrides applied after the file, e.g. train.steps=100")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="YAML config file (default: the dataclass defaults)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="dotted overrides applied after the file, e.g. train.steps=100",
+    )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = ((parser.epilog or "") + "\nconfig keys (section.key=default):\n"
-                     + describe_config())
+    parser.epilog = (
+        (parser.epilog or "") + "\nconfig keys (section.key=default):\n" + describe_config()
+    )
     return parser
 
 
@@ -473,8 +554,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.overrides)
 
 
-def parse_cli(argv: Sequence[str], *, prog: str | None = None,
-              description: str | None = None) -> Config:
+def parse_cli(
+    argv: Sequence[str], *, prog: str | None = None, description: str | None = None
+) -> Config:
     """``--config FILE [key=value ...]`` -> Config. A bad config exits with usage and one line."""
     parser = add_config_arguments(argparse.ArgumentParser(prog=prog, description=description))
     args = parser.parse_intermixed_args(list(argv))

@@ -9,16 +9,22 @@ The allowed values of the engine's settings are the engine's own constants (``ze
 ``zeroflow.autocast.precision``); the model's are spelled here, on ``ModelConfig``, and the model reads
 them back with ``choices_of`` (it imports this module, so it cannot be imported from here).
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from zeroflow.autocast.precision import AUTOCAST, DTYPES, MASTER_DTYPES
+from zeroflow.engine.plan import (
+    OFFLOAD_CHOICES,
+    QUANTIZE_GRADS_CHOICES,
+    QUANTIZE_WEIGHTS_CHOICES,
+    UPDATE_ON_CHOICES,
+    ZERO_STAGES,
+)
 from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
-from zeroflow.engine.plan import (OFFLOAD_CHOICES, QUANTIZE_GRADS_CHOICES, QUANTIZE_WEIGHTS_CHOICES,
-                           UPDATE_ON_CHOICES, ZERO_STAGES)
-from zeroflow.autocast.precision import AUTOCAST, DTYPES, MASTER_DTYPES
 
 CHOICES = "choices"
 "Field-metadata key holding the allowed values of an enumerated field (checked by config_io)."
@@ -31,8 +37,11 @@ def one_of(*choices):
 
 def choices_of(section_cls: type) -> dict[str, tuple]:
     """``{field name: allowed values}`` of the enumerated fields of a config section."""
-    return {f.name: f.metadata[CHOICES] for f in dataclasses.fields(section_cls)
-            if CHOICES in f.metadata}
+    return {
+        f.name: f.metadata[CHOICES]
+        for f in dataclasses.fields(section_cls)
+        if CHOICES in f.metadata
+    }
 
 
 @dataclass(unsafe_hash=True)  # hashable: model configs are cache keys (models.abstract_params)
@@ -205,11 +214,16 @@ class ParallelConfig:
     def plan_settings(self) -> dict:
         """The ``ZeroPlan`` arguments these keys set ('none' and ``hosts=0`` read as None): the
         trainer's plan is built from them, and the validation checks the plan's rules on them."""
-        return dict(stage=self.zero_stage, offload=self.offload, update_on=self.update_on,
-                    quantize_weights=None if self.quantize_weights == "none" else self.quantize_weights,
-                    quantize_block=self.quantize_block, hierarchical=self.hierarchical,
-                    quantize_grads=None if self.quantize_grads == "none" else self.quantize_grads,
-                    hosts=self.hosts or None)
+        return dict(
+            stage=self.zero_stage,
+            offload=self.offload,
+            update_on=self.update_on,
+            quantize_weights=None if self.quantize_weights == "none" else self.quantize_weights,
+            quantize_block=self.quantize_block,
+            hierarchical=self.hierarchical,
+            quantize_grads=None if self.quantize_grads == "none" else self.quantize_grads,
+            hosts=self.hosts or None,
+        )
 
 
 @dataclass

@@ -5,6 +5,7 @@ The window offsets of the whole global batch are drawn first; a process then kee
 contiguous block of rows and reads only those windows, so with many hosts each reads just
 its part, and the hosts' parts stack up to the single-process batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,8 +17,10 @@ def _local_rows(global_batch: int, process_index: int, process_count: int) -> sl
     if process_count <= 0 or not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
     if global_batch <= 0 or global_batch % process_count:
-        raise ValueError(f"global_batch {global_batch} must be a positive multiple of "
-                         f"process_count {process_count}")
+        raise ValueError(
+            f"global_batch {global_batch} must be a positive multiple of "
+            f"process_count {process_count}"
+        )
     local = global_batch // process_count
     return slice(process_index * local, (process_index + 1) * local)
 
@@ -38,8 +41,16 @@ def read_windows(tokens: np.ndarray, starts: Sequence[int] | np.ndarray, length:
     return np.asarray(tokens[starts[:, None] + np.arange(length)], dtype=np.int32)
 
 
-def train_batch(tokens: np.ndarray, step: int, *, global_batch: int, seq_len: int, seed: int,
-                process_index: int = 0, process_count: int = 1) -> np.ndarray:
+def train_batch(
+    tokens: np.ndarray,
+    step: int,
+    *,
+    global_batch: int,
+    seq_len: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> np.ndarray:
     """This process's rows of the training batch of ``step``.
 
     Returns int32 ``[global_batch // process_count, seq_len + 1]``.
@@ -50,8 +61,15 @@ def train_batch(tokens: np.ndarray, step: int, *, global_batch: int, seq_len: in
     return read_windows(tokens, starts[rows], seq_len + 1)
 
 
-def eval_batches(tokens: np.ndarray, *, num_batches: int, global_batch: int, seq_len: int,
-                 process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    num_batches: int,
+    global_batch: int,
+    seq_len: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[np.ndarray]:
     """The fixed held-out batches, identical at every evaluation.
 
     ``num_batches * global_batch`` windows evenly spaced over ``tokens``; batch ``i`` takes

@@ -14,6 +14,7 @@ tokenized without added special tokens, the same ids.
 tokens whose characters fall in those spans form the assistant mask, as transformers'
 ``return_assistant_tokens_mask=True`` computes it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from zeroflow.data.tokenizers import CHAT_TEMPLATE_FILE as TEMPLATE_FILE
+
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -65,12 +67,14 @@ def _generation_extension():
 
 def _raise_exception(message):
     from jinja2.exceptions import TemplateError
+
     raise TemplateError(message)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class ChatTemplate:
@@ -87,8 +91,9 @@ class ChatTemplate:
         "Passed to every render: the tokenizer's special tokens (bos_token, eos_token, ...)."
         self.marks_generation = bool(_GENERATION_TAG.search(source))
         spans_extension = _generation_extension()
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[spans_extension, loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[spans_extension, loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -98,8 +103,9 @@ class ChatTemplate:
         except TemplateSyntaxError as e:
             raise ValueError(f"chat template {name}: line {e.lineno}: {e.message}") from None
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False
-               ) -> tuple[str, list[tuple[int, int]]]:
+    def render(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the [start, end) character spans of its
         ``{% generation %}`` blocks. Keys whose value is None are dropped from each message
         first (as transformers does: templates test for a key, not for None)."""
@@ -107,9 +113,9 @@ class ChatTemplate:
         pieces: list[str] = []
         self._tracker.emitted, self._tracker.spans = pieces, []
         try:
-            for piece in self._template.generate(messages=messages,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **self.variables):
+            for piece in self._template.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.variables
+            ):
                 pieces.append(piece)
             return "".join(pieces), list(self._tracker.spans)
         finally:
@@ -159,5 +165,5 @@ def assistant_mask(encoding, spans: Sequence[tuple[int, int]], num_tokens: int) 
         if first is None:  # the span starts past the encoded text
             break
         last = encoding.char_to_token(end - 1)
-        mask[first:num_tokens if last is None else last + 1] = True
+        mask[first : num_tokens if last is None else last + 1] = True
     return mask

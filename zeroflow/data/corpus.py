@@ -11,6 +11,7 @@ only on names, so it is the same on every machine and no file lands in both spli
 with a single file is split inside the file instead: its last ``val_fraction`` (cut at a line
 break) is validation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,9 @@ def _walk(root: Path, keep_file) -> list[SourceFile]:
         for filename in files:
             path = Path(folder, filename)
             if not filename.startswith(".") and path.is_file() and keep_file(path):
-                found.append(SourceFile(path.relative_to(root).as_posix(), path,
-                                        path.stat().st_size))
+                found.append(
+                    SourceFile(path.relative_to(root).as_posix(), path, path.stat().st_size)
+                )
     return sorted(found, key=lambda f: f.name)
 
 
@@ -77,8 +79,10 @@ def list_source_files(source: str | os.PathLike) -> list[SourceFile]:
         return [SourceFile(path.name, path, path.stat().st_size)]
     if path.is_dir():
         return _walk(path, _looks_textual)
-    raise FileNotFoundError(f"data source not found: {os.fspath(source)!r} "
-                            "(use 'stdlib', a text file, a folder, or a .bin token file)")
+    raise FileNotFoundError(
+        f"data source not found: {os.fspath(source)!r} "
+        "(use 'stdlib', a text file, a folder, or a .bin token file)"
+    )
 
 
 def cap_files(files: Sequence[SourceFile], max_bytes: int) -> list[SourceFile]:
@@ -106,8 +110,9 @@ def held_out(name: str, val_fraction: float) -> bool:
     return _name_hash(name) < val_fraction
 
 
-def split_files(files: Sequence[SourceFile], val_fraction: float
-                ) -> tuple[list[SourceFile], list[SourceFile]]:
+def split_files(
+    files: Sequence[SourceFile], val_fraction: float
+) -> tuple[list[SourceFile], list[SourceFile]]:
     """(train, val) by ``held_out``; with two or more files and val_fraction > 0 neither is empty.
 
     A lone file stays whole in train here; ``iter_documents`` splits it inside instead.
@@ -132,7 +137,7 @@ def read_text(file: SourceFile) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     if file.limit and file.limit < len(raw):
-        text = raw[:file.limit].decode("utf-8", "ignore")  # drops a cut multi-byte character
+        text = raw[: file.limit].decode("utf-8", "ignore")  # drops a cut multi-byte character
     return text
 
 
@@ -145,8 +150,13 @@ def _tail_split(text: str, val_fraction: float) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def iter_documents(source: str | os.PathLike, *, val_fraction: float, max_bytes: int = 0,
-                   files: Sequence[SourceFile] | None = None) -> Iterator[Document]:
+def iter_documents(
+    source: str | os.PathLike,
+    *,
+    val_fraction: float,
+    max_bytes: int = 0,
+    files: Sequence[SourceFile] | None = None,
+) -> Iterator[Document]:
     """Every document of ``source`` in sorted order, tagged with its split.
 
     Pass ``files`` (from ``list_source_files``) to skip listing the source again.

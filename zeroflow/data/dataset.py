@@ -1,4 +1,5 @@
 """``load_data``: a ``DataConfig`` -> train and validation token arrays plus their tokenizer."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,11 @@ class TokenData:
 
     def summary(self) -> str:
         files = f", {len(self.train_files)}+{len(self.val_files)} files" if self.train_files else ""
-        return (f"data {self.source}{files}: train {len(self.train):,} tokens, "
-                f"val {len(self.val):,} tokens, vocab {self.vocab_size}, "
-                f"{self.tokens_per_byte:.3f} tokens/byte")
+        return (
+            f"data {self.source}{files}: train {len(self.train):,} tokens, "
+            f"val {len(self.val):,} tokens, vocab {self.vocab_size}, "
+            f"{self.tokens_per_byte:.3f} tokens/byte"
+        )
 
 
 def bits_per_byte(loss_nats, tokens_per_byte: float):
@@ -72,29 +75,43 @@ def _from_text(cfg: DataConfig) -> TokenData:
         names[doc.split].append(doc.name)
         num_bytes[doc.split] += doc_bytes
     dtype = token_dtype(tokenizer.vocab_size)
-    train, val = (np.concatenate(parts[s]).astype(dtype, copy=False) if parts[s]
-                  else np.zeros(0, dtype) for s in ("train", "val"))
+    train, val = (
+        np.concatenate(parts[s]).astype(dtype, copy=False) if parts[s] else np.zeros(0, dtype)
+        for s in ("train", "val")
+    )
     measured, measured_bytes = (val, num_bytes["val"]) if len(val) else (train, num_bytes["train"])
-    return TokenData(train, val, tokenizer, len(measured) / max(measured_bytes, 1),
-                     os.fspath(cfg.source), tuple(names["train"]), tuple(names["val"]))
+    return TokenData(
+        train,
+        val,
+        tokenizer,
+        len(measured) / max(measured_bytes, 1),
+        os.fspath(cfg.source),
+        tuple(names["train"]),
+        tuple(names["val"]),
+    )
 
 
 def _from_token_dir(cfg: DataConfig, meta_path) -> TokenData:
     arrays, meta = read_token_dir(meta_path)
     if cfg.tokenizer != "byte" and not same_tokenizer(cfg.tokenizer, meta["tokenizer"]):
-        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} but {cfg.source} was tokenized with "
-                         f"{meta['tokenizer']!r}; drop data.tokenizer or re-run prepare_data.py")
+        raise ValueError(
+            f"data.tokenizer={cfg.tokenizer!r} but {cfg.source} was tokenized with "
+            f"{meta['tokenizer']!r}; drop data.tokenizer or re-run prepare_data.py"
+        )
     tokenizer = load_tokenizer(meta["tokenizer"])
     if tokenizer.vocab_size != meta["vocab_size"]:
-        raise ValueError(f"{meta_path}: vocab_size {meta['vocab_size']} does not match "
-                         f"tokenizer {meta['tokenizer']} ({tokenizer.vocab_size})")
+        raise ValueError(
+            f"{meta_path}: vocab_size {meta['vocab_size']} does not match "
+            f"tokenizer {meta['tokenizer']} ({tokenizer.vocab_size})"
+        )
     train = arrays["train"]
     val = arrays.get("val")
     if val is None:  # a lone .bin: hold out its tail
         cut = len(train) - int(len(train) * cfg.val_fraction)
         train, val = train[:cut], train[cut:]
-    return TokenData(train, val, tokenizer, float(meta.get("tokens_per_byte", 1.0)),
-                     os.fspath(cfg.source))
+    return TokenData(
+        train, val, tokenizer, float(meta.get("tokens_per_byte", 1.0)), os.fspath(cfg.source)
+    )
 
 
 def load_data(cfg: DataConfig, seq_len: int) -> TokenData | RecordData:
@@ -109,23 +126,33 @@ def load_data(cfg: DataConfig, seq_len: int) -> TokenData | RecordData:
     source = os.fspath(cfg.source)
     if cfg.format != "stream":
         return load_record_data(cfg, seq_len)
-    if (source.endswith(RECORD_SUFFIXES) and os.path.isfile(source)) or is_saved_dataset(Path(source)):
-        raise ValueError(f"data.source {source!r} holds records; set data.format to text, "
-                         "prompt_completion or chat (data.format=stream reads it as plain text)")
+    if (source.endswith(RECORD_SUFFIXES) and os.path.isfile(source)) or is_saved_dataset(
+        Path(source)
+    ):
+        raise ValueError(
+            f"data.source {source!r} holds records; set data.format to text, "
+            "prompt_completion or chat (data.format=stream reads it as plain text)"
+        )
     meta_path = None if source == STDLIB else find_meta(source)
     if meta_path is not None:
         data = _from_token_dir(cfg, meta_path)
     elif source.endswith(".bin"):
-        raise ValueError(f"no metadata for {source}: expected {source}.json or meta.json next "
-                         "to it (written by scripts/prepare_data.py)")
+        raise ValueError(
+            f"no metadata for {source}: expected {source}.json or meta.json next "
+            "to it (written by scripts/prepare_data.py)"
+        )
     else:
         data = _from_text(cfg)
     need = seq_len + 1
     if len(data.train) < need:
-        raise ValueError(f"training split of {source} has {len(data.train)} tokens, fewer than "
-                         f"seq_len + 1 = {need}; use more text (data.max_bytes) or a shorter "
-                         "seq_len")
+        raise ValueError(
+            f"training split of {source} has {len(data.train)} tokens, fewer than "
+            f"seq_len + 1 = {need}; use more text (data.max_bytes) or a shorter "
+            "seq_len"
+        )
     if cfg.val_fraction > 0 and len(data.val) < need:
-        raise ValueError(f"validation split of {source} has {len(data.val)} tokens, fewer than "
-                         f"seq_len + 1 = {need}; raise data.val_fraction or data.max_bytes")
+        raise ValueError(
+            f"validation split of {source} has {len(data.val)} tokens, fewer than "
+            f"seq_len + 1 = {need}; raise data.val_fraction or data.max_bytes"
+        )
     return data

@@ -15,6 +15,7 @@
 An example of n tokens gives n - 1 (input, target) pairs; it must fit in ``seq_len``. A record
 that cannot be used raises ``BadRecord`` with a short kind (counted) and a detail.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -132,7 +133,7 @@ def _chat(record, cfg: DataConfig, tokenizer: HFTokenizer, template: ChatTemplat
         text, spans = template.render(messages)
     except TemplateError as e:  # the template's own raise_exception: e.g. roles must alternate
         raise BadRecord("rejected by the chat template", str(e).splitlines()[0]) from None
-    except Exception as e:  # noqa: BLE001  a fault of the template itself, not of the record
+    except Exception as e:
         raise TemplateFailed(template.name, e) from None
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     ids = encoding.ids
@@ -146,22 +147,29 @@ def _chat(record, cfg: DataConfig, tokenizer: HFTokenizer, template: ChatTemplat
 def chat_template_for(cfg: DataConfig, tokenizer: Tokenizer) -> ChatTemplate:
     """The tokenizer folder's chat template, checked against ``cfg`` (one-line errors)."""
     if not isinstance(tokenizer, HFTokenizer):
-        raise ValueError(f"data.format=chat needs a Hugging Face tokenizer folder with a chat "
-                         f"template as data.tokenizer; got {cfg.tokenizer!r}")
+        raise ValueError(
+            f"data.format=chat needs a Hugging Face tokenizer folder with a chat "
+            f"template as data.tokenizer; got {cfg.tokenizer!r}"
+        )
     folder = tokenizer.folder
     template = load_chat_template(folder)
     if template is None:
-        raise ValueError(f"data.format=chat: {folder} has no chat template (chat_template.jinja "
-                         "or tokenizer_config.json's chat_template)")
+        raise ValueError(
+            f"data.format=chat: {folder} has no chat template (chat_template.jinja "
+            "or tokenizer_config.json's chat_template)"
+        )
     if cfg.train_on == "completion" and not template.marks_generation:
-        raise ValueError(f"data.train_on=completion needs a chat template that marks the "
-                         f"assistant's text with {{% generation %}}; {template.name} does not "
-                         "(use data.train_on=all, or add the markers)")
+        raise ValueError(
+            f"data.train_on=completion needs a chat template that marks the "
+            f"assistant's text with {{% generation %}}; {template.name} does not "
+            "(use data.train_on=all, or add the markers)"
+        )
     return template
 
 
-def example_encoder(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int
-                    ) -> Callable[[Any], Encoded]:
+def example_encoder(
+    cfg: DataConfig, tokenizer: Tokenizer, seq_len: int
+) -> Callable[[Any], Encoded]:
     """``record -> Encoded`` for ``cfg.format``; raises BadRecord for a record it cannot use."""
     if cfg.format == "text":
         encode = lambda r: _text(r, cfg, tokenizer)  # noqa: E731
@@ -177,17 +185,22 @@ def example_encoder(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int
         example = encode(record)
         n = len(example.tokens)
         if n - 1 > seq_len:
-            raise BadRecord("longer than seq_len", f"{n} tokens, at most seq_len + 1 = "
-                                                   f"{seq_len + 1} fit")
+            raise BadRecord(
+                "longer than seq_len", f"{n} tokens, at most seq_len + 1 = {seq_len + 1} fit"
+            )
         if n < 2:
             raise BadRecord("fewer than 2 tokens")
         if not example.trained[1:].any():
             raise BadRecord("no tokens to train on", "no completion or assistant turn")
         return example
+
     return checked
 
 
 def training_pairs(example: Encoded) -> dict[str, np.ndarray]:
     """The example as aligned (input, target, weight) arrays of n - 1 entries."""
-    return {"inputs": example.tokens[:-1], "targets": example.tokens[1:],
-            "weights": example.trained[1:].astype(np.int32)}
+    return {
+        "inputs": example.tokens[:-1],
+        "targets": example.tokens[1:],
+        "weights": example.trained[1:].astype(np.int32),
+    }

@@ -13,6 +13,7 @@ packing round started); ``set_state`` puts a fresh iterator back there, so a res
 the batches the uninterrupted one would. The trainer saves it in every checkpoint through
 Grain's Orbax handler (one file per process).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -36,16 +37,27 @@ def _shard(examples: Sequence[dict], process_index: int, process_count: int):
 def model_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Grain's packed features -> the model's batch: ``tokens``, ``targets``, ``loss_mask``,
     ``segment_ids`` and ``positions``, each int32 [rows, seq_len]."""
-    return {"tokens": packed["inputs"].astype(np.int32),
-            "targets": packed["targets"].astype(np.int32),
-            "loss_mask": packed["weights"].astype(np.int32),
-            "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
-            "positions": packed["inputs_positions"].astype(np.int32)}
+    return {
+        "tokens": packed["inputs"].astype(np.int32),
+        "targets": packed["targets"].astype(np.int32),
+        "loss_mask": packed["weights"].astype(np.int32),
+        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
+        "positions": packed["inputs_positions"].astype(np.int32),
+    }
 
 
-def packed_batches(examples: Sequence[dict], *, seq_len: int, batch_size: int, seed: int,
-                   packing_bins: int, process_index: int = 0, process_count: int = 1,
-                   shuffle: bool = True, repeat: bool = True):
+def packed_batches(
+    examples: Sequence[dict],
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    packing_bins: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    shuffle: bool = True,
+    repeat: bool = True,
+):
     """A Grain ``IterDataset`` of this process's batches (dicts from ``model_batch``).
 
     ``batch_size`` is this process's rows. Without ``repeat`` the stream ends after one pass
@@ -61,11 +73,16 @@ def packed_batches(examples: Sequence[dict], *, seq_len: int, batch_size: int, s
         dataset = dataset.repeat(None)
     # The examples are already in memory: read them in this thread (Grain's default read-ahead
     # threads cost more than they save here).
-    examples_stream = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0,
-                                                                prefetch_buffer_size=0))
+    examples_stream = dataset.to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    )
     packed = BestFitPackIterDataset(
-        examples_stream, length_struct={k: seq_len for k in FEATURES},
-        num_packing_bins=packing_bins, seed=seed, shuffle_bins=shuffle)
+        examples_stream,
+        length_struct={k: seq_len for k in FEATURES},
+        num_packing_bins=packing_bins,
+        seed=seed,
+        shuffle_bins=shuffle,
+    )
     return packed.batch(batch_size).map(model_batch)
 
 
@@ -74,20 +91,36 @@ def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     missing = rows - len(batch["tokens"])
     if missing <= 0:
         return batch
-    return {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)])
-            for k, v in batch.items()}
+    return {
+        k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) for k, v in batch.items()
+    }
 
 
-def fixed_batches(examples: Sequence[dict], *, num_batches: int, seq_len: int,
-                  batch_size: int, packing_bins: int, process_index: int = 0,
-                  process_count: int = 1) -> list[dict[str, np.ndarray]]:
+def fixed_batches(
+    examples: Sequence[dict],
+    *,
+    num_batches: int,
+    seq_len: int,
+    batch_size: int,
+    packing_bins: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
     """The first ``num_batches`` batches of one unshuffled pass: the same at every evaluation
     (the last one padded to ``batch_size`` rows)."""
     if num_batches <= 0 or not examples:
         return []
-    stream = packed_batches(examples, seq_len=seq_len, batch_size=batch_size, seed=0,
-                            packing_bins=packing_bins, process_index=process_index,
-                            process_count=process_count, shuffle=False, repeat=False)
+    stream = packed_batches(
+        examples,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=0,
+        packing_bins=packing_bins,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=False,
+        repeat=False,
+    )
     batches = []
     for batch in stream:
         batches.append(pad_rows(batch, batch_size))
@@ -96,14 +129,21 @@ def fixed_batches(examples: Sequence[dict], *, num_batches: int, seq_len: int,
     return batches
 
 
-def packing_efficiency(examples: Sequence[dict], *, seq_len: int, packing_bins: int,
-                       seed: int = 0, max_rows: int = 2048) -> float:
+def packing_efficiency(
+    examples: Sequence[dict],
+    *,
+    seq_len: int,
+    packing_bins: int,
+    seed: int = 0,
+    max_rows: int = 2048,
+) -> float:
     """Fraction of the token slots that hold real tokens in the training stream's rows, over
     the first epoch's worth of tokens (at most ``max_rows`` rows: a sample on big sets)."""
     epoch_rows = min(-(-sum(len(e["inputs"]) for e in examples) // seq_len), max_rows)
     real = total = 0
-    for batch in packed_batches(examples, seq_len=seq_len, batch_size=64, seed=seed,
-                                packing_bins=packing_bins):
+    for batch in packed_batches(
+        examples, seq_len=seq_len, batch_size=64, seed=seed, packing_bins=packing_bins
+    ):
         real += int((batch["segment_ids"] > 0).sum())
         total += batch["segment_ids"].size
         if total >= epoch_rows * seq_len:

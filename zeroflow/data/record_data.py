@@ -5,6 +5,7 @@ seconds); packing and batching then happen as the run asks for batches (``packin
 is held out for validation when a hash of where it was found (file and line or record number)
 falls below ``data.val_fraction``: the split depends on names only, as for text files.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,8 +32,10 @@ class BadRecords:
     def add(self, where: str, problem: BadRecord | str) -> None:
         kind = problem.kind if isinstance(problem, BadRecord) else str(problem)
         if self.policy == "stop":
-            raise ValueError(f"bad record at {where}: {problem} (data.bad_records=stop; "
-                             "data.bad_records=skip skips such records and counts them)")
+            raise ValueError(
+                f"bad record at {where}: {problem} (data.bad_records=stop; "
+                "data.bad_records=skip skips such records and counts them)"
+            )
         self.counts[kind] += 1
         detail = getattr(problem, "detail", "")
         self.first.setdefault(kind, f"{where}: {detail}" if detail else where)
@@ -45,8 +48,9 @@ class BadRecords:
         """One line: how many were skipped, of which kinds, and where the first of each was."""
         if not self.total:
             return "no bad records"
-        kinds = "; ".join(f"{n} {kind} (first: {self.first[kind]})"
-                          for kind, n in self.counts.most_common())
+        kinds = "; ".join(
+            f"{n} {kind} (first: {self.first[kind]})" for kind, n in self.counts.most_common()
+        )
         return f"skipped {self.total} bad records: {kinds}"
 
 
@@ -78,25 +82,42 @@ class RecordData:
         return trained / max(sum(len(e["weights"]) for e in self.train), 1)
 
     def summary(self) -> str:
-        efficiency = packing_efficiency(self.train, seq_len=self.seq_len,
-                                        packing_bins=self.packing_bins)
-        return (f"data {self.source}: {self.records:,} records, {len(self.train):,} train + "
-                f"{len(self.val):,} val examples, {self.bad.summary()}; packed {efficiency:.1%} "
-                f"of tokens real, {self.trained_fraction():.1%} of them trained on; "
-                f"vocab {self.vocab_size}")
+        efficiency = packing_efficiency(
+            self.train, seq_len=self.seq_len, packing_bins=self.packing_bins
+        )
+        return (
+            f"data {self.source}: {self.records:,} records, {len(self.train):,} train + "
+            f"{len(self.val):,} val examples, {self.bad.summary()}; packed {efficiency:.1%} "
+            f"of tokens real, {self.trained_fraction():.1%} of them trained on; "
+            f"vocab {self.vocab_size}"
+        )
 
-    def train_batches(self, *, batch_size: int, seed: int, process_index: int = 0,
-                      process_count: int = 1):
+    def train_batches(
+        self, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
+    ):
         """Grain ``IterDataset`` of this process's training batches (``batch_size`` rows)."""
-        return packed_batches(self.train, seq_len=self.seq_len, batch_size=batch_size,
-                              seed=seed, packing_bins=self.packing_bins,
-                              process_index=process_index, process_count=process_count)
+        return packed_batches(
+            self.train,
+            seq_len=self.seq_len,
+            batch_size=batch_size,
+            seed=seed,
+            packing_bins=self.packing_bins,
+            process_index=process_index,
+            process_count=process_count,
+        )
 
-    def eval_batches(self, *, num_batches: int, batch_size: int, process_index: int = 0,
-                     process_count: int = 1) -> list[dict]:
-        return fixed_batches(self.val, num_batches=num_batches, seq_len=self.seq_len,
-                             batch_size=batch_size, packing_bins=self.packing_bins,
-                             process_index=process_index, process_count=process_count)
+    def eval_batches(
+        self, *, num_batches: int, batch_size: int, process_index: int = 0, process_count: int = 1
+    ) -> list[dict]:
+        return fixed_batches(
+            self.val,
+            num_batches=num_batches,
+            seq_len=self.seq_len,
+            batch_size=batch_size,
+            packing_bins=self.packing_bins,
+            process_index=process_index,
+            process_count=process_count,
+        )
 
 
 SFT_PACKAGES = ("grain", "datasets", "pyarrow", "jinja2")
@@ -108,8 +129,10 @@ def _check_installed() -> None:
 
     missing = [name for name in SFT_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        raise ValueError(f"data.format=text/prompt_completion/chat needs {', '.join(missing)}: "
-                         "pip install 'zeroflow[sft]'")
+        raise ValueError(
+            f"data.format=text/prompt_completion/chat needs {', '.join(missing)}: "
+            "pip install 'zeroflow[sft]'"
+        )
 
 
 def load_record_data(cfg: DataConfig, seq_len: int) -> RecordData:
@@ -131,19 +154,34 @@ def load_record_data(cfg: DataConfig, seq_len: int) -> RecordData:
             bad.add(record.where, e)
             continue
         except TemplateFailed as e:
-            raise ValueError(f"{e} on the record at {record.where} (record {records - 1} of "
-                             f"{os.fspath(cfg.source)}); fix the template") from None
+            raise ValueError(
+                f"{e} on the record at {record.where} (record {records - 1} of "
+                f"{os.fspath(cfg.source)}); fix the template"
+            ) from None
         tokens += len(example.tokens)
         num_bytes += example.num_bytes
         split = "val" if held_out(record.where, cfg.val_fraction) else "train"
         splits[split].append(training_pairs(example))
     source = os.fspath(cfg.source)
     if not splits["train"]:
-        raise ValueError(f"{source}: no usable training records of {records} read "
-                         f"(data.format={cfg.format}): {bad.summary()}")
+        raise ValueError(
+            f"{source}: no usable training records of {records} read "
+            f"(data.format={cfg.format}): {bad.summary()}"
+        )
     if cfg.val_fraction > 0 and not splits["val"]:
-        raise ValueError(f"{source}: no validation records at data.val_fraction="
-                         f"{cfg.val_fraction} ({len(splits['train'])} usable); raise it, or "
-                         "set it to 0")
-    return RecordData(splits["train"], splits["val"], tokenizer, tokens / max(num_bytes, 1),
-                      source, seq_len, cfg.packing_bins, records, bad)
+        raise ValueError(
+            f"{source}: no validation records at data.val_fraction="
+            f"{cfg.val_fraction} ({len(splits['train'])} usable); raise it, or "
+            "set it to 0"
+        )
+    return RecordData(
+        splits["train"],
+        splits["val"],
+        tokenizer,
+        tokens / max(num_bytes, 1),
+        source,
+        seq_len,
+        cfg.packing_bins,
+        records,
+        bad,
+    )

@@ -12,6 +12,7 @@ has a field of another type, where we want to count that record as bad and go on
 Every record comes with where it was found (``file line N`` / ``file record N``), for
 the one-line message about a bad one, and a stable key for the train/validation split.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,13 @@ def record_files(source: str | os.PathLike) -> list[Path]:
         return [path] if path.suffix in RECORD_SUFFIXES else []
     if not path.is_dir() or is_saved_dataset(path):
         return []
-    found = [p for p in path.rglob("*") if p.is_file() and p.suffix in RECORD_SUFFIXES
-             and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    found = [
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix in RECORD_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    ]
     return sorted(found, key=lambda p: p.relative_to(path).as_posix())
 
 
@@ -68,8 +74,12 @@ def _jsonl(path: Path, name: str) -> Iterator[Record]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield Record(where, None, "not UTF-8", f"byte 0x{raw[e.start]:02x} at byte "
-                                                       f"{e.start + 1} of the line")
+                yield Record(
+                    where,
+                    None,
+                    "not UTF-8",
+                    f"byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line",
+                )
                 continue
             if not line.strip():
                 continue
@@ -83,8 +93,10 @@ def _json(path: Path, name: str) -> Iterator[Record]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON file ({e}); a .json source holds one list of "
-                         "records (use .jsonl for one record per line)") from None
+        raise ValueError(
+            f"{path}: not a JSON file ({e}); a .json source holds one list of "
+            "records (use .jsonl for one record per line)"
+        ) from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of records, got a {type(data).__name__}")
     for number, value in enumerate(data):
@@ -107,8 +119,10 @@ def _saved_dataset(path: Path) -> Iterator[Record]:
     dataset = datasets.load_from_disk(os.fspath(path))
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
-            raise ValueError(f"{path} is a DatasetDict without a 'train' split "
-                             f"(splits: {', '.join(dataset)}); point data.source at one split")
+            raise ValueError(
+                f"{path} is a DatasetDict without a 'train' split "
+                f"(splits: {', '.join(dataset)}); point data.source at one split"
+            )
         dataset = dataset["train"]
     number = 0
     for batch in dataset.with_format(None).iter(batch_size=_PARQUET_BATCH):
@@ -129,9 +143,11 @@ def iter_records(source: str | os.PathLike) -> Iterator[Record]:
         return
     files = record_files(path)
     if not files:
-        raise ValueError(f"data.source {os.fspath(source)!r} holds no records: expected a "
-                         f".jsonl, .json or .parquet file, a folder of them, or a folder "
-                         f"written by datasets' save_to_disk")
+        raise ValueError(
+            f"data.source {os.fspath(source)!r} holds no records: expected a "
+            f".jsonl, .json or .parquet file, a folder of them, or a folder "
+            f"written by datasets' save_to_disk"
+        )
     for file in files:
         name = file.name if path.is_file() else file.relative_to(path).as_posix()
         yield from _READERS[file.suffix](file, name)

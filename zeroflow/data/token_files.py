@@ -13,6 +13,7 @@ The dtype is the smallest that holds the vocabulary: uint8 for bytes (256), uint
 65536, else uint32. A lone ``name.bin`` may carry its own sidecar ``name.bin.json`` of the same
 shape; without a ``val`` split its tail is held out at load time.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,23 +34,30 @@ SPLITS = ("train", "val")
 class TokenDirWriter:
     """Streams token arrays into ``out_dir/{train,val}.bin``; ``close()`` writes ``meta.json``."""
 
-    def __init__(self, out_dir: str | os.PathLike, *, vocab_size: int, tokenizer: str,
-                 **meta: Any):
+    def __init__(self, out_dir: str | os.PathLike, *, vocab_size: int, tokenizer: str, **meta: Any):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.dtype = token_dtype(vocab_size)
-        self.meta = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name,
-                     "vocab_size": int(vocab_size), "tokenizer": tokenizer, **meta}
-        self.counts = {s: {"file": f"{s}.bin", "tokens": 0, "bytes": 0, "documents": 0}
-                       for s in SPLITS}
+        self.meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype.name,
+            "vocab_size": int(vocab_size),
+            "tokenizer": tokenizer,
+            **meta,
+        }
+        self.counts = {
+            s: {"file": f"{s}.bin", "tokens": 0, "bytes": 0, "documents": 0} for s in SPLITS
+        }
         self._files = {s: open(self.out_dir / f"{s}.bin", "wb") for s in SPLITS}
 
     def write(self, split: str, tokens: np.ndarray, num_bytes: int) -> None:
         """Append one document's tokens (``num_bytes`` = the UTF-8 bytes they encode)."""
         tokens = np.asarray(tokens)
         if tokens.size and int(tokens.max()) >= self.meta["vocab_size"]:
-            raise ValueError(f"token id {int(tokens.max())} >= vocab_size "
-                             f"{self.meta['vocab_size']}")
+            raise ValueError(
+                f"token id {int(tokens.max())} >= vocab_size {self.meta['vocab_size']}"
+            )
         self._files[split].write(tokens.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
         count = self.counts[split]
         count["tokens"] += int(tokens.size)

@@ -4,6 +4,7 @@ Hugging Face ``tokenizers`` when it names a ``tokenizer.json`` (or a folder hold
 All give ``encode(str) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` and
 ``encode_array(str) -> np.ndarray`` (the fast path used to build token arrays).
 """
+
 from __future__ import annotations
 
 import io
@@ -71,17 +72,29 @@ class ByteTokenizer:
         backend.decoder = decoders.ByteLevel()
         out = Path(out_dir)
         backend.save(str(out / HF_TOKENIZER_FILE))
-        (out / HF_TOKENIZER_CONFIG).write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
-             "add_eos_token": False, "clean_up_tokenization_spaces": False}, indent=1) + "\n")
+        (out / HF_TOKENIZER_CONFIG).write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "add_bos_token": False,
+                    "add_eos_token": False,
+                    "clean_up_tokenization_spaces": False,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         return HF_TOKENIZER_FILE
 
 
 def _byte_characters() -> list[str]:
     """The character GPT-2's byte-level pre-tokenizer gives each byte value 0..255: printable
     Latin-1 bytes stand for themselves, the others are shifted to 256 and up."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
+    kept = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     shifted = iter(range(256, 512))
     return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
 
@@ -126,9 +139,11 @@ class HFTokenizer:
         self.name = os.fspath(path)
         try:
             self.backend = Backend.from_file(self.name)
-        except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception on bad JSON
-            raise ValueError(f"cannot read Hugging Face tokenizer {self.name}: "
-                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except Exception as e:
+            raise ValueError(
+                f"cannot read Hugging Face tokenizer {self.name}: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
         self.vocab_size = int(self.backend.get_vocab_size(with_added_tokens=True))
         self._dtype = token_dtype(self.vocab_size)
         self.eos_id = self._eos_id(Path(self.name).with_name(HF_TOKENIZER_CONFIG))
@@ -182,8 +197,10 @@ def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | SentencePieceToke
     if hf_file is not None:
         return HFTokenizer(hf_file)
     if not os.path.isfile(spec):
-        raise ValueError(f"tokenizer not found: {os.fspath(spec)!r} (use 'byte', a SentencePiece "
-                         ".model file, or a Hugging Face tokenizer.json or a folder holding one)")
+        raise ValueError(
+            f"tokenizer not found: {os.fspath(spec)!r} (use 'byte', a SentencePiece "
+            ".model file, or a Hugging Face tokenizer.json or a folder holding one)"
+        )
     return SentencePieceTokenizer(spec)
 
 
@@ -196,8 +213,9 @@ def tokenizer_files(tokenizer) -> list[Path]:
     return []
 
 
-def copy_tokenizer(tokenizer, out_dir: str | os.PathLike, model_name: str = "tokenizer.model"
-                   ) -> str:
+def copy_tokenizer(
+    tokenizer, out_dir: str | os.PathLike, model_name: str = "tokenizer.model"
+) -> str:
     """Copy the tokenizer's files into ``out_dir``; returns the spec to load it from there,
     relative to ``out_dir`` ('byte' for bytes). A SentencePiece model is named ``model_name``."""
     out = Path(out_dir)
@@ -219,8 +237,13 @@ def same_tokenizer(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     return files[0][0].read_bytes() == files[1][0].read_bytes()
 
 
-def train_sentencepiece(lines: Iterable[str], model_path: str | os.PathLike, *,
-                        vocab_size: int = 4096, num_threads: int = 2) -> SentencePieceTokenizer:
+def train_sentencepiece(
+    lines: Iterable[str],
+    model_path: str | os.PathLike,
+    *,
+    vocab_size: int = 4096,
+    num_threads: int = 2,
+) -> SentencePieceTokenizer:
     """Train a lossless BPE SentencePiece model on ``lines`` and write it to ``model_path``.
 
     Lossless on code and prose: no normalisation, whitespace kept (so indentation survives),
@@ -232,15 +255,26 @@ def train_sentencepiece(lines: Iterable[str], model_path: str | os.PathLike, *,
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=(line for line in lines if line.strip()), model_writer=model,
-            vocab_size=vocab_size, model_type="bpe", normalization_rule_name="identity",
-            remove_extra_whitespaces=False, add_dummy_prefix=False, byte_fallback=True,
-            allow_whitespace_only_pieces=True, split_digits=True, character_coverage=0.9995,
-            max_sentence_length=16384, num_threads=num_threads, minloglevel=2)
+            sentence_iterator=(line for line in lines if line.strip()),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            byte_fallback=True,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            character_coverage=0.9995,
+            max_sentence_length=16384,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
     except RuntimeError as e:
         reason = str(e).splitlines()[-1] if str(e) else type(e).__name__
-        raise ValueError(f"sentencepiece training failed (vocab_size={vocab_size}): "
-                         f"{reason}") from None
+        raise ValueError(
+            f"sentencepiece training failed (vocab_size={vocab_size}): {reason}"
+        ) from None
     with open(model_path, "wb") as f:
         f.write(model.getvalue())
     return SentencePieceTokenizer(model_path)

@@ -12,6 +12,7 @@ ZeRO padding (``zeroflow.engine.padding``) is never saved: a padded leaf is cut 
 the save (which holds that leaf whole on each device for the moment of the save) and restored
 straight into its padded, sharded form (Orbax pads it with zeros as it reads).
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,10 +24,9 @@ import jax
 import orbax.checkpoint as ocp
 
 from zeroflow.engine import checkpoint_digests, padding
-from zeroflow.util.tree import path_str
 from zeroflow.engine.state import TrainState
 from zeroflow.engine.zeropp import hierarchical
-
+from zeroflow.util.tree import path_str
 
 log = logging.getLogger("zeroflow")
 
@@ -53,8 +53,11 @@ def _counters(state: TrainState) -> dict[str, Any]:
 
 def portable(state: TrainState) -> dict[str, Any]:
     """The saved part of a state, unpadded; the compute copy is derived, so it is left out."""
-    out = {**_counters(state), "master": state.master_params,
-           "opt_state": padding.unpad(state.opt_state, state.padding.opt_state)}
+    out = {
+        **_counters(state),
+        "master": state.master_params,
+        "opt_state": padding.unpad(state.opt_state, state.padding.opt_state),
+    }
     if state.rng is not None:
         out["rng"] = jax.random.key_data(state.rng)
     if state.frozen is not None:
@@ -68,8 +71,9 @@ def _stored_target(like: TrainState) -> dict[str, Any]:
     target = {**_counters(like), "master": like.master, "opt_state": like.opt_state}
     if like.rng is not None:
         data = jax.eval_shape(jax.random.key_data, like.rng)
-        target["rng"] = jax.ShapeDtypeStruct(data.shape, data.dtype,
-                                             sharding=getattr(like.rng, "sharding", None))
+        target["rng"] = jax.ShapeDtypeStruct(
+            data.shape, data.dtype, sharding=getattr(like.rng, "sharding", None)
+        )
     if like.frozen is not None:
         target["frozen"] = like.frozen
     return target
@@ -78,22 +82,29 @@ def _stored_target(like: TrainState) -> dict[str, Any]:
 def _abstract_on_device(tree):
     """Restore targets: shape, dtype and sharding, read into device memory (offloaded arrays
     are moved to the host afterwards with an explicit transfer)."""
+
     def one(x):
         sharding = getattr(x, "sharding", None)
         if sharding is not None and getattr(sharding, "memory_kind", None) not in (None, "device"):
             sharding = sharding.with_memory_kind("device")
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
     return jax.tree.map(one, tree)
 
 
 def _leaf_table(tree) -> dict[str, tuple]:
-    return {path_str(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    return {
+        path_str(p): tuple(getattr(x, "shape", ()))
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 def _split_of(table: dict[str, tuple]) -> tuple[set, set]:
     """The parameter paths a leaf table holds as master weights and as frozen weights."""
+
     def under(prefix):
-        return {k[len(prefix):] for k in table if k.startswith(prefix)}
+        return {k[len(prefix) :] for k in table if k.startswith(prefix)}
+
     return under("master/"), under("frozen/")
 
 
@@ -101,17 +112,25 @@ def check_same_split(saved_meta, target, where: str) -> None:
     """One line naming the parameters a checkpoint froze that the target trains (or the other
     way round): its master weights and optimizer state cover other leaves."""
     (saved_train, saved_frozen), (want_train, want_frozen) = (
-        _split_of(_leaf_table(saved_meta)), _split_of(_leaf_table(target)))
+        _split_of(_leaf_table(saved_meta)),
+        _split_of(_leaf_table(target)),
+    )
     if saved_train | saved_frozen != want_train | want_frozen:
         return  # other parameters altogether: check_compatible names them
     now_trained, now_frozen = sorted(saved_frozen & want_train), sorted(saved_train & want_frozen)
     if now_trained or now_frozen:
-        parts = [f"{label}: {', '.join(paths[:4])}" + (" ..." if len(paths) > 4 else "")
-                 for label, paths in (("frozen there, trainable here", now_trained),
-                                      ("trainable there, frozen here", now_frozen)) if paths]
-        raise CheckpointError(f"checkpoint {where} was saved with another trainable/frozen "
-                              f"split than the target state's (init_train_state(trainable=...)): "
-                              + "; ".join(parts))
+        parts = [
+            f"{label}: {', '.join(paths[:4])}" + (" ..." if len(paths) > 4 else "")
+            for label, paths in (
+                ("frozen there, trainable here", now_trained),
+                ("trainable there, frozen here", now_frozen),
+            )
+            if paths
+        ]
+        raise CheckpointError(
+            f"checkpoint {where} was saved with another trainable/frozen "
+            f"split than the target state's (init_train_state(trainable=...)): " + "; ".join(parts)
+        )
 
 
 def check_compatible(saved_meta, target, where: str) -> None:
@@ -124,19 +143,29 @@ def check_compatible(saved_meta, target, where: str) -> None:
     if missing or extra or shapes:
         parts = []
         if missing:
-            parts.append(f"missing in checkpoint: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
+            parts.append(
+                f"missing in checkpoint: {', '.join(missing[:4])}"
+                + (" ..." if len(missing) > 4 else "")
+            )
         if extra:
-            parts.append(f"not in target: {', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""))
+            parts.append(
+                f"not in target: {', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else "")
+            )
         if shapes:
             k = shapes[0]
-            parts.append(f"shape of {k} is {saved[k]} in checkpoint, {want[k]} in target"
-                         + (f" (+{len(shapes) - 1} more)" if len(shapes) > 1 else ""))
-        raise CheckpointError(f"checkpoint {where} does not match the target state: " + "; ".join(parts))
+            parts.append(
+                f"shape of {k} is {saved[k]} in checkpoint, {want[k]} in target"
+                + (f" (+{len(shapes) - 1} more)" if len(shapes) > 1 else "")
+            )
+        raise CheckpointError(
+            f"checkpoint {where} does not match the target state: " + "; ".join(parts)
+        )
 
 
 def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
     """A TrainState on ``like``'s shardings (memory kinds included) from restored arrays (master
     and optimizer state already in their stored, padded shapes)."""
+
     def place(x, target):
         sharding = getattr(target, "sharding", None)
         return jax.device_put(x, sharding) if sharding is not None else x
@@ -146,21 +175,38 @@ def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
     compute = None
     if like.compute is not None:
         pads = like.padding
-        cast = jax.tree.map(lambda m, t: m.astype(t.dtype), padding.unpad(master, pads.master),
-                            like.compute)
-        compute = jax.tree.map(place, hierarchical.tile(padding.pad(
-            cast, pads.compute, pads.data_size), pads.compute, pads.compute_copies), like.compute)
+        cast = jax.tree.map(
+            lambda m, t: m.astype(t.dtype), padding.unpad(master, pads.master), like.compute
+        )
+        compute = jax.tree.map(
+            place,
+            hierarchical.tile(
+                padding.pad(cast, pads.compute, pads.data_size), pads.compute, pads.compute_copies
+            ),
+            like.compute,
+        )
     step = place(restored["step"], like.step)
     # A checkpoint from before updates were counted apart from steps: assume none was skipped.
-    applied = place(restored["applied"] if "applied" in restored else restored["step"], like.applied)
+    applied = place(
+        restored["applied"] if "applied" in restored else restored["step"], like.applied
+    )
     frozen = None
     if like.frozen is not None:
         frozen = jax.tree.map(place, restored["frozen"], like.frozen)
-    return TrainState(step=step, applied=applied, master=master, compute=compute,
-                      opt_state=opt_state, loss_scale=_loss_scale(restored, like, place),
-                      model_state=None if like.model_state is None else jax.tree.map(
-                          place, restored["model_state"], like.model_state),
-                      rng=_rng(restored, like), frozen=frozen, padding=like.padding)
+    return TrainState(
+        step=step,
+        applied=applied,
+        master=master,
+        compute=compute,
+        opt_state=opt_state,
+        loss_scale=_loss_scale(restored, like, place),
+        model_state=None
+        if like.model_state is None
+        else jax.tree.map(place, restored["model_state"], like.model_state),
+        rng=_rng(restored, like),
+        frozen=frozen,
+        padding=like.padding,
+    )
 
 
 def _loss_scale(restored, like: TrainState, place):
@@ -169,10 +215,12 @@ def _loss_scale(restored, like: TrainState, place):
     if ls is None or not ls.dynamic or "loss_scale" not in restored:
         return ls
     saved = restored["loss_scale"]
-    return type(ls)(scale=place(saved["scale"], ls.scale),
-                    good_steps=place(saved["good_steps"], ls.good_steps),
-                    skips=place(saved["skips"], ls.skips) if "skips" in saved else ls.skips,
-                    dynamic=True)
+    return type(ls)(
+        scale=place(saved["scale"], ls.scale),
+        good_steps=place(saved["good_steps"], ls.good_steps),
+        skips=place(saved["skips"], ls.skips) if "skips" in saved else ls.skips,
+        dynamic=True,
+    )
 
 
 def _rng(restored, like: TrainState):
@@ -194,8 +242,11 @@ def restore_target(like: TrainState, saved_keys) -> dict[str, Any]:
             target.pop(key, None)
     for key in ("loss_scale", "rng"):  # saved, not wanted here: read as saved, then dropped
         if key in saved_keys and key not in target:
-            target[key] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
-                                       saved_keys[key], is_leaf=lambda m: hasattr(m, "shape"))
+            target[key] = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+                saved_keys[key],
+                is_leaf=lambda m: hasattr(m, "shape"),
+            )
     if "loss_scale" in target and "loss_scale" in saved_keys:  # older ones lack "skips"
         saved_fields = saved_keys["loss_scale"]
         target["loss_scale"] = {k: v for k, v in target["loss_scale"].items() if k in saved_fields}
@@ -222,7 +273,9 @@ def _logical_target(like: TrainState, target: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_checkpoint(directory: str | os.PathLike, state: TrainState, *, overwrite: bool = False) -> Path:
+def save_checkpoint(
+    directory: str | os.PathLike, state: TrainState, *, overwrite: bool = False
+) -> Path:
     """Write ``state`` to ``directory`` (which must not exist unless ``overwrite``), then the
     digests of its files (``zeroflow.engine.checkpoint_digests``), which a restore checks."""
     directory = Path(directory).absolute()
@@ -233,6 +286,7 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, *, overwrit
         checkpoint_digests.write_manifest(directory)
     if jax.process_count() > 1:  # no process returns before the digests are on disk
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices("zeroflow: checkpoint digests written")
     return directory
 
@@ -252,13 +306,17 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState) -> TrainS
     except checkpoint_digests.DigestMismatch as e:
         raise CheckpointError(f"checkpoint {directory} is unreadable: {e}") from None
     if not verified:
-        log.warning("checkpoint %s has no digests (saved before zeroflow recorded them): "
-                    "loaded unverified", directory)
+        log.warning(
+            "checkpoint %s has no digests (saved before zeroflow recorded them): loaded unverified",
+            directory,
+        )
     with ocp.StandardCheckpointer() as ckptr:
         try:
             meta = ckptr.metadata(directory)
         except Exception as e:  # orbax raises many types for unreadable metadata
-            raise CheckpointError(f"checkpoint {directory} is unreadable: {type(e).__name__}: {e}") from None
+            raise CheckpointError(
+                f"checkpoint {directory} is unreadable: {type(e).__name__}: {e}"
+            ) from None
         meta_tree = getattr(meta, "item_metadata", meta)
         meta_tree = getattr(meta_tree, "tree", meta_tree)
         target = checked_target(like, meta_tree, str(directory))
@@ -266,6 +324,8 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState) -> TrainS
             # strict=False: Orbax pads a leaf the target stores padded with zeros as it reads it.
             restored = ckptr.restore(directory, target, strict=False)
         except Exception as e:
-            raise CheckpointError(f"checkpoint {directory} could not be read: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            raise CheckpointError(
+                f"checkpoint {directory} could not be read: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}"
+            ) from None
     return rebuild_state(restored, like)

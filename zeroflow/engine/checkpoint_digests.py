@@ -11,6 +11,7 @@ Hashing runs at disk speed: files are read in large blocks by ``hashlib.file_dig
 releases the GIL), several files at once. Checkpoints written before manifests existed have
 none; ``verify`` then returns False (loaded unverified) unless the caller knows one was written.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -33,8 +34,11 @@ class DigestMismatch(ValueError):
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
-                  and not p.name.startswith(MANIFEST))
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(MANIFEST)
+    )
 
 
 def _digest(path: Path) -> str:
@@ -60,8 +64,10 @@ def write_manifest(folder: str | os.PathLike) -> Path:
     """Record every file under ``folder`` (its size and digest); returns the manifest's path."""
     folder = Path(folder)
     files = _files(folder)
-    entries = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, ALGORITHM: d}
-               for p, d in zip(files, _digests(files))}
+    entries = {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, ALGORITHM: d}
+        for p, d in zip(files, _digests(files))
+    }
     target = folder / MANIFEST
     tmp = folder / f"{MANIFEST}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -120,6 +126,7 @@ def verify(folder: str | os.PathLike, *, expected: bool = False) -> bool:
         paths.append(path)
     for path, digest in zip(paths, _digests(paths)):
         if digest != entries[path.relative_to(folder).as_posix()][ALGORITHM]:
-            raise DigestMismatch(path, f"does not match its {ALGORITHM} digest (changed after it "
-                                       "was saved)")
+            raise DigestMismatch(
+                path, f"does not match its {ALGORITHM} digest (changed after it was saved)"
+            )
     return True

@@ -24,6 +24,7 @@ for more than one process (see ``requested``); ``ZEROFLOW_DISTRIBUTED=0`` turns 
 Cross-process collectives on CPU need an implementation; jax's ``jax_cpu_collectives_implementation``
 is set to gloo unless the user chose one (``JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,12 +43,19 @@ ENV_LOCAL_DEVICE_IDS = "ZEROFLOW_LOCAL_DEVICE_IDS"
 ENV_DISTRIBUTED = "ZEROFLOW_DISTRIBUTED"
 # What jax's SLURM detection needs (jax/_src/clusters/slurm_cluster.py); mirrored so that
 # ``requested`` agrees with jax about when a SLURM step is present.
-SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+SLURM_STEP_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSettings:
     """What is known before jax fills in the rest; ``None`` means "let jax detect it"."""
+
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -55,8 +63,12 @@ class ProcessSettings:
 
     def merged_over(self, fallback: ProcessSettings) -> ProcessSettings:
         """These values, with ``fallback``'s where these are unset."""
-        return ProcessSettings(*(mine if mine is not None else theirs for mine, theirs in
-                                 zip(dataclasses.astuple(self), dataclasses.astuple(fallback))))
+        return ProcessSettings(
+            *(
+                mine if mine is not None else theirs
+                for mine, theirs in zip(dataclasses.astuple(self), dataclasses.astuple(fallback))
+            )
+        )
 
 
 _initialized_with: ProcessSettings | None = None
@@ -77,7 +89,11 @@ def _as_address(value, name: str) -> str:
 
 
 def _as_device_ids(value, name: str) -> tuple[int, ...]:
-    items = value.split(",") if isinstance(value, str) else (value if isinstance(value, Sequence) else [value])
+    items = (
+        value.split(",")
+        if isinstance(value, str)
+        else (value if isinstance(value, Sequence) else [value])
+    )
     try:
         return tuple(_as_int(v, name, 0) for v in items)
     except ValueError:
@@ -90,9 +106,15 @@ def _checked(settings: ProcessSettings, names: Sequence[str]) -> ProcessSettings
         coordinator_address=None if coordinator is None else _as_address(coordinator, names[0]),
         num_processes=None if num is None else _as_int(num, names[1], 1),
         process_id=None if pid is None else _as_int(pid, names[2], 0),
-        local_device_ids=None if devices is None else _as_device_ids(devices, names[3]))
-    if None not in (checked.num_processes, checked.process_id) and checked.process_id >= checked.num_processes:
-        raise ValueError(f"{names[2]}={checked.process_id} is not below {names[1]}={checked.num_processes}")
+        local_device_ids=None if devices is None else _as_device_ids(devices, names[3]),
+    )
+    if (
+        None not in (checked.num_processes, checked.process_id)
+        and checked.process_id >= checked.num_processes
+    ):
+        raise ValueError(
+            f"{names[2]}={checked.process_id} is not below {names[1]}={checked.num_processes}"
+        )
     return checked
 
 
@@ -116,10 +138,15 @@ def requested(environ: Mapping[str, str] | None = None) -> bool:
         return True
     if switch:
         raise ValueError(f"{ENV_DISTRIBUTED} must be 0 or 1 (unset: automatic), got {switch!r}")
-    if any(environ.get(name) for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
-                                          "JAX_COORDINATOR_ADDRESS")):
+    if any(
+        environ.get(name)
+        for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, "JAX_COORDINATOR_ADDRESS")
+    ):
         return True
-    return all(v in environ for v in SLURM_STEP_VARS) and environ["SLURM_NTASKS"].strip() not in ("", "1")
+    return all(v in environ for v in SLURM_STEP_VARS) and environ["SLURM_NTASKS"].strip() not in (
+        "",
+        "1",
+    )
 
 
 def _use_gloo_on_cpu() -> None:
@@ -129,42 +156,64 @@ def _use_gloo_on_cpu() -> None:
 
 
 def _agree(previous: ProcessSettings, wanted: ProcessSettings) -> None:
-    for name, old, new in zip(ARG_NAMES, dataclasses.astuple(previous), dataclasses.astuple(wanted)):
+    for name, old, new in zip(
+        ARG_NAMES, dataclasses.astuple(previous), dataclasses.astuple(wanted)
+    ):
         if None not in (old, new) and old != new:
-            raise ValueError(f"already initialized with {name}={old!r}; cannot re-initialize with {new!r}")
+            raise ValueError(
+                f"already initialized with {name}={old!r}; cannot re-initialize with {new!r}"
+            )
 
 
-_JAX_MISSING = {"coordinator_address": ENV_COORDINATOR, "Number of processes": ENV_NUM_PROCESSES,
-                "process id": ENV_PROCESS_ID}
+_JAX_MISSING = {
+    "coordinator_address": ENV_COORDINATOR,
+    "Number of processes": ENV_NUM_PROCESSES,
+    "process id": ENV_PROCESS_ID,
+}
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, local_device_ids: int | Sequence[int] | None = None, *,
-               initialization_timeout: int = 300, environ: Mapping[str, str] | None = None) -> None:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    *,
+    initialization_timeout: int = 300,
+    environ: Mapping[str, str] | None = None,
+) -> None:
     """Join the multi-process job; must run before anything uses a jax backend.
 
     Unset arguments come from the ``ZEROFLOW_*`` variables, then from jax (its variables and
     SLURM / Open MPI / TPU detection). Calling it again is harmless; calling it again with
     different values is an error.
     """
-    wanted = _checked(ProcessSettings(coordinator_address, num_processes, process_id, local_device_ids),
-                      ARG_NAMES).merged_over(settings_from_env(environ))
+    wanted = _checked(
+        ProcessSettings(coordinator_address, num_processes, process_id, local_device_ids), ARG_NAMES
+    ).merged_over(settings_from_env(environ))
     global _initialized_with
     if jax.distributed.is_initialized():
-        if _initialized_with is not None:  # None: someone called jax.distributed.initialize directly
+        if (
+            _initialized_with is not None
+        ):  # None: someone called jax.distributed.initialize directly
             _agree(_initialized_with, wanted)
         return
     _use_gloo_on_cpu()
     try:
-        jax.distributed.initialize(wanted.coordinator_address, wanted.num_processes, wanted.process_id,
-                                   None if wanted.local_device_ids is None else list(wanted.local_device_ids),
-                                   initialization_timeout=initialization_timeout)
+        jax.distributed.initialize(
+            wanted.coordinator_address,
+            wanted.num_processes,
+            wanted.process_id,
+            None if wanted.local_device_ids is None else list(wanted.local_device_ids),
+            initialization_timeout=initialization_timeout,
+        )
     except ValueError as e:
         missing = next((env for needle, env in _JAX_MISSING.items() if needle in str(e)), None)
         if missing is None:
             raise
-        raise ValueError(f"multi-process setup is incomplete: set {missing} (no SLURM, Open MPI or TPU "
-                         f"environment was detected to provide it)") from None
+        raise ValueError(
+            f"multi-process setup is incomplete: set {missing} (no SLURM, Open MPI or TPU "
+            f"environment was detected to provide it)"
+        ) from None
     except RuntimeError as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "must be called before" in message:

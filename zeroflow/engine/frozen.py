@@ -10,6 +10,7 @@ where the other half's leaves are: the master weights, optimizer state and gradi
 trainable leaves only (so any optax transform sees just those), ``TrainState.frozen`` the
 others. ``merge`` puts the two back together for the loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,8 @@ def is_function(x) -> bool:
     if not callable(x):
         return False
     return isinstance(x, jax.tree_util.Partial) or jax.tree_util.treedef_is_leaf(
-        jax.tree.structure(x))
+        jax.tree.structure(x)
+    )
 
 
 def trainable_mask(trainable, params) -> Any:
@@ -42,29 +44,42 @@ def trainable_mask(trainable, params) -> Any:
     if trainable is None:
         return jax.tree.map(lambda _: True, params)
     if is_function(trainable):
+
         def ask(path, x):
             answer = trainable(path_str(path), x)
             if not isinstance(answer, bool):
-                raise ValueError(f"trainable({path_str(path)!r}, leaf) must return a bool, got "
-                                 f"{type(answer).__name__}")
+                raise ValueError(
+                    f"trainable({path_str(path)!r}, leaf) must return a bool, got "
+                    f"{type(answer).__name__}"
+                )
             return answer
+
         mask = jax.tree_util.tree_map_with_path(ask, params)
     else:
         want = jax.tree.structure(params)
         got = jax.tree.structure(trainable)
         if got != want:
-            raise ValueError(f"trainable must be a pytree of bools matching params (or a "
-                             f"callable (path, leaf) -> bool); its structure {_short(got)} differs "
-                             f"from params' {_short(want)}")
-        bad = [path_str(p) for p, b in jax.tree_util.tree_leaves_with_path(trainable)
-               if not isinstance(b, bool)]
+            raise ValueError(
+                f"trainable must be a pytree of bools matching params (or a "
+                f"callable (path, leaf) -> bool); its structure {_short(got)} differs "
+                f"from params' {_short(want)}"
+            )
+        bad = [
+            path_str(p)
+            for p, b in jax.tree_util.tree_leaves_with_path(trainable)
+            if not isinstance(b, bool)
+        ]
         if bad:
-            raise ValueError(f"trainable's leaves must be Python bools; not bools at: "
-                             f"{', '.join(bad[:4])}" + (" ..." if len(bad) > 4 else ""))
+            raise ValueError(
+                f"trainable's leaves must be Python bools; not bools at: "
+                f"{', '.join(bad[:4])}" + (" ..." if len(bad) > 4 else "")
+            )
         mask = trainable
     if not any(jax.tree.leaves(mask)):
-        raise ValueError("trainable freezes every parameter: nothing would train; leave at least "
-                         "one leaf trainable")
+        raise ValueError(
+            "trainable freezes every parameter: nothing would train; leave at least "
+            "one leaf trainable"
+        )
     return mask
 
 
@@ -94,8 +109,12 @@ def mask_of(trainable, frozen):
     if frozen is None:
         return jax.tree.map(lambda _: True, trainable)
     # Both halves None: a hole of the caller's own tree (eqx.partition's), kept a hole.
-    return jax.tree.map(lambda t, f: None if t is None and f is None else f is None,
-                        trainable, frozen, is_leaf=_is_hole)
+    return jax.tree.map(
+        lambda t, f: None if t is None and f is None else f is None,
+        trainable,
+        frozen,
+        is_leaf=_is_hole,
+    )
 
 
 def any_frozen(mask) -> bool:
@@ -104,7 +123,8 @@ def any_frozen(mask) -> bool:
 
 def count(mask, params) -> tuple[int, int]:
     """``(trainable, frozen)`` numbers of parameters."""
-    sizes = [(t, math.prod(jnp.shape(x))) for t, x in zip(jax.tree.leaves(mask),
-                                                               jax.tree.leaves(params))]
+    sizes = [
+        (t, math.prod(jnp.shape(x))) for t, x in zip(jax.tree.leaves(mask), jax.tree.leaves(params))
+    ]
     train = sum(s for t, s in sizes if t)
     return train, sum(s for _, s in sizes) - train

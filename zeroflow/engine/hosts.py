@@ -6,6 +6,7 @@ process, so there the hosts are given: ``hosts=H`` splits the ``data`` axis into
 contiguous runs, ``(hosts, local)``, the layout ``target_mesh`` and ``jax.make_mesh`` give a
 real machine (devices numbered host-major).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -32,18 +33,23 @@ class HostSplit(NamedTuple):
     """The ``data`` axis as ``hosts`` runs of ``local`` consecutive indices, one run per host
     (data index ``d`` is on host ``d // local``). The groups are ``axis_index_groups`` of the
     ``data`` axis, as tuples so that they can be static arguments of jitted collectives."""
+
     hosts: int
     local: int
 
     @property
     def within(self) -> tuple[tuple[int, ...], ...]:
         """One group per host: its ``local`` data indices, in order."""
-        return tuple(tuple(h * self.local + i for i in range(self.local)) for h in range(self.hosts))
+        return tuple(
+            tuple(h * self.local + i for i in range(self.local)) for h in range(self.hosts)
+        )
 
     @property
     def across(self) -> tuple[tuple[int, ...], ...]:
         """One group per local index: the devices at that place on every host, host by host."""
-        return tuple(tuple(h * self.local + i for h in range(self.hosts)) for i in range(self.local))
+        return tuple(
+            tuple(h * self.local + i for h in range(self.hosts)) for i in range(self.local)
+        )
 
 
 def index_groups(groups):
@@ -59,13 +65,20 @@ def host_split(mesh, hosts: int | None = None) -> HostSplit:
     grid = np.asarray(hosts_of(mesh, hosts)).reshape(tuple(mesh.shape[a] for a in mesh.axis_names))
     by_index = np.moveaxis(grid, list(mesh.axis_names).index(DATA), 0).reshape(mesh.shape[DATA], -1)
     if (by_index != by_index[:, :1]).any():
-        raise ValueError("a data index's devices span several hosts; ZeRO++ needs every host to "
-                         "hold whole rows of the model axis")
+        raise ValueError(
+            "a data index's devices span several hosts; ZeRO++ needs every host to "
+            "hold whole rows of the model axis"
+        )
     order = by_index[:, 0]
     count = len(np.unique(order))
     local = len(order) // count
-    if len(order) % count or (order != np.repeat(order[::local], local)).any() or len(
-            set(order[::local])) != count:
-        raise ValueError(f"hosts of the data axis {order.tolist()} are not {count} equal runs of "
-                         f"consecutive indices; build the mesh host-major (zf.make_mesh)")
+    if (
+        len(order) % count
+        or (order != np.repeat(order[::local], local)).any()
+        or len(set(order[::local])) != count
+    ):
+        raise ValueError(
+            f"hosts of the data axis {order.tolist()} are not {count} equal runs of "
+            f"consecutive indices; build the mesh host-major (zf.make_mesh)"
+        )
     return HostSplit(count, local)

@@ -8,6 +8,7 @@ searching for them. ``on_host`` runs a function with ``compute_on("device_host")
 ``zeroflow.util.compat.host_compute``, whose form changed in jax 0.11): its inputs must already be in
 ``pinned_host`` memory, and its outputs stay there.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,6 +49,7 @@ def on_host(fn: Callable) -> Callable:
     ``optax.clip_by_global_norm``) in the default space and refuses to mix it with a host-space
     operand, so without the relabel most optax chains fail to trace.
     """
+
     def relabelled(*args):
         args = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), args)
         out = fn(*args)

@@ -8,6 +8,7 @@ optimizer on placeholders (``optax.tree_map_params``), which fails where a trans
 the parameters themselves (a ``multi_transform`` labels function, ``optax.contrib.muon``) or
 masks them (``MaskedNode`` beside our own leaf types).
 """
+
 from __future__ import annotations
 
 import jax

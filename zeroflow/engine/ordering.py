@@ -5,6 +5,7 @@ tuple before it schedules. Used where the compiler would otherwise start every t
 once: weights fetched on use (``grads/gather_on_use.py``) and optimizer state brought in one
 parameter at a time (``update.py``).
 """
+
 from __future__ import annotations
 
 import jax
@@ -18,9 +19,16 @@ def after(values, anchors):
     true at run time (``live``) but nothing the compiler can fold. It costs one pass over each
     array (a shard, at ZeRO-3).
     """
-    readable = [a for a in jax.tree.leaves(anchors) if a.size and (
-        jnp.issubdtype(a.dtype, jnp.integer) or jnp.issubdtype(a.dtype, jnp.floating)
-        or a.dtype == jnp.bool_)]
+    readable = [
+        a
+        for a in jax.tree.leaves(anchors)
+        if a.size
+        and (
+            jnp.issubdtype(a.dtype, jnp.integer)
+            or jnp.issubdtype(a.dtype, jnp.floating)
+            or a.dtype == jnp.bool_
+        )
+    ]
     if not readable:
         return values
     is_live = live(readable[0])

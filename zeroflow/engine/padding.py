@@ -12,9 +12,11 @@ padding holds zeros throughout: it is re-created after every update.
 A ``TrainState`` records where its arrays are padded in ``StatePadding``, a static (hashable)
 field, so that code holding only the state (checkpoints, ``state.params``) can undo it.
 """
+
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -50,8 +52,9 @@ def unpad(tree, entries: tuple[Entry, ...]):
     if not any(entries):
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([x if e is None else cut_to(x, e[0], e[1])
-                              for x, e in zip(leaves, entries)])
+    return treedef.unflatten(
+        [x if e is None else cut_to(x, e[0], e[1]) for x, e in zip(leaves, entries)]
+    )
 
 
 def pad(tree, entries: tuple[Entry, ...], n: int):
@@ -59,8 +62,9 @@ def pad(tree, entries: tuple[Entry, ...], n: int):
     if not any(entries):
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([x if e is None else pad_to(x, e[0], -(-e[1] // n) * n)
-                              for x, e in zip(leaves, entries)])
+    return treedef.unflatten(
+        [x if e is None else pad_to(x, e[0], -(-e[1] // n) * n) for x, e in zip(leaves, entries)]
+    )
 
 
 def unpadded_shapes(tree, entries: tuple[Entry, ...]):
@@ -69,9 +73,13 @@ def unpadded_shapes(tree, entries: tuple[Entry, ...]):
     entries = entries or (None,) * len(leaves)
 
     def one(x, e):
-        shape = tuple(x.shape) if e is None else tuple(
-            e[1] if d == e[0] else s for d, s in enumerate(x.shape))
+        shape = (
+            tuple(x.shape)
+            if e is None
+            else tuple(e[1] if d == e[0] else s for d, s in enumerate(x.shape))
+        )
         return jax.ShapeDtypeStruct(shape, jnp.float32)
+
     return treedef.unflatten([one(x, e) for x, e in zip(leaves, entries)])
 
 
@@ -80,6 +88,7 @@ class StatePadding:
     """Where the arrays of a ``TrainState`` are padded: one entry per array leaf of each field,
     in flatten order (empty: nothing padded). Static and hashable, so it can live in the state's
     tree structure."""
+
     master: tuple[Entry, ...] = ()
     compute: tuple[Entry, ...] = ()
     opt_state: tuple[Entry, ...] = ()
@@ -97,4 +106,3 @@ class StatePadding:
 
 
 NO_PADDING = StatePadding()
-

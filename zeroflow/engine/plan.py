@@ -18,6 +18,7 @@ N entries is stored with zeros appended up to a multiple of N and split like any
 engine sees them). Only a leaf whose every free dimension is shorter than N stays replicated
 over ``data``; ``ZeroPlan.describe`` reports the bytes per device and that share.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,12 +31,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend
 from zeroflow.backend.mesh import DATA, MODEL
-from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
 from zeroflow.engine.hosts import host_split, hosts_of
+from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
 from zeroflow.util.tree import path_str
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -64,6 +66,7 @@ QUANTIZE_GRADS_CHOICES = (None, "int8")
 class LeafLayout:
     """Where one array lives: its tensor-parallel spec and its ZeRO dimension. ``shape`` is the
     array's own (logical) shape; split over ``data`` it is stored padded (``stored_shape``)."""
+
     shape: tuple[int, ...]
     tensor_spec: tuple  # per-dimension mesh axis (MODEL or None), without ZeRO
     zero_dim: int | None  # dimension split over DATA at stages >= 1, None = replicated
@@ -134,6 +137,7 @@ class ZeroPlan:
     ``hosts``: how many hosts the ``data`` axis spans, for meshes of emulated devices that all
     belong to one process (None: each device's ``process_index``; ``zeroflow.engine.hosts``).
     """
+
     mesh: Mesh
     stage: int = 0
     offload: str = "none"
@@ -147,14 +151,25 @@ class ZeroPlan:
     hosts: int | None = None
 
     def __post_init__(self):
-        if (not isinstance(self.mesh, (Mesh, AbstractMesh))
-                or set(self.mesh.axis_names) != {DATA, MODEL}):
-            raise ValueError("ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh "
-                             "(or zf.planning_mesh to plan for devices this machine has not)")
+        if not isinstance(self.mesh, (Mesh, AbstractMesh)) or set(self.mesh.axis_names) != {
+            DATA,
+            MODEL,
+        }:
+            raise ValueError(
+                "ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh "
+                "(or zf.planning_mesh to plan for devices this machine has not)"
+            )
         self._check_choices()
-        problems = plan_problems(self.stage, self.offload, self.update_on, self.quantize_weights,
-                                 self.quantize_block, self.hierarchical, self.quantize_grads,
-                                 self.hosts)
+        problems = plan_problems(
+            self.stage,
+            self.offload,
+            self.update_on,
+            self.quantize_weights,
+            self.quantize_block,
+            self.hierarchical,
+            self.quantize_grads,
+            self.hosts,
+        )
         if problems:
             raise ValueError(problems[0])
         if self.hosts is not None:
@@ -167,18 +182,24 @@ class ZeroPlan:
         if self.traits is None:
             object.__setattr__(self, "traits", backend.of(self.mesh))
         elif not isinstance(self.traits, backend.Traits):
-            raise ValueError(f"traits must be a zeroflow.backend.Traits, got {type(self.traits).__name__}")
+            raise ValueError(
+                f"traits must be a zeroflow.backend.Traits, got {type(self.traits).__name__}"
+            )
 
     def _check_choices(self) -> None:
         """Each setting on its own; the rules between them are ``plan_problems``."""
         if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        for name, choices in (("offload", OFFLOAD_CHOICES), ("update_on", UPDATE_ON_CHOICES),
-                              ("quantize_weights", QUANTIZE_WEIGHTS_CHOICES),
-                              ("quantize_grads", QUANTIZE_GRADS_CHOICES)):
+        for name, choices in (
+            ("offload", OFFLOAD_CHOICES),
+            ("update_on", UPDATE_ON_CHOICES),
+            ("quantize_weights", QUANTIZE_WEIGHTS_CHOICES),
+            ("quantize_grads", QUANTIZE_GRADS_CHOICES),
+        ):
             if getattr(self, name) not in choices:
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of "
-                                 f"{list(choices)}")
+                raise ValueError(
+                    f"unknown {name} {getattr(self, name)!r}; choose one of {list(choices)}"
+                )
         if not isinstance(self.hierarchical, bool):
             raise ValueError(f"hierarchical must be a bool, got {self.hierarchical!r}")
 
@@ -189,11 +210,15 @@ class ZeroPlan:
                 pattern, spec = rule
                 re.compile(pattern)
             except (TypeError, ValueError, re.error) as e:
-                raise ValueError(f"tensor_rules entries must be (path_regex, PartitionSpec): {rule!r} ({e})") from None
+                raise ValueError(
+                    f"tensor_rules entries must be (path_regex, PartitionSpec): {rule!r} ({e})"
+                ) from None
             spec = spec if isinstance(spec, P) else P(*spec)
             for axis in spec:
                 if axis not in (None, MODEL):
-                    raise ValueError(f"tensor rule {pattern!r} may only use the 'model' axis, got {spec}")
+                    raise ValueError(
+                        f"tensor rule {pattern!r} may only use the 'model' axis, got {spec}"
+                    )
             rules.append((pattern, spec))
         return tuple(rules)
 
@@ -247,7 +272,9 @@ class ZeroPlan:
         device)."""
         if jnp.dtype(compute_dtype).itemsize >= 4:
             return False
-        return not self.shards_compute or self.offloads or self.hierarchical or self.quantize_weights
+        return (
+            not self.shards_compute or self.offloads or self.hierarchical or self.quantize_weights
+        )
 
     @property
     def gathers_whole_weights(self) -> bool:
@@ -283,12 +310,16 @@ class ZeroPlan:
             if re.search(pattern, path):
                 entries = tuple(spec) + (None,) * (len(shape) - len(spec))
                 if len(entries) != len(shape):
-                    raise ValueError(f"tensor rule {pattern!r} spec {spec} has more entries than "
-                                     f"{path} has dimensions {tuple(shape)}")
+                    raise ValueError(
+                        f"tensor rule {pattern!r} spec {spec} has more entries than "
+                        f"{path} has dimensions {tuple(shape)}"
+                    )
                 for dim, axis in zip(shape, entries):
                     if axis == MODEL and dim % self.model_size:
-                        raise ValueError(f"{path}: dimension {dim} does not divide by model={self.model_size} "
-                                         f"(tensor rule {pattern!r})")
+                        raise ValueError(
+                            f"{path}: dimension {dim} does not divide by model={self.model_size} "
+                            f"(tensor rule {pattern!r})"
+                        )
                 return entries
         return (None,) * len(shape)
 
@@ -310,8 +341,12 @@ class ZeroPlan:
             return LeafLayout(shape, tspec, None)
         largest = lambda dims: max(dims, key=lambda d: (shape[d], -d))  # noqa: E731
         even = [d for d in free if shape[d] % n == 0]
-        if (len(shape) == 2 and 1 in even and shape[1] >= WIDE * shape[0]
-                and not is_lookup_table(path)):
+        if (
+            len(shape) == 2
+            and 1 in even
+            and shape[1] >= WIDE * shape[0]
+            and not is_lookup_table(path)
+        ):
             zero_dim = 1  # a vocabulary head: split by columns (see grads/split_columns.py)
         elif len(shape) == 2 and 0 in even:
             zero_dim = 0
@@ -322,7 +357,8 @@ class ZeroPlan:
     def layouts(self, params) -> Any:
         """A pytree of ``LeafLayout`` matching ``params`` (arrays or ShapeDtypeStructs)."""
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: self.leaf_layout(path_str(path), np.shape(x)), params)
+            lambda path, x: self.leaf_layout(path_str(path), np.shape(x)), params
+        )
 
     # -- shardings ---------------------------------------------------------------------------
     def _named(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
@@ -336,8 +372,9 @@ class ZeroPlan:
     def compute_memory_kind(self) -> str | None:
         return "pinned_host" if self.offloads_params else None
 
-    def storage_shardings(self, params, memory_kind: str | None | bool = True, *,
-                          padded: bool = False):
+    def storage_shardings(
+        self, params, memory_kind: str | None | bool = True, *, padded: bool = False
+    ):
         """Shardings of fp32 master weights (and so of the optimizer state), for arrays of the
         parameters' own shapes (a padded leaf whole over ``data``; this is how a loader places
         parameters before ``init_train_state``); ``padded=True``: for the stored, padded arrays
@@ -345,8 +382,9 @@ class ZeroPlan:
         kind = self.storage_memory_kind if memory_kind is True else memory_kind
         return self._shardings(params, self.shards_storage, kind, padded)
 
-    def compute_shardings(self, params, memory_kind: str | None | bool = True, *,
-                          padded: bool = False):
+    def compute_shardings(
+        self, params, memory_kind: str | None | bool = True, *, padded: bool = False
+    ):
         """Shardings of the compute-dtype weights as they are stored between steps (``padded``
         as for ``storage_shardings``)."""
         kind = self.compute_memory_kind if memory_kind is True else memory_kind
@@ -355,6 +393,7 @@ class ZeroPlan:
     def _shardings(self, params, with_zero: bool, kind, padded: bool):
         def one(lay: LeafLayout):
             return self._named(lay.spec(with_zero) if padded else lay.logical_spec(with_zero), kind)
+
         return jax.tree.map(one, self.layouts(params), is_leaf=is_layout)
 
     def replicated(self, memory_kind: str | None = None) -> NamedSharding:
@@ -371,22 +410,33 @@ class ZeroPlan:
     def describe(self, params) -> PlanDescription:
         """Per-device bytes of the fp32 master weights of ``params`` under this plan, what padding
         adds, and the leaves (and share of elements) kept whole over ``data``."""
-        rows = [(path_str(path), lay) for path, lay in jax.tree_util.tree_leaves_with_path(
-            self.layouts(params), is_leaf=is_layout)]
+        rows = [
+            (path_str(path), lay)
+            for path, lay in jax.tree_util.tree_leaves_with_path(
+                self.layouts(params), is_leaf=is_layout
+            )
+        ]
         split = self.shards_storage
         total = sum(math.prod(lay.shape) for _, lay in rows)
         whole = [p for p, lay in rows if lay.zero_dim is None]
         per_device = sum(
             4 * math.prod(self._named(lay.spec(split)).shard_shape(lay.stored_shape(split)))
-            for _, lay in rows)
-        padding = sum(4 * (math.prod(lay.stored_shape(split)) - math.prod(lay.shape))
-                      for _, lay in rows)
+            for _, lay in rows
+        )
+        padding = sum(
+            4 * (math.prod(lay.stored_shape(split)) - math.prod(lay.shape)) for _, lay in rows
+        )
         kept = sum(math.prod(lay.shape) for _, lay in rows if lay.zero_dim is None)
         return PlanDescription(
-            stage=self.stage, data_size=self.data_size, param_bytes=4 * total,
-            master_bytes_per_device=per_device, padding_bytes=padding,
-            replicated_fraction=kept / max(total, 1), replicated=tuple(whole),
-            padded=tuple(p for p, lay in rows if split and lay.padding(True)))
+            stage=self.stage,
+            data_size=self.data_size,
+            param_bytes=4 * total,
+            master_bytes_per_device=per_device,
+            padding_bytes=padding,
+            replicated_fraction=kept / max(total, 1),
+            replicated=tuple(whole),
+            padded=tuple(p for p, lay in rows if split and lay.padding(True)),
+        )
 
     def warn_if_replicated(self, params, threshold: float = 0.01) -> None:
         """One warning (per call site, Python's default filter) when more than ``threshold`` of
@@ -395,17 +445,21 @@ class ZeroPlan:
             return
         described = self.describe(params)
         if described.replicated_fraction > threshold:
-            warnings.warn(f"ZeRO stage {self.stage} keeps {described.replicated_fraction:.1%} of the "
-                          f"parameters whole on each of {self.data_size} devices (no dimension of "
-                          f"at least {self.data_size} entries free of tensor rules: "
-                          f"{', '.join(described.replicated[:4])}"
-                          + (" ..." if len(described.replicated) > 4 else "") + ")",
-                          stacklevel=3)
+            warnings.warn(
+                f"ZeRO stage {self.stage} keeps {described.replicated_fraction:.1%} of the "
+                f"parameters whole on each of {self.data_size} devices (no dimension of "
+                f"at least {self.data_size} entries free of tensor rules: "
+                f"{', '.join(described.replicated[:4])}"
+                + (" ..." if len(described.replicated) > 4 else "")
+                + ")",
+                stacklevel=3,
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanDescription:
     """What ``ZeroPlan.describe`` reports; ``str()`` gives a short summary."""
+
     stage: int
     data_size: int
     param_bytes: int
@@ -423,8 +477,10 @@ class PlanDescription:
 
     def __str__(self) -> str:
         leaves = lambda k: f"{k} leaf" if k == 1 else f"{k} leaves"  # noqa: E731
-        return (f"ZeRO stage {self.stage} on {self.data_size} data devices: fp32 master "
-                f"{self.master_bytes_per_device:,} bytes per device of {self.param_bytes:,} "
-                f"({self.master_bytes_per_device / max(self.param_bytes, 1):.2%}); padding "
-                f"{self.padding_bytes:,} bytes in all ({leaves(len(self.padded))}); whole on every "
-                f"device {self.replicated_fraction:.2%} ({leaves(len(self.replicated))})")
+        return (
+            f"ZeRO stage {self.stage} on {self.data_size} data devices: fp32 master "
+            f"{self.master_bytes_per_device:,} bytes per device of {self.param_bytes:,} "
+            f"({self.master_bytes_per_device / max(self.param_bytes, 1):.2%}); padding "
+            f"{self.padding_bytes:,} bytes in all ({leaves(len(self.padded))}); whole on every "
+            f"device {self.replicated_fraction:.2%} ({leaves(len(self.replicated))})"
+        )

@@ -1,4 +1,5 @@
 """The training state and how it is built directly into its sharded layout."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,14 +10,14 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from zeroflow.autocast.precision import LossScaleState, Precision
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import opt_mirror, padding
 from zeroflow.engine.padding import NO_PADDING, StatePadding
 from zeroflow.engine.plan import ZeroPlan, is_layout
 from zeroflow.engine.plan_rules import hierarchical_copy_problem
-from zeroflow.util.tree import path_str
-from zeroflow.autocast.precision import LossScaleState, Precision
 from zeroflow.engine.zeropp import hierarchical
+from zeroflow.util.tree import path_str
 
 
 @struct.dataclass
@@ -30,6 +31,7 @@ class TrainState:
     dtype, with holes (None) where the trainable leaves are, or None when every leaf trains;
     ``master``, ``compute``, ``opt_state`` then hold the trainable leaves only (holes at the
     frozen ones). ``padding`` (static) says which stored arrays carry ZeRO padding."""
+
     step: jax.Array
     applied: jax.Array
     master: Any
@@ -74,17 +76,21 @@ class TrainState:
     @property
     def master_params(self):
         """The fp32 master weights in their own shapes (ZeRO padding sliced off); holes (None) at
-    frozen leaves."""
+        frozen leaves."""
         return padding.unpad(self.master, self.padding.master)
 
 
 def check_float_params(params) -> None:
-    bad = [f"{path_str(p)} ({jnp.result_type(x)})"
-           for p, x in jax.tree_util.tree_leaves_with_path(params)
-           if not jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    bad = [
+        f"{path_str(p)} ({jnp.result_type(x)})"
+        for p, x in jax.tree_util.tree_leaves_with_path(params)
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
     if bad:
-        raise ValueError(f"params must be floating point; non-float leaves: {', '.join(bad[:5])}"
-                         + (" ..." if len(bad) > 5 else ""))
+        raise ValueError(
+            f"params must be floating point; non-float leaves: {', '.join(bad[:5])}"
+            + (" ..." if len(bad) > 5 else "")
+        )
     if not jax.tree.leaves(params):
         raise ValueError("params has no array leaves")
 
@@ -96,11 +102,14 @@ def abstract_master(params):
 
 class StateLayouts(NamedTuple):
     """``LeafLayout`` trees of the master weights and of the optimizer state."""
+
     master: Any
     opt_state: Any
 
 
-def state_layouts(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan) -> StateLayouts:
+def state_layouts(
+    abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan
+) -> StateLayouts:
     """Layouts of the master weights and of every optimizer-state leaf: a leaf that mirrors a
     parameter is laid out like that parameter; any other leaf (Adafactor's factored moments,
     counters) gets its own layout from its shape, without tensor rules: split along a
@@ -112,27 +121,32 @@ def state_layouts(abstract_params, tx: optax.GradientTransformation, plan: ZeroP
 
 def _opt_state_layouts(opt_abstract, master, plan: ZeroPlan):
     """A leaf that mirrors a parameter (``zeroflow.engine.opt_mirror``) is laid out like it."""
+
     def own(x):
         return plan.leaf_layout("", x.shape, tensor_rules=False)
-    return opt_mirror.map_mirrored(lambda x, lay: lay, own, opt_abstract, master,
-                                   is_leaf=is_layout)
+
+    return opt_mirror.map_mirrored(lambda x, lay: lay, own, opt_abstract, master, is_leaf=is_layout)
 
 
-def state_padding(layouts: StateLayouts, plan: ZeroPlan, prec: Precision,
-                  frozen_layouts=None) -> StatePadding:
+def state_padding(
+    layouts: StateLayouts, plan: ZeroPlan, prec: Precision, frozen_layouts=None
+) -> StatePadding:
     copy = plan.keeps_compute_copy(prec.compute_dtype)
     compute = padding.entries_of(layouts.master, plan.shards_compute) if copy else ()
     if plan.hierarchical:  # the within-host copy (zeroflow.engine.zeropp.hierarchical)
         compute = hierarchical.copy_entries(layouts.master)
-    frozen = () if frozen_layouts is None else padding.entries_of(frozen_layouts,
-                                                                   plan.shards_compute)
-    return StatePadding(master=padding.entries_of(layouts.master, plan.shards_storage),
-                        compute=compute,
-                        opt_state=padding.entries_of(layouts.opt_state, plan.shards_storage),
-                        data_size=plan.data_size, frozen=frozen,
-                        compute_copies=plan.weight_copies,
-                        cast_on_use=None if copy or prec.params == "fp32"
-                        else jnp.dtype(prec.compute_dtype).name)
+    frozen = (
+        () if frozen_layouts is None else padding.entries_of(frozen_layouts, plan.shards_compute)
+    )
+    return StatePadding(
+        master=padding.entries_of(layouts.master, plan.shards_storage),
+        compute=compute,
+        opt_state=padding.entries_of(layouts.opt_state, plan.shards_storage),
+        data_size=plan.data_size,
+        frozen=frozen,
+        compute_copies=plan.weight_copies,
+        cast_on_use=None if copy or prec.params == "fp32" else jnp.dtype(prec.compute_dtype).name,
+    )
 
 
 def _check_hierarchical(plan: ZeroPlan, prec: Precision, mask) -> None:
@@ -142,12 +156,21 @@ def _check_hierarchical(plan: ZeroPlan, prec: Precision, mask) -> None:
     if problem:
         raise ValueError(problem)
     if frozen_weights.any_frozen(mask):
-        raise ValueError("hierarchical=True does not keep frozen weights in its within-host copy "
-                         "yet; train every leaf or use hierarchical=False")
+        raise ValueError(
+            "hierarchical=True does not keep frozen weights in its within-host copy "
+            "yet; train every leaf or use hierarchical=False"
+        )
 
 
-def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan,
-                    prec: Precision, model_state=None, rng=None, trainable=None) -> TrainState:
+def state_shardings(
+    abstract_params,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    model_state=None,
+    rng=None,
+    trainable=None,
+) -> TrainState:
     """The sharding of every leaf of the state: derived from the parameters, never hand-listed.
     ``abstract_params`` has the parameters' own shapes (all of them, frozen ones included);
     padded leaves get the sharding of their stored (padded) form. ``model_state`` / ``rng``:
@@ -157,46 +180,65 @@ def state_shardings(abstract_params, tx: optax.GradientTransformation, plan: Zer
     mask = frozen_weights.trainable_mask(trainable, abstract_params)
     _check_hierarchical(plan, prec, mask)
     abstract_params, frozen_abstract = frozen_weights.split(abstract_params, mask)
-    frozen_layouts = (plan.layouts(frozen_abstract) if frozen_weights.any_frozen(mask)
-                      else None)
+    frozen_layouts = plan.layouts(frozen_abstract) if frozen_weights.any_frozen(mask) else None
     layouts = state_layouts(abstract_params, tx, plan)
     host = plan.storage_memory_kind
 
     def stored(lays, with_zero: bool, kind):
-        return jax.tree.map(lambda lay: plan._named(lay.spec(with_zero), kind), lays,
-                            is_leaf=is_layout)
+        return jax.tree.map(
+            lambda lay: plan._named(lay.spec(with_zero), kind), lays, is_leaf=is_layout
+        )
 
     master = stored(layouts.master, plan.shards_storage, host)
     opt = stored(layouts.opt_state, plan.shards_storage, host)
-    compute = stored(layouts.master, plan.shards_compute, plan.compute_memory_kind) if (
-        plan.keeps_compute_copy(prec.compute_dtype)) else None
-    frozen = None if frozen_layouts is None else stored(frozen_layouts, plan.shards_compute,
-                                                        plan.compute_memory_kind)
+    compute = (
+        stored(layouts.master, plan.shards_compute, plan.compute_memory_kind)
+        if (plan.keeps_compute_copy(prec.compute_dtype))
+        else None
+    )
+    frozen = (
+        None
+        if frozen_layouts is None
+        else stored(frozen_layouts, plan.shards_compute, plan.compute_memory_kind)
+    )
     scalar = plan.replicated()
-    loss_scale = None if not prec.scaled else LossScaleState(
-        scale=scalar, good_steps=scalar, skips=scalar, dynamic=prec.dynamic)
-    return TrainState(step=scalar, applied=scalar, master=master, compute=compute, opt_state=opt,
-                      loss_scale=loss_scale,
-                      model_state=None if model_state is None else jax.tree.map(
-                          lambda _: scalar, model_state),
-                      rng=None if rng is None else scalar, frozen=frozen,
-                      padding=state_padding(layouts, plan, prec, frozen_layouts))
+    loss_scale = (
+        None
+        if not prec.scaled
+        else LossScaleState(scale=scalar, good_steps=scalar, skips=scalar, dynamic=prec.dynamic)
+    )
+    return TrainState(
+        step=scalar,
+        applied=scalar,
+        master=master,
+        compute=compute,
+        opt_state=opt,
+        loss_scale=loss_scale,
+        model_state=None if model_state is None else jax.tree.map(lambda _: scalar, model_state),
+        rng=None if rng is None else scalar,
+        frozen=frozen,
+        padding=state_padding(layouts, plan, prec, frozen_layouts),
+    )
 
 
 def as_key(rng) -> jax.Array:
     """A typed jax key from a typed key or a legacy ``uint32[2]`` ``PRNGKey``."""
     typed = isinstance(rng, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(
-        rng.dtype, jax.dtypes.prng_key)
+        rng.dtype, jax.dtypes.prng_key
+    )
     if typed:
         if rng.shape != ():
-            raise ValueError(f"rng must be a single jax key, got an array of keys of shape "
-                             f"{rng.shape}")
+            raise ValueError(
+                f"rng must be a single jax key, got an array of keys of shape {rng.shape}"
+            )
         return rng
     shape, dtype = jnp.shape(rng), jnp.result_type(rng) if hasattr(rng, "dtype") else None
     if dtype == jnp.uint32 and shape == (2,):
         return jax.random.wrap_key_data(rng)
-    raise ValueError(f"rng must be a jax random key (jax.random.key(seed)), got "
-                     f"{type(rng).__name__} of shape {shape}")
+    raise ValueError(
+        f"rng must be a jax random key (jax.random.key(seed)), got "
+        f"{type(rng).__name__} of shape {shape}"
+    )
 
 
 def check_model_state(model_state) -> None:
@@ -210,8 +252,15 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
-def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision,
-                     model_state=None, rng=None, trainable=None) -> TrainState:
+def init_train_state(
+    params,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    model_state=None,
+    rng=None,
+    trainable=None,
+) -> TrainState:
     """Build the sharded training state.
 
     ``params`` is an fp32 pytree, or a zero-argument function returning one: then nothing is
@@ -239,21 +288,35 @@ def init_train_state(params, tx: optax.GradientTransformation, plan: ZeroPlan, p
         p, frozen = frozen_weights.split(init_fn() if init_fn else p, mask)
         master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
         if frozen_weights.any_frozen(mask):
-            frozen = padding.pad(jax.tree.map(lambda x: jnp.asarray(x, prec.compute_dtype), frozen),
-                                 pads.frozen, plan.data_size)
+            frozen = padding.pad(
+                jax.tree.map(lambda x: jnp.asarray(x, prec.compute_dtype), frozen),
+                pads.frozen,
+                plan.data_size,
+            )
         else:
             frozen = None
-        compute = jax.tree.map(lambda x: x.astype(prec.compute_dtype), master) if (
-            plan.keeps_compute_copy(prec.compute_dtype)) else None
+        compute = (
+            jax.tree.map(lambda x: x.astype(prec.compute_dtype), master)
+            if (plan.keeps_compute_copy(prec.compute_dtype))
+            else None
+        )
         opt_state = tx.init(master)
         n = plan.data_size
-        return TrainState(step=jnp.zeros((), jnp.int32), applied=jnp.zeros((), jnp.int32),
-                          master=padding.pad(master, pads.master, n),
-                          compute=None if compute is None else hierarchical.tile(
-                              padding.pad(compute, pads.compute, n), pads.compute,
-                              pads.compute_copies),
-                          opt_state=padding.pad(opt_state, pads.opt_state, n),
-                          loss_scale=prec.init_loss_scale(), model_state=model_state, rng=key,
-                          frozen=frozen, padding=pads)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            applied=jnp.zeros((), jnp.int32),
+            master=padding.pad(master, pads.master, n),
+            compute=None
+            if compute is None
+            else hierarchical.tile(
+                padding.pad(compute, pads.compute, n), pads.compute, pads.compute_copies
+            ),
+            opt_state=padding.pad(opt_state, pads.opt_state, n),
+            loss_scale=prec.init_loss_scale(),
+            model_state=model_state,
+            rng=key,
+            frozen=frozen,
+            padding=pads,
+        )
 
     return jax.jit(build, out_shardings=shardings)(None if init_fn else params, model_state, key)

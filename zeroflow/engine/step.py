@@ -12,6 +12,7 @@ How weights reach the loss and gradients leave it is ``zeroflow.engine.grads``. 
 transform (global-norm clipping included) sees the true global gradient. ``model`` stays an
 automatic axis, which is how tensor-parallel rules compose with ZeRO.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,14 +26,14 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend
 from zeroflow.autocast import autocast
+from zeroflow.autocast.precision import Precision
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import offload, padding, update
 from zeroflow.engine.grads import local_grads, native_gradients, routes, step_routes
 from zeroflow.engine.grads.routes import is_route
-from zeroflow.backend.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan, is_layout
 from zeroflow.engine.plan_rules import batch_split_problem
-from zeroflow.autocast.precision import Precision
 from zeroflow.engine.state import TrainState, state_shardings
 from zeroflow.engine.zeropp import hierarchical
 from zeroflow.util.tree import path_str
@@ -49,8 +50,10 @@ def check_batch(batch, data_size: int, grad_accum: int) -> None:
         raise ValueError("batch has no array leaves")
     sizes = {path_str(p): (jnp.shape(x)[0] if jnp.ndim(x) else None) for p, x in leaves}
     if None in sizes.values():
-        raise ValueError("every batch leaf needs a leading batch axis; scalars found at "
-                         + ", ".join(k for k, v in sizes.items() if v is None))
+        raise ValueError(
+            "every batch leaf needs a leading batch axis; scalars found at "
+            + ", ".join(k for k, v in sizes.items() if v is None)
+        )
     if len(set(sizes.values())) > 1:
         raise ValueError(f"batch leaves disagree on the leading batch size: {sizes}")
     problem = batch_split_problem(next(iter(sizes.values())), grad_accum, data_size)
@@ -61,6 +64,7 @@ def check_batch(batch, data_size: int, grad_accum: int) -> None:
 class StepLayout(NamedTuple):
     """Everything about where arrays live that one state layout needs, computed once per layout
     (not per trace) by ``step_layout``, and read by the step and the memory estimator alike."""
+
     layouts: Any
     "Per-leaf ``LeafLayout``s of the whole tree (frozen leaves included): what the loss reads."
     state: TrainState
@@ -78,8 +82,15 @@ class StepLayout(NamedTuple):
     "How the new compute weights reach their stored layout (``update.compute_refresh``)."
 
 
-def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPlan,
-                prec: Precision, model_state=None, rng=None, trainable=None) -> StepLayout:
+def step_layout(
+    abstract_master,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    model_state=None,
+    rng=None,
+    trainable=None,
+) -> StepLayout:
     """The ``StepLayout`` of a state of ``abstract_master`` (the parameters' own, unpadded
     shapes, frozen ones included) under ``plan``; the rest as for ``init_train_state``."""
     mask = frozen_weights.trainable_mask(trainable, abstract_master)
@@ -87,42 +98,74 @@ def step_layout(abstract_master, tx: optax.GradientTransformation, plan: ZeroPla
     return StepLayout(
         layouts=plan.layouts(abstract_master),
         state=state_shardings(abstract_master, tx, plan, prec, model_state, rng, trainable=mask),
-        compute_as_used=plan.compute_shardings(abstract_master, padded=True,
-                                               memory_kind="device" if plan.offloads else None),
+        compute_as_used=plan.compute_shardings(
+            abstract_master, padded=True, memory_kind="device" if plan.offloads else None
+        ),
         compute_as_stored=plan.compute_shardings(abstract_master, padded=True),
         trainable=mask,
         update_path=path,
-        compute_refresh=update.compute_refresh(plan, prec.compute_dtype, path))
+        compute_refresh=update.compute_refresh(plan, prec.compute_dtype, path),
+    )
 
 
 def _place(tree, shardings):
     return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
 
 
-def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientTransformation,
-               plan: ZeroPlan, prec: Precision, grad_accum: int, layout: StepLayout,
-               per_layer: str | None = None, prefetch: int = 0):
+def train_step(
+    state: TrainState,
+    batch,
+    *,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    grad_accum: int,
+    layout: StepLayout,
+    per_layer: str | None = None,
+    prefetch: int = 0,
+):
     """One optimizer step on a global batch; returns ``(new_state, metrics)``: gradients on
     every device, reduced by the plan, then the update where the plan keeps the state."""
     n = plan.data_size
     check_batch(batch, n, grad_accum)
-    batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch)
+    batch = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch
+    )
     if per_layer is not None and per_layer not in layout.layouts:
         raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
-    route_tree = step_routes(layout.layouts, plan, prec, per_layer, grad_accum,
-                             trainable=layout.trainable)
+    route_tree = step_routes(
+        layout.layouts, plan, prec, per_layer, grad_accum, trainable=layout.trainable
+    )
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
     # What the loss gets besides weights and data: the step's key (local_grads folds in the
     # device and micro-batch) and the model state.
-    extras = {**({} if state.model_state is None else {"model_state": state.model_state}),
-              **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)})}
-    local = functools.partial(local_grads, loss_fn=loss_fn, routes=route_tree, plan=plan,
-                              grad_accum=grad_accum, per_layer=per_layer, prefetch=prefetch,
-                              gather_dtype=pads.cast_on_use, reduce_dtype=prec.reduce_dtype)
+    extras = {
+        **({} if state.model_state is None else {"model_state": state.model_state}),
+        **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)}),
+    }
+    local = functools.partial(
+        local_grads,
+        loss_fn=loss_fn,
+        routes=route_tree,
+        plan=plan,
+        grad_accum=grad_accum,
+        per_layer=per_layer,
+        prefetch=prefetch,
+        gather_dtype=pads.cast_on_use,
+        reduce_dtype=prec.reduce_dtype,
+    )
     grads, loss, aux, model_state = _gradients(
-        local, _compute_params(state, plan, layout, route_tree), batch, scale, extras,
-        plan=plan, layout=layout, routes=route_tree)
+        local,
+        _compute_params(state, plan, layout, route_tree),
+        batch,
+        scale,
+        extras,
+        plan=plan,
+        layout=layout,
+        routes=route_tree,
+    )
 
     # Unscale in fp32 and average over devices and micro-batches; gradients in their own dtype
     # (native_gradients) are widened and unscaled where the update reads them.
@@ -135,24 +178,40 @@ def train_step(state: TrainState, batch, *, loss_fn: LossFn, tx: optax.GradientT
     finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
     if not plan.shards_grads:  # whole gradients: into the master's (padded) form for the update
         grads = padding.pad(grads, pads.master, n)
-    new_master, new_opt, new_compute = _updated(grads, state, finite, divisor, tx=tx, plan=plan,
-                                                prec=prec, layout=layout)
+    new_master, new_opt, new_compute = _updated(
+        grads, state, finite, divisor, tx=tx, plan=plan, prec=prec, layout=layout
+    )
     if plan.hierarchical:  # the within-host copy the next step gathers from
         new_compute = hierarchical.refresh(new_compute, layout.layouts, plan)
 
     # A skipped step changes nothing, the model state included (its statistics may be NaN).
-    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
-                               state.model_state)
+    model_state = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
+    )
     loss_scale = prec.next_loss_scale(state.loss_scale, finite)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
-    new_state = TrainState(step=state.step + 1, applied=state.applied + (1 - skipped),
-                           master=new_master, compute=new_compute, opt_state=new_opt,
-                           loss_scale=loss_scale, model_state=model_state, rng=state.rng,
-                           frozen=state.frozen, padding=pads)
+    new_state = TrainState(
+        step=state.step + 1,
+        applied=state.applied + (1 - skipped),
+        master=new_master,
+        compute=new_compute,
+        opt_state=new_opt,
+        loss_scale=loss_scale,
+        model_state=model_state,
+        rng=state.rng,
+        frozen=state.frozen,
+        padding=pads,
+    )
     new_state = _place(new_state, layout.state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
-               "applied": new_state.applied,
-               "consecutive_skips": skipped if loss_scale is None else loss_scale.skips, **aux}
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "loss_scale": scale,
+        "skipped": skipped,
+        "applied": new_state.applied,
+        "consecutive_skips": skipped if loss_scale is None else loss_scale.skips,
+        **aux,
+    }
     return new_state, metrics
 
 
@@ -163,15 +222,23 @@ def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route
     layer at a time (gather_layer): those stay in host memory. Frozen weights join the
     trainable ones here, laid out as they are."""
     streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
-    compute_sh = jax.tree.map(lambda used, stored, stream: stored if stream else used,
-                              layout.compute_as_used, layout.compute_as_stored, streamed)
+    compute_sh = jax.tree.map(
+        lambda used, stored, stream: stored if stream else used,
+        layout.compute_as_used,
+        layout.compute_as_stored,
+        streamed,
+    )
     params = state.stored_params
     if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
         params = padding.unpad(params, state.padding.master)
     cast = state.padding.cast_on_use
     if cast is not None:  # no compute copy (stage 3): shards are cast as gathered, the rest here
-        params = jax.tree.map(lambda x, r: x if r is None or r.sharded else x.astype(cast),
-                              params, routes.trained(route_tree), is_leaf=lambda x: x is None)
+        params = jax.tree.map(
+            lambda x, r: x if r is None or r.sharded else x.astype(cast),
+            params,
+            routes.trained(route_tree),
+            is_leaf=lambda x: x is None,
+        )
     return _place(frozen_weights.merge(params, state.frozen), compute_sh)
 
 
@@ -180,61 +247,104 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
     gradients as the routes leave them (sharded or whole), loss, aux and model state."""
     if plan.data_size == 1:  # one device on the data axis: no shard_map, no collectives to place
         return local(params, batch, scale, extras, collective=False)
-    specs_in = jax.tree.map(lambda lay: lay.data_only_spec(plan.shards_compute),
-                            layout.layouts, is_leaf=is_layout)
-    specs_grad = jax.tree.map(lambda lay, r: None if r.frozen else lay.data_only_spec(
-        r.sharded_grad), layout.layouts, routes, is_leaf=is_layout)
+    specs_in = jax.tree.map(
+        lambda lay: lay.data_only_spec(plan.shards_compute), layout.layouts, is_leaf=is_layout
+    )
+    specs_grad = jax.tree.map(
+        lambda lay, r: None if r.frozen else lay.data_only_spec(r.sharded_grad),
+        layout.layouts,
+        routes,
+        is_leaf=is_layout,
+    )
     batch_specs = jax.tree.map(lambda _: P(DATA), batch)
     # ``model`` stays automatic for tensor-parallel rules; without them every axis is manual,
     # which is what kernels with custom partitioners (cuDNN attention) need.
     manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
     return jax.shard_map(
-        local, mesh=plan.mesh, in_specs=(specs_in, batch_specs, P(), P()),
-        out_specs=(specs_grad, P(), P(), P()), axis_names=manual)(params, batch, scale, extras)
+        local,
+        mesh=plan.mesh,
+        in_specs=(specs_in, batch_specs, P(), P()),
+        out_specs=(specs_grad, P(), P(), P()),
+        axis_names=manual,
+    )(params, batch, scale, extras)
 
 
-def _updated(grads, state: TrainState, finite, divisor, *, tx: optax.GradientTransformation,
-             plan: ZeroPlan, prec: Precision, layout: StepLayout):
+def _updated(
+    grads,
+    state: TrainState,
+    finite,
+    divisor,
+    *,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    layout: StepLayout,
+):
     """``(new_master, new_opt_state, new_compute)``: the optax update where
     ``layout.update_path`` says it runs. ``divisor``: what gradients in their own dtype
     (``native_gradients``) are still to be divided by, after widening; None where they come
     unscaled."""
     compute_dtype = None if state.compute is None else prec.compute_dtype
-    apply = functools.partial(update.apply, tx=tx, compute_dtype=compute_dtype, pads=state.padding,
-                              skip_by_select=not plan.traits.cond_updates_in_place)
+    apply = functools.partial(
+        update.apply,
+        tx=tx,
+        compute_dtype=compute_dtype,
+        pads=state.padding,
+        skip_by_select=not plan.traits.cond_updates_in_place,
+    )
     if layout.update_path is update.UpdatePath.ON_HOST:
-        return _updated_on_host(grads, state, finite, divisor, apply=apply, plan=plan,
-                                layout=layout)
+        return _updated_on_host(
+            grads, state, finite, divisor, apply=apply, plan=plan, layout=layout
+        )
     grads = _unscaled(grads, divisor)  # on the device: widened as each leaf's update reads it
     if layout.update_path is update.UpdatePath.STREAMED:
-        return update.streamed(grads, state.master, state.opt_state, finite, tx=tx,
-                               compute_dtype=compute_dtype, shardings=layout.state,
-                               pads=state.padding)
+        return update.streamed(
+            grads,
+            state.master,
+            state.opt_state,
+            finite,
+            tx=tx,
+            compute_dtype=compute_dtype,
+            shardings=layout.state,
+            pads=state.padding,
+        )
     leaf_after_leaf = layout.compute_refresh is update.ComputeRefresh.LEAF_AFTER_LEAF
     if layout.update_path is update.UpdatePath.BROUGHT_IN_WHOLE:
         master = offload.to_memory(state.master, layout.state.master, "device")
         opt_state = offload.to_memory(state.opt_state, layout.state.opt_state, "device")
         compute_as_used = frozen_weights.split(layout.compute_as_used, layout.trainable)[0]
-        return apply(grads, master, opt_state, finite,
-                     compute_shardings=compute_as_used if leaf_after_leaf else None)
+        return apply(
+            grads,
+            master,
+            opt_state,
+            finite,
+            compute_shardings=compute_as_used if leaf_after_leaf else None,
+        )
     # UpdatePath.IN_PLACE: the state is in device memory already.
     new_master, new_opt, new_compute = apply(
-        grads, state.master, state.opt_state, finite,
-        compute_shardings=layout.state.compute if leaf_after_leaf else None)
+        grads,
+        state.master,
+        state.opt_state,
+        finite,
+        compute_shardings=layout.state.compute if leaf_after_leaf else None,
+    )
     if layout.compute_refresh is update.ComputeRefresh.BY_SLICES:
-        new_compute = update.gather_by_slices(new_compute, layout.state.master, plan.mesh,
-                                              into=state.compute)
+        new_compute = update.gather_by_slices(
+            new_compute, layout.state.master, plan.mesh, into=state.compute
+        )
     return new_master, new_opt, new_compute
 
 
 def _unscaled(grads, divisor):
     """``grads`` widened to fp32 and divided by ``divisor``; as they are where it is None."""
-    return grads if divisor is None else jax.tree.map(
-        lambda g: g.astype(jnp.float32) / divisor, grads)
+    return (
+        grads if divisor is None else jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
+    )
 
 
-def _updated_on_host(grads, state: TrainState, finite, divisor, *, apply, plan: ZeroPlan,
-                     layout: StepLayout):
+def _updated_on_host(
+    grads, state: TrainState, finite, divisor, *, apply, plan: ZeroPlan, layout: StepLayout
+):
     """ZeRO-Offload (``UpdatePath.ON_HOST``): gradients go to the host (in the master's
     sharding), are unscaled and applied there, and only the compute-dtype weights travel back
     (placed by the caller)."""
@@ -244,8 +354,8 @@ def _updated_on_host(grads, state: TrainState, finite, divisor, *, apply, plan: 
     def unscaled_apply(grads, master, opt_state, scalars):
         finite, divisor = scalars
         return apply(_unscaled(grads, divisor), master, opt_state, finite)
-    return offload.on_host(unscaled_apply)(host_grads, state.master, state.opt_state,
-                                           host_scalars)
+
+    return offload.on_host(unscaled_apply)(host_grads, state.master, state.opt_state, host_scalars)
 
 
 def _traced_for(fn, state, batch, *, layout: StepLayout, traits: backend.Traits):
@@ -264,11 +374,22 @@ class TrainStep:
     buffer. ``lower``/``trace`` and ``jitted(state)`` give the usual AOT access.
     """
 
-    def __init__(self, fn, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision,
-                 donate: bool, compiler_options: dict | None = None, trainable=None):
+    def __init__(
+        self,
+        fn,
+        tx: optax.GradientTransformation,
+        plan: ZeroPlan,
+        prec: Precision,
+        donate: bool,
+        compiler_options: dict | None = None,
+        trainable=None,
+    ):
         self._fn, self._tx, self._plan, self._prec = fn, tx, plan, prec
         self._trainable = trainable
-        self.compiler_options = {**backend.compiler_options(plan.traits), **(compiler_options or {})}
+        self.compiler_options = {
+            **backend.compiler_options(plan.traits),
+            **(compiler_options or {}),
+        }
         self._donate = (0,) if donate else ()
         self._by_layout: dict[Any, Any] = {}
         self._layouts: dict[Any, StepLayout] = {}
@@ -281,12 +402,20 @@ class TrainStep:
             shapes = padding.unpadded_shapes(state.master, state.padding.master)
             mask = frozen_weights.mask_of(state.master, state.frozen)
             if state.frozen is not None:
-                shapes = frozen_weights.merge(shapes, padding.unpadded_shapes(
-                    state.frozen, state.padding.frozen))
+                shapes = frozen_weights.merge(
+                    shapes, padding.unpadded_shapes(state.frozen, state.padding.frozen)
+                )
             if self._trainable is not None:
                 _check_same_split(frozen_weights.trainable_mask(self._trainable, shapes), mask)
-            self._layouts[key] = step_layout(shapes, self._tx, self._plan, self._prec,
-                                             state.model_state, state.rng, trainable=mask)
+            self._layouts[key] = step_layout(
+                shapes,
+                self._tx,
+                self._plan,
+                self._prec,
+                state.model_state,
+                state.rng,
+                trainable=mask,
+            )
         return self._layouts[key]
 
     def jitted(self, state: TrainState):
@@ -294,11 +423,12 @@ class TrainStep:
         key = _shapes_key(state)
         if key not in self._by_layout:
             layout = self.layout(state)
-            self._by_layout[key] = jax.jit(functools.partial(_traced_for, self._fn, layout=layout,
-                                                             traits=self._plan.traits),
-                                           donate_argnums=self._donate,
-                                           compiler_options=self.compiler_options or None,
-                                           out_shardings=(layout.state, self._plan.replicated()))
+            self._by_layout[key] = jax.jit(
+                functools.partial(_traced_for, self._fn, layout=layout, traits=self._plan.traits),
+                donate_argnums=self._donate,
+                compiler_options=self.compiler_options or None,
+                out_shardings=(layout.state, self._plan.replicated()),
+            )
         return self._by_layout[key]
 
     def __call__(self, state: TrainState, batch):
@@ -319,18 +449,32 @@ def _shapes_key(state: TrainState):
 
 def _check_same_split(want, have) -> None:
     """``make_train_step(trainable=...)`` must describe the state it is given."""
-    differ = [path_str(p) for (p, w), h in zip(jax.tree_util.tree_leaves_with_path(want),
-                                                jax.tree.leaves(have)) if w != h]
+    differ = [
+        path_str(p)
+        for (p, w), h in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(have))
+        if w != h
+    ]
     if differ:
-        raise ValueError(f"make_train_step's trainable differs from the state's (built by "
-                         f"init_train_state(trainable=...)) at {', '.join(differ[:4])}"
-                         + (" ..." if len(differ) > 4 else ""))
+        raise ValueError(
+            f"make_train_step's trainable differs from the state's (built by "
+            f"init_train_state(trainable=...)) at {', '.join(differ[:4])}"
+            + (" ..." if len(differ) > 4 else "")
+        )
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: ZeroPlan,
-                    prec: Precision, grad_accum: int = 1, *, donate: bool = True,
-                    gather_per_layer: str | None = None, prefetch: int | None = None,
-                    compiler_options: dict | None = None, trainable=None) -> TrainStep:
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    grad_accum: int = 1,
+    *,
+    donate: bool = True,
+    gather_per_layer: str | None = None,
+    prefetch: int | None = None,
+    compiler_options: dict | None = None,
+    trainable=None,
+) -> TrainStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` that donates the state.
 
     ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux_dict)``; ``batch`` is a
@@ -377,6 +521,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, plan: Zer
         prefetch = 1 if plan.traits.overlaps_collectives else 0
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
-    step = functools.partial(train_step, loss_fn=loss_fn, tx=tx, plan=plan, prec=prec,
-                             grad_accum=grad_accum, per_layer=gather_per_layer, prefetch=prefetch)
+    step = functools.partial(
+        train_step,
+        loss_fn=loss_fn,
+        tx=tx,
+        plan=plan,
+        prec=prec,
+        grad_accum=grad_accum,
+        per_layer=gather_per_layer,
+        prefetch=prefetch,
+    )
     return TrainStep(step, tx, plan, prec, donate, compiler_options, trainable)

@@ -17,6 +17,7 @@ stored layout is another, ``ComputeRefresh`` (``compute_refresh``). The mechanis
 - ``reshard_leaf_after_leaf``: reshard leaf after leaf (``Traits.widens_half_precision``).
 - ``gather_by_slices``: whole stacked weights gathered one leading-axis slice at a time.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,15 +28,14 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import Literal
 
-from zeroflow.util import jaxprs
-
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine import offload, opt_mirror, padding
 from zeroflow.engine.grads.collectives import all_gather, as_words
 from zeroflow.engine.grads.sources import dim_in_layer
-from zeroflow.backend.mesh import DATA
 from zeroflow.engine.ordering import after
 from zeroflow.engine.padding import NO_PADDING, StatePadding
 from zeroflow.engine.plan import ZeroPlan
+from zeroflow.util import jaxprs
 
 
 class UpdatePath(enum.Enum):
@@ -116,8 +116,18 @@ def compute_refresh(plan: ZeroPlan, compute_dtype, path: UpdatePath) -> ComputeR
     return ComputeRefresh.BY_SLICES if path is UpdatePath.IN_PLACE else ComputeRefresh.AS_MADE
 
 
-def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation, compute_dtype,
-          compute_shardings=None, pads: StatePadding = NO_PADDING, skip_by_select: bool = False):
+def apply(
+    grads,
+    master,
+    opt_state,
+    finite,
+    *,
+    tx: optax.GradientTransformation,
+    compute_dtype,
+    compute_shardings=None,
+    pads: StatePadding = NO_PADDING,
+    skip_by_select: bool = False,
+):
     """The update on fp32 arrays; returns ``(new_master, new_opt_state, new_compute)``
     (``new_compute`` None for fp32). ``compute_shardings``: where the new compute weights go,
     when they should be moved there one leaf after the other (``reshard_leaf_after_leaf``;
@@ -138,14 +148,24 @@ def apply(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
 
     if skip_by_select:
         # Fused into each leaf's update, writing into the donated buffer.
-        new_master, new_opt = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                           step(grads, master, opt_state), (master, opt_state))
+        new_master, new_opt = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            step(grads, master, opt_state),
+            (master, opt_state),
+        )
     else:
         # A cond: the skipped branch is never computed, and XLA:CPU updates the optimizer
         # state in place.
         new_master, new_opt = jax.lax.cond(finite, step, keep, grads, master, opt_state)
-    new_compute = None if compute_dtype is None else padding.pad(
-        jax.tree.map(lambda x: x.astype(compute_dtype), new_master), pads.compute, pads.data_size)
+    new_compute = (
+        None
+        if compute_dtype is None
+        else padding.pad(
+            jax.tree.map(lambda x: x.astype(compute_dtype), new_master),
+            pads.compute,
+            pads.data_size,
+        )
+    )
     new_master = padding.pad(new_master, pads.master, pads.data_size)
     new_opt = padding.pad(new_opt, pads.opt_state, pads.data_size)
     if compute_dtype is None:
@@ -164,7 +184,7 @@ def reshard_leaf_after_leaf(tree, shardings):
     for x, s in zip(leaves, treedef.flatten_up_to(shardings)):
         if previous is not None:
             x = after(x, previous)
-        previous = as_words(x, lambda w: jax.lax.with_sharding_constraint(w, s))
+        previous = as_words(x, lambda w, s=s: jax.lax.with_sharding_constraint(w, s))
         moved.append(previous)
     return jax.tree.unflatten(treedef, moved)
 
@@ -181,10 +201,16 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
     then copies into the array's own layout: a second whole copy of the stack (the bf16 weights
     at ZeRO-1/2). One slice at a time, each gathered on a new leading (device) axis, the slice
     is written in the stack's own layout and the temporary is one slice."""
+
     def one(x, sharding, old):
         split = [(d, axes) for d, axes in enumerate(sharding.spec) if axes]
-        if (x.ndim < 3 or len(split) != 1 or split[0][1] not in (DATA, (DATA,))
-                or split[0][0] == 0 or x.shape[split[0][0]] % mesh.shape[DATA]):
+        if (
+            x.ndim < 3
+            or len(split) != 1
+            or split[0][1] not in (DATA, (DATA,))
+            or split[0][0] == 0
+            or x.shape[split[0][0]] % mesh.shape[DATA]
+        ):
             return x
         dim = split[0][0]
         if old is None or old.shape != x.shape or old.dtype != x.dtype:
@@ -198,18 +224,31 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
                 # out with that dimension major and copy it into its own layout at the end)
                 piece = all_gather(piece, dim_in_layer(dim), piece.dtype, sliced=True)
                 return jax.lax.dynamic_update_index_in_dim(whole, piece, i, 0)
+
             return jax.lax.fori_loop(0, shard.shape[0], body, whole)
 
         spec = jax.P(*[DATA if d == dim else None for d in range(x.ndim)])
         # check_vma off: jax types an all-gather's result as varying over DATA, although every
         # device holds the same whole slice.
-        return jax.shard_map(local, mesh=mesh, in_specs=(spec, jax.P()), out_specs=jax.P(),
-                             axis_names={DATA}, check_vma=False)(x, old)
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(spec, jax.P()),
+            out_specs=jax.P(),
+            axis_names={DATA},
+            check_vma=False,
+        )(x, old)
 
     olds = jax.tree.leaves(into) if into is not None else [None] * len(jax.tree.leaves(tree))
-    return jax.tree.unflatten(jax.tree.structure(tree), [
-        one(x, sh, old) for x, sh, old in zip(jax.tree.leaves(tree),
-                                              jax.tree.leaves(stored_shardings), olds, strict=True)])
+    return jax.tree.unflatten(
+        jax.tree.structure(tree),
+        [
+            one(x, sh, old)
+            for x, sh, old in zip(
+                jax.tree.leaves(tree), jax.tree.leaves(stored_shardings), olds, strict=True
+            )
+        ],
+    )
 
 
 def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
@@ -217,8 +256,13 @@ def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
     shared by all parameters, such as a step count)."""
     leaves, treedef = jax.tree.flatten(master)
     index = jax.tree.unflatten(treedef, [_Owner(i, x.shape) for i, x in enumerate(leaves)])
-    mapped = opt_mirror.map_mirrored(lambda _, owner: owner.index, lambda _: -1, opt_state, index,
-                                     is_leaf=lambda x: isinstance(x, _Owner))
+    mapped = opt_mirror.map_mirrored(
+        lambda _, owner: owner.index,
+        lambda _: -1,
+        opt_state,
+        index,
+        is_leaf=lambda x: isinstance(x, _Owner),
+    )
     return jax.tree.leaves(mapped)
 
 
@@ -227,8 +271,17 @@ class _Owner(NamedTuple):
     shape: tuple
 
 
-def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformation,
-             compute_dtype, shardings, pads: StatePadding = NO_PADDING):
+def streamed(
+    grads,
+    master,
+    opt_state,
+    finite,
+    *,
+    tx: optax.GradientTransformation,
+    compute_dtype,
+    shardings,
+    pads: StatePadding = NO_PADDING,
+):
     """The update of host-resident ``master`` / ``opt_state`` on the device, one parameter at a
     time; returns ``(new_master, new_opt_state, new_compute)`` with the state back in host
     memory. ``tx`` must split by parameter (``streamable``; ``update_path`` chooses this path
@@ -237,29 +290,52 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     n_grads, master_leaves = len(jax.tree.leaves(grads)), jax.tree.leaves(master)
     opt_leaves = jax.tree.leaves(opt_state)
     # Where each input leaf is padded (grads are in the master's form), to cut and re-pad it.
-    entries = (list(pads.master or [None] * n_grads) + list(pads.master or [None] * len(master_leaves))
-               + list(pads.opt_state or [None] * len(opt_leaves)))
-    own = lambda tree, es: jax.tree.unflatten(jax.tree.structure(tree), [  # noqa: E731
-        jax.ShapeDtypeStruct(_own_shape(x.shape, e), x.dtype)
-        for x, e in zip(jax.tree.leaves(tree), es)])
-    groups = [-1] * n_grads + list(range(len(master_leaves))) + owners(
-        tx, own(master, entries[n_grads:n_grads + len(master_leaves)]),
-        own(opt_state, entries[n_grads + len(master_leaves):]))
+    entries = (
+        list(pads.master or [None] * n_grads)
+        + list(pads.master or [None] * len(master_leaves))
+        + list(pads.opt_state or [None] * len(opt_leaves))
+    )
+
+    def own(tree, es):
+        return jax.tree.unflatten(
+            jax.tree.structure(tree),
+            [
+                jax.ShapeDtypeStruct(_own_shape(x.shape, e), x.dtype)
+                for x, e in zip(jax.tree.leaves(tree), es)
+            ],
+        )
+
+    groups = (
+        [-1] * n_grads
+        + list(range(len(master_leaves)))
+        + owners(
+            tx,
+            own(master, entries[n_grads : n_grads + len(master_leaves)]),
+            own(opt_state, entries[n_grads + len(master_leaves) :]),
+        )
+    )
 
     closed, out_shape = _step_jaxpr(
-        tx, own(grads, entries[:n_grads]), own(master, entries[n_grads:n_grads + len(master_leaves)]),
-        own(opt_state, entries[n_grads + len(master_leaves):]))
+        tx,
+        own(grads, entries[:n_grads]),
+        own(master, entries[n_grads : n_grads + len(master_leaves)]),
+        own(opt_state, entries[n_grads + len(master_leaves) :]),
+    )
     grouping = _grouping(closed.jaxpr, groups, n_grads)
     if grouping is None:
-        raise ValueError("this optimizer's update mixes several parameters' state (a norm over "
-                         "the updates, say), so it cannot run one parameter at a time; "
-                         "update_path brings such state in whole (UpdatePath.BROUGHT_IN_WHOLE)")
+        raise ValueError(
+            "this optimizer's update mixes several parameters' state (a norm over "
+            "the updates, say), so it cannot run one parameter at a time; "
+            "update_path brings such state in whole (UpdatePath.BROUGHT_IN_WHOLE)"
+        )
 
     stored = jax.tree.leaves(grads) + master_leaves + opt_leaves
-    host_shardings = (jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state))
+    host_shardings = jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state)
 
-    repad = lambda x, e: x if e is None else padding.pad_to(  # noqa: E731
-        x, e[0], -(-e[1] // pads.data_size) * pads.data_size)
+    def repad(x, e):
+        return (
+            x if e is None else padding.pad_to(x, e[0], -(-e[1] // pads.data_size) * pads.data_size)
+        )
 
     def fetch(k, tie):
         """Input ``k`` on the device in its own shape: grads are there; offloaded state is
@@ -275,15 +351,22 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
 
     def send(k, value):
         """Output ``k`` back to host memory, in the state's sharding, padded as stored."""
-        return offload.to_memory(repad(value, entries[n_grads + k]), host_shardings[k],
-                                 "pinned_host")
+        return offload.to_memory(
+            repad(value, entries[n_grads + k]), host_shardings[k], "pinned_host"
+        )
 
-    outs, back = _replay_by_parameter(closed, groups, grouping, fetch, send, finite,
-                                      n_grads=n_grads, n_params=len(master_leaves))
+    outs, back = _replay_by_parameter(
+        closed, groups, grouping, fetch, send, finite, n_grads=n_grads, n_params=len(master_leaves)
+    )
     n_master = len(master_leaves)
-    new_compute = None if compute_dtype is None else [
-        repad(x.astype(compute_dtype), e) for x, e in
-        zip(outs[:n_master], pads.compute or [None] * n_master)]
+    new_compute = (
+        None
+        if compute_dtype is None
+        else [
+            repad(x.astype(compute_dtype), e)
+            for x, e in zip(outs[:n_master], pads.compute or [None] * n_master)
+        ]
+    )
     master_tree, opt_tree = out_shape
     new_master = jax.tree.unflatten(jax.tree.structure(master_tree), back[:n_master])
     new_opt = jax.tree.unflatten(jax.tree.structure(opt_tree), back[n_master:])
@@ -292,8 +375,9 @@ def streamed(grads, master, opt_state, finite, *, tx: optax.GradientTransformati
     return new_master, new_opt, new_compute
 
 
-def _replay_by_parameter(closed, groups: list[int], grouping, fetch, send, finite, *,
-                         n_grads: int, n_params: int) -> tuple[list, list]:
+def _replay_by_parameter(
+    closed, groups: list[int], grouping, fetch, send, finite, *, n_grads: int, n_params: int
+) -> tuple[list, list]:
     """The update's outputs on the device and as sent (``send(k, value)``, as soon as a group
     has made them), its jaxpr replayed one group at a time (``_grouping``: the shared
     computations first, then parameter after parameter). A group's inputs are fetched when its
@@ -332,8 +416,11 @@ def _replay_by_parameter(closed, groups: list[int], grouping, fetch, send, finit
 
 
 def _own_shape(shape, entry):
-    return tuple(shape) if entry is None else tuple(
-        entry[1] if d == entry[0] else s for d, s in enumerate(shape))
+    return (
+        tuple(shape)
+        if entry is None
+        else tuple(entry[1] if d == entry[0] else s for d, s in enumerate(shape))
+    )
 
 
 def _step_jaxpr(tx, grads, master, opt_state):
@@ -343,7 +430,8 @@ def _step_jaxpr(tx, grads, master, opt_state):
 
     on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
-        grads, jax.tree.map(on_device, master), jax.tree.map(on_device, opt_state))
+        grads, jax.tree.map(on_device, master), jax.tree.map(on_device, opt_state)
+    )
     # Calls opened, so that each equation reads the values it computes with: jax >= 0.11 keeps
     # optax's jit(inline=True) bias correction as one call reading every parameter's moment.
     return jaxprs.inline_calls(closed), out_shape
@@ -354,15 +442,20 @@ def streamable(tx: optax.GradientTransformation, master) -> bool:
     opt_state = jax.eval_shape(tx.init, master)
     n = len(jax.tree.leaves(master))
     closed, _ = _step_jaxpr(tx, master, master, opt_state)
-    return _grouping(closed.jaxpr, [-1] * n + list(range(n)) + owners(tx, master, opt_state),
-                     n) is not None
+    return (
+        _grouping(closed.jaxpr, [-1] * n + list(range(n)) + owners(tx, master, opt_state), n)
+        is not None
+    )
 
 
 def _grouping(jaxpr, groups: list[int], n_grads: int):
     """The parameter each equation and each output belongs to (-1: none, computed first), from
     which offloaded inputs they read; None when an equation reads two parameters' state."""
-    owner = {var: g for var, g, k in zip(jaxpr.invars, groups, range(len(groups)))
-             if k >= n_grads and g >= 0}
+    owner = {
+        var: g
+        for var, g, k in zip(jaxpr.invars, groups, range(len(groups)))
+        if k >= n_grads and g >= 0
+    }
     eqn_group = []
     for eqn in jaxpr.eqns:
         found = {owner[a] for a in eqn.invars if not isinstance(a, Literal) and a in owner}

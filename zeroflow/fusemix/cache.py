@@ -9,6 +9,7 @@ devices, shown with a rich progress bar, and resumable: an interrupted build con
 the last row it recorded. A cache made by anything else is refused with one line naming the
 first field that differs, never read as if it were this run's.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 LATENTS, META = "latents.npy", "cache.json"
@@ -52,9 +54,11 @@ def check_identity(folder: Path, recorded: Mapping[str, Any], identity: Mapping[
     diff = _first_difference(recorded, identity)
     if diff is not None:
         key, was, now = diff
-        raise StaleCache(f"{folder}: latent cache made with {key}={_short(was)}, this run needs "
-                         f"{key}={_short(now)}; delete the folder to encode again, or give "
-                         "another fusemix.cache")
+        raise StaleCache(
+            f"{folder}: latent cache made with {key}={_short(was)}, this run needs "
+            f"{key}={_short(now)}; delete the folder to encode again, or give "
+            "another fusemix.cache"
+        )
 
 
 def _write_meta(folder: Path, meta: Mapping[str, Any]) -> None:
@@ -73,34 +77,50 @@ def open_cache(folder: str | os.PathLike, identity: Mapping[str, Any], rows: int
         check_identity(folder, meta["identity"], identity)
         latents = np.load(folder / LATENTS, mmap_mode="r+")
         if latents.shape != (rows, dim):
-            raise StaleCache(f"{folder}: {LATENTS} has shape {latents.shape}, expected "
-                             f"{(rows, dim)}; delete the folder to encode again")
+            raise StaleCache(
+                f"{folder}: {LATENTS} has shape {latents.shape}, expected "
+                f"{(rows, dim)}; delete the folder to encode again"
+            )
         return latents, int(meta[ROWS_DONE])
     folder.mkdir(parents=True, exist_ok=True)
-    latents = np.lib.format.open_memmap(folder / LATENTS, mode="w+", dtype=np.float32,
-                                        shape=(rows, dim))
+    latents = np.lib.format.open_memmap(
+        folder / LATENTS, mode="w+", dtype=np.float32, shape=(rows, dim)
+    )
     _write_meta(folder, {"identity": dict(identity), ROWS_DONE: 0})
     return latents, 0
 
 
-def encode_to_cache(folder: str | os.PathLike, identity: Mapping[str, Any],
-                    encode: Callable[[Any, dict[str, jax.Array]], jax.Array], params: Any,
-                    inputs: Mapping[str, np.ndarray], dim: int, *, batch_size: int,
-                    mesh: jax.sharding.Mesh, label: str = "latents", progress: bool = True,
-                    stop_after: int | None = None) -> np.ndarray:
+def encode_to_cache(
+    folder: str | os.PathLike,
+    identity: Mapping[str, Any],
+    encode: Callable[[Any, dict[str, jax.Array]], jax.Array],
+    params: Any,
+    inputs: Mapping[str, np.ndarray],
+    dim: int,
+    *,
+    batch_size: int,
+    mesh: jax.sharding.Mesh,
+    label: str = "latents",
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> np.ndarray:
     """Encode every row of ``inputs`` (arrays sharing a leading axis) with ``encode`` (a
-    jittable function of the params and one batch dict -> [batch, dim]) into ``folder``; returns the latents
-    read-only. ``encode(params, batch)`` is jitted once (the encoder's weights are an argument,
-not constants of the program). Batches are split over the mesh's devices (``batch_size`` is rounded up to a
-    multiple of them); the last one is padded, so one program serves every batch.
-    ``stop_after``: encode at most that many batches, then return (an interrupted build)."""
+        jittable function of the params and one batch dict -> [batch, dim]) into ``folder``; returns the latents
+        read-only. ``encode(params, batch)`` is jitted once (the encoder's weights are an argument,
+    not constants of the program). Batches are split over the mesh's devices (``batch_size`` is rounded up to a
+        multiple of them); the last one is padded, so one program serves every batch.
+        ``stop_after``: encode at most that many batches, then return (an interrupted build)."""
     rows = len(next(iter(inputs.values())))
     latents, done = open_cache(folder, identity, rows, dim)
     sharding = NamedSharding(mesh, P(mesh.axis_names))
     batch_size = -(-batch_size // mesh.size) * mesh.size
     step = jax.jit(encode, out_shardings=NamedSharding(mesh, P()))
-    columns = [TextColumn(f"encoding {label}"), BarColumn(), MofNCompleteColumn(),
-               TimeRemainingColumn()]
+    columns = [
+        TextColumn(f"encoding {label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, disable=not progress, transient=True) as bar:
         task = bar.add_task(label, total=rows, completed=done)
         for count, start in enumerate(range(done, rows, batch_size)):
@@ -109,7 +129,7 @@ not constants of the program). Batches are split over the mesh's devices (``batc
             stop = min(start + batch_size, rows)
             batch = {k: _padded(v[start:stop], batch_size) for k, v in inputs.items()}
             out = step(params, jax.device_put(batch, sharding))
-            latents[start:stop] = np.asarray(out, np.float32)[:stop - start]
+            latents[start:stop] = np.asarray(out, np.float32)[: stop - start]
             latents.flush()  # the rows first, then the record that they are there
             _write_meta(Path(folder), {"identity": dict(identity), ROWS_DONE: stop})
             bar.update(task, completed=stop)

@@ -8,6 +8,7 @@ medium and bold, left-leaning, upright and right-leaning examples: 90 descriptio
 one of three templates chosen per image. A pair's *group* is its description (digit, weight,
 lean): retrieval counts any item of the query's group as a match (``retrieval``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,11 @@ import numpy as np
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 WEIGHT = ("thin", "medium", "bold")
 LEAN = ("leaning left", "upright", "leaning right")
-TEMPLATES = ("a {weight} handwritten {word} , {lean}",
-             "the digit {digit} in {weight} strokes , {lean}",
-             "{word} written {weight} and {lean}")
+TEMPLATES = (
+    "a {weight} handwritten {word} , {lean}",
+    "the digit {digit} in {weight} strokes , {lean}",
+    "{word} written {weight} and {lean}",
+)
 PAD, CLS, SEP, UNK = "[PAD]", "[CLS]", "[SEP]", "[UNK]"
 
 
@@ -73,14 +76,17 @@ def _lean(images: np.ndarray) -> np.ndarray:
 
 def digits_pairs(seed: int = 0) -> Pairs:
     from sklearn.datasets import load_digits  # the optional dependency, only for this dataset
+
     data = load_digits()
     images = (data.images / 16.0).astype(np.float32)
     labels = data.target.astype(np.int64)
     weight = _thirds(images.sum((1, 2)), labels)
     lean = _thirds(_lean(images), labels)
     template = np.random.default_rng(seed).integers(0, len(TEMPLATES), len(labels))
-    captions = tuple(TEMPLATES[t].format(word=WORDS[d], digit=d, weight=WEIGHT[w], lean=LEAN[s])
-                     for t, d, w, s in zip(template, labels, weight, lean))
+    captions = tuple(
+        TEMPLATES[t].format(word=WORDS[d], digit=d, weight=WEIGHT[w], lean=LEAN[s])
+        for t, d, w, s in zip(template, labels, weight, lean)
+    )
     return Pairs(images, captions, labels * 9 + weight * 3 + lean, "sklearn-digits")
 
 
@@ -105,7 +111,7 @@ def text_inputs(captions, tokenizer, max_len: int, pad_id: int = 0):
         tokens = tokenizer.encode(caption)
         if len(tokens) > max_len:
             raise ValueError(f"caption {caption!r} is {len(tokens)} tokens, longer than {max_len}")
-        ids[i, :len(tokens)], mask[i, :len(tokens)] = tokens, 1
+        ids[i, : len(tokens)], mask[i, : len(tokens)] = tokens, 1
     return ids, mask
 
 

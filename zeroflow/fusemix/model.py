@@ -6,6 +6,7 @@ x_perm(i)``, with ``lam_i ~ Beta(alpha, alpha)`` and the same ``lam_i`` and part
 ``perm(i)`` for the image and the text of the pair, so the mixed image and the mixed text are
 still each other's positive.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,6 +22,7 @@ IMAGE, TEXT = "image", "text"
 
 class Adapter(nn.Module):
     """``layers`` Dense layers (GELU between them), the last one into the shared space."""
+
     hidden: int
     layers: int
     out: int
@@ -39,6 +41,7 @@ PAPER_NORM_EPS = 1e-5
 class ResidualBlock(nn.Module):
     """Pre-norm inverted bottleneck at the input's width: ``x + W2 gelu(W1 LayerNorm(x))``,
     ``W1`` widening by ``expansion``."""
+
     expansion: int
 
     @nn.compact
@@ -52,6 +55,7 @@ class ResidualBlock(nn.Module):
 class ResidualAdapter(nn.Module):
     """The FuseMix paper's adapter (its released code's ``MLPContrastiveFusion``): ``blocks``
     residual blocks at the latent's own width, a LayerNorm, a Dense into the shared space."""
+
     blocks: int
     expansion: int
     out: int
@@ -61,7 +65,8 @@ class ResidualAdapter(nn.Module):
         for i in range(self.blocks):
             x = ResidualBlock(self.expansion, name=f"block{i}")(x)
         return nn.Dense(self.out, name="project")(
-            nn.LayerNorm(epsilon=PAPER_NORM_EPS, name="norm")(x))
+            nn.LayerNorm(epsilon=PAPER_NORM_EPS, name="norm")(x)
+        )
 
 
 ADAPTERS = ("mlp", "residual")
@@ -114,12 +119,15 @@ def mix_pairs(batch, lam, perm):
 def draw_mixup(rng, batch_size: int, alpha: float):
     """``(lam [B], perm [B])`` for one batch: ``lam ~ Beta(alpha, alpha)``, a random partner."""
     k_lam, k_perm = jax.random.split(rng)
-    return (jax.random.beta(k_lam, alpha, alpha, (batch_size,)),
-            jax.random.permutation(k_perm, batch_size))
+    return (
+        jax.random.beta(k_lam, alpha, alpha, (batch_size,)),
+        jax.random.permutation(k_perm, batch_size),
+    )
 
 
-def fusemix_loss(params, batch, *, rng=None, module: FuseMix, temperature: float,
-                 mixup_alpha: float):
+def fusemix_loss(
+    params, batch, *, rng=None, module: FuseMix, temperature: float, mixup_alpha: float
+):
     """The engine's ``loss_fn``: mixup (when ``mixup_alpha > 0`` and a key is given), the
     adapters, symmetric InfoNCE. Negatives are the other rows of the batch this device sees."""
     batch = {k: batch[k].astype(jnp.float32) for k in (IMAGE, TEXT)}
@@ -132,11 +140,19 @@ def fusemix_loss(params, batch, *, rng=None, module: FuseMix, temperature: float
     return info_nce(za, zb, temperature), aux
 
 
-def make_loss(hidden: int, layers: int, shared_dim: int, temperature: float, mixup_alpha: float,
-              adapter: str = "mlp", expansion: int = 4):
+def make_loss(
+    hidden: int,
+    layers: int,
+    shared_dim: int,
+    temperature: float,
+    mixup_alpha: float,
+    adapter: str = "mlp",
+    expansion: int = 4,
+):
     """``(module, loss_fn)``: the adapters (``ADAPTERS``) and the engine's loss bound to them."""
     if adapter not in ADAPTERS:
         raise ValueError(f"unknown adapter {adapter!r}; choose one of {', '.join(ADAPTERS)}")
     module = FuseMix(hidden, layers, shared_dim, adapter, expansion)
-    return module, functools.partial(fusemix_loss, module=module, temperature=temperature,
-                                     mixup_alpha=mixup_alpha)
+    return module, functools.partial(
+        fusemix_loss, module=module, temperature=temperature, mixup_alpha=mixup_alpha
+    )

@@ -4,6 +4,7 @@ A query's matches are the candidates of its group: the pair's own partner and an
 its caption describes identically (the same digit, stroke and slant), since no model can tell
 identical descriptions apart. Chance is the recall a random ranking gets, computed exactly.
 """
+
 from __future__ import annotations
 
 from math import comb
@@ -13,8 +14,9 @@ import numpy as np
 KS = (1, 5, 10)
 
 
-def first_match(similarity: np.ndarray, query_groups: np.ndarray,
-                candidate_groups: np.ndarray) -> np.ndarray:
+def first_match(
+    similarity: np.ndarray, query_groups: np.ndarray, candidate_groups: np.ndarray
+) -> np.ndarray:
     """For each query row, the rank (0-based) of its best-scored matching candidate."""
     order = np.argsort(-similarity, axis=1, kind="stable")
     hits = candidate_groups[order] == query_groups[:, None]

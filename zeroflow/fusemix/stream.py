@@ -9,6 +9,7 @@ batches the uninterrupted run saw, with no loader state to save.
 its host-to-device copy (``jax.device_put`` into the batch sharding) up to ``prefetch`` steps
 ahead, so the copy of step ``s + 1`` overlaps the compute of step ``s``.
 """
+
 from __future__ import annotations
 
 import queue
@@ -23,11 +24,12 @@ def batch_rows(train_rows: np.ndarray, batch_size: int, seed: int, step: int) ->
     """The rows (indices into the latent files) of step ``step``'s batch (0-based)."""
     per_epoch = len(train_rows) // batch_size
     if per_epoch == 0:
-        raise ValueError(f"train.batch_size={batch_size} is larger than the "
-                         f"{len(train_rows)} training pairs")
+        raise ValueError(
+            f"train.batch_size={batch_size} is larger than the {len(train_rows)} training pairs"
+        )
     epoch, index = divmod(step, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(len(train_rows))
-    return np.sort(train_rows[order[index * batch_size:(index + 1) * batch_size]])
+    return np.sort(train_rows[order[index * batch_size : (index + 1) * batch_size]])
 
 
 def host_batch(latents: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -35,9 +37,16 @@ def host_batch(latents: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str,
     return {name: np.asarray(array[rows], np.float32) for name, array in latents.items()}
 
 
-def device_batches(latents: Mapping[str, np.ndarray], train_rows: np.ndarray, batch_size: int,
-                   seed: int, start: int, stop: int, sharding: jax.sharding.Sharding,
-                   prefetch: int = 2) -> Iterator[dict[str, jax.Array]]:
+def device_batches(
+    latents: Mapping[str, np.ndarray],
+    train_rows: np.ndarray,
+    batch_size: int,
+    seed: int,
+    start: int,
+    stop: int,
+    sharding: jax.sharding.Sharding,
+    prefetch: int = 2,
+) -> Iterator[dict[str, jax.Array]]:
     """Device batches of steps ``start .. stop - 1``, each already copied (or copying) while
     the step before it runs."""
     ready: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
@@ -50,7 +59,7 @@ def device_batches(latents: Mapping[str, np.ndarray], train_rows: np.ndarray, ba
                     return
                 rows = batch_rows(train_rows, batch_size, seed, step)
                 ready.put(jax.device_put(host_batch(latents, rows), sharding))
-        except BaseException as e:  # noqa: BLE001  handed to the consumer, raised there
+        except BaseException as e:
             ready.put(e)
 
     thread = threading.Thread(target=produce, name="fusemix-prefetch", daemon=True)

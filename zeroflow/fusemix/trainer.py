@@ -7,6 +7,7 @@ any checkpoint continues exactly as the uninterrupted run. Held-out retrieval re
 evaluated every ``train.eval_every`` steps and at the end; metrics go to
 ``run.dir/metrics.jsonl``, checkpoints to ``run.dir/checkpoints``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import zeroflow as zf
-from zeroflow.config.schema import Config
 from zeroflow.config.io import save_config
+from zeroflow.config.schema import Config
 from zeroflow.fusemix import digits, latents, retrieval, stream
 from zeroflow.fusemix.model import IMAGE, TEXT, make_loss
 from zeroflow.trainer.checkpoints import RunCheckpoints
@@ -49,9 +50,14 @@ class FuseMixRun:
 
     def init_state(self) -> zf.TrainState:
         dims = {k: v.shape[1] for k, v in self.latents.items()}
-        init = lambda: self.module.init(jax.random.key(self.cfg.train.seed),  # noqa: E731
-                                        np.zeros((1, dims[IMAGE]), np.float32),
-                                        np.zeros((1, dims[TEXT]), np.float32))["params"]
+
+        def init():
+            return self.module.init(
+                jax.random.key(self.cfg.train.seed),
+                np.zeros((1, dims[IMAGE]), np.float32),
+                np.zeros((1, dims[TEXT]), np.float32),
+            )["params"]
+
         rng = jax.random.fold_in(jax.random.key(self.cfg.train.seed), MIXUP_STREAM)
         return zf.init_train_state(init, self.tx, self.plan, self.prec, rng=rng)
 
@@ -60,30 +66,51 @@ def build_fusemix(cfg: Config, progress: bool) -> FuseMixRun:
     """The data and its latents (encoded now when the cache lacks them), mesh, plan, optimizer."""
     fm, par = cfg.fusemix, cfg.parallel
     if not fm.image_encoder or not fm.text_encoder:
-        raise ValueError("fusemix.image_encoder and fusemix.text_encoder must name Hugging Face "
-                         "folders (python scripts/make_tiny_encoders.py makes tiny ones)")
+        raise ValueError(
+            "fusemix.image_encoder and fusemix.text_encoder must name Hugging Face "
+            "folders (python scripts/make_tiny_encoders.py makes tiny ones)"
+        )
     mesh = zf.make_mesh(data=par.data, model=1)
     pairs = digits.digits_pairs(cfg.train.seed)
-    found = {IMAGE: latents.image_latents(cfg, pairs, mesh, progress),
-             TEXT: latents.text_latents(cfg, pairs, mesh, progress)}
+    found = {
+        IMAGE: latents.image_latents(cfg, pairs, mesh, progress),
+        TEXT: latents.text_latents(cfg, pairs, mesh, progress),
+    }
     train_rows, val_rows = digits.split(len(pairs.captions), fm.val_pairs, cfg.train.seed)
     plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on)
-    module, loss_fn = make_loss(fm.adapter_hidden, fm.adapter_layers, fm.shared_dim,
-                                fm.temperature, fm.mixup_alpha, adapter=fm.adapter,
-                                expansion=fm.adapter_expansion)
+    module, loss_fn = make_loss(
+        fm.adapter_hidden,
+        fm.adapter_layers,
+        fm.shared_dim,
+        fm.temperature,
+        fm.mixup_alpha,
+        adapter=fm.adapter,
+        expansion=fm.adapter_expansion,
+    )
     decay = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # noqa: E731  kernels only
-    return FuseMixRun(cfg, plan, zf.Precision.from_config(cfg.precision),
-                      make_optimizer(cfg.train, decay), module, loss_fn, found, train_rows,
-                      val_rows, pairs.groups)
+    return FuseMixRun(
+        cfg,
+        plan,
+        zf.Precision.from_config(cfg.precision),
+        make_optimizer(cfg.train, decay),
+        module,
+        loss_fn,
+        found,
+        train_rows,
+        val_rows,
+        pairs.groups,
+    )
 
 
 def evaluate(run: FuseMixRun, state) -> dict[str, float]:
     """Recall@1/5/10 image->text and text->image on the held-out pairs (no mixup)."""
     params = jax.device_get(state.params)
     rows = run.val_rows
-    za, zb = run.module.apply({"params": params},
-                              np.asarray(run.latents[IMAGE][rows], np.float32),
-                              np.asarray(run.latents[TEXT][rows], np.float32))
+    za, zb = run.module.apply(
+        {"params": params},
+        np.asarray(run.latents[IMAGE][rows], np.float32),
+        np.asarray(run.latents[TEXT][rows], np.float32),
+    )
     similarity = np.asarray(za, np.float64) @ np.asarray(zb, np.float64).T
     return retrieval.recall(similarity, run.groups[rows])
 
@@ -111,11 +138,13 @@ def train_fusemix(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         chance = retrieval.chance(run.groups[run.val_rows])
-        console.print(f"FuseMix: {len(run.train_rows)} training pairs, {len(run.val_rows)} "
-                      f"held out (chance recall@1 {chance['r1']:.3f}); latents "
-                      f"{ {k: v.shape[1] for k, v in run.latents.items()} }; ZeRO stage "
-                      f"{run.plan.stage}, mesh {dict(run.plan.mesh.shape)}"
-                      + (f"; resumed at step {int(state.step)}" if restored else ""))
+        console.print(
+            f"FuseMix: {len(run.train_rows)} training pairs, {len(run.val_rows)} "
+            f"held out (chance recall@1 {chance['r1']:.3f}); latents "
+            f"{ {k: v.shape[1] for k, v in run.latents.items()} }; ZeRO stage "
+            f"{run.plan.stage}, mesh {dict(run.plan.mesh.shape)}"
+            + (f"; resumed at step {int(state.step)}" if restored else "")
+        )
         state, losses, last = _train_steps(run, state, checkpoints, console, show)
     finally:
         checkpoints.close()
@@ -125,15 +154,28 @@ def train_fusemix(cfg: Config, *, progress: bool | None = None) -> TrainResult:
 def _train_steps(run: FuseMixRun, state, checkpoints: RunCheckpoints, console, show: bool):
     cfg, tcfg = run.cfg, run.cfg.train
     run_dir, start = Path(cfg.run.dir), int(state.step)
-    step_fn = zf.make_train_step(run.loss_fn, run.tx, run.plan, run.prec,
-                                 grad_accum=cfg.parallel.grad_accum)
-    batches = stream.device_batches(run.latents, run.train_rows, tcfg.batch_size, tcfg.seed,
-                                    start, tcfg.steps, run.plan.batch_sharding(),
-                                    prefetch=cfg.fusemix.prefetch)
+    step_fn = zf.make_train_step(
+        run.loss_fn, run.tx, run.plan, run.prec, grad_accum=cfg.parallel.grad_accum
+    )
+    batches = stream.device_batches(
+        run.latents,
+        run.train_rows,
+        tcfg.batch_size,
+        tcfg.seed,
+        start,
+        tcfg.steps,
+        run.plan.batch_sharding(),
+        prefetch=cfg.fusemix.prefetch,
+    )
     losses: dict[int, float] = {}
     last: dict[str, float] = {}
-    columns = [TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-               TextColumn("{task.fields[loss]}")]
+    columns = [
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[loss]}"),
+    ]
     t0 = time.perf_counter()
     with Progress(*columns, console=console, disable=not show, transient=True) as bar:
         task = bar.add_task("train", total=tcfg.steps, completed=start, loss="")

@@ -11,13 +11,13 @@ One converter per architecture (``CONVERTERS``): config.json both ways and a tab
 the two parameter trees (``zeroflow/hf/tensors.py``). Nothing is ever downloaded: paths are
 local folders. See docs/hf.md.
 """
+
 from __future__ import annotations
 
 import os
 
 from zeroflow.data.tokenizers import HFTokenizer, hf_tokenizer_file
-from zeroflow.hf.architectures import (CONVERTERS, converter_for_model, read_config,
-                                       with_run_fields)
+from zeroflow.hf.architectures import CONVERTERS, converter_for_model, read_config, with_run_fields
 from zeroflow.hf.convert import RUNTIME_FIELDS, Converter, HFConfig
 from zeroflow.hf.encoders import ENCODERS, HFEncoder, load_encoder
 from zeroflow.hf.load import from_pretrained, load_params
@@ -30,14 +30,29 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     ``encode(text) -> ids``, ``decode(ids) -> text``, ``vocab_size``, ``eos_id``, ``backend``."""
     file = hf_tokenizer_file(path)
     if file is None:
-        raise HFCheckpointError(f"no tokenizer.json at {os.fspath(path)!r} (expected a folder "
-                                "holding tokenizer.json, or the file itself)")
+        raise HFCheckpointError(
+            f"no tokenizer.json at {os.fspath(path)!r} (expected a folder "
+            "holding tokenizer.json, or the file itself)"
+        )
     return HFTokenizer(file)
 
 
 __all__ = [
-    "CONVERTERS", "Converter", "ENCODERS", "HFCheckpointError", "HFConfig", "HFEncoder",
-    "HFTokenizer", "RUNTIME_FIELDS", "SafetensorsReader", "converter_for_model",
-    "from_pretrained", "load_encoder", "load_params",
-    "load_tokenizer", "read_config", "save_pretrained", "with_run_fields",
+    "CONVERTERS",
+    "Converter",
+    "ENCODERS",
+    "HFCheckpointError",
+    "HFConfig",
+    "HFEncoder",
+    "HFTokenizer",
+    "RUNTIME_FIELDS",
+    "SafetensorsReader",
+    "converter_for_model",
+    "from_pretrained",
+    "load_encoder",
+    "load_params",
+    "load_tokenizer",
+    "read_config",
+    "save_pretrained",
+    "with_run_fields",
 ]

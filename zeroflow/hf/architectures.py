@@ -1,4 +1,5 @@
 """The table of supported architectures and how a config.json picks one."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,14 +28,17 @@ def converter_for(raw: dict, where: str) -> Converter:
     names = raw.get("architectures") or []
     if names:
         if names[0] not in CONVERTERS:
-            raise HFCheckpointError(f"{where}: architecture {names[0]!r} is not supported; "
-                                    f"supported: {_supported()}")
+            raise HFCheckpointError(
+                f"{where}: architecture {names[0]!r} is not supported; supported: {_supported()}"
+            )
         return CONVERTERS[names[0]]
     model_type = raw.get("model_type")
     if model_type not in _BY_MODEL_TYPE:
-        raise HFCheckpointError(f"{where}: config.json names no supported architecture "
-                                f"(architectures={names}, model_type={model_type!r}); "
-                                f"supported: {_supported()}")
+        raise HFCheckpointError(
+            f"{where}: config.json names no supported architecture "
+            f"(architectures={names}, model_type={model_type!r}); "
+            f"supported: {_supported()}"
+        )
     return _BY_MODEL_TYPE[model_type]
 
 
@@ -42,8 +46,10 @@ def config_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     file = path / CONFIG_FILE if path.is_dir() else path
     if not file.is_file():
-        raise HFCheckpointError(f"no Hugging Face config at {os.fspath(path)!r} (expected a folder "
-                                f"holding {CONFIG_FILE}, or the file itself)")
+        raise HFCheckpointError(
+            f"no Hugging Face config at {os.fspath(path)!r} (expected a folder "
+            f"holding {CONFIG_FILE}, or the file itself)"
+        )
     return file
 
 
@@ -69,14 +75,17 @@ def converter_for_model(cfg: ModelConfig) -> Converter:
         if reason is None:
             return converter
         reasons.append(f"{converter.architecture}: {reason}")
-    raise HFCheckpointError("no Hugging Face architecture fits this model ("
-                            + "; ".join(reasons) + ")")
+    raise HFCheckpointError(
+        "no Hugging Face architecture fits this model (" + "; ".join(reasons) + ")"
+    )
 
 
 def with_run_fields(architecture: ModelConfig, run: ModelConfig) -> ModelConfig:
     """A checkpoint's architecture with the run's own choices (``RUNTIME_FIELDS``)."""
     cfg = dataclasses.replace(architecture, **{f: getattr(run, f) for f in RUNTIME_FIELDS})
     if cfg.positions == "learned" and cfg.seq_len > cfg.max_positions:
-        raise HFCheckpointError(f"model.seq_len={cfg.seq_len} is longer than the "
-                                f"{cfg.max_positions} learned positions of {run.init_from}")
+        raise HFCheckpointError(
+            f"model.seq_len={cfg.seq_len} is longer than the "
+            f"{cfg.max_positions} learned positions of {run.init_from}"
+        )
     return cfg

@@ -6,6 +6,7 @@ says why a ``ModelConfig`` has no form in that architecture, and ``tensor_maps``
 between the two parameter trees. Anything config.json says that we cannot run is refused with
 one line naming the key, never approximated.
 """
+
 from __future__ import annotations
 
 import abc
@@ -28,6 +29,7 @@ DROP = object()
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
     """What ``from_pretrained`` read: the architecture, our model config, and config.json."""
+
     architecture: str
     "e.g. 'LlamaForCausalLM'."
     model: ModelConfig
@@ -52,8 +54,9 @@ def get(raw: Mapping[str, Any], key: str, where: str, kind: type = int, default:
 
 class HFConfigValueError(HFCheckpointError):
     def __init__(self, where: str, key: str, value: Any, supported: str):
-        super().__init__(f"{where}: config.json {key}={value!r} is not supported; "
-                         f"zeroflow supports {supported}")
+        super().__init__(
+            f"{where}: config.json {key}={value!r} is not supported; zeroflow supports {supported}"
+        )
 
 
 def refuse(where: str, key: str, value: Any, supported: str) -> HFConfigValueError:
@@ -64,8 +67,11 @@ def refuse(where: str, key: str, value: Any, supported: str) -> HFConfigValueErr
 # --- rotary embeddings: transformers 4's rope_theta/rope_scaling and 5's rope_parameters -----
 
 ROPE_TYPES = ("default", "llama3")
-_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor"}
+_LLAMA3_KEYS = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+}
 
 
 def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -83,15 +89,21 @@ def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     if partial != 1.0:
         raise refuse(where, "partial_rotary_factor", partial, "1.0 (rotary on the whole head)")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    fields: dict[str, Any] = {"rope_base": get({"rope_theta": theta}, "rope_theta", where, float),
-                              "rope_scaling": "none"}
+    fields: dict[str, Any] = {
+        "rope_base": get({"rope_theta": theta}, "rope_theta", where, float),
+        "rope_scaling": "none",
+    }
     if kind == "llama3":
         fields["rope_scaling"] = "llama3"
         for hf_key, ours in _LLAMA3_KEYS.items():
             fields[ours] = get(params, hf_key, f"{where} ({key})", float)
         fields["rope_original_max_positions"] = get(
-            params, "original_max_position_embeddings", f"{where} ({key})", int,
-            raw.get("max_position_embeddings"))
+            params,
+            "original_max_position_embeddings",
+            f"{where} ({key})",
+            int,
+            raw.get("max_position_embeddings"),
+        )
     return fields
 
 
@@ -100,10 +112,13 @@ def write_rope(cfg: ModelConfig, raw: Mapping[str, Any]) -> dict[str, Any]:
     rope_parameters when it had them, else rope_theta/rope_scaling, which 4.x and 5.x read)."""
     scaling = None
     if cfg.rope_scaling == "llama3":
-        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                   "low_freq_factor": cfg.rope_low_freq_factor,
-                   "high_freq_factor": cfg.rope_high_freq_factor,
-                   "original_max_position_embeddings": cfg.rope_original_max_positions}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_positions,
+        }
     if "rope_parameters" in raw:
         params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_base}
         return {"rope_parameters": params, "rope_theta": DROP, "rope_scaling": DROP}

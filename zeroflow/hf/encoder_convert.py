@@ -4,6 +4,7 @@ Encoders are not zeroflow's GPT, so they have their own contract beside ``conver
 (one object per architecture, STYLE item 14); the table rows are the same ``TensorMap``s and
 are read by the same lazy, sharding-aware placement (``zeroflow.hf.load``).
 """
+
 from __future__ import annotations
 
 import abc
@@ -15,8 +16,12 @@ from zeroflow.hf.convert import get, refuse
 from zeroflow.hf.tensors import TensorMap
 from zeroflow.models.encoders import ACTIVATIONS, EncoderConfig
 
-_ACT_NAMES = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_new": "gelu_tanh",
-              "gelu_pytorch_tanh": "gelu_tanh"}
+_ACT_NAMES = {
+    "gelu": "gelu",
+    "quick_gelu": "quick_gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
 "config.json hidden_act -> EncoderConfig.activation."
 
 
@@ -33,9 +38,12 @@ def block_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     hidden, heads = get(raw, "hidden_size", where), get(raw, "num_attention_heads", where)
     if hidden % heads:
         raise refuse(where, "num_attention_heads", heads, f"a divisor of hidden_size={hidden}")
-    return {"hidden": hidden, "num_heads": heads,
-            "num_layers": get(raw, "num_hidden_layers", where),
-            "mlp_dim": get(raw, "intermediate_size", where)}
+    return {
+        "hidden": hidden,
+        "num_heads": heads,
+        "num_layers": get(raw, "num_hidden_layers", where),
+        "mlp_dim": get(raw, "intermediate_size", where),
+    }
 
 
 class EncoderConverter(abc.ABC):

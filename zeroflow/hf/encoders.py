@@ -9,6 +9,7 @@ Each tensor is read lazily and placed straight into its sharding, as ``load_para
 the GPT architectures; the weights are checked the same way (shapes, float storage, nothing
 left unread but the converter's known buffers).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ ENCODERS: dict[str, EncoderConverter] = {c.architecture: c for c in (CLIP_VISION
 @dataclasses.dataclass(frozen=True)
 class HFEncoder:
     """What ``load_encoder`` read: the architecture, our config and config.json."""
+
     architecture: str
     encoder: EncoderConfig
     raw: dict[str, Any]
@@ -58,29 +60,38 @@ def read_encoder_config(path: str | os.PathLike) -> tuple[EncoderConverter, Enco
     by_type = {c.model_type: c for c in ENCODERS.values()}
     converter = ENCODERS.get(names[0]) or by_type.get(names[0])
     if converter is None:
-        raise HFCheckpointError(f"{file}: encoder architecture {names[0]!r} is not supported; "
-                                f"supported: {', '.join(ENCODERS)}")
+        raise HFCheckpointError(
+            f"{file}: encoder architecture {names[0]!r} is not supported; "
+            f"supported: {', '.join(ENCODERS)}"
+        )
     return converter, converter.encoder_config(raw, os.fspath(file)), raw
 
 
-def _check_tensors(reader: SafetensorsReader, converter: EncoderConverter,
-                   maps: list[TensorMap], num_layers: int) -> None:
+def _check_tensors(
+    reader: SafetensorsReader, converter: EncoderConverter, maps: list[TensorMap], num_layers: int
+) -> None:
     used = set()
     for m in maps:
-        for layer in (range(num_layers) if m.stacked else [None]):
+        for layer in range(num_layers) if m.stacked else [None]:
             key = reader.resolve(m.key(layer))
             used.add(key)
             if reader.shape(key) != m.hf_shape:
-                raise HFCheckpointError(f"{reader.folder}: {key} has shape "
-                                        f"{list(reader.shape(key))}, but config.json implies "
-                                        f"{list(m.hf_shape)}")
+                raise HFCheckpointError(
+                    f"{reader.folder}: {key} has shape "
+                    f"{list(reader.shape(key))}, but config.json implies "
+                    f"{list(m.hf_shape)}"
+                )
             if reader.dtype(key) not in ("F32", "F16", "BF16", "F64"):
-                raise HFCheckpointError(f"{reader.folder}: {key} is stored as "
-                                        f"{reader.dtype(key)}; expected a float type")
+                raise HFCheckpointError(
+                    f"{reader.folder}: {key} is stored as "
+                    f"{reader.dtype(key)}; expected a float type"
+                )
     left = [k for k in reader.weight_map if k not in used and not converter.ignored.search(k)]
     if left:
-        raise HFCheckpointError(f"{reader.folder}: {len(left)} tensors are not part of the "
-                                f"{converter.architecture} config.json describes, e.g. {left[:3]}")
+        raise HFCheckpointError(
+            f"{reader.folder}: {len(left)} tensors are not part of the "
+            f"{converter.architecture} config.json describes, e.g. {left[:3]}"
+        )
 
 
 def fingerprint(path: str | os.PathLike, reader: SafetensorsReader) -> str:
@@ -107,8 +118,9 @@ def load_encoder(path: str | os.PathLike, dtype: str = "fp32", *, shardings: Any
     maps = {m.ours: m for m in converter.tensor_maps(cfg)}
     paths = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
     if paths != set(maps):
-        raise AssertionError(f"{converter.architecture} table and module disagree: "
-                             f"{sorted(paths ^ set(maps))}")
+        raise AssertionError(
+            f"{converter.architecture} table and module disagree: {sorted(paths ^ set(maps))}"
+        )
     reader = SafetensorsReader(path, converter.key_prefixes)
     _check_tensors(reader, converter, list(maps.values()), cfg.num_layers)
     if shardings is None:
@@ -117,9 +129,12 @@ def load_encoder(path: str | os.PathLike, dtype: str = "fp32", *, shardings: Any
         shardings = jax.tree.map(lambda _, one=shardings: one, abstract)
     try:
         params = jax.tree_util.tree_map_with_path(
-            lambda p, leaf, sharding: _place(maps[path_str(p)], leaf.shape, sharding, np_dtype,
-                                             reader.read),
-            abstract, shardings)
+            lambda p, leaf, sharding: _place(
+                maps[path_str(p)], leaf.shape, sharding, np_dtype, reader.read
+            ),
+            abstract,
+            shardings,
+        )
         identity = fingerprint(path, reader)
     finally:
         reader.close()

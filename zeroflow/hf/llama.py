@@ -7,6 +7,7 @@ MLP, i.e. zeroflow's default GPT. They differ only in biases and the attention w
 | MistralForCausalLM | no | no | ``sliding_window`` |
 | Qwen2ForCausalLM | always | no | none (``use_sliding_window`` refused) |
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ class LlamaFamily(Converter):
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise refuse(where, "hidden_act", act, "'silu' (SwiGLU) for this architecture")
-        if not self.windowed and (raw.get("use_sliding_window") or any(
-                t != "full_attention" for t in raw.get("layer_types") or ())):
+        if not self.windowed and (
+            raw.get("use_sliding_window")
+            or any(t != "full_attention" for t in raw.get("layer_types") or ())
+        ):
             key = "use_sliding_window" if raw.get("use_sliding_window") else "layer_types"
             raise refuse(where, key, raw[key], "full attention in every layer")
         hidden, heads = get(raw, "hidden_size", where), get(raw, "num_attention_heads", where)
@@ -50,22 +53,34 @@ class LlamaFamily(Converter):
         if self.bias_keys and get(raw, "attention_bias", where, bool, False):
             attn_bias = "all"
         return ModelConfig(
-            vocab_size=get(raw, "vocab_size", where), seq_len=context,
-            num_layers=get(raw, "num_hidden_layers", where), embed_dim=hidden, num_heads=heads,
+            vocab_size=get(raw, "vocab_size", where),
+            seq_len=context,
+            num_layers=get(raw, "num_hidden_layers", where),
+            embed_dim=hidden,
+            num_heads=heads,
             num_kv_heads=get(raw, "num_key_value_heads", where, default=heads),
             head_dim=0 if dim * heads == hidden else dim,
-            mlp_dim=get(raw, "intermediate_size", where), mlp_activation="swiglu", norm="rmsnorm",
+            mlp_dim=get(raw, "intermediate_size", where),
+            mlp_activation="swiglu",
+            norm="rmsnorm",
             norm_eps=get(raw, "rms_norm_eps", where, float, 1e-6),
             tie_embeddings=get(raw, "tie_word_embeddings", where, bool, False),
-            positions="rope", max_positions=context, attn_bias=attn_bias,
+            positions="rope",
+            max_positions=context,
+            attn_bias=attn_bias,
             mlp_bias=self.bias_keys and get(raw, "mlp_bias", where, bool, False),
             sliding_window=get(raw, "sliding_window", where, int, 0) if self.windowed else 0,
-            **read_rope(raw, where))
+            **read_rope(raw, where),
+        )
 
     # -- ModelConfig -> config.json ------------------------------------------------------------
     def unsupported(self, cfg: ModelConfig) -> str | None:
-        wanted = {"norm": "rmsnorm", "mlp_activation": "swiglu", "positions": "rope",
-                  "mlp": "dense"}
+        wanted = {
+            "norm": "rmsnorm",
+            "mlp_activation": "swiglu",
+            "positions": "rope",
+            "mlp": "dense",
+        }
         for field, value in wanted.items():
             if getattr(cfg, field) != value:
                 return f"model.{field}={getattr(cfg, field)!r} (it needs {value!r})"
@@ -80,13 +95,21 @@ class LlamaFamily(Converter):
 
     def hf_config(self, cfg: ModelConfig, raw: Mapping[str, Any]) -> dict[str, Any]:
         updates: dict[str, Any] = {
-            "architectures": [self.architecture], "model_type": self.model_type,
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
-            "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": num_kv_heads(cfg),
-            "head_dim": head_dim(cfg), "hidden_act": "silu",
-            "max_position_embeddings": max_positions(cfg), "rms_norm_eps": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tie_embeddings, **write_rope(cfg, raw)}
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.embed_dim,
+            "intermediate_size": cfg.mlp_dim,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": num_kv_heads(cfg),
+            "head_dim": head_dim(cfg),
+            "hidden_act": "silu",
+            "max_position_embeddings": max_positions(cfg),
+            "rms_norm_eps": cfg.norm_eps,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            **write_rope(cfg, raw),
+        }
         if self.bias_keys:
             updates.update(attention_bias=cfg.attn_bias == "all", mlp_bias=cfg.mlp_bias)
         if self.windowed:
@@ -101,30 +124,47 @@ class LlamaFamily(Converter):
         e, m, v = cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size
         h, kv, d = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
         attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
-        rows = [tensor_map("embedding", "model.embed_tokens.weight", [[v], [e]]),
-                tensor_map("final_norm/scale", "model.norm.weight", [[e]]),
-                tensor_map("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight",
-                           [[e]]),
-                tensor_map("layers/mlp_norm/scale",
-                           "model.layers.{i}.post_attention_layernorm.weight", [[e]])]
-        for name, proj, heads in (("query", "q_proj", h), ("key", "k_proj", kv),
-                                  ("value", "v_proj", kv)):
+        rows = [
+            tensor_map("embedding", "model.embed_tokens.weight", [[v], [e]]),
+            tensor_map("final_norm/scale", "model.norm.weight", [[e]]),
+            tensor_map("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight", [[e]]),
+            tensor_map(
+                "layers/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", [[e]]
+            ),
+        ]
+        for name, proj, heads in (
+            ("query", "q_proj", h),
+            ("key", "k_proj", kv),
+            ("value", "v_proj", kv),
+        ):
             # [heads * head_dim, embed] -> view [heads, head_dim, embed] -> [embed, heads, head_dim]
-            rows.append(tensor_map(f"layers/attn/{name}/kernel", f"{attn}.{proj}.weight",
-                                   [[heads, d], [e]], (2, 0, 1)))
+            rows.append(
+                tensor_map(
+                    f"layers/attn/{name}/kernel",
+                    f"{attn}.{proj}.weight",
+                    [[heads, d], [e]],
+                    (2, 0, 1),
+                )
+            )
             if cfg.attn_bias in ("qkv", "all"):
-                rows.append(tensor_map(f"layers/attn/{name}/bias", f"{attn}.{proj}.bias",
-                                       [[heads, d]]))
-        rows.append(tensor_map("layers/attn/out/kernel", f"{attn}.o_proj.weight",
-                               [[e], [h, d]], (1, 2, 0)))
+                rows.append(
+                    tensor_map(f"layers/attn/{name}/bias", f"{attn}.{proj}.bias", [[heads, d]])
+                )
+        rows.append(
+            tensor_map("layers/attn/out/kernel", f"{attn}.o_proj.weight", [[e], [h, d]], (1, 2, 0))
+        )
         if cfg.attn_bias == "all":
             rows.append(tensor_map("layers/attn/out/bias", f"{attn}.o_proj.bias", [[e]]))
         for name, out, inp in (("gate", m, e), ("up", m, e), ("down", e, m)):
-            rows.append(tensor_map(f"layers/mlp/{name}/kernel", f"{mlp}.{name}_proj.weight",
-                                   [[out], [inp]], _T))
+            rows.append(
+                tensor_map(
+                    f"layers/mlp/{name}/kernel", f"{mlp}.{name}_proj.weight", [[out], [inp]], _T
+                )
+            )
             if cfg.mlp_bias:
-                rows.append(tensor_map(f"layers/mlp/{name}/bias", f"{mlp}.{name}_proj.bias",
-                                       [[out]]))
+                rows.append(
+                    tensor_map(f"layers/mlp/{name}/bias", f"{mlp}.{name}_proj.bias", [[out]])
+                )
         if not cfg.tie_embeddings:
             rows.append(tensor_map("lm_head", "lm_head.weight", [[v], [e]], _T))
         return rows

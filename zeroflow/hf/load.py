@@ -7,6 +7,7 @@ the requested dtype on the host and hands it over. No device ever sees a whole t
 not keep, and the host holds at most one leaf's slices at a time, so a model larger than one
 device loads onto a mesh. bf16 -> fp32 is exact, so bf16 checkpoints load exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,16 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroflow.config.schema import ModelConfig
+from zeroflow.engine.plan import ZeroPlan
 from zeroflow.hf.architectures import CONVERTERS, read_config
 from zeroflow.hf.convert import Converter, HFConfig
 from zeroflow.hf.reader import HFCheckpointError, SafetensorsReader
 from zeroflow.hf.tensors import TensorMap, read_region
 from zeroflow.models.gpt import GPT, abstract_params
-from zeroflow.engine.plan import ZeroPlan
 from zeroflow.util.tree import path_str
 
-DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(jnp.bfloat16),
-          "fp16": np.dtype(np.float16)}
+DTYPES = {
+    "fp32": np.dtype(np.float32),
+    "bf16": np.dtype(jnp.bfloat16),
+    "fp16": np.dtype(np.float16),
+}
 _FLOAT_STORAGE = ("F32", "F16", "BF16", "F64")
 _IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 "Buffers some exports carry that are not weights (GPT-2's causal mask, cached rope tables)."
@@ -41,31 +45,46 @@ def _dtype(dtype: str) -> np.dtype:
     return DTYPES[dtype]
 
 
-def _check_tensors(reader: SafetensorsReader, maps: list[TensorMap], num_layers: int,
-                   tied: bool) -> None:
+def _check_tensors(
+    reader: SafetensorsReader, maps: list[TensorMap], num_layers: int, tied: bool
+) -> None:
     """Every tensor the table names exists with the shape config.json implies, is floating
     point, and nothing the table does not read is left over (a weight we would drop)."""
     used = set()
     for m in maps:
-        for layer in (range(num_layers) if m.stacked else [None]):
+        for layer in range(num_layers) if m.stacked else [None]:
             key = reader.resolve(m.key(layer))
             used.add(key)
             shape = reader.shape(key)
             if shape != m.hf_shape:
-                raise HFCheckpointError(f"{reader.folder}: {key} has shape {list(shape)}, but "
-                                        f"config.json implies {list(m.hf_shape)}")
+                raise HFCheckpointError(
+                    f"{reader.folder}: {key} has shape {list(shape)}, but "
+                    f"config.json implies {list(m.hf_shape)}"
+                )
             if reader.dtype(key) not in _FLOAT_STORAGE:
-                raise HFCheckpointError(f"{reader.folder}: {key} is stored as "
-                                        f"{reader.dtype(key)}; expected a float type")
-    left = [k for k in reader.weight_map if k not in used and not _IGNORED.search(k)
-            and not (tied and k.endswith("lm_head.weight"))]
+                raise HFCheckpointError(
+                    f"{reader.folder}: {key} is stored as "
+                    f"{reader.dtype(key)}; expected a float type"
+                )
+    left = [
+        k
+        for k in reader.weight_map
+        if k not in used and not _IGNORED.search(k) and not (tied and k.endswith("lm_head.weight"))
+    ]
     if left:
-        raise HFCheckpointError(f"{reader.folder}: {len(left)} tensors are not part of the "
-                                f"architecture config.json describes, e.g. {left[:3]}")
+        raise HFCheckpointError(
+            f"{reader.folder}: {len(left)} tensors are not part of the "
+            f"architecture config.json describes, e.g. {left[:3]}"
+        )
 
 
-def _place(m: TensorMap, shape: tuple[int, ...], sharding: jax.sharding.Sharding,
-           dtype: np.dtype, read: Callable[[str, tuple], np.ndarray]) -> jax.Array:
+def _place(
+    m: TensorMap,
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    dtype: np.dtype,
+    read: Callable[[str, tuple], np.ndarray],
+) -> jax.Array:
     """One leaf, each device's slice read on demand (slices shared by devices read once)."""
     slices: dict[tuple, np.ndarray] = {}
 
@@ -83,9 +102,15 @@ def _default_shardings(abstract) -> Any:
     return jax.tree.map(lambda _: one, abstract)
 
 
-def load_params(path: str | os.PathLike, model_cfg: ModelConfig, *,
-                converter: Converter | None = None, dtype: str = "fp32", shardings: Any = None,
-                reader: SafetensorsReader | None = None) -> Any:
+def load_params(
+    path: str | os.PathLike,
+    model_cfg: ModelConfig,
+    *,
+    converter: Converter | None = None,
+    dtype: str = "fp32",
+    shardings: Any = None,
+    reader: SafetensorsReader | None = None,
+) -> Any:
     """The params tree of ``model_cfg`` read from the checkpoint folder ``path``.
 
     ``converter``: the architecture's (default: the one config.json names). ``shardings``: a
@@ -100,22 +125,31 @@ def load_params(path: str | os.PathLike, model_cfg: ModelConfig, *,
     maps = {m.ours: m for m in converter.tensor_maps(model_cfg)}
     paths = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
     if paths != set(maps):
-        raise AssertionError(f"{converter.architecture} table and model disagree: "
-                             f"{sorted(paths ^ set(maps))}")
+        raise AssertionError(
+            f"{converter.architecture} table and model disagree: {sorted(paths ^ set(maps))}"
+        )
     _check_tensors(reader, list(maps.values()), model_cfg.num_layers, model_cfg.tie_embeddings)
     shardings = _default_shardings(abstract) if shardings is None else shardings
     try:
         return jax.tree_util.tree_map_with_path(
-            lambda p, leaf, sharding: _place(maps[path_str(p)], leaf.shape, sharding, np_dtype,
-                                             reader.read),
-            abstract, shardings)
+            lambda p, leaf, sharding: _place(
+                maps[path_str(p)], leaf.shape, sharding, np_dtype, reader.read
+            ),
+            abstract,
+            shardings,
+        )
     finally:
         reader.close()
 
 
-def from_pretrained(path: str | os.PathLike, dtype: str = "fp32", *, plan: ZeroPlan | None = None,
-                    shardings: Any = None, seq_len: int | None = None
-                    ) -> tuple[GPT, Any, HFConfig]:
+def from_pretrained(
+    path: str | os.PathLike,
+    dtype: str = "fp32",
+    *,
+    plan: ZeroPlan | None = None,
+    shardings: Any = None,
+    seq_len: int | None = None,
+) -> tuple[GPT, Any, HFConfig]:
     """``(model, params, cfg)`` from a Hugging Face checkpoint folder (config.json + safetensors).
 
     ``model`` is zeroflow's Flax GPT configured as the checkpoint says
@@ -130,6 +164,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "fp32", *, plan: ZeroP
     model_cfg = cfg.model if seq_len is None else dataclasses.replace(cfg.model, seq_len=seq_len)
     if shardings is None and plan is not None:
         shardings = plan.storage_shardings(abstract_params(model_cfg)[0])
-    params = load_params(path, model_cfg, converter=CONVERTERS[cfg.architecture], dtype=dtype,
-                         shardings=shardings)
+    params = load_params(
+        path, model_cfg, converter=CONVERTERS[cfg.architecture], dtype=dtype, shardings=shardings
+    )
     return GPT(model_cfg), params, dataclasses.replace(cfg, model=model_cfg)

@@ -4,6 +4,7 @@ Nothing is read when the folder is opened: the file index (``model.safetensors.i
 or the headers of the ``*.safetensors`` files) says which file holds each tensor, and
 ``read(key, slices)`` memory-maps only the requested slice (safetensors' ``get_slice``).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,13 @@ def open_safetensors(path: Path):
     (safetensors checks the header and that the file holds every tensor it lists)."""
     try:
         return safe_open(path, framework="numpy")
-    except Exception as e:  # noqa: BLE001  safetensors raises its own SafetensorError
+    except Exception as e:
         detail = str(e).split(": ", 1)[-1].strip() or type(e).__name__
         if "not fully covered" in detail:
             detail = "shorter than its header says: cut short?"
-        raise HFCheckpointError(f"{path} is not a readable safetensors file ({detail}); copy "
-                                "or convert it again") from None
+        raise HFCheckpointError(
+            f"{path} is not a readable safetensors file ({detail}); copy or convert it again"
+        ) from None
 
 
 def _index(folder: Path) -> dict[str, str]:
@@ -46,8 +48,10 @@ def _index(folder: Path) -> dict[str, str]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         found = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) or "nothing"
-        raise HFCheckpointError(f"{folder} has no *.safetensors weights (found: {found}); "
-                              "pytorch_model.bin is not read, save it as safetensors")
+        raise HFCheckpointError(
+            f"{folder} has no *.safetensors weights (found: {found}); "
+            "pytorch_model.bin is not read, save it as safetensors"
+        )
     weight_map = {}
     for path in files:
         with open_safetensors(path) as f:
@@ -69,11 +73,13 @@ class SafetensorsReader:
         if key in self.weight_map:
             return key
         for prefix in self.prefixes:
-            if key.startswith(prefix) and key[len(prefix):] in self.weight_map:
-                return key[len(prefix):]
+            if key.startswith(prefix) and key[len(prefix) :] in self.weight_map:
+                return key[len(prefix) :]
         sample = ", ".join(sorted(self.weight_map)[:4])
-        raise HFCheckpointError(f"{self.folder}: tensor {key!r} not found among its "
-                              f"{len(self.weight_map)} tensors (e.g. {sample})")
+        raise HFCheckpointError(
+            f"{self.folder}: tensor {key!r} not found among its "
+            f"{len(self.weight_map)} tensors (e.g. {sample})"
+        )
 
     def _slice(self, key: str):
         name = self.weight_map[key]

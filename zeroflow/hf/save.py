@@ -6,6 +6,7 @@ Writes ``config.json`` and the weights as safetensors: one ``model.safetensors``
 filled one at a time, each Hugging Face tensor rebuilt from one layer of our stacked leaves,
 so the host holds one shard at a time, never the whole model.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,8 +78,15 @@ def _architecture(model_cfg: ModelConfig, cfg: HFConfig | ModelConfig):
     return converter, raw
 
 
-def save_pretrained(model, params, cfg: HFConfig | ModelConfig, out_dir: str | os.PathLike, *,
-                    dtype: str = "fp32", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def save_pretrained(
+    model,
+    params,
+    cfg: HFConfig | ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "fp32",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
     """Write ``params`` of ``model`` (zeroflow's GPT) as a Hugging Face checkpoint folder.
 
     ``cfg`` is the ``HFConfig`` from ``from_pretrained`` (its architecture and the config.json
@@ -93,29 +101,37 @@ def save_pretrained(model, params, cfg: HFConfig | ModelConfig, out_dir: str | o
     leaves = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
     maps = converter.tensor_maps(model_cfg)
     if set(leaves) != {m.ours for m in maps}:
-        raise HFCheckpointError(f"params do not match the {converter.architecture} table: "
-                                f"{sorted(set(leaves) ^ {m.ours for m in maps})[:6]}")
+        raise HFCheckpointError(
+            f"params do not match the {converter.architecture} table: "
+            f"{sorted(set(leaves) ^ {m.ours for m in maps})[:6]}"
+        )
     tensors: dict[str, list] = defaultdict(list)
     for m in maps:
-        for layer in (range(model_cfg.num_layers) if m.stacked else [None]):
+        for layer in range(model_cfg.num_layers) if m.stacked else [None]:
             tensors[m.key(layer)].append((m, layer))
     np_dtype = DTYPES[dtype]
-    sizes = {key: math.prod(parts[0][0].hf_shape) * np_dtype.itemsize
-             for key, parts in tensors.items()}
+    sizes = {
+        key: math.prod(parts[0][0].hf_shape) * np_dtype.itemsize for key, parts in tensors.items()
+    }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
         stale.unlink(missing_ok=True)  # a previous save's shards would mix with these
     shards = _plan_shards(sizes, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     for name, keys in zip(names, shards):
         arrays = {key: _build(tensors[key], leaves, np_dtype) for key in keys}
         save_file(arrays, str(out / name), metadata={"format": "pt"})
         del arrays
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {key: name for name, keys in zip(names, shards) for key in keys}}
+        index = {
+            "metadata": {"total_size": sum(sizes.values())},
+            "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
+        }
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     config = converter.hf_config(model_cfg, raw)
     config.update(dtype=TORCH_DTYPES[dtype], torch_dtype=TORCH_DTYPES[dtype])

@@ -7,6 +7,7 @@ the key) and stacked on a leading layer axis here. Both directions are pure inde
 so a loader can read exactly the slice one device needs (``read_region``) and a saver can
 rebuild each Hugging Face tensor one layer at a time (``to_hf``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,9 +58,14 @@ class TensorMap:
         return self.hf.replace(LAYER, str(layer)) if self.stacked else self.hf
 
 
-def tensor_map(ours: str, hf: str, split: Sequence[Sequence[int]],
-               perm: Sequence[int] | None = None, *,
-               fused: tuple[int, int, int] | None = None) -> TensorMap:
+def tensor_map(
+    ours: str,
+    hf: str,
+    split: Sequence[Sequence[int]],
+    perm: Sequence[int] | None = None,
+    *,
+    fused: tuple[int, int, int] | None = None,
+) -> TensorMap:
     """A table row; ``fused=(dim, offset, whole_size)`` when the part is a slice of a bigger
     Hugging Face tensor along ``dim``."""
     split = tuple(tuple(int(s) for s in group) for group in split)
@@ -96,18 +102,26 @@ def _runs(sizes: tuple[int, ...], ranges: list[tuple[int, int]], offset: int):
     index at a time (one run each).
     """
     last = max([j for j, (r, n) in enumerate(zip(ranges, sizes)) if r != (0, n)], default=0)
-    strides = [math.prod(sizes[j + 1:]) for j in range(len(sizes))]
+    strides = [math.prod(sizes[j + 1 :]) for j in range(len(sizes))]
     runs = []
     for lead in itertools.product(*(range(*ranges[j]) for j in range(last))):
         base = offset + sum(i * strides[j] for j, i in enumerate(lead))
         start, stop = ranges[last]
-        runs.append((slice(base + start * strides[last], base + stop * strides[last]),
-                     tuple(i - ranges[j][0] for j, i in enumerate(lead))))
+        runs.append(
+            (
+                slice(base + start * strides[last], base + stop * strides[last]),
+                tuple(i - ranges[j][0] for j, i in enumerate(lead)),
+            )
+        )
     return runs
 
 
-def read_region(m: TensorMap, shape: Sequence[int], index: Sequence[slice],
-                read: Callable[[str, tuple], np.ndarray]) -> np.ndarray:
+def read_region(
+    m: TensorMap,
+    shape: Sequence[int],
+    index: Sequence[slice],
+    read: Callable[[str, tuple], np.ndarray],
+) -> np.ndarray:
     """Our ``leaf[index]`` (``leaf`` of ``shape``), reading exactly what it covers through
     ``read(hf_key, hf_slices)``, which gets one Hugging Face key and a tuple of slices of it.
 
@@ -124,7 +138,7 @@ def read_region(m: TensorMap, shape: Sequence[int], index: Sequence[slice],
     per_dim, first = [], 0
     for dim, group in enumerate(m.split):
         offset = m.part[1] if m.part is not None and m.part[0] == dim else 0
-        per_dim.append(_runs(group, view_ranges[first:first + len(group)], offset))
+        per_dim.append(_runs(group, view_ranges[first : first + len(group)], offset))
         first += len(group)
     view_shape = tuple(stop - start for start, stop in view_ranges)
 

@@ -11,6 +11,7 @@
 - ``adapters.py``: the factors' layout, initialisation and the merged update;
 - ``peft.py``: the adapters as a Hugging Face peft folder.
 """
+
 from zeroflow.lora.adapters import Site
 from zeroflow.lora.transform import LoRA, lora, lora_merge
 

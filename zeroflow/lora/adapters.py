@@ -17,6 +17,7 @@ broadcasting.
 The adapters form a tree of nested dicts along the parameter's path (``layers/attn/query/
 kernel`` -> ``adapters["layers"]["attn"]["query"]["kernel"] = {"a": ..., "b": ...}``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,7 @@ from zeroflow.util.tree import path_str
 class Site:
     """Where a weight is adapted: its path and shape, how many leading axes are stacked
     layers, and which of its axes the matmuls contract."""
+
     path: str
     shape: tuple[int, ...]
     stack: int
@@ -42,7 +44,7 @@ class Site:
         body = range(self.stack, len(self.shape))
         a = [self.shape[k] if k in self.inputs else 1 for k in body]
         b = [1 if k in self.inputs else self.shape[k] for k in body]
-        lead = self.shape[:self.stack]
+        lead = self.shape[: self.stack]
         return (*lead, *a, rank), (*lead, *b, rank)
 
     @property
@@ -69,8 +71,10 @@ def flatten(adapters) -> dict[str, dict]:
         key = path_str(path)
         parent, _, name = key.rpartition("/")
         if name not in ("a", "b") or not parent:
-            raise ValueError(f"adapter leaf {key!r} is not an 'a' or 'b' factor; adapters are "
-                             "the tree that LoRA.init returns")
+            raise ValueError(
+                f"adapter leaf {key!r} is not an 'a' or 'b' factor; adapters are "
+                "the tree that LoRA.init returns"
+            )
         out.setdefault(parent, {})[name] = leaf
     for parent, pair in out.items():
         if set(pair) != {"a", "b"}:
@@ -84,8 +88,10 @@ def init_factors(site: Site, rank: int, key, dtype=jnp.float32) -> dict:
     as the base model (LoRA paper, section 4.1)."""
     a_shape, b_shape = site.factor_shapes(rank)
     bound = 1.0 / math.sqrt(site.fan_in)
-    return {"a": jax.random.uniform(key, a_shape, dtype, -bound, bound),
-            "b": jnp.zeros(b_shape, dtype)}
+    return {
+        "a": jax.random.uniform(key, a_shape, dtype, -bound, bound),
+        "b": jnp.zeros(b_shape, dtype),
+    }
 
 
 def update(weight_shape, a, b, scale: float):
@@ -94,16 +100,20 @@ def update(weight_shape, a, b, scale: float):
     stacked (layer) axis."""
     weight_shape = tuple(weight_shape)
     if len(a.shape) != len(weight_shape) + 1 or len(b.shape) != len(a.shape):
-        raise ValueError(f"factors a {tuple(a.shape)} and b {tuple(b.shape)} do not fit a "
-                         f"weight of shape {weight_shape}")
+        raise ValueError(
+            f"factors a {tuple(a.shape)} and b {tuple(b.shape)} do not fit a "
+            f"weight of shape {weight_shape}"
+        )
     letters = iter(string.ascii_letters)
     a_sub, b_sub, out_sub = [], [], []
     for n, x, y in zip(weight_shape, a.shape[:-1], b.shape[:-1]):
         if n == 1 and (x, y) == (1, 1):
             continue
         if n == 1 or (x, y) not in ((n, n), (n, 1), (1, n)):
-            raise ValueError(f"factors a {tuple(a.shape)} and b {tuple(b.shape)} do not fit "
-                             f"a weight of shape {weight_shape}")
+            raise ValueError(
+                f"factors a {tuple(a.shape)} and b {tuple(b.shape)} do not fit "
+                f"a weight of shape {weight_shape}"
+            )
         c = next(letters)
         a_sub += [c] if x == n else []
         b_sub += [c] if y == n else []

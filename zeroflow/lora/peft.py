@@ -10,6 +10,7 @@ adapted: ``lora_A`` stacks the parts' ``A``s, ``lora_B`` places each part's ``B`
 and columns (zeros elsewhere), and ``rank_pattern`` / ``alpha_pattern`` keep the scale
 ``alpha / r`` for it, so the update is exactly the three separate ones.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,15 @@ PREFIX = "base_model.model."
 _LAYER = ".{i}."
 
 
-def save_peft(adapters, cfg, out_dir: str | os.PathLike, *, alpha: float,
-              base_model: str = "", dropout: float = 0.0) -> Path:
+def save_peft(
+    adapters,
+    cfg,
+    out_dir: str | os.PathLike,
+    *,
+    alpha: float,
+    base_model: str = "",
+    dropout: float = 0.0,
+) -> Path:
     """Write ``adapters`` (``LoRA.init``'s tree) for the model of ``cfg`` (an ``HFConfig``
     from ``zeroflow.hf.from_pretrained``, or a ``ModelConfig``: Llama or GPT-2 chosen to fit
     it, as ``save_pretrained`` does) as a peft LoRA folder; ``base_model`` is recorded as
@@ -51,9 +59,10 @@ def save_peft(adapters, cfg, out_dir: str | os.PathLike, *, alpha: float,
     for path, pair in sorted(flat.items()):
         m = maps.get(path)
         if m is None or not m.hf.endswith(".weight"):
-            raise ValueError(f"adapter {path!r} has no Hugging Face {converter.architecture} "
-                             "weight to go on")
-        modules[m.hf[:-len(".weight")]].append((m, _host(pair["a"]), _host(pair["b"])))
+            raise ValueError(
+                f"adapter {path!r} has no Hugging Face {converter.architecture} weight to go on"
+            )
+        modules[m.hf[: -len(".weight")]].append((m, _host(pair["a"]), _host(pair["b"])))
     tensors, rank_pattern, alpha_pattern = {}, {}, {}
     for module, parts in modules.items():
         layers = range(model_cfg.num_layers) if parts[0][0].stacked else [None]
@@ -69,12 +78,23 @@ def save_peft(adapters, cfg, out_dir: str | os.PathLike, *, alpha: float,
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
-        "target_modules": sorted({_target(m) for m in modules}), "bias": "none",
-        "fan_in_fan_out": converter.model_type == "gpt2", "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern, "init_lora_weights": True, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "inference_mode": True}
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted({_target(m) for m in modules}),
+        "bias": "none",
+        "fan_in_fan_out": converter.model_type == "gpt2",
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -112,7 +132,7 @@ def _groups(m: TensorMap, aligned: np.ndarray) -> np.ndarray:
     view = aligned.transpose([*np.argsort(m.perm), aligned.ndim - 1])
     sizes, first = [], 0
     for group in m.split:
-        sizes.append(math.prod(view.shape[first:first + len(group)]))
+        sizes.append(math.prod(view.shape[first : first + len(group)]))
         first += len(group)
     return view.reshape([*sizes, view.shape[-1]])
 
@@ -124,23 +144,27 @@ def _module_factors(parts, layer, rank: int, in_dim: int):
     for m, a, b in parts:
         a_view = _groups(m, a[layer] if layer is not None else a)
         b_view = _groups(m, b[layer] if layer is not None else b)
-        fits = (a_view.shape[out_dim] == 1 and b_view.shape[in_dim] == 1
-                and a_view.shape[in_dim] == m.part_shape[in_dim]
-                and b_view.shape[out_dim] == m.part_shape[out_dim])
+        fits = (
+            a_view.shape[out_dim] == 1
+            and b_view.shape[in_dim] == 1
+            and a_view.shape[in_dim] == m.part_shape[in_dim]
+            and b_view.shape[out_dim] == m.part_shape[out_dim]
+        )
         if not fits:
-            raise ValueError(f"adapter {m.ours!r} does not contract the input dimension of "
-                             f"{m.hf!r}; peft cannot express it")
+            raise ValueError(
+                f"adapter {m.ours!r} does not contract the input dimension of "
+                f"{m.hf!r}; peft cannot express it"
+            )
         a_list.append(np.moveaxis(a_view, in_dim, 0).reshape(-1, rank).T)
         b_list.append(np.moveaxis(b_view, out_dim, 0).reshape(-1, rank))
     first = parts[0][0]
     if first.part is None:
         return a_list[0], b_list[0]
     if first.part[0] != out_dim:
-        raise ValueError(f"{first.hf!r} is fused along its input dimension; peft cannot "
-                         "express it")
+        raise ValueError(f"{first.hf!r} is fused along its input dimension; peft cannot express it")
     lora_a = np.concatenate(a_list, axis=0)
     lora_b = np.zeros((first.hf_shape[out_dim], rank * len(parts)), np.float32)
     for k, ((m, _, _), b_part) in enumerate(zip(parts, b_list)):
         offset = m.part[1]
-        lora_b[offset:offset + b_part.shape[0], k * rank:(k + 1) * rank] = b_part
+        lora_b[offset : offset + b_part.shape[0], k * rank : (k + 1) * rank] = b_part
     return lora_a, lora_b

@@ -14,16 +14,17 @@ line naming the parameter.
 In the *discover* mode (no factors given) the replay only records, per weight, where it is
 read (``adapters.Site``), which is how ``LoRA.init`` learns the factor shapes.
 """
+
 from __future__ import annotations
 
 import jax
 from jax import lax
 from jax.extend import core as jcore
 
-from zeroflow.util.compat import REMAT_PRIMITIVES, scan_split
-from zeroflow.util.jaxprs import bind, call_body, open_jaxpr, source_context
 from zeroflow.lora.adapters import Site
 from zeroflow.lora.views import UnsupportedUse
+from zeroflow.util.compat import REMAT_PRIMITIVES, scan_split
+from zeroflow.util.jaxprs import bind, call_body, open_jaxpr, source_context
 
 LAYOUT = ("convert_element_type", "copy", "copy_p", "sharding_constraint", "reduce_precision")
 "Operations that leave a weight's layout as it is."
@@ -36,8 +37,16 @@ class Replay:
     them (None: discover mode); ``sites``: shared record of where each weight is read;
     ``refuse(path, reason)``: the error for an unsupported use."""
 
-    def __init__(self, factors: dict | None, sites: dict, refuse, *, scale: float = 1.0,
-                 dropout: float = 0.0, rng=None):
+    def __init__(
+        self,
+        factors: dict | None,
+        sites: dict,
+        refuse,
+        *,
+        scale: float = 1.0,
+        dropout: float = 0.0,
+        rng=None,
+    ):
         self.factors, self.sites, self.refuse = factors, sites, refuse
         self.scale, self.dropout, self.rng = scale, dropout, rng
         self.used: set = set()
@@ -127,8 +136,10 @@ class Replay:
         site = Site(view.path, view.shape, view.stack, inputs)
         known = self.sites.setdefault(view.path, site)
         if known != site:
-            raise UnsupportedUse(f"matmuls read it in two ways (input axes {known.inputs} and "
-                                 f"{site.inputs}, stacked axes {known.stack} and {site.stack})")
+            raise UnsupportedUse(
+                f"matmuls read it in two ways (input axes {known.inputs} and "
+                f"{site.inputs}, stacked axes {known.stack} and {site.stack})"
+            )
         out = bind(eqn, ins)[0]
         if self.factors is None:
             return [out], [None]
@@ -142,10 +153,13 @@ class Replay:
         b_op = view.factor_like(b, outputs, free).astype(weight.dtype)
         b_op = jax.numpy.moveaxis(b_op, -1, 0)
         x = self._dropped(x)
-        kw = dict(precision=eqn.params.get("precision"),
-                  preferred_element_type=eqn.params.get("preferred_element_type"))
-        down = lax.dot_general(x, a_op, ((tuple(x_contract), tuple(range(len(w_contract)))),
-                                         ((), ())), **kw).astype(weight.dtype)
+        kw = dict(
+            precision=eqn.params.get("precision"),
+            preferred_element_type=eqn.params.get("preferred_element_type"),
+        )
+        down = lax.dot_general(
+            x, a_op, ((tuple(x_contract), tuple(range(len(w_contract)))), ((), ())), **kw
+        ).astype(weight.dtype)
         up = lax.dot_general(down, b_op, (((down.ndim - 1,), (0,)), ((), ())), **kw)
         if side == 0:  # dot_general puts the weight's kept dimensions first
             x_free = up.ndim - len(free)
@@ -161,15 +175,19 @@ class Replay:
 
     # -------------------------------------------------------------- higher-order operations
     def _inner(self, factors, rng):
-        inner = Replay(factors, self.sites, self.refuse, scale=self.scale,
-                       dropout=self.dropout, rng=rng)
+        inner = Replay(
+            factors, self.sites, self.refuse, scale=self.scale, dropout=self.dropout, rng=rng
+        )
         return inner
 
     def _remat(self, eqn, ins, views):
         jaxpr, consts = open_jaxpr(eqn.params["jaxpr"])
         wanted = {(v.path, v.stack) for v in views if v is not None}
-        factors = None if self.factors is None else {
-            k: self.factors[k] for k in wanted if k in self.factors}
+        factors = (
+            None
+            if self.factors is None
+            else {k: self.factors[k] for k in wanted if k in self.factors}
+        )
         rng = self._key()
         found = {}
 
@@ -182,8 +200,9 @@ class Replay:
             return outs
 
         params = eqn.params
-        outs = jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True),
-                              policy=params.get("policy"))(list(ins), factors)
+        outs = jax.checkpoint(
+            body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
+        )(list(ins), factors)
         self.used |= found.get("used", set())
         return list(outs), [None] * len(outs)
 
@@ -194,8 +213,9 @@ class Replay:
         if any(views[n_consts:split]):
             raise UnsupportedUse("a loop carries it from one iteration to the next")
         consts, carry, xs = ins[:n_consts], ins[n_consts:split], ins[split:]
-        inner_views = list(views[:split]) + [None if v is None else v.layer()
-                                             for v in views[split:]]
+        inner_views = list(views[:split]) + [
+            None if v is None else v.layer() for v in views[split:]
+        ]
         sliced_keys = [(v.path, v.stack) for v in views[split:] if v is not None]
         whole_keys = {(v.path, v.stack) for v in views[:n_consts] if v is not None}
         factors_xs, factors_whole = None, None
@@ -215,16 +235,22 @@ class Replay:
                 present = [k for k in sliced_keys if k in self.factors]
                 factors.update({(p, s + 1): f for (p, s), f in zip(present, layer_factors)})
             inner = self._inner(factors, layer_key)
-            outs, out_views = inner.run(body_jaxpr, body_consts,
-                                        list(consts) + list(carry) + list(data), inner_views)
+            outs, out_views = inner.run(
+                body_jaxpr, body_consts, list(consts) + list(carry) + list(data), inner_views
+            )
             found["used"] = inner.used
             if any(out_views):
                 raise UnsupportedUse("a scan returns it")
             return outs[:n_carry], outs[n_carry:]
 
-        carry, ys = lax.scan(step, list(carry), (list(xs), factors_xs, keys),
-                             length=params["length"], reverse=params["reverse"],
-                             unroll=params["unroll"],
-                             _split_transpose=params.get("_split_transpose", False))
+        carry, ys = lax.scan(
+            step,
+            list(carry),
+            (list(xs), factors_xs, keys),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+            _split_transpose=params.get("_split_transpose", False),
+        )
         self.used |= found.get("used", set())
         return list(carry) + list(ys), [None] * (len(carry) + len(ys))

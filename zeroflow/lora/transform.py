@@ -11,6 +11,7 @@ also computes ``(alpha / rank) * (dropout(x) @ a) @ b``. The base weights are in
 other: the engine keeps them frozen (``trainable=``), or take gradients of the ``"lora"``
 part only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +33,7 @@ _DROPOUT_SALT = 0x10A
 @dataclasses.dataclass(frozen=True)
 class LoRA:
     """A loss with low-rank adapters; made by ``zf.lora``. See the module docstring."""
+
     loss_fn: Callable
     rank: int
     alpha: float
@@ -41,14 +43,19 @@ class LoRA:
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"lora rank={self.rank!r}; expected a positive integer")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
-                or not self.alpha > 0:
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not self.alpha > 0
+        ):
             raise ValueError(f"lora alpha={self.alpha!r}; expected a positive number")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora dropout={self.dropout!r}; expected a number in [0, 1)")
         if not isinstance(self.targets, str) or not self.targets:
-            raise ValueError(f"lora targets={self.targets!r}; expected a regex over parameter "
-                             "paths such as 'attn/(query|value)/kernel'")
+            raise ValueError(
+                f"lora targets={self.targets!r}; expected a regex over parameter "
+                "paths such as 'attn/(query|value)/kernel'"
+            )
         try:
             re.compile(self.targets)
         except re.error as err:
@@ -66,21 +73,27 @@ class LoRA:
         added to the matmuls. ``rng`` (as the engine passes it) goes on to ``loss_fn`` and,
         with ``dropout > 0``, drops adapter inputs; without it there is no dropout."""
         if not isinstance(params, dict) or set(params) != {"base", "lora"}:
-            raise ValueError("the adapted loss takes params={'base': weights, 'lora': "
-                             f"adapters}}, got {_describe(params)}")
+            raise ValueError(
+                "the adapted loss takes params={'base': weights, 'lora': "
+                f"adapters}}, got {_describe(params)}"
+            )
         flat = flatten(params["lora"])
         factors = {(path, 0): (pair["a"], pair["b"]) for path, pair in flat.items()}
         if rng is not None:
             kwargs = {**kwargs, "rng": rng}
-        dropout_rng = None if rng is None or not self.dropout else jax.random.fold_in(
-            rng, _DROPOUT_SALT)
-        replay = Replay(factors, {}, self._refusal, scale=self.scale, dropout=self.dropout,
-                        rng=dropout_rng)
+        dropout_rng = (
+            None if rng is None or not self.dropout else jax.random.fold_in(rng, _DROPOUT_SALT)
+        )
+        replay = Replay(
+            factors, {}, self._refusal, scale=self.scale, dropout=self.dropout, rng=dropout_rng
+        )
         out = self._replay(replay, params["base"], args, kwargs)
         unused = sorted(set(flat) - replay.used)
         if unused:
-            raise ValueError(f"lora: adapters for {unused[:4]} but no matmul of the loss reads "
-                             "those weights (adapters made for another model or targets?)")
+            raise ValueError(
+                f"lora: adapters for {unused[:4]} but no matmul of the loss reads "
+                "those weights (adapters made for another model or targets?)"
+            )
         return out
 
     def _replay(self, replay: Replay, base, args, kwargs):
@@ -102,20 +115,24 @@ class LoRA:
         leaves = jax.tree_util.tree_leaves_with_path(base)
         for p, leaf in leaves:
             if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-                raise ValueError(f"lora: parameter {path_str(p)!r} is a {type(leaf).__name__}, "
-                                 "not an array")
+                raise ValueError(
+                    f"lora: parameter {path_str(p)!r} is a {type(leaf).__name__}, not an array"
+                )
         paths = [path_str(p) for p, _ in leaves]
         found = {p for p in paths if re.search(self.targets, p)}
         if not found:
-            raise ValueError(f"lora targets={self.targets!r} matches no parameter; paths are "
-                             f"like {paths[:6]}")
+            raise ValueError(
+                f"lora targets={self.targets!r} matches no parameter; paths are like {paths[:6]}"
+            )
         return found
 
     def _refusal(self, path: str, reason: str) -> ValueError:
-        return ValueError(f"lora: parameter {path!r} (matched by targets={self.targets!r}) "
-                          f"cannot be adapted: {reason}; LoRA adapts weights that matmuls "
-                          "(dot_general) read, through casts, transposes and reshapes; narrow "
-                          "targets to leave it out")
+        return ValueError(
+            f"lora: parameter {path!r} (matched by targets={self.targets!r}) "
+            f"cannot be adapted: {reason}; LoRA adapts weights that matmuls "
+            "(dot_general) read, through casts, transposes and reshapes; narrow "
+            "targets to leave it out"
+        )
 
     # -------------------------------------------------------------- adapters
     def sites(self, params, *args, **kwargs) -> dict[str, Site]:
@@ -129,8 +146,10 @@ class LoRA:
         jax.eval_shape(discover, params, args, kwargs)
         unread = sorted(self.matched(params) - set(sites))
         if unread:
-            raise ValueError(f"lora: targets={self.targets!r} matches {unread[:4]} but no "
-                             "matmul of the loss reads them; narrow targets to leave them out")
+            raise ValueError(
+                f"lora: targets={self.targets!r} matches {unread[:4]} but no "
+                "matmul of the loss reads them; narrow targets to leave them out"
+            )
         return sites
 
     def init(self, rng, params, *args, **kwargs) -> dict:
@@ -143,16 +162,21 @@ class LoRA:
         """Fresh adapters for the ``sites`` that ``sites()`` found: what ``init`` returns,
         without tracing the loss again (a trainer builds its state several times)."""
         keys = jax.random.split(rng, len(sites))
-        return nest({path: init_factors(sites[path], self.rank, key)
-                     for path, key in zip(sorted(sites), keys)})
+        return nest(
+            {
+                path: init_factors(sites[path], self.rank, key)
+                for path, key in zip(sorted(sites), keys)
+            }
+        )
 
     def merge(self, params, adapters):
         """``params`` with the adapters folded in (``lora_merge`` at this ``alpha``)."""
         return lora_merge(params, adapters, alpha=self.alpha)
 
 
-def lora(loss_fn: Callable, *, rank: int = 8, alpha: float = 16.0, targets: str,
-         dropout: float = 0.0) -> LoRA:
+def lora(
+    loss_fn: Callable, *, rank: int = 8, alpha: float = 16.0, targets: str, dropout: float = 0.0
+) -> LoRA:
     """``loss_fn(params, *args, **kwargs)`` with low-rank adapters on the matmuls that read the
     weights whose path matches ``targets``. See ``zeroflow/lora/transform.py`` and
     docs/lora.md."""

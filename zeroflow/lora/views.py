@@ -9,6 +9,7 @@ Size-1 atoms are dropped: they carry no index. At a ``dot_general`` the atoms on
 contracted side say which weight axes are the adapter's *input* axes, and how to lay the
 adapter factors out like the operand (``factor_like``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,9 @@ class View:
         return dataclasses.replace(self, axes=tuple(self.axes[p] for p in permutation))
 
     def squeezed(self, dimensions) -> View:
-        return dataclasses.replace(self, axes=tuple(
-            a for k, a in enumerate(self.axes) if k not in set(dimensions)))
+        return dataclasses.replace(
+            self, axes=tuple(a for k, a in enumerate(self.axes) if k not in set(dimensions))
+        )
 
     def expanded(self, shape, broadcast_dimensions) -> View:
         """``broadcast_in_dim`` that only adds size-1 axes (``expand_dims``)."""
@@ -78,8 +80,9 @@ class View:
                 atom = queue.pop(0)
                 need = n // product
                 if n % product or (sizes[atom] > need and sizes[atom] % need):
-                    raise UnsupportedUse(f"reshape to {tuple(new_sizes)} cuts a weight axis "
-                                         "unevenly")
+                    raise UnsupportedUse(
+                        f"reshape to {tuple(new_sizes)} cuts a weight axis unevenly"
+                    )
                 if sizes[atom] > need:  # the axis ends inside this atom: split it
                     major, minor = atom + (0,), atom + (1,)
                     sizes[major], sizes[minor] = need, sizes.pop(atom) // need
@@ -96,11 +99,16 @@ class View:
         """The view of one slice along the leading axis (a scan over a stack of layers): that
         axis must be the next whole weight axis (or, for a stack of one layer, a size-1 axis:
         it carries no atom, and slicing it is the same whichever size-1 axis it is)."""
-        single = (bool(self.axes) and self.axes[0] == () and self.stack < len(self.shape)
-                  and self.shape[self.stack] == 1)
+        single = (
+            bool(self.axes)
+            and self.axes[0] == ()
+            and self.stack < len(self.shape)
+            and self.shape[self.stack] == 1
+        )
         if not single and (not self.axes or self.axes[0] != ((self.stack,),)):
-            raise UnsupportedUse("a scan slices it along an axis other than its leading "
-                                 "(layer) axis")
+            raise UnsupportedUse(
+                "a scan slices it along an axis other than its leading (layer) axis"
+            )
         return dataclasses.replace(self, axes=self.axes[1:], stack=self.stack + 1)
 
     # -------------------------------------------------------------- the matmul
@@ -111,8 +119,10 @@ class View:
         outside = {a[0] for k, axis in enumerate(self.axes) if k not in contracted for a in axis}
         if inside & outside:
             axis = min(inside & outside)
-            raise UnsupportedUse(f"its axis {axis} is split between the contracted and the "
-                                 "kept dimensions of the matmul")
+            raise UnsupportedUse(
+                f"its axis {axis} is split between the contracted and the "
+                "kept dimensions of the matmul"
+            )
         if any(k < self.stack for k in inside):
             raise UnsupportedUse("a matmul contracts its stacked (layer) axis")
         return tuple(sorted(inside))

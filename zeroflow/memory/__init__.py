@@ -18,6 +18,8 @@ devices: ``estimate`` the ZeRO paper's model states, ``estimate_step`` the step'
 offload x remat choice and names the cheapest that fits (the trainer's side of planning, a
 Config's GPT step, is ``zeroflow.trainer.planning``). See docs/memory.md.
 """
+
+from zeroflow.memory.collectives import Collective, collectives, overlap, traffic
 from zeroflow.memory.estimate import (
     MemoryEstimate,
     ModelStates,
@@ -30,22 +32,46 @@ from zeroflow.memory.estimate import (
     offloaded_activations,
     parse_bytes,
 )
-from zeroflow.memory.collectives import Collective, collectives, overlap, traffic
-from zeroflow.memory.measure import (MeasuredMemory, compile_step, compile_step_timed, measure,
-                                     measure_step, state_bytes, step_time)
-from zeroflow.memory.schedule import StepTime
+from zeroflow.memory.measure import (
+    MeasuredMemory,
+    compile_step,
+    compile_step_timed,
+    measure,
+    measure_step,
+    state_bytes,
+    step_time,
+)
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
+from zeroflow.memory.schedule import StepTime
 
 __all__ = [
     # From shapes, no compile
-    "MemoryEstimate", "ModelStates", "PeakEstimate", "activations", "count_gpt_params",
-    "estimate", "estimate_config", "estimate_step", "hierarchical_copy_bytes",
-    "offloaded_activations", "remat_recompute_bytes",
+    "MemoryEstimate",
+    "ModelStates",
+    "PeakEstimate",
+    "activations",
+    "count_gpt_params",
+    "estimate",
+    "estimate_config",
+    "estimate_step",
+    "hierarchical_copy_bytes",
+    "offloaded_activations",
+    "remat_recompute_bytes",
     # From XLA's compile
-    "MeasuredMemory", "StepTime", "compile_step", "compile_step_timed", "measure",
-    "measure_step", "state_bytes", "step_time",
+    "MeasuredMemory",
+    "StepTime",
+    "compile_step",
+    "compile_step_timed",
+    "measure",
+    "measure_step",
+    "state_bytes",
+    "step_time",
     # Collectives in a compiled program
-    "Collective", "collectives", "overlap", "traffic",
+    "Collective",
+    "collectives",
+    "overlap",
+    "traffic",
     # Units
-    "format_bytes", "parse_bytes",
+    "format_bytes",
+    "parse_bytes",
 ]

@@ -22,6 +22,7 @@ algorithm routes it differently but cannot make the data a device lacks come fro
 ``runs`` is how often the step runs it (a while loop's known trip count, nested loops
 multiplied), so ``traffic(colls)`` is per step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,21 +34,44 @@ from zeroflow.engine.hosts import hosts_of
 from zeroflow.memory.replica_groups import groups_of, permute_pairs
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_COMPUTE = re.compile(r"\s(fusion|custom-call|convolution|dot|triangular-solve|cholesky|while|"
-                      r"conditional)\(")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
-                          r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
-_SHAPE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
-                    r"\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2,
-          "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-          "c128": 16}
+_COMPUTE = re.compile(
+    r"\s(fusion|custom-call|convolution|dot|triangular-solve|cholesky|while|"
+    r"conditional)\("
+)
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
+    r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)"
+)
+_SHAPE = re.compile(
+    r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
+    r"\[([\d,]*)\]"
+)
+_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _HEADER = re.compile(r"^(ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective of a compiled program."""
+
     kind: str
     "'all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all' or 'collective-permute'."
     name: str
@@ -88,8 +112,19 @@ def collectives(compiled, hosts: Sequence[int] | None = None) -> list[Collective
 
     def make(kind, name, line, asynchronous, between, comp):
         within, cross = _host_bytes(kind, line, hosts)
-        return Collective(kind, name, _bytes(line), asynchronous, between, comp in looped, comp,
-                          runs.get(comp, 1), within, cross)
+        return Collective(
+            kind,
+            name,
+            _bytes(line),
+            asynchronous,
+            between,
+            comp in looped,
+            comp,
+            runs.get(comp, 1),
+            within,
+            cross,
+        )
+
     found = []
     for comp, lines in computations.items():
         parsed = [m for m in (_INSTRUCTION.match(line) for line in lines)]
@@ -108,31 +143,38 @@ def collectives(compiled, hosts: Sequence[int] | None = None) -> list[Collective
                 if first not in starts:
                     continue
                 j, kind, sync = starts.pop(first)
-                between = sum(1 for line in lines[j + 1:i] if _COMPUTE.search(line))
+                between = sum(1 for line in lines[j + 1 : i] if _COMPUTE.search(line))
                 found.append((j, make(kind, first, lines[j], not sync, between, comp)))
             else:  # in line (XLA:CPU, or a GPU collective left synchronous)
                 found.append((i, make(kind, m["name"], lines[i], False, 0, comp)))
-        for name, (j, kind, sync) in starts.items():  # a start without a done (not expected)
+        for name, (j, kind, _) in starts.items():  # a start without a done (not expected)
             found.append((j, make(kind, name, lines[j], False, 0, comp)))
     order = {c: k for k, c in enumerate(computations)}
     return [c for _, c in sorted(found, key=lambda p: (order[p[1].computation], p[0]))]
 
 
-def overlap(colls: Sequence[Collective], kinds: Sequence[str] = ("all-gather", "reduce-scatter")
-            ) -> dict:
+def overlap(
+    colls: Sequence[Collective], kinds: Sequence[str] = ("all-gather", "reduce-scatter")
+) -> dict:
     """Per kind: how many collectives, how many overlap compute, and the share, plus the
     total over ``kinds``."""
     out = {}
     for kind in kinds:
         of_kind = [c for c in colls if c.kind == kind]
         done = sum(c.overlapped for c in of_kind)
-        out[kind] = {"count": len(of_kind), "overlapped": done,
-                     "fraction": done / len(of_kind) if of_kind else None,
-                     "bytes": sum(c.bytes for c in of_kind)}
+        out[kind] = {
+            "count": len(of_kind),
+            "overlapped": done,
+            "fraction": done / len(of_kind) if of_kind else None,
+            "bytes": sum(c.bytes for c in of_kind),
+        }
     total = sum(out[k]["count"] for k in kinds)
     overlapped = sum(out[k]["overlapped"] for k in kinds)
-    out["total"] = {"count": total, "overlapped": overlapped,
-                    "fraction": overlapped / total if total else None}
+    out["total"] = {
+        "count": total,
+        "overlapped": overlapped,
+        "fraction": overlapped / total if total else None,
+    }
     return out
 
 
@@ -142,11 +184,16 @@ def traffic(colls: Sequence[Collective], kinds: Sequence[str] = KINDS) -> dict:
     unknown count in neither."""
     out = {}
     for kind in (*kinds, "total"):
-        chosen = [c for c in colls if (c.kind == kind if kind != "total" else c.kind in kinds)
-                  and c.cross_host is not None]
-        out[kind] = {"within_host": sum(c.runs * c.within_host for c in chosen),
-                     "cross_host": sum(c.runs * c.cross_host for c in chosen),
-                     "count": sum(c.runs for c in chosen)}
+        chosen = [
+            c
+            for c in colls
+            if (c.kind == kind if kind != "total" else c.kind in kinds) and c.cross_host is not None
+        ]
+        out[kind] = {
+            "within_host": sum(c.runs * c.within_host for c in chosen),
+            "cross_host": sum(c.runs * c.cross_host for c in chosen),
+            "count": sum(c.runs for c in chosen),
+        }
     return out
 
 
@@ -188,8 +235,12 @@ def _host_bytes(kind: str, line: str, hosts) -> tuple[int | None, int | None]:
     within = cross = 0
     for group in groups:
         size = len(group)
-        piece = {"all-gather": total / size, "reduce-scatter": total,
-                 "all-reduce": 2 * total / size, "all-to-all": total / size}[kind]
+        piece = {
+            "all-gather": total / size,
+            "reduce-scatter": total,
+            "all-reduce": 2 * total / size,
+            "all-to-all": total / size,
+        }[kind]
         for d in group:
             here = sum(1 for p in group if hosts[p] == hosts[d]) - 1
             within = max(within, int(piece * here))
@@ -207,9 +258,13 @@ def _payload(kind: str, line: str) -> int:
     arrays = [(dtype, dims) for dtype, dims in _SHAPE.findall(lhs) if dims]
     name = op["op"] if op else ""
     if (name.endswith("-start") or name == "async-start") and kind != "all-reduce":
-        arrays = arrays[len(arrays) // 2:]
-    return int(sum(math.prod(int(d) for d in dims.split(",")) * _BYTES.get(dtype, 1)
-                   for dtype, dims in arrays))
+        arrays = arrays[len(arrays) // 2 :]
+    return int(
+        sum(
+            math.prod(int(d) for d in dims.split(",")) * _BYTES.get(dtype, 1)
+            for dtype, dims in arrays
+        )
+    )
 
 
 def _entry(text: str) -> str | None:
@@ -237,8 +292,11 @@ def _runs(computations: dict[str, list[str]], entry: str | None) -> dict[str, in
             trips = _TRIPS.search(line)
             for callee in re.findall(r"\bbody=%([\w.\-]+)", line):
                 todo.append((callee, times * (int(trips[1]) if trips else 1)))
-            for callee in re.findall(r"(?:calls|to_apply|condition|branch_computations)=\{?%"
-                                     r"([\w.\-]+)", line):
+            for callee in re.findall(
+                r"(?:calls|to_apply|condition|branch_computations)=\{?%"
+                r"([\w.\-]+)",
+                line,
+            ):
                 todo.append((callee, times))
     return runs
 
@@ -257,9 +315,11 @@ def _kind(op: str, line: str) -> str | None:
 def _bytes(line: str) -> int:
     """The largest array shape on the instruction's left-hand side (its result type)."""
     lhs = line.split("=", 1)[1] if "=" in line else line
-    lhs = lhs.split("(", 1)[0] if not lhs.lstrip().startswith("(") else lhs[:lhs.find(")") + 1]
-    sizes = [math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 1)
-             for dtype, dims in _SHAPE.findall(lhs)]  # f8 types: one byte
+    lhs = lhs.split("(", 1)[0] if not lhs.lstrip().startswith("(") else lhs[: lhs.find(")") + 1]
+    sizes = [
+        math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 1)
+        for dtype, dims in _SHAPE.findall(lhs)
+    ]  # f8 types: one byte
     return int(max(sizes, default=0))
 
 
@@ -279,10 +339,16 @@ def _computations(text: str) -> dict[str, list[str]]:
 
 def _loop_bodies(computations: dict[str, list[str]]) -> set[str]:
     """Computations run inside a while loop: loop bodies and everything they call."""
-    calls = {name: set(re.findall(r"(?:body|calls|to_apply|condition)=%([\w.\-]+)",
-                                  "\n".join(lines))) for name, lines in computations.items()}
-    bodies = {b for lines in computations.values() for line in lines
-              for b in re.findall(r"\bbody=%([\w.\-]+)", line)}
+    calls = {
+        name: set(re.findall(r"(?:body|calls|to_apply|condition)=%([\w.\-]+)", "\n".join(lines)))
+        for name, lines in computations.items()
+    }
+    bodies = {
+        b
+        for lines in computations.values()
+        for line in lines
+        for b in re.findall(r"\bbody=%([\w.\-]+)", line)
+    }
     inside, todo = set(), list(bodies)
     while todo:
         name = todo.pop()

@@ -20,6 +20,7 @@ or optimizer state.
 
 The activation formula for the GPT model and the meaning of each field are in docs/memory.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,11 +28,11 @@ import math
 import re
 from typing import Any
 
-from zeroflow.optim import moment_bytes
+from zeroflow.autocast.precision import DTYPES
 from zeroflow.backend.mesh import planning_mesh
 from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES, ZeroPlan
 from zeroflow.engine.plan_rules import host_update_problem
-from zeroflow.autocast.precision import DTYPES
+from zeroflow.optim import moment_bytes
 
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES
@@ -42,9 +43,22 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
 "Optimizer-state bytes per parameter for Adam/AdamW: two fp32 moments."
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+}
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -55,8 +69,10 @@ def parse_bytes(text: str | int | float) -> int:
         return int(text)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"bad memory size {text!r}; use a number with a unit such as "
-                         "80GB, 80GiB, 512MB or 1.5TB")
+        raise ValueError(
+            f"bad memory size {text!r}; use a number with a unit such as "
+            "80GB, 80GiB, 512MB or 1.5TB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -71,6 +87,7 @@ def format_bytes(n: float) -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelStates:
     """Bytes of each kind of model state (per device, or per process for host memory)."""
+
     compute_weights: float = 0.0
     gradients: float = 0.0
     master: float = 0.0
@@ -94,6 +111,7 @@ class MemoryEstimate:
     (the TrainState's device-memory arrays: compute weights, and master + optimizer state when
     not offloaded).
     """
+
     num_params: int
     num_devices: int
     stage: int
@@ -126,8 +144,9 @@ class MemoryEstimate:
 def _precision_name(precision: Any) -> str:
     name = getattr(precision, "params", precision)
     if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; use a zf.Precision or one of "
-                         f"{sorted(DTYPE_BYTES)}")
+        raise ValueError(
+            f"unknown precision {precision!r}; use a zf.Precision or one of {sorted(DTYPE_BYTES)}"
+        )
     return name
 
 
@@ -137,11 +156,22 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "none",
-             update_on: str = "device", precision: Any = "bf16", devices_per_process: int | None = None,
-             gradient_bytes: int | None = None, optimizer_bytes: float = ADAM_BYTES,
-             activation_bytes: float = 0.0, remat: str | None = None,
-             resident_params: int | None = None, frozen_params: int = 0) -> MemoryEstimate:
+def estimate(
+    *,
+    num_params: int,
+    num_devices: int,
+    stage: int,
+    offload: str = "none",
+    update_on: str = "device",
+    precision: Any = "bf16",
+    devices_per_process: int | None = None,
+    gradient_bytes: int | None = None,
+    optimizer_bytes: float = ADAM_BYTES,
+    activation_bytes: float = 0.0,
+    remat: str | None = None,
+    resident_params: int | None = None,
+    frozen_params: int = 0,
+) -> MemoryEstimate:
     """Model-state memory of ZeRO ``stage`` with ``num_devices`` data-parallel devices.
 
     ``precision``: a ``zf.Precision`` or its params string ("bf16", "fp16", "fp32").
@@ -158,24 +188,44 @@ def estimate(*, num_params: int, num_devices: int, stage: int, offload: str = "n
     dtype (beside the compute weights, offloaded with them), nothing else.
     """
     n = _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes)
-    per_process = min(n, 8) if devices_per_process is None else _check_int(
-        "devices_per_process", devices_per_process, 1)
+    per_process = (
+        min(n, 8)
+        if devices_per_process is None
+        else _check_int("devices_per_process", devices_per_process, 1)
+    )
     name = _precision_name(precision)
-    grad_width = (DTYPE_BYTES[name] if gradient_bytes is None
-                  else _check_int("gradient_bytes", gradient_bytes, 1))
+    grad_width = (
+        DTYPE_BYTES[name]
+        if gradient_bytes is None
+        else _check_int("gradient_bytes", gradient_bytes, 1)
+    )
     p = float(num_params)
-    if isinstance(frozen_params, bool) or not isinstance(frozen_params, (int, float)) or not (
-            0 <= frozen_params <= p):
-        raise ValueError(f"frozen_params must be a number in [0, num_params={num_params}], got "
-                         f"{frozen_params!r}")
+    if (
+        isinstance(frozen_params, bool)
+        or not isinstance(frozen_params, (int, float))
+        or not (0 <= frozen_params <= p)
+    ):
+        raise ValueError(
+            f"frozen_params must be a number in [0, num_params={num_params}], got {frozen_params!r}"
+        )
     # The plan's own reading of the choices (a planning mesh: nothing but the sizes is needed).
     plan = ZeroPlan(planning_mesh(n), stage=stage, offload=offload, update_on=update_on)
     states = _model_states(plan, name, p, float(frozen_params), grad_width, optimizer_bytes)
-    resident = p if resident_params is None else min(
-        float(_check_int("resident_params", resident_params, 0)), p)
-    return _memory_estimate(plan, states, name=name, params=p, resident=resident,
-                            per_process=per_process, activation_bytes=float(activation_bytes),
-                            remat=remat)
+    resident = (
+        p
+        if resident_params is None
+        else min(float(_check_int("resident_params", resident_params, 0)), p)
+    )
+    return _memory_estimate(
+        plan,
+        states,
+        name=name,
+        params=p,
+        resident=resident,
+        per_process=per_process,
+        activation_bytes=float(activation_bytes),
+        remat=remat,
+    )
 
 
 def _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes) -> int:
@@ -200,6 +250,7 @@ def _check_inputs(num_params, num_devices, stage, offload, update_on, activation
 @dataclasses.dataclass(frozen=True)
 class _StateBytes:
     """Per-device bytes of each model state under one plan, wherever it is kept."""
+
     compute: float
     "Compute weights, frozen ones included, on the device during forward/backward."
     frozen: float
@@ -215,8 +266,9 @@ class _StateBytes:
     "Compute weights kept in host memory."
 
 
-def _model_states(plan: ZeroPlan, name: str, p: float, f: float, grad_width: int,
-                  optimizer_bytes: float) -> _StateBytes:
+def _model_states(
+    plan: ZeroPlan, name: str, p: float, f: float, grad_width: int, optimizer_bytes: float
+) -> _StateBytes:
     """The ZeRO paper's accounting of ``p`` parameters (``f`` of them frozen) in precision
     ``name`` under ``plan``."""
     n, width, trained = plan.data_size, DTYPE_BYTES[name], p - f
@@ -225,7 +277,9 @@ def _model_states(plan: ZeroPlan, name: str, p: float, f: float, grad_width: int
         return 1.0 / n if sharded else 1.0
 
     compute = width * p * split(plan.shards_compute)  # on the device during forward/backward
-    frozen = width * f * split(plan.shards_compute)  # stored as used: no master, gradient or moments
+    frozen = (
+        width * f * split(plan.shards_compute)
+    )  # stored as used: no master, gradient or moments
     # fp32: one copy serves compute and optimizer. Where storage and compute layouts agree
     # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
     # gathered from the sharded master for each step and dropped after it.
@@ -238,45 +292,76 @@ def _model_states(plan: ZeroPlan, name: str, p: float, f: float, grad_width: int
     cast_on_use = width < 4 and not plan.keeps_compute_copy(DTYPES[name])
     with_params = plan.offloads_params
     return _StateBytes(
-        compute=compute, frozen=frozen, master=master,
+        compute=compute,
+        frozen=frozen,
+        master=master,
         grads=grad_width * trained * split(plan.shards_grads),
         opt=optimizer_bytes * trained * split(plan.shards_storage),
         trained_weights=trained_weights,
         stored_weights=(0.0 if cast_on_use else trained_weights) + frozen,  # kept between steps
-        host_compute=((trained_weights if (with_params or (shared and plan.offloads)) else 0.0)
-                      + (frozen if with_params else 0.0)))
+        host_compute=(
+            (trained_weights if (with_params or (shared and plan.offloads)) else 0.0)
+            + (frozen if with_params else 0.0)
+        ),
+    )
 
 
-def _memory_estimate(plan: ZeroPlan, states: _StateBytes, *, name: str, params: float,
-                     resident: float, per_process: int, activation_bytes: float,
-                     remat: str | None) -> MemoryEstimate:
+def _memory_estimate(
+    plan: ZeroPlan,
+    states: _StateBytes,
+    *,
+    name: str,
+    params: float,
+    resident: float,
+    per_process: int,
+    activation_bytes: float,
+    remat: str | None,
+) -> MemoryEstimate:
     """``states`` placed on the device and the host as ``plan`` keeps them, during forward and
     backward, during the update and between steps."""
     s, offloaded = states, plan.offloads
     # Weights kept on the host come in for forward/backward, the streamed layers one at a time.
     streamed = plan.offloads_params and s.host_compute > 0 and params > 0
     forward = s.compute * resident / params if streamed else s.compute
-    device = ModelStates(compute_weights=forward, gradients=s.grads,
-                         master=0.0 if offloaded else s.master,
-                         optimizer=0.0 if offloaded else s.opt)
+    device = ModelStates(
+        compute_weights=forward,
+        gradients=s.grads,
+        master=0.0 if offloaded else s.master,
+        optimizer=0.0 if offloaded else s.opt,
+    )
     if not plan.updates_on_host:
-        update = s.compute + s.grads + s.master + s.opt  # new compute weights are made on the device
+        update = (
+            s.compute + s.grads + s.master + s.opt
+        )  # new compute weights are made on the device
     else:
         # The update runs on the host; compute weights stored there stay there.
         update = s.compute - s.host_compute + s.grads
     between = s.stored_weights - s.host_compute + (0.0 if offloaded else s.master + s.opt)
-    host = ModelStates(compute_weights=s.host_compute * per_process,
-                       master=(s.master if offloaded else 0.0) * per_process,
-                       optimizer=(s.opt if offloaded else 0.0) * per_process)
-    return MemoryEstimate(num_params=int(params), num_devices=plan.data_size, stage=plan.stage,
-                          offload=plan.offload, update_on=plan.update_on, precision=name,
-                          device=device, host=host, update_bytes=update,
-                          between_steps_bytes=between, activation_bytes=activation_bytes,
-                          remat=remat)
+    host = ModelStates(
+        compute_weights=s.host_compute * per_process,
+        master=(s.master if offloaded else 0.0) * per_process,
+        optimizer=(s.opt if offloaded else 0.0) * per_process,
+    )
+    return MemoryEstimate(
+        num_params=int(params),
+        num_devices=plan.data_size,
+        stage=plan.stage,
+        offload=plan.offload,
+        update_on=plan.update_on,
+        precision=name,
+        device=device,
+        host=host,
+        update_bytes=update,
+        between_steps_bytes=between,
+        activation_bytes=activation_bytes,
+        remat=remat,
+    )
 
 
 # --------------------------------------------------------------------------- activations
-def activations(model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16") -> float:
+def activations(
+    model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16"
+) -> float:
     """Saved activations of the GPT model per device for one micro-batch of ``micro_batch``
     sequences, under ``remat`` (default ``model.remat``). The formula is in docs/memory.md."""
     remat = model.remat if remat is None else remat
@@ -294,8 +379,9 @@ def activations(model, *, micro_batch: int, remat: str | None = None, precision:
     # Everything one block keeps for its backward pass when nothing is recomputed:
     # two norm inputs + two norm outputs (4h), q/k/v (q + 2kv), attention output (q),
     # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs.
-    per_layer_none = (width * tokens * (4 * h + 2 * q + 2 * kv + (3 if swiglu else 2) * f)
-                      + b * heads * s * s * (4 + width))
+    per_layer_none = width * tokens * (
+        4 * h + 2 * q + 2 * kv + (3 if swiglu else 2) * f
+    ) + b * heads * s * s * (4 + width)
     # save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus
     # the block input; attention scores and norms are recomputed.
     per_layer_dots = width * tokens * (h + q + 2 * kv + h + (2 if swiglu else 1) * f + h)
@@ -312,8 +398,9 @@ def activations(model, *, micro_batch: int, remat: str | None = None, precision:
     return float(blocks + head_bytes)
 
 
-def offloaded_activations(model, *, micro_batch: int, remat: str | None = None,
-                          precision: Any = "bf16") -> float:
+def offloaded_activations(
+    model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16"
+) -> float:
     """Activations remat 'offload_dots' keeps in pinned host memory per device for one
     micro-batch: save_dots's matmul outputs, the block input aside (0 for other policies)."""
     remat = model.remat if remat is None else remat
@@ -334,7 +421,7 @@ def _gpt_param_counts(model) -> tuple[int, int]:
     mlp = projections * h * f
     norms = 2 * h * (2 if model.norm == "layernorm" else 1)
     # Biases (Qwen2's q/k/v, GPT-2's everywhere) and GPT-2's learned positions.
-    biases = ((q + 2 * kv) if model.attn_bias in ("qkv", "all") else 0)
+    biases = (q + 2 * kv) if model.attn_bias in ("qkv", "all") else 0
     biases += h if model.attn_bias == "all" else 0
     if model.mlp_bias:
         biases += (projections - 1) * f + h
@@ -390,10 +477,17 @@ LAYERS_IN_FLIGHT = 2
 "Streamed layers on the device at once: the one running and the next one being copied in."
 
 
-def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = None,
-                    offload: str | None = None, update_on: str | None = None,
-                    remat: str | None = None, devices_per_process: int | None = None,
-                    frozen_params: int = 0) -> MemoryEstimate:
+def estimate_config(
+    cfg,
+    *,
+    num_devices: int | None = None,
+    stage: int | None = None,
+    offload: str | None = None,
+    update_on: str | None = None,
+    remat: str | None = None,
+    devices_per_process: int | None = None,
+    frozen_params: int = 0,
+) -> MemoryEstimate:
     """Estimate for a trainer ``zeroflow.config.Config``; keyword arguments override its
     ``parallel.*`` / ``model.remat`` choices. Gradients are counted in fp32 (4 bytes), as
     zeroflow's engine reduces them, activations per micro-batch are included, and the
@@ -405,11 +499,15 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
     if n is None:
         raise ValueError("parallel.data is -1 (all devices); pass num_devices")
     offload = par.offload if offload is None else offload
-    update_on = (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    update_on = (
+        (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    )
     micro = cfg.train.batch_size // (n * par.grad_accum)
     if micro < 1:
-        raise ValueError(f"train.batch_size {cfg.train.batch_size} is smaller than data devices "
-                         f"{n} x grad_accum {par.grad_accum}")
+        raise ValueError(
+            f"train.batch_size {cfg.train.batch_size} is smaller than data devices "
+            f"{n} x grad_accum {par.grad_accum}"
+        )
     remat = cfg.model.remat if remat is None else remat
     acts = activations(cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params)
     model_parallel = max(par.model, 1)
@@ -418,18 +516,26 @@ def estimate_config(cfg, *, num_devices: int | None = None, stage: int | None = 
     # and evaluation both do); everything outside them comes in whole.
     block, rest = _gpt_param_counts(cfg.model)
     resident = rest + min(LAYERS_IN_FLIGHT, cfg.model.num_layers) * block
-    return estimate(num_params=math.ceil(count_gpt_params(cfg.model) / model_parallel),
-                    resident_params=math.ceil(resident / model_parallel),
-                    num_devices=n, stage=par.zero_stage if stage is None else stage,
-                    offload=offload, update_on=update_on, precision=cfg.precision.params,
-                    devices_per_process=devices_per_process, gradient_bytes=4,
-                    activation_bytes=acts, remat=remat,
-                    optimizer_bytes=optimizer_bytes_per_param(cfg.model, cfg.train.optimizer),
-                    frozen_params=math.ceil(frozen_params / model_parallel))
+    return estimate(
+        num_params=math.ceil(count_gpt_params(cfg.model) / model_parallel),
+        resident_params=math.ceil(resident / model_parallel),
+        num_devices=n,
+        stage=par.zero_stage if stage is None else stage,
+        offload=offload,
+        update_on=update_on,
+        precision=cfg.precision.params,
+        devices_per_process=devices_per_process,
+        gradient_bytes=4,
+        activation_bytes=acts,
+        remat=remat,
+        optimizer_bytes=optimizer_bytes_per_param(cfg.model, cfg.train.optimizer),
+        frozen_params=math.ceil(frozen_params / model_parallel),
+    )
 
 
-def hierarchical_copy_bytes(*, num_params: int, num_devices: int, hosts: int,
-                            precision: Any = "bf16") -> float:
+def hierarchical_copy_bytes(
+    *, num_params: int, num_devices: int, hosts: int, precision: Any = "bf16"
+) -> float:
     """Per-device bytes that ZeRO++ hpZ adds at stage 3 on ``hosts`` hosts of
     ``num_devices / hosts`` devices: its compute-weight copy, split over a host's L devices
     (``width x P / L``), where plain stage 3 keeps no compute copy (each use casts the master's

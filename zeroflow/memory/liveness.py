@@ -38,6 +38,7 @@ reshape) are not counted: ``estimate_step`` has terms of its own for them. Value
 memory (a remat policy's offloaded residuals) are not device buffers. Measured against XLA:CPU
 and XLA:GPU on the corpus models: docs/memory.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,32 +52,122 @@ from zeroflow.memory import split_k
 from zeroflow.util import jaxprs
 from zeroflow.util.compat import REMAT_PRIMITIVES
 
-EXPENSIVE = frozenset({
-    "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "erfc",
-    "div", "rem", "sqrt", "rsqrt", "cbrt", "pow", "sin", "cos", "tan", "asin", "acos", "atan",
-    "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma"})
+EXPENSIVE = frozenset(
+    {
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "tanh",
+        "logistic",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "div",
+        "rem",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "pow",
+        "sin",
+        "cos",
+        "tan",
+        "asin",
+        "acos",
+        "atan",
+        "atan2",
+        "sinh",
+        "cosh",
+        "asinh",
+        "acosh",
+        "atanh",
+        "lgamma",
+        "digamma",
+    }
+)
 "Elementwise primitives XLA does not recompute for a second consumer."
 
-FUSIBLE = EXPENSIVE | frozenset({
-    "abs", "add", "add_any", "and", "bitcast_convert_type", "broadcast_in_dim", "ceil",
-    "clamp", "concatenate", "convert_element_type", "copy", "copy_p", "dynamic_slice", "eq",
-    "expand_dims", "floor", "ge", "gt", "imag", "integer_pow", "iota", "is_finite", "le", "lt",
-    "max", "min", "mul", "ne", "neg", "nextafter", "not", "one_minus_square", "or", "pad", "real",
-    "reduce_precision", "reshape", "rev", "round", "select_n", "shift_left",
-    "shift_right_arithmetic", "shift_right_logical", "sign", "slice", "square", "squeeze",
-    "stop_gradient", "sub", "transpose", "unstack", "xor", "optimization_barrier"})
+FUSIBLE = EXPENSIVE | frozenset(
+    {
+        "abs",
+        "add",
+        "add_any",
+        "and",
+        "bitcast_convert_type",
+        "broadcast_in_dim",
+        "ceil",
+        "clamp",
+        "concatenate",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "dynamic_slice",
+        "eq",
+        "expand_dims",
+        "floor",
+        "ge",
+        "gt",
+        "imag",
+        "integer_pow",
+        "iota",
+        "is_finite",
+        "le",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "one_minus_square",
+        "or",
+        "pad",
+        "real",
+        "reduce_precision",
+        "reshape",
+        "rev",
+        "round",
+        "select_n",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+        "sign",
+        "slice",
+        "square",
+        "squeeze",
+        "stop_gradient",
+        "sub",
+        "transpose",
+        "unstack",
+        "xor",
+        "optimization_barrier",
+    }
+)
 """Primitives XLA fuses into their consumers (elementwise work and data movement).
 ``one_minus_square`` (``tanh``'s derivative) and ``unstack`` are jax 0.11's."""
 
 READS_IN_PLACE = frozenset({"gather"})
 "Outside ``FUSIBLE`` (a buffer of its own) but reading its operand where it lies."
 
-IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul",
-                      "dynamic_update_slice"})
+IN_PLACE = frozenset(
+    {"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "dynamic_update_slice"}
+)
 "Outside ``FUSIBLE``, writing its result over its first operand when that dies there."
 
-REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                        "reduce_or", "argmax", "argmin"})
+REDUCTIONS = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "argmax",
+        "argmin",
+    }
+)
 "Outside ``FUSIBLE``; on XLA:GPU reading their fused input inside the reduction kernel."
 
 _LOOPS = ("scan", "while", "cond")
@@ -91,7 +182,7 @@ class _Eqn:
 
 
 def memory_of(x) -> str:
-    """"host" for a value (or variable) in host memory, else "device"."""
+    """ "host" for a value (or variable) in host memory, else "device"."""
     space = getattr(getattr(x, "aval", None), "memory_space", None)
     return "host" if space is not None and space.name.lower() == "host" else "device"
 
@@ -113,8 +204,9 @@ def _body(eqn):
     if jaxprs.call_body(eqn) is not None:
         return jaxprs.call_body(eqn)
     if eqn.primitive.name in REMAT_PRIMITIVES or eqn.primitive.name.startswith("custom_"):
-        return (eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-                or eqn.params.get("fun_jaxpr"))
+        return (
+            eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        )
     return None
 
 
@@ -136,6 +228,7 @@ def flat_equations(jaxpr) -> list[_Eqn]:
             visit(inner, sub)
             for o, io in zip(eqn.outvars, inner.outvars):
                 env[o] = io if isinstance(io, Literal) else sub.get(io, io)
+
     visit(jaxpr, {})
     return out
 
@@ -148,8 +241,7 @@ class _Graph:
     """Which values of ``eqns`` are buffers (rule 1) and, for every value, the buffers it is
     computed from (itself for a buffer or an input)."""
 
-    def __init__(self, eqns: list[_Eqn], inputs: set, outputs: set,
-                 reads_fused=READS_IN_PLACE):
+    def __init__(self, eqns: list[_Eqn], inputs: set, outputs: set, reads_fused=READS_IN_PLACE):
         self.eqns, self.inputs = eqns, inputs
         consumers: dict = {}
         for i, e in enumerate(eqns):
@@ -163,8 +255,9 @@ class _Graph:
                 if e.name not in reads_fused:
                     self.buffers.update(_vars(e.ins))
                 continue
-            chain = e.name in EXPENSIVE or any(costly.get(v, False) for v in _vars(e.ins)
-                                               if v not in self.buffers)
+            chain = e.name in EXPENSIVE or any(
+                costly.get(v, False) for v in _vars(e.ins) if v not in self.buffers
+            )
             for o in e.outs:
                 costly[o] = chain
                 if chain and len(consumers.get(o, ())) >= 2:
@@ -177,7 +270,9 @@ class _Graph:
 
     def buffers_of(self, var) -> set:
         """The buffers ``var`` is read from: itself, or those a fused value is computed from."""
-        return {var} if (var in self.buffers or var in self.inputs) else self.sources.get(var, set())
+        return (
+            {var} if (var in self.buffers or var in self.inputs) else self.sources.get(var, set())
+        )
 
     def read_by(self, e: _Eqn) -> set:
         """The buffers equation ``e`` reads, through the fused values it reads."""
@@ -186,9 +281,11 @@ class _Graph:
 
 def _native_specs(rank: int) -> dict:
     """The layouts XLA's convolutions read and write without a copy: channels last."""
-    return {"lhs": (0, rank - 1) + tuple(range(1, rank - 1)),
-            "rhs": (rank - 1, rank - 2) + tuple(range(rank - 2)),
-            "out": (0, rank - 1) + tuple(range(1, rank - 1))}
+    return {
+        "lhs": (0, rank - 1) + tuple(range(1, rank - 1)),
+        "rhs": (rank - 1, rank - 2) + tuple(range(rank - 2)),
+        "out": (0, rank - 1) + tuple(range(1, rank - 1)),
+    }
 
 
 def _layout_copies(graph: _Graph) -> list[tuple[int, int, int]]:
@@ -201,8 +298,10 @@ def _layout_copies(graph: _Graph) -> list[tuple[int, int, int]]:
             continue
         numbers = e.params["dimension_numbers"]
         native = _native_specs(len(numbers.lhs_spec))
-        for spec, var, kind in ((numbers.lhs_spec, e.ins[0], "lhs"),
-                                (numbers.rhs_spec, e.ins[1], "rhs")):
+        for spec, var, kind in (
+            (numbers.lhs_spec, e.ins[0], "lhs"),
+            (numbers.rhs_spec, e.ins[1], "rhs"),
+        ):
             if tuple(spec) != native[kind] and not isinstance(var, Literal):
                 for buffer in graph.buffers_of(var):
                     wanted.setdefault(buffer, []).append(i)
@@ -233,21 +332,36 @@ def peak_bytes(closed) -> float:
     eqns = flat_equations(jaxpr)
     traits = backend.current()
     gpu_fusion = traits.fuses_matmul_and_reduction_operands
-    graph = _Graph(eqns, set(jaxpr.invars) | set(jaxpr.constvars), outputs,
-                   READS_IN_PLACE | ({"dot_general"} | REDUCTIONS if gpu_fusion else set()))
-    reduced = ({v for e in eqns if e.name in REDUCTIONS for v in _vars(e.ins)} if gpu_fusion
-               else set())
+    graph = _Graph(
+        eqns,
+        set(jaxpr.invars) | set(jaxpr.constvars),
+        outputs,
+        READS_IN_PLACE | ({"dot_general"} | REDUCTIONS if gpu_fusion else set()),
+    )
+    reduced = (
+        {v for e in eqns if e.name in REDUCTIONS for v in _vars(e.ins)} if gpu_fusion else set()
+    )
     last: dict = {}
     becomes_output: dict = {}
     for i, e in enumerate(eqns):
         for buffer in graph.read_by(e):
             last[buffer] = i
             # (a gradient transposed or reshaped on its way out: the buffer is the output)
-            becomes_output[buffer] = becomes_output.get(buffer, True) and e.name in FUSIBLE and all(
-                o in outputs and nbytes(o) == nbytes(buffer) for o in e.outs)
-    counted = lambda v: (v in graph.buffers and v not in graph.inputs  # noqa: E731
-                         and v not in outputs and not becomes_output.get(v, False)
-                         and memory_of(v) == "device")
+            becomes_output[buffer] = (
+                becomes_output.get(buffer, True)
+                and e.name in FUSIBLE
+                and all(o in outputs and nbytes(o) == nbytes(buffer) for o in e.outs)
+            )
+
+    def counted(v):
+        return (
+            v in graph.buffers
+            and v not in graph.inputs
+            and v not in outputs
+            and not becomes_output.get(v, False)
+            and memory_of(v) == "device"
+        )
+
     copies = _layout_copies(graph) if traits.copies_conv_layouts else []
     dies_at: dict = {}
     for buffer, i in last.items():

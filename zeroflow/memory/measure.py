@@ -7,6 +7,7 @@ shardings (``shard_shape``) when the state is abstract.
 On the CPU backend ``memory_analysis()`` counts ``pinned_host`` arrays as ordinary arguments,
 so there its numbers do not show what offload saves; ``state_bytes`` splits by memory kind.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ class MeasuredMemory:
     reports one (0 otherwise). ``host_*``: the same for host-memory buffers where the backend
     separates them (GPU/TPU; 0 on CPU).
     """
+
     argument_bytes: int
     output_bytes: int
     temp_bytes: int
@@ -49,19 +51,28 @@ class MeasuredMemory:
     @property
     def host_total_bytes(self) -> int:
         """Host memory the same way: host arguments + outputs + temporaries - aliased."""
-        return (self.host_argument_bytes + self.host_output_bytes + self.host_temp_bytes
-                - self.host_alias_bytes)
+        return (
+            self.host_argument_bytes
+            + self.host_output_bytes
+            + self.host_temp_bytes
+            - self.host_alias_bytes
+        )
 
 
 def from_memory_analysis(stats) -> MeasuredMemory:
     get = lambda name: int(getattr(stats, name, 0) or 0)  # noqa: E731  fields vary by backend
     return MeasuredMemory(
-        argument_bytes=get("argument_size_in_bytes"), output_bytes=get("output_size_in_bytes"),
-        temp_bytes=get("temp_size_in_bytes"), alias_bytes=get("alias_size_in_bytes"),
-        generated_code_bytes=get("generated_code_size_in_bytes"), peak_bytes=get("peak_memory_in_bytes"),
+        argument_bytes=get("argument_size_in_bytes"),
+        output_bytes=get("output_size_in_bytes"),
+        temp_bytes=get("temp_size_in_bytes"),
+        alias_bytes=get("alias_size_in_bytes"),
+        generated_code_bytes=get("generated_code_size_in_bytes"),
+        peak_bytes=get("peak_memory_in_bytes"),
         host_argument_bytes=get("host_argument_size_in_bytes"),
-        host_output_bytes=get("host_output_size_in_bytes"), host_temp_bytes=get("host_temp_size_in_bytes"),
-        host_alias_bytes=get("host_alias_size_in_bytes"))
+        host_output_bytes=get("host_output_size_in_bytes"),
+        host_temp_bytes=get("host_temp_size_in_bytes"),
+        host_alias_bytes=get("host_alias_size_in_bytes"),
+    )
 
 
 def measure(step, state, batch) -> MeasuredMemory:
@@ -78,9 +89,21 @@ def analysed(compiled) -> MeasuredMemory:
     return from_memory_analysis(stats)
 
 
-def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
-                 gather_per_layer: str | None = None, model_state=None, rng=None,
-                 trainable=None, **step_options) -> tuple[MeasuredMemory, float]:
+def measure_step(
+    loss_fn,
+    params,
+    batch,
+    tx,
+    plan,
+    prec,
+    *,
+    grad_accum: int = 1,
+    gather_per_layer: str | None = None,
+    model_state=None,
+    rng=None,
+    trainable=None,
+    **step_options,
+) -> tuple[MeasuredMemory, float]:
     """``(memory_analysis, device peak)`` of ``make_train_step(loss_fn, tx, plan, prec, ...)``
     for abstract fp32 ``params`` and global ``batch`` (the arguments of ``estimate_step``):
     the state is built abstractly in the plan's shardings, nothing is allocated or run. The
@@ -90,9 +113,20 @@ def measure_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
     ``zf.init_train_state``. An offloaded plan on a target mesh is compiled through CPU
     devices standing in for the GPUs (``zeroflow.memory.on_target``), so its offloaded state
     stays in host memory as on a GPU."""
-    compiled, state = compile_step(loss_fn, params, batch, tx, plan, prec, grad_accum=grad_accum,
-                                   gather_per_layer=gather_per_layer, model_state=model_state,
-                                   rng=rng, trainable=trainable, **step_options)
+    compiled, state = compile_step(
+        loss_fn,
+        params,
+        batch,
+        tx,
+        plan,
+        prec,
+        grad_accum=grad_accum,
+        gather_per_layer=gather_per_layer,
+        model_state=model_state,
+        rng=rng,
+        trainable=trainable,
+        **step_options,
+    )
     got = analysed(compiled)
     return got, float(device_peak(got, state))
 
@@ -105,9 +139,21 @@ def device_peak(got: MeasuredMemory, state) -> int:
     return got.total_bytes
 
 
-def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
-                 gather_per_layer: str | None = None, model_state=None, rng=None,
-                 trainable=None, **step_options):
+def compile_step(
+    loss_fn,
+    params,
+    batch,
+    tx,
+    plan,
+    prec,
+    *,
+    grad_accum: int = 1,
+    gather_per_layer: str | None = None,
+    model_state=None,
+    rng=None,
+    trainable=None,
+    **step_options,
+):
     """``(compiled step, abstract state)`` for the arguments of ``measure_step``: read the
     compiled program's collectives with ``zf.memory.collectives``."""
     # Offloaded state on abstract GPUs: planned on CPU stand-ins that keep its host memory.
@@ -115,15 +161,23 @@ def compile_step(loss_fn, params, batch, tx, plan, prec, *, grad_accum: int = 1,
     if target is not None:
         plan = dataclasses.replace(plan, mesh=on_target.stand_in_mesh(target))
     master = abstract_master(params)
-    abstract = jax.eval_shape(lambda ms, key: init_train_state(
-        master, tx, plan, prec, model_state=ms, rng=key, trainable=trainable), model_state, rng)
+    abstract = jax.eval_shape(
+        lambda ms, key: init_train_state(
+            master, tx, plan, prec, model_state=ms, rng=key, trainable=trainable
+        ),
+        model_state,
+        rng,
+    )
     shardings = state_shardings(master, tx, plan, prec, model_state, rng, trainable=trainable)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         abstract, shardings)
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                                         sharding=plan.batch_sharding()), batch)
-    step = make_train_step(loss_fn, tx, plan, prec, grad_accum,
-                              gather_per_layer=gather_per_layer, **step_options)
+    state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings
+    )
+    placed = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=plan.batch_sharding()), batch
+    )
+    step = make_train_step(
+        loss_fn, tx, plan, prec, grad_accum, gather_per_layer=gather_per_layer, **step_options
+    )
     if target is not None:
         return on_target.compile_for(step, state, placed, target), state
     return step.lower(state, placed).compile(), state
@@ -144,7 +198,9 @@ def compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options):
     peak = schedule.peak_bf16_flops(str(plan.mesh.devices.flat[0].device_kind))
     (compiled, state), est = schedule.timed(
         lambda: compile_step(loss_fn, params, batch, tx, plan, prec, **options),
-        text_of=lambda result: result[0].as_text(), peak_flops=peak)
+        text_of=lambda result: result[0].as_text(),
+        peak_flops=peak,
+    )
     return compiled, state, est
 
 

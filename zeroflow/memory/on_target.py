@@ -14,6 +14,7 @@ compile-only client behind ``jax.experimental.topologies``), ``jax._src.compiler
 options and ``xla_client.DeviceList``; it is used only where no GPU is (a real GPU compiles the
 offloaded step itself).
 """
+
 from __future__ import annotations
 
 import jax
@@ -49,11 +50,13 @@ def stand_in_mesh(target: Mesh) -> Mesh:
     shape = (target.shape[DATA], target.shape[MODEL])
     cpus = jax.devices("cpu")
     if len(cpus) < shape[0] * shape[1]:
-        raise RuntimeError(f"compiling an offloaded step for {shape[0] * shape[1]} GPUs needs as "
-                           f"many CPU devices standing in for them, {len(cpus)} here: set "
-                           f"XLA_FLAGS=--xla_force_host_platform_device_count="
-                           f"{shape[0] * shape[1]} before jax starts")
-    grid = np.asarray(cpus[:shape[0] * shape[1]], dtype=object).reshape(shape)
+        raise RuntimeError(
+            f"compiling an offloaded step for {shape[0] * shape[1]} GPUs needs as "
+            f"many CPU devices standing in for them, {len(cpus)} here: set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{shape[0] * shape[1]} before jax starts"
+        )
+    grid = np.asarray(cpus[: shape[0] * shape[1]], dtype=object).reshape(shape)
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
@@ -67,10 +70,14 @@ def compile_for(step, state, batch, target: Mesh) -> CompiledOnTarget:
     lowered = step.jitted(state).trace(state, batch).lower(lowering_platforms=("cuda",))
     devices = list(target.devices.flat)
     options = compiler.get_compile_options(
-        num_replicas=1, num_partitions=len(devices),
+        num_replicas=1,
+        num_partitions=len(devices),
         device_assignment=np.asarray(devices, dtype=object).reshape(1, len(devices)),
-        env_options_overrides=dict(step.compiler_options))
+        env_options_overrides=dict(step.compiler_options),
+    )
     executable = devices[0].client.compile(
-        lowered.compiler_ir("stablehlo"), executable_devices=xla_client.DeviceList(tuple(devices)),
-        compile_options=options)
+        lowered.compiler_ir("stablehlo"),
+        executable_devices=xla_client.DeviceList(tuple(devices)),
+        compile_options=options,
+    )
     return CompiledOnTarget(executable, target)

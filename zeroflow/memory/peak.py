@@ -41,6 +41,7 @@ Every choice the step makes is read from the step itself, for the plan with the 
 backend compiled for: its ``StepLayout`` (state shardings, the update path), its routes, and
 ``Traits`` for what the compiler does with them; never a platform name or a stage number.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,17 +55,22 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend as backends
+from zeroflow.autocast.precision import Precision
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.grads.local import native_gradients
 from zeroflow.engine.grads.routes import Fetch, Reduce, fetches_whole, is_route, step_routes
-from zeroflow.backend.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan
-from zeroflow.autocast.precision import Precision
 from zeroflow.engine.state import abstract_master, init_train_state
 from zeroflow.engine.step import step_layout
 from zeroflow.engine.update import UpdatePath, owners
-from zeroflow.memory.residuals import (held_bytes, largest_residual, micro_batch, residual_bytes,
-                                       scanned_leaves)
+from zeroflow.memory.residuals import (
+    held_bytes,
+    largest_residual,
+    micro_batch,
+    residual_bytes,
+    scanned_leaves,
+)
 from zeroflow.util import jaxprs
 from zeroflow.util.tree import is_under, path_str
 
@@ -76,6 +82,7 @@ class PeakEstimate:
     """Bytes per device of each term (see the module docstring), of the three moments that can
     set the peak (start and end of the backward pass, the optimizer update; each excluding the
     model states), and the peak."""
+
     model_states: float
     host_state: float
     "The state in pinned host memory (offload), per device: not part of the device peak."
@@ -100,13 +107,19 @@ class PeakEstimate:
     @property
     def phase(self) -> str:
         """The moment that sets the peak: "backward_start", "backward_end" or "update"."""
-        moments = {"backward_start": self.backward_start, "backward_end": self.backward_end,
-                   "update": self.update}
+        moments = {
+            "backward_start": self.backward_start,
+            "backward_end": self.backward_end,
+            "update": self.update,
+        }
         return max(moments, key=moments.get)
 
     def terms(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "update_path"}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "update_path"
+        }
 
 
 def _local_elements(shape, sharding) -> int:
@@ -124,6 +137,7 @@ def _compiled_for(plan: ZeroPlan, platform: str | None) -> ZeroPlan:
 @dataclasses.dataclass(frozen=True)
 class _Leaves:
     """The per-leaf facts the terms add up, one entry per parameter leaf (flatten order)."""
+
     shapes: list
     whole: list
     "Elements of the leaf on one device with ``data`` unsplit (tensor-parallel splits kept)."
@@ -137,8 +151,11 @@ class _Leaves:
     @property
     def layer_stack(self) -> list[tuple[float, tuple, bool]]:
         """``(whole, shape, trains)`` of each leaf used one slice at a time."""
-        return [(w, shape, t) for w, shape, st, t in
-                zip(self.whole, self.shapes, self.stacked, self.trains) if st]
+        return [
+            (w, shape, t)
+            for w, shape, st, t in zip(self.whole, self.shapes, self.stacked, self.trains)
+            if st
+        ]
 
     def over_stack(self, values) -> float:
         """The sum of ``values`` (one per leaf) over the leaves used one slice at a time."""
@@ -148,6 +165,7 @@ class _Leaves:
 @dataclasses.dataclass(frozen=True)
 class _Widths:
     """Bytes per element of the weights and gradients as the backend compiled for holds them."""
+
     compute: int
     "The compute dtype's."
     widening: bool
@@ -165,14 +183,17 @@ class _Widths:
 def _widths(plan: ZeroPlan, prec: Precision) -> _Widths:
     width = jnp.dtype(prec.compute_dtype).itemsize
     half = width < 4
-    return _Widths(compute=width, widening=half and plan.traits.widens_half_dots,
-                   wide_collectives=(half and plan.traits.widens_half_precision
-                                     and plan.data_size > 1))
+    return _Widths(
+        compute=width,
+        widening=half and plan.traits.widens_half_dots,
+        wide_collectives=(half and plan.traits.widens_half_precision and plan.data_size > 1),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Backward:
     """The backward pass's terms (``_backward``)."""
+
     in_flight: float
     widened: float
     reused: float
@@ -181,10 +202,22 @@ class _Backward:
     end: float
 
 
-def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *,
-                  grad_accum: int = 1, gather_per_layer: str | None = None,
-                  backend: str | None = None, recompute_bytes: float = 0.0,
-                  model_state=None, rng=None, trainable=None) -> PeakEstimate:
+def estimate_step(
+    loss_fn,
+    params,
+    batch,
+    tx,
+    plan: ZeroPlan,
+    prec: Precision,
+    *,
+    grad_accum: int = 1,
+    gather_per_layer: str | None = None,
+    backend: str | None = None,
+    recompute_bytes: float = 0.0,
+    model_state=None,
+    rng=None,
+    trainable=None,
+) -> PeakEstimate:
     """The peak of ``zf.make_train_step(loss_fn, tx, plan, prec, grad_accum, gather_per_layer=)``
     per device, from the abstract fp32 ``params`` and the global ``batch`` (arrays or
     ``ShapeDtypeStruct``s). ``plan`` may be on a ``zf.planning_mesh`` (no devices needed).
@@ -205,8 +238,9 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     layout = step_layout(master, tx, plan, prec, trainable=trainable)
     micro = micro_batch(batch, plan.data_size, grad_accum)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
-    leaves = _leaf_facts(loss_fn, master, micro, extras, layout, plan, prec, gather_per_layer,
-                         grad_accum)
+    leaves = _leaf_facts(
+        loss_fn, master, micro, extras, layout, plan, prec, gather_per_layer, grad_accum
+    )
     widths = _widths(plan, prec)
     native = native_gradients(plan, grad_accum)
     stored, state_arrays = _stored_state(master, tx, plan, prec, layout)
@@ -215,63 +249,135 @@ def estimate_step(loss_fn, params, batch, tx, plan: ZeroPlan, prec: Precision, *
     # Traced for the backend compiled for: a remat policy may offload only where host memory
     # is a memory of its own (``zeroflow.models.gpt.offload_policy``).
     with backends.tracing_for(plan.traits):
-        host_activations = residual_bytes(loss_fn, master, micro, prec, gather_per_layer,
-                                          extras, memory="host",
-                                          trainable=leaves.trains) / plan.model_size
+        host_activations = (
+            residual_bytes(
+                loss_fn,
+                master,
+                micro,
+                prec,
+                gather_per_layer,
+                extras,
+                memory="host",
+                trainable=leaves.trains,
+            )
+            / plan.model_size
+        )
         if leaves.layer_stack:
-            activations = residual_bytes(loss_fn, master, micro, prec, gather_per_layer, extras,
-                                         memory="device", trainable=leaves.trains)
+            activations = residual_bytes(
+                loss_fn,
+                master,
+                micro,
+                prec,
+                gather_per_layer,
+                extras,
+                memory="device",
+                trainable=leaves.trains,
+            )
         else:
             # No loop over layers: what the forward and backward pass hold at their fullest,
             # recomputation included (``recompute_bytes`` is then ignored).
-            activations = held_bytes(loss_fn, master, micro, prec, gather_per_layer, extras,
-                                     trainable=leaves.trains)
+            activations = held_bytes(
+                loss_fn, master, micro, prec, gather_per_layer, extras, trainable=leaves.trains
+            )
             recompute_bytes = 0.0
         activations /= plan.model_size
-    backward = _backward(leaves, plan, prec, widths, native=native, gathered=gathered,
-                         grads=grads, activations=activations, recompute_bytes=recompute_bytes)
-    update = _update_bytes(frozen_weights.split(master, layout.trainable)[0], stored, layout.state,
-                           tx, leaves.routes, plan, layout.update_path, native,
-                           grads=[g for g, t in zip(grads, leaves.trains) if t],
-                           free=_dead_compute_bytes(leaves, plan, prec, widths, backward.reused))
-    return PeakEstimate(model_states=_argument_bytes(state_arrays, batch, plan.data_size,
-                                                     model_state),
-                        host_state=_state_bytes(state_arrays, "pinned_host"),
-                        gathered_weights=sum(gathered),
-                        gradients=sum(grads), activations=activations,
-                        layer_in_flight=backward.in_flight, widened=backward.widened,
-                        backward_start=backward.start, backward_end=backward.end, update=update,
-                        host_activations=host_activations, update_path=layout.update_path)
+    backward = _backward(
+        leaves,
+        plan,
+        prec,
+        widths,
+        native=native,
+        gathered=gathered,
+        grads=grads,
+        activations=activations,
+        recompute_bytes=recompute_bytes,
+    )
+    update = _update_bytes(
+        frozen_weights.split(master, layout.trainable)[0],
+        stored,
+        layout.state,
+        tx,
+        leaves.routes,
+        plan,
+        layout.update_path,
+        native,
+        grads=[g for g, t in zip(grads, leaves.trains) if t],
+        free=_dead_compute_bytes(leaves, plan, prec, widths, backward.reused),
+    )
+    return PeakEstimate(
+        model_states=_argument_bytes(state_arrays, batch, plan.data_size, model_state),
+        host_state=_state_bytes(state_arrays, "pinned_host"),
+        gathered_weights=sum(gathered),
+        gradients=sum(grads),
+        activations=activations,
+        layer_in_flight=backward.in_flight,
+        widened=backward.widened,
+        backward_start=backward.start,
+        backward_end=backward.end,
+        update=update,
+        host_activations=host_activations,
+        update_path=layout.update_path,
+    )
 
 
-def _leaf_facts(loss_fn, master, micro, extras, layout, plan: ZeroPlan, prec: Precision,
-                gather_per_layer, grad_accum: int) -> _Leaves:
+def _leaf_facts(
+    loss_fn,
+    master,
+    micro,
+    extras,
+    layout,
+    plan: ZeroPlan,
+    prec: Precision,
+    gather_per_layer,
+    grad_accum: int,
+) -> _Leaves:
     """The ``_Leaves`` of ``master`` under the step's ``layout``: the step's routes, and which
     leaves the loss's scans (or ``gather_per_layer``) use one slice at a time."""
-    routes = jax.tree.leaves(step_routes(layout.layouts, plan, prec, gather_per_layer, grad_accum,
-                                         trainable=layout.trainable), is_leaf=is_route)
+    routes = jax.tree.leaves(
+        step_routes(
+            layout.layouts, plan, prec, gather_per_layer, grad_accum, trainable=layout.trainable
+        ),
+        is_leaf=is_route,
+    )
     shapes = [x.shape for x in jax.tree.leaves(master)]
     compute_sh = jax.tree.leaves(plan.compute_shardings(master, memory_kind=None))
-    whole = [_local_elements(s, sh.update(spec=_without_data(sh.spec))) for s, sh in
-             zip(shapes, compute_sh)]
+    whole = [
+        _local_elements(s, sh.update(spec=_without_data(sh.spec)))
+        for s, sh in zip(shapes, compute_sh)
+    ]
     # (whole half-precision weights are fetched on use where collectives widen: fetches_whole)
-    stacked = _stacked(loss_fn, master, micro, extras, routes, gather_per_layer,
-                       fetches_whole(plan, prec.compute_dtype))
-    return _Leaves(shapes=shapes, whole=whole, routes=routes,
-                   trains=tuple(jax.tree.leaves(layout.trainable)), stacked=stacked)
+    stacked = _stacked(
+        loss_fn,
+        master,
+        micro,
+        extras,
+        routes,
+        gather_per_layer,
+        fetches_whole(plan, prec.compute_dtype),
+    )
+    return _Leaves(
+        shapes=shapes,
+        whole=whole,
+        routes=routes,
+        trains=tuple(jax.tree.leaves(layout.trainable)),
+        stacked=stacked,
+    )
 
 
 def _gathered_whole(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths) -> list:
     """Per leaf, the bytes of whole weights the step makes for the forward and backward pass."""
     # Weights stored split but used whole with no compute copy (fp32 at stages 1-2) are
     # gathered from the master; a frozen fp32 weight is stored whole there: nothing to gather.
-    from_master = (plan.gathers_whole_weights
-                   and not plan.keeps_compute_copy(prec.compute_dtype))
-    gathered = [F32 * w if (from_master and r.dim is not None and not r.frozen) else 0.0
-                for w, r in zip(leaves.whole, leaves.routes)]
+    from_master = plan.gathers_whole_weights and not plan.keeps_compute_copy(prec.compute_dtype)
+    gathered = [
+        F32 * w if (from_master and r.dim is not None and not r.frozen) else 0.0
+        for w, r in zip(leaves.whole, leaves.routes)
+    ]
     if plan.offloads_params:  # weights outside the streamed stack are copied in whole
-        gathered = [g + (widths.compute * w if r.fetch is not Fetch.PER_LAYER else 0.0)
-                    for g, w, r in zip(gathered, leaves.whole, leaves.routes)]
+        gathered = [
+            g + (widths.compute * w if r.fetch is not Fetch.PER_LAYER else 0.0)
+            for g, w, r in zip(gathered, leaves.whole, leaves.routes)
+        ]
     return gathered
 
 
@@ -284,29 +390,47 @@ def _gradient_bytes(leaves: _Leaves, plan: ZeroPlan, grad_accum: int, widths: _W
     # With accumulation, an fp32 sum beside each micro-batch's own gradients, which stay in the
     # compute dtype (their widening fuses into the sum) unless reduce-scattered first. XLA:CPU
     # computes half precision in fp32 and keeps the gradients so.
-    made = [F32 if widths.widening or r.reduce in (Reduce.ON_USE, Reduce.AFTER) else widths.compute
-            for r in leaves.routes]
+    made = [
+        F32 if widths.widening or r.reduce in (Reduce.ON_USE, Reduce.AFTER) else widths.compute
+        for r in leaves.routes
+    ]
     grad_widths = [(F32 + m) if grad_accum > 1 else (m if native else F32) for m in made]
     n = plan.data_size
-    return [0.0 if r.frozen else gw * (w / n if r.sharded_grad else w)
-            for w, r, gw in zip(leaves.whole, leaves.routes, grad_widths)]
+    return [
+        0.0 if r.frozen else gw * (w / n if r.sharded_grad else w)
+        for w, r, gw in zip(leaves.whole, leaves.routes, grad_widths)
+    ]
 
 
-def _backward(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths, *, native: bool,
-              gathered: list, grads: list, activations: float, recompute_bytes: float) -> _Backward:
+def _backward(
+    leaves: _Leaves,
+    plan: ZeroPlan,
+    prec: Precision,
+    widths: _Widths,
+    *,
+    native: bool,
+    gathered: list,
+    grads: list,
+    activations: float,
+    recompute_bytes: float,
+) -> _Backward:
     """The unit being differentiated, what XLA:CPU widens, and the backward pass's two moments."""
     n, stack = plan.data_size, leaves.layer_stack
-    unit = (sum(w / shape[0] for w, shape, _ in stack) if stack else max(leaves.whole))
+    unit = sum(w / shape[0] for w, shape, _ in stack) if stack else max(leaves.whole)
     # The unit's local fp32 gradient: of its trainable weights only.
-    unit_grad = (sum(w / shape[0] for w, shape, t in stack if t) if stack
-                 else max((w for w, t in zip(leaves.whole, leaves.trains) if t), default=0.0))
+    unit_grad = (
+        sum(w / shape[0] for w, shape, t in stack if t)
+        if stack
+        else max((w for w, t in zip(leaves.whole, leaves.trains) if t), default=0.0)
+    )
     unit_grad_width = widths.compute if native and not widths.widening else F32
     # The unit's weights take memory of their own when fetched (gathered at stage 3, copied out
     # of a scanned stack, widened by XLA:CPU); a resident unstacked weight is used in place,
     # as is every weight on a single device (stage 3 there gathers nothing).
     gathers = plan.shards_compute and n > 1
-    fetched = (widths.fetched if (gathers or stack or widths.widening or widths.wide_collectives)
-               else 0)
+    fetched = (
+        widths.fetched if (gathers or stack or widths.widening or widths.wide_collectives) else 0
+    )
     widened = 0.0
     if widths.widening and stack and plan.keeps_compute_copy(prec.compute_dtype):
         # (with no compute copy, stage 3 casts the fp32 master's shard as it gathers it: there
@@ -323,24 +447,29 @@ def _backward(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths,
     # front) or at its end (every gradient; weights and activations of unstacked layers have
     # been freed one by one as the pass went back through them).
     in_flight = max(fetched * unit, recompute_bytes / plan.model_size) + unit_grad_width * unit_grad
-    start = (sum(gathered) + activations + in_flight + leaves.over_stack(grads) + widened - reused)
+    start = sum(gathered) + activations + in_flight + leaves.over_stack(grads) + widened - reused
     # Near the end, a unit still fetches its weights at stage 3 (only the very first layer's
     # input gradient is not needed).
-    end = (leaves.over_stack(gathered) + sum(grads)
-           + (fetched if plan.shards_compute else 0) * unit + unit_grad_width * unit_grad
-           + widened - reused)
+    end = (
+        leaves.over_stack(gathered)
+        + sum(grads)
+        + (fetched if plan.shards_compute else 0) * unit
+        + unit_grad_width * unit_grad
+        + widened
+        - reused
+    )
     return _Backward(in_flight=in_flight, widened=widened, reused=reused, start=start, end=end)
 
 
-def _dead_compute_bytes(leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths,
-                        reused: float) -> float:
+def _dead_compute_bytes(
+    leaves: _Leaves, plan: ZeroPlan, prec: Precision, widths: _Widths, reused: float
+) -> float:
     """Bytes of dead buffers an update direction of its own is written into. Whole compute
     weights gathered anew after the update (stages 1-2) are dead while it runs (donated):
     unless the stack's gradients already went into their buffer (``reused``), an update that
     materialises its directions (a ``lax.cond``, ``Traits.cond_updates_in_place``: XLA:CPU,
     from jaxlib 0.11 on, where it no longer widens the stack) writes them there."""
-    regathered = (plan.gathers_whole_weights
-                  and plan.keeps_compute_copy(prec.compute_dtype))
+    regathered = plan.gathers_whole_weights and plan.keeps_compute_copy(prec.compute_dtype)
     if not regathered or reused or not plan.traits.cond_updates_in_place:
         return 0.0
     return widths.compute * sum(w for w, _, t in leaves.layer_stack if t)
@@ -350,8 +479,9 @@ def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, layout):
     """The state as stored (abstract; leaves ZeRO pads are larger than the parameters) and its
     ``(arrays, shardings, memory kind)`` entries."""
     shard = layout.state
-    stored = jax.eval_shape(lambda: init_train_state(master, tx, plan, prec,
-                                                        trainable=layout.trainable))
+    stored = jax.eval_shape(
+        lambda: init_train_state(master, tx, plan, prec, trainable=layout.trainable)
+    )
     # Memory kinds from the plan, not from the shardings: a zf.target_mesh's abstract devices
     # expose no memories, so jax drops a sharding's pinned_host there.
     host = plan.storage_memory_kind or "device"
@@ -366,16 +496,25 @@ def _stored_state(master, tx, plan: ZeroPlan, prec: Precision, layout):
 
 def _state_bytes(state_arrays, kind: str) -> float:
     """Bytes one device holds of the ``(arrays, shardings, memory kind)`` entries in ``kind``."""
-    return float(sum(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize
-                     for arrays, shardings, k in state_arrays if k == kind
-                     for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))))
+    return float(
+        sum(
+            _local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize
+            for arrays, shardings, k in state_arrays
+            if k == kind
+            for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))
+        )
+    )
 
 
 def _argument_bytes(state_arrays, batch, n: int, model_state) -> float:
     """The step's arguments on one device: the state's device-memory arrays, this device's rows
     of the batch, and the (replicated) model state."""
-    nbytes = lambda tree: sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
-                              for x in jax.tree.leaves(tree))
+
+    def nbytes(tree):
+        return sum(
+            math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+        )
+
     states = _state_bytes(state_arrays, "device")
     return states + nbytes(batch) / n + (0 if model_state is None else nbytes(model_state))
 
@@ -396,8 +535,19 @@ def _stacked(loss_fn, master, micro, extras, flat_routes, gather_per_layer, wide
     return scanned_leaves(loss_fn, master, micro, extras)
 
 
-def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, path: UpdatePath,
-                  native: bool = False, *, grads: list[float], free: float = 0.0) -> float:
+def _update_bytes(
+    master,
+    stored,
+    shard,
+    tx,
+    flat_routes,
+    plan: ZeroPlan,
+    path: UpdatePath,
+    native: bool = False,
+    *,
+    grads: list[float],
+    free: float = 0.0,
+) -> float:
     """What the device holds while the update runs along ``path`` (the step's ``UpdatePath``):
     the gradients (``grads``, one per leaf of ``master``, the trainable parameters), the update
     direction, whole where the gradients were all-reduced (XLA keeps the reduced and the
@@ -406,8 +556,10 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, path: 
     their copy to the host, unscaled one leaf at a time on the way unless ``native`` (they are
     unscaled on the host). ``free``: bytes of dead buffers an unfused update direction is
     written into."""
-    local_master = [_local_elements(a.shape, sh) for a, sh in
-                    zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))]
+    local_master = [
+        _local_elements(a.shape, sh)
+        for a, sh in zip(jax.tree.leaves(stored.master), jax.tree.leaves(shard.master))
+    ]
     if not plan.traits.separate_host_memory:
         # Host memory is device memory (XLA:CPU): on every path nothing is copied, and the
         # device holds what an update of state in device memory holds.
@@ -432,9 +584,17 @@ def _update_bytes(master, stored, shard, tx, flat_routes, plan: ZeroPlan, path: 
     # on the host) and the gradients not yet read: those after it, and its own unless a loop
     # widened it into its fp32 buffer (``direction``).
     later = list(itertools.accumulate(reversed(grads)))[::-1][1:] + [0.0]
-    return direction + shared + max(
-        (after + (0.0 if loop else g) + 2 * state
-         for g, after, loop, state in zip(grads, later, looped, per_parameter)), default=0.0)
+    return (
+        direction
+        + shared
+        + max(
+            (
+                after + (0.0 if loop else g) + 2 * state
+                for g, after, loop, state in zip(grads, later, looped, per_parameter)
+            ),
+            default=0.0,
+        )
+    )
 
 
 def _fused_update(plan: ZeroPlan) -> bool:
@@ -468,12 +628,23 @@ def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
         found = 0.0
         for eqn in jaxpr.eqns:
             # (a scalar, such as a global norm, does not make a gradient another's)
-            inputs = [sources.get(v, frozenset()) if not isinstance(v, Literal) and v.aval.ndim
-                      else frozenset() for v in eqn.invars]
+            inputs = [
+                sources.get(v, frozenset())
+                if not isinstance(v, Literal) and v.aval.ndim
+                else frozenset()
+                for v in eqn.invars
+            ]
             if eqn.primitive.name in ("scan", "while"):
-                found = max(found, float(sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize
-                                             for v in eqn.outvars
-                                             if not only_fp32 or v.aval.dtype == jnp.float32)))
+                found = max(
+                    found,
+                    float(
+                        sum(
+                            math.prod(v.aval.shape) * v.aval.dtype.itemsize
+                            for v in eqn.outvars
+                            if not only_fp32 or v.aval.dtype == jnp.float32
+                        )
+                    ),
+                )
                 for leaves in inputs:
                     if len(leaves) == 1:
                         looped[next(iter(leaves))] = True
@@ -493,16 +664,21 @@ def _without_data(spec):
     return P(*[None if axis == DATA else axis for axis in spec])
 
 
-def _brought_in_bytes(stored, shard, tx, master,
-                      path: UpdatePath) -> tuple[float, list[float] | None]:
+def _brought_in_bytes(
+    stored, shard, tx, master, path: UpdatePath
+) -> tuple[float, list[float] | None]:
     """Offloaded state an update on the device copies in: ``(shared, per parameter)``, the
     state shared by all parameters (a step count) and each parameter's master and optimizer
     state, in the order of ``master``'s leaves, where ``path`` streams it
     (``UpdatePath.STREAMED``); ``(all of it, None)`` where it is brought in whole."""
-    sizes = [float(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize)
-             for arrays, shardings in ((stored.master, shard.master),
-                                       (stored.opt_state, shard.opt_state))
-             for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))]
+    sizes = [
+        float(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize)
+        for arrays, shardings in (
+            (stored.master, shard.master),
+            (stored.opt_state, shard.opt_state),
+        )
+        for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))
+    ]
     if path is not UpdatePath.STREAMED:
         return float(sum(sizes)), None
     count = len(jax.tree.leaves(master))
@@ -517,19 +693,24 @@ def _brought_in_bytes(stored, shard, tx, master,
     return shared, per_group
 
 
-def remat_recompute_bytes(plain, remat, *, grad_accum: int, num_layers: int,
-                          backend: str | None = None) -> float:
+def remat_recompute_bytes(
+    plain, remat, *, grad_accum: int, num_layers: int, backend: str | None = None
+) -> float:
     """What one layer's remat makes again in the backward pass, for ``estimate_step``'s
     ``recompute_bytes``: ``plain`` and ``remat`` are the same step without and with remat
     (objects with ``loss_fn, params, batch, plan, prec, gather_per_layer``; the stack of
     ``num_layers`` layers scanned under ``gather_per_layer``)."""
     micro = micro_batch(remat.batch, remat.plan.data_size, grad_accum)
     with backends.tracing_for(_compiled_for(remat.plan, backend).traits):  # where remat may offload
-        kept = [residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
-                for p in (plain, remat)]
+        kept = [
+            residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)
+            for p in (plain, remat)
+        ]
     # The layer being differentiated holds its recomputed activations and, beside them, the
     # cotangent of the largest (attention scores: XLA:GPU keeps both in fp32). The scan
     # stacks each activation over the layers, hence the division.
-    largest = largest_residual(plain.loss_fn, plain.params, micro, plain.prec,
-                                plain.gather_per_layer) / num_layers
+    largest = (
+        largest_residual(plain.loss_fn, plain.params, micro, plain.prec, plain.gather_per_layer)
+        / num_layers
+    )
     return max(kept[0] - kept[1], 0.0) / num_layers + largest

@@ -7,6 +7,7 @@ of every device), iota (``replica_groups=[2,8]<=[16]``, or ``[2,8]<=[8,2]T(1,0)`
 group per position of the axes not listed). A collective-permute names
 ``source_target_pairs={{0,1},{1,2}}`` instead.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,14 +24,17 @@ def groups_of(line: str, num_devices: int) -> list[list[int]] | None:
     """The groups of the collective on ``line`` (None when it names none this reads)."""
     explicit = _EXPLICIT.search(line)
     if explicit:
-        groups = [[int(i) for i in g.split(",") if i.strip()]
-                  for g in re.findall(r"\{([\d,\s]*)\}", explicit[1])]
+        groups = [
+            [int(i) for i in g.split(",") if i.strip()]
+            for g in re.findall(r"\{([\d,\s]*)\}", explicit[1])
+        ]
         return groups or [list(range(num_devices))]
     iota = _IOTA.search(line)
     if iota:
         shape = [int(d) for d in iota[1].split(",")]
         ids = np.arange(int(np.prod([int(d) for d in iota[2].split(",")]))).reshape(
-            [int(d) for d in iota[2].split(",")])
+            [int(d) for d in iota[2].split(",")]
+        )
         if iota[3]:
             ids = ids.transpose([int(p) for p in iota[3].split(",")])
         return ids.reshape(shape).tolist()

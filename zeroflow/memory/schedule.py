@@ -20,6 +20,7 @@ The logging has to be on before JAX starts (it is read when XLA's logging initia
 itself again with it when asked for a target. ``capture()`` then collects what one compile
 prints, keeping it off the terminal.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -41,8 +42,9 @@ _STAT = re.compile(r"\] (Total wasted cycles|Wasted cycles for [\w-]+|Total cycl
 
 def enabled() -> bool:
     """Whether this process was started with XLA's schedule statistics on."""
-    return (os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0"
-            and "latency_hiding_scheduler" in os.environ.get("TF_CPP_VMODULE", ""))
+    return os.environ.get(
+        "TF_CPP_MIN_LOG_LEVEL"
+    ) == "0" and "latency_hiding_scheduler" in os.environ.get("TF_CPP_VMODULE", "")
 
 
 def enable(env: dict | None = None) -> dict:
@@ -56,6 +58,7 @@ def enable(env: dict | None = None) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Computation:
     """One scheduled computation's statistics, in microseconds of XLA's model."""
+
     name: str
     trips: int
     "How many times it runs per step (a loop body's trip count; 1 for the entry)."
@@ -71,6 +74,7 @@ class Computation:
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """XLA:GPU's estimate of one step (an estimate, not a measurement; see the module doc)."""
+
     computations: tuple
     uncosted: tuple
     "Loop bodies XLA printed no statistics for (no asynchronous collective in them)."
@@ -86,8 +90,10 @@ class StepTime:
     def exposed_us(self, kind: str | None = None) -> float:
         """Exposed collective time per step, of one kind ('all-gather', 'reduce-scatter',
         'all-reduce', 'all-to-all', ...) or of all."""
-        return sum(c.trips * sum(v for k, v in c.wasted_us.items() if kind in (None, k))
-                   for c in self.computations)
+        return sum(
+            c.trips * sum(v for k, v in c.wasted_us.items() if kind in (None, k))
+            for c in self.computations
+        )
 
     def exposed_by_kind(self) -> dict:
         kinds = sorted({k for c in self.computations for k in c.wasted_us})
@@ -131,8 +137,11 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
         if name is None:
             continue
         values = dict(_STAT.findall(block))
-        wasted = {k.removeprefix("Wasted cycles for "): float(v) for k, v in values.items()
-                  if k.startswith("Wasted cycles for ")}
+        wasted = {
+            k.removeprefix("Wasted cycles for "): float(v)
+            for k, v in values.items()
+            if k.startswith("Wasted cycles for ")
+        }
         stats[name.group(1)] = (float(values.get("Total cycles", 0.0)), wasted)
     trips, unknown = loop_trips(hlo_text)
     outer = _enclosing_loops(hlo_text, set(trips) | unknown)
@@ -144,8 +153,9 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
         comps.append(Computation(name, count, total, {k: v for k, v in wasted.items() if v}))
     uncosted = tuple(sorted(b for b in set(trips) | unknown if b not in stats))
     if peak_flops and uncosted:
-        comps += _cost_by_flops(uncosted, comps, computations_of(hlo_text), trips, outer,
-                                peak_flops)
+        comps += _cost_by_flops(
+            uncosted, comps, computations_of(hlo_text), trips, outer, peak_flops
+        )
     return StepTime(tuple(comps), uncosted)
 
 
@@ -153,8 +163,11 @@ def _cost_by_flops(uncosted, costed, bodies, trips, outer, peak_flops) -> list:
     """Uncosted loops at their matmul flops, at the microseconds per flop XLA's model gave the
     costed loops of the same program (the same layers' matmuls, 'scaled-flops'), else at the
     GPU's dense peak ('peak-flops', a lower bound)."""
-    loops = [(c.total_us * c.trips, gemm_flops(bodies, c.name) * c.trips)
-             for c in costed if c.name in trips]
+    loops = [
+        (c.total_us * c.trips, gemm_flops(bodies, c.name) * c.trips)
+        for c in costed
+        if c.name in trips
+    ]
     us, flops = sum(u for u, f in loops if f), sum(f for _, f in loops)
     per_flop, how = (us / flops, "scaled-flops") if flops else (1e6 / peak_flops, "peak-flops")
     out = []
@@ -200,12 +213,16 @@ def gemm_flops(bodies: dict, name: str) -> float:
             for line in bodies.get(comp, ()):
                 called = _CALLED.search(line)
                 if called:  # each call site runs its computation once
-                    total += sum(of(c.strip().lstrip("%"), path + (comp,))
-                                 for c in called.group(1).split(",") if c.strip() not in path)
+                    total += sum(
+                        of(c.strip().lstrip("%"), path + (comp,))
+                        for c in called.group(1).split(",")
+                        if c.strip() not in path
+                    )
                 if " dot(" in line:
                     total += _dot_flops(line, shapes)
             memo[comp] = total
         return memo[comp]
+
     return of(name, ())
 
 
@@ -258,9 +275,13 @@ def capture():
             os.close(saved)
             tmp.seek(0)
             log.text = tmp.read().decode(errors="replace")
-    kept = [line for line in log.text.splitlines()
-            if line.startswith(("W", "E", "F")) and not line.startswith("WARNING: All log")
-            or line.startswith(("Traceback", "  File"))]
+    kept = [
+        line
+        for line in log.text.splitlines()
+        if line.startswith(("W", "E", "F"))
+        and not line.startswith("WARNING: All log")
+        or line.startswith(("Traceback", "  File"))
+    ]
     if kept:
         print("\n".join(kept), file=sys.stderr)
 
@@ -293,6 +314,7 @@ def drop_info_lines() -> None:
         os.dup2(devnull, 2)
         os.close(devnull)
         thread.join(timeout=5)
+
     atexit.register(finish)
 
 
@@ -300,9 +322,11 @@ class _Captured:
     text = ""
 
 
-NOT_ENABLED = ("XLA:GPU's step estimate needs the process started with TF_CPP_MIN_LOG_LEVEL=0 "
-               "TF_CPP_VMODULE=latency_hiding_scheduler=1 (XLA reads them at start-up; "
-               "zeroflow.memory.schedule.enable(env) sets them for a subprocess)")
+NOT_ENABLED = (
+    "XLA:GPU's step estimate needs the process started with TF_CPP_MIN_LOG_LEVEL=0 "
+    "TF_CPP_VMODULE=latency_hiding_scheduler=1 (XLA reads them at start-up; "
+    "zeroflow.memory.schedule.enable(env) sets them for a subprocess)"
+)
 
 
 DENSE_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
@@ -327,8 +351,10 @@ def timed(compile_fn, text_of=lambda compiled: compiled.as_text(), peak_flops=No
     with capture() as log:
         result = compile_fn()
     if _BLOCK not in log.text:
-        raise RuntimeError("no schedule statistics were printed: XLA:GPU's estimate needs a "
-                           "step compiled for GPUs (a zf.target_mesh or GPU devices)")
+        raise RuntimeError(
+            "no schedule statistics were printed: XLA:GPU's estimate needs a "
+            "step compiled for GPUs (a zf.target_mesh or GPU devices)"
+        )
     return result, parse(log.text, text_of(result), peak_flops)
 
 

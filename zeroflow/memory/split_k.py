@@ -12,6 +12,7 @@ where XLA splits twice as far, and for 16-wide outputs with short contractions, 
 does not split. The worst miss is a factor of four (a 16 x 2048 output at ``K`` = 131,072).
 ``tests/test_estimator_on_xla_gpu.py`` checks the fit against XLA:GPU.
 """
+
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ traces the model's loss to find its activation residuals, and the trace does not
 the stage or the offload. Tracing takes about half a second for even a tiny GPT, so the plan
 of ``configs/tiny.yaml`` spent most of a minute tracing the same three losses again and again.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,8 +21,10 @@ MAX_ENTRIES = 64
 
 def _abstract(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))),
-                           getattr(x, "sharding", None)) for x in leaves)
+    return treedef, tuple(
+        (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+        for x in leaves
+    )
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -44,8 +47,12 @@ def remembered(trace):
     @functools.wraps(trace)
     def wrapper(loss_fn, *trees, **options):
         try:
-            key = (loss_fn, tuple(_abstract(t) for t in trees),
-                   tuple(sorted((k, _option(v)) for k, v in options.items())), backend.current())
+            key = (
+                loss_fn,
+                tuple(_abstract(t) for t in trees),
+                tuple(sorted((k, _option(v)) for k, v in options.items())),
+                backend.current(),
+            )
             hash(key)
         except TypeError:  # something unhashable: trace as usual
             return trace(loss_fn, *trees, **options)
@@ -54,4 +61,5 @@ def remembered(trace):
             while len(cache) > MAX_ENTRIES:
                 cache.popitem(last=False)
         return list(cache[key])
+
     return wrapper

@@ -1,4 +1,5 @@
 """GPT model, its parameters and logical axes, loss and sampling."""
+
 from zeroflow.models.gpt import (
     GPT,
     LAYER_STACK,

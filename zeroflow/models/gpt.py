@@ -8,12 +8,14 @@ except fp32 for freshly initialised (master) parameters.
 Decoder blocks are stacked with ``nn.scan`` so every block parameter has a leading ``layers``
 axis of size ``num_layers``; ZeRO-3 can then gather one layer's slice at a time.
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -24,8 +26,17 @@ from jax.ad_checkpoint import checkpoint_name
 from zeroflow import backend
 from zeroflow.config.schema import ModelConfig, choices_of
 from zeroflow.engine.grads.collectives import save_all_but_fetched
-from zeroflow.models.axes import (EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITIONS,
-                                  VOCAB)
+from zeroflow.models.axes import (
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    MLP,
+    NORM,
+    POSITIONS,
+    VOCAB,
+)
 
 INIT_STD = 0.02
 
@@ -57,26 +68,31 @@ def check_config(cfg: ModelConfig) -> None:
     if cfg.num_heads % num_kv_heads(cfg):
         raise ValueError(
             f"model.num_heads={cfg.num_heads} must be a multiple of "
-            f"num_kv_heads={num_kv_heads(cfg)}")
+            f"num_kv_heads={num_kv_heads(cfg)}"
+        )
     if head_dim(cfg) <= 0 or (cfg.positions == "rope" and head_dim(cfg) % 2):
         raise ValueError(f"head dim {head_dim(cfg)} must be positive and even (rotary embedding)")
     if cfg.mlp == "block_sparse" and cfg.mlp_bias:
-        raise ValueError("model.mlp_bias needs model.mlp='dense' (block-sparse layers have no "
-                         "bias)")
+        raise ValueError(
+            "model.mlp_bias needs model.mlp='dense' (block-sparse layers have no bias)"
+        )
     if cfg.sliding_window and cfg.attention == "pallas":
-        raise ValueError("model.sliding_window needs attention='xla' or 'cudnn'; the pallas "
-                         "kernel has no window")
+        raise ValueError(
+            "model.sliding_window needs attention='xla' or 'cudnn'; the pallas kernel has no window"
+        )
 
 
 def _pallas_kernel(attr: str, setting: str):
     """Lazily fetch a kernel from the sibling ``pallas_kernels`` package."""
     try:
         import pallas_kernels
+
         return getattr(pallas_kernels, attr)
     except (ImportError, AttributeError) as err:
         raise ImportError(
             f"model.{setting} needs pallas_kernels.{attr}, which could not be imported ({err}); "
-            "install the pallas_kernels package or choose another setting") from err
+            "install the pallas_kernels package or choose another setting"
+        ) from err
 
 
 def _param(module: nn.Module, name: str, init, shape, names):
@@ -97,16 +113,18 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        shape = (*x.shape[x.ndim - self.contract:], *self.features)
+        shape = (*x.shape[x.ndim - self.contract :], *self.features)
         init = nn.initializers.normal(self.stddev)
         kernel = _param(self, "kernel", init, shape, self.kernel_axes)
         x_dims = tuple(range(x.ndim - self.contract, x.ndim))
-        y = lax.dot_general(x.astype(kernel.dtype), kernel,
-                            ((x_dims, tuple(range(self.contract))), ((), ())))
+        y = lax.dot_general(
+            x.astype(kernel.dtype), kernel, ((x_dims, tuple(range(self.contract))), ((), ()))
+        )
         if self.use_bias:
-            bias_axes = self.kernel_axes[len(self.kernel_axes) - len(self.features):]
-            y = y + _param(self, "bias", nn.initializers.zeros, self.features,
-                           bias_axes).astype(y.dtype)
+            bias_axes = self.kernel_axes[len(self.kernel_axes) - len(self.features) :]
+            y = y + _param(self, "bias", nn.initializers.zeros, self.features, bias_axes).astype(
+                y.dtype
+            )
         return y
 
 
@@ -142,8 +160,11 @@ def llama3_scaled(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
     wavelength = 2 * math.pi / inv_freq
     smooth = (original / wavelength - low) / (high - low)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return jnp.where(wavelength < original / high, inv_freq,
-                     jnp.where(wavelength > original / low, inv_freq / factor, blended))
+    return jnp.where(
+        wavelength < original / high,
+        inv_freq,
+        jnp.where(wavelength > original / low, inv_freq / factor, blended),
+    )
 
 
 def rope_inv_freq(dim: int, base: float, cfg: ModelConfig | None = None) -> jax.Array:
@@ -154,8 +175,9 @@ def rope_inv_freq(dim: int, base: float, cfg: ModelConfig | None = None) -> jax.
     return inv_freq
 
 
-def apply_rope(x: jax.Array, base: float, cfg: ModelConfig | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+def apply_rope(
+    x: jax.Array, base: float, cfg: ModelConfig | None = None, positions: jax.Array | None = None
+) -> jax.Array:
     """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form).
 
     ``positions`` [batch, seq]: each token's position (packed examples restart at 0);
@@ -176,8 +198,14 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
-                     window: int = 0, segment_ids: jax.Array | None = None) -> jax.Array:
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    implementation: str,
+    window: int = 0,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
     """q [B, S, H, D], k/v [B, S, KV, D] with H a multiple of KV -> [B, S, H, D].
 
     ``window > 0`` lets each query see only the ``window`` most recent keys, itself included.
@@ -185,48 +213,65 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
     """
     if implementation == "pallas":
         return _pallas_kernel("flash_attention", "attention='pallas'")(
-            q, k, v, causal=True, segment_ids=segment_ids)
+            q, k, v, causal=True, segment_ids=segment_ids
+        )
     traits = backend.current()
     if implementation == "cudnn" and not traits.has_cudnn:
         raise ValueError(
             f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the step is "
-            f"compiled for {traits.platform!r} devices; use attention='xla' here")
+            f"compiled for {traits.platform!r} devices; use attention='xla' here"
+        )
     if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"model.attention='cudnn' needs bf16 or fp16 params, got {q.dtype}; "
-                         "set precision.params to bf16/fp16 or use attention='xla'")
+        raise ValueError(
+            f"model.attention='cudnn' needs bf16 or fp16 params, got {q.dtype}; "
+            "set precision.params to bf16/fp16 or use attention='xla'"
+        )
     # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
     local = (window - 1, 0) if window else None
     # Both paths take the segments as a boolean mask (cuDNN turns it into a bias).
     mask = None if segment_ids is None else segment_mask(segment_ids)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                        local_window_size=local, implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
+    )
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         cfg = self.cfg
         heads, kv_heads, dim = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
         qkv_bias = cfg.attn_bias in ("qkv", "all")
         q = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), use_bias=qkv_bias, name="query")(x)
         k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="key")(x)
-        v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias,
-                  name="value")(x)
+        v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="value")(x)
         q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
         if cfg.positions == "rope":
             q = apply_rope(q, cfg.rope_base, cfg, positions)
             k = apply_rope(k, cfg.rope_base, cfg, positions)
         # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
-        out = causal_attention(q, k, v, "xla" if self.is_initializing() else cfg.attention,
-                               cfg.sliding_window, segment_ids)
+        out = causal_attention(
+            q,
+            k,
+            v,
+            "xla" if self.is_initializing() else cfg.attention,
+            cfg.sliding_window,
+            segment_ids,
+        )
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
-        out = Dense((cfg.embed_dim,), (HEADS, HEAD_DIM, EMBED), contract=2,
-                    stddev=_output_std(cfg), use_bias=cfg.attn_bias == "all", name="out")(out)
+        out = Dense(
+            (cfg.embed_dim,),
+            (HEADS, HEAD_DIM, EMBED),
+            contract=2,
+            stddev=_output_std(cfg),
+            use_bias=cfg.attn_bias == "all",
+            name="out",
+        )(out)
         return checkpoint_name(out, "attn_out")
 
 
@@ -240,11 +285,16 @@ class Mlp(nn.Module):
     def _projection(self, features: int, kernel_axes, stddev: float, name: str, layout_seed: int):
         if self.cfg.mlp == "block_sparse":
             block_sparse_dense = _pallas_kernel("BlockSparseDense", "mlp='block_sparse'")
-            return block_sparse_dense(features, block_size=self.cfg.mlp_block_size,
-                                      density=self.cfg.mlp_density, layout_seed=layout_seed,
-                                      kernel_axes=kernel_axes, stddev=stddev, name=name)
-        return Dense((features,), kernel_axes, stddev=stddev, use_bias=self.cfg.mlp_bias,
-                     name=name)
+            return block_sparse_dense(
+                features,
+                block_size=self.cfg.mlp_block_size,
+                density=self.cfg.mlp_density,
+                layout_seed=layout_seed,
+                kernel_axes=kernel_axes,
+                stddev=stddev,
+                name=name,
+            )
+        return Dense((features,), kernel_axes, stddev=stddev, use_bias=self.cfg.mlp_bias, name=name)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -256,8 +306,9 @@ class Mlp(nn.Module):
             hidden = nn.silu(checkpoint_name(gate, "mlp_gate")) * up
         else:  # 'gelu' is the tanh approximation (GPT-2's gelu_new), 'gelu_exact' the erf form
             hidden = nn.gelu(up, approximate=cfg.mlp_activation == "gelu")
-        down = self._projection(cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down",
-                                layout_seed=2)(hidden)
+        down = self._projection(
+            cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down", layout_seed=2
+        )(hidden)
         return checkpoint_name(down, "mlp_down")
 
 
@@ -269,8 +320,9 @@ class Block(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> tuple[jax.Array, None]:
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, None]:
         cfg = self.cfg
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
         attn_in = Norm(cfg.norm, cfg.norm_eps, name="attn_norm")(x)
@@ -289,8 +341,11 @@ def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Modu
     if remat == "save_dots":
         # Keep the projection matmul outputs; recompute attention scores, which are O(seq^2).
         # Fetched weights are no dot outputs, so they are recomputed too.
-        return nn.remat(block, prevent_cse=False,
-                        policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        return nn.remat(
+            block,
+            prevent_cse=False,
+            policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        )
     if remat == "offload_dots":
         return nn.remat(block, prevent_cse=False, policy=offload_policy(backend.current()))
     if fetched:
@@ -305,12 +360,18 @@ def offload_policy(traits: backend.Traits):
     (XLA:CPU) the copies would save nothing: the outputs stay in device memory, as 'save_dots'
     would keep them."""
     if not traits.separate_host_memory:
-        warnings.warn(f"model.remat='offload_dots': {traits.platform} has no separate host memory; "
-                      "the matmul outputs are kept in device memory instead", stacklevel=2)
+        warnings.warn(
+            f"model.remat='offload_dots': {traits.platform} has no separate host memory; "
+            "the matmul outputs are kept in device memory instead",
+            stacklevel=2,
+        )
         return jax.checkpoint_policies.save_only_these_names(*MATMUL_OUTPUTS)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(MATMUL_OUTPUTS),
-        offload_src="device", offload_dst="pinned_host")
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(MATMUL_OUTPUTS),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
 
 
 LAYER_STACK = "layers"
@@ -329,18 +390,29 @@ class GPT(nn.Module):
     "Applied to each layer's params inside the scan: ZeRO-3 gathers one layer at a time with it."
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
-                 segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        deterministic: bool = True,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
         cfg = self.cfg
         check_config(cfg)
         block = Block
         if self.layer_transform is not None and not self.is_initializing():
             transform = self.layer_transform
-            block = nn.map_variables(Block, "params",
-                                     trans_in_fn=lambda v: {**v, "params": transform(v["params"])})
-        embedding = _param(self, "embedding", nn.initializers.normal(INIT_STD),
-                           (cfg.vocab_size, cfg.embed_dim), (VOCAB, EMBED))
+            block = nn.map_variables(
+                Block, "params", trans_in_fn=lambda v: {**v, "params": transform(v["params"])}
+            )
+        embedding = _param(
+            self,
+            "embedding",
+            nn.initializers.normal(INIT_STD),
+            (cfg.vocab_size, cfg.embed_dim),
+            (VOCAB, EMBED),
+        )
         x = jnp.take(embedding, tokens, axis=0)
         if cfg.positions == "learned":
             x = x + self._learned_positions(tokens.shape[-1], positions).astype(x.dtype)
@@ -360,21 +432,34 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             unembed, spec = embedding, "bsd,vd->bsv"
         else:
-            unembed = _param(self, "lm_head", nn.initializers.normal(INIT_STD),
-                             (cfg.embed_dim, cfg.vocab_size), (EMBED, VOCAB))
+            unembed = _param(
+                self,
+                "lm_head",
+                nn.initializers.normal(INIT_STD),
+                (cfg.embed_dim, cfg.vocab_size),
+                (EMBED, VOCAB),
+            )
             spec = "bsd,dv->bsv"
-        logits = jnp.einsum(spec, x.astype(unembed.dtype), unembed,
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            spec, x.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32
+        )
         return logits.astype(jnp.float32)
 
     def _learned_positions(self, length: int, positions: jax.Array | None = None) -> jax.Array:
         """The first ``length`` rows of the learned position table (GPT-2's ``wpe``), or the
         rows ``positions`` names."""
-        table = _param(self, "position_embedding", nn.initializers.normal(INIT_STD),
-                       (max_positions(self.cfg), self.cfg.embed_dim), (POSITIONS, EMBED))
+        table = _param(
+            self,
+            "position_embedding",
+            nn.initializers.normal(INIT_STD),
+            (max_positions(self.cfg), self.cfg.embed_dim),
+            (POSITIONS, EMBED),
+        )
         if length > table.shape[0]:
-            raise ValueError(f"sequence of {length} tokens is longer than the "
-                             f"{table.shape[0]} learned positions (model.max_positions)")
+            raise ValueError(
+                f"sequence of {length} tokens is longer than the "
+                f"{table.shape[0]} learned positions (model.max_positions)"
+            )
         return table[:length] if positions is None else jnp.take(table, positions, axis=0)
 
 
@@ -399,8 +484,11 @@ def logical_axes(cfg: ModelConfig):
     ``is_leaf=zeroflow.models.axes.is_axis_names``.
     """
     boxed = jax.eval_shape(functools.partial(_boxed_init, cfg), jax.random.key(0))
-    return jax.tree.map(lambda box: tuple(box.names), boxed,
-                        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    return jax.tree.map(
+        lambda box: tuple(box.names),
+        boxed,
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array):
@@ -413,8 +501,10 @@ def abstract_params(cfg: ModelConfig):
     init takes a fraction of a second; planners ask for the same model many times, so the
     result is kept per model config (a fresh copy of the trees each call)."""
     shapes, axes = _abstract_params(tuple(sorted(vars(cfg).items())))
-    return (jax.tree.map(lambda x: x, shapes),
-            jax.tree.map(lambda x: x, axes, is_leaf=lambda x: isinstance(x, tuple)))
+    return (
+        jax.tree.map(lambda x: x, shapes),
+        jax.tree.map(lambda x: x, axes, is_leaf=lambda x: isinstance(x, tuple)),
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -433,8 +523,10 @@ def decay_mask(params):
 
     Decided by the leaf's name, not its rank: stacked norm scales are 2-D [layers, embed].
     """
+
     def decays(path, _):
         return getattr(path[-1], "key", None) not in ("scale", "bias")
+
     return jax.tree_util.tree_map_with_path(decays, params)
 
 

@@ -1,4 +1,5 @@
 """Next-token cross-entropy for the GPT model."""
+
 from __future__ import annotations
 
 import functools
@@ -37,13 +38,21 @@ def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, ga
         accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == targets)
         return cross_entropy_loss(logits, targets), {"accuracy": accuracy}
     targets, mask = batch["targets"], batch["loss_mask"]
-    logits = model.apply({"params": params}, batch["tokens"], deterministic=rng is None, rngs=rngs,
-                         segment_ids=batch["segment_ids"], positions=batch["positions"])
+    logits = model.apply(
+        {"params": params},
+        batch["tokens"],
+        deterministic=rng is None,
+        rngs=rngs,
+        segment_ids=batch["segment_ids"],
+        positions=batch["positions"],
+    )
     trained = mask.astype(jnp.float32)
     hits = (jnp.argmax(logits, axis=-1) == targets) * trained
     accuracy = hits.sum() / jnp.maximum(trained.sum(), 1.0)
-    return (cross_entropy_loss(logits, targets, mask),
-            {"accuracy": accuracy, "trained_tokens": trained.sum()})
+    return (
+        cross_entropy_loss(logits, targets, mask),
+        {"accuracy": accuracy, "trained_tokens": trained.sum()},
+    )
 
 
 def make_loss_fn(cfg: ModelConfig):
@@ -60,4 +69,5 @@ def make_layerwise_loss_fn(cfg: ModelConfig):
 
     def loss_fn(params, batch, gather_layer, rng=None):
         return lm_loss(params, batch, rng, model=model, gather_layer=gather_layer)
+
     return loss_fn

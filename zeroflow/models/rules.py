@@ -5,6 +5,7 @@ The short rules table: attention heads and the MLP hidden width are split over `
 dimension), and the vocabulary is split over ``model`` (vocab-parallel embedding). Everything
 else is replicated over ``model``; ZeRO shards it over ``data``.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,8 +13,8 @@ import re
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zeroflow.config.schema import ModelConfig
 from zeroflow.backend.mesh import MODEL
+from zeroflow.config.schema import ModelConfig
 from zeroflow.models import axes
 from zeroflow.models.gpt import abstract_params
 from zeroflow.util.tree import path_str
@@ -29,8 +30,10 @@ def gpt_tensor_rules(cfg: ModelConfig, model_size: int | None = None) -> list[tu
     """
     shapes, names = abstract_params(cfg)
     rules = []
-    for (path, leaf), leaf_names in zip(jax.tree_util.tree_leaves_with_path(shapes),
-                                        jax.tree.leaves(names, is_leaf=axes.is_axis_names)):
+    for (path, leaf), leaf_names in zip(
+        jax.tree_util.tree_leaves_with_path(shapes),
+        jax.tree.leaves(names, is_leaf=axes.is_axis_names),
+    ):
         spec = []
         for size, name in zip(leaf.shape, leaf_names):
             axis = LOGICAL_TO_MESH.get(name)

@@ -1,4 +1,5 @@
 """Autoregressive sampling without a KV cache: one compiled full-window forward per token."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,16 @@ def _next_token_fn(cfg_fields: tuple, top_k: int | None):
     return next_token
 
 
-def generate(params, cfg: ModelConfig, prompt_tokens: list[int], *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int | None = None, rng: jax.Array) -> list[int]:
+def generate(
+    params,
+    cfg: ModelConfig,
+    prompt_tokens: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    rng: jax.Array,
+) -> list[int]:
     """Sample ``max_new_tokens`` tokens after ``prompt_tokens`` and return only the new ones.
 
     ``temperature=0`` is greedy. The model sees at most the last ``cfg.seq_len`` tokens: the
@@ -44,8 +53,8 @@ def generate(params, cfg: ModelConfig, prompt_tokens: list[int], *, max_new_toke
     next_token = _next_token_fn(dataclasses.astuple(cfg), top_k)
     tokens = list(prompt_tokens)
     for step_rng in jax.random.split(rng, max_new_tokens):
-        context = tokens[-cfg.seq_len:]
+        context = tokens[-cfg.seq_len :]
         window = jnp.asarray([context + [0] * (cfg.seq_len - len(context))], jnp.int32)
         token = next_token(params, window, len(context) - 1, step_rng, temperature)
         tokens.append(int(token))
-    return tokens[len(prompt_tokens):]
+    return tokens[len(prompt_tokens) :]

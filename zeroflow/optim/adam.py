@@ -7,6 +7,7 @@ parameter's shape and are split with it, the per-block scales are split along th
 dimension (``zeroflow.engine.state.state_layouts``). The update dequantizes, runs Adam in fp32 and
 quantizes the new moments again, one parameter at a time.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ class ScaleByAdam8bitState(NamedTuple):
     ``blockwise.scales_shape``. A parameter of fewer than ``min_8bit_size`` entries keeps its
     moments in fp32 instead: its ``*_codes`` leaf holds the fp32 moment itself (the second moment,
     not its root), its ``*_scales`` leaf an unused fp32 scalar."""
+
     count: jax.Array
     mu_codes: optax.Updates
     mu_scales: optax.Updates
@@ -51,8 +53,8 @@ def _adam_direction(g, mu, nu, count, b1, b2, eps):
     g = g.astype(jnp.float32)
     mu = b1 * mu + (1 - b1) * g
     nu = b2 * nu + (1 - b2) * jnp.square(g)
-    mu_hat = mu / (1 - b1 ** count)
-    nu_hat = nu / (1 - b2 ** count)
+    mu_hat = mu / (1 - b1**count)
+    nu_hat = nu / (1 - b2**count)
     return mu, nu, mu_hat / (jnp.sqrt(nu_hat) + eps)
 
 
@@ -90,8 +92,12 @@ def by_slices(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 3 and shape[0] < max(shape[1:])
 
 
-def moment_bytes(optimizer: str, shape: tuple[int, ...], block_size: int = BLOCK_SIZE,
-                 min_8bit_size: int = MIN_8BIT_SIZE) -> int:
+def moment_bytes(
+    optimizer: str,
+    shape: tuple[int, ...],
+    block_size: int = BLOCK_SIZE,
+    min_8bit_size: int = MIN_8BIT_SIZE,
+) -> int:
     """Bytes of both moments of one parameter of ``shape`` under ``optimizer`` (an
     ``ADAMW_CHOICES`` name), as ``tx.init`` stores them: fp32 8 per entry, bf16 4; 8-bit one
     code per entry and one fp32 scale per block, twice (fp32 below ``min_8bit_size``; the
@@ -113,10 +119,14 @@ def _slice_by_slice(step, arrays: tuple) -> tuple:
     gradient, whose buffer takes the update direction) XLA updates it in place; a
     ``lax.map`` would allocate fresh zero-filled outputs, which XLA:GPU may create early,
     merged with other parameters' (whole stacks of fp32 alive before their update starts)."""
+
     def body(i, arrays):
         sliced = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in arrays]
-        return tuple(jax.lax.dynamic_update_index_in_dim(x, new, i, 0)
-                     for x, new in zip(arrays, step(*sliced)))
+        return tuple(
+            jax.lax.dynamic_update_index_in_dim(x, new, i, 0)
+            for x, new in zip(arrays, step(*sliced))
+        )
+
     return jax.lax.fori_loop(0, jnp.shape(arrays[0])[0], body, tuple(arrays))
 
 
@@ -128,8 +138,10 @@ def _store_moments(mu, nu, block_size, small):
     largest to 0 or to the coarse bottom decades, and mu / sqrt(nu) blows up there."""
     if small:
         return mu, jnp.zeros([], jnp.float32), nu, jnp.zeros([], jnp.float32)
-    return (*q.quantize(mu, block_size, signed=True),
-            *q.quantize(jnp.sqrt(nu), block_size, signed=False))
+    return (
+        *q.quantize(mu, block_size, signed=True),
+        *q.quantize(jnp.sqrt(nu), block_size, signed=False),
+    )
 
 
 def _load_moments(mu_codes, mu_scales, nu_codes, nu_scales, block_size, small):
@@ -139,9 +151,13 @@ def _load_moments(mu_codes, mu_scales, nu_codes, nu_scales, block_size, small):
     return mu, jnp.square(q.dequantize(nu_codes, nu_scales, block_size, signed=False))
 
 
-def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                       block_size: int = BLOCK_SIZE,
-                       min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
+def scale_by_adam_8bit(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    block_size: int = BLOCK_SIZE,
+    min_8bit_size: int = MIN_8BIT_SIZE,
+) -> optax.GradientTransformation:
     """Adam's scaling with both moments stored blockwise-quantized to 8 bits
     (``zeroflow.optim.blockwise``); parameters of fewer than ``min_8bit_size`` entries keep fp32
     moments."""
@@ -158,14 +174,17 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 return _store_moments(zero, zero, block_size, True)
             # Fresh moments are exactly zero: the code of 0 and zero scales, without quantizing.
             scales = q.scales_shape(shape, block_size)
-            return (jnp.full(shape, q.zero_code(signed=True), jnp.uint8),
-                    jnp.zeros(scales, jnp.float32),
-                    jnp.full(shape, q.zero_code(signed=False), jnp.uint8),
-                    jnp.zeros(scales, jnp.float32))
+            return (
+                jnp.full(shape, q.zero_code(signed=True), jnp.uint8),
+                jnp.zeros(scales, jnp.float32),
+                jnp.full(shape, q.zero_code(signed=False), jnp.uint8),
+                jnp.zeros(scales, jnp.float32),
+            )
 
         mu_codes, mu_scales, nu_codes, nu_scales = _unzip(params, jax.tree.map(zeros, params), 4)
-        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), mu_codes, mu_scales, nu_codes,
-                                    nu_scales)
+        return ScaleByAdam8bitState(
+            jnp.zeros([], jnp.int32), mu_codes, mu_scales, nu_codes, nu_scales
+        )
 
     def update_fn(updates, state, params=None):
         del params
@@ -185,31 +204,39 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             return step(*state)
 
         direction, mu_codes, mu_scales, nu_codes, nu_scales = _unzip(
-            updates, jax.tree.map(one, updates, state.mu_codes, state.mu_scales,
-                                  state.nu_codes, state.nu_scales), 5)
+            updates,
+            jax.tree.map(
+                one, updates, state.mu_codes, state.mu_scales, state.nu_codes, state.nu_scales
+            ),
+            5,
+        )
         return direction, ScaleByAdam8bitState(count, mu_codes, mu_scales, nu_codes, nu_scales)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def scale_by_adam_bf16(b1: float = 0.9, b2: float = 0.999,
-                       eps: float = 1e-8) -> optax.GradientTransformation:
+def scale_by_adam_bf16(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+) -> optax.GradientTransformation:
     """Adam's scaling with both moments stored in bf16 (rounded to nearest); the arithmetic runs
     in fp32."""
     _check(b1, b2, eps)
 
     def init_fn(params):
-        return ScaleByAdamBf16State(count=jnp.zeros([], jnp.int32),
-                                    mu=otu.tree_zeros_like(params, jnp.bfloat16),
-                                    nu=otu.tree_zeros_like(params, jnp.bfloat16))
+        return ScaleByAdamBf16State(
+            count=jnp.zeros([], jnp.int32),
+            mu=otu.tree_zeros_like(params, jnp.bfloat16),
+            nu=otu.tree_zeros_like(params, jnp.bfloat16),
+        )
 
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
 
         def one(g, mu, nu):
-            mu, nu, direction = _adam_direction(g, mu.astype(jnp.float32),
-                                                nu.astype(jnp.float32), count, b1, b2, eps)
+            mu, nu, direction = _adam_direction(
+                g, mu.astype(jnp.float32), nu.astype(jnp.float32), count, b1, b2, eps
+            )
             return direction.astype(g.dtype), mu.astype(jnp.bfloat16), nu.astype(jnp.bfloat16)
 
         direction, mu, nu = _unzip(updates, jax.tree.map(one, updates, state.mu, state.nu), 3)
@@ -218,26 +245,46 @@ def scale_by_adam_bf16(b1: float = 0.9, b2: float = 0.999,
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _adamw(scaling: optax.GradientTransformation, learning_rate, weight_decay: float,
-           mask: Any) -> optax.GradientTransformation:
-    return optax.chain(scaling, optax.add_decayed_weights(weight_decay, mask),
-                       optax.scale_by_learning_rate(learning_rate))
+def _adamw(
+    scaling: optax.GradientTransformation, learning_rate, weight_decay: float, mask: Any
+) -> optax.GradientTransformation:
+    return optax.chain(
+        scaling,
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
-def adamw_8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-               eps: float = 1e-8, weight_decay: float = 0.0, block_size: int = BLOCK_SIZE,
-               mask: Any = None, min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
+def adamw_8bit(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    block_size: int = BLOCK_SIZE,
+    mask: Any = None,
+    min_8bit_size: int = MIN_8BIT_SIZE,
+) -> optax.GradientTransformation:
     """AdamW (as ``optax.adamw``) whose moments are stored blockwise-quantized to 8 bits:
     ``block_size`` entries along each parameter's last axis share one fp32 scale per moment.
     The second moment is stored as its square root. Parameters of fewer than ``min_8bit_size``
     entries keep fp32 moments (0: quantize all). ``mask``: where weight decay applies (as in
     ``optax.adamw``)."""
-    return _adamw(scale_by_adam_8bit(b1, b2, eps, block_size, min_8bit_size), learning_rate,
-                  weight_decay, mask)
+    return _adamw(
+        scale_by_adam_8bit(b1, b2, eps, block_size, min_8bit_size),
+        learning_rate,
+        weight_decay,
+        mask,
+    )
 
 
-def adamw_bf16(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-               eps: float = 1e-8, weight_decay: float = 0.0,
-               mask: Any = None) -> optax.GradientTransformation:
+def adamw_bf16(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Any = None,
+) -> optax.GradientTransformation:
     """AdamW (as ``optax.adamw``) whose moments are stored in bf16."""
     return _adamw(scale_by_adam_bf16(b1, b2, eps), learning_rate, weight_decay, mask)

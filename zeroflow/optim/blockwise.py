@@ -16,6 +16,7 @@ would straddle the pieces and make XLA gather whole moments onto every device. T
 depends only on the array's shape, so a quantized state has the same shapes and values on any
 mesh, and a checkpoint loads at another device count.
 """
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """The trainer behind ``python -m zeroflow.train``."""
+
 from zeroflow.trainer.evaluation import TrainResult
 from zeroflow.trainer.loop import TrainingDiverged, train
 from zeroflow.trainer.setup import Run, build_run

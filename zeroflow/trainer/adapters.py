@@ -5,6 +5,7 @@ is frozen (stored once in the compute dtype: no master copy, optimizer state or 
 the adapters train. The engine differentiates the ``zf.lora`` loss of the trainer's own loss,
 so the model is unchanged; sampling and export read ``merged`` weights.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,10 +30,17 @@ def make_lora(loss_fn, lora_cfg: LoraConfig, base_shapes) -> zf.LoRA | None:
         return None
     paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(base_shapes)]
     if not any(re.search(lora_cfg.targets, p) for p in paths):
-        raise ValueError(f"model.lora.targets={lora_cfg.targets!r} matches no parameter; the "
-                         f"model's parameters are {', '.join(paths)}")
-    return zf.lora(loss_fn, rank=lora_cfg.rank, alpha=lora_cfg.alpha, targets=lora_cfg.targets,
-                   dropout=lora_cfg.dropout)
+        raise ValueError(
+            f"model.lora.targets={lora_cfg.targets!r} matches no parameter; the "
+            f"model's parameters are {', '.join(paths)}"
+        )
+    return zf.lora(
+        loss_fn,
+        rank=lora_cfg.rank,
+        alpha=lora_cfg.alpha,
+        targets=lora_cfg.targets,
+        dropout=lora_cfg.dropout,
+    )
 
 
 def base_rules(rules):

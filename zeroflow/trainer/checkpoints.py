@@ -19,6 +19,7 @@ unverified.
 Runs on packed records also save where their data loader is (a Grain iterator, through
 Grain's own Orbax handler: one small JSON file per process), and restore it with the state.
 """
+
 from __future__ import annotations
 
 import errno
@@ -76,23 +77,36 @@ class UnreadableCheckpoint(CheckpointError):
 
 
 class RunCheckpoints:
-    def __init__(self, directory: str | Path, keep: int, *, with_loader: bool = False,
-                 read_only: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        keep: int,
+        *,
+        with_loader: bool = False,
+        read_only: bool = False,
+    ):
         """``read_only``: for readers of a run (export, sample): nothing is created or moved."""
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max(keep, 1), create=False, read_only=read_only,
-            save_interval_steps=0 if read_only else 1, cleanup_tmp_directories=not read_only,
-            enable_async_checkpointing=False)
+            max_to_keep=None if read_only else max(keep, 1),
+            create=False,
+            read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
+            cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=False,
+        )
         if read_only:
             damage.quiet_read_only_notes()
         # Handlers named up front, so a fresh process can read item metadata before restoring.
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         if with_loader:
             import grain
+
             handlers[LOADER] = grain.checkpoint.CheckpointHandler()
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
         self._written: set[int] = set()
 
     def steps(self) -> list[int]:
@@ -108,10 +122,13 @@ class RunCheckpoints:
             log.warning("replacing checkpoint step %d in %s with this run's", step, self.directory)
             self.manager.delete(step)
         saved = portable(state)
-        items = dict(state=ocp.args.StandardSave(saved),
-                     meta=ocp.args.JsonSave({**meta, DIGESTS: checkpoint_digests.MANIFEST}))
+        items = dict(
+            state=ocp.args.StandardSave(saved),
+            meta=ocp.args.JsonSave({**meta, DIGESTS: checkpoint_digests.MANIFEST}),
+        )
         if loader is not None:
             import grain
+
             items[LOADER] = grain.checkpoint.CheckpointSave(loader)
         damage.quiet_writer_threads()
         try:
@@ -119,12 +136,13 @@ class RunCheckpoints:
             self.manager.wait_until_finished()
             if jax.process_index() == 0:  # last, once the step's folder is complete
                 checkpoint_digests.write_manifest(self.directory / str(step))
-        except Exception as e:  # noqa: BLE001  orbax/tensorstore wrap the OSError their own way
+        except Exception as e:
             if not _no_space(e):
                 raise
             raise self._disk_full(step, _nbytes(saved)) from None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices(f"zeroflow: step {step} saved with its digests")
         self._written.add(step)
 
@@ -136,19 +154,25 @@ class RunCheckpoints:
         if (self.directory / str(step)).is_dir() and step not in self._written:
             shutil.rmtree(self.directory / str(step), ignore_errors=True)
         free = shutil.disk_usage(self.directory).free
-        error = DiskFull(f"no space left on device for checkpoint step {step} in "
-                         f"{self.directory}: it needs about {needed:,} bytes, {free:,} bytes are "
-                         "free; free some space (or lower checkpoint.keep) and run the same "
-                         f"command to resume from step {max(self.steps(), default=0)}")
+        error = DiskFull(
+            f"no space left on device for checkpoint step {step} in "
+            f"{self.directory}: it needs about {needed:,} bytes, {free:,} bytes are "
+            "free; free some space (or lower checkpoint.keep) and run the same "
+            f"command to resume from step {max(self.steps(), default=0)}"
+        )
         error.errno = errno.ENOSPC
         return error
 
-    def restore(self, step: int, like: TrainState, loader=None) -> tuple[TrainState, dict[str, Any]]:
+    def restore(
+        self, step: int, like: TrainState, loader=None
+    ) -> tuple[TrainState, dict[str, Any]]:
         """Step ``step`` on ``like``'s layout. ``UnreadableCheckpoint`` when its files are
         missing or damaged; ``CheckpointError`` when it is readable but for another model."""
         if step not in self.manager.all_steps():
-            raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
-                                  f"(steps: {', '.join(map(str, self.steps())) or 'none'})")
+            raise CheckpointError(
+                f"no checkpoint at step {step} in {self.directory} "
+                f"(steps: {', '.join(map(str, self.steps())) or 'none'})"
+            )
         step_dir = self.directory / str(step)
         if problem := damage.missing_or_damaged(step_dir, self.directory):
             raise UnreadableCheckpoint(step, problem)
@@ -156,25 +180,32 @@ class RunCheckpoints:
         damage.quiet_closed_loops()
         try:
             meta_tree = self.manager.item_metadata(step)["state"]
-        except Exception as e:  # noqa: BLE001  orbax/tensorstore raise many types
+        except Exception as e:
             raise UnreadableCheckpoint(step, damage.describe(e, step_dir, self.directory)) from None
         meta_tree = getattr(meta_tree, "tree", meta_tree)
         target = checked_target(like, meta_tree, f"{self.directory}/{step}")
-        items = dict(state=ocp.args.StandardRestore(target, strict=False),
-                     meta=ocp.args.JsonRestore())
+        items = dict(
+            state=ocp.args.StandardRestore(target, strict=False), meta=ocp.args.JsonRestore()
+        )
         if loader is not None:
             if not (step_dir / LOADER).is_dir():
-                raise CheckpointError(f"{step_dir} has no data loader position "
-                                      "(saved by a run on a token stream?)")
+                raise CheckpointError(
+                    f"{step_dir} has no data loader position (saved by a run on a token stream?)"
+                )
             import grain
+
             items[LOADER] = grain.checkpoint.CheckpointRestore(loader)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise UnreadableCheckpoint(step, damage.describe(e, step_dir, self.directory)) from None
         if not verified:
-            log.warning("checkpoint step %d in %s has no digests (saved before zeroflow recorded "
-                        "them): loaded unverified", step, self.directory)
+            log.warning(
+                "checkpoint step %d in %s has no digests (saved before zeroflow recorded "
+                "them): loaded unverified",
+                step,
+                self.directory,
+            )
         return rebuild_state(restored["state"], like), dict(restored["meta"])
 
     def _verify(self, step: int, step_dir: Path) -> bool:
@@ -184,11 +215,13 @@ class RunCheckpoints:
         try:
             return checkpoint_digests.verify(step_dir, expected=expected)
         except checkpoint_digests.DigestMismatch as e:
-            raise UnreadableCheckpoint(step, f"{damage.shown(e.path, self.directory)} "
-                                             f"{e.fault}") from None
+            raise UnreadableCheckpoint(
+                step, f"{damage.shown(e.path, self.directory)} {e.fault}"
+            ) from None
 
-    def restore_latest(self, like: TrainState, loader=None
-                       ) -> tuple[TrainState, dict[str, Any]] | None:
+    def restore_latest(
+        self, like: TrainState, loader=None
+    ) -> tuple[TrainState, dict[str, Any]] | None:
         """The newest readable checkpoint on ``like``'s layout, or None when there is none.
         Newer unreadable steps are moved aside, each with a warning. When no step is
         readable nothing is moved and ``CheckpointError`` says what to do.
@@ -202,13 +235,19 @@ class RunCheckpoints:
                 continue
             for e in bad:
                 moved = self.move_aside(e.step)
-                log.warning("%s; moved it to %s, resuming from step %d", e, damage.shown(
-                    moved, self.directory), step)
+                log.warning(
+                    "%s; moved it to %s, resuming from step %d",
+                    e,
+                    damage.shown(moved, self.directory),
+                    step,
+                )
             return restored
         if bad:
-            raise CheckpointError(self.none_readable(bad) + "; to train this run from scratch "
-                                  f"move that folder away (mv {self.directory} "
-                                  f"{self.directory}.bad) or give another run.dir")
+            raise CheckpointError(
+                self.none_readable(bad) + "; to train this run from scratch "
+                f"move that folder away (mv {self.directory} "
+                f"{self.directory}.bad) or give another run.dir"
+            )
         return None
 
     def read(self, like: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
@@ -227,8 +266,10 @@ class RunCheckpoints:
                 return restored
             if not vanished:
                 break
-        raise CheckpointError(self.none_readable(bad) + "; copy the steps again if they came "
-                              "from elsewhere, or train the run again")
+        raise CheckpointError(
+            self.none_readable(bad) + "; copy the steps again if they came "
+            "from elsewhere, or train the run again"
+        )
 
     def _newest_readable(self, like: TrainState):
         """``(restored or None, unreadable steps, whether a step vanished while being read)``."""
@@ -244,15 +285,19 @@ class RunCheckpoints:
                 bad.append(e)
                 continue
             if bad:
-                log.warning("%s; using step %d, the newest readable one (resuming the run moves "
-                            "the unreadable steps aside and saves them again)",
-                            "; ".join(str(e) for e in bad), candidate)
+                log.warning(
+                    "%s; using step %d, the newest readable one (resuming the run moves "
+                    "the unreadable steps aside and saves them again)",
+                    "; ".join(str(e) for e in bad),
+                    candidate,
+                )
             return restored, bad, vanished
         return None, bad, vanished
 
     def none_readable(self, bad: list[UnreadableCheckpoint]) -> str:
-        return (f"no readable checkpoint in {self.directory}: "
-                + "; ".join(f"step {e.step}: {e.reason}" for e in sorted(bad, key=lambda e: e.step)))
+        return f"no readable checkpoint in {self.directory}: " + "; ".join(
+            f"step {e.step}: {e.reason}" for e in sorted(bad, key=lambda e: e.step)
+        )
 
     def move_aside(self, step: int) -> Path:
         """Rename an unreadable step to ``<step>.corrupt`` (``.corrupt-2``, ... if taken)."""
@@ -265,6 +310,7 @@ class RunCheckpoints:
             (self.directory / str(step)).rename(target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices(f"zeroflow: moved step {step} aside")
         self.manager.reload()
         return target

@@ -5,6 +5,7 @@ ranges, pybind objects, or a ``TypeError`` when a metadata file is gone). ``desc
 at the step's folder first (the files every complete checkpoint has) and otherwise turns the
 library's message into one sentence that names the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,18 @@ from pathlib import Path
 # the OCDBT index, when the arrays were written to an OCDBT database: per-process folders).
 REQUIRED = {"state": ("_METADATA",), "meta": ("metadata",)}
 OCDBT_INDEX = "manifest.ocdbt"
-_TRUNCATED = re.compile(r'local file "([^"]+)": Requested byte range \[\d+, (\d+)\) is not valid '
-                        r'for value of size (\d+)')
-_MISSING_ARRAY = re.compile(r'Metadata at "([^"]+)/\.zarray" in OCDBT database at local file '
-                            r'"([^"]+)" does not exist')
+_TRUNCATED = re.compile(
+    r'local file "([^"]+)": Requested byte range \[\d+, (\d+)\) is not valid '
+    r"for value of size (\d+)"
+)
+_MISSING_ARRAY = re.compile(
+    r'Metadata at "([^"]+)/\.zarray" in OCDBT database at local file '
+    r'"([^"]+)" does not exist'
+)
 _FILE_FAULT = re.compile(r'local file "([^"]*[^/"])": ([^;\[]+)')
-_NOISE = re.compile(r"\s*\[tensorstore_spec=.*|\s*See full TensorStore details.*|\s*\[source locations=.*")
+_NOISE = re.compile(
+    r"\s*\[tensorstore_spec=.*|\s*See full TensorStore details.*|\s*\[source locations=.*"
+)
 
 
 def shown(path: Path, root: Path) -> str:
@@ -68,12 +75,13 @@ def from_error(error: BaseException, step_dir: Path, root: Path) -> str:
     text = " ".join(str(error).split())
     if m := _TRUNCATED.search(text):
         file, wanted, size = m.groups()
-        return (f"{shown(Path(file), root)} is cut short ({size} bytes, at least {wanted} "
-                "expected)")
+        return f"{shown(Path(file), root)} is cut short ({size} bytes, at least {wanted} expected)"
     if m := _MISSING_ARRAY.search(text):
         array, db = m.groups()
-        return (f"array '{array}' is missing from {shown(Path(db), root)} (its index files "
-                "are missing or damaged)")
+        return (
+            f"array '{array}' is missing from {shown(Path(db), root)} (its index files "
+            "are missing or damaged)"
+        )
     if isinstance(error, KeyError):
         return f"{shown(step_dir, root)} lacks part of the checkpoint ({text.strip(chr(39))})"
     if faults := _FILE_FAULT.findall(text):
@@ -93,8 +101,10 @@ class _DropTensorStoreLeftovers(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not (str(record.msg).split("\n")[0].endswith("exception was never retrieved")
-                    and "tensorstore_spec" in str(error))
+        return not (
+            str(record.msg).split("\n")[0].endswith("exception was never retrieved")
+            and "tensorstore_spec" in str(error)
+        )
 
 
 def quiet_closed_loops() -> None:
@@ -109,6 +119,7 @@ def quiet_closed_loops() -> None:
         value = unraisable.exc_value
         if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
             previous(unraisable)
+
     hook.drops_closed_loops = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_DropTensorStoreLeftovers())
@@ -137,8 +148,12 @@ def quiet_writer_threads() -> None:
         loop_log.addFilter(_DropSiblingWriteErrors())
 
 
-_FAILED_WRITES = ("write_fragment", "RESOURCE_EXHAUSTED", "No space left on device",
-                  "Read-only file system")
+_FAILED_WRITES = (
+    "write_fragment",
+    "RESOURCE_EXHAUSTED",
+    "No space left on device",
+    "Read-only file system",
+)
 
 
 class _DropSiblingWriteErrors(logging.Filter):
@@ -150,8 +165,9 @@ class _DropSiblingWriteErrors(logging.Filter):
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             text += " " + str(record.exc_info[1])
-        return not ("exception was never retrieved" in text
-                    and any(mark in text for mark in _FAILED_WRITES))
+        return not (
+            "exception was never retrieved" in text and any(mark in text for mark in _FAILED_WRITES)
+        )
 
 
 class _DropReadOnlyNote(logging.Filter):

@@ -8,6 +8,7 @@ returned); metrics.jsonl, TensorBoard and the plot are left as they are.
     python -m zeroflow.train --config runs/tiny/config.yaml train.eval_only=true
     python -m zeroflow.train --config configs/finetune-llama.yaml train.eval_only=true
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,11 +42,16 @@ def evaluate_only(cfg: Config):
         source = f"step {meta['step']} of {directory}"
     else:
         state = run.init_state()
-        source = (f"the initial weights of {cfg.model.init_from}" if cfg.model.init_from
-                  else f"freshly initialised weights (no checkpoint in {directory})")
+        source = (
+            f"the initial weights of {cfg.model.init_from}"
+            if cfg.model.init_from
+            else f"freshly initialised weights (no checkpoint in {directory})"
+        )
     result = make_eval(run)(state)
     if not result:
-        raise ValueError(f"no held-out data to evaluate on ({run.data.summary() if run.data else 'no data'})")
+        raise ValueError(
+            f"no held-out data to evaluate on ({run.data.summary() if run.data else 'no data'})"
+        )
     if jax.process_index() == 0:
         print(f"eval only, {source}: {eval_text(result)}")
     return TrainResult(run_dir=run_dir, step=int(state.step), losses={}, eval=result)

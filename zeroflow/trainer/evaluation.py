@@ -1,6 +1,7 @@
 """Held-out evaluation of a run's state: the loss (and bits per byte for text streams) over the
 validation data's fixed batches, and the result a run returns. Shared by the training loop and
 ``train.eval_only`` (``zeroflow.trainer.evaluate_only``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from zeroflow.engine import offload
 from zeroflow.data import bits_per_byte, eval_batches
+from zeroflow.engine import offload
 from zeroflow.models import LAYER_STACK
 from zeroflow.trainer.setup import Run
 
@@ -36,7 +37,9 @@ def make_eval(run: Run):
         # No rng: evaluation is deterministic (dropout off).
         if run.gather_per_layer is None:  # LoRA: the adapted loss reads every weight whole
             return run.loss_fn(offload.to_device(state.params), batch)[0]
-        params = {k: v if k == LAYER_STACK else offload.to_device(v) for k, v in state.params.items()}
+        params = {
+            k: v if k == LAYER_STACK else offload.to_device(v) for k, v in state.params.items()
+        }
         return run.loss_fn(params, batch, offload.to_device)[0]
 
     def evaluate(state) -> dict[str, float]:
@@ -47,12 +50,18 @@ def make_eval(run: Run):
             return evaluate_packed(state, eval_loss, run)
         if len(run.data.val) <= cfg.model.seq_len:
             return {}
-        batches = eval_batches(run.data.val, num_batches=cfg.train.eval_batches,
-                               global_batch=cfg.train.batch_size, seq_len=cfg.model.seq_len,
-                               process_index=jax.process_index(), process_count=jax.process_count())
+        batches = eval_batches(
+            run.data.val,
+            num_batches=cfg.train.eval_batches,
+            global_batch=cfg.train.batch_size,
+            seq_len=cfg.model.seq_len,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
         losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
         loss = float(np.mean(losses))
         return {"eval_loss": loss, "eval_bpb": bits_per_byte(loss, run.data.tokens_per_byte)}
+
     return evaluate
 
 
@@ -60,10 +69,12 @@ def evaluate_packed(state, eval_loss, run: Run) -> dict[str, float]:
     """Mean loss per trained token of the held-out examples' fixed batches. No bits per byte:
     the loss covers only completions, not all the text the tokens stand for."""
     cfg = run.cfg
-    batches = run.data.eval_batches(num_batches=cfg.train.eval_batches,
-                                    batch_size=cfg.train.batch_size // jax.process_count(),
-                                    process_index=jax.process_index(),
-                                    process_count=jax.process_count())
+    batches = run.data.eval_batches(
+        num_batches=cfg.train.eval_batches,
+        batch_size=cfg.train.batch_size // jax.process_count(),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
     # Weight each batch by its trained tokens (this process's count stands for all).
     weights = [float(b["loss_mask"].sum()) for b in batches]
     if not batches or sum(weights) == 0:

@@ -4,6 +4,7 @@
 process 0 makes them. W&B and trackio are optional installs: asking for one that is not
 installed stops the run before it starts, naming the extra to install.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,16 +27,19 @@ def _require(module: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"run.{extra} needs the {module} package: pip install 'zeroflow[{extra}]'"
-                          ) from None
+        raise ImportError(
+            f"run.{extra} needs the {module} package: pip install 'zeroflow[{extra}]'"
+        ) from None
 
 
 class TensorBoardSink:
     def __init__(self, run_dir: Path, start_step: int, resumed: bool):
         from tensorboardX import SummaryWriter
+
         # purge_step: TensorBoard hides the events past the resumed step.
-        self.writer = SummaryWriter(str(run_dir / TB_DIR),
-                                    purge_step=start_step + 1 if resumed else None)
+        self.writer = SummaryWriter(
+            str(run_dir / TB_DIR), purge_step=start_step + 1 if resumed else None
+        )
 
     def log(self, row: dict[str, float], step: int) -> None:
         for k, v in row.items():
@@ -50,9 +54,15 @@ class WandbSink:
     def __init__(self, cfg: Config, run_dir: Path, resumed: bool):
         wandb = _require("wandb", "wandb")
         # The run's id is its folder's name, so a resumed run goes on in the same W&B run.
-        self.run = wandb.init(project=cfg.run.project, name=run_dir.name, id=_run_id(run_dir),
-                              dir=str(run_dir), mode=cfg.run.wandb, config=dataclasses.asdict(cfg),
-                              resume="allow" if resumed else None)
+        self.run = wandb.init(
+            project=cfg.run.project,
+            name=run_dir.name,
+            id=_run_id(run_dir),
+            dir=str(run_dir),
+            mode=cfg.run.wandb,
+            config=dataclasses.asdict(cfg),
+            resume="allow" if resumed else None,
+        )
 
     def log(self, row: dict[str, float], step: int) -> None:
         self.run.log(row, step=step)
@@ -64,9 +74,13 @@ class WandbSink:
 class TrackioSink:
     def __init__(self, cfg: Config, run_dir: Path, resumed: bool):
         trackio = _require("trackio", "trackio")
-        self.run = trackio.init(project=cfg.run.project, name=run_dir.name,
-                                config=dataclasses.asdict(cfg),
-                                resume="allow" if resumed else "never", auto_log_cpu=False)
+        self.run = trackio.init(
+            project=cfg.run.project,
+            name=run_dir.name,
+            config=dataclasses.asdict(cfg),
+            resume="allow" if resumed else "never",
+            auto_log_cpu=False,
+        )
 
     def log(self, row: dict[str, float], step: int) -> None:
         self.run.log(row, step=step)

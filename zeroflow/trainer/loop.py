@@ -1,4 +1,5 @@
 """The training loop: ``train(cfg)`` runs (or resumes) a run described by a Config."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,10 +10,10 @@ from pathlib import Path
 
 import jax
 
-from zeroflow.engine import frozen as frozen_weights
-from zeroflow.config.schema import Config
 from zeroflow.config.io import save_config
+from zeroflow.config.schema import Config
 from zeroflow.data import train_batch
+from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.distributed import StopVote
 from zeroflow.models import flops_per_token
 from zeroflow.trainer import adapters, loggers, run_folder
@@ -53,9 +54,14 @@ def _train_loader(run: Run):
     """A Grain iterator of this process's packed training batches (None for token streams)."""
     if run.data is None or not getattr(run.data, "packed", False):
         return None
-    return iter(run.data.train_batches(batch_size=run.cfg.train.batch_size // jax.process_count(),
-                                       seed=run.cfg.train.seed, process_index=jax.process_index(),
-                                       process_count=jax.process_count()))
+    return iter(
+        run.data.train_batches(
+            batch_size=run.cfg.train.batch_size // jax.process_count(),
+            seed=run.cfg.train.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+    )
 
 
 def _host_metrics(metrics) -> dict[str, float]:
@@ -68,19 +74,22 @@ def _check_finite(step: int, m: dict[str, float], run: Run, checkpoints: RunChec
             raise TrainingDiverged(
                 f"step {step}: non-finite gradients with finite loss {m['loss']:.4g} and no dynamic "
                 f"loss scaling (precision.loss_scale={run.prec.loss_scale}); the update was skipped "
-                f"and nothing was saved. Last checkpoint: {_last(checkpoints)}")
+                f"and nothing was saved. Last checkpoint: {_last(checkpoints)}"
+            )
         if m["consecutive_skips"] >= run.prec.max_consecutive_skips:
             raise TrainingDiverged(
                 f"step {step}: {int(m['consecutive_skips'])} steps in a row skipped for non-finite "
                 f"gradients (precision.max_consecutive_skips={run.prec.max_consecutive_skips}); the "
                 f"loss scale is {m['loss_scale']:g} (precision.min_scale={run.prec.min_scale:g}) and "
                 f"the gradients are still non-finite; stopped without saving. Last checkpoint: "
-                f"{_last(checkpoints)}. Try precision.params=bf16 or a lower train.lr")
+                f"{_last(checkpoints)}. Try precision.params=bf16 or a lower train.lr"
+            )
         return
     raise TrainingDiverged(
         f"step {step}: loss is {m['loss']} (the forward pass itself is non-finite, which loss "
         f"scaling cannot cause); stopped without saving. Last checkpoint: {_last(checkpoints)}. "
-        f"Try a lower train.lr or precision.params=bf16/fp32")
+        f"Try a lower train.lr or precision.params=bf16/fp32"
+    )
 
 
 def _last(checkpoints: RunCheckpoints) -> str:
@@ -110,18 +119,24 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
         run_folder.check_same_model(run_dir, previous, cfg)
     run = build_run(cfg)
     loader = _train_loader(run)
-    checkpoints = RunCheckpoints(checkpoints_dir, cfg.checkpoint.keep,
-                                 with_loader=loader is not None)
+    checkpoints = RunCheckpoints(
+        checkpoints_dir, cfg.checkpoint.keep, with_loader=loader is not None
+    )
     state, resumed = _restored_or_fresh(run, checkpoints, loader)
     start = int(state.step)
-    if start == cfg.train.steps and cfg.train.eval_batches > 0 and not \
-            run_folder.final_eval_recorded(run_dir, start):
+    if (
+        start == cfg.train.steps
+        and cfg.train.eval_batches > 0
+        and not run_folder.final_eval_recorded(run_dir, start)
+    ):
         return _final_eval_only(run, state, checkpoints, held, progress)
     if start >= cfg.train.steps:
         checkpoints.close()
         if jax.process_index() == 0:
-            print(f"{run_dir}: the checkpoint is at step {start}, train.steps is {cfg.train.steps}: "
-                  "nothing to do (raise train.steps to train on)")
+            print(
+                f"{run_dir}: the checkpoint is at step {start}, train.steps is {cfg.train.steps}: "
+                "nothing to do (raise train.steps to train on)"
+            )
         return TrainResult(run_dir=run_dir, step=start, losses={}, eval={})
     if resumed:
         run_folder.announce_schedule_change(previous, cfg, int(state.applied))
@@ -129,10 +144,16 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         save_config(cfg, run_dir / run_folder.CONFIG_FILE)
-    reporter = Reporter(run_dir, cfg.train.steps, start,
-                        progress=cfg.run.progress if progress is None else progress,
-                        cfg=cfg, flops_per_token=flops_per_token(run.model_cfg),
-                        num_devices=jax.device_count(), resumed=resumed)
+    reporter = Reporter(
+        run_dir,
+        cfg.train.steps,
+        start,
+        progress=cfg.run.progress if progress is None else progress,
+        cfg=cfg,
+        flops_per_token=flops_per_token(run.model_cfg),
+        num_devices=jax.device_count(),
+        resumed=resumed,
+    )
     if resumed:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(_banner(run, state))
@@ -140,14 +161,21 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     try:
         with _stop_on_signals() as caught:
             state, losses, last_eval, stopped_by = _train_steps(
-                run, state, loader, checkpoints, reporter, caught,
-                started=held.started if held is not None else lambda: None)
+                run,
+                state,
+                loader,
+                checkpoints,
+                reporter,
+                caught,
+                started=held.started if held is not None else lambda: None,
+            )
         failing = False
     finally:
         reporter.close(failing=failing)
         checkpoints.close()
-    return TrainResult(run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval,
-                       stopped_by=stopped_by)
+    return TrainResult(
+        run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval, stopped_by=stopped_by
+    )
 
 
 def _final_eval_only(run: Run, state, checkpoints: RunCheckpoints, held, progress) -> TrainResult:
@@ -155,13 +183,21 @@ def _final_eval_only(run: Run, state, checkpoints: RunCheckpoints, held, progres
     during it): run that evaluation alone and record it."""
     cfg, run_dir, end = run.cfg, Path(run.cfg.run.dir), int(state.step)
     checkpoints.close()
-    reporter = Reporter(run_dir, cfg.train.steps, end,
-                        progress=cfg.run.progress if progress is None else progress,
-                        cfg=cfg, flops_per_token=flops_per_token(run.model_cfg),
-                        num_devices=jax.device_count(), resumed=True)
+    reporter = Reporter(
+        run_dir,
+        cfg.train.steps,
+        end,
+        progress=cfg.run.progress if progress is None else progress,
+        cfg=cfg,
+        flops_per_token=flops_per_token(run.model_cfg),
+        num_devices=jax.device_count(),
+        resumed=True,
+    )
     try:
-        reporter.print(f"{run_dir}: step {end} is trained; running its final evaluation, "
-                       "which was not recorded")
+        reporter.print(
+            f"{run_dir}: step {end} is trained; running its final evaluation, "
+            "which was not recorded"
+        )
         last_eval = make_eval(run)(state)
         if held is not None:
             held.started()
@@ -187,11 +223,16 @@ def _restored_or_fresh(run: Run, checkpoints: RunCheckpoints, loader):
 
 def _banner(run: Run, state) -> str:
     trained, frozen = frozen_weights.count(state.trainable, state.params)
-    params = (adapters.banner(run.lora, trained, frozen) if run.lora is not None
-              else f"params: {trained:,} trained" + (f", {frozen:,} frozen" if frozen else ""))
-    return (f"{run.data.summary() if run.data else ''}  {params}"
-            + f"  mesh: {dict(run.plan.mesh.shape)}  "
-            f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}")
+    params = (
+        adapters.banner(run.lora, trained, frozen)
+        if run.lora is not None
+        else f"params: {trained:,} trained" + (f", {frozen:,} frozen" if frozen else "")
+    )
+    return (
+        f"{run.data.summary() if run.data else ''}  {params}"
+        + f"  mesh: {dict(run.plan.mesh.shape)}  "
+        f"ZeRO stage {run.plan.stage}  precision: {run.prec.summary}"
+    )
 
 
 def _batches(run: Run, loader):
@@ -202,10 +243,17 @@ def _batches(run: Run, loader):
     def batch_for(step: int):
         if loader is not None:
             return run.global_batch(next(loader))
-        local = train_batch(run.data.train, step, global_batch=cfg.train.batch_size,
-                            seq_len=cfg.model.seq_len, seed=cfg.train.seed,
-                            process_index=jax.process_index(), process_count=jax.process_count())
+        local = train_batch(
+            run.data.train,
+            step,
+            global_batch=cfg.train.batch_size,
+            seq_len=cfg.model.seq_len,
+            seed=cfg.train.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
         return run.global_batch(local)
+
     return batch_for
 
 
@@ -224,18 +272,27 @@ def _recorder(run: Run, reporter: Reporter, checkpoints: RunCheckpoints, losses:
         m["mfu"] = reporter.mfu(tokens_per_step / max(seconds, 1e-9))
         if "trained_tokens" in m:  # packed records: count only the tokens the loss trains on
             # (the loss reports the mean over devices and micro-batches of their counts).
-            m["trained_tokens"] = round(m["trained_tokens"] * run.plan.data_size
-                                        * cfg.parallel.grad_accum)
+            m["trained_tokens"] = round(
+                m["trained_tokens"] * run.plan.data_size * cfg.parallel.grad_accum
+            )
         m["tokens_per_s"] = m.get("trained_tokens", tokens_per_step) / max(seconds, 1e-9)
         # The rate the schedule gave this step's update: optax's count, i.e. the updates applied
         # before it (skipped steps do not advance it).
         m["lr"] = float(learning_rate(int(m["applied"]) - 1 + int(m["skipped"])))
         reporter.step(step, m, log_line=step % cfg.train.log_every == 0 or step == cfg.train.steps)
+
     return finish_step
 
 
-def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter: Reporter, caught,
-                 started=lambda: None):
+def _train_steps(
+    run: Run,
+    state,
+    loader,
+    checkpoints: RunCheckpoints,
+    reporter: Reporter,
+    caught,
+    started=lambda: None,
+):
     """Steps from ``state.step`` to ``train.steps``, with evaluations and checkpoints on their
     schedules; a caught signal saves and stops at the same step on every process.
     ``started()`` is called once the first step ran (compiled and dispatched). Returns
@@ -275,7 +332,9 @@ def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter:
             checkpoints.save(done, state, meta(done), loader)
         if stop:
             stopped_by = signal.Signals(stop).name
-            reporter.print(f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command")
+            reporter.print(
+                f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command"
+            )
             return state, losses, last_eval, stopped_by
     if pending is not None:
         finish_step(*pending)
@@ -284,6 +343,7 @@ def _train_steps(run: Run, state, loader, checkpoints: RunCheckpoints, reporter:
     last_eval = evaluate(state)
     if last_eval:
         reporter.write(end, last_eval)
-        reporter.print(f"final: train loss {losses.get(end, float('nan')):.4f}, "
-                       f"{eval_text(last_eval)}")
+        reporter.print(
+            f"final: train loss {losses.get(end, float('nan')):.4f}, {eval_text(last_eval)}"
+        )
     return state, losses, last_eval, None

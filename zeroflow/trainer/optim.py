@@ -1,5 +1,6 @@
 """The trainer's optimizer: warmup + cosine schedule, AdamW (moments in fp32, 8 bits or bf16:
 ``train.optimizer``) with decay masked off norms and biases, global-norm clipping. All optax."""
+
 from __future__ import annotations
 
 import optax
@@ -14,13 +15,20 @@ ADAMW = {"adamw": optax.adamw, "adamw_8bit": optim.adamw_8bit, "adamw_bf16": opt
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
 
 
 def make_optimizer(cfg: TrainConfig, decay_mask) -> optax.GradientTransformation:
     """``decay_mask``: pytree of bools (or a function of params) where weight decay applies."""
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    parts.append(ADAMW[cfg.optimizer](lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
-                                         weight_decay=cfg.weight_decay, mask=decay_mask))
+    parts.append(
+        ADAMW[cfg.optimizer](
+            lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
+        )
+    )
     return optax.chain(*parts)

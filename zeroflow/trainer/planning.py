@@ -7,6 +7,7 @@ a time. ``zeroflow.memory`` stays the engine's (any model); this is where it mee
                                      update_on="device", remat="full", target="h100")
     peak = estimate_config_step(cfg, num_devices=8, stage=3)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,23 +20,23 @@ from typing import Any
 import jax
 
 from zeroflow import backend
-
-from zeroflow.util import compat
 from zeroflow.backend import target_mesh
+from zeroflow.backend.mesh import planning_mesh
 from zeroflow.config.schema import ModelConfig
+from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
-from zeroflow.backend.mesh import planning_mesh
 from zeroflow.models import abstract_params
-from zeroflow.engine.padding import unpadded_shapes
-from zeroflow.util.tree import path_str
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
+from zeroflow.util import compat
+from zeroflow.util.tree import path_str
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSetup:
     """A jitted step with abstract inputs for one stage / offload / remat choice."""
+
     step: Any
     state: Any
     batch: Any
@@ -49,6 +50,7 @@ class StepSetup:
 class StepParts:
     """What ``zf.make_train_step`` and ``zf.memory.estimate_step`` take for the trainer's GPT
     step: abstract fp32 ``params`` and global ``batch`` (nothing allocated)."""
+
     loss_fn: Any
     params: Any
     batch: Any
@@ -60,28 +62,51 @@ class StepParts:
     "``trainable=`` (the trainer's ``train.freeze``), None when every leaf trains."
 
 
-def choice_config(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
-                  update_on: str | None = None, remat: str | None = None):
+def choice_config(
+    cfg,
+    *,
+    num_devices: int,
+    stage: int | None = None,
+    offload: str | None = None,
+    update_on: str | None = None,
+    remat: str | None = None,
+):
     """``cfg`` with one stage / offload / remat choice on ``num_devices`` data devices."""
     par = cfg.parallel
     offload = par.offload if offload is None else offload
-    update_on = (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    update_on = (
+        (par.update_on if update_on is None else update_on) if offload != "none" else "device"
+    )
     return dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, remat=cfg.model.remat if remat is None else remat),
-        parallel=dataclasses.replace(par, data=num_devices,
-                                     zero_stage=par.zero_stage if stage is None else stage,
-                                     offload=offload, update_on=update_on))
+        cfg,
+        model=dataclasses.replace(cfg.model, remat=cfg.model.remat if remat is None else remat),
+        parallel=dataclasses.replace(
+            par,
+            data=num_devices,
+            zero_stage=par.zero_stage if stage is None else stage,
+            offload=offload,
+            update_on=update_on,
+        ),
+    )
 
 
-def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: str | None = None,
-                   update_on: str | None = None, remat: str | None = None,
-                   planning: bool = False) -> StepParts:
+def gpt_step_parts(
+    cfg,
+    *,
+    num_devices: int,
+    stage: int | None = None,
+    offload: str | None = None,
+    update_on: str | None = None,
+    remat: str | None = None,
+    planning: bool = False,
+) -> StepParts:
     """The trainer's GPT step for ``cfg`` (``build_run``: its loss, optimizer and precision) on
     ``num_devices`` data-parallel devices (times ``parallel.model``); keywords override
     ``parallel.*`` / ``model.remat``. ``planning``: on a device-free ``zf.planning_mesh`` (for
     estimates), else on this machine's first devices."""
-    cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
-                        update_on=update_on, remat=remat)
+    cfg = choice_config(
+        cfg, num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, remat=remat
+    )
     if planning and cfg.model.attention == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
         # jax asks this machine's cuDNN library for its version before it traces cuDNN
         # attention, so without a GPU install it cannot be traced here (whatever the plan's
@@ -91,15 +116,23 @@ def gpt_step_parts(cfg, *, num_devices: int, stage: int | None = None, offload: 
     if planning:
         run = build_run(cfg, with_data=False, mesh=planning_mesh(num_devices, cfg.parallel.model))
     else:
-        run = build_run(cfg, with_data=False,
-                        devices=_first_devices(num_devices * cfg.parallel.model))
+        run = build_run(
+            cfg, with_data=False, devices=_first_devices(num_devices * cfg.parallel.model)
+        )
     batch = abstract_batch(cfg)
     # A LoRA run's loss is its own zf.lora object's (``build_run``); the plain GPT loss is
     # shared between configs of the same model, so that its traces are remembered.
     loss_fn = _loss_of(run.model_cfg) if run.lora is None else run.loss_fn
-    return StepParts(loss_fn=loss_fn, params=run.abstract_params(), batch=batch,
-                     tx=run.tx, plan=run.plan, prec=run.prec,
-                     gather_per_layer=run.gather_per_layer, trainable=run.trainable)
+    return StepParts(
+        loss_fn=loss_fn,
+        params=run.abstract_params(),
+        batch=batch,
+        tx=run.tx,
+        plan=run.plan,
+        prec=run.prec,
+        gather_per_layer=run.gather_per_layer,
+        trainable=run.trainable,
+    )
 
 
 def _loss_of(model_cfg):
@@ -115,41 +148,58 @@ def _loss_by_fields(fields: tuple):
 
 def _first_devices(count: int):
     if jax.device_count() < count:
-        raise ValueError(f"measuring needs {count} devices, {jax.device_count()} available "
-                         f"({jax.default_backend()})")
+        raise ValueError(
+            f"measuring needs {count} devices, {jax.device_count()} available "
+            f"({jax.default_backend()})"
+        )
     return jax.devices()[:count]
 
 
-def abstract_setup(cfg, *, num_devices: int, stage: int, offload: str, update_on: str,
-                   remat: str, target: str | None = None) -> StepSetup:
+def abstract_setup(
+    cfg,
+    *,
+    num_devices: int,
+    stage: int,
+    offload: str,
+    update_on: str,
+    remat: str,
+    target: str | None = None,
+) -> StepSetup:
     """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
     layer-wise gathering) on the first ``num_devices`` data devices, or on as many abstract
     devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
     are never materialised. An offloaded choice for a target is planned on CPU devices standing
     in for its GPUs, with their traits (``zeroflow.memory.on_target``): abstract GPUs have no
     host memory to keep the offloaded state in."""
-    cfg = choice_config(cfg, num_devices=num_devices, stage=stage, offload=offload,
-                        update_on=update_on, remat=remat)
+    cfg = choice_config(
+        cfg, num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, remat=remat
+    )
     on_target = None
     if target is not None:
         mesh = target_mesh(target, data=num_devices, model=cfg.parallel.model)
         if offload != "none":
             on_target = mesh
-            run = build_run(cfg, with_data=False, mesh=stand_in_mesh(mesh),
-                            traits=backend.of(mesh))
+            run = build_run(cfg, with_data=False, mesh=stand_in_mesh(mesh), traits=backend.of(mesh))
         else:
             run = build_run(cfg, with_data=False, mesh=mesh)
     else:
-        run = build_run(cfg, with_data=False,
-                        devices=_first_devices(num_devices * cfg.parallel.model))
+        run = build_run(
+            cfg, with_data=False, devices=_first_devices(num_devices * cfg.parallel.model)
+        )
     state = run.abstract_state()
     batch = abstract_batch(cfg, run.plan.batch_sharding())
     shapes = unpadded_shapes(state.master, state.padding.master)
     if state.frozen is not None:  # frozen parameters are parameters too
         shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-    return StepSetup(step=run.make_step(), state=state, batch=batch, plan=run.plan,
-                     num_params=num_params, target=on_target)
+    return StepSetup(
+        step=run.make_step(),
+        state=state,
+        batch=batch,
+        plan=run.plan,
+        num_params=num_params,
+        target=on_target,
+    )
 
 
 def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
@@ -164,8 +214,11 @@ def compile_config(cfg, **choice):
     ``target`` with ``model.attention: cudnn`` and no local cuDNN, cuDNN attention is lowered
     for the oldest cuDNN the CUDA plugin accepts (``compat.cudnn_for_target``)."""
     setup = abstract_setup(cfg, **choice)
-    cudnn = (compat.cudnn_for_target() if choice.get("target") and cfg.model.attention == "cudnn"
-             else contextlib.nullcontext())
+    cudnn = (
+        compat.cudnn_for_target()
+        if choice.get("target") and cfg.model.attention == "cudnn"
+        else contextlib.nullcontext()
+    )
     with cudnn:
         if setup.target is not None:
             return compile_for(setup.step, setup.state, setup.batch, setup.target), setup
@@ -176,36 +229,61 @@ def attention_note(cfg, target: str | None) -> str:
     """One line saying which attention a compiled row of ``cfg`` measured ("" for xla/pallas)."""
     if cfg.model.attention != "cudnn" or target is None:
         return ""
+
     def named(version: int) -> str:
         return f"{version // 10000}.{version // 100 % 100}"
+
     version = compat.local_cudnn_version()
     if version is not None:
         return f"cuDNN attention (lowered for this machine's cuDNN {named(version)})"
-    return (f"cuDNN attention lowered for cuDNN {named(compat.TARGET_CUDNN_VERSION)} (none "
-            "installed here); its workspace, sized on a GPU, is not in the peak")
+    return (
+        f"cuDNN attention lowered for cuDNN {named(compat.TARGET_CUDNN_VERSION)} (none "
+        "installed here); its workspace, sized on a GPU, is not in the peak"
+    )
 
 
-def estimate_config_step(cfg, *, num_devices: int, stage: int | None = None,
-                         offload: str | None = None, update_on: str | None = None,
-                         remat: str | None = None, backend: str | None = None) -> PeakEstimate:
+def estimate_config_step(
+    cfg,
+    *,
+    num_devices: int,
+    stage: int | None = None,
+    offload: str | None = None,
+    update_on: str | None = None,
+    remat: str | None = None,
+    backend: str | None = None,
+) -> PeakEstimate:
     """``zf.memory.estimate_step`` for the trainer's GPT step of ``cfg`` on ``num_devices``
     data-parallel devices (times ``parallel.model``); keywords override ``parallel.*`` /
     ``model.remat``. Needs no devices (a planning mesh) and allocates nothing. ``backend``:
     "gpu" or "cpu"; by default the planning mesh's, a GPU's (pass "cpu" to compare with a step
     compiled by XLA:CPU)."""
-    choice = dict(num_devices=num_devices, stage=stage, offload=offload, update_on=update_on,
-                  planning=True)
+    choice = dict(
+        num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, planning=True
+    )
     parts = gpt_step_parts(cfg, remat=remat, **choice)
     remat = cfg.model.remat if remat is None else remat
     recompute = 0.0
     if remat != "none":  # one layer's activations, made again by its remat in the backward pass
-        recompute = remat_recompute_bytes(gpt_step_parts(cfg, remat="none", **choice), parts,
-                                          grad_accum=cfg.parallel.grad_accum,
-                                          num_layers=cfg.model.num_layers, backend=backend)
-    return estimate_step(parts.loss_fn, parts.params, parts.batch, parts.tx, parts.plan,
-                         parts.prec, grad_accum=cfg.parallel.grad_accum,
-                         gather_per_layer=parts.gather_per_layer, backend=backend,
-                         recompute_bytes=recompute, trainable=parts.trainable)
+        recompute = remat_recompute_bytes(
+            gpt_step_parts(cfg, remat="none", **choice),
+            parts,
+            grad_accum=cfg.parallel.grad_accum,
+            num_layers=cfg.model.num_layers,
+            backend=backend,
+        )
+    return estimate_step(
+        parts.loss_fn,
+        parts.params,
+        parts.batch,
+        parts.tx,
+        parts.plan,
+        parts.prec,
+        grad_accum=cfg.parallel.grad_accum,
+        gather_per_layer=parts.gather_per_layer,
+        backend=backend,
+        recompute_bytes=recompute,
+        trainable=parts.trainable,
+    )
 
 
 def count_frozen_params(cfg) -> int:
@@ -216,5 +294,8 @@ def count_frozen_params(cfg) -> int:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     if not cfg.train.freeze:
         return 0
-    return sum(math.prod(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(shapes)
-               if re.search(cfg.train.freeze, path_str(p)))
+    return sum(
+        math.prod(x.shape)
+        for p, x in jax.tree_util.tree_leaves_with_path(shapes)
+        if re.search(cfg.train.freeze, path_str(p))
+    )

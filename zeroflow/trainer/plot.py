@@ -3,6 +3,7 @@ loss per logged step, held-out loss at each evaluation, tokens/s), redrawn at ea
 and at the end (``run.plot``). ``python -m zeroflow.trainer.plot RUN_DIR`` draws it again, for
 a run that is still going or one trained with the plot off.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def write_plot(run_dir: Path, title: str | None = None) -> Path | None:
     if "loss" not in series:
         return None
     import matplotlib
+
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib.figure import Figure
 

@@ -9,6 +9,7 @@ were logged by the interrupted run and are about to be logged again), then recor
 as ``{"event": "resume", "resumed_from_step": ..., "dropped_rows": ...}``: each step appears
 at most once however often a run was interrupted.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,20 @@ from zeroflow.trainer import loggers
 from zeroflow.trainer.plot import write_plot
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A10G": 125e12,
-              "L4": 121e12, "V100": 125e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12,
-              "TPU v5p": 459e12, "TPU v6": 918e12}
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6": 918e12,
+}
 
 
 def device_peak_flops(device: jax.Device | None = None) -> float | None:
@@ -69,9 +81,18 @@ def trim_metrics(path: Path, step: int) -> int:
 class Reporter:
     """Owns the progress bar and the metric sinks; only process 0 writes."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, progress: bool,
-                 cfg: Config, flops_per_token: float, num_devices: int,
-                 resumed: bool = False):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        *,
+        progress: bool,
+        cfg: Config,
+        flops_per_token: float,
+        num_devices: int,
+        resumed: bool = False,
+    ):
         self.is_main = jax.process_index() == 0
         self.peak = device_peak_flops()
         self.flops_per_token = flops_per_token
@@ -86,18 +107,27 @@ class Reporter:
             dropped = trim_metrics(run_dir / METRICS, start_step)
             self.jsonl = open(run_dir / METRICS, "a", encoding="utf-8")
             if resumed or dropped:
-                self._row({"event": "resume", "resumed_from_step": start_step,
-                           "dropped_rows": dropped})
+                self._row(
+                    {"event": "resume", "resumed_from_step": start_step, "dropped_rows": dropped}
+                )
             self.sinks = loggers.open_sinks(cfg, run_dir, start_step, resumed)
         self.progress = None
         bar = Console(stderr=True)
         # Only when both streams are terminals: while the bar is shown, rich routes stdout
         # through it, which would take the step lines away from a redirected stdout.
         if progress and self.is_main and bar.is_terminal and self.out.is_terminal:
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-                                     console=bar, transient=False)
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(bar_width=16),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeRemainingColumn(),
+                console=bar,
+                transient=False,
+            )
+            self.task = self.progress.add_task(
+                "train", total=total_steps, completed=start_step, stats=""
+            )
             self.progress.start()
 
     def mfu(self, tokens_per_s: float) -> float | None:
@@ -109,8 +139,10 @@ class Reporter:
         """``m``: host floats for one finished step (1-based ``step``)."""
         if self.progress is not None:
             mfu = m.get("mfu")
-            stats = (f"loss {m['loss']:.3f} {m['tokens_per_s']:,.0f} tok/s {m['step_time'] * 1e3:.0f} ms"
-                     f" scale {m['loss_scale']:g} MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a"))
+            stats = (
+                f"loss {m['loss']:.3f} {m['tokens_per_s']:,.0f} tok/s {m['step_time'] * 1e3:.0f} ms"
+                f" scale {m['loss_scale']:g} MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a")
+            )
             self.progress.update(self.task, completed=step, stats=stats)
         if log_line:
             self.write(step, m)
@@ -122,8 +154,11 @@ class Reporter:
             return
         row = {"step": step, **{k: _plain(v) for k, v in m.items()}}
         self._row(row)
-        numbers = {k: v for k, v in row.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numbers = {
+            k: v
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         for sink in self.sinks:
             sink.log(numbers, step)
         if "eval_loss" in row:
@@ -136,10 +171,9 @@ class Reporter:
             return
         try:
             write_plot(self.run_dir)
-        except Exception as e:  # noqa: BLE001 - the run's results matter more than its picture
+        except Exception as e:
             if report:
-                print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}",
-                      file=sys.stderr)
+                print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}", file=sys.stderr)
 
     def _row(self, row: dict[str, Any]) -> None:
         self.jsonl.write(json.dumps(row) + "\n")

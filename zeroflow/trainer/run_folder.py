@@ -13,6 +13,7 @@ the first's pid. Readers (``sample``, ``export``) take no lock. Until the run ha
 first step ran), a failure undoes what the run wrote: a folder it created is removed, and in an
 existing folder the files it added are removed and ``config.yaml`` / ``metrics.jsonl`` put back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,8 @@ import os
 import shutil
 from pathlib import Path
 
-from zeroflow.config.schema import Config
 from zeroflow.config.io import ConfigError, load_config
+from zeroflow.config.schema import Config
 from zeroflow.trainer.optim import lr_schedule
 
 log = logging.getLogger("zeroflow")
@@ -48,18 +49,23 @@ def previous_config(run_dir: Path) -> Config | None:
     try:
         return load_config(path)
     except ConfigError as e:
-        raise ConfigError(f"{path} (written by the run already in this folder) cannot be read: "
-                          f"{e}; restore it, or give another run.dir") from None
+        raise ConfigError(
+            f"{path} (written by the run already in this folder) cannot be read: "
+            f"{e}; restore it, or give another run.dir"
+        ) from None
 
 
 def model_differences(previous: Config, cfg: Config) -> list[str]:
     """``"model.embed_dim is 128 there, 64 here"`` for each field that makes another model."""
-    out = [f"model.{key} is {old!r} there, {new!r} here"
-           for key, old, new in _field_pairs(previous.model, cfg.model)
-           if key not in RESUMABLE_MODEL_FIELDS and old != new]
+    out = [
+        f"model.{key} is {old!r} there, {new!r} here"
+        for key, old, new in _field_pairs(previous.model, cfg.model)
+        if key not in RESUMABLE_MODEL_FIELDS and old != new
+    ]
     if previous.data.tokenizer != cfg.data.tokenizer:
-        out.append(f"data.tokenizer is {previous.data.tokenizer!r} there, "
-                   f"{cfg.data.tokenizer!r} here")
+        out.append(
+            f"data.tokenizer is {previous.data.tokenizer!r} there, {cfg.data.tokenizer!r} here"
+        )
     return out
 
 
@@ -80,9 +86,11 @@ def check_same_model(run_dir: Path, previous: Config | None, cfg: Config) -> Non
     differences = model_differences(previous, cfg)
     if differences:
         more = f" (+{len(differences) - 1} more)" if len(differences) > 1 else ""
-        raise ConfigError(f"{run_dir} holds a run of another model: {differences[0]}{more}; "
-                          "resume it with its own settings (see its config.yaml), or give "
-                          "another run.dir")
+        raise ConfigError(
+            f"{run_dir} holds a run of another model: {differences[0]}{more}; "
+            "resume it with its own settings (see its config.yaml), or give "
+            "another run.dir"
+        )
 
 
 def announce_schedule_change(previous: Config | None, cfg: Config, applied: int) -> None:
@@ -97,10 +105,17 @@ def announce_schedule_change(previous: Config | None, cfg: Config, applied: int)
     old, new = float(lr_schedule(previous.train)(applied)), float(lr_schedule(cfg.train)(applied))
     if abs(new - old) <= 1e-6 * max(abs(old), abs(new), 1e-30):
         return
-    what = ", ".join(f"train.{k} {getattr(previous.train, k)} -> {getattr(cfg.train, k)}"
-                     for k in changed)
-    log.warning("%s: the learning-rate schedule follows the new settings, so the rate after "
-                "update %d changes from %.2e to %.2e", what, applied, old, new)
+    what = ", ".join(
+        f"train.{k} {getattr(previous.train, k)} -> {getattr(cfg.train, k)}" for k in changed
+    )
+    log.warning(
+        "%s: the learning-rate schedule follows the new settings, so the rate after "
+        "update %d changes from %.2e to %.2e",
+        what,
+        applied,
+        old,
+        new,
+    )
 
 
 class RunFolderInUse(ValueError):
@@ -112,16 +127,20 @@ def check_is_folder(run_dir: Path) -> None:
     for path in (run_dir, *run_dir.parents):
         if path.exists() and not path.is_dir():
             where = "is" if path == run_dir else f"is inside {path}, which is"
-            raise NotADirectoryError(f"run.dir {run_dir} {where} a file, not a folder; give "
-                                     "a folder (it is created when missing)")
+            raise NotADirectoryError(
+                f"run.dir {run_dir} {where} a file, not a folder; give "
+                "a folder (it is created when missing)"
+            )
         if path.exists():
             return
 
 
 def _not_writable(run_dir: Path, error: OSError) -> PermissionError:
-    return PermissionError(f"run.dir {run_dir} is not writable ({error.strerror or error}): a "
-                           "trainer writes its checkpoints and metrics there; make it writable "
-                           "or give another run.dir (sample and export only read it)")
+    return PermissionError(
+        f"run.dir {run_dir} is not writable ({error.strerror or error}): a "
+        "trainer writes its checkpoints and metrics there; make it writable "
+        "or give another run.dir (sample and export only read it)"
+    )
 
 
 def _make_folder(run_dir: Path) -> list[Path]:
@@ -158,9 +177,11 @@ def _lock(run_dir: Path) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunFolderInUse(f"run.dir {run_dir} is in use by another trainer ({_holder(path)}"
-                                 "); wait for it to finish or stop it, or give another run.dir "
-                                 "(sample and export may read it meanwhile)") from None
+            raise RunFolderInUse(
+                f"run.dir {run_dir} is in use by another trainer ({_holder(path)}"
+                "); wait for it to finish or stop it, or give another run.dir "
+                "(sample and export may read it meanwhile)"
+            ) from None
         try:  # the holder before us may have removed the file between our open and our lock
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -178,8 +199,11 @@ class Claim:
     def __init__(self, run_dir: Path, created: list[Path]):
         self.run_dir, self.created, self.armed = run_dir, created, True
         self.entries = {p.name for p in run_dir.iterdir()}
-        self.saved = {name: (run_dir / name).read_bytes() for name in RESTORED_ON_FAILURE
-                      if (run_dir / name).is_file()}
+        self.saved = {
+            name: (run_dir / name).read_bytes()
+            for name in RESTORED_ON_FAILURE
+            if (run_dir / name).is_file()
+        }
 
     def started(self) -> None:
         self.armed = False

@@ -1,5 +1,6 @@
 """Everything a run needs, built from a Config: data, model, mesh, plan, optimizer, state.
 With ``model.lora.rank > 0`` the parameters are ``{"base", "lora"}`` (``trainer.adapters``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,17 +12,22 @@ import numpy as np
 import optax
 
 import zeroflow as zf
-from zeroflow.config.schema import Config, ModelConfig
 from zeroflow.config.io import CONFIG_KEYS
-from zeroflow.engine.plan_rules import batch_split_problem, hierarchical_hosts_problem
-from zeroflow.engine.hosts import host_split
+from zeroflow.config.schema import Config, ModelConfig
 from zeroflow.data import RecordData, TokenData, load_data
-from zeroflow.models import (LAYER_STACK, abstract_params, decay_mask, make_layerwise_loss_fn,
-                             param_init_fn)
+from zeroflow.engine.hosts import host_split
+from zeroflow.engine.plan_rules import batch_split_problem, hierarchical_hosts_problem
+from zeroflow.models import (
+    LAYER_STACK,
+    abstract_params,
+    decay_mask,
+    make_layerwise_loss_fn,
+    param_init_fn,
+)
 from zeroflow.models.rules import gpt_tensor_rules
-from zeroflow.util.tree import path_str
 from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
+from zeroflow.util.tree import path_str
 
 
 @dataclasses.dataclass
@@ -67,14 +73,21 @@ class Run:
         from the Hugging Face checkpoint) directly in their shards."""
         if self.model_cfg.init_from:
             from zeroflow import hf
+
             # Shardings for the parameters' own shapes (a leaf ZeRO pads is read whole and
             # padded by init_train_state).
             shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
             params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
             if self.lora is not None:  # the adapters made apart: the base is not copied
                 params = {adapters.BASE: params, adapters.ADAPTERS: jax.jit(self._adapters)()}
-            return zf.init_train_state(params, self.tx, self.plan, self.prec, rng=self.dropout_key(),
-                                       trainable=self.trainable)
+            return zf.init_train_state(
+                params,
+                self.tx,
+                self.plan,
+                self.prec,
+                rng=self.dropout_key(),
+                trainable=self.trainable,
+            )
         return self._random_state()
 
     def dropout_key(self) -> jax.Array | None:
@@ -89,21 +102,39 @@ class Run:
     def _random_state(self) -> zf.TrainState:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
-        return zf.init_train_state(lambda: self._with_adapters(init(rng)), self.tx, self.plan,
-                                   self.prec, rng=self.dropout_key(), trainable=self.trainable)
+        return zf.init_train_state(
+            lambda: self._with_adapters(init(rng)),
+            self.tx,
+            self.plan,
+            self.prec,
+            rng=self.dropout_key(),
+            trainable=self.trainable,
+        )
 
     def abstract_state(self) -> zf.TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
         shapes = jax.eval_shape(self._random_state)
-        shardings = zf.state_shardings(self.abstract_params(), self.tx, self.plan,
-                                       self.prec, rng=self.dropout_key(), trainable=self.trainable)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, shardings)
+        shardings = zf.state_shardings(
+            self.abstract_params(),
+            self.tx,
+            self.plan,
+            self.prec,
+            rng=self.dropout_key(),
+            trainable=self.trainable,
+        )
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+        )
 
     def make_step(self):
-        return zf.make_train_step(self.loss_fn, self.tx, self.plan, self.prec,
-                                  grad_accum=self.cfg.parallel.grad_accum,
-                                  gather_per_layer=self.gather_per_layer)
+        return zf.make_train_step(
+            self.loss_fn,
+            self.tx,
+            self.plan,
+            self.prec,
+            grad_accum=self.cfg.parallel.grad_accum,
+            gather_per_layer=self.gather_per_layer,
+        )
 
     def global_batch(self, local: np.ndarray | dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of the batch (token windows, or a packed batch's dict) -> global
@@ -139,6 +170,7 @@ def lm_loss_fn(model_cfg: ModelConfig):
 
     def lm_loss(params, batch, gather_layer=None, *, rng=None):
         return loss(params, batch, gather_layer, rng)
+
     return lm_loss
 
 
@@ -148,12 +180,12 @@ def run_model_config(cfg: Config) -> ModelConfig:
     if not cfg.model.init_from:
         return cfg.model
     from zeroflow import hf
+
     architecture = hf.with_run_fields(hf.read_config(cfg.model.init_from).model, cfg.model)
     return dataclasses.replace(architecture, lora=cfg.model.lora)
 
 
-def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None,
-              traits=None) -> Run:
+def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, traits=None) -> Run:
     """``devices``: the devices the mesh spans (default: all); ``mesh``: a mesh to plan on
     instead (``zf.planning_mesh`` for memory estimates, ``zf.target_mesh`` to compile for GPUs
     this machine has not); ``traits``: the backend the plan shapes the step for, when not the
@@ -161,24 +193,30 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None,
     model_cfg = run_model_config(cfg)
     data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
     if data is not None and model_cfg.init_from and data.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"data.tokenizer has {data.vocab_size} tokens but {model_cfg.init_from} "
-                         f"embeds {model_cfg.vocab_size}; use that model's tokenizer")
+        raise ValueError(
+            f"data.tokenizer has {data.vocab_size} tokens but {model_cfg.init_from} "
+            f"embeds {model_cfg.vocab_size}; use that model's tokenizer"
+        )
     if data is not None and data.vocab_size != model_cfg.vocab_size and not model_cfg.init_from:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=data.vocab_size)
     par = cfg.parallel
-    mesh = mesh if mesh is not None else zf.make_mesh(data=par.data, model=par.model, devices=devices)
+    mesh = (
+        mesh if mesh is not None else zf.make_mesh(data=par.data, model=par.model, devices=devices)
+    )
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
     if model_cfg.lora.rank > 0:
         rules = adapters.base_rules(rules)
     if par.hierarchical:  # the one rule the mesh decides, spelled with the config's keys
-        problem = hierarchical_hosts_problem(True, host_split(mesh, par.hosts or None).hosts,
-                                             CONFIG_KEYS)
+        problem = hierarchical_hosts_problem(
+            True, host_split(mesh, par.hosts or None).hosts, CONFIG_KEYS
+        )
         if problem:
             raise ValueError(problem)
     plan = zf.ZeroPlan(mesh, tensor_rules=rules, traits=traits, **par.plan_settings())
     prec = zf.Precision.from_config(cfg.precision)
-    batch_problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, plan.data_size,
-                                        CONFIG_KEYS)
+    batch_problem = batch_split_problem(
+        cfg.train.batch_size, par.grad_accum, plan.data_size, CONFIG_KEYS
+    )
     if batch_problem:
         raise ValueError(batch_problem)
     shapes, _ = abstract_params(model_cfg)
@@ -193,8 +231,18 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None,
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
     # computed from what it is given.
     tx = make_optimizer(cfg.train, decay_mask if trainable else decay_mask(shapes))
-    return Run(cfg=cfg, model_cfg=model_cfg, data=data, plan=plan, prec=prec, tx=tx,
-               loss_fn=loss_fn, trainable=trainable, lora=lora, adapter_sites=sites)
+    return Run(
+        cfg=cfg,
+        model_cfg=model_cfg,
+        data=data,
+        plan=plan,
+        prec=prec,
+        tx=tx,
+        loss_fn=loss_fn,
+        trainable=trainable,
+        lora=lora,
+        adapter_sites=sites,
+    )
 
 
 def freeze_rule(pattern: str, shapes):
@@ -206,9 +254,12 @@ def freeze_rule(pattern: str, shapes):
     paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)]
     hits = [p for p in paths if re.search(pattern, p)]
     if not hits:
-        raise ValueError(f"train.freeze={pattern!r} matches no parameter; paths look like "
-                         f"{', '.join(paths[:4])}")
+        raise ValueError(
+            f"train.freeze={pattern!r} matches no parameter; paths look like {', '.join(paths[:4])}"
+        )
     if len(hits) == len(paths):
-        raise ValueError(f"train.freeze={pattern!r} matches every parameter: nothing would "
-                         f"train; paths look like {', '.join(paths[:4])}")
+        raise ValueError(
+            f"train.freeze={pattern!r} matches every parameter: nothing would "
+            f"train; paths look like {', '.join(paths[:4])}"
+        )
     return lambda path, _leaf: re.search(pattern, path) is None

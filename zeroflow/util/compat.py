@@ -22,6 +22,7 @@ from its version number, and each names the release that changed it:
 This module imports jax only inside its functions: ``zeroflow.util.quiet_jax`` asks which CUDA
 plugin is installed before jax is imported.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,6 +52,7 @@ def scan_split(params: dict) -> tuple[int, int]:
 
 def _compute_on_wraps_functions() -> bool:
     from jax.experimental.compute_on import compute_on
+
     return "out_memory_spaces" in inspect.signature(compute_on).parameters
 
 
@@ -62,12 +64,14 @@ def host_compute(fn: Callable) -> Callable:
 
     compiled = jax.jit(fn)
     if _compute_on_wraps_functions():  # jax >= 0.11
-        return compute_on(compiled, compute_type="device_host",
-                          out_memory_spaces=jax.memory.Space.Host)
+        return compute_on(
+            compiled, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
+        )
 
     def run(*args):  # jax <= 0.10: the jit call inside the context runs on the host
         with compute_on("device_host"):
             return compiled(*args)
+
     return run
 
 
@@ -92,6 +96,7 @@ def cuda_plugin_install_hint(jax_version: str) -> str:
 
 def _jaxlib_version() -> tuple[int, int]:
     import jaxlib.version
+
     return tuple(int(p) for p in jaxlib.version.__version__.split(".")[:2])
 
 
@@ -133,6 +138,7 @@ def local_cudnn_version() -> int | None:
     or a system install), None without one."""
     try:
         from jax._src.cudnn import fused_attention_stablehlo  # private: where jax asks
+
         return int(fused_attention_stablehlo.check_cudnn_version())
     except Exception:  # "cuDNN not found." (RuntimeError), or jax moved the check
         return None

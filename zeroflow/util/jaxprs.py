@@ -7,6 +7,7 @@ own (STYLE item 13); the memory estimator (``memory/peak.py``) follows the same 
 fetch-on-use replay. They bind equations here, the way jax's own ``eval_jaxpr`` does, and agree
 on which equations are calls. Only public jax names (``jax.extend``) are used.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,8 @@ def source_context(eqn) -> contextlib.AbstractContextManager:
     that a replayed program keeps the names of the one it was traced from (profiles, HLO)."""
     return source_info_util.user_context(
         eqn.source_info.traceback,
-        name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack)
+        name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack,
+    )
 
 
 def open_jaxpr(jaxpr) -> tuple:
@@ -77,4 +79,5 @@ def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
         return [read(a) for a in jaxpr.outvars]
 
     return jax.make_jaxpr(lambda *args: run(closed.jaxpr, closed.consts, args))(
-        *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars])
+        *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    )

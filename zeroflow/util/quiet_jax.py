@@ -10,6 +10,7 @@ be. So, only in that situation (plugin installed, no driver, JAX not yet importe
 imports JAX, and JAX later discovers its plugins, with descriptor 2 pointed at /dev/null, and
 the CPU is made JAX's platform. Python exceptions are raised as usual; nothing else is muted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,10 @@ from zeroflow.util.compat import cuda_plugin_module
 
 def has_gpu_driver() -> bool:
     """Whether this machine has an NVIDIA driver (a GPU JAX could use)."""
-    return os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None
+    return (
+        os.path.exists("/proc/driver/nvidia/version")
+        or ctypes.util.find_library("cuda") is not None
+    )
 
 
 def cuda_plugin_installed() -> bool:
@@ -50,12 +54,15 @@ def start() -> None:
     plugin's driver lines already, but no backend has started yet: the plugin's failure (a
     logged traceback) is still muted and the CPU chosen, unless a platform was."""
     if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu") or (
-            not cuda_plugin_installed() or has_gpu_driver()):
-        import jax  # noqa: F401
+        not cuda_plugin_installed() or has_gpu_driver()
+    ):
+        import jax
+
         return
     if "jax" in sys.modules:
         import jax
         from jax._src import xla_bridge
+
         if xla_bridge.backends_are_initialized():
             return
         if not jax.config.jax_platforms:
@@ -63,14 +70,16 @@ def start() -> None:
     else:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         with _stderr_muted():
-            import jax  # noqa: F401
+            import jax
     try:  # the plugin registers at the first backend use: mute that too (private hook)
         from jax._src import xla_bridge
+
         discover = xla_bridge.discover_pjrt_plugins
 
         def discover_quietly():
             with _stderr_muted():
                 return discover()
+
         xla_bridge.discover_pjrt_plugins = discover_quietly
     except (ImportError, AttributeError):  # another jax: its lines come back, nothing breaks
         pass

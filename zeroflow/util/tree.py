@@ -1,4 +1,5 @@
 """Key paths of pytree leaves, as every part of zeroflow names them."""
+
 from __future__ import annotations
 
 

@@ -23,16 +23,18 @@ it) and whose primal is plain jax: so ``jax.checkpoint`` sees the gather or copy
 recompute it (``save_all_but_fetched``), and the gradient comes from transposing the tangent
 map (an all-gather transposes to the reduce-scatter, in the tangent's fp32).
 """
+
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine import offload
 from zeroflow.backend.mesh import DATA
-from zeroflow.engine.padding import cut_to, pad_to
+from zeroflow.engine import offload
 from zeroflow.engine.hosts import index_groups
+from zeroflow.engine.padding import cut_to, pad_to
 
 
 def varying(x):
@@ -46,8 +48,9 @@ def varying(x):
         return x
 
 
-def all_gather(shard, dim: int, dtype, size: int | None = None, groups=None, *,
-               sliced: bool = False):
+def all_gather(
+    shard, dim: int, dtype, size: int | None = None, groups=None, *, sliced: bool = False
+):
     """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``), cut to
     ``size`` entries along ``dim`` when it is stored padded. ``groups``: ``axis_index_groups``
     of ``data`` that each hold a whole copy (hpZ: each host's devices), None: all devices.
@@ -59,13 +62,16 @@ def all_gather(shard, dim: int, dtype, size: int | None = None, groups=None, *,
     outside the loop (a second copy of the stack, kept for the whole step). Moved into place,
     only the one gathered slice is copied."""
     if sliced and dim > 0:
-        parts = jax.lax.all_gather(shard.astype(dtype), DATA, axis=0, tiled=False,
-                                   axis_index_groups=index_groups(groups))
+        parts = jax.lax.all_gather(
+            shard.astype(dtype), DATA, axis=0, tiled=False, axis_index_groups=index_groups(groups)
+        )
         whole = jnp.moveaxis(parts, 0, dim).reshape(
-            *shard.shape[:dim], parts.shape[0] * shard.shape[dim], *shard.shape[dim + 1:])
+            *shard.shape[:dim], parts.shape[0] * shard.shape[dim], *shard.shape[dim + 1 :]
+        )
     else:
-        whole = jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True,
-                                   axis_index_groups=index_groups(groups))
+        whole = jax.lax.all_gather(
+            shard.astype(dtype), DATA, axis=dim, tiled=True, axis_index_groups=index_groups(groups)
+        )
     return whole if size is None else cut_to(whole, dim, size)
 
 
@@ -81,12 +87,19 @@ def reduce_scatter(grad, dim: int, padded: int | None = None, dtype=jnp.float32)
     return summed.astype(jnp.float32)
 
 
-def gathered_tangent(tangent, dim: int, dtype, size: int | None = None, sliced: bool = False,
-                     reduce_dtype=jnp.float32):
+def gathered_tangent(
+    tangent,
+    dim: int,
+    dtype,
+    size: int | None = None,
+    sliced: bool = False,
+    reduce_dtype=jnp.float32,
+):
     # Linear in ``tangent`` (fp32): its transpose pads the cotangent with zeros (the transpose
     # of the cut) and reduce-scatters it in ``reduce_dtype`` (see ``reduce_scatter``).
-    return all_gather(tangent.astype(reduce_dtype), dim, reduce_dtype, size,
-                      sliced=sliced).astype(dtype)
+    return all_gather(tangent.astype(reduce_dtype), dim, reduce_dtype, size, sliced=sliced).astype(
+        dtype
+    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
@@ -106,8 +119,9 @@ def scatter_grad_on_use(weight, stand_in, dim: int, reduce_dtype=jnp.float32):
 @scatter_grad_on_use.defjvp
 def _scatter_jvp(dim, reduce_dtype, primals, tangents):
     (weight, _), (_, d_stand_in) = primals, tangents
-    return weight, gathered_tangent(d_stand_in, dim, weight.dtype, weight.shape[dim],
-                                    reduce_dtype=reduce_dtype)
+    return weight, gathered_tangent(
+        d_stand_in, dim, weight.dtype, weight.shape[dim], reduce_dtype=reduce_dtype
+    )
 
 
 @jax.custom_jvp

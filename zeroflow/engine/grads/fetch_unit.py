@@ -8,6 +8,7 @@ cannot issue every fetch at the start of the step. With prefetching, *tokens* (f
 made from values as they come to exist) pass from unit to unit, so that a fetch waits for an
 earlier unit instead and overlaps its compute (``FetchUnit``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,17 @@ NO_TOKENS = object()
 "``tokens`` of a unit that takes no part in prefetching."
 
 
-def run_unit(compute: Callable, sources: Sequence[Source], stored, side, data, *,
-             anchors: Sequence[int] = (), wait: Callable | None = None, tokens=NO_TOKENS):
+def run_unit(
+    compute: Callable,
+    sources: Sequence[Source],
+    stored,
+    side,
+    data,
+    *,
+    anchors: Sequence[int] = (),
+    wait: Callable | None = None,
+    tokens=NO_TOKENS,
+):
     """``compute(fetched weights, side, data)`` with the weights fetched from ``stored`` (one
     entry per source) after ``data[anchors]`` exist (forward) and again after the cotangent
     exists (backward); ``wait=None``: the compiler places the fetches. ``side``: constant
@@ -57,6 +67,7 @@ class FetchUnit:
     scatter had nothing to overlap when the gather could start first). The unit whose fetch
     token nothing uses (the last) fetches again as soon as its forward output exists, so that
     gather overlaps the loss instead of stalling the turn from forward to backward."""
+
     compute: Callable
     sources: tuple
     anchors: tuple
@@ -66,12 +77,15 @@ class FetchUnit:
         @jax.custom_vjp
         def unit(stored, side, data, tokens):
             return self.forward(stored, side, data, tokens)
+
         unit.defvjp(self.forward_saving, self.backward, symbolic_zeros=True)
         return unit(stored, side, data, tokens)
 
     def fetched(self, stored, tie):
-        return [src.fetch(self.wait(x, tie) if self.wait is not None and src.ordered else x)
-                for src, x in zip(self.sources, stored)]
+        return [
+            src.fetch(self.wait(x, tie) if self.wait is not None and src.ordered else x)
+            for src, x in zip(self.sources, stored)
+        ]
 
     def forward(self, stored, side, data, tokens):
         own = [data[j] for j in self.anchors]
@@ -102,8 +116,7 @@ class FetchUnit:
 
         def of_trained(trained, side, data):  # frozen weights enter as constants
             given = iter(trained)
-            return self.compute([next(given) if t else x for t, x in zip(trains, full)], side,
-                                data)
+            return self.compute([next(given) if t else x for t, x in zip(trains, full)], side, data)
 
         _, vjp = jax.vjp(of_trained, [x for t, x in zip(trains, full) if t], side, data)
         d_trained, d_side, d_data = vjp(cotangent)
@@ -111,8 +124,10 @@ class FetchUnit:
             d_trained = self.wait(d_trained, [d_grads])
         d_trained = iter(d_trained)
         # None: a zero cotangent for a frozen weight, which nothing differentiates anyway.
-        given = [src.give_back(x, next(d_trained)) if t else None
-                 for src, x, t in zip(self.sources, stored, trains)]
+        given = [
+            src.give_back(x, next(d_trained)) if t else None
+            for src, x, t in zip(self.sources, stored, trains)
+        ]
         if tokens is None:
             return given, d_side, d_data, None
         return given, d_side, d_data, _tokens_back(tokens, cotangent, d_grads, given)
@@ -126,8 +141,10 @@ def _tokens_back(tokens, cotangent, d_grads, given):
     ahead, previous = tokens
     finished = None if _is_zero(d_grads) else [d_grads]  # the later unit's reduction
     reduced = [jax.tree.leaves(g)[-1] for g in given if g is not None] or finished
-    return (None if ahead is None else token(cotangent) * (token(finished) if finished else 1.0),
-            None if previous is None or not reduced else token(reduced))
+    return (
+        None if ahead is None else token(cotangent) * (token(finished) if finished else 1.0),
+        None if previous is None or not reduced else token(reduced),
+    )
 
 
 def token(anchors):

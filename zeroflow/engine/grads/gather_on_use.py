@@ -24,6 +24,7 @@ with its body interpreted per iteration: each iteration's units fetch that itera
 forward and backward. Any other higher-order operation (``remat``, ``cond``, custom
 derivatives) that reads weights is one unit, its weights fetched for its whole duration.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,14 +34,14 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.extend.core import Literal
 
-from zeroflow.util.compat import REMAT_PRIMITIVES, scan_split
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine.grads import row_lookup, split_columns
 from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.engine.grads.fetch_unit import run_unit, token
 from zeroflow.engine.grads.sources import Frozen, Sharded, Source, Whole  # noqa: F401 (re-exported)
-from zeroflow.util.jaxprs import bind, call_body, open_jaxpr
-from zeroflow.backend.mesh import DATA
 from zeroflow.engine.ordering import after
+from zeroflow.util.compat import REMAT_PRIMITIVES, scan_split
+from zeroflow.util.jaxprs import bind, call_body, open_jaxpr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class _WeightOnly:
     """A value computed from weights (and constants) alone, not materialised: ``build(full,
     side)`` computes it from the fetched weights ``full[i]`` of ``sources`` and the constant
     arrays ``side`` (keyed by id) it also reads."""
+
     sources: frozenset
     side: dict
     build: Callable
@@ -60,8 +62,14 @@ class _WeightOnly:
 _side_ids = itertools.count()
 
 
-def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args,
-         order: bool = True, prefetch: int = 0):
+def call(
+    fn: Callable,
+    stored: Sequence,
+    sources: Sequence[Source | None],
+    *args,
+    order: bool = True,
+    prefetch: int = 0,
+):
     """``fn(weights, *args)``, where each entry of ``stored`` with a ``Source`` is fetched on
     use (forward and backward) and the others are used as they are.
 
@@ -71,22 +79,25 @@ def call(fn: Callable, stored: Sequence, sources: Sequence[Source | None], *args
     collectives synchronously anyway), 1 lets unit ``i+1``'s fetch run while unit ``i``
     computes, forward and backward (FSDP's prefetch), holding two units' weights at a time."""
     stored = list(stored)
-    avals = [jax.make_jaxpr(src.fetch)(x).out_avals[0] if src is not None else x
-             for x, src in zip(stored, sources)]
+    avals = [
+        jax.make_jaxpr(src.fetch)(x).out_avals[0] if src is not None else x
+        for x, src in zip(stored, sources)
+    ]
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(avals, *args)
     # The jaxpr's inputs are the flattened entries: a fetched weight is one input, any other
     # entry (possibly a small pytree itself) as many as it has arrays; the data is dynamic.
     inputs, dynamic = [], []
     for i, (x, src) in enumerate(zip(stored, sources)):
-        parts = ([_weight_itself(i)] if src is not None else jax.tree.leaves(x))
+        parts = [_weight_itself(i)] if src is not None else jax.tree.leaves(x)
         inputs += parts
         dynamic += [src is None] * len(parts)
     flat_args = jax.tree.leaves(args)
     inputs += flat_args
     dynamic += [True] * len(flat_args)
     replay = _Replay(stored, sources, order, prefetch)
-    outs = [replay.materialise(x)
-            for x, _ in replay.run(closed.jaxpr, closed.consts, inputs, dynamic)]
+    outs = [
+        replay.materialise(x) for x, _ in replay.run(closed.jaxpr, closed.consts, inputs, dynamic)
+    ]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
@@ -98,8 +109,9 @@ class _Replay:
     """The interpreter: one pass over a jaxpr, deferring weight-only values and turning each
     operation that meets data into a unit."""
 
-    def __init__(self, stored, sources, order: bool = True, prefetch: int = 0,
-                 rematerialised: bool = False):
+    def __init__(
+        self, stored, sources, order: bool = True, prefetch: int = 0, rematerialised: bool = False
+    ):
         self.stored, self.sources = stored, sources
         self.wait = after if order else None  # how a fetch waits (see fetch_unit)
         self.prefetch = prefetch if order else 0
@@ -143,8 +155,11 @@ class _Replay:
     def _sliceable(self, value) -> bool:
         """A stored weight itself (not a value computed from it) that a scan can take one
         leading-axis slice of per iteration, each still split over devices."""
-        return (isinstance(value, _WeightOnly) and value.direct is not None
-                and self.sources[value.direct].layer() is not None)
+        return (
+            isinstance(value, _WeightOnly)
+            and value.direct is not None
+            and self.sources[value.direct].layer() is not None
+        )
 
     def _scannable(self, eqn, values) -> bool:
         """A scan over a stack of weights (one slice per iteration): each iteration then
@@ -161,8 +176,12 @@ class _Replay:
         params = eqn.params
         n_consts, n_carry = scan_split(params)
         split = n_consts + n_carry
-        values = [self.materialise(v) if isinstance(v, _WeightOnly) and not (
-            k >= split and self._sliceable(v)) else v for k, (v, _) in enumerate(ins)]
+        values = [
+            self.materialise(v)
+            if isinstance(v, _WeightOnly) and not (k >= split and self._sliceable(v))
+            else v
+            for k, (v, _) in enumerate(ins)
+        ]
         dynamic = [d for _, d in ins]
         consts, carry = values[:n_consts], values[n_consts:split]
         xs = values[split:]
@@ -179,21 +198,32 @@ class _Replay:
             # collective pipeliner (see backend.compiler_options), which is what overlaps it.
             inner = _Replay(stored_t, layer_sources, order=False, rematerialised=True)
             data_iter = iter(data_t)
-            inputs = list(consts) + list(carry) + [
-                _weight_itself(position[x.direct]) if isinstance(x, _WeightOnly)
-                else next(data_iter)
-                for x in xs]
-            outs = inner.run(body.jaxpr, body.consts, inputs,
-                             dynamic[:split] + [True] * len(xs))
+            inputs = (
+                list(consts)
+                + list(carry)
+                + [
+                    _weight_itself(position[x.direct])
+                    if isinstance(x, _WeightOnly)
+                    else next(data_iter)
+                    for x in xs
+                ]
+            )
+            outs = inner.run(body.jaxpr, body.consts, inputs, dynamic[:split] + [True] * len(xs))
             outs = [inner.materialise(v) for v, _ in outs]
             return outs[:n_carry], outs[n_carry:]
 
         if self.prefetch:  # the next unit's fetch may start as the scan starts
-            self.fetch_tokens.append(token([v for v, d in zip(values, dynamic)
-                                            if d and not isinstance(v, _WeightOnly)]))
-        carry, ys = jax.lax.scan(step, list(carry), ([self.stored[i] for i in weights], data_xs),
-                                 length=params["length"], reverse=params["reverse"],
-                                 unroll=params["unroll"])
+            self.fetch_tokens.append(
+                token([v for v, d in zip(values, dynamic) if d and not isinstance(v, _WeightOnly)])
+            )
+        carry, ys = jax.lax.scan(
+            step,
+            list(carry),
+            ([self.stored[i] for i in weights], data_xs),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
         return list(carry) + list(ys)
 
     def _defer(self, eqn, values):
@@ -213,10 +243,16 @@ class _Replay:
 
         def build(full, side, k):
             return bind(eqn, [b(full, side) for b in builders])[k]
-        cast_of = (values[0].cast_of if eqn.primitive.name == "convert_element_type"
-                   and isinstance(values[0], _WeightOnly) else None)
-        return [_WeightOnly(sources, side, lambda full, s, k=k: build(full, s, k), cast_of=cast_of)
-                for k in range(len(eqn.outvars))]
+
+        cast_of = (
+            values[0].cast_of
+            if eqn.primitive.name == "convert_element_type" and isinstance(values[0], _WeightOnly)
+            else None
+        )
+        return [
+            _WeightOnly(sources, side, lambda full, s, k=k: build(full, s, k), cast_of=cast_of)
+            for k in range(len(eqn.outvars))
+        ]
 
     def materialise(self, value):
         """A weight-only value made concrete, with the gradient going back to its sources (it is an
@@ -224,10 +260,16 @@ class _Replay:
         if not isinstance(value, _WeightOnly):
             return value
         order = sorted(value.sources)
-        return run_unit(lambda full, side, data: [value.build(dict(zip(order, full)),
-                                                              dict(zip(list(value.side), side)))],
-                        [self.sources[i] for i in order], [self.stored[i] for i in order],
-                        list(value.side.values()), [], wait=self.wait)[0]
+        return run_unit(
+            lambda full, side, data: [
+                value.build(dict(zip(order, full)), dict(zip(list(value.side), side)))
+            ],
+            [self.sources[i] for i in order],
+            [self.stored[i] for i in order],
+            list(value.side.values()),
+            [],
+            wait=self.wait,
+        )[0]
 
     def _rematerialised(self, eqn, ins):
         """In a scan body: the operation as a ``jax.checkpoint`` that fetches its weights
@@ -247,12 +289,14 @@ class _Replay:
             if not remat:
                 return bind(eqn, vals)
             body = _Replay([], [], order=False)
-            return [v for v, _ in body.run(*open_jaxpr(eqn.params["jaxpr"]), vals,
-                                           [True] * len(vals))]
+            return [
+                v for v, _ in body.run(*open_jaxpr(eqn.params["jaxpr"]), vals, [True] * len(vals))
+            ]
 
         policy = _but_fetched(eqn.params.get("policy") if remat else None)
         return jax.checkpoint(run, policy=policy, prevent_cse=False)(
-            [self.stored[i] for i in ops.order], ops.side_values, ops.data)
+            [self.stored[i] for i in ops.order], ops.side_values, ops.data
+        )
 
     def _lookup(self, eqn, values):
         """A row lookup in a table split by rows (``row_lookup``), or None when ``eqn`` is not
@@ -285,13 +329,20 @@ class _Replay:
             return None
         src = self._plain_source(values[1], 1)
         data_aval, weight_aval = (v.aval for v in eqn.invars)
-        if src is None or not split_columns.applies(eqn, data_aval, weight_aval, src.dim,
-                                                    jax.lax.axis_size(DATA)):
+        if src is None or not split_columns.applies(
+            eqn, data_aval, weight_aval, src.dim, jax.lax.axis_size(DATA)
+        ):
             return None
         stored = self.stored[values[1].cast_of]
         shard, stand_in = (stored, None) if src.frozen else stored
-        out = split_columns.matmul(values[0], shard, stand_in, weight_aval.dtype,
-                                   eqn.outvars[0].aval.dtype, weight_aval.shape[1])
+        out = split_columns.matmul(
+            values[0],
+            shard,
+            stand_in,
+            weight_aval.dtype,
+            eqn.outvars[0].aval.dtype,
+            weight_aval.shape[1],
+        )
         if self.prefetch:  # the next unit's fetch may start once the product is there
             self.fetch_tokens.append(token([out]))
         return [out]
@@ -311,15 +362,21 @@ class _Replay:
         def compute(full_list, side_list, data):
             return bind(eqn, ops.values_with(dict(zip(ops.order, full_list)), side_list, data))
 
-        args = (compute, [self.sources[i] for i in ops.order],
-                [self.stored[i] for i in ops.order], ops.side_values, ops.data)
+        args = (
+            compute,
+            [self.sources[i] for i in ops.order],
+            [self.stored[i] for i in ops.order],
+            ops.side_values,
+            ops.data,
+        )
         anchors = [j for j, k in enumerate(ops.data_pos) if ins[k][1]]
         if not self.prefetch:
             return run_unit(*args, anchors=anchors, wait=self.wait)
         earlier = self.fetch_tokens
         ahead = earlier[-self.prefetch] if len(earlier) >= self.prefetch else None
         outs, (fetch_token, self.grad_token) = run_unit(
-            *args, anchors=anchors, wait=self.wait, tokens=(ahead, self.grad_token))
+            *args, anchors=anchors, wait=self.wait, tokens=(ahead, self.grad_token)
+        )
         self.fetch_tokens.append(fetch_token)
         return outs
 
@@ -336,8 +393,11 @@ class _Operands:
         for v in self.weight_only.values():
             side.update(v.side)
         self.side_keys, self.side_values = list(side), list(side.values())
-        self.data_pos = [k for k, atom in enumerate(eqn.invars)
-                         if k not in self.weight_only and not isinstance(atom, Literal)]
+        self.data_pos = [
+            k
+            for k, atom in enumerate(eqn.invars)
+            if k not in self.weight_only and not isinstance(atom, Literal)
+        ]
         self.data = [values[k] for k in self.data_pos]
 
     def values_with(self, full: dict, side_list, data) -> list:
@@ -357,5 +417,6 @@ def _but_fetched(policy):
     weight or a layout change of one."""
     if policy is None:
         return None
-    return lambda prim, *args, **params: (save_all_but_fetched(prim, *args, **params)
-                                          and policy(prim, *args, **params))
+    return lambda prim, *args, **params: (
+        save_all_but_fetched(prim, *args, **params) and policy(prim, *args, **params)
+    )

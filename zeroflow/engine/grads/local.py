@@ -20,6 +20,7 @@ What the loss gets besides weights and data (``extras``): ``model_state`` (threa
 micro-batches in order, then averaged over ``data``) and ``rng`` (one key per device and
 micro-batch, folded from the step's key). Both are data to the engine, never weights.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -27,13 +28,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zeroflow.backend.mesh import DATA
 from zeroflow.engine import offload
 from zeroflow.engine.grads import gather_on_use, sources
+from zeroflow.engine.grads.collectives import reduce_scatter, stream_in
+from zeroflow.engine.grads.collectives import varying as _varying
 from zeroflow.engine.grads.loss_errors import explained
-from zeroflow.engine.grads.collectives import reduce_scatter, stream_in, varying as _varying
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route, trained
 from zeroflow.engine.grads.sources import PLAIN, Stage3Collectives
-from zeroflow.backend.mesh import DATA
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.util.tree import path_str
 
@@ -43,6 +45,7 @@ class WeightAndStandIn(NamedTuple):
     with the zero ``stand_in`` its gradient is taken against (see ``scatter_grad_on_use`` and
     ``stream_in``): the loss never differentiates ``weight`` itself. ``nn.scan`` slices both
     fields, so ``gather_layer`` gets one layer of each."""
+
     weight: jax.Array
     stand_in: jax.Array
 
@@ -67,16 +70,20 @@ def split_loss(out, model_state=None):
     carries = model_state is not None
     if carries:
         if not (isinstance(out, tuple) and len(out) == 3):
-            raise ValueError("the state carries model_state, so loss_fn must return "
-                             "(loss, aux, new_model_state)")
+            raise ValueError(
+                "the state carries model_state, so loss_fn must return (loss, aux, new_model_state)"
+            )
         loss, aux, new_state = out
         _check_new_model_state(model_state, new_state)
-        new_state = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), new_state,
-                                 model_state)
+        new_state = jax.tree.map(
+            lambda new, old: jnp.asarray(new, old.dtype), new_state, model_state
+        )
     else:
         if isinstance(out, tuple) and len(out) == 3:
-            raise ValueError("loss_fn returned (loss, aux, new_model_state) but the state carries no "
-                             "model_state; pass model_state= to zf.init_train_state")
+            raise ValueError(
+                "loss_fn returned (loss, aux, new_model_state) but the state carries no "
+                "model_state; pass model_state= to zf.init_train_state"
+            )
         if isinstance(out, tuple) and len(out) != 2:
             raise ValueError(f"loss_fn must return loss or (loss, aux), got a tuple of {len(out)}")
         (loss, aux), new_state = (out if isinstance(out, tuple) else (out, {})), None
@@ -86,25 +93,43 @@ def split_loss(out, model_state=None):
         raise ValueError(f"loss_fn's aux must be a dict of metrics, got {type(aux).__name__}")
     clash = sorted(k for k in aux if k in ENGINE_METRICS)
     if clash:
-        raise ValueError(f"loss_fn's aux key {clash[0]!r} collides with the step's own metric of that "
-                         f"name; rename it (the step reports {', '.join(ENGINE_METRICS)})")
+        raise ValueError(
+            f"loss_fn's aux key {clash[0]!r} collides with the step's own metric of that "
+            f"name; rename it (the step reports {', '.join(ENGINE_METRICS)})"
+        )
     return jnp.asarray(loss, jnp.float32), aux, new_state
 
 
 def _check_new_model_state(old, new) -> None:
     old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
     if old_def != new_def:
-        raise ValueError(f"loss_fn's new model_state has structure {new_def}, the state's is "
-                         f"{old_def}")
+        raise ValueError(
+            f"loss_fn's new model_state has structure {new_def}, the state's is {old_def}"
+        )
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new)):
         if jnp.shape(a) != jnp.shape(b):
-            raise ValueError(f"loss_fn's new model_state {path_str(path)} has shape {jnp.shape(b)}, "
-                             f"the state's has {jnp.shape(a)}")
+            raise ValueError(
+                f"loss_fn's new model_state {path_str(path)} has shape {jnp.shape(b)}, "
+                f"the state's has {jnp.shape(a)}"
+            )
 
 
-def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
-                per_layer: str | None, collective: bool = True, prefetch: int = 0,
-                gather_dtype=None, reduce_dtype=jnp.float32):
+def local_grads(
+    params,
+    batch,
+    scale,
+    extras,
+    *,
+    loss_fn,
+    routes,
+    plan: ZeroPlan,
+    grad_accum: int,
+    per_layer: str | None,
+    collective: bool = True,
+    prefetch: int = 0,
+    gather_dtype=None,
+    reduce_dtype=jnp.float32,
+):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
     over devices, and the new model state averaged over devices. ``routes``: each leaf's
     ``Route`` (``step_routes``). ``extras``: a dict with ``model_state`` and/or ``rng`` (the
@@ -117,17 +142,34 @@ def local_grads(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan
     extras = dict(extras)
     if "rng" in extras:  # one key per device: fold in its index on the data axis
         extras["rng"] = jax.random.fold_in(
-            extras["rng"], jax.lax.axis_index(DATA) if collective else 0)
+            extras["rng"], jax.lax.axis_index(DATA) if collective else 0
+        )
     grads, loss, aux, model_state = _accumulated(
-        params, batch, scale, extras, loss_fn=loss_fn, routes=routes, plan=plan,
-        grad_accum=grad_accum, per_layer=per_layer, varying=varying, prefetch=prefetch,
-        gather_dtype=gather_dtype, reduce_dtype=reduce_dtype)
+        params,
+        batch,
+        scale,
+        extras,
+        loss_fn=loss_fn,
+        routes=routes,
+        plan=plan,
+        grad_accum=grad_accum,
+        per_layer=per_layer,
+        varying=varying,
+        prefetch=prefetch,
+        gather_dtype=gather_dtype,
+        reduce_dtype=reduce_dtype,
+    )
     if not collective:
         return grads, loss, aux, model_state
-    grads = jax.tree.map(lambda g, r: g if r.sharded_grad else _all_reduced(g, reduce_dtype),
-                         grads, trained(routes))
-    return (grads, jax.lax.pmean(loss, DATA), jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
-            jax.tree.map(_across_devices, model_state))
+    grads = jax.tree.map(
+        lambda g, r: g if r.sharded_grad else _all_reduced(g, reduce_dtype), grads, trained(routes)
+    )
+    return (
+        grads,
+        jax.lax.pmean(loss, DATA),
+        jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
+        jax.tree.map(_across_devices, model_state),
+    )
 
 
 def _across_devices(x):
@@ -138,42 +180,84 @@ def _across_devices(x):
     return jax.lax.pmax(x, DATA)
 
 
-def _accumulated(params, batch, scale, extras, *, loss_fn, routes, plan: ZeroPlan, grad_accum: int,
-                 per_layer: str | None, varying, prefetch: int = 0, gather_dtype=None,
-                 reduce_dtype=jnp.float32):
+def _accumulated(
+    params,
+    batch,
+    scale,
+    extras,
+    *,
+    loss_fn,
+    routes,
+    plan: ZeroPlan,
+    grad_accum: int,
+    per_layer: str | None,
+    varying,
+    prefetch: int = 0,
+    gather_dtype=None,
+    reduce_dtype=jnp.float32,
+):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
-    dtypes = jax.tree.map(lambda x, r: jnp.dtype(gather_dtype) if gather_dtype and r.sharded
-                          else x.dtype, params, routes)
+    dtypes = jax.tree.map(
+        lambda x, r: jnp.dtype(gather_dtype) if gather_dtype and r.sharded else x.dtype,
+        params,
+        routes,
+    )
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
-    params = jax.tree.map(lambda x, r: None if r.frozen else _differentiable(
-        x, r, plan.data_size, varying, plan.weight_copies), params, routes)
+    params = jax.tree.map(
+        lambda x, r: (
+            None if r.frozen else _differentiable(x, r, plan.data_size, varying, plan.weight_copies)
+        ),
+        params,
+        routes,
+    )
     collectives = Stage3Collectives.of(plan, reduce_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
-    gather_layer = None if per_layer is None else _layer_gatherer(
-        routes[per_layer], dtypes[per_layer], varying, collectives)
+    gather_layer = (
+        None
+        if per_layer is None
+        else _layer_gatherer(routes[per_layer], dtypes[per_layer], varying, collectives)
+    )
 
     def grads_of(micro, model_state, key):
         def scaled_loss(p):
             # The model state's containers are rebuilt at this trace level: Flax NNX variables
             # may only be mutated inside the trace that made them.
-            given = {**({} if model_state is None else {"model_state": _rebuilt(model_state)}),
-                     **({} if key is None else {"rng": key})}
+            given = {
+                **({} if model_state is None else {"model_state": _rebuilt(model_state)}),
+                **({} if key is None else {"rng": key}),
+            }
             # A hole of the caller's own tree (eqx.partition's None) has no route: it stays one.
-            seen = jax.tree.map(lambda x, w, r: None if r is None else _visible(x, w, r, varying),
-                                p, stored, routes, is_leaf=_is_hole)
-            out = _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch,
-                                  plan.traits.widens_half_precision, gather_layer, given,
-                                  collectives)
+            seen = jax.tree.map(
+                lambda x, w, r: None if r is None else _visible(x, w, r, varying),
+                p,
+                stored,
+                routes,
+                is_leaf=_is_hole,
+            )
+            out = _call_gathering(
+                loss_fn,
+                seen,
+                routes,
+                dtypes,
+                micro,
+                prefetch,
+                plan.traits.widens_half_precision,
+                gather_layer,
+                given,
+                collectives,
+            )
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
 
         (_, (loss, aux, new_state)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-        g = jax.tree.map(lambda x, r: _reduce_late(x if native else x.astype(jnp.float32), r,
-                                                   reduce_dtype),
-                         g, trained(routes))
+        g = jax.tree.map(
+            lambda x, r: _reduce_late(x if native else x.astype(jnp.float32), r, reduce_dtype),
+            g,
+            trained(routes),
+        )
         return g, loss, aux, new_state
 
     return _over_micro_batches(grads_of, batch, extras, grad_accum, varying)
@@ -186,8 +270,11 @@ def _differentiable(x, r: Route, n: int, varying, copies: int = 1):
     shard is a piece of one of that many copies (hpZ), so the 1/N gradient is that much
     shorter along its ZeRO dimension."""
     if r.reduce is Reduce.ON_USE:
-        shape = (tuple(s // copies if d == r.dim else s for d, s in enumerate(x.shape))
-                 if r.sharded else _shard_shape(x.shape, r, n))
+        shape = (
+            tuple(s // copies if d == r.dim else s for d, s in enumerate(x.shape))
+            if r.sharded
+            else _shard_shape(x.shape, r, n)
+        )
         return varying(jnp.zeros(shape, jnp.float32))
     if r.stream:
         return varying(jnp.zeros(x.shape, x.dtype))
@@ -227,6 +314,7 @@ def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives = PL
 
     def gather_layer(layer_params):
         return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=is_route)
+
     return gather_layer
 
 
@@ -248,6 +336,7 @@ def _over_micro_batches(grads_of, batch, extras, grad_accum: int, varying):
 
     def micro_key(i):
         return None if key is None else jax.random.fold_in(key, i)
+
     if grad_accum == 1:
         return grads_of(batch, model_state, micro_key(0))
     micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
@@ -263,7 +352,8 @@ def _over_micro_batches(grads_of, batch, extras, grad_accum: int, varying):
         return (jax.tree.map(jnp.add, acc, (g, loss, aux)), state), None
 
     ((grads, loss, aux), model_state), _ = jax.lax.scan(
-        body, (zeros, model_state), (micro, jnp.arange(grad_accum)))
+        body, (zeros, model_state), (micro, jnp.arange(grad_accum))
+    )
     return grads, loss / grad_accum, jax.tree.map(lambda a: a / grad_accum, aux), model_state
 
 
@@ -290,34 +380,64 @@ def _reduce_late(g, r: Route, dtype=jnp.float32):
     return g
 
 
-def _source(r: Route, dtype, collectives: Stage3Collectives = PLAIN,
-            widens: bool = True) -> sources.Source:
+def _source(
+    r: Route, dtype, collectives: Stage3Collectives = PLAIN, widens: bool = True
+) -> sources.Source:
     """The source of a leaf as its route stores it (``.layer()``: of one layer's slice).
     ``widens``: the backend widens each use of a half-precision weight (XLA:CPU), so a whole
     weight's use waits for its unit's inputs like a gather."""
     if r.frozen:
-        return sources.Frozen(r.dim if r.sharded else None, dtype, r.cut,
-                              ordered=r.sharded or widens)
+        return sources.Frozen(
+            r.dim if r.sharded else None, dtype, r.cut, ordered=r.sharded or widens
+        )
     if r.sharded:
         return sources.Sharded(r.dim, dtype, r.cut, r.padded, collectives=collectives)
     scattered = r.reduce is Reduce.ON_USE
-    return sources.Whole(r.dim if scattered else None, r.padded if scattered else None,
-                         ordered=widens, reduce_dtype=collectives.reduce_dtype)
+    return sources.Whole(
+        r.dim if scattered else None,
+        r.padded if scattered else None,
+        ordered=widens,
+        reduce_dtype=collectives.reduce_dtype,
+    )
 
 
-def _call_gathering(loss_fn, seen, routes, dtypes, micro, prefetch, widens, gather_layer, given,
-                    collectives: Stage3Collectives = PLAIN):
+def _call_gathering(
+    loss_fn,
+    seen,
+    routes,
+    dtypes,
+    micro,
+    prefetch,
+    widens,
+    gather_layer,
+    given,
+    collectives: Stage3Collectives = PLAIN,
+):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
     to the replay as data. ``collectives``: how stage-3 weights and gradients travel (ZeRO++)."""
     loss_fn = explained(loss_fn)  # one readable error where jax cannot trace the loss here
-    call = (lambda p, b, kw: loss_fn(p, b, **kw)) if gather_layer is None else (
-        lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
-    top = jax.tree.map(lambda r, dt: _source(r, dt, collectives, widens)
-                       if r.fetch is Fetch.ON_USE else None, routes, dtypes, is_leaf=is_route)
+    call = (
+        (lambda p, b, kw: loss_fn(p, b, **kw))
+        if gather_layer is None
+        else (lambda p, b, kw: loss_fn(p, b, gather_layer, **kw))
+    )
+    top = jax.tree.map(
+        lambda r, dt: _source(r, dt, collectives, widens) if r.fetch is Fetch.ON_USE else None,
+        routes,
+        dtypes,
+        is_leaf=is_route,
+    )
     leaves, treedef = jax.tree.flatten(seen, is_leaf=_is_pair)
     specs = treedef.flatten_up_to(top)
     if not any(specs):
         return call(seen, micro, given)
-    return gather_on_use.call(lambda ls, b, kw: call(jax.tree.unflatten(treedef, ls), b, kw),
-                              leaves, specs, micro, given, order=True, prefetch=prefetch)
+    return gather_on_use.call(
+        lambda ls, b, kw: call(jax.tree.unflatten(treedef, ls), b, kw),
+        leaves,
+        specs,
+        micro,
+        given,
+        order=True,
+        prefetch=prefetch,
+    )

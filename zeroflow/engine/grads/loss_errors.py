@@ -12,6 +12,7 @@ Two constructs are known, both reproduced with a bare ``jax.shard_map`` and no z
   none): BatchNorm's ``mode="ema"`` flag, ``"Old and new values have different
   structures/shapes/dtypes. The old value is bool[] and the new value is bool[]"``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,8 @@ _VMAP_COLLECTIVE = (
     "fails the same way). Way around: compute the statistics on the batched array instead "
     "(jnp.mean over the batch dimension: flax.nnx.BatchNorm or flax.linen.BatchNorm, or a "
     "normalisation layer called on the whole batch), or use a normalisation without batch "
-    "statistics (eqx.nn.LayerNorm, eqx.nn.GroupNorm)")
+    "statistics (eqx.nn.LayerNorm, eqx.nn.GroupNorm)"
+)
 
 _EQX_STATE = (
     "eqx.nn.State.set refused a new value inside the train step's shard_map over 'data': "
@@ -34,7 +36,8 @@ _EQX_STATE = (
     "jax.shard_map fails the same way). Way around: keep the model's mutable variables as "
     "arrays that the loss updates from computed values (model_state= of flax.linen "
     "batch_stats or flax.nnx.BatchStat), or a normalisation without state "
-    "(eqx.nn.LayerNorm, eqx.nn.GroupNorm)")
+    "(eqx.nn.LayerNorm, eqx.nn.GroupNorm)"
+)
 
 
 def _raised_in_varying_cast(err: BaseException) -> bool:
@@ -49,6 +52,7 @@ def _raised_in_varying_cast(err: BaseException) -> bool:
 
 def explained(loss_fn):
     """``loss_fn`` raising one readable error for the constructs above, the original chained."""
+
     @functools.wraps(loss_fn)
     def call(*args, **kwargs):
         try:
@@ -61,4 +65,5 @@ def explained(loss_fn):
             if str(err).startswith("Old and new values have different structures/shapes/dtypes"):
                 raise ValueError(_EQX_STATE) from err
             raise
+
     return call

@@ -18,6 +18,7 @@ where the layer stack's compute weights live, where the leaf is split, whether i
 the backend's: where XLA:CPU widens half precision, a weight the table uses as stored is
 fetched on use instead (``fetches_whole``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,9 +28,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zeroflow.autocast.precision import Precision
 from zeroflow.engine.grads.sources import dim_in_layer
 from zeroflow.engine.plan import LeafLayout, ZeroPlan, is_layout
-from zeroflow.autocast.precision import Precision
 from zeroflow.util.tree import is_under, path_str
 
 
@@ -49,6 +50,7 @@ class Reduce(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Route:
     """How one parameter reaches the loss and how its gradient leaves the backward pass."""
+
     dim: int | None
     "ZeRO dimension of the (stacked) leaf, None when it is kept whole."
     fetch: Fetch
@@ -81,6 +83,7 @@ class Route:
 # -- the table's key -------------------------------------------------------------------------
 class Stage(enum.Enum):
     """The ZeRO stage as routes see it: what happens to a trained gradient."""
+
     ALL_REDUCED = "stage 0, or 1 with micro-batches: whole gradients, all-reduced once per step"
     SCATTERED = "stage 1 with one micro-batch, or 2: whole weights, gradients reduce-scattered"
     GATHERED = "stage 3: weights stored as shards and gathered for each use"
@@ -88,12 +91,14 @@ class Stage(enum.Enum):
 
 class Memory(enum.Enum):
     """Where the layer stack's compute weights live between steps."""
+
     DEVICE = "device memory"
     HOST = "host memory (offload='optimizer+params'), copied in one layer at a time"
 
 
 class Place(enum.Enum):
     """Where a leaf is split over ``data``, and whether it is in the per-layer stack."""
+
     WHOLE = "not split (no dimension of N entries): whole on every device"
     SPLIT = "split, outside the layer stack"
     STACK_WHOLE = "in the layer stack, not split"
@@ -122,8 +127,16 @@ class Decision(NamedTuple):
     stream: bool
 
 
-def route_key(plan: ZeroPlan, prec: Precision, lay: LeafLayout, path: str, *,
-              per_layer: str | None, grad_accum: int = 1, trains: bool = True) -> RouteKey:
+def route_key(
+    plan: ZeroPlan,
+    prec: Precision,
+    lay: LeafLayout,
+    path: str,
+    *,
+    per_layer: str | None,
+    grad_accum: int = 1,
+    trains: bool = True,
+) -> RouteKey:
     """The table's key for the leaf at ``path`` (``path_str``) of layout ``lay``. ``per_layer``:
     the top-level key of the stack handed to ``gather_layer`` (or None).
 
@@ -140,8 +153,11 @@ def route_key(plan: ZeroPlan, prec: Precision, lay: LeafLayout, path: str, *,
     in_stack = is_under(path, per_layer)
     # fp32 at stages 1-2 keeps no compute copy: the weights are gathered from the master on
     # the device, so nothing of them stays in host memory.
-    host = in_stack and plan.offloads_params and (plan.keeps_compute_copy(prec.compute_dtype)
-                                                   or not plan.gathers_whole_weights)
+    host = (
+        in_stack
+        and plan.offloads_params
+        and (plan.keeps_compute_copy(prec.compute_dtype) or not plan.gathers_whole_weights)
+    )
     if lay.zero_dim is None:
         place = STACK_WHOLE if in_stack else WHOLE
     elif not in_stack:
@@ -154,83 +170,125 @@ def route_key(plan: ZeroPlan, prec: Precision, lay: LeafLayout, path: str, *,
 # -- the table -------------------------------------------------------------------------------
 # (stage, stack memory, place, trains): (fetch, reduce, sharded, stream). A frozen weight is
 # fetched as the compute weights are and reduces nothing; it never has a gradient to scatter.
-ROUTES: dict[RouteKey, Decision] = {RouteKey(*k): Decision(*v) for k, v in {
-    # Stage 0, or stage 1 accumulating micro-batches: every weight is whole on the device and
-    # every gradient whole, summed over the micro-batches and all-reduced once.
-    (ALL_REDUCED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, SPLIT, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, SPLIT, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (ALL_REDUCED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    # ... a stack in host memory is copied in one layer at a time; its gradient stays whole.
-    (ALL_REDUCED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
-    (ALL_REDUCED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
-    (ALL_REDUCED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
-    (ALL_REDUCED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
-    (ALL_REDUCED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
-    (ALL_REDUCED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+ROUTES: dict[RouteKey, Decision] = {
+    RouteKey(*k): Decision(*v)
+    for k, v in {
+        # Stage 0, or stage 1 accumulating micro-batches: every weight is whole on the device and
+        # every gradient whole, summed over the micro-batches and all-reduced once.
+        (ALL_REDUCED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+        (ALL_REDUCED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        (ALL_REDUCED, DEVICE, SPLIT, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+        (ALL_REDUCED, DEVICE, SPLIT, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        (ALL_REDUCED, DEVICE, STACK_WHOLE, TRAINED): (
+            Fetch.STORED,
+            Reduce.ALL_REDUCE,
+            False,
+            False,
+        ),
+        (ALL_REDUCED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        (ALL_REDUCED, DEVICE, STACK_BY_LAYER, TRAINED): (
+            Fetch.STORED,
+            Reduce.ALL_REDUCE,
+            False,
+            False,
+        ),
+        (ALL_REDUCED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        (ALL_REDUCED, DEVICE, STACK_IN_LAYER, TRAINED): (
+            Fetch.STORED,
+            Reduce.ALL_REDUCE,
+            False,
+            False,
+        ),
+        (ALL_REDUCED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        # ... a stack in host memory is copied in one layer at a time; its gradient stays whole.
+        (ALL_REDUCED, HOST, STACK_WHOLE, TRAINED): (
+            Fetch.PER_LAYER,
+            Reduce.ALL_REDUCE,
+            False,
+            True,
+        ),
+        (ALL_REDUCED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+        (ALL_REDUCED, HOST, STACK_BY_LAYER, TRAINED): (
+            Fetch.PER_LAYER,
+            Reduce.ALL_REDUCE,
+            False,
+            True,
+        ),
+        (ALL_REDUCED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+        (ALL_REDUCED, HOST, STACK_IN_LAYER, TRAINED): (
+            Fetch.PER_LAYER,
+            Reduce.ALL_REDUCE,
+            False,
+            True,
+        ),
+        (ALL_REDUCED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+        # Stage 2 (or 1, one micro-batch): weights whole; a split gradient is reduce-scattered the
+        # moment it is complete. Not split: nothing to scatter, all-reduced as at stage 0.
+        (SCATTERED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+        (SCATTERED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        # Fetched on use: each use's unit reduce-scatters its gradient (per iteration inside a
+        # loss's scan, where one reduce-scatter of the stacked gradient would hold the fp32 stack).
+        (SCATTERED, DEVICE, SPLIT, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, False, False),
+        (SCATTERED, DEVICE, SPLIT, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        (SCATTERED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+        (SCATTERED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        # A layer's slice is not split the same way on every device: the stack is scattered whole.
+        (SCATTERED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, False, False),
+        (SCATTERED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        # gather_layer scatters each layer's gradient inside the scan's backward pass.
+        (SCATTERED, DEVICE, STACK_IN_LAYER, TRAINED): (
+            Fetch.PER_LAYER,
+            Reduce.ON_USE,
+            False,
+            False,
+        ),
+        (SCATTERED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        # A stack in host memory is copied in one layer at a time ...
+        (SCATTERED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
+        (SCATTERED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+        # ... a layer's gradient is whole on each device: the stacked one is scattered after the
+        # micro-batch's backward pass,
+        (SCATTERED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.AFTER, False, True),
+        (SCATTERED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+        # ... or, split within the layer, scattered per layer in the backward pass.
+        (SCATTERED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, False, True),
+        (SCATTERED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+        # Stage 3: a split weight is stored as shards, gathered for each use and its gradient
+        # reduce-scattered on use; a weight no dimension splits is whole, as at stage 0.
+        (GATHERED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+        (GATHERED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        (GATHERED, DEVICE, SPLIT, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
+        (GATHERED, DEVICE, SPLIT, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
+        (GATHERED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
+        (GATHERED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
+        # No layer's slice is split the same way on every device: gather_on_use gathers the stack
+        # for the loss's scan.
+        (GATHERED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
+        (GATHERED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
+        # gather_layer gathers one layer's slice inside the scan.
+        (GATHERED, DEVICE, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, True, False),
+        (GATHERED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, True, False),
+        # A stack in host memory: not split, copied in whole per layer;
+        (GATHERED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
+        (GATHERED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
+        # split along the layer axis, it cannot be copied in one layer at a time: gathered as above;
+        (GATHERED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
+        (GATHERED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
+        # split within a layer: the layer's shard is copied in, then gathered.
+        (GATHERED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, True, True),
+        (GATHERED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, True, True),
+    }.items()
+}
 
-    # Stage 2 (or 1, one micro-batch): weights whole; a split gradient is reduce-scattered the
-    # moment it is complete. Not split: nothing to scatter, all-reduced as at stage 0.
-    (SCATTERED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (SCATTERED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    # Fetched on use: each use's unit reduce-scatters its gradient (per iteration inside a
-    # loss's scan, where one reduce-scatter of the stacked gradient would hold the fp32 stack).
-    (SCATTERED, DEVICE, SPLIT, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, False, False),
-    (SCATTERED, DEVICE, SPLIT, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    (SCATTERED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (SCATTERED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    # A layer's slice is not split the same way on every device: the stack is scattered whole.
-    (SCATTERED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, False, False),
-    (SCATTERED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    # gather_layer scatters each layer's gradient inside the scan's backward pass.
-    (SCATTERED, DEVICE, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, False, False),
-    (SCATTERED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    # A stack in host memory is copied in one layer at a time ...
-    (SCATTERED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
-    (SCATTERED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
-    # ... a layer's gradient is whole on each device: the stacked one is scattered after the
-    # micro-batch's backward pass,
-    (SCATTERED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.AFTER, False, True),
-    (SCATTERED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
-    # ... or, split within the layer, scattered per layer in the backward pass.
-    (SCATTERED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, False, True),
-    (SCATTERED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
 
-    # Stage 3: a split weight is stored as shards, gathered for each use and its gradient
-    # reduce-scattered on use; a weight no dimension splits is whole, as at stage 0.
-    (GATHERED, DEVICE, WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (GATHERED, DEVICE, WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    (GATHERED, DEVICE, SPLIT, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
-    (GATHERED, DEVICE, SPLIT, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
-    (GATHERED, DEVICE, STACK_WHOLE, TRAINED): (Fetch.STORED, Reduce.ALL_REDUCE, False, False),
-    (GATHERED, DEVICE, STACK_WHOLE, FROZEN): (Fetch.STORED, Reduce.NONE, False, False),
-    # No layer's slice is split the same way on every device: gather_on_use gathers the stack
-    # for the loss's scan.
-    (GATHERED, DEVICE, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
-    (GATHERED, DEVICE, STACK_BY_LAYER, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
-    # gather_layer gathers one layer's slice inside the scan.
-    (GATHERED, DEVICE, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, True, False),
-    (GATHERED, DEVICE, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, True, False),
-    # A stack in host memory: not split, copied in whole per layer;
-    (GATHERED, HOST, STACK_WHOLE, TRAINED): (Fetch.PER_LAYER, Reduce.ALL_REDUCE, False, True),
-    (GATHERED, HOST, STACK_WHOLE, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, False, True),
-    # split along the layer axis, it cannot be copied in one layer at a time: gathered as above;
-    (GATHERED, HOST, STACK_BY_LAYER, TRAINED): (Fetch.ON_USE, Reduce.ON_USE, True, False),
-    (GATHERED, HOST, STACK_BY_LAYER, FROZEN): (Fetch.ON_USE, Reduce.NONE, True, False),
-    # split within a layer: the layer's shard is copied in, then gathered.
-    (GATHERED, HOST, STACK_IN_LAYER, TRAINED): (Fetch.PER_LAYER, Reduce.ON_USE, True, True),
-    (GATHERED, HOST, STACK_IN_LAYER, FROZEN): (Fetch.PER_LAYER, Reduce.NONE, True, True),
-}.items()}
-
-
-def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
-                grad_accum: int = 1, trainable=None):
+def step_routes(
+    layouts,
+    plan: ZeroPlan,
+    prec: Precision,
+    per_layer: str | None,
+    grad_accum: int = 1,
+    trainable=None,
+):
     """A ``Route`` per leaf of ``layouts`` (``plan.layouts``), as the train step takes them:
     the row of ``ROUTES`` at each leaf's ``route_key``. ``per_layer``: the top-level key of
     the layer stack handed to ``gather_layer`` (or None). ``trainable``: a mask of bools
@@ -238,14 +296,22 @@ def step_routes(layouts, plan: ZeroPlan, prec: Precision, per_layer: str | None,
     whole_on_use = fetches_whole(plan, prec.compute_dtype)
 
     def route(path, lay: LeafLayout, trains: bool = True) -> Route:
-        key = route_key(plan, prec, lay, path_str(path), per_layer=per_layer,
-                        grad_accum=grad_accum, trains=trains)
+        key = route_key(
+            plan,
+            prec,
+            lay,
+            path_str(path),
+            per_layer=per_layer,
+            grad_accum=grad_accum,
+            trains=trains,
+        )
         fetch, reduce, sharded, stream = ROUTES[key]
         if fetch is Fetch.STORED and whole_on_use:
             fetch = Fetch.ON_USE
         size = None if lay.zero_dim is None else lay.shape[lay.zero_dim]
         padded = size + lay.pad if size is not None and lay.pad else None
         return Route(lay.zero_dim, fetch, reduce, sharded, stream, size, padded)
+
     trees = (layouts,) if trainable is None else (layouts, trainable)
     return jax.tree_util.tree_map_with_path(route, *trees, is_leaf=is_layout)
 

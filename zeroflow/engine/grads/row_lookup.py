@@ -12,6 +12,7 @@ all-gathers the rows' cotangents and each device scatter-adds the ones that fall
 into its own shard's gradient, in fp32: no reduction, nothing table-sized. What moves is the
 looked-up rows (tokens x width, both ways), not the table.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,11 +31,16 @@ def is_row_lookup(eqn) -> bool:
         return False
     table, index = (v.aval for v in eqn.invars)
     dn = eqn.params["dimension_numbers"]
-    return (len(table.shape) == 2 and len(index.shape) >= 2 and index.shape[-1] == 1
-            and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
-            and tuple(dn.offset_dims) == (len(index.shape) - 1,)
-            and not getattr(dn, "operand_batching_dims", ())
-            and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1]))
+    return (
+        len(table.shape) == 2
+        and len(index.shape) >= 2
+        and index.shape[-1] == 1
+        and tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and tuple(dn.offset_dims) == (len(index.shape) - 1,)
+        and not getattr(dn, "operand_batching_dims", ())
+        and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1])
+    )
 
 
 def _positions(shard, index):

@@ -9,6 +9,7 @@ A source fetches in two ways: ``fetch``, inside a unit, which takes the gradient
 hands it to ``give_back``; and ``fetch_for_grad``, differentiable on its own (a layer of a
 rematerialised scan), whose gradient reaches the stand-in as ``give_back`` would hand it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +19,15 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from zeroflow.engine.grads.collectives import (all_gather, gathered_tangent, reduce_scatter,
-                                               scatter_grad_on_use)
+from zeroflow.engine.grads.collectives import (
+    all_gather,
+    gathered_tangent,
+    reduce_scatter,
+    scatter_grad_on_use,
+)
+from zeroflow.engine.hosts import HostSplit
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.zeropp.gather import quantized_all_gather
-from zeroflow.engine.hosts import HostSplit
 from zeroflow.engine.zeropp.reduce import quantized_reduce_scatter
 
 
@@ -35,6 +40,7 @@ def dim_in_layer(dim: int) -> int | None:
 
 class Source(Protocol):
     """How one weight is stored on this device and how its gradient goes back there."""
+
     ordered: bool
     "Its fetch waits for the unit's inputs (``ordering.after``); else the compiler places it."
     frozen: bool
@@ -66,6 +72,7 @@ class Stage3Collectives:
     - qgZ, ``grad_hosts``: gradients reduce-scattered as int8 blocks of ``grad_block``
       entries, within and then across these hosts (``zeroflow.engine.zeropp.reduce``).
     The gradient always reaches the 1/N shard of the master over all devices."""
+
     groups: tuple | None = None
     weight_block: int | None = None
     grad_hosts: HostSplit | None = None
@@ -75,9 +82,13 @@ class Stage3Collectives:
 
     @classmethod
     def of(cls, plan: ZeroPlan, reduce_dtype=jnp.float32) -> Stage3Collectives:
-        return cls(plan.gather_groups, plan.quantize_block if plan.quantize_weights else None,
-                   plan.host_split if plan.quantize_grads else None, plan.quantize_block,
-                   reduce_dtype)
+        return cls(
+            plan.gather_groups,
+            plan.quantize_block if plan.quantize_weights else None,
+            plan.host_split if plan.quantize_grads else None,
+            plan.quantize_block,
+            reduce_dtype,
+        )
 
     @property
     def is_plain(self) -> bool:
@@ -112,6 +123,7 @@ class Sharded:
     gathered as ``dtype``; the gradient is reduce-scattered in fp32 into the stand-in, both
     by ``collectives``. ``size``/``padded``: the weight's own and stored length along ``dim``
     (they differ when it is stored padded)."""
+
     dim: int
     dtype: Any
     size: int | None = None
@@ -160,8 +172,13 @@ def gather_weight(shard, stand_in, source: Sharded):
 def _gather_weight_jvp(source: Sharded, primals, tangents):
     (shard, _), (_, d_stand_in) = primals, tangents
     return source.gathered(shard), gathered_tangent(
-        d_stand_in, source.dim, source.dtype, source.size, source.sliced,
-        source.collectives.reduce_dtype)
+        d_stand_in,
+        source.dim,
+        source.dtype,
+        source.size,
+        source.sliced,
+        source.collectives.reduce_dtype,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -191,6 +208,7 @@ class Whole:
     ``padded`` entries along ``scatter_dim`` first, when the stored form is padded).
     ``ordered``: its use waits for the unit's inputs like a gather (where the compiler widens
     each use to a converted copy, XLA:CPU); else nothing is fetched and nothing waits."""
+
     scatter_dim: int | None = None
     padded: int | None = None
     ordered: bool = True
@@ -204,8 +222,9 @@ class Whole:
     def give_back(self, stored, grad):
         if self.scatter_dim is None:
             return grad
-        return _pair_like(stored, reduce_scatter(grad, self.scatter_dim, self.padded,
-                                                 self.reduce_dtype))
+        return _pair_like(
+            stored, reduce_scatter(grad, self.scatter_dim, self.padded, self.reduce_dtype)
+        )
 
     def fetch_for_grad(self, stored):
         if self.scatter_dim is None:
@@ -226,6 +245,7 @@ class Frozen:
     the forward and the backward pass like any weight, but the unit takes no vjp with respect
     to it: its gradient is never computed. ``ordered`` as for ``Whole``, ``sliced`` as for
     ``Sharded``."""
+
     dim: int | None
     dtype: Any
     size: int | None = None
@@ -234,8 +254,11 @@ class Frozen:
     frozen = True
 
     def fetch(self, stored):
-        return stored if self.dim is None else all_gather(stored, self.dim, self.dtype, self.size,
-                                                          sliced=self.sliced)
+        return (
+            stored
+            if self.dim is None
+            else all_gather(stored, self.dim, self.dtype, self.size, sliced=self.sliced)
+        )
 
     def give_back(self, stored, grad):  # never called: nothing differentiates a frozen weight
         return None

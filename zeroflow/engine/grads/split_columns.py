@@ -13,6 +13,7 @@ in fp32), nothing is reduced, and the input's cotangent is the sum over devices 
 device's columns' share (a reduce-scatter of activations). What moves is activations and
 outputs, not the weight; ``moves_less`` decides per use.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,8 +68,7 @@ def _matmul_bwd(dtype, out_dtype, size, residuals, cotangent):
     x, shard, stand_in = residuals
     every = jax.lax.all_gather(x, DATA, axis=0, tiled=True)
     n = every.shape[0] // x.shape[0]
-    padded = jnp.pad(cotangent, [(0, 0)] * (cotangent.ndim - 1)
-                     + [(0, n * shard.shape[-1] - size)])
+    padded = jnp.pad(cotangent, [(0, 0)] * (cotangent.ndim - 1) + [(0, n * shard.shape[-1] - size)])
     d_local = jax.lax.all_to_all(padded.astype(dtype), DATA, cotangent.ndim - 1, 0, tiled=True)
     rows = every.reshape(-1, every.shape[-1]).astype(dtype)
     d_weight = jnp.matmul(rows.T, d_local.reshape(-1, d_local.shape[-1])).astype(jnp.float32)
@@ -86,6 +86,5 @@ def matmul(x, shard, stand_in, dtype, out_dtype, size: int):
     ``shard`` cast to ``dtype``. The weight's gradient goes to ``stand_in`` (fp32, the shard's
     shape) complete; ``stand_in=None``: a frozen weight."""
     if stand_in is None:
-        return _to_rows(_local_product(x, jax.lax.stop_gradient(shard), dtype, out_dtype)[1],
-                        size)
+        return _to_rows(_local_product(x, jax.lax.stop_gradient(shard), dtype, out_dtype)[1], size)
     return _matmul(x, shard, stand_in, jnp.dtype(dtype), jnp.dtype(out_dtype), size)

@@ -18,6 +18,7 @@ checks it.
 Which of them a stage-3 fetch uses is one value,
 ``zeroflow.engine.grads.sources.Stage3Collectives``.
 """
+
 from zeroflow.engine.zeropp.quantize import Quantized, dequantize, quantize, transit_bytes
 
 __all__ = ["Quantized", "dequantize", "quantize", "transit_bytes"]

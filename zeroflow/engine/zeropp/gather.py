@@ -12,26 +12,30 @@ dequantized weight is not kept for the backward pass (the int8 gather and the de
 run again, as a plain gather does): an 8-layer GPT's step needs the same temporary memory as
 plain stage 3's.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from zeroflow.backend.mesh import DATA
-from zeroflow.engine.padding import cut_to
 from zeroflow.engine.hosts import index_groups
+from zeroflow.engine.padding import cut_to
 from zeroflow.engine.zeropp.quantize import Quantized, dequantize, quantize
 
 
-def quantized_all_gather(shard, dim: int, dtype, block_size: int, size: int | None = None,
-                         groups=None):
+def quantized_all_gather(
+    shard, dim: int, dtype, block_size: int, size: int | None = None, groups=None
+):
     """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``),
     moved as int8 blocks of ``block_size`` entries; cut to ``size`` along ``dim`` when the
     stored weight is padded. ``groups``: as for ``zeroflow.engine.grads.collectives.all_gather``."""
     q = quantize(shard, block_size)
     listed = index_groups(groups)
-    gathered = Quantized(jax.lax.all_gather(q.values, DATA, axis_index_groups=listed),
-                         jax.lax.all_gather(q.scales, DATA, axis_index_groups=listed))
+    gathered = Quantized(
+        jax.lax.all_gather(q.values, DATA, axis_index_groups=listed),
+        jax.lax.all_gather(q.scales, DATA, axis_index_groups=listed),
+    )
     whole = _dequantized(gathered, shard.shape, jnp.dtype(dtype).name, dim)
     return whole if size is None else cut_to(whole, dim, size)
 

@@ -20,23 +20,26 @@ index ``l``, one per host, all-gather their pieces (``HostSplit.across``). That 
 weight traffic across hosts: about 1/L of a bf16 weight copy per device and step, where plain
 stage 3 moves three gathers' worth (forward, backward, and the next forward).
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from zeroflow.backend.mesh import DATA
+from zeroflow.engine.hosts import HostSplit, index_groups
 from zeroflow.engine.padding import Entry
 from zeroflow.engine.plan import ZeroPlan, is_layout
-from zeroflow.engine.hosts import HostSplit, index_groups
 
 
 def copy_entries(layouts) -> tuple[Entry, ...]:
     """The padding entries of the secondary copy (flatten order of ``layouts``): every split leaf
     is stored longer than its own size along its ZeRO dimension (H copies, each padded), so
     ``zeroflow.engine.padding.unpad`` cuts it back to the first copy's own entries."""
-    return tuple(None if lay.zero_dim is None else (lay.zero_dim, lay.shape[lay.zero_dim])
-                 for lay in jax.tree.leaves(layouts, is_leaf=is_layout))
+    return tuple(
+        None if lay.zero_dim is None else (lay.zero_dim, lay.shape[lay.zero_dim])
+        for lay in jax.tree.leaves(layouts, is_leaf=is_layout)
+    )
 
 
 def tile(tree, entries: tuple[Entry, ...], copies: int):
@@ -46,8 +49,12 @@ def tile(tree, entries: tuple[Entry, ...], copies: int):
     if copies == 1:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([x if e is None else jnp.concatenate([x] * copies, axis=e[0])
-                              for x, e in zip(leaves, entries)])
+    return treedef.unflatten(
+        [
+            x if e is None else jnp.concatenate([x] * copies, axis=e[0])
+            for x, e in zip(leaves, entries)
+        ]
+    )
 
 
 def _regrouped(piece, dim: int, split: HostSplit):
@@ -56,8 +63,9 @@ def _regrouped(piece, dim: int, split: HostSplit):
     hosts, local = split
     moves = [(p, (p % hosts) * local + p // hosts) for p in range(hosts * local)]
     piece = jax.lax.ppermute(piece, DATA, moves)
-    return jax.lax.all_gather(piece, DATA, axis=dim, tiled=True,
-                              axis_index_groups=index_groups(split.across))
+    return jax.lax.all_gather(
+        piece, DATA, axis=dim, tiled=True, axis_index_groups=index_groups(split.across)
+    )
 
 
 def refresh(compute, layouts, plan: ZeroPlan):
@@ -69,9 +77,13 @@ def refresh(compute, layouts, plan: ZeroPlan):
     specs = [lay.data_only_spec(True) for lay in lays]
 
     def regroup(pieces):
-        return [x if lay.zero_dim is None else _regrouped(x, lay.zero_dim, split)
-                for x, lay in zip(pieces, lays)]
+        return [
+            x if lay.zero_dim is None else _regrouped(x, lay.zero_dim, split)
+            for x, lay in zip(pieces, lays)
+        ]
+
     manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
-    out = jax.shard_map(regroup, mesh=plan.mesh, in_specs=(specs,), out_specs=specs,
-                        axis_names=manual)(leaves)
+    out = jax.shard_map(
+        regroup, mesh=plan.mesh, in_specs=(specs,), out_specs=specs, axis_names=manual
+    )(leaves)
     return treedef.unflatten(out)

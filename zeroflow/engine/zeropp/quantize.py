@@ -13,6 +13,7 @@ which stack along a new leading axis when all-gathered. The codes are linear, no
 map of ``zeroflow.optim.blockwise``: weights and gradients in one block are of similar size,
 and linear codes let quantized values be summed after scaling (qgZ).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,6 +29,7 @@ LEVELS = 127
 class Quantized(NamedTuple):
     """An array in transit: int8 ``values`` of shape ``[blocks, block_size]`` and fp32
     ``scales`` of shape ``[blocks]`` (a block's entry is ``value * scale``)."""
+
     values: jax.Array
     scales: jax.Array
 

@@ -21,14 +21,15 @@ quarter. Each slice is quantized on its own (blocks never straddle two destinati
 ``quantize_grads``; a quantizing reduction is not the transpose of the gather, so a weight
 fetched outside a unit differentiates through ``sources.gather_weight_vjp``.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from zeroflow.backend.mesh import DATA
-from zeroflow.engine.padding import pad_to
 from zeroflow.engine.hosts import HostSplit, index_groups
+from zeroflow.engine.padding import pad_to
 from zeroflow.engine.zeropp.quantize import dequantize, quantize
 
 
@@ -44,8 +45,9 @@ def _exchanged(rows, groups, block_size: int):
     return jnp.sum(received, axis=0)
 
 
-def quantized_reduce_scatter(grad, dim: int, split: HostSplit, block_size: int,
-                             padded: int | None = None):
+def quantized_reduce_scatter(
+    grad, dim: int, split: HostSplit, block_size: int, padded: int | None = None
+):
     """This device's slice (along ``dim``) of the sum over devices of ``grad``, in fp32, as
     ``zeroflow.engine.grads.collectives.reduce_scatter`` returns it, moved as int8 blocks of
     ``block_size`` entries in two hops (within the host, then across hosts); with ``padded``,
