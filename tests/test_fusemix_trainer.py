@@ -73,3 +73,43 @@ def test_the_papers_residual_adapter_is_a_config_key(encoders, tmp_path):
     assert np.shape(image["block0"]["up"]["kernel"]) == (width, 2 * width)
     result = train_fusemix(cfg)
     assert all(np.isfinite(v) for v in result.losses.values()) and result.step == 2
+
+
+# Every ``parallel`` key that configures the plan, with a value other than its default, and
+# the ZeroPlan field it must reach; two groups because offload and ZeRO++ exclude each other.
+PLAN_KEYS = {
+    "zero_stage": "stage", "offload": "offload", "update_on": "update_on",
+    "quantize_weights": "quantize_weights", "quantize_block": "quantize_block",
+    "hierarchical": "hierarchical", "quantize_grads": "quantize_grads", "hosts": "hosts",
+}
+SETTINGS = [
+    {"zero_stage": 3, "quantize_weights": "int8", "quantize_block": 128, "hierarchical": True,
+     "quantize_grads": "int8", "hosts": 2},
+    {"zero_stage": 2, "offload": "optimizer", "update_on": "host"},
+]
+
+
+def test_the_settings_cover_every_plan_key():
+    # A parallel key added to the config but not to PLAN_KEYS fails here, not silently later.
+    import dataclasses
+    from zeroflow.config.schema import ParallelConfig
+    mesh_and_batch = {"data", "model", "grad_accum"}
+    assert {f.name for f in dataclasses.fields(ParallelConfig)} - mesh_and_batch == set(PLAN_KEYS)
+    assert set().union(*SETTINGS) == set(PLAN_KEYS)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["zero++", "offload"])
+def test_fusemix_and_the_gpt_trainer_honour_every_parallel_setting(encoders, tmp_path, settings):
+    from zeroflow.fusemix.trainer import build_fusemix
+    from zeroflow.trainer.setup import build_run
+
+    overrides = [f"parallel.{k}={str(v).lower()}" for k, v in settings.items()]
+    cfg = load_config(REPO / "configs" / "fusemix.yaml", [
+        f"fusemix.image_encoder={encoders / 'vision'}", f"fusemix.text_encoder={encoders / 'text'}",
+        f"fusemix.cache={tmp_path / 'latents'}", f"run.dir={tmp_path / 'run'}",
+        "run.progress=false", "precision.params=bf16", *overrides])
+    gpt_cfg = load_config(REPO / "configs" / "tiny.yaml",
+                          [f"run.dir={tmp_path / 'gpt'}", "precision.params=bf16", *overrides])
+    for plan in (build_fusemix(cfg, progress=False).plan, build_run(gpt_cfg, with_data=False).plan):
+        for key, value in settings.items():
+            assert getattr(plan, PLAN_KEYS[key]) == value, (key, plan)

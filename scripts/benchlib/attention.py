@@ -19,7 +19,6 @@ from pallas_kernels import BlockSizes, flash_attention, reference_attention
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 IMPLS = ("pallas", "cudnn", "xla")
-PASSES = ("fwd", "fwd+bwd")
 BACKWARD_FLOPS_FACTOR = 3.5
 "fwd+bwd FLOPs / fwd FLOPs: the backward pass does 2.5x the forward's matmul work."
 

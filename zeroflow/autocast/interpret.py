@@ -203,5 +203,4 @@ def autocast(fn, dtype="bf16", policy: AutocastPolicy | None = None):
         outs = run_jaxpr(painting, const_slots(closed.consts), [Slot.of(a) for a in arrays])
         return jax.tree.unflatten(out_tree, [slot.value for slot in outs])
 
-    cast_fn.autocast_dtype = low
     return cast_fn

@@ -1,4 +1,5 @@
-"""What differs by backend, decided once from a mesh's devices (STYLE item 16).
+"""What differs by backend, decided once from a mesh's devices, so no
+other module asks which backend it runs on.
 
 The engine shapes a program differently for XLA:CPU and for GPUs: whether host memory is a
 separate memory (offload copies cost something), whether half-precision matmuls and gathers
@@ -64,10 +65,6 @@ class Traits:
     "Pallas kernels compile (Triton on GPU) instead of running in the interpreter."
     memory_bytes: int | None = None
     "Memory per device where known (a GPU's, or a target's published size)."
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.platform == "gpu"
 
 
 def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None = None) -> Traits:

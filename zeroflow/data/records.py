@@ -61,11 +61,6 @@ def record_files(source: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(path).as_posix())
 
 
-def is_records_source(source: str | os.PathLike) -> bool:
-    """Whether ``source`` holds records (as opposed to text or token files)."""
-    return is_saved_dataset(Path(source)) or bool(record_files(source))
-
-
 def _jsonl(path: Path, name: str) -> Iterator[Record]:
     """Lines are decoded one by one, so a line that is not UTF-8 is one bad record."""
     with open(path, "rb") as f:

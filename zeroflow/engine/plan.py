@@ -1,6 +1,6 @@
 """ZeroPlan: the one place that decides where every array of the training state lives.
 
-Two mappings per parameter (STYLE item 4):
+Two mappings per parameter, kept apart because ZeRO changes only the first:
 - *storage*: how fp32 master weights and optimizer state are kept (sharded over ``data`` from
   ZeRO stage 1 on, optionally in host memory);
 - *compute*: how the weights the forward pass reads are laid out (replicated over ``data``
@@ -47,8 +47,8 @@ LOOKUP_TABLE_NAMES = ("embedding",)
 """The last path entry of a table that is looked up, not multiplied: Flax's ``nn.Embed`` and
 ``nnx.Embed`` name theirs so. Such a table is never split by columns, even when a small
 vocabulary makes it wide (a 256-token vocabulary at width 2048): it is looked up where its
-rows are (``grads/row_lookup.py``); on XLA:GPU a column-split embedding raised the trainer's
-GPT-1B stage-3 peak by 0.7 GB (cuDNN attention) and 2.1 GB (XLA attention), docs/engine.md."""
+rows are (``grads/row_lookup.py``). Split by columns, a lookup needs every column of the
+gathered rows, so XLA:GPU gathers the whole table (docs/engine.md measures the cost)."""
 
 
 def is_lookup_table(path: str) -> bool:

@@ -30,6 +30,7 @@ from zeroflow.fusemix.model import IMAGE, TEXT, make_loss
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.evaluation import TrainResult
 from zeroflow.trainer.optim import make_optimizer
+from zeroflow.trainer.parallel import mesh_of, plan_of
 
 MIXUP_STREAM = 2
 "Folded into the seed's key for the state's rng (the engine derives each step's mixup key)."
@@ -70,14 +71,19 @@ def build_fusemix(cfg: Config, progress: bool) -> FuseMixRun:
             "fusemix.image_encoder and fusemix.text_encoder must name Hugging Face "
             "folders (python scripts/make_tiny_encoders.py makes tiny ones)"
         )
-    mesh = zf.make_mesh(data=par.data, model=1)
+    if par.model != 1:
+        raise ValueError(
+            f"parallel.model={par.model}: FuseMix's adapters are not split over a model axis; "
+            "set parallel.model=1 (ZeRO over parallel.data shards them)"
+        )
+    mesh = mesh_of(par)
     pairs = digits.digits_pairs(cfg.train.seed)
     found = {
         IMAGE: latents.image_latents(cfg, pairs, mesh, progress),
         TEXT: latents.text_latents(cfg, pairs, mesh, progress),
     }
     train_rows, val_rows = digits.split(len(pairs.captions), fm.val_pairs, cfg.train.seed)
-    plan = zf.ZeroPlan(mesh, stage=par.zero_stage, offload=par.offload, update_on=par.update_on)
+    plan = plan_of(par, mesh)
     module, loss_fn = make_loss(
         fm.adapter_hidden,
         fm.adapter_layers,

@@ -1,6 +1,7 @@
 """The converter contract, the config it produces, and the config.json helpers they share.
 
-A converter is one object per Hugging Face architecture (STYLE item 14): ``model_config``
+A converter is one object per Hugging Face architecture (a table, not a script,
+so a new architecture adds a converter and touches no loading code): ``model_config``
 reads config.json into our ``ModelConfig``, ``hf_config`` writes one back, ``unsupported``
 says why a ``ModelConfig`` has no form in that architecture, and ``tensor_maps`` is the table
 between the two parameter trees. Anything config.json says that we cannot run is refused with

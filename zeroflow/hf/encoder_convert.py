@@ -1,7 +1,7 @@
 """The encoder converter contract: config.json -> ``EncoderConfig``, and the tensor table.
 
 Encoders are not zeroflow's GPT, so they have their own contract beside ``convert.Converter``
-(one object per architecture, STYLE item 14); the table rows are the same ``TensorMap``s and
+(one object per architecture, so adding one touches no loader code); the table rows are the same ``TensorMap``s and
 are read by the same lazy, sharding-aware placement (``zeroflow.hf.load``).
 """
 

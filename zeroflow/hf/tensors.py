@@ -48,12 +48,6 @@ class TensorMap:
     def part_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(group) for group in self.split)
 
-    @property
-    def layer_shape(self) -> tuple[int, ...]:
-        """Our shape of one layer (the whole leaf when not stacked)."""
-        view = self.view_shape
-        return tuple(view[d] for d in self.perm)
-
     def key(self, layer: int | None) -> str:
         return self.hf.replace(LAYER, str(layer)) if self.stacked else self.hf
 

@@ -1,5 +1,6 @@
 """The interpreter: replay a loss's jaxpr, following each adapted weight to the matmuls that
-read it and adding the low-rank path there (STYLE item 13).
+read it and adding the low-rank path there. Replaying the traced program (rather than
+rewriting the user's modules) is what lets any JAX function take adapters.
 
 Every equation that does not touch an adapted weight is bound as it is. A weight is followed
 through layout operations (``views.View``); at a ``dot_general`` that reads it the output

@@ -28,7 +28,7 @@
   compute copy stores no such stack);
 - ``update``: while the optimizer runs, along the step's own ``UpdatePath``: the gradients,
   the update direction optax builds (one fp32 array per master shard; on one GPU fused into
-  each leaf's update, except a loop's outputs, ``_looped_update_bytes``) and, streamed, one
+  each leaf's update, except a loop's outputs, ``_update_loops``) and, streamed, one
   parameter's master and optimizer state brought in from the host and made anew beside it,
   with the gradients not yet read (brought in whole: all of the state); on the host, only the
   gradients waiting for their copy to the host.
@@ -606,17 +606,8 @@ def _fused_update(plan: ZeroPlan) -> bool:
     return plan.data_size == 1 and not plan.traits.cond_updates_in_place
 
 
-def _looped_update_bytes(tx, master, only_fp32: bool = False) -> float:
-    """The largest output of a loop inside ``tx.update`` (8-bit AdamW updates each stack of
-    layers one slice at a time, ``zeroflow.optim.by_slices``): a loop's outputs (the stack's
-    fp32 direction and its new moments) are whole buffers before the rest of the update reads
-    them; ``only_fp32``: its fp32 outputs only (the direction, and the moments' scales). Bytes
-    of the whole parameters: used where nothing is split over devices."""
-    return _update_loops(tx, master, only_fp32)[0]
-
-
 def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
-    """``(the largest loop's output bytes, as _looped_update_bytes; for each leaf of
+    """``(the largest loop's output bytes, for each leaf of
     ``master``, whether a loop reads its gradient, derived from it alone, scalars aside)``."""
     opt_state = jax.eval_shape(tx.init, master)
     closed = jax.make_jaxpr(tx.update)(master, opt_state, master)

@@ -356,15 +356,3 @@ def timed(compile_fn, text_of=lambda compiled: compiled.as_text(), peak_flops=No
             "step compiled for GPUs (a zf.target_mesh or GPU devices)"
         )
     return result, parse(log.text, text_of(result), peak_flops)
-
-
-def of_compile(compile_fn):
-    """``(compiled, StepTime or None)``: ``compile_fn()`` run with its log captured; None when
-    this process was not started with the statistics on (``enabled()``)."""
-    if not enabled():
-        return compile_fn(), None
-    with capture() as log:
-        compiled = compile_fn()
-    if _BLOCK not in log.text:
-        return compiled, None
-    return compiled, parse(log.text, compiled.as_text())

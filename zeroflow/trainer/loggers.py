@@ -103,7 +103,7 @@ def check_installed(cfg: Config) -> None:
 
 def open_sinks(cfg: Config, run_dir: Path, start_step: int, resumed: bool) -> list[Any]:
     """The sinks ``cfg.run`` asks for (call on process 0 only)."""
-    sinks: list[Any] = []
+    sinks: list[Sink] = []
     if cfg.run.tensorboard:
         sinks.append(TensorBoardSink(run_dir, start_step, resumed))
     if cfg.run.wandb != "off":

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import re
 from typing import Any
 
 import jax
@@ -27,10 +26,8 @@ from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
-from zeroflow.models import abstract_params
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
 from zeroflow.util import compat
-from zeroflow.util.tree import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,19 +280,4 @@ def estimate_config_step(
         backend=backend,
         recompute_bytes=recompute,
         trainable=parts.trainable,
-    )
-
-
-def count_frozen_params(cfg) -> int:
-    """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it); with
-    LoRA every one (the adapters, a few per cent, are not counted)."""
-    shapes, _ = abstract_params(cfg.model)
-    if cfg.model.lora.rank > 0:
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-    if not cfg.train.freeze:
-        return 0
-    return sum(
-        math.prod(x.shape)
-        for p, x in jax.tree_util.tree_leaves_with_path(shapes)
-        if re.search(cfg.train.freeze, path_str(p))
     )

@@ -15,8 +15,7 @@ import zeroflow as zf
 from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.config.schema import Config, ModelConfig
 from zeroflow.data import RecordData, TokenData, load_data
-from zeroflow.engine.hosts import host_split
-from zeroflow.engine.plan_rules import batch_split_problem, hierarchical_hosts_problem
+from zeroflow.engine.plan_rules import batch_split_problem
 from zeroflow.models import (
     LAYER_STACK,
     abstract_params,
@@ -27,6 +26,7 @@ from zeroflow.models import (
 from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
+from zeroflow.trainer.parallel import mesh_of, plan_of
 from zeroflow.util.tree import path_str
 
 
@@ -200,19 +200,11 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
     if data is not None and data.vocab_size != model_cfg.vocab_size and not model_cfg.init_from:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=data.vocab_size)
     par = cfg.parallel
-    mesh = (
-        mesh if mesh is not None else zf.make_mesh(data=par.data, model=par.model, devices=devices)
-    )
+    mesh = mesh if mesh is not None else mesh_of(par, devices)
     rules = gpt_tensor_rules(model_cfg, mesh.shape["model"]) if mesh.shape["model"] > 1 else ()
     if model_cfg.lora.rank > 0:
         rules = adapters.base_rules(rules)
-    if par.hierarchical:  # the one rule the mesh decides, spelled with the config's keys
-        problem = hierarchical_hosts_problem(
-            True, host_split(mesh, par.hosts or None).hosts, CONFIG_KEYS
-        )
-        if problem:
-            raise ValueError(problem)
-    plan = zf.ZeroPlan(mesh, tensor_rules=rules, traits=traits, **par.plan_settings())
+    plan = plan_of(par, mesh, tensor_rules=rules, traits=traits)
     prec = zf.Precision.from_config(cfg.precision)
     batch_problem = batch_split_problem(
         cfg.train.batch_size, par.grad_accum, plan.data_size, CONFIG_KEYS

@@ -3,7 +3,8 @@ a call's body.
 
 Autocast (``autocast/interpret.py``), weights fetched on use (``grads/gather_on_use.py``) and
 the streamed optimizer update (``update.py``) each replay a traced jaxpr with values of their
-own (STYLE item 13); the memory estimator (``memory/peak.py``) follows the same calls as the
+own: a jaxpr replay is a small loop over equations that keeps the transform a pure
+function of the traced program, with ``jax.grad`` of the replay doing the rest. The memory estimator (``memory/peak.py``) follows the same calls as the
 fetch-on-use replay. They bind equations here, the way jax's own ``eval_jaxpr`` does, and agree
 on which equations are calls. Only public jax names (``jax.extend``) are used.
 """

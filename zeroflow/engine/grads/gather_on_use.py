@@ -3,7 +3,7 @@ the operation that uses it and again for that operation's backward pass, so the 
 alive at any moment are those of about one operation (the FSDP schedule), for any model.
 
 How: the loss is traced to a jaxpr with whole-weight placeholders and replayed by a small
-interpreter (STYLE item 13). Operations that read weights only (casts, reshapes, transposes,
+interpreter, so any JAX function works without changes to its code. Operations that read weights only (casts, reshapes, transposes,
 broadcasts) are deferred. The first operation that combines weights with data becomes one
 *unit* (``fetch_unit``): a ``custom_vjp`` that fetches the weights it needs, applies the
 operation and lets the fetched copies die; its backward fetches them again, takes the

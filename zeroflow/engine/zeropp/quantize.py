@@ -39,12 +39,6 @@ def num_blocks(size: int, block_size: int) -> int:
     return max(1, math.ceil(size / block_size))
 
 
-def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"quantization block size must be a positive int, got {block_size!r}")
-    return block_size
-
-
 def quantize(x: jax.Array, block_size: int) -> Quantized:
     """``x`` (any shape, any float dtype) as int8 values and one fp32 scale per block."""
     flat = x.reshape(-1).astype(jnp.float32)

@@ -1,0 +1,44 @@
+"""Names the dead-code check (vulture) cannot see being used. Each group says how they are used.
+
+Run as CI does: vulture zeroflow tests scripts experiments .ci/vulture_whitelist.py --min-confidence 60
+"""
+# ruff: noqa
+from zeroflow.autocast.policy import AutocastPolicy
+from zeroflow.memory.measure import MeasuredMemory
+from zeroflow.memory.peak import PeakEstimate
+
+# Fields read through getattr by name (policy.py's _PRIMITIVE_FIELDS loop over them).
+AutocastPolicy.fp32
+AutocastPolicy.follow
+
+# Record fields: written into reports and JSON through dataclasses.asdict / NamedTuple._asdict.
+MeasuredMemory.generated_code_bytes
+PeakEstimate.gathered_weights
+PeakEstimate.layer_in_flight
+_.log_tail  # scripts/benchlib/isolate.py: a case's result, printed by the GPU report
+
+# Attributes third-party objects read: argparse's parser, tokenizers' Tokenizer, jinja2's
+# Extension (its tags, and the method its parse() calls by name).
+_.formatter_class
+_.pre_tokenizer
+_.decoder
+_.post_processor
+_.tags
+_._marked
+
+# jax.custom_jvp rules, registered by decorator (@f.defjvp).
+_scatter_jvp
+_stream_in_jvp
+_gather_weight_jvp
+
+# The GPU report's cases, named as "module:function" strings (scripts/gpureport/stages/).
+correctness_cases
+timing_cases
+tile_cases
+train_case
+deviceless_case
+deviceless_child
+compile_fit_case
+
+# A pytest fixture, requested by parameter name.
+target_cudnn

@@ -1,0 +1,31 @@
+"""The checks every Python library runs, as part of the suite (so CI's first leg and the
+README's test command both run them): ruff's lint and format check over zeroflow/ and the
+dead-code check. Their settings live in pyproject.toml and .ci/vulture_whitelist.py."""
+
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m tool args`` in the repository (the test extra installs each tool)."""
+    return subprocess.run([sys.executable, "-m", tool, *args], cwd=REPO, capture_output=True,
+                          text=True, check=False)
+
+
+def test_ruff_lint_passes():
+    done = _run("ruff", "check", "zeroflow")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_leaves_every_file_as_it_is():
+    done = _run("ruff", "format", "--check", "zeroflow")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_dead_code():
+    done = _run("vulture", "zeroflow", "tests", "scripts", "experiments",
+                ".ci/vulture_whitelist.py", "--min-confidence", "60")
+    assert done.returncode == 0, "unused code (remove it, or say in .ci/vulture_whitelist.py " \
+        "how it is used):\n" + done.stdout + done.stderr

@@ -1,0 +1,27 @@
+"""The mesh and the ``ZeroPlan`` of a config's ``parallel`` keys: the one place a trainer turns
+them into an engine plan, so no trainer can drop a setting."""
+
+from __future__ import annotations
+
+import zeroflow as zf
+from zeroflow.config.io import CONFIG_KEYS
+from zeroflow.config.schema import ParallelConfig
+from zeroflow.engine.hosts import host_split
+from zeroflow.engine.plan_rules import hierarchical_hosts_problem
+
+
+def mesh_of(par: ParallelConfig, devices=None):
+    """The ``data`` x ``model`` mesh ``parallel.data`` and ``parallel.model`` ask for."""
+    return zf.make_mesh(data=par.data, model=par.model, devices=devices)
+
+
+def plan_of(par: ParallelConfig, mesh, *, tensor_rules=(), traits=None) -> zf.ZeroPlan:
+    """Every plan setting of ``par`` (``ParallelConfig.plan_settings``) on ``mesh``.
+    ``tensor_rules``: how the model splits over the ``model`` axis; ``traits``: the backend
+    the step is shaped for when it is not the mesh's own."""
+    if par.hierarchical:  # the one rule the mesh decides, spelled with the config's keys
+        hosts = host_split(mesh, par.hosts or None).hosts
+        problem = hierarchical_hosts_problem(True, hosts, CONFIG_KEYS)
+        if problem:
+            raise ValueError(problem)
+    return zf.ZeroPlan(mesh, tensor_rules=tensor_rules, traits=traits, **par.plan_settings())
