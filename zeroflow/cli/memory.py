@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import jax
 
 from zeroflow.backend import targets
+from zeroflow.cli.common import ArgumentParser
 from zeroflow.config.io import ConfigError, add_config_arguments, load_config
 from zeroflow.memory import schedule
 from zeroflow.memory.collectives import collectives, overlap
@@ -359,9 +360,7 @@ def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1]
-    )
+    parser = ArgumentParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
     parser.add_argument(
         "--devices",
         type=int,

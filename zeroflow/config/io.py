@@ -275,6 +275,10 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         try:
             with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {where} is not UTF-8 text (byte {e.start}); give a YAML file"
+            ) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
