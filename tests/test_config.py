@@ -123,7 +123,8 @@ def test_choices_live_in_field_metadata():
 
 
 def test_config_choices_are_the_engines_and_the_models():
-    from zeroflow.engine import plan, precision
+    from zeroflow.autocast import precision
+    from zeroflow.engine import plan
     from zeroflow.config.schema import PrecisionConfig, choices_of
     from zeroflow.models import gpt
     assert choices_of(ParallelConfig) == {"zero_stage": plan.ZERO_STAGES,

@@ -144,10 +144,10 @@ class Reporter:
                 f" scale {m['loss_scale']:g} MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a")
             )
             self.progress.update(self.task, completed=step, stats=stats)
-        if log_line:
+        if log_line or step == 1:  # the first step always: the plot starts at the first loss
             self.write(step, m)
-            if self.progress is None:
-                self.print(step_line(step, self.total_steps, m))
+        if log_line and self.progress is None:
+            self.print(step_line(step, self.total_steps, m))
 
     def write(self, step: int, m: dict[str, Any]) -> None:
         if not self.is_main:
@@ -181,7 +181,11 @@ class Reporter:
 
     def print(self, message: str) -> None:
         """A line for the person running it, on stdout (above the bar while one is shown)."""
-        if self.is_main:
+        if not self.is_main:
+            return
+        if self.progress is not None:  # through the bar's console, which keeps the bar below
+            self.progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
+        else:
             self.out.print(message, markup=False)
 
     def close(self, failing: bool = False) -> None:
