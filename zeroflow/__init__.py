@@ -13,7 +13,11 @@ f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precisi
 lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
 """
 
-from zeroflow.util import quiet_jax as _quiet_jax
+from zeroflow.util import interrupts as _interrupts
+
+_interrupts.install_for_commands()  # first: a Ctrl-C while jax imports is one line too
+
+from zeroflow.util import quiet_jax as _quiet_jax  # noqa: E402
 
 _quiet_jax.start()  # before anything imports jax: see zeroflow/util/quiet_jax.py
 

@@ -158,8 +158,10 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(_banner(run, state))
     failing = True
-    try:
-        with _stop_on_signals() as caught:
+    # The handler covers the closing too: a signal while the last checkpoint is written waits
+    # for it instead of ending the process half-way.
+    with _stop_on_signals() as caught:
+        try:
             state, losses, last_eval, stopped_by = _train_steps(
                 run,
                 state,
@@ -169,10 +171,12 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
                 caught,
                 started=held.started if held is not None else lambda: None,
             )
-        failing = False
-    finally:
-        reporter.close(failing=failing)
-        checkpoints.close()
+            failing = False
+        finally:
+            reporter.close(failing=failing)
+            checkpoints.close()
+        if stopped_by is None and caught:  # came while the run was closing: say so by the code
+            stopped_by = signal.Signals(caught[0]).name
     return TrainResult(
         run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval, stopped_by=stopped_by
     )
