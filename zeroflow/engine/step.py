@@ -260,12 +260,19 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
     # ``model`` stays automatic for tensor-parallel rules; without them every axis is manual,
     # which is what kernels with custom partitioners (cuDNN attention) need.
     manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
+    # check_vma off: the loss is the user's one-device code, and jax's varying-axes types
+    # refuse some of what a plain jit runs, e.g. a loop whose carry starts from a constant (the
+    # same on every device) while its body mixes in this device's rows. The step does not need
+    # those types: its collectives are written out, and the ones differentiated inside the
+    # loss (all-gather, reduce-scatter, all-to-all) transpose the same way without them. A
+    # psum differentiated inside the loss would not (its transpose becomes a second psum).
     return jax.shard_map(
         local,
         mesh=plan.mesh,
         in_specs=(specs_in, batch_specs, P(), P()),
         out_specs=(specs_grad, P(), P(), P()),
         axis_names=manual,
+        check_vma=False,
     )(params, batch, scale, extras)
 
 

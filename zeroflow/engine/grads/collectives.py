@@ -38,8 +38,10 @@ from zeroflow.engine.padding import cut_to, pad_to
 
 
 def varying(x):
-    """Mark ``x`` as differing across ``data`` so its gradient stays local (no implicit psum).
-    Outside ``shard_map`` (the one-device step) there is no ``data`` axis: ``x`` as it is."""
+    """Mark ``x`` as differing across ``data`` so its gradient stays local (no implicit psum)
+    where a ``shard_map`` checks varying axes; the step's does not (``check_vma=False``: there
+    jax leaves ``x`` as it is). Outside ``shard_map`` (the one-device step) there is no
+    ``data`` axis: ``x`` as it is."""
     try:
         return jax.lax.pcast(x, DATA, to="varying")
     except ValueError:  # already varying; how that is spelled on the aval differs by jax version
