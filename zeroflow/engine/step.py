@@ -30,7 +30,13 @@ from zeroflow.autocast.precision import Precision
 from zeroflow.backend.mesh import DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import offload, padding, update
-from zeroflow.engine.grads import local_grads, native_gradients, routes, step_routes
+from zeroflow.engine.grads import (
+    Stage3Collectives,
+    local_grads,
+    native_gradients,
+    routes,
+    step_routes,
+)
 from zeroflow.engine.grads.routes import is_route
 from zeroflow.engine.plan import ZeroPlan, is_layout
 from zeroflow.engine.plan_rules import batch_split_problem
@@ -154,7 +160,7 @@ def train_step(
         per_layer=per_layer,
         prefetch=prefetch,
         gather_dtype=pads.cast_on_use,
-        reduce_dtype=prec.reduce_dtype,
+        collectives=Stage3Collectives.of(plan, prec.reduce_dtype),
     )
     grads, loss, aux, model_state = _gradients(
         local,
