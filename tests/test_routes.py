@@ -90,8 +90,8 @@ def test_routes_are_those_of_the_code_before_the_table(data, stage):
         plan = zf.ZeroPlan(mesh, stage=stage, offload=offload, update_on=update_on,
                            traits=_traits(widens))
         prec = zf.Precision(params=params)
-        layouts = plan.layouts(SHAPES)
-        got = step_routes(layouts, plan, prec, per_layer, accum, trainable=mask)
+        layouts = plan.layouts(SHAPES, trainable=True if mask is None else mask)
+        got = step_routes(layouts, plan, prec, per_layer, accum)
         want = _routes_before_the_table(layouts, plan, prec, per_layer, accum, trainable=mask)
         assert got == want, (offload, update_on, widens, params, accum, per_layer, mask)
         checked += 1
@@ -179,12 +179,10 @@ def test_the_rows_are_the_whole_table_and_every_one_is_reached():
         plan = zf.ZeroPlan(zf.planning_mesh(8), stage=stage, offload=offload,
                            update_on="device", traits=_traits(False))
         prec = zf.Precision(params=params)
-        layouts = plan.layouts(SHAPES)
-        trains = [True] * len(_PATHS) if mask is None else jax.tree.leaves(mask)
-        for (path, lay), t in zip(jax.tree_util.tree_leaves_with_path(layouts, is_leaf=is_layout),
-                                  trains):
+        layouts = plan.layouts(SHAPES, trainable=True if mask is None else mask)
+        for path, lay in jax.tree_util.tree_leaves_with_path(layouts, is_leaf=is_layout):
             reached.add(R.route_key(plan, prec, lay, path_str(path), per_layer=per_layer,
-                                    grad_accum=accum, trains=t))
+                                    grad_accum=accum))
     assert reached == set(R.ROUTES)
 
 

@@ -216,16 +216,11 @@ def _accumulated(
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
+    widens, reduce_dtype = plan.traits.widens_half_precision, collectives.reduce_dtype
     gather_layer = (
         None
         if per_layer is None
-        else _layer_gatherer(
-            routes[per_layer],
-            dtypes[per_layer],
-            varying,
-            collectives,
-            plan.traits.widens_half_precision,
-        )
+        else _layer_gatherer(routes[per_layer], dtypes[per_layer], varying, collectives, widens)
     )
 
     def grads_of(micro, model_state, key):
@@ -251,7 +246,7 @@ def _accumulated(
                 dtypes,
                 micro,
                 prefetch,
-                plan.traits.widens_half_precision,
+                widens,
                 gather_layer,
                 given,
                 collectives,
@@ -261,9 +256,7 @@ def _accumulated(
 
         (_, (loss, aux, new_state)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
         g = jax.tree.map(
-            lambda x, r: _reduce_late(
-                x if native else x.astype(jnp.float32), r, collectives.reduce_dtype
-            ),
+            lambda x, r: _reduce_late(x if native else x.astype(jnp.float32), r, reduce_dtype),
             g,
             trained(routes),
         )
