@@ -13,6 +13,7 @@ import zeroflow as zf
 from fixtures import BATCHES, init_params, loss_fn, make_tx
 from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk, require_cuda_plugin
 from zeroflow.engine.checkpoint import CheckpointError
+from zeroflow.engine.grads.routes import Reduce, is_route, step_routes
 from zeroflow.util.tree import path_str
 from zeroflow.trainer.planning import estimate_config_step, measure_config
 
@@ -232,6 +233,23 @@ def test_train_step_trainable_must_match_the_state():
     step = zf.make_train_step(loss_fn, make_tx(), plan, prec, trainable=lambda p, _: True)
     with pytest.raises(ValueError, match="differs from the state"):
         step(state, BATCHES[0])
+
+
+def test_each_leafs_layout_says_whether_it_trains():
+    """The step reads the state's trainable/frozen split into each leaf's layout: ``trains``
+    is False exactly at the two frozen leaves, each laid out from its own shape (the frozen
+    (10,) bias, stored padded to 16 at stage 3, keeps its 10 entries and 6 of padding), and
+    only the frozen leaves' routes reduce no gradient."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
+    prec, tx = zf.Precision(params="bf16"), make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec, trainable=frozen_by_path)
+    assert state.frozen["Dense_2"]["bias"].shape == (16,)
+    layouts = zf.make_train_step(loss_fn, tx, plan, prec).layout(state).layouts
+    assert jax.tree.map(lambda lay: lay.trains, layouts) == MASK
+    bias = layouts["Dense_2"]["bias"]
+    assert (bias.shape, bias.zero_dim, bias.pad) == ((10,), 0, 6)
+    routes = step_routes(layouts, plan, prec, None)
+    assert jax.tree.map(lambda r: r.reduce is not Reduce.NONE, routes, is_leaf=is_route) == MASK
 
 
 # --- estimate_step(trainable=) against XLA:CPU's compiled memory ---------------------------------

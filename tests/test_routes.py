@@ -301,8 +301,8 @@ def _traits(widens: bool):
 
 
 def routes_by_path(plan, params="bf16", per_layer=None, grad_accum=1, trainable=None):
-    routes = step_routes(plan.layouts(SHAPES), plan, zf.Precision(params=params), per_layer,
-                         grad_accum, trainable=trainable)
+    layouts = plan.layouts(SHAPES, trainable=True if trainable is None else trainable)
+    routes = step_routes(layouts, plan, zf.Precision(params=params), per_layer, grad_accum)
     leaves = jax.tree_util.tree_leaves_with_path(routes, is_leaf=R.is_route)
     return {path_str(p): r for p, r in leaves}
 
@@ -418,12 +418,10 @@ def test_every_row_is_reached():
         plan = zf.ZeroPlan(zf.planning_mesh(8), stage=stage, offload=offload,
                            update_on="device", traits=_traits(False))
         prec = zf.Precision(params=params)
-        layouts = plan.layouts(SHAPES)
-        trains = [True] * len(_PATHS) if mask is None else jax.tree.leaves(mask)
-        for (path, lay), t in zip(jax.tree_util.tree_leaves_with_path(layouts, is_leaf=is_layout),
-                                  trains, strict=True):
+        layouts = plan.layouts(SHAPES, trainable=True if mask is None else mask)
+        for path, lay in jax.tree_util.tree_leaves_with_path(layouts, is_leaf=is_layout):
             reached.add(R.route_key(plan, prec, lay, path_str(path), per_layer=per_layer,
-                                    grad_accum=accum, trains=t))
+                                    grad_accum=accum))
     assert reached == set(R.ROUTES)
 
 

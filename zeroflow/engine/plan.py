@@ -64,13 +64,17 @@ QUANTIZE_GRADS_CHOICES = (None, "int8")
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """Where one array lives: its tensor-parallel spec and its ZeRO dimension. ``shape`` is the
-    array's own (logical) shape; split over ``data`` it is stored padded (``stored_shape``)."""
+    """Where one array lives: its tensor-parallel spec and its ZeRO dimension, and whether it
+    trains. ``shape`` is the array's own (logical) shape; split over ``data`` it is stored
+    padded (``stored_shape``)."""
 
     shape: tuple[int, ...]
     tensor_spec: tuple  # per-dimension mesh axis (MODEL or None), without ZeRO
     zero_dim: int | None  # dimension split over DATA at stages >= 1, None = replicated
     pad: int = 0  # zeros appended to zero_dim when it is split, so that it divides by N
+    trains: bool = True
+    """A parameter with an fp32 master copy, optimizer state and a gradient; False: frozen
+    (``zeroflow.engine.frozen``), stored once as the compute weights are, never differentiated."""
 
     def spec(self, with_zero: bool) -> P:
         """The spec of the array as stored (padded, when split)."""
@@ -108,6 +112,13 @@ class LeafLayout:
 def is_layout(x) -> bool:
     """``is_leaf`` of a tree of ``LeafLayout``: the one test for the end of such a tree."""
     return isinstance(x, LeafLayout)
+
+
+def abstract_of(layouts):
+    """fp32 ``ShapeDtypeStruct``s of the own (unpadded) shapes of a tree of ``LeafLayout``."""
+    return jax.tree.map(
+        lambda lay: jax.ShapeDtypeStruct(lay.shape, jnp.float32), layouts, is_leaf=is_layout
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,11 +365,18 @@ class ZeroPlan:
             zero_dim = largest(even) if even else largest(free)
         return LeafLayout(shape, tspec, zero_dim, pad=-shape[zero_dim] % n)
 
-    def layouts(self, params) -> Any:
-        """A pytree of ``LeafLayout`` matching ``params`` (arrays or ShapeDtypeStructs)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: self.leaf_layout(path_str(path), np.shape(x)), params
-        )
+    def layouts(self, params, trainable=True) -> Any:
+        """A pytree of ``LeafLayout`` matching ``params`` (arrays or ShapeDtypeStructs).
+        ``trainable``: which leaves train (``LeafLayout.trains``), one bool for them all or a
+        tree of bools matching ``params`` (``zeroflow.engine.frozen.trainable_mask``)."""
+
+        def one(path, x, trains):
+            lay = self.leaf_layout(path_str(path), np.shape(x))
+            return lay if trains else dataclasses.replace(lay, trains=False)
+
+        if isinstance(trainable, bool):
+            return jax.tree_util.tree_map_with_path(lambda p, x: one(p, x, trainable), params)
+        return jax.tree_util.tree_map_with_path(one, params, trainable)
 
     # -- shardings ---------------------------------------------------------------------------
     def _named(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
@@ -391,10 +409,18 @@ class ZeroPlan:
         return self._shardings(params, self.shards_compute, kind, padded)
 
     def _shardings(self, params, with_zero: bool, kind, padded: bool):
-        def one(lay: LeafLayout):
-            return self._named(lay.spec(with_zero) if padded else lay.logical_spec(with_zero), kind)
+        return self.shardings_of(self.layouts(params), with_zero, kind, padded=padded)
 
-        return jax.tree.map(one, self.layouts(params), is_leaf=is_layout)
+    def shardings_of(self, layouts, with_zero: bool, memory_kind: str | None, *, padded=True):
+        """``NamedSharding``s of a tree of ``LeafLayout``: split over ``data`` where
+        ``with_zero``, for the stored (padded) arrays, or ``padded=False`` for arrays of their
+        own shapes (``LeafLayout.logical_spec``)."""
+
+        def one(lay: LeafLayout):
+            spec = lay.spec(with_zero) if padded else lay.logical_spec(with_zero)
+            return self._named(spec, memory_kind)
+
+        return jax.tree.map(one, layouts, is_leaf=is_layout)
 
     def replicated(self, memory_kind: str | None = None) -> NamedSharding:
         return self._named(P(), memory_kind)

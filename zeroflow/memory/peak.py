@@ -293,7 +293,7 @@ def estimate_step(
         recompute_bytes=recompute_bytes,
     )
     update = _update_bytes(
-        frozen_weights.split(master, layout.trainable)[0],
+        frozen_weights.split(master, layout.layouts)[0],
         stored,
         layout.state,
         tx,
@@ -334,9 +334,7 @@ def _leaf_facts(
     """The ``_Leaves`` of ``master`` under the step's ``layout``: the step's routes, and which
     leaves the loss's scans (or ``gather_per_layer``) use one slice at a time."""
     routes = jax.tree.leaves(
-        step_routes(
-            layout.layouts, plan, prec, gather_per_layer, grad_accum, trainable=layout.trainable
-        ),
+        step_routes(layout.layouts, plan, prec, gather_per_layer, grad_accum),
         is_leaf=is_route,
     )
     shapes = [x.shape for x in jax.tree.leaves(master)]

@@ -35,7 +35,7 @@ from zeroflow.engine.grads.collectives import reduce_scatter, stream_in
 from zeroflow.engine.grads.collectives import varying as _varying
 from zeroflow.engine.grads.loss_errors import explained
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route, trained
-from zeroflow.engine.grads.sources import PLAIN, Stage3Collectives
+from zeroflow.engine.grads.sources import Stage3Collectives
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.util.tree import path_str
 
@@ -125,19 +125,20 @@ def local_grads(
     plan: ZeroPlan,
     grad_accum: int,
     per_layer: str | None,
+    prefetch: int,
+    gather_dtype,
+    collectives: Stage3Collectives,
     collective: bool = True,
-    prefetch: int = 0,
-    gather_dtype=None,
-    reduce_dtype=jnp.float32,
 ):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
     over devices, and the new model state averaged over devices. ``routes``: each leaf's
     ``Route`` (``step_routes``). ``extras``: a dict with ``model_state`` and/or ``rng`` (the
     step's key) when the state carries them. ``collective=False`` is the one-device case, run
     without shard_map. ``prefetch``: how many units ahead a weight fetched on use may be
-    fetched (``gather_on_use.call``). ``reduce_dtype``: what gradients are summed over
-    devices in (``Precision.reduce``). ``gather_dtype``: the dtype stage-3 weights stored in
-    fp32 (no compute copy) are cast to as they are gathered; None: their own."""
+    fetched (``gather_on_use.call``). ``collectives``: the plan's (``Stage3Collectives.of``):
+    how stage-3 weights and gradients travel, and what every gradient is summed over devices
+    in (its ``reduce_dtype``). ``gather_dtype``: the dtype stage-3 weights stored in fp32 (no
+    compute copy) are cast to as they are gathered; None: their own."""
     varying = _varying if collective else (lambda x: x)
     extras = dict(extras)
     if "rng" in extras:  # one key per device: fold in its index on the data axis
@@ -157,10 +158,11 @@ def local_grads(
         varying=varying,
         prefetch=prefetch,
         gather_dtype=gather_dtype,
-        reduce_dtype=reduce_dtype,
+        collectives=collectives,
     )
     if not collective:
         return grads, loss, aux, model_state
+    reduce_dtype = collectives.reduce_dtype
     grads = jax.tree.map(
         lambda g, r: g if r.sharded_grad else _all_reduced(g, reduce_dtype), grads, trained(routes)
     )
@@ -192,9 +194,9 @@ def _accumulated(
     grad_accum: int,
     per_layer: str | None,
     varying,
-    prefetch: int = 0,
-    gather_dtype=None,
-    reduce_dtype=jnp.float32,
+    prefetch: int,
+    gather_dtype,
+    collectives: Stage3Collectives,
 ):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
@@ -211,14 +213,14 @@ def _accumulated(
         params,
         routes,
     )
-    collectives = Stage3Collectives.of(plan, reduce_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
+    widens, reduce_dtype = plan.traits.widens_half_precision, collectives.reduce_dtype
     gather_layer = (
         None
         if per_layer is None
-        else _layer_gatherer(routes[per_layer], dtypes[per_layer], varying, collectives)
+        else _layer_gatherer(routes[per_layer], dtypes[per_layer], varying, collectives, widens)
     )
 
     def grads_of(micro, model_state, key):
@@ -244,7 +246,7 @@ def _accumulated(
                 dtypes,
                 micro,
                 prefetch,
-                plan.traits.widens_half_precision,
+                widens,
                 gather_layer,
                 given,
                 collectives,
@@ -295,22 +297,24 @@ def _visible(x, w, r: Route, varying):
     return x
 
 
-def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives = PLAIN):
+def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives, widens: bool):
     """``gather_layer``: one layer's slice of the stack -> its compute weights on the device,
     through the layer's slice of the same source any other fetch uses (``Source.layer``).
     Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
-    ``collectives``: how stage-3 slices and their gradients travel (ZeRO++)."""
+    ``collectives``, ``widens``: as for ``_source``."""
 
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
         if r.frozen:  # fetched without a gradient path
             weight = offload.to_device(varying(x)) if r.stream else x
-            return _source(r, dt, collectives).layer().fetch(weight) if r.sharded else weight
+            return (
+                _source(r, dt, collectives, widens).layer().fetch(weight) if r.sharded else weight
+            )
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.weight, x.stand_in)
         weight = offload.to_device(varying(x.weight)) if r.stream else x.weight
-        return _source(r, dt, collectives).layer().fetch_for_grad((weight, x.stand_in))
+        return _source(r, dt, collectives, widens).layer().fetch_for_grad((weight, x.stand_in))
 
     def gather_layer(layer_params):
         return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=is_route)
@@ -380,11 +384,10 @@ def _reduce_late(g, r: Route, dtype=jnp.float32):
     return g
 
 
-def _source(
-    r: Route, dtype, collectives: Stage3Collectives = PLAIN, widens: bool = True
-) -> sources.Source:
+def _source(r: Route, dtype, collectives: Stage3Collectives, widens: bool) -> sources.Source:
     """The source of a leaf as its route stores it (``.layer()``: of one layer's slice).
-    ``widens``: the backend widens each use of a half-precision weight (XLA:CPU), so a whole
+    ``collectives``: how stage-3 weights and their gradients travel (ZeRO++), and what whole
+    gradients are reduced in. ``widens``: the backend widens each use of a half-precision weight (XLA:CPU), so a whole
     weight's use waits for its unit's inputs like a gather."""
     if r.frozen:
         return sources.Frozen(
@@ -411,7 +414,7 @@ def _call_gathering(
     widens,
     gather_layer,
     given,
-    collectives: Stage3Collectives = PLAIN,
+    collectives: Stage3Collectives,
 ):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed

@@ -81,7 +81,8 @@ class Stage3Collectives:
     "What gradients are summed over devices in (``Precision.reduce``), exact reductions only."
 
     @classmethod
-    def of(cls, plan: ZeroPlan, reduce_dtype=jnp.float32) -> Stage3Collectives:
+    def of(cls, plan: ZeroPlan, reduce_dtype) -> Stage3Collectives:
+        """What ``plan`` sets (hpZ, qwZ, qgZ), summing exact reductions in ``reduce_dtype``."""
         return cls(
             plan.gather_groups,
             plan.quantize_block if plan.quantize_weights else None,
@@ -114,9 +115,6 @@ class Stage3Collectives:
         return reduce_scatter(grad, dim, padded, self.reduce_dtype)
 
 
-PLAIN = Stage3Collectives()
-
-
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
@@ -130,7 +128,9 @@ class Sharded:
     padded: int | None = None
     sliced: bool = False
     "One iteration's slice of a stack a scan walks through (``layer()``; see ``all_gather``)."
-    collectives: Stage3Collectives = PLAIN
+    # The plan's (``Stage3Collectives.of``), always given: a source built without it is a
+    # TypeError, never plain collectives where the plan asked for ZeRO++'s.
+    collectives: Stage3Collectives = dataclasses.field(kw_only=True)
     ordered = True
     frozen = False
 
