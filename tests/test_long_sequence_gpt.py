@@ -204,9 +204,32 @@ def test_offload_input_moves_the_layer_inputs_to_the_host(offload_h100):
     shapes = {(dtype, tuple(int(d) for d in dims.split(",")))
               for dtype, dims in HOST_ARRAY.findall(hlo)}
     assert shapes == {("bf16", (GPU_LAYERS, micro, GPU_SEQ, GPU_WIDTH))}
+    # The traced estimate and the formula both know what goes to the host.
     est = estimate_config_step(GPU_CFG, **{k: v for k, v in GPU_CHOICE.items() if k != "target"},
                                remat="offload_input", backend="gpu")
     assert est.host_activations == pytest.approx(host, rel=0.1)
+    formula = zf.memory.offloaded_activations(GPU_CFG.model, micro_batch=micro,
+                                              remat="offload_input")
+    assert formula == layer_inputs and formula == pytest.approx(host, rel=0.1)
+
+
+def test_activation_formula_knows_the_three():
+    """docs/memory.md's formula: offload_input keeps one block on the device and every layer's
+    input on the host; the tiled MLP holds one chunk's intermediates, the chunked loss one tile
+    of logits and of their softmax, with the fp32 gradient of the output projection."""
+    model, b = GPU_CFG.model, 4
+    s, h, f, v = model.seq_len, model.embed_dim, model.mlp_dim, model.vocab_size
+    acts = {r: zf.memory.activations(model, micro_batch=b, remat=r)
+            for r in ("none", "full", "offload_input")}
+    host = zf.memory.offloaded_activations(model, micro_batch=b, remat="offload_input")
+    assert host == model.num_layers * 2 * b * s * h
+    assert acts["offload_input"] + host == acts["full"]
+    tiled = dataclasses.replace(model, mlp_chunk=32)
+    saved = acts["none"] - zf.memory.activations(tiled, micro_batch=b, remat="none")
+    assert saved == model.num_layers * 2 * b * (s - 32) * 3 * f  # up, gate, hidden (SwiGLU)
+    chunked = dataclasses.replace(model, loss_chunk=64, loss_vocab_chunk=100)
+    saved = acts["full"] - zf.memory.activations(chunked, micro_batch=b, remat="full")
+    assert saved == 2 * 4 * b * s * v - (2 * 4 * b * 64 * 100 + 4 * v * h)
 
 
 def test_the_chunked_loss_lowers_the_xla_gpu_peak_by_the_logits():
