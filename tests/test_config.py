@@ -115,7 +115,7 @@ def test_bad_choices():
 
 def test_choices_live_in_field_metadata():
     choices = {f.name: f.metadata.get(CHOICES) for f in dataclasses.fields(ModelConfig)}
-    assert choices["remat"] == ("none", "full", "save_dots", "offload_dots")
+    assert choices["remat"] == ("none", "full", "save_dots", "offload_dots", "offload_input")
     assert choices["attention"] == ("xla", "cudnn", "pallas")
     offload = {f.name: f for f in dataclasses.fields(ParallelConfig)}["offload"]
     assert offload.metadata[CHOICES] == ("none", "optimizer", "optimizer+params")

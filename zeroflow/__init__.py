@@ -11,6 +11,7 @@ state, metrics = step(state, batch)
 tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md)
 f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
+ce  = zf.chunked_cross_entropy(hidden, w_out, labels)  # never holds the logits (docs/memory.md)
 """
 
 from zeroflow.util import interrupts as _interrupts
@@ -32,6 +33,7 @@ from zeroflow.engine.plan import PlanDescription, ZeroPlan  # noqa: E402
 from zeroflow.engine.state import TrainState, init_train_state, state_shardings  # noqa: E402
 from zeroflow.engine.step import make_train_step  # noqa: E402
 from zeroflow.lora import LoRA, lora, lora_merge  # noqa: E402
+from zeroflow.ops import chunked_cross_entropy, chunked_token_losses  # noqa: E402
 
 __all__ = [
     "make_mesh",
@@ -59,5 +61,7 @@ __all__ = [
     "lora",
     "LoRA",
     "lora_merge",
+    "chunked_cross_entropy",
+    "chunked_token_losses",
 ]
 __version__ = "0.1.0"

@@ -8,7 +8,9 @@ comes from ahead-of-time compilation with abstract inputs.
 
 "Cheapest" ranks choices by their usual cost in step time: no offload before offload
 (PCIe traffic), then remat none < save_dots < offload_dots (activations over PCIe) < full
-(recompute), then a lower stage (stage 3 adds an all-gather per use). A choice fits when max(estimate, measured) <= --device-memory.
+(recompute) < offload_input (recompute, and the layer inputs over PCIe), then a lower stage
+(stage 3 adds an all-gather per use). A choice fits when max(estimate, measured) <=
+--device-memory.
 
 With ``--target`` each compiled row also carries XLA:GPU's *estimated* step time (its
 latency-hiding scheduler's cost model for the target, ``zeroflow.memory.schedule``; nothing
@@ -49,7 +51,7 @@ MEASURE_MAX_PARAMS = 50_000_000
 "'--measure auto' compiles only models up to this many parameters..."
 MEASURE_MAX_DEVICES = 16
 "... and only meshes up to this many devices (CPU compile time grows with both)."
-REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3}
+REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3, "offload_input": 4}
 DENSE_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "l4": 121e12}
 "Dense bf16 tensor-core peak per GPU (vendor data sheets; SXM for H100/A100), for estimated MFU."
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"

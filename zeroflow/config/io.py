@@ -371,6 +371,9 @@ def _model_problems(m) -> list[str]:
             (m.max_positions >= 0, "model.max_positions must be >= 0 (0 = seq_len)"),
             (m.norm_eps > 0, "model.norm_eps must be positive"),
             (m.sliding_window >= 0, "model.sliding_window must be >= 0 (0 = attend to all)"),
+            (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0 = the plain loss)"),
+            (m.loss_vocab_chunk > 0, "model.loss_vocab_chunk must be positive"),
+            (m.mlp_chunk >= 0, "model.mlp_chunk must be >= 0 (0 = untiled)"),
             (
                 m.rope_scaling_factor > 0
                 and m.rope_original_max_positions > 0

@@ -83,7 +83,13 @@ class ModelConfig:
     rope_base: float = 10000.0
     "Rotary position embedding base frequency."
     remat: str = one_of(*REMATS)
-    "Rematerialisation policy for each block: 'none', 'full', 'save_dots' or 'offload_dots' (save_dots's matmul outputs kept in pinned host memory; in device memory where host memory is the device's, as on XLA:CPU)."
+    "Rematerialisation policy for each block: 'none', 'full', 'save_dots', 'offload_dots' (save_dots's matmul outputs kept in pinned host memory) or 'offload_input' (as full, each layer's input kept in pinned host memory); both offloads keep them in device memory where host memory is the device's, as on XLA:CPU."
+    loss_chunk: int = 0
+    "Positions per tile of the chunked cross-entropy (zeroflow.ops.chunked_cross_entropy, its own backward pass), which never holds the [tokens, vocab] logits; 0 = the plain loss on the whole logits."
+    loss_vocab_chunk: int = 8192
+    "Vocabulary entries per tile of the chunked cross-entropy (model.loss_chunk > 0)."
+    mlp_chunk: int = 0
+    "Positions per chunk of the tiled MLP: each chunk runs under remat, so its [tokens, mlp_dim] intermediates are recomputed for the backward pass and never held for the whole sequence; 0 = untiled."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
     mlp: str = one_of("dense", "block_sparse")
@@ -117,7 +123,7 @@ class ModelConfig:
     sliding_window: int = 0
     "Attend to at most this many most recent tokens, the current one included (Mistral); 0 = all."
     init_from: str = ""
-    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, lora)."
+    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, the loss and MLP chunks, lora)."
     lora: LoraConfig = field(default_factory=LoraConfig)
     "Low-rank adapters (model.lora.rank > 0): a nested section."
 

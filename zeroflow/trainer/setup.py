@@ -176,7 +176,7 @@ def lm_loss_fn(model_cfg: ModelConfig):
 
 def run_model_config(cfg: Config) -> ModelConfig:
     """``cfg.model``, or with ``model.init_from`` the checkpoint's architecture (config.json)
-    with this run's seq_len, remat, attention, dropout and LoRA adapters."""
+    with this run's seq_len, remat, attention, dropout, loss and MLP chunks and LoRA adapters."""
     if not cfg.model.init_from:
         return cfg.model
     from zeroflow import hf
