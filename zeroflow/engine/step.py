@@ -48,12 +48,12 @@ def check_batch(batch, data_size: int, grad_accum: int) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch has no array leaves")
-    sizes = {path_str(p): (jnp.shape(x)[0] if jnp.ndim(x) else None) for p, x in leaves}
-    if None in sizes.values():
+    scalars = [path_str(p) for p, x in leaves if not jnp.ndim(x)]
+    if scalars:
         raise ValueError(
-            "every batch leaf needs a leading batch axis; scalars found at "
-            + ", ".join(k for k, v in sizes.items() if v is None)
+            "every batch leaf needs a leading batch axis; scalars found at " + ", ".join(scalars)
         )
+    sizes = {path_str(p): jnp.shape(x)[0] for p, x in leaves}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"batch leaves disagree on the leading batch size: {sizes}")
     problem = batch_split_problem(next(iter(sizes.values())), grad_accum, data_size)
@@ -169,7 +169,7 @@ def train_step(
 
     # Unscale in fp32 and average over devices and micro-batches; gradients in their own dtype
     # (native_gradients) are widened and unscaled where the update reads them.
-    divisor = scale * (n * grad_accum)
+    divisor: jax.Array | None = scale * (n * grad_accum)
     if native_gradients(plan, grad_accum):
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
     else:

@@ -40,7 +40,7 @@ _EQX_STATE = (
 )
 
 
-def _raised_in_varying_cast(err: BaseException) -> bool:
+def _raised_in_varying_cast(err: BaseException | None) -> bool:
     """Whether ``err`` (or what it wraps) was raised by jax's ``pvary`` / ``preduced``."""
     while err is not None:
         frames = traceback.extract_tb(err.__traceback__)
