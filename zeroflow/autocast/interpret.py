@@ -105,7 +105,8 @@ def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> 
 
     def read(atom) -> Slot:
         if isinstance(atom, jcore.Literal):
-            dtype = paint.norm(atom.aval.dtype)
+            # a Literal's aval is a ShapedArray; jax types it as the dtype-less AbstractValue
+            dtype = paint.norm(atom.aval.dtype)  # type: ignore[attr-defined]
             return Slot(Copies(np.asarray(atom.val, dtype), literal=True), dtype)
         return env[atom]
 
@@ -203,5 +204,4 @@ def autocast(fn, dtype="bf16", policy: AutocastPolicy | None = None):
         outs = run_jaxpr(painting, const_slots(closed.consts), [Slot.of(a) for a in arrays])
         return jax.tree.unflatten(out_tree, [slot.value for slot in outs])
 
-    cast_fn.autocast_dtype = low
     return cast_fn

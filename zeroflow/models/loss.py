@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -34,17 +35,24 @@ def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, ga
     if "targets" not in batch:
         tokens = batch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+        # flax types apply() as maybe (output, variables); without mutable= it is the output
+        logits = cast(
+            jax.Array,
+            model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs),
+        )
         accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == targets)
         return cross_entropy_loss(logits, targets), {"accuracy": accuracy}
     targets, mask = batch["targets"], batch["loss_mask"]
-    logits = model.apply(
-        {"params": params},
-        batch["tokens"],
-        deterministic=rng is None,
-        rngs=rngs,
-        segment_ids=batch["segment_ids"],
-        positions=batch["positions"],
+    logits = cast(
+        jax.Array,
+        model.apply(
+            {"params": params},
+            batch["tokens"],
+            deterministic=rng is None,
+            rngs=rngs,
+            segment_ids=batch["segment_ids"],
+            positions=batch["positions"],
+        ),
     )
     trained = mask.astype(jnp.float32)
     hits = (jnp.argmax(logits, axis=-1) == targets) * trained

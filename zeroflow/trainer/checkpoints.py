@@ -56,7 +56,7 @@ READ_ATTEMPTS = 3
 "How often a reader lists the steps again when the ones it listed were deleted under it."
 
 
-def _no_space(error: BaseException) -> bool:
+def _no_space(error: BaseException | None) -> bool:
     while error is not None:
         if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
             return True
@@ -233,11 +233,11 @@ class RunCheckpoints:
             except UnreadableCheckpoint as e:
                 bad.append(e)
                 continue
-            for e in bad:
-                moved = self.move_aside(e.step)
+            for unreadable in bad:
+                moved = self.move_aside(unreadable.step)
                 log.warning(
                     "%s; moved it to %s, resuming from step %d",
-                    e,
+                    unreadable,
                     damage.shown(moved, self.directory),
                     step,
                 )
