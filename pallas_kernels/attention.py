@@ -121,7 +121,8 @@ def _visible_blocks(start, block: int, other_block: int, num_other: int, behind,
     """[lo, hi) of the other axis's blocks that a block of ``block`` rows beginning at row
     ``start`` can see, when row r sees columns r - behind .. r + ahead (None: no limit). The
     rest is skipped, not masked."""
-    lo, hi = 0, num_other
+    lo: int | jax.Array = 0
+    hi: int | jax.Array = num_other
     if behind is not None:
         lo = lax.div(jnp.maximum(start - behind, 0), other_block)
     if ahead is not None:

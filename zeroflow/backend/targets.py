@@ -141,8 +141,10 @@ def ptxas_release(path: str) -> tuple[int, int] | None:
 def _check_ptxas(gpu: str, text: str) -> None:
     """A GPU older than CUDA 13 supports needs CUDA 12's ptxas: without one XLA:GPU's compile
     fails late, saying ptxas is "too old" and falling back to a driver that is not there."""
-    major = int(re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)", text)[1])
-    minor = int(re.search(r"cuda_compute_capability\s*{[^}]*minor:\s*(\d+)", text)[1])
+    sm = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)[^}]*minor:\s*(\d+)", text)
+    if sm is None:
+        raise KeyError("cuda_compute_capability")  # as spec_field does for a missing field
+    major, minor = int(sm[1]), int(sm[2])
     oldest, last_cuda = LAST_CUDA_FOR_SM
     if (major, minor) >= oldest:
         return
@@ -187,7 +189,7 @@ def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1) -> Mesh:
 
 def memory_of(device) -> int | None:
     """Memory per device of a target's abstract device (its spec's size), else None."""
-    return _MEMORY.get(getattr(device, "device_kind", None))
+    return _MEMORY.get(getattr(device, "device_kind", ""))
 
 
 def use_cpu_for_targets() -> None:

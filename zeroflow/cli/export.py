@@ -56,7 +56,8 @@ def write_weights(weights: dict[str, np.ndarray], out: Path) -> None:
 
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out))
     else:
-        np.savez(out, **weights)
+        # numpy's stub reads the keywords as possibly its allow_pickle flag; keys are tree paths
+        np.savez(out, **weights)  # type: ignore[arg-type]
     readable_by_all(out)
 
 

@@ -44,6 +44,7 @@ from zeroflow.memory.estimate import (
     parse_bytes,
 )
 from zeroflow.memory.measure import analysed, device_peak
+from zeroflow.memory.peak import PeakEstimate
 from zeroflow.trainer.planning import attention_note, compile_config, estimate_config_step
 from zeroflow.trainer.setup import run_model_config
 
@@ -63,7 +64,7 @@ class Row:
     offload: str
     remat: str
     update_on: str
-    estimate: object  # zeroflow.memory.peak.PeakEstimate
+    estimate: PeakEstimate
     devices_per_process: int
     measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
     note: str = ""

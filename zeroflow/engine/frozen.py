@@ -62,7 +62,7 @@ def trainable_mask(trainable, params) -> Any:
     else:
         want = jax.tree.structure(params)
         got = jax.tree.structure(trainable)
-        if got != want:
+        if got != want:  # type: ignore[operator]  # jaxlib's PyTreeDef has no stub
             raise ValueError(
                 f"trainable must be a pytree of bools matching params (or a "
                 f"callable (path, leaf) -> bool); its structure {_short(got)} differs "

@@ -104,7 +104,7 @@ class LeafLayout:
         """The spec restricted to the ``data`` axis, as shard_map over ``data`` wants it."""
         if not with_zero or self.zero_dim is None:
             return P()
-        entries = [None] * len(self.shape)
+        entries: list[str | None] = [None] * len(self.shape)
         entries[self.zero_dim] = DATA
         return P(*entries)
 
@@ -149,12 +149,14 @@ class ZeroPlan:
     belong to one process (None: each device's ``process_index``; ``zeroflow.engine.hosts``).
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     stage: int = 0
     offload: str = "none"
     update_on: str = "device"
     tensor_rules: Sequence[tuple[str, P]] = ()
-    traits: backend.Traits | None = None
+    # None (the default) stands for the mesh's own traits: __post_init__ puts them in its
+    # place, so a constructed plan always holds a Traits, which is the type every reader gets.
+    traits: backend.Traits = None  # type: ignore[assignment]
     quantize_weights: str | None = None
     quantize_block: int = 256
     hierarchical: bool = False
@@ -284,7 +286,10 @@ class ZeroPlan:
         if jnp.dtype(compute_dtype).itemsize >= 4:
             return False
         return (
-            not self.shards_compute or self.offloads or self.hierarchical or self.quantize_weights
+            not self.shards_compute
+            or self.offloads
+            or self.hierarchical
+            or self.quantize_weights is not None
         )
 
     @property

@@ -209,7 +209,9 @@ def state_shardings_of(
         if frozen_layouts is None
         else plan.shardings_of(frozen_layouts, plan.shards_compute, plan.compute_memory_kind)
     )
-    scalar = plan.replicated()
+    # The TrainState returned is a tree of shardings: a sharding stands in each field that the
+    # state itself holds an array in (and is annotated so).
+    scalar: Any = plan.replicated()
     loss_scale = (
         None
         if not prec.scaled

@@ -15,6 +15,7 @@ automatic axis, which is how tensor-parallel rules compose with ZeRO.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -53,12 +54,12 @@ def check_batch(batch, data_size: int, grad_accum: int) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch has no array leaves")
-    sizes = {path_str(p): (jnp.shape(x)[0] if jnp.ndim(x) else None) for p, x in leaves}
-    if None in sizes.values():
+    scalars = [path_str(p) for p, x in leaves if not jnp.ndim(x)]
+    if scalars:
         raise ValueError(
-            "every batch leaf needs a leading batch axis; scalars found at "
-            + ", ".join(k for k, v in sizes.items() if v is None)
+            "every batch leaf needs a leading batch axis; scalars found at " + ", ".join(scalars)
         )
+    sizes = {path_str(p): jnp.shape(x)[0] for p, x in leaves}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"batch leaves disagree on the leading batch size: {sizes}")
     problem = batch_split_problem(next(iter(sizes.values())), grad_accum, data_size)
@@ -164,7 +165,7 @@ def train_step(
 
     # Unscale in fp32 and average over devices and micro-batches; gradients in their own dtype
     # (native_gradients) are widened and unscaled where the update reads them.
-    divisor = scale * (n * grad_accum)
+    divisor: jax.Array | None = scale * (n * grad_accum)
     if native_gradients(plan, grad_accum):
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
     else:
@@ -185,7 +186,8 @@ def train_step(
     )
     loss_scale = prec.next_loss_scale(state.loss_scale, finite)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
-    new_state = state.replace(  # the rng's base key and the frozen weights stay as they are
+    new_state = dataclasses.replace(  # the rng's base key and the frozen weights stay as they are
+        state,
         step=state.step + 1,
         applied=state.applied + (1 - skipped),
         master=new_master,

@@ -20,8 +20,8 @@ stored layout is another, ``ComputeRefresh`` (``compute_refresh``). The mechanis
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -266,7 +266,8 @@ def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
     return jax.tree.leaves(mapped)
 
 
-class _Owner(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Owner:
     index: int
     shape: tuple
 

@@ -453,7 +453,10 @@ def _gpt_param_counts(model) -> tuple[int, int]:
     return block, v * h + final + head_params + positions
 
 
-def _gpt_param_shapes(model) -> list[tuple[int, ...]]:
+Shapes = list[tuple[int, ...]]
+
+
+def _gpt_param_shapes(model) -> Shapes:
     """The shapes of the GPT model's parameters (the scanned blocks' with their leading layers
     axis), the same parameters ``_gpt_param_counts`` counts: what blockwise optimizer state
     depends on (the last axis and each tensor's size)."""
@@ -461,8 +464,8 @@ def _gpt_param_shapes(model) -> list[tuple[int, ...]]:
     head = model.head_dim or h // model.num_heads
     heads, kv = model.num_heads, model.num_kv_heads or model.num_heads
     projections = 3 if model.mlp_activation == "swiglu" else 2
-    norm = [(h,)] * (2 if model.norm == "layernorm" else 1)  # scale (and bias)
-    block = [(h, heads, head), (h, kv, head), (h, kv, head), (heads, head, h)]
+    norm: Shapes = [(h,)] * (2 if model.norm == "layernorm" else 1)  # scale (and bias)
+    block: Shapes = [(h, heads, head), (h, kv, head), (h, kv, head), (heads, head, h)]
     block += [(h, f)] * (projections - 1) + [(f, h)] + norm * 2
     if model.attn_bias in ("qkv", "all"):
         block += [(heads, head), (kv, head), (kv, head)]
@@ -470,7 +473,7 @@ def _gpt_param_shapes(model) -> list[tuple[int, ...]]:
         block += [(h,)]
     if model.mlp_bias:
         block += [(f,)] * (projections - 1) + [(h,)]
-    rest = [(v, h)] + norm + ([] if model.tie_embeddings else [(h, v)])
+    rest: Shapes = [(v, h)] + norm + ([] if model.tie_embeddings else [(h, v)])
     if model.positions == "learned":
         rest += [(model.max_positions or model.seq_len, h)]
     return [(layers, *shape) for shape in block] + rest

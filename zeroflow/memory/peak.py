@@ -112,7 +112,7 @@ class PeakEstimate:
             "backward_end": self.backward_end,
             "update": self.update,
         }
-        return max(moments, key=moments.get)
+        return max(moments, key=moments.__getitem__)
 
     def terms(self) -> dict[str, float]:
         return {
@@ -653,13 +653,11 @@ def _without_data(spec):
     return P(*[None if axis == DATA else axis for axis in spec])
 
 
-def _brought_in_bytes(
-    stored, shard, tx, master, path: UpdatePath
-) -> tuple[float, list[float] | None]:
+def _brought_in_bytes(stored, shard, tx, master, path: UpdatePath) -> tuple[float, list[float]]:
     """Offloaded state an update on the device copies in: ``(shared, per parameter)``, the
     state shared by all parameters (a step count) and each parameter's master and optimizer
     state, in the order of ``master``'s leaves, where ``path`` streams it
-    (``UpdatePath.STREAMED``); ``(all of it, None)`` where it is brought in whole."""
+    (``UpdatePath.STREAMED``); ``(all of it, [])`` where it is brought in whole."""
     sizes = [
         float(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize)
         for arrays, shardings in (
@@ -669,7 +667,7 @@ def _brought_in_bytes(
         for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))
     ]
     if path is not UpdatePath.STREAMED:
-        return float(sum(sizes)), None
+        return float(sum(sizes)), []
     count = len(jax.tree.leaves(master))
     groups = list(range(count)) + owners(tx, master, jax.eval_shape(tx.init, master))
     per_group = [0.0] * count

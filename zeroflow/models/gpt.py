@@ -15,7 +15,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import flax.linen as nn
 import jax
@@ -241,8 +241,9 @@ def causal_attention(
     local = (window - 1, 0) if window else None
     # Both paths take the segments as a boolean mask (cuDNN turns it into a bias).
     mask = None if segment_ids is None else segment_mask(segment_ids)
+    jax_kind = cast(Literal["xla", "cudnn"], implementation)  # "pallas" returned above
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
+        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=jax_kind
     )
 
 
@@ -599,7 +600,7 @@ def flops_per_token(cfg: ModelConfig) -> float:
     heads_width = cfg.num_heads * head_dim(cfg)
     kv_width = num_kv_heads(cfg) * head_dim(cfg)
     attn = cfg.embed_dim * (2 * heads_width + 2 * kv_width)  # query, key, value, out
-    mlp = (3 if cfg.mlp_activation == "swiglu" else 2) * cfg.embed_dim * cfg.mlp_dim
+    mlp: float = (3 if cfg.mlp_activation == "swiglu" else 2) * cfg.embed_dim * cfg.mlp_dim
     if cfg.mlp == "block_sparse":
         mlp *= cfg.mlp_density
     matmul_weights = cfg.num_layers * (attn + mlp) + cfg.embed_dim * cfg.vocab_size

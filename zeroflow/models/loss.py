@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,14 @@ def token_losses(model: GPT, params, tokens: jax.Array, targets: jax.Array, **ap
     hidden states without holding the [B, S, vocab] logits; otherwise from the whole logits."""
     cfg = model.cfg
     if not cfg.loss_chunk:
-        logits = model.apply({"params": params}, tokens, **apply_kwargs)
+        # flax types apply() as maybe (output, variables); without mutable= it is the output
+        logits = cast(jax.Array, model.apply({"params": params}, tokens, **apply_kwargs))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return losses, jnp.argmax(logits, axis=-1)
-    hidden, unembed = model.apply({"params": params}, tokens, return_hidden=True, **apply_kwargs)
+    hidden, unembed = cast(
+        tuple[jax.Array, jax.Array],
+        model.apply({"params": params}, tokens, return_hidden=True, **apply_kwargs),
+    )
     return chunked_token_losses(
         hidden,
         unembed,

@@ -249,11 +249,11 @@ class RunCheckpoints:
             except UnreadableCheckpoint as e:
                 bad.append(e)
                 continue
-            for e in bad:
-                moved = self.move_aside(e.step)
+            for unreadable in bad:
+                moved = self.move_aside(unreadable.step)
                 log.warning(
                     "%s; moved it to %s, resuming from step %d",
-                    e,
+                    unreadable,
                     damage.shown(moved, self.directory),
                     step,
                 )

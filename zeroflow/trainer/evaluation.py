@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from zeroflow.data import bits_per_byte, eval_batches
+from zeroflow.data import RecordData, bits_per_byte, eval_batches
 from zeroflow.engine import offload
 from zeroflow.models import LAYER_STACK
 from zeroflow.trainer.setup import Run
@@ -46,8 +46,8 @@ def make_eval(run: Run):
         cfg = run.cfg
         if run.data is None or cfg.train.eval_batches <= 0:
             return {}
-        if getattr(run.data, "packed", False):
-            return evaluate_packed(state, eval_loss, run)
+        if isinstance(run.data, RecordData):
+            return evaluate_packed(state, eval_loss, run, run.data)
         if len(run.data.val) <= cfg.model.seq_len:
             return {}
         batches = eval_batches(
@@ -65,11 +65,11 @@ def make_eval(run: Run):
     return evaluate
 
 
-def evaluate_packed(state, eval_loss, run: Run) -> dict[str, float]:
+def evaluate_packed(state, eval_loss, run: Run, data: RecordData) -> dict[str, float]:
     """Mean loss per trained token of the held-out examples' fixed batches. No bits per byte:
     the loss covers only completions, not all the text the tokens stand for."""
     cfg = run.cfg
-    batches = run.data.eval_batches(
+    batches = data.eval_batches(
         num_batches=cfg.train.eval_batches,
         batch_size=cfg.train.batch_size // jax.process_count(),
         process_index=jax.process_index(),

@@ -6,13 +6,15 @@ import contextlib
 import math
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from zeroflow.config.io import save_config
 from zeroflow.config.schema import Config
-from zeroflow.data import train_batch
+from zeroflow.data import RecordData, TokenData, train_batch
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.distributed import StopVote
 from zeroflow.models import flops_per_token
@@ -30,7 +32,7 @@ class TrainingDiverged(RuntimeError):
 
 
 @contextlib.contextmanager
-def _stop_on_signals():
+def _stop_on_signals() -> Iterator[list[int]]:
     """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and returns at the next step."""
     caught: list[int] = []
     previous = {}
@@ -52,7 +54,7 @@ def _stop_on_signals():
 
 def _train_loader(run: Run):
     """A Grain iterator of this process's packed training batches (None for token streams)."""
-    if run.data is None or not getattr(run.data, "packed", False):
+    if not isinstance(run.data, RecordData):  # token streams are drawn per step instead
         return None
     return iter(
         run.data.train_batches(
@@ -243,12 +245,15 @@ def _batches(run: Run, loader):
     """``batch_for(step)``: the global batch of a step, from the packed-records loader (it knows
     the step) or drawn from the token data for that step and this process."""
     cfg = run.cfg
+    tokens = run.data if isinstance(run.data, TokenData) else None
 
     def batch_for(step: int):
         if loader is not None:
             return run.global_batch(next(loader))
+        if tokens is None:
+            raise ValueError("this run has no token data to draw training batches from")
         local = train_batch(
-            run.data.train,
+            tokens.train,
             step,
             global_batch=cfg.train.batch_size,
             seq_len=cfg.model.seq_len,
@@ -269,7 +274,7 @@ def _recorder(run: Run, reporter: Reporter, checkpoints: RunCheckpoints, losses:
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
 
     def finish_step(step: int, metrics, seconds: float):
-        m = _host_metrics(metrics)
+        m: dict[str, Any] = _host_metrics(metrics)  # and derived rates, "mfu" None when unknown
         _check_finite(step, m, run, checkpoints)
         losses[step] = m["loss"]
         m["step_time"] = seconds

@@ -254,15 +254,21 @@ def estimate_config_step(
     ``model.remat``. Needs no devices (a planning mesh) and allocates nothing. ``backend``:
     "gpu" or "cpu"; by default the planning mesh's, a GPU's (pass "cpu" to compare with a step
     compiled by XLA:CPU)."""
-    choice = dict(
-        num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, planning=True
+    parts_for = functools.partial(
+        gpt_step_parts,
+        cfg,
+        num_devices=num_devices,
+        stage=stage,
+        offload=offload,
+        update_on=update_on,
+        planning=True,
     )
-    parts = gpt_step_parts(cfg, remat=remat, **choice)
+    parts = parts_for(remat=remat)
     remat = cfg.model.remat if remat is None else remat
     recompute = 0.0
     if remat != "none":  # one layer's activations, made again by its remat in the backward pass
         recompute = remat_recompute_bytes(
-            gpt_step_parts(cfg, remat="none", **choice),
+            parts_for(remat="none"),
             parts,
             grad_accum=cfg.parallel.grad_accum,
             num_layers=cfg.model.num_layers,

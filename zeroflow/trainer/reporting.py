@@ -176,6 +176,8 @@ class Reporter:
                 print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}", file=sys.stderr)
 
     def _row(self, row: dict[str, Any]) -> None:
+        if self.jsonl is None:  # only the main process writes metrics.jsonl
+            return
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
 

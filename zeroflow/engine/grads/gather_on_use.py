@@ -86,7 +86,8 @@ def call(
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(avals, *args)
     # The jaxpr's inputs are the flattened entries: a fetched weight is one input, any other
     # entry (possibly a small pytree itself) as many as it has arrays; the data is dynamic.
-    inputs, dynamic = [], []
+    inputs: list = []
+    dynamic: list[bool] = []
     for i, (x, src) in enumerate(zip(stored, sources)):
         parts = [_weight_itself(i)] if src is not None else jax.tree.leaves(x)
         inputs += parts

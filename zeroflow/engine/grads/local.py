@@ -102,7 +102,7 @@ def split_loss(out, model_state=None):
 
 def _check_new_model_state(old, new) -> None:
     old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
-    if old_def != new_def:
+    if old_def != new_def:  # type: ignore[operator]  # jaxlib's PyTreeDef has no stub
         raise ValueError(
             f"loss_fn's new model_state has structure {new_def}, the state's is {old_def}"
         )
@@ -308,13 +308,11 @@ def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives, wid
             return x
         if r.frozen:  # fetched without a gradient path
             weight = offload.to_device(varying(x)) if r.stream else x
-            return (
-                _source(r, dt, collectives, widens).layer().fetch(weight) if r.sharded else weight
-            )
+            return _layer_source(r, dt, collectives, widens).fetch(weight) if r.sharded else weight
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.weight, x.stand_in)
         weight = offload.to_device(varying(x.weight)) if r.stream else x.weight
-        return _source(r, dt, collectives, widens).layer().fetch_for_grad((weight, x.stand_in))
+        return _layer_source(r, dt, collectives, widens).fetch_for_grad((weight, x.stand_in))
 
     def gather_layer(layer_params):
         return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=is_route)
@@ -380,7 +378,7 @@ def _reduce_late(g, r: Route, dtype=jnp.float32):
     """Per micro-batch: a gradient to be reduce-scattered that the backward pass left whole (a
     streamed stack split along its layer axis) is reduce-scattered now."""
     if r.reduce is Reduce.AFTER:
-        return reduce_scatter(g, r.dim, r.padded, dtype)
+        return reduce_scatter(g, r.split_dim, r.padded, dtype)
     return g
 
 
@@ -394,7 +392,7 @@ def _source(r: Route, dtype, collectives: Stage3Collectives, widens: bool) -> so
             r.dim if r.sharded else None, dtype, r.cut, ordered=r.sharded or widens
         )
     if r.sharded:
-        return sources.Sharded(r.dim, dtype, r.cut, r.padded, collectives=collectives)
+        return sources.Sharded(r.split_dim, dtype, r.cut, r.padded, collectives=collectives)
     scattered = r.reduce is Reduce.ON_USE
     return sources.Whole(
         r.dim if scattered else None,
@@ -402,6 +400,15 @@ def _source(r: Route, dtype, collectives: Stage3Collectives, widens: bool) -> so
         ordered=widens,
         reduce_dtype=collectives.reduce_dtype,
     )
+
+
+def _layer_source(r: Route, dtype, collectives: Stage3Collectives, widens: bool) -> sources.Source:
+    """The source of one layer's slice of a leaf fetched one layer at a time: such a leaf is
+    split within its layers or not at all, never along its layer axis, so the slice has one."""
+    layer = _source(r, dtype, collectives, widens).layer()
+    if layer is None:
+        raise AssertionError(f"{r} is fetched per layer but split along its layer axis")
+    return layer
 
 
 def _call_gathering(
@@ -432,7 +439,8 @@ def _call_gathering(
         is_leaf=is_route,
     )
     leaves, treedef = jax.tree.flatten(seen, is_leaf=_is_pair)
-    specs = treedef.flatten_up_to(top)
+    # jaxlib ships no stub for its compiled PyTreeDef, so mypy cannot see its methods
+    specs = treedef.flatten_up_to(top)  # type: ignore[attr-defined]
     if not any(specs):
         return call(seen, micro, given)
     return gather_on_use.call(

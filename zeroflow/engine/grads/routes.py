@@ -79,6 +79,14 @@ class Route:
         """The gradient leaves ``local_grads`` split over ``data``."""
         return self.reduce in (Reduce.ON_USE, Reduce.AFTER)
 
+    @property
+    def split_dim(self) -> int:
+        """``dim`` of a leaf that is split over ``data``: one that is sharded or whose gradient
+        is reduce-scattered; such a route always has one."""
+        if self.dim is None:
+            raise AssertionError(f"{self} keeps its leaf whole: it has no split dimension")
+        return self.dim
+
 
 # -- the table's key -------------------------------------------------------------------------
 class Stage(enum.Enum):

@@ -41,10 +41,13 @@ def dim_in_layer(dim: int) -> int | None:
 class Source(Protocol):
     """How one weight is stored on this device and how its gradient goes back there."""
 
-    ordered: bool
-    "Its fetch waits for the unit's inputs (``ordering.after``); else the compiler places it."
-    frozen: bool
-    "Never differentiated: the unit takes no vjp with respect to it."
+    @property
+    def ordered(self) -> bool:
+        """Its fetch waits for the unit's inputs (``ordering.after``), or the compiler places it."""
+
+    @property
+    def frozen(self) -> bool:
+        """Never differentiated: the unit takes no vjp with respect to it."""
 
     def fetch(self, stored) -> jax.Array:
         """The whole weight, as the loss uses it, from what this device stores."""

@@ -49,11 +49,12 @@ def tile(tree, entries: tuple[Entry, ...], copies: int):
     if copies == 1:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten(
+    return jax.tree.unflatten(
+        treedef,
         [
             x if e is None else jnp.concatenate([x] * copies, axis=e[0])
             for x, e in zip(leaves, entries)
-        ]
+        ],
     )
 
 
@@ -86,4 +87,4 @@ def refresh(compute, layouts, plan: ZeroPlan):
     out = jax.shard_map(
         regroup, mesh=plan.mesh, in_specs=(specs,), out_specs=specs, axis_names=manual
     )(leaves)
-    return treedef.unflatten(out)
+    return jax.tree.unflatten(treedef, out)
