@@ -159,11 +159,13 @@ def test_rollback_recovers_from_a_learning_rate_spike(tmp_path, monkeypatch, cap
     result = train(cfg)
 
     assert result.step == 12 and np.isfinite(result.losses[12])
-    assert rollback_rows(tmp_path) == [{
-        "event": "rollback", "rollback": 1, "from_step": 7, "to_step": 4, "batches_skipped": 3,
-        "lr_factor": 0.1, "loss": pytest.approx(74.44, abs=0.01), "grad_norm": pytest.approx(14.24, abs=0.01),
-        "reason": rollback_rows(tmp_path)[0]["reason"]}]
-    assert "loss 74.44 is over train.spike_factor=3" in rollback_rows(tmp_path)[0]["reason"]
+    [row] = rollback_rows(tmp_path)
+    assert {k: row[k] for k in ("rollback", "from_step", "to_step", "batches_skipped", "lr_factor")} \
+        == {"rollback": 1, "from_step": 7, "to_step": 4, "batches_skipped": 3, "lr_factor": 0.1}
+    assert re.fullmatch(r"loss [\d.]+ is over train.spike_factor=3 times the median [\d.]+ of the "
+                        r"last 6 losses", row["reason"])
+    kept = [r["loss"] for r in step_rows(tmp_path) if r["step"] <= 4]  # steps 5 and 6 were redone
+    assert row["loss"] > 3 * np.median(kept) and np.isfinite(row["grad_norm"])
     assert "rolled back to step 4 (rollback 1 of at most 3), skipping 3 batches, learning rate x0.1" \
         in capsys.readouterr().out
     # Steps 1-4 drew batches 0-3, the spike's steps 5-7 batches 4-6 (and step 8 batch 7, in

@@ -134,12 +134,13 @@ def diagnose(
 def _spike(found, loss: float, grad_norm: float, skipped: bool, health: Health, train):
     """A loss far above the recent median, or a gradient norm above the bound (a skipped
     update's norm is the loss scale's overflow, not the model's)."""
-    if train.spike_factor > 0 and len(health.recent_losses) >= MIN_HISTORY:
-        median = statistics.median(health.recent_losses)
+    recent = health.recent_losses[-train.spike_window :]  # the window may have shrunk on resume
+    if train.spike_factor > 0 and len(recent) >= MIN_HISTORY:
+        median = statistics.median(recent)
         if loss > train.spike_factor * median:
             return found(
                 f"loss {loss:.4g} is over train.spike_factor={train.spike_factor:g} times the "
-                f"median {median:.4g} of the last {len(health.recent_losses)} losses",
+                f"median {median:.4g} of the last {len(recent)} losses",
                 hint="Try a lower train.lr, or a higher train.spike_factor if such spikes are "
                 "expected",
             )

@@ -306,14 +306,14 @@ class _Segment:
     def train(self, position: Position, caught, started):
         """``(state, losses, last evaluation, stopping signal)``, or the ``Divergence`` that
         ended it (the segment's state is dropped with it; ``position.state`` is set to None)."""
-        state, position.state = position.state, None
         monitor = Monitor(position.health, self.run.cfg.train, self.run.prec)
         try:
-            return self._steps(state, position, monitor, caught, started)
+            return self._steps(position, monitor, caught, started)
         except Diverged as e:
             return e.divergence
 
-    def _steps(self, state, position: Position, monitor: Monitor, caught, started):
+    def _steps(self, position: Position, monitor: Monitor, caught, started):
+        state, position.state = position.state, None
         run, reporter, checkpoints = self.run, self.reporter, self.checkpoints
         cfg, tcfg = run.cfg, run.cfg.train
         batch_for = _batches(run, position.loader, position.health.data_offset)
