@@ -436,6 +436,17 @@ def _train_problems(t) -> list[str]:
             (t.log_every > 0, "train.log_every must be positive"),
             (t.eval_every >= 0, "train.eval_every must be >= 0 (0 = only at the end)"),
             (t.eval_batches >= 0, "train.eval_batches must be >= 0"),
+            (
+                t.spike_factor == 0 or t.spike_factor > 1,
+                f"train.spike_factor must be 0 (off) or above 1; got {t.spike_factor}",
+            ),
+            (t.spike_window > 0, f"train.spike_window must be positive; got {t.spike_window}"),
+            (t.max_grad_norm >= 0, "train.max_grad_norm must be >= 0 (0 = no bound)"),
+            (
+                0 < t.rollback_lr_factor <= 1,
+                f"train.rollback_lr_factor must be in (0, 1]; got {t.rollback_lr_factor}",
+            ),
+            (t.max_rollbacks >= 0, f"train.max_rollbacks must be >= 0; got {t.max_rollbacks}"),
         ]
     )
     if t.freeze:

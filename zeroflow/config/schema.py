@@ -190,6 +190,18 @@ class TrainConfig:
     "Regex (re.search) on parameter paths such as 'layers/attn/q_proj': matching parameters are frozen (kept once in the compute dtype: no master copy, optimizer state or gradient); '' trains all."
     eval_only: bool = False
     "Only evaluate: the latest checkpoint of run.dir (else the initial weights, e.g. model.init_from's), on eval_batches held-out batches; nothing is trained or written."
+    on_divergence: str = one_of("rollback", "stop")
+    "When a step diverges (non-finite loss or gradients, a loss spike, a gradient norm over max_grad_norm): 'rollback' restores the newest healthy checkpoint, skips the batches since it and trains on (default: a long run recovers unattended, as people did by hand, and max_rollbacks bounds it), or 'stop' with one line naming that checkpoint."
+    spike_factor: float = 3.0
+    "A step whose loss exceeds this times the median of the last spike_window losses diverges (0 = no spike check); 3 stays clear of batch-to-batch noise."
+    spike_window: int = 50
+    "How many recent training losses the spike check's median is taken over."
+    max_grad_norm: float = 0.0
+    "A step whose gradient norm (before clipping) exceeds this diverges; 0 = no bound (norms depend on the model)."
+    rollback_lr_factor: float = 1.0
+    "Each rollback multiplies the learning-rate schedule by this (in (0, 1]; 1 = skip the batches only)."
+    max_rollbacks: int = 3
+    "Rollbacks a run may make; the divergence after the last one stops the run."
 
 
 @dataclass

@@ -44,6 +44,8 @@ LOADER = "loader"
 "Checkpoint item holding the data loader's position (runs with a Grain loader)."
 CORRUPT = ".corrupt"
 "Suffix of a step folder moved aside because it could not be read."
+DIVERGED = ".diverged"
+"Suffix of a step folder moved aside because its weights gave a diverging step."
 DIGESTS = "digests"
 "Key of a step's meta naming its manifest: a step saved with digests must have them."
 
@@ -315,13 +317,15 @@ class RunCheckpoints:
             f"step {e.step}: {e.reason}" for e in sorted(bad, key=lambda e: e.step)
         )
 
-    def move_aside(self, step: int) -> Path:
-        """Rename an unreadable step to ``<step>.corrupt`` (``.corrupt-2``, ... if taken)."""
-        target = self.directory / f"{step}{CORRUPT}"
+    def move_aside(self, step: int, suffix: str = CORRUPT) -> Path:
+        """Rename a step that must not be used (unreadable: ``<step>.corrupt``; diverged:
+        ``<step>.diverged``; ``-2``, ... added if taken). Orbax lists numbered folders only,
+        so the step is gone for every later restore, and a save at that step writes it anew."""
+        target = self.directory / f"{step}{suffix}"
         n = 1
         while target.exists():
             n += 1
-            target = self.directory / f"{step}{CORRUPT}-{n}"
+            target = self.directory / f"{step}{suffix}-{n}"
         if jax.process_index() == 0:
             (self.directory / str(step)).rename(target)
         if jax.process_count() > 1:
@@ -329,6 +333,7 @@ class RunCheckpoints:
 
             multihost_utils.sync_global_devices(f"zeroflow: moved step {step} aside")
         self.manager.reload()
+        self._written.discard(step)
         return target
 
     def close(self) -> None:

@@ -45,6 +45,18 @@ class Run:
     "With ``model.lora.rank > 0``: ``loss_fn`` is its adapted loss, the base weights frozen."
     adapter_sites: Any = None
     "Where the adapted weights are read (``LoRA.sites``), found once when the run is built."
+    decay_mask: Any = None
+    "The optimizer's weight-decay mask (``make_optimizer``), kept to rebuild it at another rate."
+    lr_factor: float = 1.0
+    "What ``tx``'s learning-rate schedule is multiplied by (rollbacks lower it)."
+
+    def with_lr_factor(self, factor: float) -> Run:
+        """This run with its optimizer's schedule multiplied by ``factor`` (the state's layout
+        is unchanged: a checkpoint of the run restores into it)."""
+        if factor == self.lr_factor:
+            return self
+        tx = make_optimizer(self.cfg.train, self.decay_mask, lr_factor=factor)
+        return dataclasses.replace(self, tx=tx, lr_factor=factor)
 
     @property
     def gather_per_layer(self) -> str | None:
@@ -222,7 +234,8 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
         sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg))
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
     # computed from what it is given.
-    tx = make_optimizer(cfg.train, decay_mask if trainable else decay_mask(shapes))
+    mask = decay_mask if trainable else decay_mask(shapes)
+    tx = make_optimizer(cfg.train, mask)
     return Run(
         cfg=cfg,
         model_cfg=model_cfg,
@@ -234,6 +247,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
         trainable=trainable,
         lora=lora,
         adapter_sites=sites,
+        decay_mask=mask,
     )
 
 
