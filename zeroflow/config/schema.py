@@ -86,6 +86,8 @@ class ModelConfig:
     "Rematerialisation policy for each block: 'none', 'full', 'save_dots' or 'offload_dots' (save_dots's matmul outputs kept in pinned host memory; in device memory where host memory is the device's, as on XLA:CPU)."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
+    context_attention: str = one_of("allgather", "ring")
+    "How attention crosses the sequence split of parallel.context > 1: 'allgather' (every device's keys and values gathered, local queries) or 'ring' (key/value blocks passed around the devices with online softmax, in a load-balanced causal layout; attention 'xla' or 'pallas')."
     mlp: str = one_of("dense", "block_sparse")
     "MLP projections: 'dense' or 'block_sparse'."
     mlp_density: float = 0.25
@@ -192,6 +194,8 @@ class ParallelConfig:
     "Devices on the data axis (-1 = all remaining)."
     model: int = 1
     "Devices on the model (tensor-parallel) axis."
+    context: int = 1
+    "Devices each sequence is split over (the context axis; ZeRO shards states over data x context); model.context_attention says how attention crosses the split."
     zero_stage: int = one_of(*ZERO_STAGES)
     "ZeRO stage 0, 1, 2 or 3."
     grad_accum: int = 1

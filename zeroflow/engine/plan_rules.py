@@ -34,8 +34,11 @@ class Keys:
         return f"{self(name)}={shown}"
 
 
-PLAN_KEYS = Keys({"batch_size": "batch size", "params": "Precision.params"})
-"The engine's spelling: ``ZeroPlan``'s arguments, the batch's leading size, ``Precision``'s field."
+PLAN_KEYS = Keys(
+    {"batch_size": "batch size", "params": "Precision.params", "seq_len": "sequence length"}
+)
+"The engine's spelling: ``ZeroPlan``'s arguments, the batch's leading size and sequence length,"
+" ``Precision``'s field."
 
 
 def host_update_problem(offload: str, update_on: str, keys: Keys = PLAN_KEYS) -> str | None:
@@ -172,3 +175,14 @@ def batch_split_problem(
             f"{data_size} x {keys('grad_accum')} {grad_accum}"
         )
     return None
+
+
+def sequence_split_problem(
+    length: int, context: int, chunks: int = 1, keys: Keys = PLAN_KEYS
+) -> str | None:
+    """A sequence of ``length`` tokens splits into ``context`` equal parts, each of ``chunks``
+    equal chunks (the ring's load-balanced layout holds two per device)."""
+    if context <= 1 or length % (context * chunks) == 0:
+        return None
+    parts = f"{keys('context')} {context}" + (f" x {chunks} chunks" if chunks > 1 else "")
+    return f"{keys('seq_len')} {length} does not divide by context axis size {parts}"

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend as backends
 from zeroflow.autocast.precision import Precision
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import CONTEXT, DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.grads.local import native_gradients
 from zeroflow.engine.grads.routes import Fetch, Reduce, fetches_whole, is_route, step_routes
@@ -661,7 +661,7 @@ def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
 
 
 def _without_data(spec):
-    return P(*[None if axis == DATA else axis for axis in spec])
+    return P(*[None if axis in (DATA, (DATA, CONTEXT)) else axis for axis in spec])
 
 
 def _brought_in_bytes(

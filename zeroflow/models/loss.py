@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from zeroflow.config.schema import ModelConfig
+from zeroflow.models.context import context_size, masked_mean, row_count
 from zeroflow.models.gpt import GPT
 
 
@@ -32,6 +33,12 @@ def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, ga
     if gather_layer is not None:
         model = model.clone(layer_transform=gather_layer)
     if "targets" not in batch:
+        if context_size() > 1:
+            raise ValueError(
+                "with a context axis the batch needs 'targets' beside 'tokens' (the sequence "
+                "is split over devices, so it cannot be shifted inside the step); "
+                "zeroflow.models.context.context_batch makes them from [B, S + 1] windows"
+            )
         tokens = batch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
@@ -46,12 +53,13 @@ def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, ga
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
     )
+    # Means over whole rows: with a context axis each device holds a part of every row.
     trained = mask.astype(jnp.float32)
-    hits = (jnp.argmax(logits, axis=-1) == targets) * trained
-    accuracy = hits.sum() / jnp.maximum(trained.sum(), 1.0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return (
-        cross_entropy_loss(logits, targets, mask),
-        {"accuracy": accuracy, "trained_tokens": trained.sum()},
+        masked_mean(losses, trained),
+        {"accuracy": masked_mean(hits, trained), "trained_tokens": row_count(trained)},
     )
 
 
