@@ -23,6 +23,7 @@ from zeroflow.engine.plan import (
     UPDATE_ON_CHOICES,
     ZERO_STAGES,
 )
+from zeroflow.engine.plan_rules import CONTEXT_CHUNKS
 from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
 
@@ -86,7 +87,7 @@ class ModelConfig:
     "Rematerialisation policy for each block: 'none', 'full', 'save_dots' or 'offload_dots' (save_dots's matmul outputs kept in pinned host memory; in device memory where host memory is the device's, as on XLA:CPU)."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
-    context_attention: str = one_of("allgather", "ring")
+    context_attention: str = one_of(*CONTEXT_CHUNKS)
     "How attention crosses the sequence split of parallel.context > 1: 'allgather' (every device's keys and values gathered, local queries) or 'ring' (key/value blocks passed around the devices with online softmax, in a load-balanced causal layout; attention 'xla' or 'pallas')."
     mlp: str = one_of("dense", "block_sparse")
     "MLP projections: 'dense' or 'block_sparse'."

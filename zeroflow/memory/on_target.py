@@ -21,8 +21,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.backend.mesh import DATA, MODEL
-
 
 class CompiledOnTarget:
     """An XLA:GPU executable with the parts of ``jax.stages.Compiled`` that
@@ -46,38 +44,16 @@ def is_abstract(mesh: Mesh) -> bool:
 
 
 def stand_in_mesh(target: Mesh) -> Mesh:
-    """A ``("data", "model")`` mesh of CPU devices shaped like ``target``'s abstract GPUs."""
-    shape = (target.shape[DATA], target.shape[MODEL])
+    """A mesh of CPU devices shaped like ``target``'s abstract GPUs, with its axes."""
+    names = tuple(target.axis_names)
+    shape = tuple(target.shape[a] for a in names)
+    count = int(np.prod(shape))
     cpus = jax.devices("cpu")
-    if len(cpus) < shape[0] * shape[1]:
+    if len(cpus) < count:
         raise RuntimeError(
-            f"compiling an offloaded step for {shape[0] * shape[1]} GPUs needs as "
-            f"many CPU devices standing in for them, {len(cpus)} here: set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count="
-            f"{shape[0] * shape[1]} before jax starts"
+            f"compiling an offloaded step for {count} GPUs needs as many CPU devices standing "
+            f"in for them, {len(cpus)} here: set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before jax starts"
         )
-    grid = np.asarray(cpus[: shape[0] * shape[1]], dtype=object).reshape(shape)
-    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def compile_for(step, state, batch, target: Mesh) -> CompiledOnTarget:
-    """Compile ``step`` (a ``zf.make_train_step`` planned on ``stand_in_mesh(target)`` with
-    ``target``'s traits) for ``(state, batch)`` (abstract, sharded over the stand-in mesh) as
-    XLA:GPU compiles it for ``target``'s devices. Nothing runs."""
-    from jax._src import compiler
-    from jax._src.lib import xla_client
-
-    lowered = step.jitted(state).trace(state, batch).lower(lowering_platforms=("cuda",))
-    devices = list(target.devices.flat)
-    options = compiler.get_compile_options(
-        num_replicas=1,
-        num_partitions=len(devices),
-        device_assignment=np.asarray(devices, dtype=object).reshape(1, len(devices)),
-        env_options_overrides=dict(step.compiler_options),
-    )
-    executable = devices[0].client.compile(
-        lowered.compiler_ir("stablehlo"),
-        executable_devices=xla_client.DeviceList(tuple(devices)),
-        compile_options=options,
-    )
-    return CompiledOnTarget(executable, target)
+    grid = np.asarray(cpus[:count], dtype=object).reshape(shape)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))

@@ -25,12 +25,6 @@ import numpy as np
 
 from zeroflow.backend.mesh import CONTEXT
 
-STRATEGIES = ("allgather", "ring")
-"Values of ``model.context_attention``: how attention crosses the sequence split."
-
-CHUNKS = {"allgather": 1, "ring": 2}
-"Chunks of the row each context device holds, per strategy."
-
 
 def context_size() -> int:
     """Devices the sequence is split over where this code is traced: the ``context`` axis's

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeroflow.backend.mesh import CONTEXT
+from zeroflow.engine.plan_rules import context_attention_problem
 from zeroflow.models.context import context_size, token_index
 from zeroflow.models.kernels import pallas_kernel
 
@@ -279,14 +280,6 @@ def context_attention(
 
 def check_supported(strategy: str, implementation: str, window: int) -> None:
     """One line where a strategy cannot run with an attention implementation."""
-    if strategy == "ring" and implementation == "cudnn":
-        raise ValueError(
-            "model.context_attention='ring' needs attention='xla' or 'pallas': cuDNN's "
-            "attention takes no log-sum-exp into its backward pass; use context_attention="
-            "'allgather' with cuDNN"
-        )
-    if strategy == "ring" and window:
-        raise ValueError(
-            "model.sliding_window needs context_attention='allgather' (the ring's blocks "
-            "have no window)"
-        )
+    problem = context_attention_problem(strategy, implementation, window)
+    if problem:
+        raise ValueError(problem)
