@@ -70,16 +70,18 @@ def compile_row(seq: int, context: int, strategy: str, attention: str) -> dict:
 def _line(r) -> str:
     step = "-" if r["step_ms"] is None else f"{r['step_ms']:,.0f}"
     return (f"| {r['context']} | {r['data']} | {r['strategy']} | {r['attention']} | "
-            f"{r['seq']:,} | {r['tokens']:,} | {r['peak'] / MiB:,.0f} | {step} |")
+            f"{r['seq']:,} | {r['data'] * r['seq']:,} | {r['tokens']:,} | {r['peak'] / MiB:,.0f} | "
+            f"{step} |")
 
 
-HEADER = ("| context | data | context attention | attention | sequence | tokens per device | "
-          "peak MiB per device | XLA step estimate ms |\n|---|---|---|---|---|---|---|---|")
+HEADER = ("| context | data | context attention | attention | sequence | tokens per step | "
+          "tokens per device | peak MiB per device | XLA step estimate ms |\n"
+          "|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=32768, help="tokens per row")
+    parser.add_argument("--seq", type=int, default=65536, help="tokens per row")
     parser.add_argument("--contexts", default="1,2,4,8")
     parser.add_argument("--strategies", default="allgather,ring")
     parser.add_argument("--attention", default="pallas", help="xla, cudnn or pallas")
@@ -101,7 +103,10 @@ def main(argv=None) -> None:
         "MLP 4096, byte vocabulary, rotary positions, AdamW, bf16 weights, fp32 master and "
         "moments, ZeRO stage 3 over data x context, remat full, one row of the sequence per "
         "data group. Peak = `memory_analysis()` per device (arguments + outputs + temporaries "
-        "- aliased). Step estimate = XLA:GPU's latency-hiding scheduler's model of the step.",
+        "- aliased). Step estimate = XLA:GPU's latency-hiding scheduler's model of the whole "
+        "step (the batch holds one row per data group, so a step's tokens fall as C grows); "
+        "it costs the Triton kernels and the conditionals of the context attention by its own "
+        "model, which no GPU run has checked.",
         "",
         HEADER,
         *(_line(r) for r in rows),

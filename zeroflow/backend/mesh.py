@@ -34,6 +34,12 @@ def zero_axes(mesh=None) -> str | tuple[str, str]:
     return (DATA, CONTEXT) if CONTEXT in mesh.axis_names else DATA
 
 
+def zero_axis_names(mesh=None) -> tuple[str, ...]:
+    """``zero_axes(mesh)`` as a tuple of axis names."""
+    axes = zero_axes(mesh)
+    return (axes,) if isinstance(axes, str) else axes
+
+
 def _check_sizes(sizes: dict[str, int], free_allowed: bool) -> None:
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)):

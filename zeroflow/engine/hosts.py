@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zeroflow.backend.mesh import DATA, zero_axes
+from zeroflow.backend.mesh import DATA, zero_axis_names
 
 
 def hosts_of(mesh, hosts: int | None = None) -> tuple[int, ...]:
@@ -65,7 +65,7 @@ def host_split(mesh, hosts: int | None = None) -> HostSplit:
     grid = np.asarray(hosts_of(mesh, hosts)).reshape(tuple(mesh.shape[a] for a in mesh.axis_names))
     # With a context axis the index is that of the (data, context) pair, data-major, as
     # collectives over both axes number the devices.
-    axes = (lambda a: (a,) if isinstance(a, str) else a)(zero_axes(mesh))
+    axes = zero_axis_names(mesh)
     positions = [list(mesh.axis_names).index(a) for a in axes]
     size = int(np.prod([mesh.shape[a] for a in axes]))
     by_index = np.moveaxis(grid, positions, range(len(axes))).reshape(size, -1)

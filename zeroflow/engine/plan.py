@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend
-from zeroflow.backend.mesh import CONTEXT, DATA, MODEL, zero_axes
+from zeroflow.backend.mesh import CONTEXT, DATA, MODEL, zero_axes, zero_axis_names
 from zeroflow.engine.hosts import host_split, hosts_of
 from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
 from zeroflow.util.tree import path_str
@@ -276,7 +276,7 @@ class ZeroPlan:
         axis where no tensor-parallel rule leaves ``model`` to the compiler, which is what
         kernels with custom partitioners (cuDNN attention) need."""
         if self.model_size > 1:
-            return set(jax.tree.leaves(self.zero_axes))
+            return set(zero_axis_names(self.mesh))
         return set(self.mesh.axis_names)
 
     @property

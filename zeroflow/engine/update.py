@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import Literal
 
-from zeroflow.backend.mesh import zero_axes
+from zeroflow.backend.mesh import zero_axes, zero_axis_names
 from zeroflow.engine import offload, opt_mirror, padding
 from zeroflow.engine.grads.collectives import all_gather, as_words
 from zeroflow.engine.grads.sources import dim_in_layer
@@ -204,7 +204,7 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
     is written in the stack's own layout and the temporary is one slice."""
 
     axes = zero_axes(mesh)
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = zero_axis_names(mesh)
     size = math.prod(mesh.shape[a] for a in names)
 
     def one(x, sharding, old):

@@ -236,7 +236,7 @@ def estimate_step(
     plan = _compiled_for(plan, backend)
     master = abstract_master(params)
     layout = step_layout(master, tx, plan, prec, trainable=trainable)
-    micro = micro_batch(batch, plan.data_size, grad_accum)
+    micro = micro_batch(batch, plan.batch_split, grad_accum, plan.context_size)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     leaves = _leaf_facts(
         loss_fn, master, micro, extras, layout, plan, prec, gather_per_layer, grad_accum
@@ -700,7 +700,7 @@ def remat_recompute_bytes(
     ``recompute_bytes``: ``plain`` and ``remat`` are the same step without and with remat
     (objects with ``loss_fn, params, batch, plan, prec, gather_per_layer``; the stack of
     ``num_layers`` layers scanned under ``gather_per_layer``)."""
-    micro = micro_batch(remat.batch, remat.plan.data_size, grad_accum)
+    micro = micro_batch(remat.batch, remat.plan.batch_split, grad_accum, remat.plan.context_size)
     with backends.tracing_for(_compiled_for(remat.plan, backend).traits):  # where remat may offload
         kept = [
             residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)

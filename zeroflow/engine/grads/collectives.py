@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import zero_axes
+from zeroflow.backend.mesh import zero_axes, zero_axis_names
 from zeroflow.engine import offload
 from zeroflow.engine.hosts import index_groups
 from zeroflow.engine.padding import cut_to, pad_to
@@ -42,8 +42,7 @@ def varying(x):
     """Mark ``x`` as differing across the ZeRO axes (``data``, and ``context`` where the mesh
     has one) so its gradient stays local (no implicit psum). Outside ``shard_map`` (the
     one-device step) there is no ``data`` axis: ``x`` as it is."""
-    axes = zero_axes()
-    for axis in (axes,) if isinstance(axes, str) else axes:  # each: x may vary over one already
+    for axis in zero_axis_names():  # one at a time: x may vary over one of them already
         try:
             x = jax.lax.pcast(x, axis, to="varying")
         except ValueError:  # already varying; how the aval spells it differs by jax version
