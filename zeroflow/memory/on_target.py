@@ -57,3 +57,26 @@ def stand_in_mesh(target: Mesh) -> Mesh:
         )
     grid = np.asarray(cpus[:count], dtype=object).reshape(shape)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def compile_for(step, state, batch, target: Mesh) -> CompiledOnTarget:
+    """Compile ``step`` (a ``zf.make_train_step`` planned on ``stand_in_mesh(target)`` with
+    ``target``'s traits) for ``(state, batch)`` (abstract, sharded over the stand-in mesh) as
+    XLA:GPU compiles it for ``target``'s devices. Nothing runs."""
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    lowered = step.jitted(state).trace(state, batch).lower(lowering_platforms=("cuda",))
+    devices = list(target.devices.flat)
+    options = compiler.get_compile_options(
+        num_replicas=1,
+        num_partitions=len(devices),
+        device_assignment=np.asarray(devices, dtype=object).reshape(1, len(devices)),
+        env_options_overrides=dict(step.compiler_options),
+    )
+    executable = devices[0].client.compile(
+        lowered.compiler_ir("stablehlo"),
+        executable_devices=xla_client.DeviceList(tuple(devices)),
+        compile_options=options,
+    )
+    return CompiledOnTarget(executable, target)
