@@ -31,10 +31,14 @@ from zeroflow.autocast.precision import parse_loss_scale
 from zeroflow.config import schema as config_module
 from zeroflow.config.schema import CHOICES, Config, ParallelConfig
 from zeroflow.engine.plan_rules import (
+    CONTEXT_CHUNKS,
+    MODEL_KEYS,
     Keys,
     batch_split_problem,
+    context_attention_problem,
     hierarchical_copy_problem,
     plan_problems,
+    sequence_split_problem,
 )
 
 _TRUE = ("true", "1", "yes", "on")
@@ -307,6 +311,8 @@ CONFIG_KEYS = Keys(
     {name: f"parallel.{name}" for name in ParallelConfig().plan_settings()}
     | {
         "stage": "parallel.zero_stage",
+        "context": "parallel.context",
+        "seq_len": "model.seq_len",
         "grad_accum": "parallel.grad_accum",
         "batch_size": "train.batch_size",
         "params": "precision.params",
@@ -465,6 +471,7 @@ def _parallel_problems(cfg: Config) -> list[str]:
         [
             (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
             (p.model > 0, "parallel.model must be positive"),
+            (p.context > 0, "parallel.context must be positive"),
             (p.grad_accum > 0, "parallel.grad_accum must be positive"),
             (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
             # XLA:GPU stops with a check failure compiling the 8-bit update as host code (an
@@ -480,8 +487,22 @@ def _parallel_problems(cfg: Config) -> list[str]:
     more = [
         hierarchical_copy_problem(p.hierarchical, cfg.precision.params, CONFIG_KEYS),
         batch_split_problem(cfg.train.batch_size, p.grad_accum, keys=CONFIG_KEYS),
+        *_context_problems(cfg),
     ]
     return problems + [problem for problem in more if problem]
+
+
+def _context_problems(cfg: Config) -> list[str | None]:
+    """The sequence splits into the parts (ring: twice as many chunks) the context devices hold,
+    and the attention implementation runs the chosen strategy."""
+    p, m = cfg.parallel, cfg.model
+    if p.context <= 1:
+        return []
+    chunks = CONTEXT_CHUNKS.get(m.context_attention, 1)
+    return [
+        sequence_split_problem(m.seq_len, p.context, chunks, CONFIG_KEYS),
+        context_attention_problem(m.context_attention, m.attention, m.sliding_window, MODEL_KEYS),
+    ]
 
 
 def _precision_problems(prec) -> list[str]:

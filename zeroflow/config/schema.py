@@ -23,6 +23,7 @@ from zeroflow.engine.plan import (
     UPDATE_ON_CHOICES,
     ZERO_STAGES,
 )
+from zeroflow.engine.plan_rules import CONTEXT_CHUNKS
 from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
 
@@ -92,6 +93,8 @@ class ModelConfig:
     "Positions per chunk of the tiled MLP: each chunk runs under remat, so its [tokens, mlp_dim] intermediates are recomputed for the backward pass and never held for the whole sequence; 0 = untiled."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
+    context_attention: str = one_of(*CONTEXT_CHUNKS)
+    "How attention crosses the sequence split of parallel.context > 1: 'allgather' (every device's keys and values gathered, local queries) or 'ring' (key/value blocks passed around the devices with online softmax, in a load-balanced causal layout; attention 'xla' or 'pallas')."
     mlp: str = one_of("dense", "block_sparse")
     "MLP projections: 'dense' or 'block_sparse'."
     mlp_density: float = 0.25
@@ -210,6 +213,8 @@ class ParallelConfig:
     "Devices on the data axis (-1 = all remaining)."
     model: int = 1
     "Devices on the model (tensor-parallel) axis."
+    context: int = 1
+    "Devices each sequence is split over (the context axis; ZeRO shards states over data x context); model.context_attention says how attention crosses the split."
     zero_stage: int = one_of(*ZERO_STAGES)
     "ZeRO stage 0, 1, 2 or 3."
     grad_accum: int = 1

@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend
-from zeroflow.backend.mesh import DATA, MODEL
+from zeroflow.backend.mesh import CONTEXT, DATA, MODEL, zero_axes, zero_axis_names
 from zeroflow.engine.hosts import host_split, hosts_of
 from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
 from zeroflow.util.tree import path_str
@@ -75,12 +75,13 @@ class LeafLayout:
     trains: bool = True
     """A parameter with an fp32 master copy, optimizer state and a gradient; False: frozen
     (``zeroflow.engine.frozen``), stored once as the compute weights are, never differentiated."""
+    zero_axis: str | tuple[str, ...] = DATA  # what zero_dim is split over (plan.zero_axes)
 
     def spec(self, with_zero: bool) -> P:
         """The spec of the array as stored (padded, when split)."""
         entries = list(self.tensor_spec)
         if with_zero and self.zero_dim is not None:
-            entries[self.zero_dim] = DATA
+            entries[self.zero_dim] = self.zero_axis
         return P(*entries)
 
     def logical_spec(self, with_zero: bool) -> P:
@@ -101,11 +102,12 @@ class LeafLayout:
         return tuple(s + self.pad if d == padded[0] else s for d, s in enumerate(self.shape))
 
     def data_only_spec(self, with_zero: bool) -> P:
-        """The spec restricted to the ``data`` axis, as shard_map over ``data`` wants it."""
+        """The spec restricted to the ZeRO axes (``data``, with ``context`` where the mesh has
+        it), as shard_map over them wants it."""
         if not with_zero or self.zero_dim is None:
             return P()
-        entries: list[str | None] = [None] * len(self.shape)
-        entries[self.zero_dim] = DATA
+        entries: list[str | tuple[str, ...] | None] = [None] * len(self.shape)
+        entries[self.zero_dim] = self.zero_axis
         return P(*entries)
 
 
@@ -123,7 +125,10 @@ def abstract_of(layouts):
 
 @dataclasses.dataclass(frozen=True)
 class ZeroPlan:
-    """How a training state is sharded over a ``("data", "model")`` mesh.
+    """How a training state is sharded over a ``("data", "model")`` mesh, or a
+    ``("data", "context", "model")`` one: states are then sharded over ``data`` x ``context``
+    (the weights are the same on every context device) and gradients summed over both, while
+    the batch's rows split over ``data`` and its sequence over ``context``.
 
     ``mesh`` is a ``jax.sharding.Mesh`` (``zf.make_mesh``), or an ``AbstractMesh``
     (``zf.planning_mesh``) to plan and estimate memory for devices this machine has not.
@@ -164,13 +169,14 @@ class ZeroPlan:
     hosts: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.mesh, (Mesh, AbstractMesh)) or set(self.mesh.axis_names) != {
-            DATA,
-            MODEL,
-        }:
+        if not isinstance(self.mesh, (Mesh, AbstractMesh)) or set(self.mesh.axis_names) not in (
+            {DATA, MODEL},
+            {DATA, CONTEXT, MODEL},
+        ):
             raise ValueError(
-                "ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh "
-                "(or zf.planning_mesh to plan for devices this machine has not)"
+                "ZeroPlan needs a mesh with axes ('data', 'model') or ('data', 'context', "
+                "'model'); use zf.make_mesh (or zf.planning_mesh to plan for devices this "
+                "machine has not)"
             )
         self._check_choices()
         problems = plan_problems(
@@ -257,7 +263,34 @@ class ZeroPlan:
     # -- sizes -------------------------------------------------------------------------------
     @property
     def data_size(self) -> int:
+        """How many devices each ZeRO-sharded array is split over: the ``data`` axis times the
+        ``context`` axis (the whole ``data`` axis where there is no context axis)."""
+        return self.mesh.shape[DATA] * self.context_size
+
+    @property
+    def context_size(self) -> int:
+        """How many devices a sequence is split over (1: no context axis)."""
+        return self.mesh.shape.get(CONTEXT, 1)
+
+    @property
+    def batch_split(self) -> int:
+        """How many devices the batch's rows are split over: the ``data`` axis."""
         return self.mesh.shape[DATA]
+
+    @property
+    def zero_axes(self) -> str | tuple[str, str]:
+        """The mesh axis (or pair) states are sharded and gradients summed over."""
+        return zero_axes(self.mesh)
+
+    @property
+    def manual_axes(self) -> set[str]:
+        """The axes a ``shard_map`` of the engine places collectives on by hand: the ZeRO axes
+        (``data``, and ``context``, over which attention also exchanges keys and values); every
+        axis where no tensor-parallel rule leaves ``model`` to the compiler, which is what
+        kernels with custom partitioners (cuDNN attention) need."""
+        if self.model_size > 1:
+            return set(zero_axis_names(self.mesh))
+        return set(self.mesh.axis_names)
 
     @property
     def model_size(self) -> int:
@@ -354,7 +387,7 @@ class ZeroPlan:
         n = self.data_size
         free = [d for d, size in enumerate(shape) if tspec[d] is None and size >= n]
         if n == 1 or not free:
-            return LeafLayout(shape, tspec, None)
+            return LeafLayout(shape, tspec, None, zero_axis=self.zero_axes)
         largest = lambda dims: max(dims, key=lambda d: (shape[d], -d))  # noqa: E731
         even = [d for d in free if shape[d] % n == 0]
         if (
@@ -368,7 +401,9 @@ class ZeroPlan:
             zero_dim = 0
         else:
             zero_dim = largest(even) if even else largest(free)
-        return LeafLayout(shape, tspec, zero_dim, pad=-shape[zero_dim] % n)
+        return LeafLayout(
+            shape, tspec, zero_dim, pad=-shape[zero_dim] % n, zero_axis=self.zero_axes
+        )
 
     def layouts(self, params, trainable=True) -> Any:
         """A pytree of ``LeafLayout`` matching ``params`` (arrays or ShapeDtypeStructs).
@@ -430,8 +465,13 @@ class ZeroPlan:
     def replicated(self, memory_kind: str | None = None) -> NamedSharding:
         return self._named(P(), memory_kind)
 
-    def batch_sharding(self) -> NamedSharding:
-        return self._named(P(DATA))
+    def batch_spec(self, ndim: int = 1) -> P:
+        """How a batch leaf of ``ndim`` dimensions is split: rows over ``data``; with a context
+        axis, the sequence (the second dimension) over ``context``."""
+        return P(DATA, CONTEXT) if self.context_size > 1 and ndim >= 2 else P(DATA)
+
+    def batch_sharding(self, ndim: int = 1) -> NamedSharding:
+        return self._named(self.batch_spec(ndim))
 
     def replicated_fraction(self, params) -> float:
         """Fraction of parameter elements that no dimension lets ZeRO split, even padded (kept

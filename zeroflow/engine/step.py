@@ -28,7 +28,6 @@ from jax.sharding import PartitionSpec as P
 from zeroflow import backend
 from zeroflow.autocast import autocast
 from zeroflow.autocast.precision import Precision
-from zeroflow.backend.mesh import DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import offload, padding, update
 from zeroflow.engine.grads import (
@@ -39,7 +38,7 @@ from zeroflow.engine.grads import (
 )
 from zeroflow.engine.grads.routes import is_route
 from zeroflow.engine.plan import ZeroPlan, abstract_of, is_layout
-from zeroflow.engine.plan_rules import batch_split_problem
+from zeroflow.engine.plan_rules import batch_split_problem, sequence_split_problem
 from zeroflow.engine.state import TrainState, state_shardings_of
 from zeroflow.engine.zeropp import hierarchical
 from zeroflow.util.tree import path_str
@@ -47,10 +46,12 @@ from zeroflow.util.tree import path_str
 LossFn = Callable[..., Any]
 
 
-def check_batch(batch, data_size: int, grad_accum: int) -> None:
+def check_batch(batch, data_size: int, grad_accum: int, context: int = 1) -> None:
     """One readable line where ``batch`` cannot be split as the step splits it: every leaf
     needs the same leading batch axis, which splits over ``grad_accum`` x the data devices
-    (``plan_rules.batch_split_problem``). The memory estimator asks the same."""
+    (``plan_rules.batch_split_problem``), and with ``context`` devices every leaf of two or
+    more dimensions a sequence (its second) that splits over them. The memory estimator asks
+    the same."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch has no array leaves")
@@ -65,6 +66,10 @@ def check_batch(batch, data_size: int, grad_accum: int) -> None:
     problem = batch_split_problem(next(iter(sizes.values())), grad_accum, data_size)
     if problem:
         raise ValueError(problem)
+    for path, x in leaves:
+        problem = sequence_split_problem(jnp.shape(x)[1], context) if jnp.ndim(x) >= 2 else None
+        if problem:
+            raise ValueError(f"batch leaf {path_str(path)}: {problem}")
 
 
 class StepLayout(NamedTuple):
@@ -144,9 +149,9 @@ def train_step(
     """One optimizer step on a global batch; returns ``(new_state, metrics)``: gradients on
     every device, reduced by the plan, then the update where the plan keeps the state."""
     n = plan.data_size
-    check_batch(batch, n, grad_accum)
+    check_batch(batch, plan.batch_split, grad_accum, plan.context_size)
     batch = jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch
+        lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding(jnp.ndim(x))), batch
     )
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
@@ -298,10 +303,7 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
         routes,
         is_leaf=is_layout,
     )
-    batch_specs = jax.tree.map(lambda _: P(DATA), batch)
-    # ``model`` stays automatic for tensor-parallel rules; without them every axis is manual,
-    # which is what kernels with custom partitioners (cuDNN attention) need.
-    manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
+    batch_specs = jax.tree.map(lambda x: plan.batch_spec(jnp.ndim(x)), batch)
     # check_vma off: the loss is the user's one-device code, and jax's varying-axes types
     # refuse some of what a plain jit runs, e.g. a loop whose carry starts from a constant (the
     # same on every device) while its body mixes in this device's rows. The step does not need
@@ -313,7 +315,7 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
         mesh=plan.mesh,
         in_specs=(specs_in, batch_specs, P(), P()),
         out_specs=(specs_grad, P(), P(), P()),
-        axis_names=manual,
+        axis_names=plan.manual_axes,
         check_vma=False,
     )(params, batch, scale, extras)
 

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend as backends
 from zeroflow.autocast.precision import Precision
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import CONTEXT, DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.grads.local import native_gradients
 from zeroflow.engine.grads.routes import Fetch, Reduce, fetches_whole, is_route, step_routes
@@ -236,7 +236,7 @@ def estimate_step(
     plan = _compiled_for(plan, backend)
     master = abstract_master(params)
     layout = step_layout(master, tx, plan, prec, trainable=trainable)
-    micro = micro_batch(batch, plan.data_size, grad_accum)
+    micro = micro_batch(batch, plan.batch_split, grad_accum, plan.context_size)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     leaves = _leaf_facts(
         loss_fn, master, micro, extras, layout, plan, prec, gather_per_layer, grad_accum
@@ -650,7 +650,7 @@ def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
 
 
 def _without_data(spec):
-    return P(*[None if axis == DATA else axis for axis in spec])
+    return P(*[None if axis in (DATA, (DATA, CONTEXT)) else axis for axis in spec])
 
 
 def _brought_in_bytes(stored, shard, tx, master, path: UpdatePath) -> tuple[float, list[float]]:
@@ -687,7 +687,7 @@ def remat_recompute_bytes(
     ``recompute_bytes``: ``plain`` and ``remat`` are the same step without and with remat
     (objects with ``loss_fn, params, batch, plan, prec, gather_per_layer``; the stack of
     ``num_layers`` layers scanned under ``gather_per_layer``)."""
-    micro = micro_batch(remat.batch, remat.plan.data_size, grad_accum)
+    micro = micro_batch(remat.batch, remat.plan.batch_split, grad_accum, remat.plan.context_size)
     with backends.tracing_for(_compiled_for(remat.plan, backend).traits):  # where remat may offload
         kept = [
             residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)

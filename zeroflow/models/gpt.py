@@ -37,6 +37,9 @@ from zeroflow.models.axes import (
     POSITIONS,
     VOCAB,
 )
+from zeroflow.models.context import context_size, token_index
+from zeroflow.models.context_attention import context_attention
+from zeroflow.models.kernels import pallas_kernel
 
 INIT_STD = 0.02
 
@@ -91,19 +94,6 @@ def check_config(cfg: ModelConfig) -> None:
             f"model.loss_chunk={cfg.loss_chunk} and model.mlp_chunk={cfg.mlp_chunk} must be >= 0 "
             f"and model.loss_vocab_chunk={cfg.loss_vocab_chunk} positive"
         )
-
-
-def _pallas_kernel(attr: str, setting: str):
-    """Lazily fetch a kernel from the sibling ``pallas_kernels`` package."""
-    try:
-        import pallas_kernels
-
-        return getattr(pallas_kernels, attr)
-    except (ImportError, AttributeError) as err:
-        raise ImportError(
-            f"model.{setting} needs pallas_kernels.{attr}, which could not be imported ({err}); "
-            "install the pallas_kernels package or choose another setting"
-        ) from err
 
 
 def _param(module: nn.Module, name: str, init, shape, names):
@@ -223,20 +213,10 @@ def causal_attention(
     ``segment_ids`` [B, S] (packed examples): a query sees only keys of its own segment.
     """
     if implementation == "pallas":
-        return _pallas_kernel("flash_attention", "attention='pallas'")(
+        return pallas_kernel("flash_attention", "attention='pallas'")(
             q, k, v, causal=True, segment_ids=segment_ids
         )
-    traits = backend.current()
-    if implementation == "cudnn" and not traits.has_cudnn:
-        raise ValueError(
-            f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the step is "
-            f"compiled for {traits.platform!r} devices; use attention='xla' here"
-        )
-    if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(
-            f"model.attention='cudnn' needs bf16 or fp16 params, got {q.dtype}; "
-            "set precision.params to bf16/fp16 or use attention='xla'"
-        )
+    check_implementation(implementation, q.dtype)
     # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
     local = (window - 1, 0) if window else None
     # Both paths take the segments as a boolean mask (cuDNN turns it into a bias).
@@ -245,6 +225,21 @@ def causal_attention(
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=jax_kind
     )
+
+
+def check_implementation(implementation: str, dtype) -> None:
+    """One line where the attention implementation cannot run on the step's devices."""
+    traits = backend.current()
+    if implementation == "cudnn" and not traits.has_cudnn:
+        raise ValueError(
+            f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the step is "
+            f"compiled for {traits.platform!r} devices; use attention='xla' here"
+        )
+    if implementation == "cudnn" and dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"model.attention='cudnn' needs bf16 or fp16 params, got {dtype}; "
+            "set precision.params to bf16/fp16 or use attention='xla'"
+        )
 
 
 class Attention(nn.Module):
@@ -266,14 +261,15 @@ class Attention(nn.Module):
             k = apply_rope(k, cfg.rope_base, cfg, positions)
         # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
-        out = causal_attention(
-            q,
-            k,
-            v,
-            "xla" if self.is_initializing() else cfg.attention,
-            cfg.sliding_window,
-            segment_ids,
-        )
+        implementation = "xla" if self.is_initializing() else cfg.attention
+        if context_size() > 1:  # inside the step, this device holds a part of every row
+            if implementation != "pallas":
+                check_implementation(implementation, q.dtype)
+            out = context_attention(
+                q, k, v, cfg.context_attention, implementation, cfg.sliding_window, segment_ids
+            )
+        else:
+            out = causal_attention(q, k, v, implementation, cfg.sliding_window, segment_ids)
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
         out = Dense(
@@ -296,7 +292,7 @@ class Mlp(nn.Module):
 
     def _projection(self, features: int, kernel_axes, stddev: float, name: str, layout_seed: int):
         if self.cfg.mlp == "block_sparse":
-            block_sparse_dense = _pallas_kernel("BlockSparseDense", "mlp='block_sparse'")
+            block_sparse_dense = pallas_kernel("BlockSparseDense", "mlp='block_sparse'")
             return block_sparse_dense(
                 features,
                 block_size=self.cfg.mlp_block_size,
@@ -468,6 +464,8 @@ class GPT(nn.Module):
             (VOCAB, EMBED),
         )
         x = jnp.take(embedding, tokens, axis=0)
+        if positions is None and context_size() > 1:  # each token's place in the whole row
+            positions = token_index(tokens.shape[-1], cfg.context_attention)[None]
         if cfg.positions == "learned":
             x = x + self._learned_positions(tokens.shape[-1], positions).astype(x.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from zeroflow.config.schema import ModelConfig
+from zeroflow.models.context import context_size, row_count
+from zeroflow.models.context import masked_mean as row_mean
 from zeroflow.models.gpt import GPT, unembed_vocab_axis
 from zeroflow.ops import chunked_token_losses
 
@@ -64,6 +66,12 @@ def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, ga
     if gather_layer is not None:
         model = model.clone(layer_transform=gather_layer)
     if "targets" not in batch:
+        if context_size() > 1:
+            raise ValueError(
+                "with a context axis the batch needs 'targets' beside 'tokens' (the sequence "
+                "is split over devices, so it cannot be shifted inside the step); "
+                "zeroflow.models.context.context_batch makes them from [B, S + 1] windows"
+            )
         tokens = batch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         losses, predictions = token_losses(model, params, inputs, targets, **apply_kwargs)
@@ -78,11 +86,13 @@ def lm_loss(params, batch: dict, rng: jax.Array | None = None, *, model: GPT, ga
         positions=batch["positions"],
         **apply_kwargs,
     )
-    metrics = {
-        "accuracy": masked_mean(predictions == targets, mask),
-        "trained_tokens": mask.astype(jnp.float32).sum(),
-    }
-    return masked_mean(losses, mask), metrics
+    # Means over whole rows: with a context axis each device holds a part of every row.
+    trained = mask.astype(jnp.float32)
+    hits = (predictions == targets).astype(jnp.float32)
+    return (
+        row_mean(losses, trained),
+        {"accuracy": row_mean(hits, trained), "trained_tokens": row_count(trained)},
+    )
 
 
 def make_loss_fn(cfg: ModelConfig):

@@ -32,6 +32,8 @@ class TrainResult:
 def make_eval(run: Run):
     @jax.jit
     def eval_loss(state, batch):
+        # Outside the step's shard_map, whole rows (tokens in order) as one device would see
+        # them; the compiler splits the work.
         # Offloaded weights are read from host memory like the train step reads them: the
         # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
         # No rng: evaluation is deterministic (dropout off).
@@ -58,7 +60,7 @@ def make_eval(run: Run):
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
+        losses = [float(eval_loss(state, run.global_batch(b, balanced=False))) for b in batches]
         loss = float(np.mean(losses))
         return {"eval_loss": loss, "eval_bpb": bits_per_byte(loss, run.data.tokens_per_byte)}
 
@@ -79,7 +81,7 @@ def evaluate_packed(state, eval_loss, run: Run, data: RecordData) -> dict[str, f
     weights = [float(b["loss_mask"].sum()) for b in batches]
     if not batches or sum(weights) == 0:
         return {}
-    losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
+    losses = [float(eval_loss(state, run.global_batch(b, balanced=False))) for b in batches]
     return {"eval_loss": float(np.average(losses, weights=weights))}
 
 

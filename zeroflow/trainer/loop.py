@@ -256,7 +256,7 @@ def _recorder(run: Run, reporter: Reporter, monitor: Monitor, losses: dict):
         if "trained_tokens" in m:  # packed records: count only the tokens the loss trains on
             # (the loss reports the mean over devices and micro-batches of their counts).
             m["trained_tokens"] = round(
-                m["trained_tokens"] * run.plan.data_size * cfg.parallel.grad_accum
+                m["trained_tokens"] * run.plan.batch_split * cfg.parallel.grad_accum
             )
         m["tokens_per_s"] = m.get("trained_tokens", tokens_per_step) / max(seconds, 1e-9)
         # The rate the schedule gave this step's update: optax's count, i.e. the updates applied

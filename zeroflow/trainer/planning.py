@@ -111,11 +111,10 @@ def gpt_step_parts(
         # output and per-row softmax statistics).
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas"))
     if planning:
-        run = build_run(cfg, with_data=False, mesh=planning_mesh(num_devices, cfg.parallel.model))
+        mesh = planning_mesh(num_devices, cfg.parallel.model, context=cfg.parallel.context)
+        run = build_run(cfg, with_data=False, mesh=mesh)
     else:
-        run = build_run(
-            cfg, with_data=False, devices=_first_devices(num_devices * cfg.parallel.model)
-        )
+        run = build_run(cfg, with_data=False, devices=_first_devices(num_devices, cfg))
     batch = abstract_batch(cfg)
     # A LoRA run's loss is its own zf.lora object's (``build_run``); the plain GPT loss is
     # shared between configs of the same model, so that its traces are remembered.
@@ -143,7 +142,9 @@ def _loss_by_fields(fields: tuple):
     return lm_loss_fn(ModelConfig(**dict(fields)))
 
 
-def _first_devices(count: int):
+def _first_devices(data: int, cfg):
+    """The first devices of this machine, for ``data`` devices times the other axes'."""
+    count = data * cfg.parallel.model * cfg.parallel.context
     if jax.device_count() < count:
         raise ValueError(
             f"measuring needs {count} devices, {jax.device_count()} available "
@@ -173,18 +174,18 @@ def abstract_setup(
     )
     on_target = None
     if target is not None:
-        mesh = target_mesh(target, data=num_devices, model=cfg.parallel.model)
+        mesh = target_mesh(
+            target, data=num_devices, model=cfg.parallel.model, context=cfg.parallel.context
+        )
         if offload != "none":
             on_target = mesh
             run = build_run(cfg, with_data=False, mesh=stand_in_mesh(mesh), traits=backend.of(mesh))
         else:
             run = build_run(cfg, with_data=False, mesh=mesh)
     else:
-        run = build_run(
-            cfg, with_data=False, devices=_first_devices(num_devices * cfg.parallel.model)
-        )
+        run = build_run(cfg, with_data=False, devices=_first_devices(num_devices, cfg))
     state = run.abstract_state()
-    batch = abstract_batch(cfg, run.plan.batch_sharding())
+    batch = abstract_batch(cfg, run.plan.batch_sharding)
     shapes = unpadded_shapes(state.master, state.padding.master)
     if state.frozen is not None:  # frozen parameters are parameters too
         shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]

@@ -23,6 +23,7 @@ from zeroflow.models import (
     make_layerwise_loss_fn,
     param_init_fn,
 )
+from zeroflow.models.context import context_batch
 from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
@@ -148,12 +149,21 @@ class Run:
             gather_per_layer=self.gather_per_layer,
         )
 
-    def global_batch(self, local: np.ndarray | dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def global_batch(
+        self, local: np.ndarray | dict[str, np.ndarray], *, balanced: bool = True
+    ) -> dict[str, jax.Array]:
         """This process's rows of the batch (token windows, or a packed batch's dict) -> global
-        arrays sharded over ``data``."""
+        arrays sharded over ``data`` (and their sequence over ``context``, as the step takes
+        them: ``context_batch``; ``balanced=False`` keeps the tokens in order, for a loss
+        computed outside the step)."""
         local = local if isinstance(local, dict) else {"tokens": local}
-        sharding = self.plan.batch_sharding()
-        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+        if self.plan.context_size > 1:
+            strategy = self.model_cfg.context_attention
+            local = context_batch(local, self.plan.context_size, strategy, balanced=balanced)
+        return {
+            k: jax.make_array_from_process_local_data(self.plan.batch_sharding(np.ndim(v)), v)
+            for k, v in local.items()
+        }
 
 
 PACKED_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
@@ -162,9 +172,16 @@ PACKED_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 def abstract_batch(cfg: Config, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes of one global training batch of ``cfg``: token windows [B, S + 1], or with a
-    records ``data.format`` the packed arrays [B, S] (what memory estimates compile with)."""
+    records ``data.format`` or a context axis (``context_batch``) the packed arrays [B, S]
+    (what memory estimates compile with). ``sharding``: one for all, or a function of a
+    leaf's number of dimensions (``ZeroPlan.batch_sharding``)."""
     b, s = cfg.train.batch_size, cfg.model.seq_len
-    if cfg.data.format == "stream":
+    if callable(sharding):
+        return {
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(len(x.shape)))
+            for k, x in abstract_batch(cfg).items()
+        }
+    if cfg.data.format == "stream" and cfg.parallel.context <= 1:
         return {"tokens": jax.ShapeDtypeStruct((b, s + 1), np.int32, sharding=sharding)}
     return {k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=sharding) for k in PACKED_FIELDS}
 
@@ -219,7 +236,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
     plan = plan_of(par, mesh, tensor_rules=rules, traits=traits)
     prec = zf.Precision.from_config(cfg.precision)
     batch_problem = batch_split_problem(
-        cfg.train.batch_size, par.grad_accum, plan.data_size, CONFIG_KEYS
+        cfg.train.batch_size, par.grad_accum, plan.batch_split, CONFIG_KEYS
     )
     if batch_problem:
         raise ValueError(batch_problem)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.extend.core import Literal
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 from zeroflow.engine.grads import row_lookup, split_columns
 from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.engine.grads.fetch_unit import run_unit, token
@@ -331,7 +331,7 @@ class _Replay:
         src = self._plain_source(values[1], 1)
         data_aval, weight_aval = (v.aval for v in eqn.invars)
         if src is None or not split_columns.applies(
-            eqn, data_aval, weight_aval, src.dim, jax.lax.axis_size(DATA)
+            eqn, data_aval, weight_aval, src.dim, jax.lax.axis_size(zero_axes())
         ):
             return None
         stored = self.stored[values[1].cast_of]

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 from zeroflow.engine import offload
 from zeroflow.engine.grads import gather_on_use, sources
 from zeroflow.engine.grads.collectives import reduce_scatter, stream_in
@@ -143,7 +143,7 @@ def local_grads(
     extras = dict(extras)
     if "rng" in extras:  # one key per device: fold in its index on the data axis
         extras["rng"] = jax.random.fold_in(
-            extras["rng"], jax.lax.axis_index(DATA) if collective else 0
+            extras["rng"], jax.lax.axis_index(zero_axes()) if collective else 0
         )
     grads, loss, aux, model_state = _accumulated(
         params,
@@ -168,8 +168,9 @@ def local_grads(
     )
     return (
         grads,
-        jax.lax.pmean(loss, DATA),
-        jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
+        jax.lax.pmean(loss, zero_axes()),
+        # A metric may be the same on every context device already (a count over whole rows).
+        jax.tree.map(lambda a: jax.lax.pmean(_varying(a), zero_axes()), aux),
         jax.tree.map(_across_devices, model_state),
     )
 
@@ -178,8 +179,8 @@ def _across_devices(x):
     """Model state after the step: floating leaves averaged over ``data`` (cross-replica batch
     statistics); other leaves (counters, the same on every device) take the maximum."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jax.lax.pmean(x, DATA)
-    return jax.lax.pmax(x, DATA)
+        return jax.lax.pmean(x, zero_axes())
+    return jax.lax.pmax(x, zero_axes())
 
 
 def _accumulated(
@@ -371,7 +372,7 @@ def _rebuilt(tree):
 
 def _all_reduced(g, dtype):
     """``g`` summed over ``data`` in ``dtype`` (``Precision.reduce``), in its own dtype."""
-    return jax.lax.psum(g.astype(dtype), DATA).astype(g.dtype)
+    return jax.lax.psum(g.astype(dtype), zero_axes()).astype(g.dtype)
 
 
 def _reduce_late(g, r: Route, dtype=jnp.float32):
