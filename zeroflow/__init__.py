@@ -11,6 +11,7 @@ state, metrics = step(state, batch)
 tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md)
 f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
+best = zf.plan(loss_fn, params, batch, tx, targets=("h100",), devices=(8,))  # docs/planner.md
 """
 
 from zeroflow.util import quiet_jax as _quiet_jax
@@ -28,6 +29,7 @@ from zeroflow.engine.plan import PlanDescription, ZeroPlan  # noqa: E402
 from zeroflow.engine.state import TrainState, init_train_state, state_shardings  # noqa: E402
 from zeroflow.engine.step import make_train_step  # noqa: E402
 from zeroflow.lora import LoRA, lora, lora_merge  # noqa: E402
+from zeroflow.planner import plan  # noqa: E402
 
 __all__ = [
     "make_mesh",
@@ -55,5 +57,6 @@ __all__ = [
     "lora",
     "LoRA",
     "lora_merge",
+    "plan",
 ]
 __version__ = "0.1.0"

@@ -164,19 +164,22 @@ def abstract_setup(
     update_on: str,
     remat: str,
     target: str | None = None,
+    hosts: int = 1,
+    compiler_options: dict | None = None,
 ) -> StepSetup:
     """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
     layer-wise gathering) on the first ``num_devices`` data devices, or on as many abstract
     devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
     are never materialised. An offloaded choice for a target is planned on CPU devices standing
     in for its GPUs, with their traits (``zeroflow.memory.on_target``): abstract GPUs have no
-    host memory to keep the offloaded state in."""
+    host memory to keep the offloaded state in. ``hosts``: how many hosts the target's devices
+    span; ``compiler_options``: XLA options for the step's compile (``Run.make_step``)."""
     cfg = choice_config(
         cfg, num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, remat=remat
     )
     on_target = None
     if target is not None:
-        mesh = target_mesh(target, data=num_devices, model=cfg.parallel.model)
+        mesh = target_mesh(target, data=num_devices, model=cfg.parallel.model, hosts=hosts)
         if offload != "none":
             on_target = mesh
             run = build_run(cfg, with_data=False, mesh=stand_in_mesh(mesh), traits=backend.of(mesh))
@@ -193,7 +196,7 @@ def abstract_setup(
         shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(
-        step=run.make_step(),
+        step=run.make_step(compiler_options),
         state=state,
         batch=batch,
         plan=run.plan,
