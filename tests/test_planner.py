@@ -3,6 +3,7 @@ what the ZeRO formula proves cannot fit, lists on one device only the stages tha
 turns a refused compile into one line, and writes overrides the trainer runs as they are."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,41 @@ def test_bad_device_counts_are_one_line():
         zf.plan(mlp_loss, params, batch, optax.adam(1e-3), devices=(0,))
     with pytest.raises(ValueError, match="margin"):
         zf.plan(mlp_loss, params, batch, optax.adam(1e-3), devices=(2,), margin=1.5)
+
+
+GPU_PLAN = """
+import json, jax, jax.numpy as jnp, optax
+import zeroflow as zf
+from tests.test_planner import mlp, mlp_loss, NONE
+params, batch = mlp()
+plan = zf.plan(mlp_loss, params, batch, optax.adam(1e-3), targets=("h100",), devices=(2,),
+               stages=(0, 3), offloads=NONE, grad_accums=(8,), zeropp=False,
+               min_compiles=2, max_compiles=2)
+s = plan.summaries()[0]
+row = plan.as_json()["rows"][0]
+print(json.dumps({"best": s.best.choice.stage, "costed": s.step_costed_by,
+                  "steps": {c["choice"]["stage"]: c["xla"]["step_ms"] for c in row["candidates"]
+                            if "xla" in c},
+                  "exposed": {c["choice"]["stage"]: c["xla"]["exposed_ms"]
+                              for c in row["candidates"] if "xla" in c}}))
+"""
+
+
+def test_xla_gpu_estimate_picks_stage_0_over_stage_3():
+    """The same hand ranking by XLA:GPU's own step estimate for 2 abstract H100s: stage 3's
+    per-micro-batch gathers and reductions wait on the interconnect where stage 0's single
+    all-reduce does not (two small XLA:GPU compiles, in a process started with the
+    scheduler's logging, which XLA reads at start-up)."""
+    from zeroflow.backend import targets
+    from zeroflow.memory import schedule
+    if not targets.plugin_installed():
+        pytest.skip("compiling for GPU targets needs the CUDA plugin (jax-cuda12-plugin)")
+    env = schedule.enable({**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", GPU_PLAN], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["best"] == 0, got
+    assert got["steps"]["0"] < got["steps"]["3"], got
+    assert got["costed"] in ("xla", "xla-target"), got

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
 from zeroflow.memory import schedule
@@ -162,9 +163,14 @@ def step_parts(log_text: str, hlo: str, peak_flops: float) -> tuple[float, float
     parse_rate = sum(c.total_us * c.trips for c, _ in loops) / flops if flops else 1e6 / peak_flops
     by_flops = sum(c.total_us * c.trips for c in est.computations if c.costed_by != "xla")
     compute_us = sum((c.total_us - sum(c.wasted_us.values())) * c.trips for c, _ in loops)
+    # Without any collective (one device) XLA prints nothing for the entry computation either:
+    # its own matmuls (a vocabulary projection outside the layer loop) are costed by flops too.
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.MULTILINE)
+    unseen = entry is not None and all(c.name != entry.group(1) for c in xla)
+    entry_flops = schedule.gemm_flops(bodies, entry.group(1)) if unseen else 0.0
     return (
         sum(c.total_us * c.trips for c in xla),
-        by_flops / parse_rate,
+        by_flops / parse_rate + entry_flops,
         compute_us / flops if flops else None,
     )
 
