@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--remats", default=",".join(REMATS))
     p.add_argument("--attentions", default=None, help="default: the config's, and cudnn on GPUs")
+    p.add_argument("--grad-accums", default=None, help="micro-batch splits (default: all)")
     p.add_argument("--no-zeropp", action="store_true", help="leave out ZeRO++ options")
     return add_config_arguments(p)
 
@@ -98,6 +99,7 @@ def main_args(args: argparse.Namespace) -> int:
             remats=[r.strip() for r in args.remats.split(",")],
             attentions=[a.strip() for a in args.attentions.split(",")] if args.attentions else None,
             zeropp=not args.no_zeropp,
+            grad_accums=_ints(args.grad_accums, "grad-accums") if args.grad_accums else None,
             cache_dir=scratch,
             progress=tick,
         )

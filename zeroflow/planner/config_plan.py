@@ -20,7 +20,9 @@ from zeroflow.planner.where import Where
 ATTENTIONS = ("xla", "cudnn", "pallas")
 
 
-def space_for(cfg, where: Where, *, stages, remats, attentions, zeropp: bool) -> Space:
+def space_for(
+    cfg, where: Where, *, stages, remats, attentions, zeropp: bool, grad_accums=None
+) -> Space:
     """The config's search space at ``where``: on GPUs the config's attention and cuDNN's
     unless given; on XLA:CPU no cuDNN, and no activation offload (its host memory is the
     device's, so offload_dots is save_dots there)."""
@@ -36,6 +38,7 @@ def space_for(cfg, where: Where, *, stages, remats, attentions, zeropp: bool) ->
         offloads=OFFLOAD_PAIRS,
         remats=tuple(kept),
         attentions=tuple(kernels),
+        grad_accums=grad_accums,
         zeropp=zeropp,
     )
 
@@ -60,6 +63,7 @@ def plan_config(
     remats: Sequence[str] = REMATS,
     attentions: Sequence[str] | None = None,
     zeropp: bool = True,
+    grad_accums: Sequence[int] | None = None,
     cache_dir: str | None = None,
     progress: Progress | None = None,
 ) -> tuple[Plan, list[str]]:
@@ -81,7 +85,13 @@ def plan_config(
 
     def space(where: Where) -> Space:
         return space_for(
-            cfg, where, stages=stages, remats=remats, attentions=attentions, zeropp=zeropp
+            cfg,
+            where,
+            stages=stages,
+            remats=remats,
+            attentions=attentions,
+            zeropp=zeropp,
+            grad_accums=grad_accums,
         )
 
     plan = run(
