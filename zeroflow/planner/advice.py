@@ -1,8 +1,9 @@
 """Where nothing fits: changes that can make a config fit, each with its predicted peak.
 
-Each is compiled once, in its most memory-frugal plan (the what-if's smallest prediction):
-LoRA adapters on the frozen base weights, everything offloaded to the host, and, from the ZeRO
-formula, the fewest devices on which the frugal plan of the full model would fit.
+Each is compiled in its most memory-frugal plan (the what-if's smallest prediction): LoRA
+adapters on the frozen base weights, everything offloaded to the host, and the fewest devices on
+which the ZeRO formula expects the frugal plan of the full model to fit (the next count too
+where XLA's compile disagrees).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from zeroflow.planner.whatif import what_if
 LORA_RANK = 16
 "Adapter rank the LoRA advice compiles with (a common choice; memory hardly depends on it)."
 MORE_DEVICES = (2, 4, 8, 16, 32, 64, 128, 256)
+MORE_DEVICE_COMPILES = 2
+PLAIN = (("none", "device"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +88,15 @@ def _predicted(problem, choice, where) -> float:
 
 
 def advise(problem: ConfigProblem, row: Row, space: Space, compiler: Compiler) -> list[Advice]:
+    """Plain plans only (no ZeRO++): advice should be the simplest change that works."""
     where, usable, out = row.where, row.usable_bytes, []
+    space = dataclasses.replace(space, zeropp=False)
     if problem.cfg.model.lora.rank == 0:
         lora = ConfigProblem(
             apply_overrides(problem.cfg, [f"model.lora.rank={LORA_RANK}"]), problem.name
         )
-        choice = _frugal(lora, where, space, usable)
+        # The adapters' own state is small: the frozen base weights decide, on the device.
+        choice = _frugal(lora, where, dataclasses.replace(space, offloads=PLAIN), usable)
         if choice is not None:
             advice = _compiled(lora, choice, where, compiler, usable, "LoRA adapters")
             keys = [f"model.lora.rank={LORA_RANK}", *advice.overrides]
@@ -99,30 +105,25 @@ def advise(problem: ConfigProblem, row: Row, space: Space, compiler: Compiler) -
     choice = _frugal(problem, where, offload, usable)
     if choice is not None:
         out.append(_compiled(problem, choice, where, compiler, usable, "everything offloaded"))
-    out += _more_devices(problem, where, space, usable)
+    out += _more_devices(problem, where, space, usable, compiler)
     return out
 
 
-def _more_devices(problem, where, space: Space, usable: float) -> list[Advice]:
-    plain = dataclasses.replace(space, offloads=(("none", "device"),))
+def _more_devices(problem, where, space: Space, usable: float, compiler) -> list[Advice]:
+    """The fewest devices whose frugal plain plan the formula expects to fit, compiled; if XLA
+    disagrees, the next count too (``MORE_DEVICE_COMPILES`` at most)."""
+    if where.local:
+        return []
+    plain = dataclasses.replace(space, offloads=PLAIN)
+    out = []
     for count in MORE_DEVICES:
         if count <= where.devices or count > problem.facts.batch_size:
             continue
-        if where.local:
-            return []
         wider = places.target(where.name, count, where.memory_bytes)
         choice = _frugal(problem, wider, plain, usable)
-        if choice is None:
+        if choice is None or _predicted(problem, choice, wider) > usable:
             continue
-        predicted = _predicted(problem, choice, wider)
-        if predicted <= usable:
-            return [
-                Advice(
-                    f"{count} devices",
-                    problem.overrides(choice, count),
-                    None,
-                    predicted,
-                    True,
-                )
-            ]
-    return []
+        out.append(_compiled(problem, choice, wider, compiler, usable, f"{count} devices"))
+        if out[-1].fits or len(out) == MORE_DEVICE_COMPILES:
+            break
+    return out[-1:]
