@@ -58,7 +58,8 @@ def _frugal(problem, where, space: Space, usable: float) -> Choice | None:
     cands = [c for c in candidates_for(problem, where, space, usable) if c.status != SKIPPED]
     if not cands:
         return None
-    return min(cands, key=lambda c: c.what_if.predicted_bytes).choice
+    # On a tie the plainer remat: full moves nothing over PCIe.
+    return min(cands, key=lambda c: (c.what_if.predicted_bytes, c.choice.remat != "full")).choice
 
 
 def _compiled(problem, choice, where, compiler: Compiler, usable: float, what: str) -> Advice:
@@ -96,7 +97,11 @@ def advise(problem: ConfigProblem, row: Row, space: Space, compiler: Compiler) -
             apply_overrides(problem.cfg, [f"model.lora.rank={LORA_RANK}"]), problem.name
         )
         # The adapters' own state is small: the frozen base weights decide, on the device.
-        choice = _frugal(lora, where, dataclasses.replace(space, offloads=PLAIN), usable)
+        # zf.lora finds where each weight is read by tracing the loss on fp32 shapes, which
+        # cuDNN attention refuses, so LoRA is planned with XLA's attention.
+        kernels = tuple(dict.fromkeys("xla" if a == "cudnn" else a for a in space.attentions))
+        lora_space = dataclasses.replace(space, offloads=PLAIN, attentions=kernels)
+        choice = _frugal(lora, where, lora_space, usable)
         if choice is not None:
             advice = _compiled(lora, choice, where, compiler, usable, "LoRA adapters")
             keys = [f"model.lora.rank={LORA_RANK}", *advice.overrides]
