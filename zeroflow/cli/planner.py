@@ -38,7 +38,7 @@ FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expens
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1])
-    p.add_argument("--gpus", default=None, help="GPU targets, e.g. h100,a100,l4,h200")
+    p.add_argument("--gpus", "--target", default=None, help="GPU targets, e.g. h100,a100,l4,h200")
     p.add_argument("--devices", default=None, help="device counts, e.g. 1,8,16 (default 1,8)")
     p.add_argument("--out", default=None, help="output folder (default plans/<config name>)")
     p.add_argument("--margin", type=float, default=0.1, help="memory kept free (default 0.1)")

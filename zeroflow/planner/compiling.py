@@ -131,13 +131,19 @@ class Compiler:
         )
         if timed:
             measured = self._with_step(measured, log.text, compiled.as_text(), where)
+            on_device = choice.offload == "none" and choice.remat != "offload_dots"
+            if measured.own_us_per_flop is not None and on_device:
+                self._remember_rate(where, measured.own_us_per_flop)
         return measured
+
+    def _remember_rate(self, where: Where, us_per_flop: float) -> None:
+        """XLA's time per flop for a GPU, from programs whose loops wait on no host copy; the
+        fastest seen."""
+        known = self.rates.us_per_flop.get(where.name, us_per_flop)
+        self.rates.us_per_flop[where.name] = min(known, us_per_flop)
 
     def _with_step(self, measured: Measured, log_text: str, hlo: str, where: Where) -> Measured:
         xla_us, uncosted_flops, own = step_parts(log_text, hlo, where.peak_flops)
-        if own is not None:  # the fastest seen: loops that wait on host copies run slower
-            known = self.rates.us_per_flop.get(where.name, own)
-            self.rates.us_per_flop[where.name] = min(known, own)
         return dataclasses.replace(
             measured,
             xla_us=xla_us,

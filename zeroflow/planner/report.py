@@ -36,7 +36,7 @@ def cells(s: Summary) -> list[str]:
         format_bytes(s.host_bytes_per_process) if s.host_bytes_per_process else "0",
         f"{STEP_MARK[s.step_costed_by]}{s.step_ms:.1f} ms",
         f"{s.tokens_per_s:,.0f}",
-        "-" if s.mfu is None or s.step_costed_by == "what-if" else f"{100 * s.mfu:.0f}%",
+        "-" if s.mfu is None else f"{100 * s.mfu:.0f}%",
         compiled,
     ]
 

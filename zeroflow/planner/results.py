@@ -79,7 +79,11 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
         step_ms=seconds * 1e3,
         step_costed_by=costed,
         tokens_per_s=problem.facts.tokens_per_step / seconds,
-        mfu=None if flops is None else flops / where.devices / seconds / where.peak_flops,
+        mfu=(
+            None
+            if flops is None or costed == "what-if"
+            else flops / where.devices / seconds / where.peak_flops
+        ),
         overrides=problem.overrides(best.choice, where.devices),
     )
 

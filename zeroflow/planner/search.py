@@ -5,7 +5,8 @@ most promising few, pick the fastest that fits.
    choice whose state alone, by the ZeRO formula, exceeds the usable memory cannot fit and is
    never compiled; one XLA is known to refuse is skipped with XLA's reason.
 2. The rest are ordered by the what-if's step time, fastest first, those the formula predicts
-   to fit (scaled by the last compile's ratio of XLA's peak to the formula's) ahead.
+   to fit (scaled by the last compile's ratio of XLA's peak to the formula's) ahead; where none
+   is predicted to fit, the smallest prediction goes first.
 3. They are compiled in that order. A plan whose compiled peak does not fit rules out every
    plan that needs at least as much memory (``choices.needs_more``). The search stops after
    ``max_compiles``, or once ``min_compiles`` are done, one fits, and the next plan could not
@@ -146,7 +147,8 @@ def _likely(row: Row, scale: float) -> list[Candidate]:
 def _next(row: Row, scale: float, compiler: Compiler) -> Candidate | None:
     """The fastest open candidate the formula (scaled) predicts to fit, preferring, within
     ``EXPLORE`` of it, one whose stage and offload no compile has tried yet (the what-if's
-    near-ties are for XLA to break); while nothing compiled fits, else the fastest open one."""
+    near-ties are for XLA to break); where none is predicted to fit and nothing compiled fits,
+    the one the formula predicts smallest."""
     open_ = [c for c in row.candidates if c.status == OPEN]
     likely = _likely(row, scale)
     if likely:
@@ -154,8 +156,8 @@ def _next(row: Row, scale: float, compiler: Compiler) -> Candidate | None:
         near = [c for c in likely if c.what_if.prior_s <= likely[0].what_if.prior_s * EXPLORE]
         fresh = [c for c in near if _family(c.choice) not in tried]
         return (fresh or likely)[0]
-    if open_ and best_of(row, compiler) is None:
-        return open_[0]
+    if open_ and best_of(row, compiler) is None:  # the one likeliest to fit
+        return min(open_, key=lambda c: c.what_if.predicted_bytes)
     return None
 
 
