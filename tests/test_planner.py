@@ -94,6 +94,15 @@ def test_one_device_lists_only_stages_that_differ(dtype, stages):
                                                hosts=1, compute_dtype=dtype)} == {0, 1, 2, 3}
 
 
+def test_plans_xla_refuses_are_skipped_with_its_reason():
+    """XLA:GPU cannot schedule remat offload_dots at stages 0-1; on XLA:CPU it compiles."""
+    from zeroflow.planner.choices import Choice, known_failure
+    refused = known_failure(Choice(stage=1, remat="offload_dots"), gpu=True)
+    assert "FindAndExtractBestNodeAvailable" in refused
+    assert known_failure(Choice(stage=2, remat="offload_dots"), gpu=True) is None
+    assert known_failure(Choice(stage=0, remat="offload_dots"), gpu=False) is None
+
+
 def test_a_refused_compile_is_one_readable_line():
     xla = RuntimeError("INTERNAL: FindAndExtractBestNodeAvailable failed to find a node to "
                        "schedule\n\tat ... 40 more lines")
