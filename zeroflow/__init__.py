@@ -12,6 +12,7 @@ tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md
 f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
 ce  = zf.chunked_cross_entropy(hidden, w_out, labels)  # never holds the logits (docs/memory.md)
+best = zf.plan(loss_fn, params, batch, tx, targets=("h100",), devices=(8,))  # docs/planner.md
 """
 
 from zeroflow.util import interrupts as _interrupts
@@ -34,6 +35,7 @@ from zeroflow.engine.state import TrainState, init_train_state, state_shardings 
 from zeroflow.engine.step import make_train_step  # noqa: E402
 from zeroflow.lora import LoRA, lora, lora_merge  # noqa: E402
 from zeroflow.ops import chunked_cross_entropy, chunked_token_losses  # noqa: E402
+from zeroflow.planner import plan  # noqa: E402
 
 __all__ = [
     "make_mesh",
@@ -63,5 +65,6 @@ __all__ = [
     "lora_merge",
     "chunked_cross_entropy",
     "chunked_token_losses",
+    "plan",
 ]
 __version__ = "0.1.0"

@@ -45,6 +45,7 @@ from zeroflow.memory.estimate import (
 )
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.memory.peak import PeakEstimate
+from zeroflow.planner.compiling import failure_reason
 from zeroflow.trainer.planning import attention_note, compile_config, estimate_config_step
 from zeroflow.trainer.setup import run_model_config
 
@@ -231,7 +232,7 @@ def plan_rows(
                         )
                         note = attention_note(cfg, target)
                     except Exception as e:  # a choice that cannot compile is reported, not fatal
-                        note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                        note = failure_reason(e)
                 rows.append(
                     Row(
                         stage,
@@ -443,14 +444,31 @@ def _platform(args, devices: int) -> tuple[str, str]:
 
 def _restart_with_schedule_log(argv: Sequence[str] | None, args) -> None:
     """Start this command again with XLA's scheduler statistics on (read at start-up), for
-    the estimated step time of a target's rows; only from the command line (``argv`` None)."""
+    the estimated step time of a target's rows, and with as many CPU devices as the target
+    has (offloaded rows are compiled through CPU devices standing in for the GPUs, and XLA
+    reads the device count at start-up too); only from the command line (``argv`` None)."""
     if argv is not None or args.target is None or args.measure == "never" or schedule.enabled():
         return
     env = schedule.enable(dict(os.environ))
     env["ZEROFLOW_QUIET_XLA_INFO"] = "1"
+    flags = env.get("XLA_FLAGS", "")
+    wanted = _target_devices(args)
+    if wanted and "xla_force_host_platform_device_count" not in flags:
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={wanted}".strip()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "zeroflow.memory", *sys.argv[1:]], env)
+
+
+def _target_devices(args) -> int | None:
+    """Devices of the target mesh (data x model), or None where the config cannot tell (the
+    restarted command then reports what is wrong with it)."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, ConfigError):
+        return None
+    data = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else 1)
+    return data * cfg.parallel.model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -515,7 +515,7 @@ def estimate_config(
     zeroflow's engine reduces them, activations per micro-batch are included, and the
     optimizer state is ``train.optimizer``'s (``optimizer_bytes_per_param``).
     ``frozen_params``: how many of the GPT's parameters ``train.freeze`` freezes
-    (the trainer counts the parameters ``train.freeze`` matches)."""
+    (``zeroflow.trainer.planning.count_frozen_params``)."""
     par = cfg.parallel
     n = num_devices if num_devices is not None else (par.data if par.data > 0 else None)
     if n is None:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -26,8 +27,10 @@ from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
+from zeroflow.models import abstract_params
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
 from zeroflow.util import compat
+from zeroflow.util.tree import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,20 +165,27 @@ def abstract_setup(
     update_on: str,
     remat: str,
     target: str | None = None,
+    hosts: int = 1,
+    compiler_options: dict | None = None,
 ) -> StepSetup:
     """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
     layer-wise gathering) on the first ``num_devices`` data devices, or on as many abstract
     devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
     are never materialised. An offloaded choice for a target is planned on CPU devices standing
     in for its GPUs, with their traits (``zeroflow.memory.on_target``): abstract GPUs have no
-    host memory to keep the offloaded state in."""
+    host memory to keep the offloaded state in. ``hosts``: how many hosts the target's devices
+    span; ``compiler_options``: XLA options for the step's compile (``Run.make_step``)."""
     cfg = choice_config(
         cfg, num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, remat=remat
     )
     on_target = None
     if target is not None:
         mesh = target_mesh(
-            target, data=num_devices, model=cfg.parallel.model, context=cfg.parallel.context
+            target,
+            data=num_devices,
+            model=cfg.parallel.model,
+            context=cfg.parallel.context,
+            hosts=hosts,
         )
         if offload != "none":
             on_target = mesh
@@ -191,7 +201,7 @@ def abstract_setup(
         shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(
-        step=run.make_step(),
+        step=run.make_step(compiler_options),
         state=state,
         batch=batch,
         plan=run.plan,
@@ -287,4 +297,19 @@ def estimate_config_step(
         backend=backend,
         recompute_bytes=recompute,
         trainable=parts.trainable,
+    )
+
+
+def count_frozen_params(cfg) -> int:
+    """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it); with
+    LoRA every one (the adapters, a few per cent, are not counted)."""
+    shapes, _ = abstract_params(cfg.model)
+    if cfg.model.lora.rank > 0:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    if not cfg.train.freeze:
+        return 0
+    return sum(
+        math.prod(x.shape)
+        for p, x in jax.tree_util.tree_leaves_with_path(shapes)
+        if re.search(cfg.train.freeze, path_str(p))
     )

@@ -139,7 +139,9 @@ class Run:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
         )
 
-    def make_step(self):
+    def make_step(self, compiler_options: dict | None = None):
+        """The train step; ``compiler_options``: XLA options over the backend's own (a planner
+        compiling many plans for one GPU target passes it a shared kernel cache)."""
         return zf.make_train_step(
             self.loss_fn,
             self.tx,
@@ -147,6 +149,7 @@ class Run:
             self.prec,
             grad_accum=self.cfg.parallel.grad_accum,
             gather_per_layer=self.gather_per_layer,
+            compiler_options=compiler_options,
         )
 
     def global_batch(
