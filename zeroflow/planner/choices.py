@@ -197,6 +197,10 @@ def needs_more(a: Choice, b: Choice) -> bool:
         return False
     if (a.remat is None) != (b.remat is None):
         return False
-    if a.remat is not None and REMAT_MEMORY[a.remat] < REMAT_MEMORY[b.remat]:
+    if (
+        a.remat is not None
+        and b.remat is not None
+        and REMAT_MEMORY[a.remat] < REMAT_MEMORY[b.remat]
+    ):
         return False
     return a.stage <= b.stage and a.grad_accum <= b.grad_accum

@@ -174,7 +174,7 @@ def step_parts(log_text: str, hlo: str, peak_flops: float) -> tuple[float, float
     # its own matmuls (a vocabulary projection outside the layer loop) are costed by flops too.
     entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.MULTILINE)
     unseen = entry is not None and all(c.name != entry.group(1) for c in xla)
-    entry_flops = schedule.gemm_flops(bodies, entry.group(1)) if unseen else 0.0
+    entry_flops = schedule.gemm_flops(bodies, entry.group(1)) if entry and unseen else 0.0
     return (
         sum(c.total_us * c.trips for c in xla),
         by_flops / parse_rate + entry_flops,

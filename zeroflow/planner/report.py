@@ -111,9 +111,9 @@ def _slow_model_notes(plan: Plan) -> list[str]:
 
 def _nothing_fits(s: Summary) -> str:
     compiled = [c for c in s.row.candidates if c.status == COMPILED]
-    smallest = min(compiled, key=lambda c: c.measured.peak_bytes, default=None)
+    smallest = min(compiled, key=lambda c: c.got.peak_bytes, default=None)
     tried = (
-        f"; the smallest compiled peak was {format_bytes(smallest.measured.peak_bytes)} "
+        f"; the smallest compiled peak was {format_bytes(smallest.got.peak_bytes)} "
         f"({smallest.choice.label()})"
         if smallest
         else ""

@@ -10,17 +10,17 @@ from zeroflow.planner.search import Candidate, Row, step_seconds
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """The best plan of a row and its figures (None where nothing fits)."""
+    """The best plan of a row and its figures (``best`` None, figures 0, where nothing fits)."""
 
     row: Row
     best: Candidate | None
-    peak_bytes: float | None = None
-    host_bytes_per_process: float | None = None
+    peak_bytes: float = 0.0
+    host_bytes_per_process: float = 0.0
     "Pinned host memory one process needs for its devices' offloaded state and activations."
-    step_ms: float | None = None
+    step_ms: float = 0.0
     step_costed_by: str = ""
     "'xla', 'xla-target', 'peak' (see ``Measured.costed_by``), or 'what-if' (no XLA estimate)."
-    tokens_per_s: float | None = None
+    tokens_per_s: float = 0.0
     mfu: float | None = None
     overrides: list[str] | None = None
 
@@ -64,7 +64,7 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
     best = row.best
     if best is None:
         return Summary(row, None)
-    where, got = row.where, best.measured
+    where, got = row.where, best.got
     step_ms = got.step_ms(compiler.rates, where)
     costed = got.costed_by(compiler.rates, where) if step_ms is not None else "what-if"
     seconds = step_seconds(best, compiler, where)

@@ -41,6 +41,13 @@ class Candidate:
     reason: str = ""
     measured: Measured | None = None
 
+    @property
+    def got(self) -> Measured:
+        """What XLA measured, for a candidate that was compiled."""
+        if self.measured is None:
+            raise ValueError(f"{self.choice.label()} was not compiled")
+        return self.measured
+
 
 @dataclasses.dataclass
 class Row:
@@ -170,7 +177,7 @@ def _rule_out_bigger(row: Row, compiled: Candidate) -> None:
         if cand.status == OPEN and needs_more(cand.choice, compiled.choice):
             cand.status = RULED_OUT
             cand.reason = (
-                f"needs at least the {format_bytes(compiled.measured.peak_bytes)} XLA "
+                f"needs at least the {format_bytes(compiled.got.peak_bytes)} XLA "
                 f"compiled for {compiled.choice.label()}"
             )
 
@@ -187,7 +194,7 @@ def best_of(row: Row, compiler: Compiler) -> Candidate | None:
         return None
     return min(
         fitting,
-        key=lambda c: (step_seconds(c, compiler, row.where), c.measured.peak_bytes),
+        key=lambda c: (step_seconds(c, compiler, row.where), c.got.peak_bytes),
     )
 
 
