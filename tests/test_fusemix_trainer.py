@@ -95,7 +95,7 @@ def test_the_settings_cover_every_plan_key():
     # A parallel key added to the config but not to PLAN_KEYS fails here, not silently later.
     import dataclasses
     from zeroflow.config.schema import ParallelConfig
-    mesh_and_batch = {"data", "model", "grad_accum"}
+    mesh_and_batch = {"data", "context", "model", "grad_accum"}
     assert {f.name for f in dataclasses.fields(ParallelConfig)} - mesh_and_batch == set(PLAN_KEYS)
     assert set().union(*SETTINGS) == set(PLAN_KEYS)
 
