@@ -29,7 +29,7 @@ from zeroflow.autocast import autocast
 from zeroflow.autocast.precision import Precision
 from zeroflow.backend.mesh import DATA
 from zeroflow.engine import frozen as frozen_weights
-from zeroflow.engine import offload, padding, update
+from zeroflow.engine import offload, padding, quantized, update
 from zeroflow.engine.grads import local_grads, native_gradients, routes, step_routes
 from zeroflow.engine.grads.routes import is_route
 from zeroflow.engine.plan import ZeroPlan, is_layout
@@ -137,6 +137,8 @@ def train_step(
     route_tree = step_routes(
         layout.layouts, plan, prec, per_layer, grad_accum, trainable=layout.trainable
     )
+    if quantized.any_quantized(state.frozen):  # dequantized just before each use
+        loss_fn = quantized.dequantized_on_use(loss_fn, prec.compute_dtype)
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
     # What the loss gets besides weights and data: the step's key (local_grads folds in the

@@ -198,8 +198,11 @@ def _accumulated(
 ):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
+    # Frozen leaves are stored in the dtype they are used in (quantized codes in their own).
     dtypes = jax.tree.map(
-        lambda x, r: jnp.dtype(gather_dtype) if gather_dtype and r.sharded else x.dtype,
+        lambda x, r: (
+            jnp.dtype(gather_dtype) if gather_dtype and r.sharded and not r.frozen else x.dtype
+        ),
         params,
         routes,
     )

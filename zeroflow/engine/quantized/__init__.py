@@ -1,0 +1,129 @@
+"""Frozen weights in 4 bits (NF4, QLoRA's) or 8 (int8), dequantized on use inside the step.
+
+    qparams, qtrainable = zf.quantize_frozen(params, trainable, kind="nf4")
+    state = zf.init_train_state(qparams, tx, plan, prec, trainable=qtrainable)
+    step = zf.make_train_step(loss_fn, tx, plan, prec)      # loss_fn unchanged
+
+- ``codes.py``: the NF4 values and the 8-bit dynamic map, as bitsandbytes has them;
+- ``nf4.py``: NF4 with double-quantized block scales, bit for bit bitsandbytes' layout;
+- ``arrays.py``: ``QuantizedArray``, the pytree a quantized leaf becomes, and int8;
+- ``on_use.py``: the loss with every quantized leaf dequantized just before its use.
+
+Why a function of the parameters rather than an ``init_train_state`` option: what it returns is
+ordinary parameters (the quantized leaves are pytrees of arrays the engine stores, shards and
+checkpoints like any frozen leaf, in their own dtypes), so it composes with everything that
+takes parameters (an init function, ``zf.lora``'s ``{"base", "lora"}``, a restored checkpoint)
+and the engine needs no second description of which leaves are quantized: the state's own
+tree says it, and the step dequantizes what it finds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zeroflow.engine import frozen as frozen_weights
+from zeroflow.engine.quantized.arrays import (
+    KINDS,
+    QuantizedArray,
+    check_kind,
+    dequantize,
+    is_quantized,
+    quantize,
+)
+from zeroflow.engine.quantized.on_use import any_quantized, dequantized_on_use
+from zeroflow.util.tree import path_str
+
+__all__ = [
+    "KINDS",
+    "QuantizedArray",
+    "any_quantized",
+    "as_weights",
+    "check_trainable",
+    "dequantize",
+    "dequantized",
+    "dequantized_on_use",
+    "is_quantized",
+    "quantize",
+    "quantize_frozen",
+]
+
+
+def _quantizes(x, trains: bool) -> bool:
+    """Which leaves ``quantize_frozen`` quantizes: frozen floating-point matrices (and stacks
+    of them); vectors (biases, norm scales) are a small share of the bytes and stay as they
+    are."""
+    return not trains and jnp.ndim(x) >= 2 and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def quantize_frozen(params, trainable, kind: str = "nf4"):
+    """``(qparams, qtrainable)``: ``params`` with every frozen matrix (``trainable`` as for
+    ``zf.init_train_state``: a pytree of bools or a callable ``(path, leaf) -> bool``) replaced
+    by a ``QuantizedArray`` of ``kind`` (``"nf4"`` or ``"int8"``), and the trainable mask of
+    that tree (all of a quantized leaf's arrays frozen). ``params`` may be a zero-argument
+    function returning them (then so is ``qparams``: nothing is built before
+    ``init_train_state`` builds it, sharded)."""
+    check_kind(kind)
+    lazy = frozen_weights.is_function(params)
+    abstract = jax.eval_shape(params) if lazy else params
+    mask = frozen_weights.trainable_mask(trainable, abstract)
+    if not frozen_weights.any_frozen(mask):
+        raise ValueError("quantize_frozen: trainable freezes no parameter, so nothing to quantize")
+
+    def quantized(tree):
+        return jax.tree.map(lambda x, t: quantize(x, kind) if _quantizes(x, t) else x, tree, mask)
+
+    qmask = jax.tree.map(
+        lambda x, t: (
+            jax.tree.map(lambda _: False, quantize_shape(x, kind)) if _quantizes(x, t) else t
+        ),
+        abstract,
+        mask,
+    )
+    if lazy:
+        return (lambda: quantized(params())), qmask
+    return jax.jit(quantized)(params), qmask
+
+
+def quantize_shape(x, kind: str) -> QuantizedArray:
+    """The ``QuantizedArray`` of ``x`` (an array or an abstract value), on shapes only."""
+    return jax.eval_shape(lambda v: quantize(v, kind), jax.ShapeDtypeStruct(jnp.shape(x), x.dtype))
+
+
+def dequantized(tree, dtype=None):
+    """``tree`` with every ``QuantizedArray`` dequantized (to ``dtype``, default its own):
+    the weights whole, for what reads them outside the step (a merged export, sampling)."""
+    return jax.tree.map(
+        lambda x: dequantize(x, dtype) if is_quantized(x) else x, tree, is_leaf=is_quantized
+    )
+
+
+def as_weights(tree, fill=None):
+    """``tree`` with every ``QuantizedArray`` replaced by ``fill``, or (None) by the abstract
+    weight it encodes: the parameters' own structure, for counting them."""
+    return jax.tree.map(
+        lambda x: (
+            (jax.ShapeDtypeStruct(x.full_shape, x.dtype) if fill is None else fill)
+            if is_quantized(x)
+            else x
+        ),
+        tree,
+        is_leaf=is_quantized,
+    )
+
+
+def check_trainable(params, mask) -> None:
+    """One readable line where a quantized leaf of ``params`` is marked trainable: a
+    quantized weight has no master copy to update."""
+    trained = []
+
+    def visit(path, x, m):
+        if is_quantized(x) and any(jax.tree.leaves(m)):
+            trained.append(path_str(path))
+
+    jax.tree_util.tree_map_with_path(visit, params, mask, is_leaf=is_quantized)
+    if trained:
+        raise ValueError(
+            f"quantized weights are frozen, but trainable marks {', '.join(trained[:4])} "
+            "trainable; use the mask quantize_frozen returns"
+        )
