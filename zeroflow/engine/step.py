@@ -137,8 +137,12 @@ def train_step(
     route_tree = step_routes(
         layout.layouts, plan, prec, per_layer, grad_accum, trainable=layout.trainable
     )
-    if quantized.any_quantized(state.frozen):  # dequantized just before each use
-        loss_fn = quantized.dequantized_on_use(loss_fn, prec.compute_dtype)
+    if per_layer is not None and quantized.any_quantized(state.frozen):
+        raise ValueError(
+            f"gather_per_layer={per_layer!r} with quantized frozen weights: the step "
+            "dequantizes them on use itself, layer by layer in a scan; leave gather_per_layer "
+            "unset"
+        )
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
     # What the loss gets besides weights and data: the step's key (local_grads folds in the
@@ -157,6 +161,7 @@ def train_step(
         prefetch=prefetch,
         gather_dtype=pads.cast_on_use,
         reduce_dtype=prec.reduce_dtype,
+        compute_dtype=prec.compute_dtype,
     )
     grads, loss, aux, model_state = _gradients(
         local,

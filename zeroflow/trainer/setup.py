@@ -16,8 +16,8 @@ import zeroflow as zf
 from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.config.schema import Config, ModelConfig
 from zeroflow.data import RecordData, TokenData, load_data
+from zeroflow.engine.grads.dequantized import dequantized_on_use
 from zeroflow.engine.plan_rules import batch_split_problem
-from zeroflow.engine.quantized import dequantized_on_use
 from zeroflow.models import (
     LAYER_STACK,
     abstract_params,

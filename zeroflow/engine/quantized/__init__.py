@@ -6,8 +6,10 @@
 
 - ``codes.py``: the NF4 values and the 8-bit dynamic map, as bitsandbytes has them;
 - ``nf4.py``: NF4 with double-quantized block scales, bit for bit bitsandbytes' layout;
-- ``arrays.py``: ``QuantizedArray``, the pytree a quantized leaf becomes, and int8;
-- ``on_use.py``: the loss with every quantized leaf dequantized just before its use.
+- ``arrays.py``: ``QuantizedArray``, the pytree a quantized leaf becomes (one packed byte
+  array), and int8;
+and, in ``zeroflow.engine.grads.dequantized``, the source the step's fetch-on-use replay
+dequantizes a quantized leaf with, and the same for a loss called outside the step.
 
 Why a function of the parameters rather than an ``init_train_state`` option: what it returns is
 ordinary parameters (the quantized leaves are pytrees of arrays the engine stores, shards and
@@ -25,27 +27,31 @@ import jax.numpy as jnp
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.quantized.arrays import (
     KINDS,
+    Parts,
     QuantizedArray,
     check_kind,
     dequantize,
     is_quantized,
+    pack,
     quantize,
+    unpack,
 )
-from zeroflow.engine.quantized.on_use import any_quantized, dequantized_on_use
 from zeroflow.util.tree import path_str
 
 __all__ = [
     "KINDS",
+    "Parts",
     "QuantizedArray",
     "any_quantized",
     "as_weights",
     "check_trainable",
     "dequantize",
     "dequantized",
-    "dequantized_on_use",
     "is_quantized",
+    "pack",
     "quantize",
     "quantize_frozen",
+    "unpack",
 ]
 
 
@@ -83,6 +89,10 @@ def quantize_frozen(params, trainable, kind: str = "nf4"):
     if lazy:
         return (lambda: quantized(params())), qmask
     return jax.jit(quantized)(params), qmask
+
+
+def any_quantized(tree) -> bool:
+    return any(is_quantized(x) for x in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
 def quantize_shape(x, kind: str) -> QuantizedArray:
