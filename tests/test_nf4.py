@@ -129,9 +129,20 @@ def test_double_quantization_is_bitsandbytes_format(bnb, shape, dtype):
     assert differ.mean() < 0.01
 
 
+def test_a_stack_is_quantized_tensor_by_tensor(bnb):
+    """With a stack axis each layer's tensor is its own bitsandbytes tensor."""
+    t, x = _tensor((3, 40, 64), "bfloat16", seed=2)
+    parts = quantized.unpack(quantized.quantize(x, "nf4", stack_axes=1))
+    for i in range(3):
+        q_bnb, s_bnb = bnb.quantize_4bit(t[i], blocksize=64, quant_type="nf4",
+                                         compress_statistics=True)
+        np.testing.assert_array_equal(np.asarray(parts.codes[i]), q_bnb.numpy().reshape(-1))
+        np.testing.assert_allclose(float(parts.offset[i]), s_bnb.offset.item(), rtol=1e-6)
+
+
 def test_int8_blocks_follow_their_formula():
     x = jax.random.normal(jax.random.key(3), (2, 33, 70), jnp.float32)
-    q = quantized.quantize(x, "int8")
+    q = quantized.quantize(x, "int8", stack_axes=1)
     parts = quantized.unpack(q)
     for i in range(2):
         flat = np.asarray(x[i]).reshape(-1)
@@ -151,19 +162,20 @@ def test_int8_blocks_follow_their_formula():
 def _formula_bytes(n: int, kind: str) -> int:
     """NF4: half a byte per weight, a uint8 code per 64, an fp32 maximum per 256 codes and an
     fp32 offset per matrix; int8: a byte per weight (padded to 64) and an fp32 scale per 64;
-    each matrix's bytes padded to a multiple of 1024."""
+    each tensor's bytes padded to a multiple of 512."""
     blocks = math.ceil(n / 64)
     if kind == "int8":
         raw = 64 * blocks + 4 * blocks
     else:
         raw = math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
-    return -(-raw // 1024) * 1024
+    return -(-raw // 512) * 512
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 @pytest.mark.parametrize("shape", [(4096, 4096), (4, 1024, 2752), (33, 37)])
 def test_stored_bytes_follow_the_formula(kind, shape):
-    q = quantized.quantize_shape(jax.ShapeDtypeStruct(shape, jnp.bfloat16), kind)
+    q = quantized.quantize_shape(jax.ShapeDtypeStruct(shape, jnp.bfloat16), kind,
+                                 stack_axes=len(shape) - 2)
     matrices = math.prod(shape[:-2])
     assert q.nbytes == matrices * _formula_bytes(shape[-2] * shape[-1], kind)
     if shape == (4096, 4096):
@@ -249,7 +261,8 @@ def test_lora_on_an_nf4_base_follows_a_hand_written_reference(stage, devices):
     adapters = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.05 if p[-1].key == "b" else x, adapters)
     params, trainable = zf.quantize_frozen({"base": _base(), "lora": adapters},
-                                           lambda path, _: path.startswith("lora/"), kind="nf4")
+                                           lambda path, _: path.startswith("lora/"), kind="nf4",
+                                           stacked="base/layers")
     assert isinstance(params["base"]["layers"], zf.QuantizedArray)
     assert not isinstance(params["base"]["gain"], zf.QuantizedArray)  # a vector stays whole
     tx = optax.adam(1e-2)
@@ -292,7 +305,8 @@ def test_the_dequantized_stack_never_exists_whole(stage, devices):
     """Dequantized on use: one layer's matrix at a time inside the scan, forward and backward,
     in the train step and in a loss called outside it; the whole dequantized stack
     [layers, width, width] is never computed."""
-    params, trainable = zf.quantize_frozen(_base(), lambda path, _: path == "gain")
+    params, trainable = zf.quantize_frozen(_base(), lambda path, _: path == "gain",
+                                           stacked="layers")
     mesh = zf.make_mesh(data=devices, devices=jax.devices()[:devices])
     plan = zf.ZeroPlan(mesh, stage=stage)
     prec = zf.Precision(params="fp32", master="fp32", loss_scale="none")
@@ -347,6 +361,12 @@ def test_trainer_quantizes_the_frozen_base_and_trains(tmp_path):
 def test_bad_quantize_settings_are_one_line(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config("configs/tiny.yaml", overrides)
+
+
+def test_the_config_choices_are_the_engines():
+    from zeroflow.config.schema import LoraConfig, choices_of
+
+    assert choices_of(LoraConfig) == {"quantize": ("none", *quantized.KINDS)}
 
 
 def test_bad_arguments_are_one_line():

@@ -69,7 +69,8 @@ class Run:
         kind = self.model_cfg.lora.quantize
         if self.lora is None or kind == "none":
             return params
-        return zf.quantize_frozen(params, self.trainable, kind)[0]
+        stack = f"{adapters.BASE}/{LAYER_STACK}"  # scanned: quantized and dequantized per layer
+        return zf.quantize_frozen(params, self.trainable, kind, stacked=stack)[0]
 
     def _adapters(self):
         return adapters.init_adapters(self.lora, self.adapter_sites, self.cfg.train.seed)

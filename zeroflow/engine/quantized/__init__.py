@@ -1,6 +1,6 @@
 """Frozen weights in 4 bits (NF4, QLoRA's) or 8 (int8), dequantized on use inside the step.
 
-    qparams, qtrainable = zf.quantize_frozen(params, trainable, kind="nf4")
+    qparams, qtrainable = zf.quantize_frozen(params, trainable, kind="nf4", stacked="layers")
     state = zf.init_train_state(qparams, tx, plan, prec, trainable=qtrainable)
     step = zf.make_train_step(loss_fn, tx, plan, prec)      # loss_fn unchanged
 
@@ -36,7 +36,7 @@ from zeroflow.engine.quantized.arrays import (
     quantize,
     unpack,
 )
-from zeroflow.util.tree import path_str
+from zeroflow.util.tree import is_under, path_str
 
 __all__ = [
     "KINDS",
@@ -55,20 +55,28 @@ __all__ = [
 ]
 
 
-def _quantizes(x, trains: bool) -> bool:
-    """Which leaves ``quantize_frozen`` quantizes: frozen floating-point matrices (and stacks
-    of them); vectors (biases, norm scales) are a small share of the bytes and stay as they
-    are."""
-    return not trains and jnp.ndim(x) >= 2 and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+def _stack_axes(path, stacked: str | None) -> int:
+    return 1 if is_under(path_str(path), stacked) else 0
 
 
-def quantize_frozen(params, trainable, kind: str = "nf4"):
+def _quantizes(x, trains: bool, stack_axes: int) -> bool:
+    """Which leaves ``quantize_frozen`` quantizes: frozen floating-point tensors of two or more
+    axes (a stack's leaf: past its layer axis); vectors (biases, norm scales) are a small share
+    of the bytes and stay as they are."""
+    floating = jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    return not trains and floating and jnp.ndim(x) - stack_axes >= 2
+
+
+def quantize_frozen(params, trainable, kind: str = "nf4", *, stacked: str | None = None):
     """``(qparams, qtrainable)``: ``params`` with every frozen matrix (``trainable`` as for
     ``zf.init_train_state``: a pytree of bools or a callable ``(path, leaf) -> bool``) replaced
     by a ``QuantizedArray`` of ``kind`` (``"nf4"`` or ``"int8"``), and the trainable mask of
-    that tree (all of a quantized leaf's arrays frozen). ``params`` may be a zero-argument
-    function returning them (then so is ``qparams``: nothing is built before
-    ``init_train_state`` builds it, sharded)."""
+    that tree (a quantized leaf frozen). ``stacked``: the path (``path_str``, e.g. ``"layers"``)
+    of a subtree whose leaves carry a leading axis of layers that the loss scans over: each
+    layer's tensor is then quantized on its own, and the step dequantizes one layer at a
+    time; any other leaf is one tensor. ``params`` may be a zero-argument function returning
+    them (then so is ``qparams``: nothing is built before ``init_train_state`` builds it,
+    sharded)."""
     check_kind(kind)
     lazy = frozen_weights.is_function(params)
     abstract = jax.eval_shape(params) if lazy else params
@@ -77,15 +85,19 @@ def quantize_frozen(params, trainable, kind: str = "nf4"):
         raise ValueError("quantize_frozen: trainable freezes no parameter, so nothing to quantize")
 
     def quantized(tree):
-        return jax.tree.map(lambda x, t: quantize(x, kind) if _quantizes(x, t) else x, tree, mask)
+        def one(path, x, t):
+            axes = _stack_axes(path, stacked)
+            return quantize(x, kind, axes) if _quantizes(x, t, axes) else x
 
-    qmask = jax.tree.map(
-        lambda x, t: (
-            jax.tree.map(lambda _: False, quantize_shape(x, kind)) if _quantizes(x, t) else t
-        ),
-        abstract,
-        mask,
-    )
+        return jax.tree_util.tree_map_with_path(one, tree, mask)
+
+    def masked(path, x, t):
+        axes = _stack_axes(path, stacked)
+        if not _quantizes(x, t, axes):
+            return t
+        return jax.tree.map(lambda _: False, quantize_shape(x, kind, axes))
+
+    qmask = jax.tree_util.tree_map_with_path(masked, abstract, mask)
     if lazy:
         return (lambda: quantized(params())), qmask
     return jax.jit(quantized)(params), qmask
@@ -95,9 +107,11 @@ def any_quantized(tree) -> bool:
     return any(is_quantized(x) for x in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
-def quantize_shape(x, kind: str) -> QuantizedArray:
+def quantize_shape(x, kind: str, stack_axes: int = 0) -> QuantizedArray:
     """The ``QuantizedArray`` of ``x`` (an array or an abstract value), on shapes only."""
-    return jax.eval_shape(lambda v: quantize(v, kind), jax.ShapeDtypeStruct(jnp.shape(x), x.dtype))
+    return jax.eval_shape(
+        lambda v: quantize(v, kind, stack_axes), jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+    )
 
 
 def dequantized(tree, dtype=None):

@@ -3,14 +3,14 @@ with the weight's shape, dtype and kind as static metadata (the structure of Qwi
 the bytes are the leaf, so the engine lays them out, shards, gathers and checkpoints them as it
 does any array).
 
-A weight of shape ``[*stack, r, c]`` is a stack of ``r x c`` matrices, each quantized on its own
-(one bitsandbytes tensor each); a vector is one tensor. Each tensor's codes and scales are
-packed into one row of bytes (``Parts``, in this order, zero-padded to a multiple of ``ALIGN``),
-and the rows of a stack keep the stack's axes in front with a unit axis after them:
-``[*stack, 1, bytes]`` (one tensor: ``[bytes]``). So a scan over the stack takes one matrix's row
-per iteration, and ZeRO splits the bytes axis, not the stack's (a stack's leaf of three or more
-dimensions is split along its largest axis, which the padding makes divide by any device count
-that divides ``ALIGN``).
+A weight is one tensor (one bitsandbytes tensor: its entries flattened in row-major order), or,
+with ``stack_axes`` leading axes (a scan's stack of layers), a stack of tensors each quantized on
+its own. Each tensor's codes and scales are packed into one row of bytes (``Parts``, in this
+order, zero-padded to a multiple of ``ALIGN``); a stack keeps its axes in front with a unit
+axis after them: ``[*stack, 1, bytes]`` (one tensor: ``[bytes]``). So a scan over the stack takes
+one tensor's row per iteration, and ZeRO splits the bytes axis, not the stack's (a leaf of three
+or more dimensions is split along its largest axis, which the padding makes divide by any
+device count that divides ``ALIGN``).
 
 Two kinds:
 - ``"nf4"`` (``nf4.py``): NF4 codes two to a byte, a scale per 64 entries, the scales double
@@ -38,7 +38,7 @@ from zeroflow.engine.zeropp.quantize import quantize as int8_quantize
 KINDS = ("nf4", "int8")
 INT8_BLOCK = 64
 "Entries per int8 block (one fp32 scale each)."
-ALIGN = 1024
+ALIGN = 512
 "Each tensor's bytes are padded to a multiple of this, so that ZeRO can split them evenly."
 
 
@@ -143,14 +143,15 @@ def unpack(q: QuantizedArray) -> Parts:
     return Parts(out[0], out[1], out[2], out[3].reshape(stack))
 
 
-def quantize(x: jax.Array, kind: str = "nf4") -> QuantizedArray:
-    """``x`` (float, any shape) quantized as ``kind``: its last two axes one matrix each, the
-    axes before them a stack of matrices (a vector: one tensor)."""
+def quantize(x: jax.Array, kind: str = "nf4", stack_axes: int = 0) -> QuantizedArray:
+    """``x`` (float, any shape) quantized as ``kind``: one tensor, or a stack of them along its
+    first ``stack_axes`` axes."""
     check_kind(kind)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize needs a floating-point array, got {x.dtype}")
-    split = max(x.ndim - 2, 0)
-    stack, shape = tuple(x.shape[:split]), tuple(x.shape[split:])
+    if not 0 <= stack_axes < max(x.ndim, 1):
+        raise ValueError(f"stack_axes={stack_axes} leaves no tensor axes of shape {x.shape}")
+    stack, shape = tuple(x.shape[:stack_axes]), tuple(x.shape[stack_axes:])
     flat = x.reshape(*stack, math.prod(shape))
     if kind == "int8":
         q = jax.vmap(lambda row: int8_quantize(row, INT8_BLOCK))(flat.reshape(-1, flat.shape[-1]))
