@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import zeroflow as zf  # noqa: E402
+from zeroflow import backend  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.memory.measure import analysed  # noqa: E402
 from zeroflow.trainer.setup import abstract_batch, build_run  # noqa: E402
@@ -36,7 +37,9 @@ def frozen_bytes(state) -> int:
 
 def compiled_row(config: str, target: str, overrides: list[str]) -> dict:
     cfg = load_config(config, overrides)
-    run = build_run(cfg, with_data=False, mesh=zf.target_mesh(target, data=1))
+    mesh = zf.target_mesh(target, data=1)
+    with backend.tracing_for(backend.of(mesh)):  # the adapters' sites: traced for the GPU
+        run = build_run(cfg, with_data=False, mesh=mesh)
     state = run.abstract_state()
     batch = abstract_batch(cfg, sharding=run.plan.batch_sharding())
     start = time.perf_counter()
@@ -66,6 +69,9 @@ def main() -> None:
         "parallel.grad_accum=1",
         "parallel.zero_stage=0",
         "precision.params=bf16",
+        # The LoRA sites are traced on the fp32 parameter shapes, which cuDNN's attention
+        # refuses: both rows use XLA's.
+        "model.attention=xla",
         f"model.lora.rank={args.rank}",
     ]
     print(
