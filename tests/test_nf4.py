@@ -329,8 +329,9 @@ def test_the_dequantized_stack_never_exists_whole(stage, devices):
 # --- the trainer ---------------------------------------------------------------------------
 
 def test_trainer_quantizes_the_frozen_base_and_trains(tmp_path):
-    from zeroflow.trainer import build_run, train
+    from zeroflow.trainer import adapters, build_run, train
     from zeroflow.trainer.checkpoints import RunCheckpoints
+    from zeroflow.trainer.setup import lm_loss_fn
 
     # The tiny model itself (4 layers, width 128) at a shorter sequence: a LoRA on its random
     # base learns within a few steps, which the width-32 test model does not show over noise.
@@ -352,6 +353,10 @@ def test_trainer_quantizes_the_frozen_base_and_trains(tmp_path):
     kernel = state.params["base"]["layers"]["attn"]["query"]["kernel"]
     assert isinstance(kernel, zf.QuantizedArray) and kernel.data.dtype == jnp.uint8
     jax.tree.map(np.testing.assert_array_equal, state.params["base"], fresh.params["base"])
+    # Sampling and the merged export read W + alpha / r a b with W dequantized: the run's loss.
+    batch = {"tokens": np.random.default_rng(0).integers(0, 256, (8, 65), dtype=np.int32)}
+    merged_loss = lm_loss_fn(run.model_cfg)(adapters.merged(run.lora, state.params), batch)[0]
+    np.testing.assert_allclose(merged_loss, run.loss_fn(state.params, batch)[0], rtol=1e-5)
 
 
 @pytest.mark.parametrize("overrides,needle", [
