@@ -289,6 +289,32 @@ def test_lora_on_an_nf4_base_follows_a_hand_written_reference(stage, devices):
     jax.tree.map(np.testing.assert_array_equal, state.params["base"], params["base"])
 
 
+def test_bf16_steps_at_stage_3_follow_stage_0():
+    """bf16 compute (the base dequantized to bf16): ZeRO-3 on 8 devices, the bytes gathered,
+    gives stage 0's losses on one device."""
+    lo = zf.lora(_model_loss, rank=RANK, alpha=ALPHA, targets="layers|head")
+    batches = _batches()
+    adapters = lo.init(jax.random.key(1), _base(), batches[0])
+    params, trainable = zf.quantize_frozen({"base": _base(), "lora": adapters},
+                                           lambda path, _: path.startswith("lora/"),
+                                           stacked="base/layers")
+    prec = zf.Precision(params="bf16", master="fp32", loss_scale="none")
+    tx = optax.adam(1e-2)
+    losses = {}
+    for stage, devices in [(0, 1), (3, 8)]:
+        plan = zf.ZeroPlan(zf.make_mesh(data=devices, devices=jax.devices()[:devices]), stage)
+        state = zf.init_train_state(params, tx, plan, prec, trainable=trainable)
+        step = zf.make_train_step(lo.loss, tx, plan, prec)
+        out = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            out.append(float(metrics["loss"]))
+        losses[stage] = out
+    np.testing.assert_allclose(losses[3], losses[0], rtol=2e-5)
+    with pytest.raises(ValueError, match="gather_per_layer='base' with quantized frozen weights"):
+        zf.make_train_step(lo.loss, tx, plan, prec, gather_per_layer="base")(state, batches[0])
+
+
 def _avals(jaxpr):
     """Every value a jaxpr computes, nested jaxprs (scan bodies, custom rules) included."""
     for eqn in jaxpr.eqns:
