@@ -9,7 +9,13 @@ from pallas_kernels.block_sparse import (
     reference_block_sparse_matmul,
     to_dense,
 )
-from pallas_kernels.attention import BlockSizes, flash_attention, reference_attention
+from pallas_kernels.attention import (
+    BlockSizes,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    reference_attention,
+)
 from pallas_kernels.layers import BlockSparseDense
 from pallas_kernels.layouts import (
     banded_layout,
@@ -25,6 +31,8 @@ __all__ = [
     "block_diagonal_layout",
     "block_sparse_matmul",
     "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_forward",
     "from_dense",
     "random_layout",
     "reference_attention",

@@ -175,9 +175,7 @@ def _verify_triton_ir(name: str, triton_ir: bytes, ir) -> None:
 
 def _varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
-    if hasattr(aval, "mat"):  # jax 0.10+
-        return aval.mat.varying
-    return frozenset(getattr(aval, "vma", ()))  # older jax
+    return aval.mat.varying if hasattr(aval, "mat") else frozenset()
 
 
 def match_varying(cotangent, primal):
@@ -196,10 +194,8 @@ def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     of `inputs` varies over. Inside `jax.shard_map(check_vma=True)` (zeroflow's train step)
     pallas_call refuses outputs without it; elsewhere the set is empty."""
     avals = [jax.typeof(x) for x in inputs]
-    if avals and hasattr(avals[0], "mat"):  # jax 0.10+: ManualAxisType
+    if avals and hasattr(avals[0], "mat"):  # a ManualAxisType (every supported jax, 0.10.2+)
         mats = [a.mat for a in avals]
         varying = frozenset().union(*(m.varying for m in mats))
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mats[0])(varying=varying))
-    if avals and hasattr(avals[0], "vma"):  # older jax: a frozenset of axis names
-        return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset().union(*(a.vma for a in avals)))
     return jax.ShapeDtypeStruct(shape, dtype)

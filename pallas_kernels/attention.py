@@ -121,7 +121,8 @@ def _visible_blocks(start, block: int, other_block: int, num_other: int, behind,
     """[lo, hi) of the other axis's blocks that a block of ``block`` rows beginning at row
     ``start`` can see, when row r sees columns r - behind .. r + ahead (None: no limit). The
     rest is skipped, not masked."""
-    lo, hi = 0, num_other
+    lo: int | jax.Array = 0
+    hi: int | jax.Array = num_other
     if behind is not None:
         lo = lax.div(jnp.maximum(start - behind, 0), other_block)
     if ahead is not None:
@@ -460,6 +461,11 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
     Returns:
       `[B, Sq, H, D]` in q's dtype; softmax statistics are kept in fp32.
     """
+    cfg = _checked_config(q, k, v, causal, sm_scale, block_sizes, interpret, window)
+    return _flash_attention(q, k, v, _segment_pair(segment_ids, q, k), cfg)
+
+
+def _checked_config(q, k, v, causal, sm_scale, block_sizes, interpret, window) -> _Config:
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [B,S,H,D] and k == v [B,S,Hkv,D]; got {q.shape}, "
                          f"{k.shape}, {v.shape}")
@@ -467,13 +473,44 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
         raise ValueError(f"q and k must share batch and head_dim; got {q.shape} and {k.shape}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
-    cfg = _Config(
+    return _Config(
         band=_Band.make(causal, window),
         sm_scale=float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
         blocks=BlockSizes() if block_sizes is None else block_sizes,
         interpret=_backend.resolve_interpret(interpret),
     )
-    return _flash_attention(q, k, v, _segment_pair(segment_ids, q, k), cfg)
+
+
+def flash_attention_forward(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
+                            block_sizes: BlockSizes | None = None, interpret: bool | None = None,
+                            window: int | tuple[int, int] | None = None, segment_ids=None):
+    """`flash_attention`'s forward pass alone, not differentiable: `(out, lse)` with `lse`
+    `[B, H, Sq]` fp32, each row's log-sum-exp of its scaled scores (-inf where a row sees no
+    key). Blockwise attention (a ring of key/value blocks) merges such partial results and
+    differentiates them with `flash_attention_backward`."""
+    cfg = _checked_config(q, k, v, causal, sm_scale, block_sizes, interpret, window)
+    out, lse = _forward(q, k, v, _segment_pair(segment_ids, q, k), cfg)
+    lse = lse[:, :, : q.shape[1]]
+    return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def flash_attention_backward(q, k, v, out, lse, d_out, *, causal: bool = False,
+                             sm_scale: float | None = None,
+                             block_sizes: BlockSizes | None = None,
+                             interpret: bool | None = None,
+                             window: int | tuple[int, int] | None = None, segment_ids=None):
+    """`(dq, dk, dv)` of attention over this block of keys and values, given the whole
+    attention's `out` `[B, Sq, H, D]` and `lse` `[B, H, Sq]` (over every block the queries
+    saw) and the cotangent `d_out`: each block's share of the gradient, so that summing the
+    blocks' `dq` (and each block's own `dk`, `dv`) gives the gradient of the whole."""
+    cfg = _checked_config(q, k, v, causal, sm_scale, block_sizes, interpret, window)
+    g = _Geometry.of(q, k, cfg.blocks)
+    # +inf: a row that sees nothing gets probabilities exp(-inf) = 0, as the forward pass marks it.
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32))
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, g.q_pad - q.shape[1])), constant_values=jnp.inf)
+    segments = _segment_pair(segment_ids, q, k)
+    dq, dk, dv, _ = _backward(cfg, (q, k, v, segments, out.astype(q.dtype), lse), d_out)
+    return dq, dk, dv
 
 
 def reference_attention(q, k, v, causal: bool = False, sm_scale: float | None = None,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -47,15 +47,17 @@ class BlockSparseDense(nn.Module):
         nnz = int(layout.sum())
         fan_in = max(1.0, self.density * in_features)
         std = self.stddev if self.stddev is not None else 1.0 / math.sqrt(fan_in)
-        blocks = self.param(
+        # Module.param unboxes the LogicallyPartitioned its initializer returns (unbox=True),
+        # but flax types it as the initializer's return.
+        blocks = cast(jax.Array, self.param(
             "blocks",
             nn.with_logical_partitioning(nn.initializers.normal(std), (None, None, None)),
-            (nnz, bs, bs), self.param_dtype)
+            (nnz, bs, bs), self.param_dtype))
         dtype = self.dtype or blocks.dtype
         y = block_sparse_matmul(x.astype(dtype), blocks.astype(dtype), layout, bs)
         if self.use_bias:
-            bias = self.param(
+            bias = cast(jax.Array, self.param(
                 "bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.kernel_axes[1],)),
-                (self.features,), self.param_dtype)
+                (self.features,), self.param_dtype))
             y = y + bias.astype(dtype)
         return y

@@ -1,6 +1,6 @@
 """The checks every Python library runs, as part of the suite (so CI's first leg and the
-README's test command both run them): ruff's lint and format check over zeroflow/ and the
-dead-code check. Their settings live in pyproject.toml and .ci/vulture_whitelist.py."""
+README's test command both run them): ruff's lint and format check over zeroflow/, the type
+checker (mypy) and the dead-code check. Their settings live in pyproject.toml and .ci/vulture_whitelist.py."""
 
 import subprocess
 import sys
@@ -29,3 +29,10 @@ def test_no_dead_code():
                 ".ci/vulture_whitelist.py", "--min-confidence", "60")
     assert done.returncode == 0, "unused code (remove it, or say in .ci/vulture_whitelist.py " \
         "how it is used):\n" + done.stdout + done.stderr
+
+
+def test_the_type_checker_passes():
+    # mypy over zeroflow/ with pyproject.toml's [tool.mypy]: an annotation that lies (a
+    # "-> bool" returning a string) fails here.
+    done = _run("mypy", "--no-incremental", "--cache-dir", "/dev/null")
+    assert done.returncode == 0, done.stdout + done.stderr

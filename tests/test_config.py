@@ -115,7 +115,7 @@ def test_bad_choices():
 
 def test_choices_live_in_field_metadata():
     choices = {f.name: f.metadata.get(CHOICES) for f in dataclasses.fields(ModelConfig)}
-    assert choices["remat"] == ("none", "full", "save_dots", "offload_dots")
+    assert choices["remat"] == ("none", "full", "save_dots", "offload_dots", "offload_input")
     assert choices["attention"] == ("xla", "cudnn", "pallas")
     offload = {f.name: f for f in dataclasses.fields(ParallelConfig)}["offload"]
     assert offload.metadata[CHOICES] == ("none", "optimizer", "optimizer+params")
@@ -123,7 +123,8 @@ def test_choices_live_in_field_metadata():
 
 
 def test_config_choices_are_the_engines_and_the_models():
-    from zeroflow.engine import plan, precision
+    from zeroflow.autocast import precision
+    from zeroflow.engine import plan
     from zeroflow.config.schema import PrecisionConfig, choices_of
     from zeroflow.models import gpt
     assert choices_of(ParallelConfig) == {"zero_stage": plan.ZERO_STAGES,

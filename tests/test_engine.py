@@ -1,4 +1,6 @@
 """The engine on 8 emulated CPU devices, with a small Flax model that is not zeroflow's own."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,9 +205,23 @@ def test_state_keeps_its_layout_and_compiles_once(stage):
     assert step.jitted(state)._cache_size() == 1  # no recompile after the first step
 
 
-def test_step_is_jitted_and_donates_state():
+def test_step_compiles_to_the_state_layout_and_donates_state():
+    """One XLA program whose new state has the shardings ``state_shardings`` documents, and
+    in which every buffer of the old state is an alias of an output (donation XLA takes up)."""
     _, state, step, _ = run_zero(1, BATCHES[:1])
-    assert hasattr(step, "lower")
+    compiled = step.lower(state, BATCHES[1]).compile()
+    new_state, _ = compiled.output_shardings
+    want = zf.state_shardings(init_params(), make_tx(), zf.ZeroPlan(zf.make_mesh(), stage=1),
+                              zf.Precision())
+    assert jax.tree.structure(new_state) == jax.tree.structure(want)
+    shards = [(g, w, x) for g, w, x in zip(jax.tree.leaves(new_state), jax.tree.leaves(want),
+                                           jax.tree.leaves(state), strict=True)]
+    assert any(not w.is_fully_replicated for _, w, _ in shards)  # stage 1 splits the master
+    for got, expected, x in shards:
+        assert got.is_equivalent_to(expected, x.ndim), (got, expected)
+    # HLO parameters are the flattened (state, batch): the state's come first
+    aliased = re.findall(r"\(\s*(\d+),\s*\{[^}]*\},\s*(?:may|must)-alias\)", compiled.as_text())
+    assert sorted(map(int, aliased)) == list(range(len(jax.tree.leaves(state))))
     old_master = jax.tree.leaves(state.master)[0]
     step(state, BATCHES[1])
     assert old_master.is_deleted()

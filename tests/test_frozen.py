@@ -13,6 +13,7 @@ import zeroflow as zf
 from fixtures import BATCHES, init_params, loss_fn, make_tx
 from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk, require_cuda_plugin
 from zeroflow.engine.checkpoint import CheckpointError
+from zeroflow.engine.grads.routes import Reduce, is_route, step_routes
 from zeroflow.util.tree import path_str
 from zeroflow.trainer.planning import estimate_config_step, measure_config
 
@@ -158,14 +159,17 @@ def test_state_bytes_hold_no_master_or_optimizer_state_for_frozen_leaves(stage):
 
 
 def test_optimizer_sees_only_trainable_leaves():
-    seen = []
+    seen = {"init": [], "update": []}
+
+    def paths(tree):
+        return sorted(path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree))
 
     def init(params):
-        seen.append(sorted(path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)))
+        seen["init"].append(paths(params))
         return optax.EmptyState()
 
     def update(updates, state, params=None):
-        seen.append(sorted(path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)))
+        seen["update"].append(paths(updates))
         return updates, state
 
     tx = optax.GradientTransformation(init, update)
@@ -174,8 +178,11 @@ def test_optimizer_sees_only_trainable_leaves():
     state = zf.init_train_state(init_params(), tx, plan, prec, trainable=frozen_by_path)
     zf.make_train_step(loss_fn, tx, plan, prec)(state, BATCHES[0])
     want = ["Dense_0/bias", "Dense_0/kernel", "Dense_1/bias", "Dense_2/kernel"]
-    # (optax's tree_map_params also calls init on an empty dummy to learn the state's shape)
-    assert len(seen) >= 2 and all(s == want for s in seen if s)
+    # init runs with the trainable leaves (optax's tree_map_params may add a call on an empty
+    # dummy, to learn the state's shape); the update, traced, with their gradients only.
+    inits = [s for s in seen["init"] if s]
+    assert inits and all(s == want for s in inits), seen["init"]
+    assert seen["update"] and all(s == want for s in seen["update"]), seen["update"]
 
 
 def test_checkpoint_round_trip_across_stages(tmp_path):
@@ -226,6 +233,23 @@ def test_train_step_trainable_must_match_the_state():
     step = zf.make_train_step(loss_fn, make_tx(), plan, prec, trainable=lambda p, _: True)
     with pytest.raises(ValueError, match="differs from the state"):
         step(state, BATCHES[0])
+
+
+def test_each_leafs_layout_says_whether_it_trains():
+    """The step reads the state's trainable/frozen split into each leaf's layout: ``trains``
+    is False exactly at the two frozen leaves, each laid out from its own shape (the frozen
+    (10,) bias, stored padded to 16 at stage 3, keeps its 10 entries and 6 of padding), and
+    only the frozen leaves' routes reduce no gradient."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
+    prec, tx = zf.Precision(params="bf16"), make_tx()
+    state = zf.init_train_state(init_params(), tx, plan, prec, trainable=frozen_by_path)
+    assert state.frozen["Dense_2"]["bias"].shape == (16,)
+    layouts = zf.make_train_step(loss_fn, tx, plan, prec).layout(state).layouts
+    assert jax.tree.map(lambda lay: lay.trains, layouts) == MASK
+    bias = layouts["Dense_2"]["bias"]
+    assert (bias.shape, bias.zero_dim, bias.pad) == ((10,), 0, 6)
+    routes = step_routes(layouts, plan, prec, None)
+    assert jax.tree.map(lambda r: r.reduce is not Reduce.NONE, routes, is_leaf=is_route) == MASK
 
 
 # --- estimate_step(trainable=) against XLA:CPU's compiled memory ---------------------------------

@@ -72,7 +72,9 @@ def test_the_papers_residual_adapter_is_a_config_key(encoders, tmp_path):
     width = run.latents["image"].shape[1]
     assert np.shape(image["block0"]["up"]["kernel"]) == (width, 2 * width)
     result = train_fusemix(cfg)
-    assert all(np.isfinite(v) for v in result.losses.values()) and result.step == 2
+    # steps 2 and log_every 20: the first step (always) and the last are the ones logged
+    assert result.step == 2 and list(result.losses) == [1, 2]
+    assert all(np.isfinite(v) for v in result.losses.values())
 
 
 # Every ``parallel`` key that configures the plan, with a value other than its default, and

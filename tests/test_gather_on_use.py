@@ -11,9 +11,11 @@ from jax.sharding import PartitionSpec as P
 import zeroflow as zf
 from zeroflow.engine.grads import gather_on_use
 from zeroflow.engine.grads.collectives import varying
+from zeroflow.engine.grads.sources import Stage3Collectives
 from zeroflow.backend.mesh import DATA
 
 N = 8
+PLAIN = Stage3Collectives(reduce_dtype=jnp.float32)  # stage 3 without ZeRO++, summing in fp32
 
 
 def tricky_loss(w, batch):
@@ -46,7 +48,7 @@ def _sharded_grads(weights, batch):
     """Loss and fp32 gradient shards through gather_on_use inside shard_map over data, each
     leaf split along dim 0 (the engine's stage-3 layout)."""
     mesh = zf.make_mesh(data=N)
-    sources = [gather_on_use.Sharded(0, jnp.float32) for _ in jax.tree.leaves(weights)]
+    sources = [gather_on_use.Sharded(0, jnp.float32, collectives=PLAIN) for _ in jax.tree.leaves(weights)]
     treedef = jax.tree.structure(weights)
 
     def per_device(shards, batch):
@@ -140,7 +142,7 @@ def test_bf16_units_reduce_in_fp32(remat):
     def per_device(shard, batch):
         def scaled(z):
             return gather_on_use.call(lambda ws, b: loss(ws[0], b), [(varying(shard), z)],
-                                      [gather_on_use.Sharded(0, jnp.bfloat16)], batch)
+                                      [gather_on_use.Sharded(0, jnp.bfloat16, collectives=PLAIN)], batch)
         return jax.grad(scaled)(varying(jnp.zeros(shard.shape, jnp.float32)))
 
     f = jax.shard_map(per_device, mesh=mesh, in_specs=(P(DATA), P(DATA)), out_specs=P(DATA),

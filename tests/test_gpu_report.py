@@ -125,8 +125,11 @@ def test_quick_training_ran_the_real_model(quick):
         assert abs(res["loss"] - math.log(v)) < 0.1
         mem = res["memory"]
         assert mem["compiled"]["total_bytes"] > 0 and mem["estimate"]["device"] > 0
-    assert all(r["status"] == "reused" for r in report["records"]
-               if r["stage"] == "memory" and not r["item"].endswith(" / deviceless"))
+    # the memory stage reuses each training run's result, one per run, in the same order
+    memory = [r for r in report["records"]
+              if r["stage"] == "memory" and not r["item"].endswith(" / deviceless")]
+    assert [(r["item"], r["status"]) for r in memory] == [
+        (label, "reused") for label, _ in QUICK.training_runs]
 
 
 def test_quick_offload_ratio_and_largest_model_search(quick):
@@ -148,16 +151,13 @@ def test_quick_offload_ratio_and_largest_model_search(quick):
         assert summary["smallest_fails"] == min(failing, default=None)
 
 
-def test_quick_autocast_stage_follows_the_tree(quick):
-    import zeroflow
+def test_quick_autocast_stage_measures_every_mode(quick):
+    """This tree has ``zf.autocast`` (a public name), so every mode is measured; the
+    report's "unavailable" row is for trees without it."""
     _, report, _ = quick
     own = [r for r in report["records"] if r["stage"] == "autocast"]
-    if hasattr(zeroflow, "autocast"):
-        assert {r["item"] for r in own} == {label for label, *_ in QUICK.autocast["modes"]}
-        assert all(r["status"] in ("ok", "reused") for r in own)
-    else:
-        assert [(r["status"], r["note"]) for r in own] == [("unavailable", "not available in this tree "
-                                                                            "(zeroflow has no autocast)")]
+    assert sorted(r["item"] for r in own) == sorted(label for label, *_ in QUICK.autocast["modes"])
+    assert all(r["status"] in ("ok", "reused") for r in own)
 
 
 # --------------------------------------------------------------------------- failures

@@ -2,12 +2,14 @@
 functions included (a lazy import must not hide a cycle or a reach upward).
 
 One layer per package, lowest first; a module imports only from its own package or below:
-  util -> backend -> optim -> autocast -> engine -> memory -> config -> data -> models -> hf
-  -> lora -> trainer -> fusemix -> cli.
+  util -> backend -> ops -> optim -> autocast -> engine -> memory -> config -> data -> models
+  -> hf -> lora -> trainer -> planner -> fusemix -> cli.
+``ops`` (computations in plain JAX any model calls, such as the chunked cross-entropy) sits
+just above ``backend``: it may ask what the device offers, and knows nothing of training.
 Inside a package a sub-package (``engine/grads``, ``engine/zeropp``) is one node: the modules it
 imports sit below it and none of them imports it back.
 Entry points sit outside the layers: ``zeroflow/__init__.py`` (the public names), the
-``python -m`` starters at the root and ``memory/__main__.py``.
+``python -m`` starters at the root, ``memory/__main__.py`` and ``planner/__main__.py``.
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "zeroflow"
 
-LAYERS = ["util", "backend", "optim", "autocast", "engine", "memory", "config", "data", "models",
-          "hf", "lora", "trainer", "fusemix", "cli"]
+LAYERS = ["util", "backend", "ops", "optim", "autocast", "engine", "memory", "config", "data",
+          "models", "hf", "lora", "trainer", "planner", "fusemix", "cli"]
 RANK = {package: rank for rank, package in enumerate(LAYERS)}
 ENTRY_POINTS = {"zeroflow", "zeroflow.train", "zeroflow.sample", "zeroflow.export",
-                "zeroflow.launch", "zeroflow.memory.__main__"}
+                "zeroflow.launch", "zeroflow.memory.__main__",
+                "zeroflow.planner.__main__"}
 # What the engine layer must never reach, even lazily: it is the library other code imports.
 ABOVE_ENGINE = {"trainer", "cli", "config", "models", "data", "hf", "fusemix", "memory", "lora"}
 
@@ -87,7 +90,7 @@ def test_no_module_but_an_entry_point_imports_the_public_package():
     assert not inner, f"import the module, not zeroflow: {inner}"
 
 
-@pytest.mark.parametrize("layer", ["util", "backend", "optim", "autocast", "engine"])
+@pytest.mark.parametrize("layer", ["util", "backend", "ops", "optim", "autocast", "engine"])
 def test_the_engine_imports_nothing_above_it(layer):
     reached = {f"{a} -> {b}" for a, targets in GRAPH.items()
                if a not in ENTRY_POINTS and _layer_of(a) == layer

@@ -132,7 +132,7 @@ def test_trainer_logs_the_rate_optax_applied_after_skipped_steps(tmp_path):
 def test_trainer_stops_when_the_minimum_scale_still_overflows(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=10", "precision.params=bf16", "precision.loss_scale=dynamic",
                "precision.init_scale=1e38", "precision.min_scale=1e38",
-               "precision.max_consecutive_skips=3")
+               "precision.max_consecutive_skips=3", "train.on_divergence=stop")
     with pytest.raises(TrainingDiverged, match=r"step 3: 3 steps in a row skipped for non-finite "
                                                r"gradients .* loss scale is 1e\+38"):
         train(cfg)

@@ -183,14 +183,15 @@ def test_cli_prints_table_and_cheapest_fit(capsys):
                  "precision.params=bf16"]) == 0
     out = capsys.readouterr().out
     assert "optimizer+params" in out and "save_dots" in out
-    # The documented order: no offload first, then remat none < save_dots < offload_dots < full,
-    # then stage.
+    # The documented order: no offload first, then remat none < save_dots < offload_dots < full
+    # < offload_input, then stage.
     assert main(["--devices", "8", "--measure", "never", "--json",
                  "precision.params=bf16"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     fitting = [r for r in rows if r["estimated_peak_bytes"] <= 10e6]
     best = min(fitting, key=lambda r: (["none", "optimizer", "optimizer+params"].index(r["offload"]),
-                                       ["none", "save_dots", "offload_dots", "full"].index(r["remat"]),
+                                       ["none", "save_dots", "offload_dots", "full",
+                                        "offload_input"].index(r["remat"]),
                                        r["stage"]))
     assert 1 < len(fitting) < len(rows)  # the limit decides something
     assert (f"Cheapest choice that fits in 10.00 MB: parallel.zero_stage={best['stage']} "
@@ -213,7 +214,7 @@ def test_cli_plans_for_the_backend_it_is_told_and_says_so(capsys):
 
 
 def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
-    """What makes ``--measure never`` take seconds: the 48 choices (4 stages x 3 offloads x 4
+    """What makes ``--measure never`` take seconds: the 60 choices (4 stages x 3 offloads x 5
     remat policies) trace the model's loss a few times per remat policy, not several times per
     choice; the estimates are what tracing every time gives."""
     from zeroflow.cli.memory import plan_rows
@@ -237,11 +238,11 @@ def test_an_estimate_only_plan_traces_each_loss_once(monkeypatch):
     _loss_by_fields.cache_clear()
     rows = plan_rows(cfg, devices=8, measure="never", backend="gpu")
     _loss_by_fields.cache_clear()
-    assert len(rows) == 48
-    assert sorted(set(traces)) == ["full", "none", "offload_dots", "save_dots"], traces
-    assert len(traces) <= 4 * 4, traces  # a few per policy, never one per choice
+    assert len(rows) == 60
+    assert sorted(set(traces)) == ["full", "none", "offload_dots", "offload_input", "save_dots"]
+    assert len(traces) <= 4 * 5, traces  # a few per policy, never one per choice
     # The same estimates as a loss traced afresh for one choice of each policy.
-    for row in rows[:: len(rows) // 4]:
+    for row in rows[:: len(rows) // 5]:
         fresh = estimate_config_step(cfg, num_devices=8, stage=row.stage, offload=row.offload,
                                             update_on=row.update_on, remat=row.remat, backend="gpu")
         assert fresh.peak_bytes == row.estimate.peak_bytes

@@ -513,3 +513,34 @@ def test_bad_data_ends_in_one_line_naming_file_and_line(tmp_path, tokenizer_dir,
         "ZeroDivisionError: integer division or modulo by zero on the record at chat.jsonl "
         f"line 2 (record 1 of {source}); fix the template")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_leaves_nothing_half_written(
+        tmp_path, finished_run):
+    # EFBIG, the other way a write runs out of room: a process file-size limit (ulimit -f)
+    # below the size of a checkpoint's largest file (~140 KB here) but above every other file
+    # the run writes (plot and TensorBoard off).
+    import resource
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "4")  # killed before its last save: resumes at 2
+    before = snapshot(run_dir / "checkpoints")
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("ZEROFLOW_TRACEBACK", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "zeroflow.train",
+         *cli_args(run_dir, "train.steps=4", "checkpoint.every=2", "run.plot=false",
+                   "run.tensorboard=false")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        preexec_fn=limit_file_size)
+    assert done.returncode == 1, done.stderr
+    line = one_line(done.stderr)
+    assert line.startswith("zeroflow.train: error: a file larger than the file-size limit "
+                           f"allows (ulimit -f, or the file system's) for checkpoint step 4 in "
+                           f"{run_dir / 'checkpoints'}: it needs about "), line
+    assert "raise the file-size limit" in line and "resume from step 2" in line
+    assert snapshot(run_dir / "checkpoints") == before  # step 4 gone whole, step 2 untouched

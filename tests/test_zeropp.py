@@ -315,3 +315,23 @@ def test_gathers_inside_a_scan_count_once_per_iteration():
     moved = zf.memory.traffic(colls)
     assert moved["all-gather"]["cross_host"] == 2 * (4 * 256 * 256 * 2) * 8 // 16
     assert moved["reduce-scatter"]["cross_host"] == 4 * (4 * 256 * 256) * 8 // 16
+
+
+def test_stage3_collectives_are_always_passed_never_defaulted():
+    """The plan's stage-3 collectives (plain or ZeRO++'s) reach every gather and reduction
+    because each function on the step's path requires them: a stage-3 source built without
+    them is a TypeError naming the argument, not a silently plain gather where the plan asked
+    for int8 or within-host ones."""
+    import inspect
+
+    from zeroflow.engine.grads import local, sources
+    with pytest.raises(TypeError, match="collectives"):
+        sources.Sharded(0, jnp.float32)
+    plain = sources.Stage3Collectives(reduce_dtype=jnp.float32)
+    assert sources.Sharded(1, jnp.float32, collectives=plain).layer().collectives is plain
+    required = inspect.Parameter.empty
+    for fn in (local.local_grads, local._accumulated, local._layer_gatherer, local._source,
+               local._call_gathering):
+        assert inspect.signature(fn).parameters["collectives"].default is required, fn.__name__
+    assert inspect.signature(sources.Stage3Collectives.of).parameters["reduce_dtype"].default \
+        is required

@@ -12,9 +12,15 @@ tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md
 f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
 q, mask = zf.quantize_frozen(params, trainable, kind="nf4")  # 4-bit frozen base (docs/nf4.md)
+ce  = zf.chunked_cross_entropy(hidden, w_out, labels)  # never holds the logits (docs/memory.md)
+best = zf.plan(loss_fn, params, batch, tx, targets=("h100",), devices=(8,))  # docs/planner.md
 """
 
-from zeroflow.util import quiet_jax as _quiet_jax
+from zeroflow.util import interrupts as _interrupts
+
+_interrupts.install_for_commands()  # first: a Ctrl-C while jax imports is one line too
+
+from zeroflow.util import quiet_jax as _quiet_jax  # noqa: E402
 
 _quiet_jax.start()  # before anything imports jax: see zeroflow/util/quiet_jax.py
 
@@ -30,6 +36,8 @@ from zeroflow.engine.quantized import QuantizedArray, quantize_frozen  # noqa: E
 from zeroflow.engine.state import TrainState, init_train_state, state_shardings  # noqa: E402
 from zeroflow.engine.step import make_train_step  # noqa: E402
 from zeroflow.lora import LoRA, lora, lora_merge  # noqa: E402
+from zeroflow.ops import chunked_cross_entropy, chunked_token_losses  # noqa: E402
+from zeroflow.planner import plan  # noqa: E402
 
 __all__ = [
     "make_mesh",
@@ -59,5 +67,8 @@ __all__ = [
     "lora",
     "LoRA",
     "lora_merge",
+    "chunked_cross_entropy",
+    "chunked_token_losses",
+    "plan",
 ]
 __version__ = "0.1.0"

@@ -29,6 +29,8 @@ file (a call's body: ``zeroflow.util.jaxprs.call_body``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax import lax
@@ -481,6 +483,7 @@ def run_custom(plan: EqnPlan, slots):
     def body(*arrays):
         return _values(run_jaxpr(sub.body, const_slots(sub.consts), _slots(arrays, dtypes)))
 
+    fn: Callable[..., Any]
     if eqn.primitive.name == "custom_jvp_call":
         fn = jax.custom_jvp(body)
 
@@ -493,17 +496,18 @@ def run_custom(plan: EqnPlan, slots):
 
         fn.defjvp(jvp)
     else:
-        fn = jax.custom_vjp(body)
+        vjp_fn = jax.custom_vjp(body)
 
         def fwd(*arrays):
-            return fn(*arrays), _cast_tree(arrays, declared_in)
+            return vjp_fn(*arrays), _cast_tree(arrays, declared_in)
 
         def bwd(residuals, cts):
             _, pullback = jax.vjp(original, *residuals)
             grads = pullback(_cast_tree(list(cts), declared_out))
             return tuple(_cast_tree(grads, dtypes))
 
-        fn.defvjp(fwd, bwd)
+        vjp_fn.defvjp(fwd, bwd)
+        fn = vjp_fn
     return [Slot.of(x) for x in fn(*_values(slots))]
 
 

@@ -105,7 +105,8 @@ def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> 
 
     def read(atom) -> Slot:
         if isinstance(atom, jcore.Literal):
-            dtype = paint.norm(atom.aval.dtype)
+            # a Literal's aval is a ShapedArray; jax types it as the dtype-less AbstractValue
+            dtype = paint.norm(atom.aval.dtype)  # type: ignore[attr-defined]
             return Slot(Copies(np.asarray(atom.val, dtype), literal=True), dtype)
         return env[atom]
 

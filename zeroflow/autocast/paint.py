@@ -80,7 +80,7 @@ class Value:
 class Groups:
     """The dtypes each cast group holds; copied for trial paintings of loop bodies."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.held: dict[int, set] = {}
         self._ids = itertools.count()
 

@@ -53,12 +53,10 @@ class AutocastPolicy:
     train: bool = True
     "The cost model counts the backward pass too (forward only when False)."
 
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            if field.type == "tuple[str, ...]":
-                object.__setattr__(
-                    self, field.name, _as_tuple(getattr(self, field.name), field.name)
-                )
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            if spec.type == "tuple[str, ...]":
+                object.__setattr__(self, spec.name, _as_tuple(getattr(self, spec.name), spec.name))
         known = lists.known_primitive_names()
         seen: dict[str, str] = {}
         for field in _PRIMITIVE_FIELDS:

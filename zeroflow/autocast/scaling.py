@@ -49,12 +49,15 @@ def scaled_value_and_grad(fn, prec: Precision, *, argnums=0, has_aux: bool = Fal
     forward = autocast(fn, dtype=prec.autocast) if prec.autocast != "none" else fn
 
     def grad_fn(loss_scale: LossScaleState | None, *args, **kwargs):
-        if prec.scaled and not isinstance(loss_scale, LossScaleState):
+        if not prec.scaled:
+            scale = jnp.ones((), jnp.float32)
+        elif isinstance(loss_scale, LossScaleState):
+            scale = loss_scale.scale
+        else:
             raise ValueError(
                 "loss_scale must be the LossScaleState from prec.init_loss_scale() "
                 f"(or the one the last call returned), got {type(loss_scale).__name__}"
             )
-        scale = loss_scale.scale if prec.scaled else jnp.ones((), jnp.float32)
 
         def scaled(*a, **k):
             out = forward(*a, **k)

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.backend.mesh import DATA, MODEL
+from zeroflow.backend.mesh import CONTEXT, DATA, MODEL, axis_names
 from zeroflow.util.compat import cuda_plugin_install_hint
 from zeroflow.util.quiet_jax import cuda_plugin_installed
 
@@ -141,8 +141,10 @@ def ptxas_release(path: str) -> tuple[int, int] | None:
 def _check_ptxas(gpu: str, text: str) -> None:
     """A GPU older than CUDA 13 supports needs CUDA 12's ptxas: without one XLA:GPU's compile
     fails late, saying ptxas is "too old" and falling back to a driver that is not there."""
-    major = int(re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)", text)[1])
-    minor = int(re.search(r"cuda_compute_capability\s*{[^}]*minor:\s*(\d+)", text)[1])
+    sm = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)[^}]*minor:\s*(\d+)", text)
+    if sm is None:
+        raise KeyError("cuda_compute_capability")  # as spec_field does for a missing field
+    major, minor = int(sm[1]), int(sm[2])
     oldest, last_cuda = LAST_CUDA_FOR_SM
     if (major, minor) >= oldest:
         return
@@ -163,31 +165,36 @@ def _check_ptxas(gpu: str, text: str) -> None:
     )
 
 
-def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1) -> Mesh:
-    """A ``("data", "model")`` mesh of ``data x model`` abstract devices of GPU ``gpu``
-    (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``, ``"v100"``) on ``hosts`` hosts of equally
-    many devices, for compiling (never running) steps: ``ZeroPlan``, ``state_shardings``,
+def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1, *, context: int = 1) -> Mesh:
+    """A ``("data", "model")`` mesh (``("data", "context", "model")`` when ``context > 1``) of
+    ``data x context x model`` abstract devices of GPU ``gpu`` (``"h100"``, ``"h200"``,
+    ``"a100"``, ``"l4"``, ``"v100"``) on ``hosts`` hosts of equally many devices, for compiling
+    (never running) steps: ``ZeroPlan``, ``state_shardings``,
     ``make_train_step(...).lower(abstract_state, abstract_batch).compile()`` and
     ``zf.memory.measure_step`` work on it. The data axis spans hosts; each host holds whole
-    rows of ``model``. The V100 (sm_70) needs CUDA 12's ptxas (``TargetUnavailable`` says how)."""
-    for name, size in ((DATA, data), (MODEL, model), ("hosts", hosts)):
+    rows of ``context x model``. The V100 (sm_70) needs CUDA 12's ptxas (``TargetUnavailable``
+    says how)."""
+    for name, size in ((DATA, data), (CONTEXT, context), (MODEL, model), ("hosts", hosts)):
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"target_mesh: {name} must be a positive int, got {size!r}")
-    total = data * model
-    if total % hosts or (total // hosts) % model:
+    row = context * model
+    total = data * row
+    if total % hosts or (total // hosts) % row:
         raise ValueError(
-            f"target_mesh: {data} x {model} devices do not split into {hosts} hosts "
-            f"holding whole rows of model={model}"
+            f"target_mesh: {data} x {row} devices do not split into {hosts} hosts "
+            f"holding whole rows of context x model={row}"
         )
     topo = _topology(gpu.lower(), int(hosts), total // hosts)
     devices = sorted(topo.devices, key=lambda d: (d.process_index, d.id))
-    grid = np.asarray(devices, dtype=object).reshape(data, model)
-    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+    names = axis_names(context)
+    sizes = {DATA: data, CONTEXT: context, MODEL: model}
+    grid = np.asarray(devices, dtype=object).reshape(tuple(sizes[a] for a in names))
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def memory_of(device) -> int | None:
     """Memory per device of a target's abstract device (its spec's size), else None."""
-    return _MEMORY.get(getattr(device, "device_kind", None))
+    return _MEMORY.get(getattr(device, "device_kind", ""))
 
 
 def use_cpu_for_targets() -> None:

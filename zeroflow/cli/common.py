@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import os
 import shutil
 import sys
@@ -19,6 +20,38 @@ from collections.abc import Callable, Sequence
 BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 "Errors about what the user gave: exit 2."
 EXPECTED_ERRORS = (*BAD_INPUT, OSError, RuntimeError)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (``prog: error: ...``, exit 2) that points to
+    ``--help`` instead of printing the whole usage block above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def at_least(low: int):
+    """An argparse type: an int no smaller than ``low``."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # argparse turns a ValueError here into "invalid parse value"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+non_negative_float.__name__ = "float"
 
 
 def set_cpu_devices(count: int | None) -> None:

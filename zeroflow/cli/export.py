@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from zeroflow.autocast.precision import DTYPES
-from zeroflow.cli.common import run_cli
+from zeroflow.cli.common import ArgumentParser, at_least, run_cli
 
 PROG = "zeroflow.export"
 FORMATS = (".safetensors", ".npz")
@@ -56,7 +56,8 @@ def write_weights(weights: dict[str, np.ndarray], out: Path) -> None:
 
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out))
     else:
-        np.savez(out, **weights)
+        # numpy's stub reads the keywords as possibly its allow_pickle flag; keys are tree paths
+        np.savez(out, **weights)  # type: ignore[arg-type]
     readable_by_all(out)
 
 
@@ -71,7 +72,7 @@ def readable_by_all(*paths: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
     p.add_argument(
         "--out",
@@ -94,9 +95,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--step",
-        type=int,
+        type=at_least(0),
         default=None,
-        help="checkpoint step to export (default: the latest, which must be readable)",
+        help="checkpoint step to export (default: the newest readable one; an unreadable newest "
+        "checkpoint is reported and the one before it used)",
     )
     return p
 
@@ -171,8 +173,17 @@ def export_peft(run_dir: Path, out: Path, step: int | None = None) -> str:
     )
 
 
+def _check_out(out: Path, folder: bool) -> None:
+    """One line before any work when ``--out`` is of the wrong kind."""
+    if folder and out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; this --format writes a folder")
+    if not folder and out.is_dir():
+        raise ValueError(f"--out {out} is a folder; --format file writes one file")
+
+
 def main_args(args) -> int:
     out = Path(args.out)
+    _check_out(out, folder=args.format in (HF_FORMAT, PEFT_FORMAT))
     if args.format == HF_FORMAT:
         print(export_hf(Path(args.run), out, args.dtype, args.step))
         return 0

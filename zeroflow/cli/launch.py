@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from zeroflow.cli.common import ArgumentParser
 from zeroflow.engine.distributed import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_IDS,
@@ -219,7 +220,7 @@ def launch(
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=f"python -m {PROG}",
         description=__doc__.split("\n\n")[1],
         usage=f"python -m {PROG} --processes P [options] -- COMMAND ...",

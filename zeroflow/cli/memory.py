@@ -8,7 +8,9 @@ comes from ahead-of-time compilation with abstract inputs.
 
 "Cheapest" ranks choices by their usual cost in step time: no offload before offload
 (PCIe traffic), then remat none < save_dots < offload_dots (activations over PCIe) < full
-(recompute), then a lower stage (stage 3 adds an all-gather per use). A choice fits when max(estimate, measured) <= --device-memory.
+(recompute) < offload_input (recompute, and the layer inputs over PCIe), then a lower stage
+(stage 3 adds an all-gather per use). A choice fits when max(estimate, measured) <=
+--device-memory.
 
 With ``--target`` each compiled row also carries XLA:GPU's *estimated* step time (its
 latency-hiding scheduler's cost model for the target, ``zeroflow.memory.schedule``; nothing
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 import jax
 
 from zeroflow.backend import targets
+from zeroflow.cli.common import ArgumentParser
 from zeroflow.config.io import ConfigError, add_config_arguments, load_config
 from zeroflow.memory import schedule
 from zeroflow.memory.collectives import collectives, overlap
@@ -41,6 +44,8 @@ from zeroflow.memory.estimate import (
     parse_bytes,
 )
 from zeroflow.memory.measure import analysed, device_peak
+from zeroflow.memory.peak import PeakEstimate
+from zeroflow.planner.compiling import failure_reason
 from zeroflow.trainer.planning import attention_note, compile_config, estimate_config_step
 from zeroflow.trainer.setup import run_model_config
 
@@ -48,7 +53,7 @@ MEASURE_MAX_PARAMS = 50_000_000
 "'--measure auto' compiles only models up to this many parameters..."
 MEASURE_MAX_DEVICES = 16
 "... and only meshes up to this many devices (CPU compile time grows with both)."
-REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3}
+REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3, "offload_input": 4}
 DENSE_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "l4": 121e12}
 "Dense bf16 tensor-core peak per GPU (vendor data sheets; SXM for H100/A100), for estimated MFU."
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -60,7 +65,7 @@ class Row:
     offload: str
     remat: str
     update_on: str
-    estimate: object  # zeroflow.memory.peak.PeakEstimate
+    estimate: PeakEstimate
     devices_per_process: int
     measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
     note: str = ""
@@ -227,7 +232,7 @@ def plan_rows(
                         )
                         note = attention_note(cfg, target)
                     except Exception as e:  # a choice that cannot compile is reported, not fatal
-                        note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                        note = failure_reason(e)
                 rows.append(
                     Row(
                         stage,
@@ -359,9 +364,7 @@ def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1]
-    )
+    parser = ArgumentParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
     parser.add_argument(
         "--devices",
         type=int,
@@ -441,14 +444,31 @@ def _platform(args, devices: int) -> tuple[str, str]:
 
 def _restart_with_schedule_log(argv: Sequence[str] | None, args) -> None:
     """Start this command again with XLA's scheduler statistics on (read at start-up), for
-    the estimated step time of a target's rows; only from the command line (``argv`` None)."""
+    the estimated step time of a target's rows, and with as many CPU devices as the target
+    has (offloaded rows are compiled through CPU devices standing in for the GPUs, and XLA
+    reads the device count at start-up too); only from the command line (``argv`` None)."""
     if argv is not None or args.target is None or args.measure == "never" or schedule.enabled():
         return
     env = schedule.enable(dict(os.environ))
     env["ZEROFLOW_QUIET_XLA_INFO"] = "1"
+    flags = env.get("XLA_FLAGS", "")
+    wanted = _target_devices(args)
+    if wanted and "xla_force_host_platform_device_count" not in flags:
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={wanted}".strip()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "zeroflow.memory", *sys.argv[1:]], env)
+
+
+def _target_devices(args) -> int | None:
+    """Devices of the target mesh (data x model), or None where the config cannot tell (the
+    restarted command then reports what is wrong with it)."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, ConfigError):
+        return None
+    data = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else 1)
+    return data * cfg.parallel.model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

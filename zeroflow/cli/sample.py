@@ -14,24 +14,27 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from zeroflow.cli.common import run_cli
+from zeroflow.cli.common import ArgumentParser, at_least, non_negative_float, run_cli
 
 PROG = "zeroflow.sample"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__)
+    p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__)
     p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
     p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=200, help="how many tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = all)")
+    p.add_argument("--tokens", type=at_least(1), default=200, help="how many tokens to generate")
+    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy")
+    p.add_argument(
+        "--top-k", type=at_least(0), default=40, help="sample among the k likeliest (0 = all)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--step",
-        type=int,
+        type=at_least(0),
         default=None,
-        help="checkpoint step to sample from (default: the latest, which must be readable)",
+        help="checkpoint step to sample from (default: the newest readable one; an unreadable "
+        "newest checkpoint is reported and the one before it used)",
     )
     p.add_argument(
         "--chat",

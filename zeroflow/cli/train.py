@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zeroflow.cli.common import run_cli, set_cpu_devices
+from zeroflow.cli.common import ArgumentParser, at_least, run_cli, set_cpu_devices
 from zeroflow.config.io import add_config_arguments, config_from_args
 from zeroflow.engine.distributed import initialize_from_env
 
@@ -21,10 +21,10 @@ PROG = "zeroflow.train"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--cpu-devices",
-        type=int,
+        type=at_least(1),
         default=None,
         metavar="N",
         help="emulate N CPU devices (testing data/model parallelism without a GPU)",

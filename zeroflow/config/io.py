@@ -31,10 +31,14 @@ from zeroflow.autocast.precision import parse_loss_scale
 from zeroflow.config import schema as config_module
 from zeroflow.config.schema import CHOICES, Config, ParallelConfig
 from zeroflow.engine.plan_rules import (
+    CONTEXT_CHUNKS,
+    MODEL_KEYS,
     Keys,
     batch_split_problem,
+    context_attention_problem,
     hierarchical_copy_problem,
     plan_problems,
+    sequence_split_problem,
 )
 
 _TRUE = ("true", "1", "yes", "on")
@@ -275,6 +279,10 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         try:
             with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {where} is not UTF-8 text (byte {e.start}); give a YAML file"
+            ) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -303,6 +311,8 @@ CONFIG_KEYS = Keys(
     {name: f"parallel.{name}" for name in ParallelConfig().plan_settings()}
     | {
         "stage": "parallel.zero_stage",
+        "context": "parallel.context",
+        "seq_len": "model.seq_len",
         "grad_accum": "parallel.grad_accum",
         "batch_size": "train.batch_size",
         "params": "precision.params",
@@ -367,6 +377,9 @@ def _model_problems(m) -> list[str]:
             (m.max_positions >= 0, "model.max_positions must be >= 0 (0 = seq_len)"),
             (m.norm_eps > 0, "model.norm_eps must be positive"),
             (m.sliding_window >= 0, "model.sliding_window must be >= 0 (0 = attend to all)"),
+            (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0 = the plain loss)"),
+            (m.loss_vocab_chunk > 0, "model.loss_vocab_chunk must be positive"),
+            (m.mlp_chunk >= 0, "model.mlp_chunk must be >= 0 (0 = untiled)"),
             (
                 m.rope_scaling_factor > 0
                 and m.rope_original_max_positions > 0
@@ -429,6 +442,17 @@ def _train_problems(t) -> list[str]:
             (t.log_every > 0, "train.log_every must be positive"),
             (t.eval_every >= 0, "train.eval_every must be >= 0 (0 = only at the end)"),
             (t.eval_batches >= 0, "train.eval_batches must be >= 0"),
+            (
+                t.spike_factor == 0 or t.spike_factor > 1,
+                f"train.spike_factor must be 0 (off) or above 1; got {t.spike_factor}",
+            ),
+            (t.spike_window > 0, f"train.spike_window must be positive; got {t.spike_window}"),
+            (t.max_grad_norm >= 0, "train.max_grad_norm must be >= 0 (0 = no bound)"),
+            (
+                0 < t.rollback_lr_factor <= 1,
+                f"train.rollback_lr_factor must be in (0, 1]; got {t.rollback_lr_factor}",
+            ),
+            (t.max_rollbacks >= 0, f"train.max_rollbacks must be >= 0; got {t.max_rollbacks}"),
         ]
     )
     if t.freeze:
@@ -447,6 +471,7 @@ def _parallel_problems(cfg: Config) -> list[str]:
         [
             (p.data == -1 or p.data > 0, "parallel.data must be -1 (all remaining) or positive"),
             (p.model > 0, "parallel.model must be positive"),
+            (p.context > 0, "parallel.context must be positive"),
             (p.grad_accum > 0, "parallel.grad_accum must be positive"),
             (p.hosts >= 0, "parallel.hosts must be >= 0 (0: each device's own host)"),
             # XLA:GPU stops with a check failure compiling the 8-bit update as host code (an
@@ -462,8 +487,22 @@ def _parallel_problems(cfg: Config) -> list[str]:
     more = [
         hierarchical_copy_problem(p.hierarchical, cfg.precision.params, CONFIG_KEYS),
         batch_split_problem(cfg.train.batch_size, p.grad_accum, keys=CONFIG_KEYS),
+        *_context_problems(cfg),
     ]
     return problems + [problem for problem in more if problem]
+
+
+def _context_problems(cfg: Config) -> list[str | None]:
+    """The sequence splits into the parts (ring: twice as many chunks) the context devices hold,
+    and the attention implementation runs the chosen strategy."""
+    p, m = cfg.parallel, cfg.model
+    if p.context <= 1:
+        return []
+    chunks = CONTEXT_CHUNKS.get(m.context_attention, 1)
+    return [
+        sequence_split_problem(m.seq_len, p.context, chunks, CONFIG_KEYS),
+        context_attention_problem(m.context_attention, m.attention, m.sliding_window, MODEL_KEYS),
+    ]
 
 
 def _precision_problems(prec) -> list[str]:

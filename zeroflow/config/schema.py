@@ -23,6 +23,7 @@ from zeroflow.engine.plan import (
     UPDATE_ON_CHOICES,
     ZERO_STAGES,
 )
+from zeroflow.engine.plan_rules import CONTEXT_CHUNKS
 from zeroflow.engine.quantized import KINDS as QUANTIZE_KINDS
 from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
@@ -86,9 +87,17 @@ class ModelConfig:
     rope_base: float = 10000.0
     "Rotary position embedding base frequency."
     remat: str = one_of(*REMATS)
-    "Rematerialisation policy for each block: 'none', 'full', 'save_dots' or 'offload_dots' (save_dots's matmul outputs kept in pinned host memory; in device memory where host memory is the device's, as on XLA:CPU)."
+    "Rematerialisation policy for each block: 'none', 'full', 'save_dots', 'offload_dots' (save_dots's matmul outputs kept in pinned host memory) or 'offload_input' (as full, each layer's input kept in pinned host memory); both offloads keep them in device memory where host memory is the device's, as on XLA:CPU."
+    loss_chunk: int = 0
+    "Positions per tile of the chunked cross-entropy (zeroflow.ops.chunked_cross_entropy, its own backward pass), which never holds the [tokens, vocab] logits; 0 = the plain loss on the whole logits."
+    loss_vocab_chunk: int = 8192
+    "Vocabulary entries per tile of the chunked cross-entropy (model.loss_chunk > 0)."
+    mlp_chunk: int = 0
+    "Positions per chunk of the tiled MLP: each chunk runs under remat, so its [tokens, mlp_dim] intermediates are recomputed for the backward pass and never held for the whole sequence; 0 = untiled."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
+    context_attention: str = one_of(*CONTEXT_CHUNKS)
+    "How attention crosses the sequence split of parallel.context > 1: 'allgather' (every device's keys and values gathered, local queries) or 'ring' (key/value blocks passed around the devices with online softmax, in a load-balanced causal layout; attention 'xla' or 'pallas')."
     mlp: str = one_of("dense", "block_sparse")
     "MLP projections: 'dense' or 'block_sparse'."
     mlp_density: float = 0.25
@@ -120,7 +129,7 @@ class ModelConfig:
     sliding_window: int = 0
     "Attend to at most this many most recent tokens, the current one included (Mistral); 0 = all."
     init_from: str = ""
-    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, lora)."
+    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, the loss and MLP chunks, lora)."
     lora: LoraConfig = field(default_factory=LoraConfig)
     "Low-rank adapters (model.lora.rank > 0): a nested section."
 
@@ -187,6 +196,18 @@ class TrainConfig:
     "Regex (re.search) on parameter paths such as 'layers/attn/q_proj': matching parameters are frozen (kept once in the compute dtype: no master copy, optimizer state or gradient); '' trains all."
     eval_only: bool = False
     "Only evaluate: the latest checkpoint of run.dir (else the initial weights, e.g. model.init_from's), on eval_batches held-out batches; nothing is trained or written."
+    on_divergence: str = one_of("rollback", "stop")
+    "When a step diverges (non-finite loss or gradients, a loss spike, a gradient norm over max_grad_norm): 'rollback' restores the newest healthy checkpoint, skips the batches since it and trains on (default: a long run recovers unattended, as people did by hand, and max_rollbacks bounds it), or 'stop' with one line naming that checkpoint."
+    spike_factor: float = 3.0
+    "A step whose loss exceeds this times the median of the last spike_window losses diverges (0 = no spike check); 3 stays clear of batch-to-batch noise."
+    spike_window: int = 50
+    "How many recent training losses the spike check's median is taken over."
+    max_grad_norm: float = 0.0
+    "A step whose gradient norm (before clipping) exceeds this diverges; 0 = no bound (norms depend on the model)."
+    rollback_lr_factor: float = 1.0
+    "Each rollback multiplies the learning-rate schedule by this (in (0, 1]; 1 = skip the batches only)."
+    max_rollbacks: int = 3
+    "Rollbacks a run may make; the divergence after the last one stops the run."
 
 
 @dataclass
@@ -195,6 +216,8 @@ class ParallelConfig:
     "Devices on the data axis (-1 = all remaining)."
     model: int = 1
     "Devices on the model (tensor-parallel) axis."
+    context: int = 1
+    "Devices each sequence is split over (the context axis; ZeRO shards states over data x context); model.context_attention says how attention crosses the split."
     zero_stage: int = one_of(*ZERO_STAGES)
     "ZeRO stage 0, 1, 2 or 3."
     grad_accum: int = 1

@@ -43,7 +43,7 @@ def _generation_extension():
     class GenerationSpans(Extension):
         tags = {"generation"}
 
-        def __init__(self, environment):
+        def __init__(self, environment) -> None:
             super().__init__(environment)
             self.emitted: list[str] | None = None
             "The output pieces rendered so far; set while a render tracks spans."

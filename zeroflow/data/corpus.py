@@ -164,11 +164,12 @@ def iter_documents(
     files = cap_files(files if files is not None else list_source_files(source), max_bytes)
     if len(files) == 1:
         text = read_text(files[0])
-        if text is not None:
-            train, val = _tail_split(text, val_fraction)
-            yield Document("train", files[0].name, train)
-            if val:
-                yield Document("val", files[0].name, val)
+        if text is None:  # in a folder an unreadable file is skipped; alone it is the data
+            raise ValueError(f"data file {files[0].path} is not readable UTF-8 text")
+        train, val = _tail_split(text, val_fraction)
+        yield Document("train", files[0].name, train)
+        if val:
+            yield Document("val", files[0].name, val)
         return
     _, val_files = split_files(files, val_fraction)
     val_names = {f.name for f in val_files}

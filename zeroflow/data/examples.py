@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -177,7 +177,8 @@ def example_encoder(
         encode = lambda r: _prompt_completion(r, cfg, tokenizer)  # noqa: E731
     elif cfg.format == "chat":
         template = chat_template_for(cfg, tokenizer)
-        encode = lambda r: _chat(r, cfg, tokenizer, template)  # noqa: E731
+        hf_tokenizer = cast(HFTokenizer, tokenizer)  # chat_template_for raised unless it is one
+        encode = lambda r: _chat(r, cfg, hf_tokenizer, template)  # noqa: E731
     else:
         raise ValueError(f"data.format={cfg.format!r} is not a records format")
 

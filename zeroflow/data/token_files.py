@@ -46,7 +46,7 @@ class TokenDirWriter:
             "tokenizer": tokenizer,
             **meta,
         }
-        self.counts = {
+        self.counts: dict[str, dict[str, Any]] = {
             s: {"file": f"{s}.bin", "tokens": 0, "bytes": 0, "documents": 0} for s in SPLITS
         }
         self._files = {s: open(self.out_dir / f"{s}.bin", "wb") for s in SPLITS}

@@ -42,7 +42,7 @@ OPTIONAL = ("applied", "rng", "loss_scale")
 def _counters(state: TrainState) -> dict[str, Any]:
     """The entries saved as the state holds them: step, updates applied, the loss scale and the
     model state (``state`` may be abstract)."""
-    out = {"step": state.step, "applied": state.applied}
+    out: dict[str, Any] = {"step": state.step, "applied": state.applied}
     if state.loss_scale is not None:
         ls = state.loss_scale
         out["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 ENV_COORDINATOR = "ZEROFLOW_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROFLOW_NUM_PROCESSES"
@@ -100,22 +100,19 @@ def _as_device_ids(value, name: str) -> tuple[int, ...]:
         raise ValueError(f"{name} must be device ids like 0,1,2, got {value!r}") from None
 
 
-def _checked(settings: ProcessSettings, names: Sequence[str]) -> ProcessSettings:
-    coordinator, num, pid, devices = dataclasses.astuple(settings)
-    checked = ProcessSettings(
+def _checked(raw: Sequence[object], names: Sequence[str]) -> ProcessSettings:
+    """The settings from ``raw`` (one value per name, as given: text, numbers or None)."""
+    coordinator, num, pid, devices = raw
+    num_processes = None if num is None else _as_int(num, names[1], 1)
+    process_id = None if pid is None else _as_int(pid, names[2], 0)
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(f"{names[2]}={process_id} is not below {names[1]}={num_processes}")
+    return ProcessSettings(
         coordinator_address=None if coordinator is None else _as_address(coordinator, names[0]),
-        num_processes=None if num is None else _as_int(num, names[1], 1),
-        process_id=None if pid is None else _as_int(pid, names[2], 0),
+        num_processes=num_processes,
+        process_id=process_id,
         local_device_ids=None if devices is None else _as_device_ids(devices, names[3]),
     )
-    if (
-        None not in (checked.num_processes, checked.process_id)
-        and checked.process_id >= checked.num_processes
-    ):
-        raise ValueError(
-            f"{names[2]}={checked.process_id} is not below {names[1]}={checked.num_processes}"
-        )
-    return checked
 
 
 ARG_NAMES = ("coordinator_address", "num_processes", "process_id", "local_device_ids")
@@ -125,7 +122,7 @@ ENV_NAMES = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVIC
 def settings_from_env(environ: Mapping[str, str] | None = None) -> ProcessSettings:
     """The ``ZEROFLOW_*`` settings; empty variables count as unset."""
     environ = os.environ if environ is None else environ
-    return _checked(ProcessSettings(*(environ.get(name) or None for name in ENV_NAMES)), ENV_NAMES)
+    return _checked([environ.get(name) or None for name in ENV_NAMES], ENV_NAMES)
 
 
 def requested(environ: Mapping[str, str] | None = None) -> bool:
@@ -151,7 +148,8 @@ def requested(environ: Mapping[str, str] | None = None) -> bool:
 
 def _use_gloo_on_cpu() -> None:
     """Cross-process collectives on the CPU backend go over gloo unless the user picked one."""
-    if jax.config.jax_cpu_collectives_implementation is None:
+    # jax's options are dynamic attributes of jax.config, which its type does not declare
+    if jax.config.jax_cpu_collectives_implementation is None:  # type: ignore[attr-defined]
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
@@ -188,7 +186,7 @@ def initialize(
     different values is an error.
     """
     wanted = _checked(
-        ProcessSettings(coordinator_address, num_processes, process_id, local_device_ids), ARG_NAMES
+        (coordinator_address, num_processes, process_id, local_device_ids), ARG_NAMES
     ).merged_over(settings_from_env(environ))
     global _initialized_with
     if jax.distributed.is_initialized():
@@ -241,10 +239,12 @@ class StopVote:
     the signal, at the same step everywhere. With one process the vote is the local value.
     """
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh | AbstractMesh):
         self.pending: jax.Array | None = None
         self.multi = jax.process_count() > 1
         if self.multi:
+            if not isinstance(mesh, Mesh):  # a planning mesh: no devices to vote on
+                raise ValueError("a training loop across processes needs a mesh of devices")
             flat = Mesh(mesh.devices.reshape(-1), ("all",))
             self.sharding = NamedSharding(flat, PartitionSpec("all"))
             self.local_count = len(flat.local_devices)

@@ -4,11 +4,14 @@ A frozen leaf is stored once, in the compute dtype, with no fp32 master copy, no
 state and no gradient. ``trainable`` (``zf.init_train_state(..., trainable=...)``) is either a
 pytree of bools with the structure of the parameters, or a callable ``(path, leaf) -> bool``
 on each leaf's ``path_str`` (``"layers/attn/kernel"``); None trains everything.
+``trainable_mask`` reads it once, into each leaf's layout (``LeafLayout.trains``, through
+``ZeroPlan.layouts``): from there on, whether a leaf trains is a fact of its layout, as where
+it is split is.
 
 The state keeps the two halves as trees of the parameters' own structure with holes (None)
 where the other half's leaves are: the master weights, optimizer state and gradients hold the
 trainable leaves only (so any optax transform sees just those), ``TrainState.frozen`` the
-others. ``merge`` puts the two back together for the loss.
+others. ``split`` makes them as the layouts say, ``merge`` puts the two back together.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroflow.engine.plan import is_layout
 from zeroflow.util.tree import path_str
 
 
@@ -58,7 +62,7 @@ def trainable_mask(trainable, params) -> Any:
     else:
         want = jax.tree.structure(params)
         got = jax.tree.structure(trainable)
-        if got != want:
+        if got != want:  # type: ignore[operator]  # jaxlib's PyTreeDef has no stub
             raise ValueError(
                 f"trainable must be a pytree of bools matching params (or a "
                 f"callable (path, leaf) -> bool); its structure {_short(got)} differs "
@@ -88,12 +92,15 @@ def _short(treedef) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def split(tree, mask):
-    """``(trainable, frozen)``: ``tree`` with holes (None) at the frozen leaves, and with holes
-    at the trainable ones."""
-    keep = jax.tree.map(lambda x, t: x if t else None, tree, mask)
-    freeze = jax.tree.map(lambda x, t: None if t else x, tree, mask)
-    return keep, freeze
+def split(tree, layouts):
+    """``(trainable, frozen)``: ``tree`` with holes (None) at the leaves whose layout (in
+    ``layouts``, of ``tree``'s structure; ``tree`` itself when it is one) is frozen, and with
+    holes at the trained ones."""
+    lays, treedef = jax.tree.flatten(layouts, is_leaf=is_layout)
+    leaves = treedef.flatten_up_to(tree)
+    keep = [x if lay.trains else None for lay, x in zip(lays, leaves)]
+    freeze = [None if lay.trains else x for lay, x in zip(lays, leaves)]
+    return treedef.unflatten(keep), treedef.unflatten(freeze)
 
 
 def merge(trainable, frozen):
@@ -117,8 +124,9 @@ def mask_of(trainable, frozen):
     )
 
 
-def any_frozen(mask) -> bool:
-    return not all(jax.tree.leaves(mask))
+def any_frozen(layouts) -> bool:
+    """Whether a leaf of ``layouts`` (a tree of ``LeafLayout``) is frozen."""
+    return not all(lay.trains for lay in jax.tree.leaves(layouts, is_leaf=is_layout))
 
 
 def count(mask, params) -> tuple[int, int]:

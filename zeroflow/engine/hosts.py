@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import DATA, zero_axis_names
 
 
 def hosts_of(mesh, hosts: int | None = None) -> tuple[int, ...]:
@@ -63,7 +63,12 @@ def host_split(mesh, hosts: int | None = None) -> HostSplit:
     host's devices are not one run of equally many consecutive ``data`` indices (every device
     of a ``data`` index on that host), the layout the within-host groups of ZeRO++ rest on."""
     grid = np.asarray(hosts_of(mesh, hosts)).reshape(tuple(mesh.shape[a] for a in mesh.axis_names))
-    by_index = np.moveaxis(grid, list(mesh.axis_names).index(DATA), 0).reshape(mesh.shape[DATA], -1)
+    # With a context axis the index is that of the (data, context) pair, data-major, as
+    # collectives over both axes number the devices.
+    axes = zero_axis_names(mesh)
+    positions = [list(mesh.axis_names).index(a) for a in axes]
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    by_index = np.moveaxis(grid, positions, range(len(axes))).reshape(size, -1)
     if (by_index != by_index[:, :1]).any():
         raise ValueError(
             "a data index's devices span several hosts; ZeRO++ needs every host to "

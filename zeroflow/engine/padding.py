@@ -52,8 +52,8 @@ def unpad(tree, entries: tuple[Entry, ...]):
     if not any(entries):
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten(
-        [x if e is None else cut_to(x, e[0], e[1]) for x, e in zip(leaves, entries)]
+    return jax.tree.unflatten(
+        treedef, [x if e is None else cut_to(x, e[0], e[1]) for x, e in zip(leaves, entries)]
     )
 
 
@@ -62,8 +62,9 @@ def pad(tree, entries: tuple[Entry, ...], n: int):
     if not any(entries):
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten(
-        [x if e is None else pad_to(x, e[0], -(-e[1] // n) * n) for x, e in zip(leaves, entries)]
+    return jax.tree.unflatten(
+        treedef,
+        [x if e is None else pad_to(x, e[0], -(-e[1] // n) * n) for x, e in zip(leaves, entries)],
     )
 
 
@@ -80,7 +81,7 @@ def unpadded_shapes(tree, entries: tuple[Entry, ...]):
         )
         return jax.ShapeDtypeStruct(shape, jnp.float32)
 
-    return treedef.unflatten([one(x, e) for x, e in zip(leaves, entries)])
+    return jax.tree.unflatten(treedef, [one(x, e) for x, e in zip(leaves, entries)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend
-from zeroflow.backend.mesh import DATA, MODEL
+from zeroflow.backend.mesh import CONTEXT, DATA, MODEL, zero_axes, zero_axis_names
 from zeroflow.engine.hosts import host_split, hosts_of
 from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
 from zeroflow.util.tree import path_str
@@ -64,19 +64,24 @@ QUANTIZE_GRADS_CHOICES = (None, "int8")
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """Where one array lives: its tensor-parallel spec and its ZeRO dimension. ``shape`` is the
-    array's own (logical) shape; split over ``data`` it is stored padded (``stored_shape``)."""
+    """Where one array lives: its tensor-parallel spec and its ZeRO dimension, and whether it
+    trains. ``shape`` is the array's own (logical) shape; split over ``data`` it is stored
+    padded (``stored_shape``)."""
 
     shape: tuple[int, ...]
     tensor_spec: tuple  # per-dimension mesh axis (MODEL or None), without ZeRO
     zero_dim: int | None  # dimension split over DATA at stages >= 1, None = replicated
     pad: int = 0  # zeros appended to zero_dim when it is split, so that it divides by N
+    trains: bool = True
+    """A parameter with an fp32 master copy, optimizer state and a gradient; False: frozen
+    (``zeroflow.engine.frozen``), stored once as the compute weights are, never differentiated."""
+    zero_axis: str | tuple[str, ...] = DATA  # what zero_dim is split over (plan.zero_axes)
 
     def spec(self, with_zero: bool) -> P:
         """The spec of the array as stored (padded, when split)."""
         entries = list(self.tensor_spec)
         if with_zero and self.zero_dim is not None:
-            entries[self.zero_dim] = DATA
+            entries[self.zero_dim] = self.zero_axis
         return P(*entries)
 
     def logical_spec(self, with_zero: bool) -> P:
@@ -97,11 +102,12 @@ class LeafLayout:
         return tuple(s + self.pad if d == padded[0] else s for d, s in enumerate(self.shape))
 
     def data_only_spec(self, with_zero: bool) -> P:
-        """The spec restricted to the ``data`` axis, as shard_map over ``data`` wants it."""
+        """The spec restricted to the ZeRO axes (``data``, with ``context`` where the mesh has
+        it), as shard_map over them wants it."""
         if not with_zero or self.zero_dim is None:
             return P()
-        entries = [None] * len(self.shape)
-        entries[self.zero_dim] = DATA
+        entries: list[str | tuple[str, ...] | None] = [None] * len(self.shape)
+        entries[self.zero_dim] = self.zero_axis
         return P(*entries)
 
 
@@ -110,9 +116,19 @@ def is_layout(x) -> bool:
     return isinstance(x, LeafLayout)
 
 
+def abstract_of(layouts):
+    """fp32 ``ShapeDtypeStruct``s of the own (unpadded) shapes of a tree of ``LeafLayout``."""
+    return jax.tree.map(
+        lambda lay: jax.ShapeDtypeStruct(lay.shape, jnp.float32), layouts, is_leaf=is_layout
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroPlan:
-    """How a training state is sharded over a ``("data", "model")`` mesh.
+    """How a training state is sharded over a ``("data", "model")`` mesh, or a
+    ``("data", "context", "model")`` one: states are then sharded over ``data`` x ``context``
+    (the weights are the same on every context device) and gradients summed over both, while
+    the batch's rows split over ``data`` and its sequence over ``context``.
 
     ``mesh`` is a ``jax.sharding.Mesh`` (``zf.make_mesh``), or an ``AbstractMesh``
     (``zf.planning_mesh``) to plan and estimate memory for devices this machine has not.
@@ -138,12 +154,14 @@ class ZeroPlan:
     belong to one process (None: each device's ``process_index``; ``zeroflow.engine.hosts``).
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     stage: int = 0
     offload: str = "none"
     update_on: str = "device"
     tensor_rules: Sequence[tuple[str, P]] = ()
-    traits: backend.Traits | None = None
+    # None (the default) stands for the mesh's own traits: __post_init__ puts them in its
+    # place, so a constructed plan always holds a Traits, which is the type every reader gets.
+    traits: backend.Traits = None  # type: ignore[assignment]
     quantize_weights: str | None = None
     quantize_block: int = 256
     hierarchical: bool = False
@@ -151,13 +169,14 @@ class ZeroPlan:
     hosts: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.mesh, (Mesh, AbstractMesh)) or set(self.mesh.axis_names) != {
-            DATA,
-            MODEL,
-        }:
+        if not isinstance(self.mesh, (Mesh, AbstractMesh)) or set(self.mesh.axis_names) not in (
+            {DATA, MODEL},
+            {DATA, CONTEXT, MODEL},
+        ):
             raise ValueError(
-                "ZeroPlan needs a mesh with axes ('data', 'model'); use zf.make_mesh "
-                "(or zf.planning_mesh to plan for devices this machine has not)"
+                "ZeroPlan needs a mesh with axes ('data', 'model') or ('data', 'context', "
+                "'model'); use zf.make_mesh (or zf.planning_mesh to plan for devices this "
+                "machine has not)"
             )
         self._check_choices()
         problems = plan_problems(
@@ -244,7 +263,34 @@ class ZeroPlan:
     # -- sizes -------------------------------------------------------------------------------
     @property
     def data_size(self) -> int:
+        """How many devices each ZeRO-sharded array is split over: the ``data`` axis times the
+        ``context`` axis (the whole ``data`` axis where there is no context axis)."""
+        return self.mesh.shape[DATA] * self.context_size
+
+    @property
+    def context_size(self) -> int:
+        """How many devices a sequence is split over (1: no context axis)."""
+        return self.mesh.shape.get(CONTEXT, 1)
+
+    @property
+    def batch_split(self) -> int:
+        """How many devices the batch's rows are split over: the ``data`` axis."""
         return self.mesh.shape[DATA]
+
+    @property
+    def zero_axes(self) -> str | tuple[str, str]:
+        """The mesh axis (or pair) states are sharded and gradients summed over."""
+        return zero_axes(self.mesh)
+
+    @property
+    def manual_axes(self) -> set[str]:
+        """The axes a ``shard_map`` of the engine places collectives on by hand: the ZeRO axes
+        (``data``, and ``context``, over which attention also exchanges keys and values); every
+        axis where no tensor-parallel rule leaves ``model`` to the compiler, which is what
+        kernels with custom partitioners (cuDNN attention) need."""
+        if self.model_size > 1:
+            return set(zero_axis_names(self.mesh))
+        return set(self.mesh.axis_names)
 
     @property
     def model_size(self) -> int:
@@ -273,7 +319,10 @@ class ZeroPlan:
         if jnp.dtype(compute_dtype).itemsize >= 4:
             return False
         return (
-            not self.shards_compute or self.offloads or self.hierarchical or self.quantize_weights
+            not self.shards_compute
+            or self.offloads
+            or self.hierarchical
+            or self.quantize_weights is not None
         )
 
     @property
@@ -338,7 +387,7 @@ class ZeroPlan:
         n = self.data_size
         free = [d for d, size in enumerate(shape) if tspec[d] is None and size >= n]
         if n == 1 or not free:
-            return LeafLayout(shape, tspec, None)
+            return LeafLayout(shape, tspec, None, zero_axis=self.zero_axes)
         largest = lambda dims: max(dims, key=lambda d: (shape[d], -d))  # noqa: E731
         even = [d for d in free if shape[d] % n == 0]
         if (
@@ -352,13 +401,22 @@ class ZeroPlan:
             zero_dim = 0
         else:
             zero_dim = largest(even) if even else largest(free)
-        return LeafLayout(shape, tspec, zero_dim, pad=-shape[zero_dim] % n)
-
-    def layouts(self, params) -> Any:
-        """A pytree of ``LeafLayout`` matching ``params`` (arrays or ShapeDtypeStructs)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: self.leaf_layout(path_str(path), np.shape(x)), params
+        return LeafLayout(
+            shape, tspec, zero_dim, pad=-shape[zero_dim] % n, zero_axis=self.zero_axes
         )
+
+    def layouts(self, params, trainable=True) -> Any:
+        """A pytree of ``LeafLayout`` matching ``params`` (arrays or ShapeDtypeStructs).
+        ``trainable``: which leaves train (``LeafLayout.trains``), one bool for them all or a
+        tree of bools matching ``params`` (``zeroflow.engine.frozen.trainable_mask``)."""
+
+        def one(path, x, trains):
+            lay = self.leaf_layout(path_str(path), np.shape(x))
+            return lay if trains else dataclasses.replace(lay, trains=False)
+
+        if isinstance(trainable, bool):
+            return jax.tree_util.tree_map_with_path(lambda p, x: one(p, x, trainable), params)
+        return jax.tree_util.tree_map_with_path(one, params, trainable)
 
     # -- shardings ---------------------------------------------------------------------------
     def _named(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
@@ -391,16 +449,29 @@ class ZeroPlan:
         return self._shardings(params, self.shards_compute, kind, padded)
 
     def _shardings(self, params, with_zero: bool, kind, padded: bool):
-        def one(lay: LeafLayout):
-            return self._named(lay.spec(with_zero) if padded else lay.logical_spec(with_zero), kind)
+        return self.shardings_of(self.layouts(params), with_zero, kind, padded=padded)
 
-        return jax.tree.map(one, self.layouts(params), is_leaf=is_layout)
+    def shardings_of(self, layouts, with_zero: bool, memory_kind: str | None, *, padded=True):
+        """``NamedSharding``s of a tree of ``LeafLayout``: split over ``data`` where
+        ``with_zero``, for the stored (padded) arrays, or ``padded=False`` for arrays of their
+        own shapes (``LeafLayout.logical_spec``)."""
+
+        def one(lay: LeafLayout):
+            spec = lay.spec(with_zero) if padded else lay.logical_spec(with_zero)
+            return self._named(spec, memory_kind)
+
+        return jax.tree.map(one, layouts, is_leaf=is_layout)
 
     def replicated(self, memory_kind: str | None = None) -> NamedSharding:
         return self._named(P(), memory_kind)
 
-    def batch_sharding(self) -> NamedSharding:
-        return self._named(P(DATA))
+    def batch_spec(self, ndim: int = 1) -> P:
+        """How a batch leaf of ``ndim`` dimensions is split: rows over ``data``; with a context
+        axis, the sequence (the second dimension) over ``context``."""
+        return P(DATA, CONTEXT) if self.context_size > 1 and ndim >= 2 else P(DATA)
+
+    def batch_sharding(self, ndim: int = 1) -> NamedSharding:
+        return self._named(self.batch_spec(ndim))
 
     def replicated_fraction(self, params) -> float:
         """Fraction of parameter elements that no dimension lets ZeRO split, even padded (kept

@@ -34,8 +34,11 @@ class Keys:
         return f"{self(name)}={shown}"
 
 
-PLAN_KEYS = Keys({"batch_size": "batch size", "params": "Precision.params"})
-"The engine's spelling: ``ZeroPlan``'s arguments, the batch's leading size, ``Precision``'s field."
+PLAN_KEYS = Keys(
+    {"batch_size": "batch size", "params": "Precision.params", "seq_len": "sequence length"}
+)
+"The engine's spelling: ``ZeroPlan``'s arguments, the batch's leading size and sequence length,"
+" ``Precision``'s field."
 
 
 def host_update_problem(offload: str, update_on: str, keys: Keys = PLAN_KEYS) -> str | None:
@@ -170,5 +173,54 @@ def batch_split_problem(
         return (
             f"{keys('batch_size')} {batch_size} does not divide by data axis size "
             f"{data_size} x {keys('grad_accum')} {grad_accum}"
+        )
+    return None
+
+
+def sequence_split_problem(
+    length: int, context: int, chunks: int = 1, keys: Keys = PLAN_KEYS
+) -> str | None:
+    """A sequence of ``length`` tokens splits into ``context`` equal parts, each of ``chunks``
+    equal chunks (the ring's load-balanced layout holds two per device)."""
+    if context <= 1 or length % (context * chunks) == 0:
+        return None
+    chunked = f" x {chunks} chunks each (the ring's load-balanced layout)" if chunks > 1 else ""
+    return (
+        f"{keys('seq_len')} {length} does not split into {keys('context')} {context} equal "
+        f"parts{chunked}"
+    )
+
+
+CONTEXT_CHUNKS = {"allgather": 1, "ring": 2}
+"""Chunks of a row each context device holds, per way attention crosses the split
+(``model.context_attention``): the ring's load-balanced layout holds two."""
+
+MODEL_KEYS = Keys(
+    {
+        name: f"model.{name}"
+        for name in ("context_attention", "attention", "sliding_window", "seq_len")
+    },
+    python=False,
+)
+"The model's settings as its config spells them."
+
+
+def context_attention_problem(
+    strategy: str, attention: str, sliding_window: int, keys: Keys = MODEL_KEYS
+) -> str | None:
+    """The ring merges blocks by their log-sum-exp, which cuDNN's attention does not take into
+    its backward pass, and its blocks have no sliding window."""
+    if strategy != "ring":
+        return None
+    if attention == "cudnn":
+        return (
+            f"{keys.set('context_attention', 'ring')} needs {keys('attention')} xla or pallas "
+            f"(cuDNN's backward pass takes no log-sum-exp); use {keys('context_attention')} "
+            "allgather with cuDNN"
+        )
+    if sliding_window:
+        return (
+            f"{keys('sliding_window')} needs {keys.set('context_attention', 'allgather')} "
+            "(the ring's blocks have no window)"
         )
     return None

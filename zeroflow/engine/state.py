@@ -14,7 +14,7 @@ from zeroflow.autocast.precision import LossScaleState, Precision
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import opt_mirror, padding, quantized
 from zeroflow.engine.padding import NO_PADDING, StatePadding
-from zeroflow.engine.plan import ZeroPlan, is_layout
+from zeroflow.engine.plan import ZeroPlan, abstract_of, is_layout
 from zeroflow.engine.plan_rules import hierarchical_copy_problem
 from zeroflow.engine.zeropp import hierarchical
 from zeroflow.util.tree import path_str
@@ -109,15 +109,13 @@ class StateLayouts(NamedTuple):
     opt_state: Any
 
 
-def state_layouts(
-    abstract_params, tx: optax.GradientTransformation, plan: ZeroPlan
-) -> StateLayouts:
-    """Layouts of the master weights and of every optimizer-state leaf: a leaf that mirrors a
-    parameter is laid out like that parameter; any other leaf (Adafactor's factored moments,
-    counters) gets its own layout from its shape, without tensor rules: split along a
-    dimension of at least N entries, or whole when it has none."""
-    master = plan.layouts(abstract_params)
-    opt_abstract = jax.eval_shape(tx.init, abstract_master(abstract_params))
+def state_layouts(master, tx: optax.GradientTransformation, plan: ZeroPlan) -> StateLayouts:
+    """Layouts of the ``master`` weights (the trained leaves' ``LeafLayout``s, holes at the
+    frozen ones) and of every optimizer-state leaf: a leaf that mirrors a parameter is laid
+    out like that parameter; any other leaf (Adafactor's factored moments, counters) gets its
+    own layout from its shape, without tensor rules: split along a dimension of at least N
+    entries, or whole when it has none."""
+    opt_abstract = jax.eval_shape(tx.init, abstract_of(master))
     return StateLayouts(master, _opt_state_layouts(opt_abstract, master, plan))
 
 
@@ -151,13 +149,13 @@ def state_padding(
     )
 
 
-def _check_hierarchical(plan: ZeroPlan, prec: Precision, mask) -> None:
+def _check_hierarchical(plan: ZeroPlan, prec: Precision, any_frozen: bool) -> None:
     if not plan.hierarchical:
         return
     problem = hierarchical_copy_problem(True, prec.params)
     if problem:
         raise ValueError(problem)
-    if frozen_weights.any_frozen(mask):
+    if any_frozen:
         raise ValueError(
             "hierarchical=True does not keep frozen weights in its within-host copy "
             "yet; train every leaf or use hierarchical=False"
@@ -180,30 +178,42 @@ def state_shardings(
     leaves are laid out like the compute weights (split at stage 3, in host memory when the
     weights are offloaded)."""
     mask = frozen_weights.trainable_mask(trainable, abstract_params)
-    _check_hierarchical(plan, prec, mask)
-    abstract_params, frozen_abstract = frozen_weights.split(abstract_params, mask)
-    frozen_layouts = plan.layouts(frozen_abstract) if frozen_weights.any_frozen(mask) else None
-    layouts = state_layouts(abstract_params, tx, plan)
+    layouts = plan.layouts(abstract_params, trainable=mask)
+    return state_shardings_of(layouts, tx, plan, prec, model_state, rng)
+
+
+def state_shardings_of(
+    param_layouts,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    model_state=None,
+    rng=None,
+) -> TrainState:
+    """``state_shardings`` of the parameters' ``plan.layouts``, frozen leaves included: each
+    leaf goes to the master weights and optimizer state or to the frozen weights as its layout
+    says (``LeafLayout.trains``)."""
+    trained, frozen_layouts = frozen_weights.split(param_layouts, param_layouts)
+    if not jax.tree.leaves(frozen_layouts, is_leaf=is_layout):  # every leaf trains
+        frozen_layouts = None
+    _check_hierarchical(plan, prec, frozen_layouts is not None)
+    layouts = state_layouts(trained, tx, plan)
     host = plan.storage_memory_kind
-
-    def stored(lays, with_zero: bool, kind):
-        return jax.tree.map(
-            lambda lay: plan._named(lay.spec(with_zero), kind), lays, is_leaf=is_layout
-        )
-
-    master = stored(layouts.master, plan.shards_storage, host)
-    opt = stored(layouts.opt_state, plan.shards_storage, host)
+    master = plan.shardings_of(layouts.master, plan.shards_storage, host)
+    opt = plan.shardings_of(layouts.opt_state, plan.shards_storage, host)
     compute = (
-        stored(layouts.master, plan.shards_compute, plan.compute_memory_kind)
+        plan.shardings_of(layouts.master, plan.shards_compute, plan.compute_memory_kind)
         if (plan.keeps_compute_copy(prec.compute_dtype))
         else None
     )
     frozen = (
         None
         if frozen_layouts is None
-        else stored(frozen_layouts, plan.shards_compute, plan.compute_memory_kind)
+        else plan.shardings_of(frozen_layouts, plan.shards_compute, plan.compute_memory_kind)
     )
-    scalar = plan.replicated()
+    # The TrainState returned is a tree of shardings: a sharding stands in each field that the
+    # state itself holds an array in (and is annotated so).
+    scalar: Any = plan.replicated()
     loss_scale = (
         None
         if not prec.scaled
@@ -294,13 +304,14 @@ def init_train_state(
     plan.warn_if_replicated(abstract)
     mask = frozen_weights.trainable_mask(trainable, abstract)
     quantized.check_trainable(abstract, mask)
-    shardings = state_shardings(abstract, tx, plan, prec, model_state, key, trainable=mask)
+    layouts = plan.layouts(abstract, trainable=mask)
+    shardings = state_shardings_of(layouts, tx, plan, prec, model_state, key)
     pads = shardings.padding
 
     def build(p, model_state, key):
-        p, frozen = frozen_weights.split(init_fn() if init_fn else p, mask)
+        p, frozen = frozen_weights.split(init_fn() if init_fn else p, layouts)
         master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
-        if frozen_weights.any_frozen(mask):
+        if frozen_weights.any_frozen(layouts):
             frozen = padding.pad(_in_compute_dtype(frozen, prec), pads.frozen, plan.data_size)
         else:
             frozen = None

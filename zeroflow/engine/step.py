@@ -15,6 +15,7 @@ automatic axis, which is how tensor-parallel rules compose with ZeRO.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,38 +28,48 @@ from jax.sharding import PartitionSpec as P
 from zeroflow import backend
 from zeroflow.autocast import autocast
 from zeroflow.autocast.precision import Precision
-from zeroflow.backend.mesh import DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import offload, padding, quantized, update
-from zeroflow.engine.grads import local_grads, native_gradients, routes, step_routes
+from zeroflow.engine.grads import (
+    Stage3Collectives,
+    local_grads,
+    native_gradients,
+    step_routes,
+)
 from zeroflow.engine.grads.routes import is_route
-from zeroflow.engine.plan import ZeroPlan, is_layout
-from zeroflow.engine.plan_rules import batch_split_problem
-from zeroflow.engine.state import TrainState, state_shardings
+from zeroflow.engine.plan import ZeroPlan, abstract_of, is_layout
+from zeroflow.engine.plan_rules import batch_split_problem, sequence_split_problem
+from zeroflow.engine.state import TrainState, state_shardings_of
 from zeroflow.engine.zeropp import hierarchical
 from zeroflow.util.tree import path_str
 
 LossFn = Callable[..., Any]
 
 
-def check_batch(batch, data_size: int, grad_accum: int) -> None:
+def check_batch(batch, data_size: int, grad_accum: int, context: int = 1) -> None:
     """One readable line where ``batch`` cannot be split as the step splits it: every leaf
     needs the same leading batch axis, which splits over ``grad_accum`` x the data devices
-    (``plan_rules.batch_split_problem``). The memory estimator asks the same."""
+    (``plan_rules.batch_split_problem``), and with ``context`` devices every leaf of two or
+    more dimensions a sequence (its second) that splits over them. The memory estimator asks
+    the same."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch has no array leaves")
-    sizes = {path_str(p): (jnp.shape(x)[0] if jnp.ndim(x) else None) for p, x in leaves}
-    if None in sizes.values():
+    scalars = [path_str(p) for p, x in leaves if not jnp.ndim(x)]
+    if scalars:
         raise ValueError(
-            "every batch leaf needs a leading batch axis; scalars found at "
-            + ", ".join(k for k, v in sizes.items() if v is None)
+            "every batch leaf needs a leading batch axis; scalars found at " + ", ".join(scalars)
         )
+    sizes = {path_str(p): jnp.shape(x)[0] for p, x in leaves}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"batch leaves disagree on the leading batch size: {sizes}")
     problem = batch_split_problem(next(iter(sizes.values())), grad_accum, data_size)
     if problem:
         raise ValueError(problem)
+    for path, x in leaves:
+        problem = sequence_split_problem(jnp.shape(x)[1], context) if jnp.ndim(x) >= 2 else None
+        if problem:
+            raise ValueError(f"batch leaf {path_str(path)}: {problem}")
 
 
 class StepLayout(NamedTuple):
@@ -66,7 +77,7 @@ class StepLayout(NamedTuple):
     (not per trace) by ``step_layout``, and read by the step and the memory estimator alike."""
 
     layouts: Any
-    "Per-leaf ``LeafLayout``s of the whole tree (frozen leaves included): what the loss reads."
+    "Per-leaf ``LeafLayout``s of the whole tree, frozen leaves included (``trains`` False)."
     state: TrainState
     "The state's shardings, with the trainable/frozen split."
     compute_as_used: Any
@@ -74,12 +85,15 @@ class StepLayout(NamedTuple):
     compute_as_stored: Any
     "The compute weights' shardings as the state keeps them between steps (pinned host memory"
     " under ``offload='optimizer+params'``)."
-    trainable: Any
-    "The trainable mask (a tree of bools)."
     update_path: update.UpdatePath
     "Where the optimizer update runs (``update.update_path``)."
     compute_refresh: update.ComputeRefresh
     "How the new compute weights reach their stored layout (``update.compute_refresh``)."
+
+    @property
+    def trainable(self):
+        """The trainable mask (a tree of bools), as the layouts say."""
+        return jax.tree.map(lambda lay: lay.trains, self.layouts, is_leaf=is_layout)
 
 
 def step_layout(
@@ -94,15 +108,22 @@ def step_layout(
     """The ``StepLayout`` of a state of ``abstract_master`` (the parameters' own, unpadded
     shapes, frozen ones included) under ``plan``; the rest as for ``init_train_state``."""
     mask = frozen_weights.trainable_mask(trainable, abstract_master)
-    path = update.update_path(plan, tx, frozen_weights.split(abstract_master, mask)[0])
+    layouts = plan.layouts(abstract_master, trainable=mask)
+    return layout_of(layouts, tx, plan, prec, model_state, rng)
+
+
+def layout_of(
+    layouts, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision, model_state, rng
+) -> StepLayout:
+    """The ``StepLayout`` of the parameters' ``layouts`` (``plan.layouts``, whether each leaf
+    trains included); ``model_state`` / ``rng``: as the state carries them (or None)."""
+    path = update.update_path(plan, tx, abstract_of(frozen_weights.split(layouts, layouts)[0]))
+    used = "device" if plan.offloads else None
     return StepLayout(
-        layouts=plan.layouts(abstract_master),
-        state=state_shardings(abstract_master, tx, plan, prec, model_state, rng, trainable=mask),
-        compute_as_used=plan.compute_shardings(
-            abstract_master, padded=True, memory_kind="device" if plan.offloads else None
-        ),
-        compute_as_stored=plan.compute_shardings(abstract_master, padded=True),
-        trainable=mask,
+        layouts=layouts,
+        state=state_shardings_of(layouts, tx, plan, prec, model_state, rng),
+        compute_as_used=plan.shardings_of(layouts, plan.shards_compute, used),
+        compute_as_stored=plan.shardings_of(layouts, plan.shards_compute, plan.compute_memory_kind),
         update_path=path,
         compute_refresh=update.compute_refresh(plan, prec.compute_dtype, path),
     )
@@ -128,14 +149,9 @@ def train_step(
     """One optimizer step on a global batch; returns ``(new_state, metrics)``: gradients on
     every device, reduced by the plan, then the update where the plan keeps the state."""
     n = plan.data_size
-    check_batch(batch, n, grad_accum)
+    check_batch(batch, plan.batch_split, grad_accum, plan.context_size)
     batch = jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding()), batch
-    )
-    if per_layer is not None and per_layer not in layout.layouts:
-        raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
-    route_tree = step_routes(
-        layout.layouts, plan, prec, per_layer, grad_accum, trainable=layout.trainable
+        lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding(jnp.ndim(x))), batch
     )
     if per_layer is not None and quantized.any_quantized(state.frozen):
         raise ValueError(
@@ -145,38 +161,22 @@ def train_step(
         )
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
-    # What the loss gets besides weights and data: the step's key (local_grads folds in the
-    # device and micro-batch) and the model state.
-    extras = {
-        **({} if state.model_state is None else {"model_state": state.model_state}),
-        **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)}),
-    }
-    local = functools.partial(
-        local_grads,
-        loss_fn=loss_fn,
-        routes=route_tree,
-        plan=plan,
-        grad_accum=grad_accum,
-        per_layer=per_layer,
-        prefetch=prefetch,
-        gather_dtype=pads.cast_on_use,
-        reduce_dtype=prec.reduce_dtype,
-        compute_dtype=prec.compute_dtype,
-    )
-    grads, loss, aux, model_state = _gradients(
-        local,
-        _compute_params(state, plan, layout, route_tree),
+    grads, loss, aux, model_state = _step_gradients(
+        state,
         batch,
         scale,
-        extras,
+        loss_fn=loss_fn,
         plan=plan,
+        prec=prec,
+        grad_accum=grad_accum,
         layout=layout,
-        routes=route_tree,
+        per_layer=per_layer,
+        prefetch=prefetch,
     )
 
     # Unscale in fp32 and average over devices and micro-batches; gradients in their own dtype
     # (native_gradients) are widened and unscaled where the update reads them.
-    divisor = scale * (n * grad_accum)
+    divisor: jax.Array | None = scale * (n * grad_accum)
     if native_gradients(plan, grad_accum):
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
     else:
@@ -197,7 +197,8 @@ def train_step(
     )
     loss_scale = prec.next_loss_scale(state.loss_scale, finite)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
-    new_state = TrainState(
+    new_state = dataclasses.replace(  # the rng's base key and the frozen weights stay as they are
+        state,
         step=state.step + 1,
         applied=state.applied + (1 - skipped),
         master=new_master,
@@ -205,9 +206,6 @@ def train_step(
         opt_state=new_opt,
         loss_scale=loss_scale,
         model_state=model_state,
-        rng=state.rng,
-        frozen=state.frozen,
-        padding=pads,
     )
     new_state = _place(new_state, layout.state)
     metrics = {
@@ -222,31 +220,80 @@ def train_step(
     return new_state, metrics
 
 
+def _step_gradients(
+    state: TrainState,
+    batch,
+    scale,
+    *,
+    loss_fn: LossFn,
+    plan: ZeroPlan,
+    prec: Precision,
+    grad_accum: int,
+    layout: StepLayout,
+    per_layer: str | None,
+    prefetch: int,
+):
+    """``(grads, loss, aux, model_state)`` of the loss scaled by ``scale``: each leaf routed
+    (``step_routes``) from its layout, gradients as the routes leave them."""
+    if per_layer is not None and per_layer not in layout.layouts:
+        raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
+    route_tree = step_routes(layout.layouts, plan, prec, per_layer, grad_accum)
+    # What the loss gets besides weights and data: the step's key (local_grads folds in the
+    # device and micro-batch) and the model state.
+    extras = {
+        **({} if state.model_state is None else {"model_state": state.model_state}),
+        **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)}),
+    }
+    local = functools.partial(
+        local_grads,
+        loss_fn=loss_fn,
+        routes=route_tree,
+        plan=plan,
+        grad_accum=grad_accum,
+        per_layer=per_layer,
+        prefetch=prefetch,
+        gather_dtype=state.padding.cast_on_use,
+        collectives=Stage3Collectives.of(plan, prec.reduce_dtype),
+        compute_dtype=prec.compute_dtype,
+    )
+    return _gradients(
+        local,
+        _compute_params(state, plan, layout, route_tree),
+        batch,
+        scale,
+        extras,
+        plan=plan,
+        layout=layout,
+        routes=route_tree,
+    )
+
+
 def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route_tree):
-    """Weights as the forward pass reads them: stage 3 keeps them sharded over data, below
-    stage 3 they are whole on every device (fp32 compute gathers them from the master here).
-    Offloaded weights stream in here, whole, except the layer stacks that the loss fetches one
-    layer at a time (gather_layer): those stay in host memory. Frozen weights join the
-    trainable ones here, laid out as they are."""
-    streamed = jax.tree.map(lambda r: r.stream, route_tree, is_leaf=is_route)
-    compute_sh = jax.tree.map(
-        lambda used, stored, stream: stored if stream else used,
+    """Weights as the forward pass reads them, in one pass over the leaves: stage 3 keeps them
+    sharded over data, below stage 3 they are whole on every device (fp32 compute gathers them
+    from the master here). Offloaded weights stream in here, whole, except the layer stacks
+    that the loss fetches one layer at a time (gather_layer): those stay in host memory. A
+    frozen leaf (its route's) is read from the frozen weights, laid out as it is stored."""
+    trained = state.compute
+    if trained is None:  # the master is read: padded where the use is whole (below stage 3)
+        pads = None if plan.shards_compute else state.padding.master
+        trained = state.master if pads is None else padding.unpad(state.master, pads)
+    cast = state.padding.cast_on_use  # no compute copy (stage 3): shards are cast as gathered
+
+    def one(r, weight, used, stored):
+        if cast is not None and not r.frozen and not r.sharded:
+            weight = weight.astype(cast)
+        return jax.device_put(weight, stored if r.stream else used)
+
+    weights = frozen_weights.merge(trained, state.frozen)
+    return jax.tree.map(
+        one,
+        route_tree,
+        weights,
         layout.compute_as_used,
         layout.compute_as_stored,
-        streamed,
+        is_leaf=is_route,
     )
-    params = state.stored_params
-    if state.compute is None and not plan.shards_compute:  # the master is padded, the use whole
-        params = padding.unpad(params, state.padding.master)
-    cast = state.padding.cast_on_use
-    if cast is not None:  # no compute copy (stage 3): shards are cast as gathered, the rest here
-        params = jax.tree.map(
-            lambda x, r: x if r is None or r.sharded else x.astype(cast),
-            params,
-            routes.trained(route_tree),
-            is_leaf=lambda x: x is None,
-        )
-    return _place(frozen_weights.merge(params, state.frozen), compute_sh)
 
 
 def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: StepLayout, routes):
@@ -263,16 +310,20 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
         routes,
         is_leaf=is_layout,
     )
-    batch_specs = jax.tree.map(lambda _: P(DATA), batch)
-    # ``model`` stays automatic for tensor-parallel rules; without them every axis is manual,
-    # which is what kernels with custom partitioners (cuDNN attention) need.
-    manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
+    batch_specs = jax.tree.map(lambda x: plan.batch_spec(jnp.ndim(x)), batch)
+    # check_vma off: the loss is the user's one-device code, and jax's varying-axes types
+    # refuse some of what a plain jit runs, e.g. a loop whose carry starts from a constant (the
+    # same on every device) while its body mixes in this device's rows. The step does not need
+    # those types: its collectives are written out, and the ones differentiated inside the
+    # loss (all-gather, reduce-scatter, all-to-all) transpose the same way without them. A
+    # psum differentiated inside the loss would not (its transpose becomes a second psum).
     return jax.shard_map(
         local,
         mesh=plan.mesh,
         in_specs=(specs_in, batch_specs, P(), P()),
         out_specs=(specs_grad, P(), P(), P()),
-        axis_names=manual,
+        axis_names=plan.manual_axes,
+        check_vma=False,
     )(params, batch, scale, extras)
 
 
@@ -319,7 +370,7 @@ def _updated(
     if layout.update_path is update.UpdatePath.BROUGHT_IN_WHOLE:
         master = offload.to_memory(state.master, layout.state.master, "device")
         opt_state = offload.to_memory(state.opt_state, layout.state.opt_state, "device")
-        compute_as_used = frozen_weights.split(layout.compute_as_used, layout.trainable)[0]
+        compute_as_used = frozen_weights.split(layout.compute_as_used, layout.layouts)[0]
         return apply(
             grads,
             master,
@@ -406,22 +457,11 @@ class TrainStep:
         from (the update path included)."""
         key = _shapes_key(state)
         if key not in self._layouts:
-            shapes = padding.unpadded_shapes(state.master, state.padding.master)
-            mask = frozen_weights.mask_of(state.master, state.frozen)
-            if state.frozen is not None:
-                shapes = frozen_weights.merge(
-                    shapes, padding.unpadded_shapes(state.frozen, state.padding.frozen)
-                )
+            layouts = _param_layouts(state, self._plan)
             if self._trainable is not None:
-                _check_same_split(frozen_weights.trainable_mask(self._trainable, shapes), mask)
-            self._layouts[key] = step_layout(
-                shapes,
-                self._tx,
-                self._plan,
-                self._prec,
-                state.model_state,
-                state.rng,
-                trainable=mask,
+                _check_same_split(self._trainable, layouts)
+            self._layouts[key] = layout_of(
+                layouts, self._tx, self._plan, self._prec, state.model_state, state.rng
             )
         return self._layouts[key]
 
@@ -448,18 +488,31 @@ class TrainStep:
         return self.jitted(state).trace(state, batch)
 
 
+def _param_layouts(state: TrainState, plan: ZeroPlan):
+    """The ``LeafLayout``s of ``state``'s parameters under ``plan``, frozen ones included
+    (``trains`` False): each half laid out from its own (unpadded) shapes, then joined."""
+    trained = plan.layouts(padding.unpadded_shapes(state.master, state.padding.master))
+    if state.frozen is None:
+        return trained
+    frozen = padding.unpadded_shapes(state.frozen, state.padding.frozen)
+    return frozen_weights.merge(trained, plan.layouts(frozen, trainable=False))
+
+
 def _shapes_key(state: TrainState):
     """What tells one state layout from another: cheap, as it runs on every step."""
     leaves, treedef = jax.tree.flatten(state)
     return treedef, tuple(x.shape for x in leaves)
 
 
-def _check_same_split(want, have) -> None:
-    """``make_train_step(trainable=...)`` must describe the state it is given."""
+def _check_same_split(trainable, layouts) -> None:
+    """``make_train_step(trainable=...)`` must describe the state it is given, whose leaves'
+    ``layouts`` say which train."""
+    want = frozen_weights.trainable_mask(trainable, abstract_of(layouts))
+    have = jax.tree.leaves(layouts, is_leaf=is_layout)
     differ = [
         path_str(p)
-        for (p, w), h in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(have))
-        if w != h
+        for (p, w), lay in zip(jax.tree_util.tree_leaves_with_path(want), have)
+        if w != lay.trains
     ]
     if differ:
         raise ValueError(

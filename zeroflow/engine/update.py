@@ -20,15 +20,16 @@ stored layout is another, ``ComputeRefresh`` (``compute_refresh``). The mechanis
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import NamedTuple
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.extend.core import Literal
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes, zero_axis_names
 from zeroflow.engine import offload, opt_mirror, padding
 from zeroflow.engine.grads.collectives import all_gather, as_words
 from zeroflow.engine.grads.sources import dim_in_layer
@@ -202,14 +203,18 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
     at ZeRO-1/2). One slice at a time, each gathered on a new leading (device) axis, the slice
     is written in the stack's own layout and the temporary is one slice."""
 
+    axes = zero_axes(mesh)
+    names = zero_axis_names(mesh)
+    size = math.prod(mesh.shape[a] for a in names)
+
     def one(x, sharding, old):
-        split = [(d, axes) for d, axes in enumerate(sharding.spec) if axes]
+        split = [(d, entry) for d, entry in enumerate(sharding.spec) if entry]
         if (
             x.ndim < 3
             or len(split) != 1
-            or split[0][1] not in (DATA, (DATA,))
+            or split[0][1] not in (axes, names)
             or split[0][0] == 0
-            or x.shape[split[0][0]] % mesh.shape[DATA]
+            or x.shape[split[0][0]] % size
         ):
             return x
         dim = split[0][0]
@@ -227,15 +232,15 @@ def gather_by_slices(tree, stored_shardings, mesh, into=None):
 
             return jax.lax.fori_loop(0, shard.shape[0], body, whole)
 
-        spec = jax.P(*[DATA if d == dim else None for d in range(x.ndim)])
-        # check_vma off: jax types an all-gather's result as varying over DATA, although every
-        # device holds the same whole slice.
+        spec = jax.P(*[axes if d == dim else None for d in range(x.ndim)])
+        # check_vma off: jax types an all-gather's result as varying over the ZeRO axes,
+        # although every device holds the same whole slice.
         return jax.shard_map(
             local,
             mesh=mesh,
             in_specs=(spec, jax.P()),
             out_specs=jax.P(),
-            axis_names={DATA},
+            axis_names=set(names),
             check_vma=False,
         )(x, old)
 
@@ -266,7 +271,8 @@ def owners(tx: optax.GradientTransformation, master, opt_state) -> list[int]:
     return jax.tree.leaves(mapped)
 
 
-class _Owner(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Owner:
     index: int
     shape: tuple
 

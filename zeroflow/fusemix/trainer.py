@@ -27,10 +27,12 @@ from zeroflow.config.io import save_config
 from zeroflow.config.schema import Config
 from zeroflow.fusemix import digits, latents, retrieval, stream
 from zeroflow.fusemix.model import IMAGE, TEXT, make_loss
+from zeroflow.trainer import loggers
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.evaluation import TrainResult
 from zeroflow.trainer.optim import make_optimizer
 from zeroflow.trainer.parallel import mesh_of, plan_of
+from zeroflow.trainer.plot import write_plot
 
 MIXUP_STREAM = 2
 "Folded into the seed's key for the state's rng (the engine derives each step's mixup key)."
@@ -71,6 +73,12 @@ def build_fusemix(cfg: Config, progress: bool) -> FuseMixRun:
             "fusemix.image_encoder and fusemix.text_encoder must name Hugging Face "
             "folders (python scripts/make_tiny_encoders.py makes tiny ones)"
         )
+    for key, folder in (("image_encoder", fm.image_encoder), ("text_encoder", fm.text_encoder)):
+        if not (Path(folder) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"fusemix.{key}: no Hugging Face model at {folder}; the CPU demo's tiny encoders "
+                f"are made by: python scripts/make_tiny_encoders.py --out {Path(folder).parent}"
+            )
     if par.model != 1:
         raise ValueError(
             f"parallel.model={par.model}: FuseMix's adapters are not split over a model axis; "
@@ -121,9 +129,19 @@ def evaluate(run: FuseMixRun, state) -> dict[str, float]:
     return retrieval.recall(similarity, run.groups[rows])
 
 
-def _log(run_dir: Path, record: dict) -> None:
+def _log(run_dir: Path, record: dict, sinks=()) -> None:
+    """A row of ``metrics.jsonl``, and its numbers to the run's loggers (TensorBoard, ...)."""
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+    numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    for sink in sinks:
+        sink.log(numbers, record["step"])
+
+
+def _draw(cfg: Config, run_dir: Path) -> None:
+    """``plot.png``, as every run folder has it (``run.plot``)."""
+    if cfg.run.plot:
+        write_plot(run_dir, title=f"FuseMix {run_dir.name}")
 
 
 def _recall_text(r: dict[str, float]) -> str:
@@ -183,21 +201,30 @@ def _train_steps(run: FuseMixRun, state, checkpoints: RunCheckpoints, console, s
         TextColumn("{task.fields[loss]}"),
     ]
     t0 = time.perf_counter()
-    with Progress(*columns, console=console, disable=not show, transient=True) as bar:
+    sinks = loggers.open_sinks(cfg, run_dir, start, resumed=start > 0)
+    bar = Progress(*columns, console=console, disable=not show, transient=True)
+    try:
+        bar.start()
         task = bar.add_task("train", total=tcfg.steps, completed=start, loss="")
         for step, batch in zip(range(start + 1, tcfg.steps + 1), batches):
             state, metrics = step_fn(state, batch)
-            if step % tcfg.log_every == 0 or step == tcfg.steps:
+            # The first step is always recorded, so the plot starts at the starting loss.
+            if step % tcfg.log_every == 0 or step in (1, tcfg.steps):
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 losses[step] = m["loss"]
                 rate = (step - start) / (time.perf_counter() - t0)
-                _log(run_dir, {"step": step, **m, "steps_per_s": rate})
+                _log(run_dir, {"step": step, **m, "steps_per_s": rate}, sinks)
                 bar.update(task, loss=f"loss {m['loss']:.3f}")
             bar.update(task, completed=step)
             if (tcfg.eval_every and step % tcfg.eval_every == 0) or step == tcfg.steps:
                 last = evaluate(run, state)
-                _log(run_dir, {"step": step, **last})
+                _log(run_dir, {"step": step, **last}, sinks)
                 console.print(f"step {step}: {_recall_text(last)}")
+                _draw(cfg, run_dir)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tcfg.steps:
                 checkpoints.save(step, state, {"step": step, "seed": tcfg.seed})
+    finally:
+        bar.stop()
+        for sink in sinks:
+            sink.close()
     return state, losses, last

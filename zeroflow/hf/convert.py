@@ -19,7 +19,16 @@ from zeroflow.config.schema import ModelConfig
 from zeroflow.hf.reader import HFCheckpointError
 from zeroflow.hf.tensors import TensorMap
 
-RUNTIME_FIELDS = ("seq_len", "remat", "attention", "dropout", "init_from")
+RUNTIME_FIELDS = (
+    "seq_len",
+    "remat",
+    "attention",
+    "dropout",
+    "init_from",
+    "loss_chunk",
+    "loss_vocab_chunk",
+    "mlp_chunk",
+)
 "ModelConfig fields a run chooses for itself; config.json decides every other one."
 
 _REQUIRED = object()

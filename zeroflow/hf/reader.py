@@ -23,7 +23,7 @@ class HFCheckpointError(ValueError):
     """A checkpoint folder that cannot be read as asked, described in one line."""
 
 
-def open_safetensors(path: Path):
+def open_safetensors(path: Path) -> safe_open:
     """``safe_open(path)``, or HFCheckpointError naming the file and what is wrong with it
     (safetensors checks the header and that the file holds every tensor it lists)."""
     try:
@@ -67,7 +67,7 @@ class SafetensorsReader:
         self.folder = Path(folder)
         self.weight_map = _index(self.folder)
         self.prefixes = tuple(prefixes)
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, safe_open] = {}
 
     def resolve(self, key: str) -> str:
         if key in self.weight_map:

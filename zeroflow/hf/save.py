@@ -46,6 +46,8 @@ def _build(parts: list[tuple[TensorMap, int | None]], leaves: dict[str, Any], dt
         return to_hf(m, _layer(leaves[m.ours], layer)).astype(dtype)
     whole = np.zeros(first.hf_shape, dtype)
     for m, layer in parts:
+        if m.part is None:
+            raise ValueError(f"{m.hf} is fused from parts, but {m.ours} is mapped to all of it")
         dim, offset = m.part
         where = [slice(None)] * len(m.hf_shape)
         where[dim] = slice(offset, offset + m.part_shape[dim])

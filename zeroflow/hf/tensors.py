@@ -62,18 +62,18 @@ def tensor_map(
 ) -> TensorMap:
     """A table row; ``fused=(dim, offset, whole_size)`` when the part is a slice of a bigger
     Hugging Face tensor along ``dim``."""
-    split = tuple(tuple(int(s) for s in group) for group in split)
-    view_rank = sum(len(group) for group in split)
+    groups = tuple(tuple(int(s) for s in group) for group in split)
+    view_rank = sum(len(group) for group in groups)
     perm = tuple(range(view_rank)) if perm is None else tuple(perm)
     if sorted(perm) != list(range(view_rank)):
         raise ValueError(f"{ours}: perm {perm} is not a permutation of {view_rank} dimensions")
-    hf_shape = [math.prod(group) for group in split]
+    hf_shape = [math.prod(group) for group in groups]
     part = None
     if fused is not None:
         dim, offset, whole = fused
         hf_shape[dim] = whole
         part = (dim, offset)
-    return TensorMap(ours, hf, split, perm, tuple(hf_shape), part)
+    return TensorMap(ours, hf, groups, perm, tuple(hf_shape), part)
 
 
 def _normalize(index: Sequence[slice], shape: Sequence[int]) -> list[tuple[int, int]]:
@@ -123,7 +123,7 @@ def read_region(
     dimension (say a bias [heads * head_dim] sharded along head_dim) becomes one read per row.
     """
     ranges = _normalize(index, shape)
-    layers = [None]
+    layers: Sequence[int | None] = [None]
     if m.stacked:
         layers, ranges = range(*ranges[0]), ranges[1:]
     view_ranges: list[tuple[int, int]] = [(0, 0)] * len(m.perm)
@@ -147,6 +147,8 @@ def read_region(
                 where += [*lead, *([slice(None)] * (len(group) - len(lead)))]
             target = out[tuple(where)]
             target[...] = block.reshape(target.shape)
+        if out is None:  # no run to read, so no dtype for an empty result
+            raise ValueError(f"{m.ours}: the index {tuple(index)} selects no element")
         return out.transpose(m.perm)
 
     return np.stack([one_layer(m.key(i)) for i in layers]) if m.stacked else one_layer(m.key(None))

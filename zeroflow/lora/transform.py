@@ -100,7 +100,7 @@ class LoRA:
         matched = self.matched(base)
         closed, arrays, out_tree = trace(self.loss_fn, (base, *args), kwargs)
         paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(base)]
-        views = [None] * len(arrays)
+        views: list[View | None] = [None] * len(arrays)
         for k, path in enumerate(paths):
             if path in matched:
                 views[k] = View.of(path, arrays[k].shape)

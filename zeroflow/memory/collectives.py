@@ -29,6 +29,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from zeroflow.engine.hosts import hosts_of
 from zeroflow.memory.replica_groups import groups_of, permute_pairs
@@ -158,7 +159,7 @@ def overlap(
 ) -> dict:
     """Per kind: how many collectives, how many overlap compute, and the share, plus the
     total over ``kinds``."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for kind in kinds:
         of_kind = [c for c in colls if c.kind == kind]
         done = sum(c.overlapped for c in of_kind)
@@ -182,17 +183,19 @@ def traffic(colls: Sequence[Collective], kinds: Sequence[str] = KINDS) -> dict:
     """Per kind and in total: bytes per step the busiest device exchanges inside its host and
     across hosts (each collective's bytes times its ``runs``). Collectives whose hosts are
     unknown count in neither."""
-    out = {}
+    out: dict[str, dict[str, int]] = {}
     for kind in (*kinds, "total"):
         chosen = [
-            c
+            (c.runs, c.within_host, c.cross_host)
             for c in colls
-            if (c.kind == kind if kind != "total" else c.kind in kinds) and c.cross_host is not None
+            if (c.kind == kind if kind != "total" else c.kind in kinds)
+            and c.within_host is not None
+            and c.cross_host is not None
         ]
         out[kind] = {
-            "within_host": sum(c.runs * c.within_host for c in chosen),
-            "cross_host": sum(c.runs * c.cross_host for c in chosen),
-            "count": sum(c.runs for c in chosen),
+            "within_host": sum(runs * within for runs, within, _ in chosen),
+            "cross_host": sum(runs * cross for runs, _, cross in chosen),
+            "count": sum(runs for runs, _, _ in chosen),
         }
     return out
 
@@ -281,7 +284,7 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 def _runs(computations: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     """How many times one run of ``entry`` runs each computation: a while body its loop's known
     trip count times its caller's (1 when the count is unknown); other callees as their caller."""
-    runs = {}
+    runs: dict[str, int] = {}
     todo = [(entry, 1)] if entry in computations else []
     while todo:
         name, times = todo.pop()
@@ -324,7 +327,8 @@ def _bytes(line: str) -> int:
 
 
 def _computations(text: str) -> dict[str, list[str]]:
-    comps, current = {}, None
+    comps: dict[str, list[str]] = {}
+    current: str | None = None
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header:

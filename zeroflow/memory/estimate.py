@@ -37,7 +37,7 @@ from zeroflow.optim import moment_bytes
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES
 UPDATE_ONS = UPDATE_ON_CHOICES
-REMATS = ("none", "full", "save_dots", "offload_dots")
+REMATS = ("none", "full", "save_dots", "offload_dots", "offload_input")
 "The remat policies whose activations the estimator knows (the trainer's ``model.remat``)."
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
@@ -376,11 +376,13 @@ def activations(
     q = heads * head
     swiglu = model.mlp_activation == "swiglu"
     tokens = b * s
+    # The tiled MLP (model.mlp_chunk) holds one chunk's intermediates at a time.
+    mlp_tokens = b * min(model.mlp_chunk, s) if model.mlp_chunk else tokens
     # Everything one block keeps for its backward pass when nothing is recomputed:
     # two norm inputs + two norm outputs (4h), q/k/v (q + 2kv), attention output (q),
     # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs.
-    per_layer_none = width * tokens * (
-        4 * h + 2 * q + 2 * kv + (3 if swiglu else 2) * f
+    per_layer_none = width * (
+        tokens * (4 * h + 2 * q + 2 * kv) + mlp_tokens * (3 if swiglu else 2) * f
     ) + b * heads * s * s * (4 + width)
     # save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus
     # the block input; attention scores and norms are recomputed.
@@ -391,19 +393,36 @@ def activations(
         blocks = layers * per_layer_none
     elif remat == "save_dots":
         blocks = layers * per_layer_dots + per_layer_none  # + one block being recomputed
+    elif remat == "offload_input":  # the layer inputs are in host memory (offloaded_activations)
+        blocks = per_layer_none
     else:  # full, and offload_dots: its matmul outputs are in host memory (offloaded_activations)
         blocks = layers * per_layer_full + per_layer_none
-    # Embedding output, final norm in/out, fp32 logits and the fp32 softmax of the loss.
-    head_bytes = width * tokens * 3 * h + 2 * 4 * tokens * v
-    return float(blocks + head_bytes)
+    # Embedding output, final norm in/out, and the loss: the fp32 logits and their softmax, or
+    # with the chunked cross-entropy (model.loss_chunk) one tile of each and the fp32 gradient
+    # of the output projection it accumulates.
+    if model.loss_chunk:
+        tile = b * min(model.loss_chunk, s) * min(model.loss_vocab_chunk, v)
+        loss_bytes = 2 * 4 * tile + 4 * v * h
+    else:
+        loss_bytes = 2 * 4 * tokens * v
+    return float(blocks + width * tokens * 3 * h + loss_bytes)
 
 
 def offloaded_activations(
     model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16"
 ) -> float:
-    """Activations remat 'offload_dots' keeps in pinned host memory per device for one
-    micro-batch: save_dots's matmul outputs, the block input aside (0 for other policies)."""
+    """Activations an offloading remat keeps in pinned host memory per device for one
+    micro-batch: for 'offload_dots' save_dots's matmul outputs, the block input aside; for
+    'offload_input' each block's input (0 for other policies)."""
     remat = model.remat if remat is None else remat
+    if remat == "offload_input":
+        return float(
+            model.num_layers
+            * DTYPE_BYTES[_precision_name(precision)]
+            * micro_batch
+            * model.seq_len
+            * model.embed_dim
+        )
     if remat != "offload_dots":
         return 0.0
     saved = activations(model, micro_batch=micro_batch, remat="save_dots", precision=precision)
@@ -434,7 +453,10 @@ def _gpt_param_counts(model) -> tuple[int, int]:
     return block, v * h + final + head_params + positions
 
 
-def _gpt_param_shapes(model) -> list[tuple[int, ...]]:
+Shapes = list[tuple[int, ...]]
+
+
+def _gpt_param_shapes(model) -> Shapes:
     """The shapes of the GPT model's parameters (the scanned blocks' with their leading layers
     axis), the same parameters ``_gpt_param_counts`` counts: what blockwise optimizer state
     depends on (the last axis and each tensor's size)."""
@@ -442,8 +464,8 @@ def _gpt_param_shapes(model) -> list[tuple[int, ...]]:
     head = model.head_dim or h // model.num_heads
     heads, kv = model.num_heads, model.num_kv_heads or model.num_heads
     projections = 3 if model.mlp_activation == "swiglu" else 2
-    norm = [(h,)] * (2 if model.norm == "layernorm" else 1)  # scale (and bias)
-    block = [(h, heads, head), (h, kv, head), (h, kv, head), (heads, head, h)]
+    norm: Shapes = [(h,)] * (2 if model.norm == "layernorm" else 1)  # scale (and bias)
+    block: Shapes = [(h, heads, head), (h, kv, head), (h, kv, head), (heads, head, h)]
     block += [(h, f)] * (projections - 1) + [(f, h)] + norm * 2
     if model.attn_bias in ("qkv", "all"):
         block += [(heads, head), (kv, head), (kv, head)]
@@ -451,7 +473,7 @@ def _gpt_param_shapes(model) -> list[tuple[int, ...]]:
         block += [(h,)]
     if model.mlp_bias:
         block += [(f,)] * (projections - 1) + [(h,)]
-    rest = [(v, h)] + norm + ([] if model.tie_embeddings else [(h, v)])
+    rest: Shapes = [(v, h)] + norm + ([] if model.tie_embeddings else [(h, v)])
     if model.positions == "learned":
         rest += [(model.max_positions or model.seq_len, h)]
     return [(layers, *shape) for shape in block] + rest
@@ -493,7 +515,7 @@ def estimate_config(
     zeroflow's engine reduces them, activations per micro-batch are included, and the
     optimizer state is ``train.optimizer``'s (``optimizer_bytes_per_param``).
     ``frozen_params``: how many of the GPT's parameters ``train.freeze`` freezes
-    (the trainer counts the parameters ``train.freeze`` matches)."""
+    (``zeroflow.trainer.planning.count_frozen_params``)."""
     par = cfg.parallel
     n = num_devices if num_devices is not None else (par.data if par.data > 0 else None)
     if n is None:

@@ -386,7 +386,7 @@ def peak_bytes(closed) -> float:
             held += nbytes(o)
             if o not in last:  # read by nothing: freed once made
                 dies_at.setdefault(i, []).append(o)
-        transient = sum(size for first, use, size in copies if first <= i <= use)
+        transient: float = sum(size for first, use, size in copies if first <= i <= use)
         if e.name in _LOOPS:
             transient += _loop_peak(e)
         elif e.name == "dot_general" and traits.splits_k:

@@ -173,7 +173,10 @@ def compile_step(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings
     )
     placed = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=plan.batch_sharding()), batch
+        lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), x.dtype, sharding=plan.batch_sharding(np.ndim(x))
+        ),
+        batch,
     )
     step = make_train_step(
         loss_fn, tx, plan, prec, grad_accum, gather_per_layer=gather_per_layer, **step_options

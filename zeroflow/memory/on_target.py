@@ -21,8 +21,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.backend.mesh import DATA, MODEL
-
 
 class CompiledOnTarget:
     """An XLA:GPU executable with the parts of ``jax.stages.Compiled`` that
@@ -46,18 +44,19 @@ def is_abstract(mesh: Mesh) -> bool:
 
 
 def stand_in_mesh(target: Mesh) -> Mesh:
-    """A ``("data", "model")`` mesh of CPU devices shaped like ``target``'s abstract GPUs."""
-    shape = (target.shape[DATA], target.shape[MODEL])
+    """A mesh of CPU devices shaped like ``target``'s abstract GPUs, with its axes."""
+    names = tuple(target.axis_names)
+    shape = tuple(target.shape[a] for a in names)
+    count = int(np.prod(shape))
     cpus = jax.devices("cpu")
-    if len(cpus) < shape[0] * shape[1]:
+    if len(cpus) < count:
         raise RuntimeError(
-            f"compiling an offloaded step for {shape[0] * shape[1]} GPUs needs as "
-            f"many CPU devices standing in for them, {len(cpus)} here: set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count="
-            f"{shape[0] * shape[1]} before jax starts"
+            f"compiling an offloaded step for {count} GPUs needs as many CPU devices standing "
+            f"in for them, {len(cpus)} here: set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before jax starts"
         )
-    grid = np.asarray(cpus[: shape[0] * shape[1]], dtype=object).reshape(shape)
-    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+    grid = np.asarray(cpus[:count], dtype=object).reshape(shape)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def compile_for(step, state, batch, target: Mesh) -> CompiledOnTarget:

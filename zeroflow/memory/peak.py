@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend as backends
 from zeroflow.autocast.precision import Precision
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import CONTEXT, DATA
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine.grads.local import native_gradients
 from zeroflow.engine.grads.routes import Fetch, Reduce, fetches_whole, is_route, step_routes
@@ -112,7 +112,7 @@ class PeakEstimate:
             "backward_end": self.backward_end,
             "update": self.update,
         }
-        return max(moments, key=moments.get)
+        return max(moments, key=moments.__getitem__)
 
     def terms(self) -> dict[str, float]:
         return {
@@ -236,7 +236,7 @@ def estimate_step(
     plan = _compiled_for(plan, backend)
     master = abstract_master(params)
     layout = step_layout(master, tx, plan, prec, trainable=trainable)
-    micro = micro_batch(batch, plan.data_size, grad_accum)
+    micro = micro_batch(batch, plan.batch_split, grad_accum, plan.context_size)
     extras = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     leaves = _leaf_facts(
         loss_fn, master, micro, extras, layout, plan, prec, gather_per_layer, grad_accum
@@ -293,7 +293,7 @@ def estimate_step(
         recompute_bytes=recompute_bytes,
     )
     update = _update_bytes(
-        frozen_weights.split(master, layout.trainable)[0],
+        frozen_weights.split(master, layout.layouts)[0],
         stored,
         layout.state,
         tx,
@@ -334,9 +334,7 @@ def _leaf_facts(
     """The ``_Leaves`` of ``master`` under the step's ``layout``: the step's routes, and which
     leaves the loss's scans (or ``gather_per_layer``) use one slice at a time."""
     routes = jax.tree.leaves(
-        step_routes(
-            layout.layouts, plan, prec, gather_per_layer, grad_accum, trainable=layout.trainable
-        ),
+        step_routes(layout.layouts, plan, prec, gather_per_layer, grad_accum),
         is_leaf=is_route,
     )
     shapes = [x.shape for x in jax.tree.leaves(master)]
@@ -652,16 +650,14 @@ def _update_loops(tx, master, only_fp32: bool) -> tuple[float, list[bool]]:
 
 
 def _without_data(spec):
-    return P(*[None if axis == DATA else axis for axis in spec])
+    return P(*[None if axis in (DATA, (DATA, CONTEXT)) else axis for axis in spec])
 
 
-def _brought_in_bytes(
-    stored, shard, tx, master, path: UpdatePath
-) -> tuple[float, list[float] | None]:
+def _brought_in_bytes(stored, shard, tx, master, path: UpdatePath) -> tuple[float, list[float]]:
     """Offloaded state an update on the device copies in: ``(shared, per parameter)``, the
     state shared by all parameters (a step count) and each parameter's master and optimizer
     state, in the order of ``master``'s leaves, where ``path`` streams it
-    (``UpdatePath.STREAMED``); ``(all of it, None)`` where it is brought in whole."""
+    (``UpdatePath.STREAMED``); ``(all of it, [])`` where it is brought in whole."""
     sizes = [
         float(_local_elements(x.shape, sh) * jnp.dtype(x.dtype).itemsize)
         for arrays, shardings in (
@@ -671,7 +667,7 @@ def _brought_in_bytes(
         for x, sh in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings))
     ]
     if path is not UpdatePath.STREAMED:
-        return float(sum(sizes)), None
+        return float(sum(sizes)), []
     count = len(jax.tree.leaves(master))
     groups = list(range(count)) + owners(tx, master, jax.eval_shape(tx.init, master))
     per_group = [0.0] * count
@@ -691,7 +687,7 @@ def remat_recompute_bytes(
     ``recompute_bytes``: ``plain`` and ``remat`` are the same step without and with remat
     (objects with ``loss_fn, params, batch, plan, prec, gather_per_layer``; the stack of
     ``num_layers`` layers scanned under ``gather_per_layer``)."""
-    micro = micro_batch(remat.batch, remat.plan.data_size, grad_accum)
+    micro = micro_batch(remat.batch, remat.plan.batch_split, grad_accum, remat.plan.context_size)
     with backends.tracing_for(_compiled_for(remat.plan, backend).traits):  # where remat may offload
         kept = [
             residual_bytes(p.loss_fn, p.params, micro, p.prec, p.gather_per_layer)

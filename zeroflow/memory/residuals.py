@@ -126,15 +126,19 @@ def _held_by_gradient(
     return [liveness.peak_bytes(closed)]
 
 
-def micro_batch(batch, n: int, grad_accum: int):
-    """One device's micro-batch of the global ``batch``, abstract."""
-    check_batch(batch, n, grad_accum)
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            (np.shape(x)[0] // (n * grad_accum),) + tuple(np.shape(x)[1:]), x.dtype
-        ),
-        batch,
-    )
+def micro_batch(batch, n: int, grad_accum: int, context: int = 1):
+    """One device's micro-batch of the global ``batch``, abstract: rows split over ``n`` data
+    devices and ``grad_accum``, sequences (second dimensions) over ``context`` devices."""
+    check_batch(batch, n, grad_accum, context)
+
+    def one(x):
+        shape = list(np.shape(x))
+        shape[0] //= n * grad_accum
+        if len(shape) >= 2:
+            shape[1] //= context
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    return jax.tree.map(one, batch)
 
 
 def residual_bytes(

@@ -32,6 +32,7 @@ import re
 import sys
 import tempfile
 import threading
+from collections.abc import MutableMapping
 
 LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
 "What makes XLA print its schedule statistics (set before JAX starts)."
@@ -47,7 +48,7 @@ def enabled() -> bool:
     ) == "0" and "latency_hiding_scheduler" in os.environ.get("TF_CPP_VMODULE", "")
 
 
-def enable(env: dict | None = None) -> dict:
+def enable(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
     """``env`` (default ``os.environ``) with the logging that prints the statistics turned on;
     takes effect in a process started with it."""
     env = os.environ if env is None else env
@@ -146,11 +147,11 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
     trips, unknown = loop_trips(hlo_text)
     outer = _enclosing_loops(hlo_text, set(trips) | unknown)
     comps = []
-    for name, (total, wasted) in stats.items():
+    for comp_name, (total, wasted) in stats.items():
         count = 1
-        for body in [name, *outer.get(name, ())]:
+        for body in [comp_name, *outer.get(comp_name, ())]:
             count *= trips.get(body, 1)
-        comps.append(Computation(name, count, total, {k: v for k, v in wasted.items() if v}))
+        comps.append(Computation(comp_name, count, total, {k: v for k, v in wasted.items() if v}))
     uncosted = tuple(sorted(b for b in set(trips) | unknown if b not in stats))
     if peak_flops and uncosted:
         comps += _cost_by_flops(
@@ -185,7 +186,8 @@ _CALLED = re.compile(r"calls=\{?([%\w.\-, ]+)\}?")
 
 def computations_of(hlo_text: str) -> dict:
     """``{computation name: its lines}`` of a module's text."""
-    out, name = {}, None
+    out: dict[str, list[str]] = {}
+    name: str | None = None
     for line in hlo_text.splitlines():
         head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
         if head and line.rstrip().endswith("{"):

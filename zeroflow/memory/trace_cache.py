@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ def _option(value):
     return _abstract(value)
 
 
-def remembered(trace):
+def remembered(trace: Callable[..., list]) -> Callable[..., list]:
     """``trace(loss_fn, *trees, **options) -> list``, kept per loss function (by identity),
     the trees' shapes, dtypes and shardings, the options and the backend traced for; a fresh
     list is returned each call."""

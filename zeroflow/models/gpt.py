@@ -15,7 +15,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import flax.linen as nn
 import jax
@@ -37,12 +37,21 @@ from zeroflow.models.axes import (
     POSITIONS,
     VOCAB,
 )
+from zeroflow.models.context import context_size, token_index
+from zeroflow.models.context_attention import context_attention
+from zeroflow.models.kernels import pallas_kernel
 
 INIT_STD = 0.02
 
 MATMUL_OUTPUTS = ("query", "key", "value", "attn_out", "mlp_up", "mlp_gate", "mlp_down")
 "Names (``checkpoint_name``) of a block's weight-matmul outputs: what remat 'offload_dots' moves"
 " to host memory for the backward pass."
+LAYER_INPUT = "layer_input"
+"Name (``checkpoint_name``) of each block's input: what remat 'offload_input' moves to host memory."
+OFFLOADED = {"offload_dots": MATMUL_OUTPUTS, "offload_input": (LAYER_INPUT,)}
+"The names each offloading remat policy keeps in pinned host memory."
+INIT_REMAT = {"offload_dots": "save_dots", "offload_input": "full"}
+"What an offloading policy runs as while initialising (only shapes, no backend to ask)."
 
 _CHOICES = choices_of(ModelConfig)
 "The allowed values of each enumerated model setting, as ModelConfig spells them."
@@ -80,19 +89,11 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(
             "model.sliding_window needs attention='xla' or 'cudnn'; the pallas kernel has no window"
         )
-
-
-def _pallas_kernel(attr: str, setting: str):
-    """Lazily fetch a kernel from the sibling ``pallas_kernels`` package."""
-    try:
-        import pallas_kernels
-
-        return getattr(pallas_kernels, attr)
-    except (ImportError, AttributeError) as err:
-        raise ImportError(
-            f"model.{setting} needs pallas_kernels.{attr}, which could not be imported ({err}); "
-            "install the pallas_kernels package or choose another setting"
-        ) from err
+    if cfg.loss_chunk < 0 or cfg.mlp_chunk < 0 or cfg.loss_vocab_chunk < 1:
+        raise ValueError(
+            f"model.loss_chunk={cfg.loss_chunk} and model.mlp_chunk={cfg.mlp_chunk} must be >= 0 "
+            f"and model.loss_vocab_chunk={cfg.loss_vocab_chunk} positive"
+        )
 
 
 def _param(module: nn.Module, name: str, init, shape, names):
@@ -212,27 +213,33 @@ def causal_attention(
     ``segment_ids`` [B, S] (packed examples): a query sees only keys of its own segment.
     """
     if implementation == "pallas":
-        return _pallas_kernel("flash_attention", "attention='pallas'")(
+        return pallas_kernel("flash_attention", "attention='pallas'")(
             q, k, v, causal=True, segment_ids=segment_ids
         )
+    check_implementation(implementation, q.dtype)
+    # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
+    local = (window - 1, 0) if window else None
+    # Both paths take the segments as a boolean mask (cuDNN turns it into a bias).
+    mask = None if segment_ids is None else segment_mask(segment_ids)
+    jax_kind = cast(Literal["xla", "cudnn"], implementation)  # "pallas" returned above
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=jax_kind
+    )
+
+
+def check_implementation(implementation: str, dtype) -> None:
+    """One line where the attention implementation cannot run on the step's devices."""
     traits = backend.current()
     if implementation == "cudnn" and not traits.has_cudnn:
         raise ValueError(
             f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the step is "
             f"compiled for {traits.platform!r} devices; use attention='xla' here"
         )
-    if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+    if implementation == "cudnn" and dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(
-            f"model.attention='cudnn' needs bf16 or fp16 params, got {q.dtype}; "
+            f"model.attention='cudnn' needs bf16 or fp16 params, got {dtype}; "
             "set precision.params to bf16/fp16 or use attention='xla'"
         )
-    # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
-    local = (window - 1, 0) if window else None
-    # Both paths take the segments as a boolean mask (cuDNN turns it into a bias).
-    mask = None if segment_ids is None else segment_mask(segment_ids)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
-    )
 
 
 class Attention(nn.Module):
@@ -254,14 +261,15 @@ class Attention(nn.Module):
             k = apply_rope(k, cfg.rope_base, cfg, positions)
         # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
-        out = causal_attention(
-            q,
-            k,
-            v,
-            "xla" if self.is_initializing() else cfg.attention,
-            cfg.sliding_window,
-            segment_ids,
-        )
+        implementation = "xla" if self.is_initializing() else cfg.attention
+        if context_size() > 1:  # inside the step, this device holds a part of every row
+            if implementation != "pallas":
+                check_implementation(implementation, q.dtype)
+            out = context_attention(
+                q, k, v, cfg.context_attention, implementation, cfg.sliding_window, segment_ids
+            )
+        else:
+            out = causal_attention(q, k, v, implementation, cfg.sliding_window, segment_ids)
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
         out = Dense(
@@ -284,7 +292,7 @@ class Mlp(nn.Module):
 
     def _projection(self, features: int, kernel_axes, stddev: float, name: str, layout_seed: int):
         if self.cfg.mlp == "block_sparse":
-            block_sparse_dense = _pallas_kernel("BlockSparseDense", "mlp='block_sparse'")
+            block_sparse_dense = pallas_kernel("BlockSparseDense", "mlp='block_sparse'")
             return block_sparse_dense(
                 features,
                 block_size=self.cfg.mlp_block_size,
@@ -312,6 +320,30 @@ class Mlp(nn.Module):
         return checkpoint_name(down, "mlp_down")
 
 
+def _mlp_chunk(mlp: Mlp, carry, x):
+    return carry, mlp(x)
+
+
+def tiled_mlp(mlp: Mlp, x: jax.Array, chunk: int) -> jax.Array:
+    """``mlp`` on [B, S, D] in sequence chunks of ``chunk`` positions, each under remat: the
+    backward pass recomputes one chunk's [B, chunk, mlp_dim] intermediates at a time, so they
+    are never held for the whole sequence. The weights are the same for every chunk (broadcast
+    into the loop); a sequence that ``chunk`` does not divide is padded with zero rows, whose
+    outputs are dropped."""
+    batch, seq, width = x.shape
+    chunks = -(-seq // chunk)
+    padded = jnp.pad(x, ((0, 0), (0, chunks * chunk - seq), (0, 0)))
+    over_chunks = nn.scan(
+        nn.remat(_mlp_chunk, prevent_cse=False),
+        variable_broadcast="params",
+        split_rngs={"params": False},
+        in_axes=1,
+        out_axes=1,
+    )
+    _, y = over_chunks(mlp, None, padded.reshape(batch, chunks, chunk, width))
+    return y.reshape(batch, chunks * chunk, width)[:, :seq]
+
+
 class Block(nn.Module):
     """Pre-norm decoder block; ``(x, None)`` out so nn.scan can stack it. ``segment_ids`` and
     ``positions`` (packed examples, or None) are the same for every layer."""
@@ -324,11 +356,14 @@ class Block(nn.Module):
         self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
     ) -> tuple[jax.Array, None]:
         cfg = self.cfg
+        x = checkpoint_name(x, LAYER_INPUT)
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
         attn_in = Norm(cfg.norm, cfg.norm_eps, name="attn_norm")(x)
         x = x + drop(Attention(cfg, name="attn")(attn_in, segment_ids, positions))
-        x = x + drop(Mlp(cfg, name="mlp")(Norm(cfg.norm, cfg.norm_eps, name="mlp_norm")(x)))
-        return x, None
+        mlp, mlp_in = Mlp(cfg, name="mlp"), Norm(cfg.norm, cfg.norm_eps, name="mlp_norm")(x)
+        if 0 < cfg.mlp_chunk < x.shape[1] and not self.is_initializing():
+            return x + drop(tiled_mlp(mlp, mlp_in, cfg.mlp_chunk)), None
+        return x + drop(mlp(mlp_in)), None
 
 
 def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Module]:
@@ -346,32 +381,42 @@ def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Modu
             prevent_cse=False,
             policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         )
-    if remat == "offload_dots":
-        return nn.remat(block, prevent_cse=False, policy=offload_policy(backend.current()))
+    if remat in OFFLOADED:
+        policy = offload_policy(backend.current(), remat)
+        return nn.remat(block, prevent_cse=False, policy=policy)
     if fetched:
         return nn.remat(block, prevent_cse=False, policy=save_all_but_fetched)
     return block
 
 
-def offload_policy(traits: backend.Traits):
-    """Remat 'offload_dots': the block's matmul outputs (``MATMUL_OUTPUTS``) are copied to pinned
-    host memory in the forward pass and back for the backward pass; everything else (norms,
-    attention scores, fetched weights) is recomputed. Where host memory is the device's own
-    (XLA:CPU) the copies would save nothing: the outputs stay in device memory, as 'save_dots'
-    would keep them."""
+def offload_policy(traits: backend.Traits, remat: str = "offload_dots"):
+    """An offloading remat policy: the values it names (``OFFLOADED[remat]``) are copied to
+    pinned host memory in the forward pass and back for the backward pass; everything else is
+    recomputed. 'offload_dots': the block's matmul outputs (``MATMUL_OUTPUTS``), norms, attention
+    scores and fetched weights recomputed; 'offload_input': only the block's input (as remat
+    'full', whose one saved activation it is). Where host memory is the device's own (XLA:CPU)
+    the copies would save nothing: the values stay in device memory ('save_dots' and 'full')."""
+    names = OFFLOADED[remat]
     if not traits.separate_host_memory:
+        what = "matmul outputs" if remat == "offload_dots" else "layer inputs"
         warnings.warn(
-            f"model.remat='offload_dots': {traits.platform} has no separate host memory; "
-            "the matmul outputs are kept in device memory instead",
+            f"model.remat={remat!r}: {traits.platform} has no separate host memory; "
+            f"the {what} are kept in device memory instead",
             stacklevel=2,
         )
-        return jax.checkpoint_policies.save_only_these_names(*MATMUL_OUTPUTS)
+        return jax.checkpoint_policies.save_only_these_names(*names)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[],
-        names_which_can_be_offloaded=list(MATMUL_OUTPUTS),
+        names_which_can_be_offloaded=list(names),
         offload_src="device",
         offload_dst="pinned_host",
     )
+
+
+def unembed_vocab_axis(cfg: ModelConfig) -> int:
+    """The vocabulary axis of the output projection: 0 for the tied embedding [vocab, embed],
+    1 for ``lm_head`` [embed, vocab]."""
+    return 0 if cfg.tie_embeddings else 1
 
 
 LAYER_STACK = "layers"
@@ -382,7 +427,11 @@ class GPT(nn.Module):
     """``tokens [B, S] int32 -> logits [B, S, vocab] float32``.
 
     Packed rows pass ``segment_ids`` [B, S] (attention stays inside a segment) and
-    ``positions`` [B, S] (restarting at 0 in every segment).
+    ``positions`` [B, S] (restarting at 0 in every segment). ``return_hidden=True``: instead of
+    the logits, ``(hidden, unembed)``, the final-norm hidden states [B, S, embed] in the
+    unembedding's dtype and the output projection, [embed, vocab] or, with tied embeddings,
+    [vocab, embed] (``unembed_vocab_axis``), for a loss that projects them itself (the chunked
+    cross-entropy).
     """
 
     cfg: ModelConfig
@@ -397,7 +446,8 @@ class GPT(nn.Module):
         deterministic: bool = True,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
-    ) -> jax.Array:
+        return_hidden: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         check_config(cfg)
         block = Block
@@ -414,11 +464,13 @@ class GPT(nn.Module):
             (VOCAB, EMBED),
         )
         x = jnp.take(embedding, tokens, axis=0)
+        if positions is None and context_size() > 1:  # each token's place in the whole row
+            positions = token_index(tokens.shape[-1], cfg.context_attention)[None]
         if cfg.positions == "learned":
             x = x + self._learned_positions(tokens.shape[-1], positions).astype(x.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         # Initialising needs only shapes: no backend to ask where activations may go.
-        remat = "save_dots" if cfg.remat == "offload_dots" and self.is_initializing() else cfg.remat
+        remat = INIT_REMAT.get(cfg.remat, cfg.remat) if self.is_initializing() else cfg.remat
         stack = nn.scan(
             _rematted(block, remat, fetched=block is not Block),
             variable_axes={"params": 0},
@@ -440,6 +492,8 @@ class GPT(nn.Module):
                 (EMBED, VOCAB),
             )
             spec = "bsd,dv->bsv"
+        if return_hidden:
+            return x.astype(unembed.dtype), unembed
         logits = jnp.einsum(
             spec, x.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32
         )
@@ -544,7 +598,7 @@ def flops_per_token(cfg: ModelConfig) -> float:
     heads_width = cfg.num_heads * head_dim(cfg)
     kv_width = num_kv_heads(cfg) * head_dim(cfg)
     attn = cfg.embed_dim * (2 * heads_width + 2 * kv_width)  # query, key, value, out
-    mlp = (3 if cfg.mlp_activation == "swiglu" else 2) * cfg.embed_dim * cfg.mlp_dim
+    mlp: float = (3 if cfg.mlp_activation == "swiglu" else 2) * cfg.embed_dim * cfg.mlp_dim
     if cfg.mlp == "block_sparse":
         mlp *= cfg.mlp_density
     matmul_weights = cfg.num_layers * (attn + mlp) + cfg.embed_dim * cfg.vocab_size

@@ -28,6 +28,8 @@ MIN_8BIT_SIZE = 4096
 "``adamw_8bit``'s default: parameters with fewer entries keep fp32 moments (bitsandbytes')."
 
 
+# ``count`` is optax's name for the step count in its own states; as a NamedTuple field it
+# shadows tuple.count, which nothing here calls.
 class ScaleByAdam8bitState(NamedTuple):
     """``mu_*``: the first moment (signed map), ``nu_*``: the square root of the second moment
     (unsigned map); codes are uint8 of each parameter's shape, scales fp32 of
@@ -35,7 +37,7 @@ class ScaleByAdam8bitState(NamedTuple):
     moments in fp32 instead: its ``*_codes`` leaf holds the fp32 moment itself (the second moment,
     not its root), its ``*_scales`` leaf an unused fp32 scalar."""
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu_codes: optax.Updates
     mu_scales: optax.Updates
     nu_codes: optax.Updates
@@ -43,7 +45,7 @@ class ScaleByAdam8bitState(NamedTuple):
 
 
 class ScaleByAdamBf16State(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu: optax.Updates
     nu: optax.Updates
 
@@ -62,8 +64,10 @@ def _unzip(like, tree_of_tuples, n: int) -> tuple:
     """A tree (of ``like``'s structure) of ``n``-tuples -> ``n`` trees (``n`` empty trees when
     ``like`` has no leaves)."""
     treedef = jax.tree.structure(like)
-    columns = list(zip(*treedef.flatten_up_to(tree_of_tuples))) or [()] * n
-    return tuple(treedef.unflatten(x) for x in columns)
+    # jaxlib ships no stub for its compiled PyTreeDef, so mypy cannot see its methods
+    pairs = treedef.flatten_up_to(tree_of_tuples)  # type: ignore[attr-defined]
+    columns = list(zip(*pairs)) or [()] * n
+    return tuple(jax.tree.unflatten(treedef, x) for x in columns)
 
 
 def _check(b1, b2, eps, block_size=1):

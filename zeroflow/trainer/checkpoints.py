@@ -44,6 +44,8 @@ LOADER = "loader"
 "Checkpoint item holding the data loader's position (runs with a Grain loader)."
 CORRUPT = ".corrupt"
 "Suffix of a step folder moved aside because it could not be read."
+DIVERGED = ".diverged"
+"Suffix of a step folder moved aside because its weights gave a diverging step."
 DIGESTS = "digests"
 "Key of a step's meta naming its manifest: a step saved with digests must have them."
 
@@ -56,12 +58,26 @@ READ_ATTEMPTS = 3
 "How often a reader lists the steps again when the ones it listed were deleted under it."
 
 
-def _no_space(error: BaseException) -> bool:
+OUT_OF_ROOM = {
+    errno.ENOSPC: ("No space left on device", "no space left on device", "free some space"),
+    errno.EFBIG: (
+        "File too large",
+        "a file larger than the file-size limit allows (ulimit -f, or the file system's)",
+        "raise the file-size limit",
+    ),
+}
+"errno: (how the OS or TensorStore words it, what we say, what to do)."
+
+
+def _out_of_room(error: BaseException | None) -> int | None:
+    """ENOSPC or EFBIG when a write failed for want of room, through the exception's chain
+    (TensorStore reports them as text: 'OUT_OF_RANGE: ... File too large')."""
     while error is not None:
-        if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
-            return True
+        for code, (words, _, _) in OUT_OF_ROOM.items():
+            if getattr(error, "errno", None) == code or words in str(error):
+                return code
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 def _nbytes(tree) -> int:
@@ -137,30 +153,32 @@ class RunCheckpoints:
             if jax.process_index() == 0:  # last, once the step's folder is complete
                 checkpoint_digests.write_manifest(self.directory / str(step))
         except Exception as e:
-            if not _no_space(e):
+            code = _out_of_room(e)
+            if code is None:
                 raise
-            raise self._disk_full(step, _nbytes(saved)) from None
+            raise self._disk_full(step, _nbytes(saved), code) from None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"zeroflow: step {step} saved with its digests")
         self._written.add(step)
 
-    def _disk_full(self, step: int, needed: int) -> DiskFull:
-        """The error for a save that ran out of space, after removing what it left half-written
-        (the earlier steps are untouched)."""
+    def _disk_full(self, step: int, needed: int, code: int) -> DiskFull:
+        """The error for a save that ran out of room (``code``: ENOSPC or EFBIG), after removing
+        what it left half-written (the earlier steps are untouched)."""
         for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
             shutil.rmtree(leftover, ignore_errors=True)
         if (self.directory / str(step)).is_dir() and step not in self._written:
             shutil.rmtree(self.directory / str(step), ignore_errors=True)
         free = shutil.disk_usage(self.directory).free
+        _, what, remedy = OUT_OF_ROOM[code]
         error = DiskFull(
-            f"no space left on device for checkpoint step {step} in "
+            f"{what} for checkpoint step {step} in "
             f"{self.directory}: it needs about {needed:,} bytes, {free:,} bytes are "
-            "free; free some space (or lower checkpoint.keep) and run the same "
+            f"free; {remedy} (or lower checkpoint.keep) and run the same "
             f"command to resume from step {max(self.steps(), default=0)}"
         )
-        error.errno = errno.ENOSPC
+        error.errno = code
         return error
 
     def restore(
@@ -233,11 +251,11 @@ class RunCheckpoints:
             except UnreadableCheckpoint as e:
                 bad.append(e)
                 continue
-            for e in bad:
-                moved = self.move_aside(e.step)
+            for unreadable in bad:
+                moved = self.move_aside(unreadable.step)
                 log.warning(
                     "%s; moved it to %s, resuming from step %d",
-                    e,
+                    unreadable,
                     damage.shown(moved, self.directory),
                     step,
                 )
@@ -299,13 +317,15 @@ class RunCheckpoints:
             f"step {e.step}: {e.reason}" for e in sorted(bad, key=lambda e: e.step)
         )
 
-    def move_aside(self, step: int) -> Path:
-        """Rename an unreadable step to ``<step>.corrupt`` (``.corrupt-2``, ... if taken)."""
-        target = self.directory / f"{step}{CORRUPT}"
+    def move_aside(self, step: int, suffix: str = CORRUPT) -> Path:
+        """Rename a step that must not be used (unreadable: ``<step>.corrupt``; diverged:
+        ``<step>.diverged``; ``-2``, ... added if taken). Orbax lists numbered folders only,
+        so the step is gone for every later restore, and a save at that step writes it anew."""
+        target = self.directory / f"{step}{suffix}"
         n = 1
         while target.exists():
             n += 1
-            target = self.directory / f"{step}{CORRUPT}-{n}"
+            target = self.directory / f"{step}{suffix}-{n}"
         if jax.process_index() == 0:
             (self.directory / str(step)).rename(target)
         if jax.process_count() > 1:
@@ -313,6 +333,7 @@ class RunCheckpoints:
 
             multihost_utils.sync_global_devices(f"zeroflow: moved step {step} aside")
         self.manager.reload()
+        self._written.discard(step)
         return target
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 # The files Orbax writes for every step of a RunCheckpoints: item folder -> files in it (and
 # the OCDBT index, when the arrays were written to an OCDBT database: per-process folders).
-REQUIRED = {"state": ("_METADATA",), "meta": ("metadata",)}
+REQUIRED: dict[str, tuple[str, ...]] = {"state": ("_METADATA",), "meta": ("metadata",)}
 OCDBT_INDEX = "manifest.ocdbt"
 _TRUNCATED = re.compile(
     r'local file "([^"]+)": Requested byte range \[\d+, (\d+)\) is not valid '
@@ -107,21 +107,25 @@ class _DropTensorStoreLeftovers(logging.Filter):
         )
 
 
+class _DropClosedLoops:
+    """An unraisable hook that drops "Event loop is closed" and hands the rest to ``previous``."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            self.previous(unraisable)
+
+
 def quiet_closed_loops() -> None:
     """After a failed read, TensorStore's worker threads still hand their results to the event
     loop Orbax has closed; each would print a traceback (through ``sys.unraisablehook``) or an
     asyncio error. Those, and only those, are dropped; installed once per process."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_loops", False):
+    if isinstance(sys.unraisablehook, _DropClosedLoops):
         return
-
-    def hook(unraisable):
-        value = unraisable.exc_value
-        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
-            previous(unraisable)
-
-    hook.drops_closed_loops = True
-    sys.unraisablehook = hook
+    sys.unraisablehook = _DropClosedLoops(sys.unraisablehook)
     logging.getLogger("asyncio").addFilter(_DropTensorStoreLeftovers())
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from zeroflow.data import bits_per_byte, eval_batches
+from zeroflow.data import RecordData, bits_per_byte, eval_batches
 from zeroflow.engine import offload
 from zeroflow.models import LAYER_STACK
 from zeroflow.trainer.setup import Run
@@ -32,6 +32,8 @@ class TrainResult:
 def make_eval(run: Run):
     @jax.jit
     def eval_loss(state, batch):
+        # Outside the step's shard_map, whole rows (tokens in order) as one device would see
+        # them; the compiler splits the work.
         # Offloaded weights are read from host memory like the train step reads them: the
         # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
         # No rng: evaluation is deterministic (dropout off).
@@ -46,8 +48,8 @@ def make_eval(run: Run):
         cfg = run.cfg
         if run.data is None or cfg.train.eval_batches <= 0:
             return {}
-        if getattr(run.data, "packed", False):
-            return evaluate_packed(state, eval_loss, run)
+        if isinstance(run.data, RecordData):
+            return evaluate_packed(state, eval_loss, run, run.data)
         if len(run.data.val) <= cfg.model.seq_len:
             return {}
         batches = eval_batches(
@@ -58,18 +60,18 @@ def make_eval(run: Run):
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
+        losses = [float(eval_loss(state, run.global_batch(b, balanced=False))) for b in batches]
         loss = float(np.mean(losses))
         return {"eval_loss": loss, "eval_bpb": bits_per_byte(loss, run.data.tokens_per_byte)}
 
     return evaluate
 
 
-def evaluate_packed(state, eval_loss, run: Run) -> dict[str, float]:
+def evaluate_packed(state, eval_loss, run: Run, data: RecordData) -> dict[str, float]:
     """Mean loss per trained token of the held-out examples' fixed batches. No bits per byte:
     the loss covers only completions, not all the text the tokens stand for."""
     cfg = run.cfg
-    batches = run.data.eval_batches(
+    batches = data.eval_batches(
         num_batches=cfg.train.eval_batches,
         batch_size=cfg.train.batch_size // jax.process_count(),
         process_index=jax.process_index(),
@@ -79,7 +81,7 @@ def evaluate_packed(state, eval_loss, run: Run) -> dict[str, float]:
     weights = [float(b["loss_mask"].sum()) for b in batches]
     if not batches or sum(weights) == 0:
         return {}
-    losses = [float(eval_loss(state, run.global_batch(b))) for b in batches]
+    losses = [float(eval_loss(state, run.global_batch(b, balanced=False))) for b in batches]
     return {"eval_loss": float(np.average(losses, weights=weights))}
 
 

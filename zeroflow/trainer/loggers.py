@@ -20,6 +20,7 @@ TB_DIR = "tb"
 
 class Sink(Protocol):
     def log(self, row: dict[str, float], step: int) -> None: ...
+    def rewind(self, step: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -36,15 +37,21 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, start_step: int, resumed: bool):
         from tensorboardX import SummaryWriter
 
+        self.folder = str(run_dir / TB_DIR)
         # purge_step: TensorBoard hides the events past the resumed step.
-        self.writer = SummaryWriter(
-            str(run_dir / TB_DIR), purge_step=start_step + 1 if resumed else None
-        )
+        self.writer = SummaryWriter(self.folder, purge_step=start_step + 1 if resumed else None)
 
     def log(self, row: dict[str, float], step: int) -> None:
         for k, v in row.items():
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
+
+    def rewind(self, step: int) -> None:
+        """A rollback to ``step``: a new event file whose purge hides the later events."""
+        from tensorboardX import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(self.folder, purge_step=step + 1)
 
     def close(self) -> None:
         self.writer.close()
@@ -67,6 +74,10 @@ class WandbSink:
     def log(self, row: dict[str, float], step: int) -> None:
         self.run.log(row, step=step)
 
+    def rewind(self, step: int) -> None:
+        """Nothing: this service keeps what was logged; the steps trained again after a
+        rollback are logged again at their steps."""
+
     def close(self) -> None:
         self.run.finish()
 
@@ -84,6 +95,10 @@ class TrackioSink:
 
     def log(self, row: dict[str, float], step: int) -> None:
         self.run.log(row, step=step)
+
+    def rewind(self, step: int) -> None:
+        """Nothing: this service keeps what was logged; the steps trained again after a
+        rollback are logged again at their steps."""
 
     def close(self) -> None:
         self.run.finish()

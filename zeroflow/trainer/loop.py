@@ -3,35 +3,35 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from zeroflow.config.io import save_config
 from zeroflow.config.schema import Config
-from zeroflow.data import train_batch
+from zeroflow.data import RecordData, TokenData, train_batch
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import quantized
 from zeroflow.engine.distributed import StopVote
 from zeroflow.models import flops_per_token
-from zeroflow.trainer import adapters, loggers, run_folder
+from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.divergence import Diverged, Divergence, Health, Monitor, TrainingDiverged
 from zeroflow.trainer.evaluate_only import evaluate_only
 from zeroflow.trainer.evaluation import TrainResult, eval_text, make_eval
-from zeroflow.trainer.optim import lr_schedule
+from zeroflow.trainer.recovery import Position
 from zeroflow.trainer.reporting import Reporter
 from zeroflow.trainer.setup import Run, build_run
 
-
-class TrainingDiverged(RuntimeError):
-    """A non-finite loss that loss scaling cannot explain."""
+__all__ = ["TrainingDiverged", "train"]
 
 
 @contextlib.contextmanager
-def _stop_on_signals():
+def _stop_on_signals() -> Iterator[list[int]]:
     """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and returns at the next step."""
     caught: list[int] = []
     previous = {}
@@ -53,7 +53,7 @@ def _stop_on_signals():
 
 def _train_loader(run: Run):
     """A Grain iterator of this process's packed training batches (None for token streams)."""
-    if run.data is None or not getattr(run.data, "packed", False):
+    if not isinstance(run.data, RecordData):  # token streams are drawn per step instead
         return None
     return iter(
         run.data.train_batches(
@@ -67,35 +67,6 @@ def _train_loader(run: Run):
 
 def _host_metrics(metrics) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-
-def _check_finite(step: int, m: dict[str, float], run: Run, checkpoints: RunCheckpoints) -> None:
-    if math.isfinite(m["loss"]):
-        if m["skipped"] and not run.prec.dynamic:
-            raise TrainingDiverged(
-                f"step {step}: non-finite gradients with finite loss {m['loss']:.4g} and no dynamic "
-                f"loss scaling (precision.loss_scale={run.prec.loss_scale}); the update was skipped "
-                f"and nothing was saved. Last checkpoint: {_last(checkpoints)}"
-            )
-        if m["consecutive_skips"] >= run.prec.max_consecutive_skips:
-            raise TrainingDiverged(
-                f"step {step}: {int(m['consecutive_skips'])} steps in a row skipped for non-finite "
-                f"gradients (precision.max_consecutive_skips={run.prec.max_consecutive_skips}); the "
-                f"loss scale is {m['loss_scale']:g} (precision.min_scale={run.prec.min_scale:g}) and "
-                f"the gradients are still non-finite; stopped without saving. Last checkpoint: "
-                f"{_last(checkpoints)}. Try precision.params=bf16 or a lower train.lr"
-            )
-        return
-    raise TrainingDiverged(
-        f"step {step}: loss is {m['loss']} (the forward pass itself is non-finite, which loss "
-        f"scaling cannot cause); stopped without saving. Last checkpoint: {_last(checkpoints)}. "
-        f"Try a lower train.lr or precision.params=bf16/fp32"
-    )
-
-
-def _last(checkpoints: RunCheckpoints) -> str:
-    steps = checkpoints.steps()
-    return f"step {steps[-1]} in {checkpoints.directory}" if steps else "none"
 
 
 def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
@@ -123,7 +94,9 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     checkpoints = RunCheckpoints(
         checkpoints_dir, cfg.checkpoint.keep, with_loader=loader is not None
     )
-    state, resumed = _restored_or_fresh(run, checkpoints, loader)
+    state, meta = _restored_or_fresh(run, checkpoints, loader)
+    resumed = meta is not None
+    health = Health.from_meta(meta) if resumed else Health()
     start = int(state.step)
     if (
         start == cfg.train.steps
@@ -154,26 +127,32 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
         flops_per_token=flops_per_token(run.model_cfg),
         num_devices=jax.device_count(),
         resumed=resumed,
+        rollbacks=health.rollbacks,
     )
     if resumed:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(_banner(run, state))
+    # A resumed run goes on at the rate its rollbacks set (the state's layout is the same).
+    position = Position(run.with_lr_factor(health.lr_factor), state, health, loader)
+    del state
     failing = True
-    try:
-        with _stop_on_signals() as caught:
+    # The handler covers the closing too: a signal while the last checkpoint is written waits
+    # for it instead of ending the process half-way.
+    with _stop_on_signals() as caught:
+        try:
             state, losses, last_eval, stopped_by = _train_steps(
-                run,
-                state,
-                loader,
+                position,
                 checkpoints,
                 reporter,
                 caught,
                 started=held.started if held is not None else lambda: None,
             )
-        failing = False
-    finally:
-        reporter.close(failing=failing)
-        checkpoints.close()
+            failing = False
+        finally:
+            reporter.close(failing=failing)
+            checkpoints.close()
+        if stopped_by is None and caught:  # came while the run was closing: say so by the code
+            stopped_by = signal.Signals(caught[0]).name
     return TrainResult(
         run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval, stopped_by=stopped_by
     )
@@ -211,15 +190,15 @@ def _final_eval_only(run: Run, state, checkpoints: RunCheckpoints, held, progres
 
 
 def _restored_or_fresh(run: Run, checkpoints: RunCheckpoints, loader):
-    """``(state, resumed)``: the latest checkpoint's state (and loader position), else a fresh
-    one; the checkpoints are closed when either fails."""
+    """``(state, meta)``: the latest checkpoint's state (and loader position) and meta, else a
+    fresh state and None; the checkpoints are closed when either fails."""
     try:
         state = run.init_state()
         restored = checkpoints.restore_latest(state, loader)
     except BaseException:
         checkpoints.close()
         raise
-    return (state, False) if restored is None else (restored[0], True)
+    return (state, None) if restored is None else restored
 
 
 def _banner(run: Run, state) -> str:
@@ -238,17 +217,21 @@ def _banner(run: Run, state) -> str:
     )
 
 
-def _batches(run: Run, loader):
+def _batches(run: Run, loader, data_offset: int):
     """``batch_for(step)``: the global batch of a step, from the packed-records loader (it knows
-    the step) or drawn from the token data for that step and this process."""
+    the step, and past the batches rollbacks skipped) or drawn from the token data for that
+    step (moved on by ``data_offset`` skipped batches) and this process."""
     cfg = run.cfg
+    tokens = run.data if isinstance(run.data, TokenData) else None
 
     def batch_for(step: int):
         if loader is not None:
             return run.global_batch(next(loader))
+        if tokens is None:
+            raise ValueError("this run has no token data to draw training batches from")
         local = train_batch(
-            run.data.train,
-            step,
+            tokens.train,
+            step + data_offset,
             global_batch=cfg.train.batch_size,
             seq_len=cfg.model.seq_len,
             seed=cfg.train.seed,
@@ -260,23 +243,23 @@ def _batches(run: Run, loader):
     return batch_for
 
 
-def _recorder(run: Run, reporter: Reporter, checkpoints: RunCheckpoints, losses: dict):
-    """``finish_step(step, metrics, seconds)``: a step's metrics fetched, checked finite (a NaN
-    stops the run with its last good checkpoint named), derived rates added, and reported."""
+def _recorder(run: Run, reporter: Reporter, monitor: Monitor, losses: dict):
+    """``finish_step(step, metrics, seconds)``: a step's metrics fetched, judged (a diverging
+    step raises ``Diverged``), derived rates added, and reported."""
     cfg = run.cfg
-    learning_rate = lr_schedule(cfg.train)
+    learning_rate = optim.lr_schedule(cfg.train, run.lr_factor)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
 
     def finish_step(step: int, metrics, seconds: float):
-        m = _host_metrics(metrics)
-        _check_finite(step, m, run, checkpoints)
+        m: dict[str, Any] = _host_metrics(metrics)  # and derived rates, "mfu" None when unknown
+        monitor.check(step, m)
         losses[step] = m["loss"]
         m["step_time"] = seconds
         m["mfu"] = reporter.mfu(tokens_per_step / max(seconds, 1e-9))
         if "trained_tokens" in m:  # packed records: count only the tokens the loss trains on
             # (the loss reports the mean over devices and micro-batches of their counts).
             m["trained_tokens"] = round(
-                m["trained_tokens"] * run.plan.data_size * cfg.parallel.grad_accum
+                m["trained_tokens"] * run.plan.batch_split * cfg.parallel.grad_accum
             )
         m["tokens_per_s"] = m.get("trained_tokens", tokens_per_step) / max(seconds, 1e-9)
         # The rate the schedule gave this step's update: optax's count, i.e. the updates applied
@@ -288,65 +271,113 @@ def _recorder(run: Run, reporter: Reporter, checkpoints: RunCheckpoints, losses:
 
 
 def _train_steps(
-    run: Run,
-    state,
-    loader,
+    position: Position,
     checkpoints: RunCheckpoints,
     reporter: Reporter,
     caught,
     started=lambda: None,
 ):
-    """Steps from ``state.step`` to ``train.steps``, with evaluations and checkpoints on their
-    schedules; a caught signal saves and stops at the same step on every process.
+    """Steps from the position's step to ``train.steps``, with evaluations and checkpoints on
+    their schedules; a caught signal saves and stops at the same step on every process; a
+    diverging step stops the run or rolls it back (``zeroflow.trainer.recovery``).
     ``started()`` is called once the first step ran (compiled and dispatched). Returns
     ``(state, losses, last evaluation, name of the stopping signal or None)``."""
-    cfg, tcfg = run.cfg, run.cfg.train
-    step_fn, evaluate, batch_for = run.make_step(), make_eval(run), _batches(run, loader)
+    first = position.run
+    evaluate, stop_vote = make_eval(first), StopVote(first.plan.mesh)
+    step_fns: dict[float, object] = {}  # compiled once per learning-rate factor
     losses: dict[int, float] = {}
-    finish_step = _recorder(run, reporter, checkpoints, losses)
-    meta = lambda s: {"step": s, "seed": tcfg.seed}  # noqa: E731
-    last_eval: dict[str, float] = {}
-    stop_vote = StopVote(run.plan.mesh)  # every process must stop at the same step
-    pending = None
-    t_last = time.perf_counter()
-    for step in range(int(state.step), tcfg.steps):
-        state, metrics = step_fn(state, batch_for(step))
-        started()
-        # Fetch the previous step's metrics while this one runs: one step in flight.
+    while True:
+        run = position.run
+        if run.lr_factor not in step_fns:
+            step_fns[run.lr_factor] = run.make_step()
+        segment = _Segment(
+            run, step_fns[run.lr_factor], evaluate, checkpoints, reporter, stop_vote, losses
+        )
+        outcome = segment.train(position, caught, started)
+        if not isinstance(outcome, Divergence):
+            return outcome
+        position = recovery.recover(
+            outcome, position, checkpoints, reporter, lambda: _train_loader(first)
+        )
+        restored = position.state
+        if restored is None:
+            raise ValueError("recovery returned a position without a state")
+        for step in [s for s in losses if s > int(restored.step)]:
+            del losses[step]  # trained again from the restored step
+
+
+class _Segment:
+    """The steps a run trains from one position until it ends, stops or diverges."""
+
+    def __init__(self, run, step_fn, evaluate, checkpoints, reporter, stop_vote, losses):
+        self.run, self.step_fn, self.evaluate = run, step_fn, evaluate
+        self.checkpoints, self.reporter, self.stop_vote = checkpoints, reporter, stop_vote
+        self.losses = losses
+
+    def train(self, position: Position, caught, started):
+        """``(state, losses, last evaluation, stopping signal)``, or the ``Divergence`` that
+        ended it (the segment's state is dropped with it; ``position.state`` is set to None)."""
+        monitor = Monitor(position.health, self.run.cfg.train, self.run.prec)
+        try:
+            return self._steps(position, monitor, caught, started)
+        except Diverged as e:
+            return e.divergence
+
+    def _steps(self, position: Position, monitor: Monitor, caught, started):
+        state, position.state = position.state, None  # the loop holds the only reference
+        if state is None:
+            raise ValueError("a training segment needs a position with a state")
+        run, reporter, checkpoints = self.run, self.reporter, self.checkpoints
+        cfg, tcfg = run.cfg, run.cfg.train
+        batch_for = _batches(run, position.loader, position.health.data_offset)
+        finish_step = _recorder(run, reporter, monitor, self.losses)
+        loader = position.loader
+
+        def meta(s):
+            return {"step": s, "seed": tcfg.seed, **monitor.health.to_meta()}
+
+        last_eval: dict[str, float] = {}
+        pending = None
+        t_last = time.perf_counter()
+        for step in range(int(state.step), tcfg.steps):
+            state, metrics = self.step_fn(state, batch_for(step))
+            started()
+            # Fetch the previous step's metrics while this one runs: one step in flight.
+            if pending is not None:
+                finish_step(*pending)
+            now = time.perf_counter()
+            pending = (step + 1, metrics, now - t_last)
+            t_last = now
+            stop = self.stop_vote.cast(caught[0] if caught else 0)
+            done = step + 1
+            is_eval = tcfg.eval_every > 0 and done % tcfg.eval_every == 0 and done < tcfg.steps
+            is_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0
+            if is_eval or is_ckpt or stop or done == tcfg.steps:
+                jax.block_until_ready(state)
+                finish_step(*pending)
+                pending = None
+                t_last = time.perf_counter()
+            if is_eval:
+                last_eval = self.evaluate(state)
+                reporter.write(done, last_eval)
+                reporter.print(f"step {done}: {eval_text(last_eval)}")
+            if is_ckpt or stop:
+                checkpoints.save(done, state, meta(done), loader)
+            if stop:
+                stopped_by = signal.Signals(stop).name
+                reporter.print(
+                    f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command"
+                )
+                return state, self.losses, last_eval, stopped_by
         if pending is not None:
             finish_step(*pending)
-        now = time.perf_counter()
-        pending = (step + 1, metrics, now - t_last)
-        t_last = now
-        stop = stop_vote.cast(caught[0] if caught else 0)
-        done = step + 1
-        is_eval = tcfg.eval_every > 0 and done % tcfg.eval_every == 0 and done < tcfg.steps
-        is_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0
-        if is_eval or is_ckpt or stop or done == tcfg.steps:
-            jax.block_until_ready(state)
-            finish_step(*pending)
-            pending = None
-            t_last = time.perf_counter()
-        if is_eval:
-            last_eval = evaluate(state)
-            reporter.write(done, last_eval)
-            reporter.print(f"step {done}: {eval_text(last_eval)}")
-        if is_ckpt or stop:
-            checkpoints.save(done, state, meta(done), loader)
-        if stop:
-            stopped_by = signal.Signals(stop).name
+        end = int(state.step)
+        checkpoints.save(end, state, meta(end), loader)
+        last_eval = self.evaluate(state)
+        if last_eval:
+            reporter.write(end, last_eval)
             reporter.print(
-                f"{stopped_by}: saved a checkpoint at step {done}; resume with the same command"
+                f"final: train loss {self.losses.get(end, float('nan')):.4f}, "
+                f"{eval_text(last_eval)}"
             )
-            return state, losses, last_eval, stopped_by
-    if pending is not None:
-        finish_step(*pending)
-    end = int(state.step)
-    checkpoints.save(end, state, meta(end), loader)
-    last_eval = evaluate(state)
-    if last_eval:
-        reporter.write(end, last_eval)
-        reporter.print(
-            f"final: train loss {losses.get(end, float('nan')):.4f}, {eval_text(last_eval)}"
-        )
-    return state, losses, last_eval, None
+        return state, self.losses, last_eval, None

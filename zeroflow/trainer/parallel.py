@@ -11,8 +11,8 @@ from zeroflow.engine.plan_rules import hierarchical_hosts_problem
 
 
 def mesh_of(par: ParallelConfig, devices=None):
-    """The ``data`` x ``model`` mesh ``parallel.data`` and ``parallel.model`` ask for."""
-    return zf.make_mesh(data=par.data, model=par.model, devices=devices)
+    """The mesh ``parallel.data``, ``parallel.context`` and ``parallel.model`` ask for."""
+    return zf.make_mesh(data=par.data, context=par.context, model=par.model, devices=devices)
 
 
 def plan_of(par: ParallelConfig, mesh, *, tensor_rules=(), traits=None) -> zf.ZeroPlan:

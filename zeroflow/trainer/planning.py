@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -26,8 +27,10 @@ from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
+from zeroflow.models import abstract_params
 from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
 from zeroflow.util import compat
+from zeroflow.util.tree import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +114,10 @@ def gpt_step_parts(
         # output and per-row softmax statistics).
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas"))
     if planning:
-        run = build_run(cfg, with_data=False, mesh=planning_mesh(num_devices, cfg.parallel.model))
+        mesh = planning_mesh(num_devices, cfg.parallel.model, context=cfg.parallel.context)
+        run = build_run(cfg, with_data=False, mesh=mesh)
     else:
-        run = build_run(
-            cfg, with_data=False, devices=_first_devices(num_devices * cfg.parallel.model)
-        )
+        run = build_run(cfg, with_data=False, devices=_first_devices(num_devices, cfg))
     batch = abstract_batch(cfg)
     # A LoRA run's loss is its own zf.lora object's (``build_run``); the plain GPT loss is
     # shared between configs of the same model, so that its traces are remembered.
@@ -143,7 +145,9 @@ def _loss_by_fields(fields: tuple):
     return lm_loss_fn(ModelConfig(**dict(fields)))
 
 
-def _first_devices(count: int):
+def _first_devices(data: int, cfg):
+    """The first devices of this machine, for ``data`` devices times the other axes'."""
+    count = data * cfg.parallel.model * cfg.parallel.context
     if jax.device_count() < count:
         raise ValueError(
             f"measuring needs {count} devices, {jax.device_count()} available "
@@ -161,36 +165,43 @@ def abstract_setup(
     update_on: str,
     remat: str,
     target: str | None = None,
+    hosts: int = 1,
+    compiler_options: dict | None = None,
 ) -> StepSetup:
     """The trainer's GPT train step of ``cfg`` (``build_run``: same optimizer, precision and
     layer-wise gathering) on the first ``num_devices`` data devices, or on as many abstract
     devices of GPU ``target`` (``zf.target_mesh``), with abstract state and batch: parameters
     are never materialised. An offloaded choice for a target is planned on CPU devices standing
     in for its GPUs, with their traits (``zeroflow.memory.on_target``): abstract GPUs have no
-    host memory to keep the offloaded state in."""
+    host memory to keep the offloaded state in. ``hosts``: how many hosts the target's devices
+    span; ``compiler_options``: XLA options for the step's compile (``Run.make_step``)."""
     cfg = choice_config(
         cfg, num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, remat=remat
     )
     on_target = None
     if target is not None:
-        mesh = target_mesh(target, data=num_devices, model=cfg.parallel.model)
+        mesh = target_mesh(
+            target,
+            data=num_devices,
+            model=cfg.parallel.model,
+            context=cfg.parallel.context,
+            hosts=hosts,
+        )
         if offload != "none":
             on_target = mesh
             run = build_run(cfg, with_data=False, mesh=stand_in_mesh(mesh), traits=backend.of(mesh))
         else:
             run = build_run(cfg, with_data=False, mesh=mesh)
     else:
-        run = build_run(
-            cfg, with_data=False, devices=_first_devices(num_devices * cfg.parallel.model)
-        )
+        run = build_run(cfg, with_data=False, devices=_first_devices(num_devices, cfg))
     state = run.abstract_state()
-    batch = abstract_batch(cfg, run.plan.batch_sharding())
+    batch = abstract_batch(cfg, run.plan.batch_sharding)
     shapes = unpadded_shapes(state.master, state.padding.master)
     if state.frozen is not None:  # frozen parameters are parameters too
         shapes = [shapes, unpadded_shapes(state.frozen, state.padding.frozen)]
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     return StepSetup(
-        step=run.make_step(),
+        step=run.make_step(compiler_options),
         state=state,
         batch=batch,
         plan=run.plan,
@@ -254,15 +265,21 @@ def estimate_config_step(
     ``model.remat``. Needs no devices (a planning mesh) and allocates nothing. ``backend``:
     "gpu" or "cpu"; by default the planning mesh's, a GPU's (pass "cpu" to compare with a step
     compiled by XLA:CPU)."""
-    choice = dict(
-        num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, planning=True
+    parts_for = functools.partial(
+        gpt_step_parts,
+        cfg,
+        num_devices=num_devices,
+        stage=stage,
+        offload=offload,
+        update_on=update_on,
+        planning=True,
     )
-    parts = gpt_step_parts(cfg, remat=remat, **choice)
+    parts = parts_for(remat=remat)
     remat = cfg.model.remat if remat is None else remat
     recompute = 0.0
     if remat != "none":  # one layer's activations, made again by its remat in the backward pass
         recompute = remat_recompute_bytes(
-            gpt_step_parts(cfg, remat="none", **choice),
+            parts_for(remat="none"),
             parts,
             grad_accum=cfg.parallel.grad_accum,
             num_layers=cfg.model.num_layers,
@@ -280,4 +297,19 @@ def estimate_config_step(
         backend=backend,
         recompute_bytes=recompute,
         trainable=parts.trainable,
+    )
+
+
+def count_frozen_params(cfg) -> int:
+    """Parameters of the GPT of ``cfg`` that ``train.freeze`` freezes (0 without it); with
+    LoRA every one (the adapters, a few per cent, are not counted)."""
+    shapes, _ = abstract_params(cfg.model)
+    if cfg.model.lora.rank > 0:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    if not cfg.train.freeze:
+        return 0
+    return sum(
+        math.prod(x.shape)
+        for p, x in jax.tree_util.tree_leaves_with_path(shapes)
+        if re.search(cfg.train.freeze, path_str(p))
     )

@@ -1,6 +1,6 @@
 """A picture of a run: ``plot.png`` in the run folder, drawn from its ``metrics.jsonl`` (training
-loss per logged step, held-out loss at each evaluation, tokens/s), redrawn at each evaluation
-and at the end (``run.plot``). ``python -m zeroflow.trainer.plot RUN_DIR`` draws it again, for
+loss per logged step from the first, held-out loss at each evaluation, the learning rate,
+throughput), redrawn at each evaluation and at the end (``run.plot``). ``python -m zeroflow.trainer.plot RUN_DIR`` draws it again, for
 a run that is still going or one trained with the plot off.
 """
 
@@ -41,17 +41,23 @@ def write_plot(run_dir: Path, title: str | None = None) -> Path | None:
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
-    loss_ax, speed_ax = fig.subplots(1, 2)
+    fig = Figure(figsize=(14, 3.6), layout="constrained")
+    loss_ax, lr_ax, speed_ax = fig.subplots(1, 3)
     loss_ax.plot(*zip(*series["loss"]), label="training loss", color="tab:blue")
     if "eval_loss" in series:
         loss_ax.plot(*zip(*series["eval_loss"]), "o-", label="held-out loss", color="tab:orange")
     loss_ax.set(xlabel="step", ylabel="loss (nats per token)", title="loss")
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
-    if "tokens_per_s" in series:
-        speed_ax.plot(*zip(*series["tokens_per_s"]), color="tab:green")
-    speed_ax.set(xlabel="step", ylabel="tokens / s", title="throughput")
+    if "lr" in series:
+        lr_ax.plot(*zip(*series["lr"]), color="tab:purple")
+    lr_ax.set(xlabel="step", ylabel="learning rate", title="learning-rate schedule")
+    lr_ax.set_ylim(bottom=0)
+    lr_ax.grid(alpha=0.3)
+    rate = "tokens_per_s" if "tokens_per_s" in series else "steps_per_s"  # FuseMix: steps
+    if rate in series:
+        speed_ax.plot(*zip(*series[rate]), color="tab:green")
+    speed_ax.set(xlabel="step", ylabel=rate.replace("_per_s", " / s"), title="throughput")
     speed_ax.set_ylim(bottom=0)
     speed_ax.grid(alpha=0.3)
     fig.suptitle(title or run_dir.name)

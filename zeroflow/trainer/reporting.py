@@ -8,6 +8,11 @@ A resumed run first drops the rows of ``metrics.jsonl`` past the step it resumed
 were logged by the interrupted run and are about to be logged again), then records the resume
 as ``{"event": "resume", "resumed_from_step": ..., "dropped_rows": ...}``: each step appears
 at most once however often a run was interrupted.
+
+A rollback (``train.on_divergence=rollback``) drops the rows past the step it goes back to in the
+same way and records itself as ``{"event": "rollback", "rollback": n, "from_step", "to_step",
+"batches_skipped", "lr_factor", ...}``. A resume drops the rollback rows its checkpoint had not
+yet seen (numbered past the checkpoint's count): the resumed run makes them again.
 """
 
 from __future__ import annotations
@@ -55,9 +60,14 @@ def device_peak_flops(device: jax.Device | None = None) -> float | None:
 METRICS = "metrics.jsonl"
 
 
-def trim_metrics(path: Path, step: int) -> int:
-    """Drop the rows of ``path`` past ``step`` (and a line cut short by a kill), atomically;
-    returns how many were dropped."""
+ROLLBACK = "rollback"
+"The ``event`` of a rollback's row."
+
+
+def trim_metrics(path: Path, step: int, rollbacks: int | None = None) -> int:
+    """Drop the rows of ``path`` past ``step`` (and a line cut short by a kill), and with
+    ``rollbacks`` the rollback rows numbered past it, atomically; returns how many were
+    dropped."""
     if not path.exists():
         return 0
     kept, dropped = [], 0
@@ -67,7 +77,7 @@ def trim_metrics(path: Path, step: int) -> int:
         except ValueError:
             dropped += 1
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+        if _undone(row, step, rollbacks):
             dropped += 1
         else:
             kept.append(line + "\n")
@@ -76,6 +86,20 @@ def trim_metrics(path: Path, step: int) -> int:
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, path)
     return dropped
+
+
+def _undone(row, step: int, rollbacks: int | None) -> bool:
+    """Whether ``row`` records what happened after the state of ``step`` with ``rollbacks``."""
+    if not isinstance(row, dict):
+        return False
+    if isinstance(row.get("step"), int) and row["step"] > step:
+        return True
+    return (
+        rollbacks is not None
+        and row.get("event") == ROLLBACK
+        and isinstance(row.get(ROLLBACK), int)
+        and row[ROLLBACK] > rollbacks
+    )
 
 
 class Reporter:
@@ -92,7 +116,9 @@ class Reporter:
         flops_per_token: float,
         num_devices: int,
         resumed: bool = False,
+        rollbacks: int = 0,
     ):
+        """``rollbacks``: the rollbacks the start state has made (the run's checkpoint's)."""
         self.is_main = jax.process_index() == 0
         self.peak = device_peak_flops()
         self.flops_per_token = flops_per_token
@@ -104,7 +130,7 @@ class Reporter:
         self.sinks: list = []
         self.plot = cfg.run.plot and self.is_main
         if self.is_main:
-            dropped = trim_metrics(run_dir / METRICS, start_step)
+            dropped = trim_metrics(run_dir / METRICS, start_step, rollbacks)
             self.jsonl = open(run_dir / METRICS, "a", encoding="utf-8")
             if resumed or dropped:
                 self._row(
@@ -144,10 +170,10 @@ class Reporter:
                 f" scale {m['loss_scale']:g} MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a")
             )
             self.progress.update(self.task, completed=step, stats=stats)
-        if log_line:
+        if log_line or step == 1:  # the first step always: the plot starts at the first loss
             self.write(step, m)
-            if self.progress is None:
-                self.print(step_line(step, self.total_steps, m))
+        if log_line and self.progress is None:
+            self.print(step_line(step, self.total_steps, m))
 
     def write(self, step: int, m: dict[str, Any]) -> None:
         if not self.is_main:
@@ -164,6 +190,20 @@ class Reporter:
         if "eval_loss" in row:
             self.draw()
 
+    def rollback(self, to_step: int, row: dict[str, Any]) -> None:
+        """Go back to ``to_step``: its later rows are dropped (they are trained again),
+        TensorBoard hides its later events, and ``row`` (the rollback's) is recorded."""
+        if self.progress is not None:
+            self.progress.update(self.task, completed=to_step)
+        if not self.is_main or self.jsonl is None:
+            return
+        self.jsonl.close()
+        trim_metrics(self.run_dir / METRICS, to_step)
+        self.jsonl = open(self.run_dir / METRICS, "a", encoding="utf-8")
+        self._row({"event": ROLLBACK, **{k: _plain(v) for k, v in row.items()}})
+        for sink in self.sinks:
+            sink.rewind(to_step)
+
     def draw(self, report: bool = True) -> None:
         """Redraw ``plot.png`` (when ``run.plot``); a plot that fails is reported (``report``),
         not raised."""
@@ -176,12 +216,18 @@ class Reporter:
                 print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}", file=sys.stderr)
 
     def _row(self, row: dict[str, Any]) -> None:
+        if self.jsonl is None:  # only the main process writes metrics.jsonl
+            return
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
 
     def print(self, message: str) -> None:
         """A line for the person running it, on stdout (above the bar while one is shown)."""
-        if self.is_main:
+        if not self.is_main:
+            return
+        if self.progress is not None:  # through the bar's console, which keeps the bar below
+            self.progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
+        else:
             self.out.print(message, markup=False)
 
     def close(self, failing: bool = False) -> None:

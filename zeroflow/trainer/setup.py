@@ -25,6 +25,7 @@ from zeroflow.models import (
     make_layerwise_loss_fn,
     param_init_fn,
 )
+from zeroflow.models.context import context_batch
 from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.trainer import adapters
 from zeroflow.trainer.optim import make_optimizer
@@ -47,6 +48,18 @@ class Run:
     "With ``model.lora.rank > 0``: ``loss_fn`` is its adapted loss, the base weights frozen."
     adapter_sites: Any = None
     "Where the adapted weights are read (``LoRA.sites``), found once when the run is built."
+    decay_mask: Any = None
+    "The optimizer's weight-decay mask (``make_optimizer``), kept to rebuild it at another rate."
+    lr_factor: float = 1.0
+    "What ``tx``'s learning-rate schedule is multiplied by (rollbacks lower it)."
+
+    def with_lr_factor(self, factor: float) -> Run:
+        """This run with its optimizer's schedule multiplied by ``factor`` (the state's layout
+        is unchanged: a checkpoint of the run restores into it)."""
+        if factor == self.lr_factor:
+            return self
+        tx = make_optimizer(self.cfg.train, self.decay_mask, lr_factor=factor)
+        return dataclasses.replace(self, tx=tx, lr_factor=factor)
 
     @property
     def gather_per_layer(self) -> str | None:
@@ -138,7 +151,9 @@ class Run:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
         )
 
-    def make_step(self):
+    def make_step(self, compiler_options: dict | None = None):
+        """The train step; ``compiler_options``: XLA options over the backend's own (a planner
+        compiling many plans for one GPU target passes it a shared kernel cache)."""
         return zf.make_train_step(
             self.loss_fn,
             self.tx,
@@ -146,14 +161,24 @@ class Run:
             self.prec,
             grad_accum=self.cfg.parallel.grad_accum,
             gather_per_layer=self.gather_per_layer,
+            compiler_options=compiler_options,
         )
 
-    def global_batch(self, local: np.ndarray | dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def global_batch(
+        self, local: np.ndarray | dict[str, np.ndarray], *, balanced: bool = True
+    ) -> dict[str, jax.Array]:
         """This process's rows of the batch (token windows, or a packed batch's dict) -> global
-        arrays sharded over ``data``."""
+        arrays sharded over ``data`` (and their sequence over ``context``, as the step takes
+        them: ``context_batch``; ``balanced=False`` keeps the tokens in order, for a loss
+        computed outside the step)."""
         local = local if isinstance(local, dict) else {"tokens": local}
-        sharding = self.plan.batch_sharding()
-        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+        if self.plan.context_size > 1:
+            strategy = self.model_cfg.context_attention
+            local = context_batch(local, self.plan.context_size, strategy, balanced=balanced)
+        return {
+            k: jax.make_array_from_process_local_data(self.plan.batch_sharding(np.ndim(v)), v)
+            for k, v in local.items()
+        }
 
 
 PACKED_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
@@ -162,9 +187,16 @@ PACKED_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 def abstract_batch(cfg: Config, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes of one global training batch of ``cfg``: token windows [B, S + 1], or with a
-    records ``data.format`` the packed arrays [B, S] (what memory estimates compile with)."""
+    records ``data.format`` or a context axis (``context_batch``) the packed arrays [B, S]
+    (what memory estimates compile with). ``sharding``: one for all, or a function of a
+    leaf's number of dimensions (``ZeroPlan.batch_sharding``)."""
     b, s = cfg.train.batch_size, cfg.model.seq_len
-    if cfg.data.format == "stream":
+    if callable(sharding):
+        return {
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(len(x.shape)))
+            for k, x in abstract_batch(cfg).items()
+        }
+    if cfg.data.format == "stream" and cfg.parallel.context <= 1:
         return {"tokens": jax.ShapeDtypeStruct((b, s + 1), np.int32, sharding=sharding)}
     return {k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=sharding) for k in PACKED_FIELDS}
 
@@ -188,7 +220,7 @@ def lm_loss_fn(model_cfg: ModelConfig):
 
 def run_model_config(cfg: Config) -> ModelConfig:
     """``cfg.model``, or with ``model.init_from`` the checkpoint's architecture (config.json)
-    with this run's seq_len, remat, attention, dropout and LoRA adapters."""
+    with this run's seq_len, remat, attention, dropout, loss and MLP chunks and LoRA adapters."""
     if not cfg.model.init_from:
         return cfg.model
     from zeroflow import hf
@@ -219,7 +251,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
     plan = plan_of(par, mesh, tensor_rules=rules, traits=traits)
     prec = zf.Precision.from_config(cfg.precision)
     batch_problem = batch_split_problem(
-        cfg.train.batch_size, par.grad_accum, plan.data_size, CONFIG_KEYS
+        cfg.train.batch_size, par.grad_accum, plan.batch_split, CONFIG_KEYS
     )
     if batch_problem:
         raise ValueError(batch_problem)
@@ -236,7 +268,8 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
             loss_fn = dequantized_on_use(loss_fn, prec.compute_dtype)
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
     # computed from what it is given.
-    tx = make_optimizer(cfg.train, decay_mask if trainable else decay_mask(shapes))
+    mask = decay_mask if trainable else decay_mask(shapes)
+    tx = make_optimizer(cfg.train, mask)
     return Run(
         cfg=cfg,
         model_cfg=model_cfg,
@@ -248,6 +281,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
         trainable=trainable,
         lora=lora,
         adapter_sites=sites,
+        decay_mask=mask,
     )
 
 

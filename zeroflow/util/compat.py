@@ -64,9 +64,10 @@ def host_compute(fn: Callable) -> Callable:
 
     compiled = jax.jit(fn)
     if _compute_on_wraps_functions():  # jax >= 0.11
-        return compute_on(
-            compiled, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
-        )
+        # jax 0.11's compute_on wraps a function; the type checker reads whichever jax is
+        # installed, and 0.10's takes only a compute type
+        wrap: Callable[..., Callable] = compute_on
+        return wrap(compiled, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
     def run(*args):  # jax <= 0.10: the jit call inside the context runs on the host
         with compute_on("device_host"):
@@ -97,7 +98,8 @@ def cuda_plugin_install_hint(jax_version: str) -> str:
 def _jaxlib_version() -> tuple[int, int]:
     import jaxlib.version
 
-    return tuple(int(p) for p in jaxlib.version.__version__.split(".")[:2])
+    major, minor = (int(p) for p in jaxlib.version.__version__.split(".")[:2])
+    return major, minor
 
 
 def no_pipelined_reduce_scatter() -> dict:

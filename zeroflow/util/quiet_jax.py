@@ -65,7 +65,8 @@ def start() -> None:
 
         if xla_bridge.backends_are_initialized():
             return
-        if not jax.config.jax_platforms:
+        # jax's options are dynamic attributes of jax.config, which its type does not declare
+        if not jax.config.jax_platforms:  # type: ignore[attr-defined]
             jax.config.update("jax_platforms", "cpu")
     else:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,6 +1,7 @@
 """The per-device collectives of the ZeRO gradient computation, some as differentiable functions.
 
-Each runs inside ``shard_map`` over the ``data`` axis:
+Each runs inside ``shard_map`` over the ``data`` axis (with ``context``, over both:
+``zeroflow.backend.mesh.zero_axes``):
 - ``all_gather`` / ``reduce_scatter``: a stage-3 weight shard made whole, a gradient summed
   over devices into this device's slice (``sources.Stage3Collectives`` picks these or their
   ZeRO++ variants; ``sources.gather_weight`` makes the pair one differentiable fetch);
@@ -31,21 +32,25 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes, zero_axis_names
 from zeroflow.engine import offload
 from zeroflow.engine.hosts import index_groups
 from zeroflow.engine.padding import cut_to, pad_to
 
 
 def varying(x):
-    """Mark ``x`` as differing across ``data`` so its gradient stays local (no implicit psum).
+    """Mark ``x`` as differing across the ZeRO axes (``data``, and ``context`` where the mesh
+    has one) so its gradient stays local (no implicit psum) where a ``shard_map`` checks
+    varying axes; the step's does not (``check_vma=False``: there jax leaves ``x`` as it is).
     Outside ``shard_map`` (the one-device step) there is no ``data`` axis: ``x`` as it is."""
-    try:
-        return jax.lax.pcast(x, DATA, to="varying")
-    except ValueError:  # already varying; how that is spelled on the aval differs by jax version
-        return x
-    except NameError:  # unbound axis name: not inside shard_map over data
-        return x
+    for axis in zero_axis_names():  # one at a time: x may vary over one of them already
+        try:
+            x = jax.lax.pcast(x, axis, to="varying")
+        except ValueError:  # already varying; how the aval spells it differs by jax version
+            pass
+        except NameError:  # unbound axis name: not inside shard_map over data
+            return x
+    return x
 
 
 def all_gather(
@@ -63,14 +68,22 @@ def all_gather(
     only the one gathered slice is copied."""
     if sliced and dim > 0:
         parts = jax.lax.all_gather(
-            shard.astype(dtype), DATA, axis=0, tiled=False, axis_index_groups=index_groups(groups)
+            shard.astype(dtype),
+            zero_axes(),
+            axis=0,
+            tiled=False,
+            axis_index_groups=index_groups(groups),
         )
         whole = jnp.moveaxis(parts, 0, dim).reshape(
             *shard.shape[:dim], parts.shape[0] * shard.shape[dim], *shard.shape[dim + 1 :]
         )
     else:
         whole = jax.lax.all_gather(
-            shard.astype(dtype), DATA, axis=dim, tiled=True, axis_index_groups=index_groups(groups)
+            shard.astype(dtype),
+            zero_axes(),
+            axis=dim,
+            tiled=True,
+            axis_index_groups=index_groups(groups),
         )
     return whole if size is None else cut_to(whole, dim, size)
 
@@ -83,7 +96,7 @@ def reduce_scatter(grad, dim: int, padded: int | None = None, dtype=jnp.float32)
     grad = grad.astype(dtype)
     if padded is not None:
         grad = pad_to(grad, dim, padded)
-    summed = jax.lax.psum_scatter(grad, DATA, scatter_dimension=dim, tiled=True)
+    summed = jax.lax.psum_scatter(grad, zero_axes(), scatter_dimension=dim, tiled=True)
     return summed.astype(jnp.float32)
 
 

@@ -106,11 +106,11 @@ class FetchUnit:
     def backward(self, residuals, cotangents):
         stored, side, data, tokens, done = residuals
         cotangent, (d_fetch, d_grads) = cotangents
-        cotangent = jax.tree.map(_instantiate, cotangent, is_leaf=_is_zero)
         if not _is_zero(d_fetch):
             tie = [d_fetch]
         else:
-            tie = cotangent if done is None else [done]
+            given = [c for c in jax.tree.leaves(cotangent, is_leaf=_is_zero) if not _is_zero(c)]
+            tie = given if done is None else [done]
         full = self.fetched(stored, tie)
         trains = [not src.frozen for src in self.sources]
 
@@ -118,7 +118,8 @@ class FetchUnit:
             given = iter(trained)
             return self.compute([next(given) if t else x for t, x in zip(trains, full)], side, data)
 
-        _, vjp = jax.vjp(of_trained, [x for t, x in zip(trains, full) if t], side, data)
+        out, vjp = jax.vjp(of_trained, [x for t, x in zip(trains, full) if t], side, data)
+        cotangent = jax.tree.map(_instantiate, cotangent, out, is_leaf=_is_zero)
         d_trained, d_side, d_data = vjp(cotangent)
         if not _is_zero(d_grads) and self.wait is not None:
             d_trained = self.wait(d_trained, [d_grads])
@@ -168,5 +169,10 @@ def _is_zero(x) -> bool:
     return isinstance(x, jax.custom_derivatives.SymbolicZero)
 
 
-def _instantiate(x):
-    return jnp.zeros(x.aval.shape, x.aval.dtype) if _is_zero(x) else x
+def _instantiate(cotangent, output):
+    """A symbolic-zero cotangent as zeros of ``output``'s cotangent type: its shape and, inside
+    ``shard_map``, its manual-axis type, which jax's cotangent check compares too (float0 for an
+    integer output, such as a loss's predictions that nothing differentiates)."""
+    if not _is_zero(cotangent):
+        return cotangent
+    return jnp.zeros_like(output, dtype=cotangent.aval.dtype)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.extend.core import Literal
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 from zeroflow.engine.grads import row_lookup, split_columns
 from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.engine.grads.fetch_unit import run_unit, token
@@ -86,7 +86,8 @@ def call(
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(avals, *args)
     # The jaxpr's inputs are the flattened entries: a fetched weight is one input, any other
     # entry (possibly a small pytree itself) as many as it has arrays; the data is dynamic.
-    inputs, dynamic = [], []
+    inputs: list = []
+    dynamic: list[bool] = []
     for i, (x, src) in enumerate(zip(stored, sources)):
         parts = [_weight_itself(i)] if src is not None else jax.tree.leaves(x)
         inputs += parts
@@ -330,7 +331,7 @@ class _Replay:
         src = self._plain_source(values[1], 1)
         data_aval, weight_aval = (v.aval for v in eqn.invars)
         if src is None or not split_columns.applies(
-            eqn, data_aval, weight_aval, src.dim, jax.lax.axis_size(DATA)
+            eqn, data_aval, weight_aval, src.dim, jax.lax.axis_size(zero_axes())
         ):
             return None
         stored = self.stored[values[1].cast_of]

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 from zeroflow.engine import offload
 from zeroflow.engine.grads import gather_on_use, sources
 from zeroflow.engine.grads.collectives import reduce_scatter, stream_in
@@ -36,7 +36,7 @@ from zeroflow.engine.grads.collectives import varying as _varying
 from zeroflow.engine.grads.dequantized import source_of
 from zeroflow.engine.grads.loss_errors import explained
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route, trained
-from zeroflow.engine.grads.sources import PLAIN, Stage3Collectives
+from zeroflow.engine.grads.sources import Stage3Collectives
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.quantized import is_quantized
 from zeroflow.util.tree import path_str
@@ -104,7 +104,7 @@ def split_loss(out, model_state=None):
 
 def _check_new_model_state(old, new) -> None:
     old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
-    if old_def != new_def:
+    if old_def != new_def:  # type: ignore[operator]  # jaxlib's PyTreeDef has no stub
         raise ValueError(
             f"loss_fn's new model_state has structure {new_def}, the state's is {old_def}"
         )
@@ -127,26 +127,27 @@ def local_grads(
     plan: ZeroPlan,
     grad_accum: int,
     per_layer: str | None,
+    prefetch: int,
+    gather_dtype,
+    collectives: Stage3Collectives,
+    compute_dtype,
     collective: bool = True,
-    prefetch: int = 0,
-    gather_dtype=None,
-    reduce_dtype=jnp.float32,
-    compute_dtype=None,
 ):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
     over devices, and the new model state averaged over devices. ``routes``: each leaf's
     ``Route`` (``step_routes``). ``extras``: a dict with ``model_state`` and/or ``rng`` (the
     step's key) when the state carries them. ``collective=False`` is the one-device case, run
     without shard_map. ``prefetch``: how many units ahead a weight fetched on use may be
-    fetched (``gather_on_use.call``). ``reduce_dtype``: what gradients are summed over
-    devices in (``Precision.reduce``). ``gather_dtype``: the dtype stage-3 weights stored in
-    fp32 (no compute copy) are cast to as they are gathered; None: their own.
-    ``compute_dtype``: what quantized frozen weights are dequantized to (None: their own)."""
+    fetched (``gather_on_use.call``). ``collectives``: the plan's (``Stage3Collectives.of``):
+    how stage-3 weights and gradients travel, and what every gradient is summed over devices
+    in (its ``reduce_dtype``). ``gather_dtype``: the dtype stage-3 weights stored in fp32 (no
+    compute copy) are cast to as they are gathered; None: their own. ``compute_dtype``: what
+    quantized frozen weights are dequantized to (None: their own)."""
     varying = _varying if collective else (lambda x: x)
     extras = dict(extras)
     if "rng" in extras:  # one key per device: fold in its index on the data axis
         extras["rng"] = jax.random.fold_in(
-            extras["rng"], jax.lax.axis_index(DATA) if collective else 0
+            extras["rng"], jax.lax.axis_index(zero_axes()) if collective else 0
         )
     grads, loss, aux, model_state = _accumulated(
         params,
@@ -161,18 +162,20 @@ def local_grads(
         varying=varying,
         prefetch=prefetch,
         gather_dtype=gather_dtype,
-        reduce_dtype=reduce_dtype,
+        collectives=collectives,
         compute_dtype=compute_dtype,
     )
     if not collective:
         return grads, loss, aux, model_state
+    reduce_dtype = collectives.reduce_dtype
     grads = jax.tree.map(
         lambda g, r: g if r.sharded_grad else _all_reduced(g, reduce_dtype), grads, trained(routes)
     )
     return (
         grads,
-        jax.lax.pmean(loss, DATA),
-        jax.tree.map(lambda a: jax.lax.pmean(a, DATA), aux),
+        jax.lax.pmean(loss, zero_axes()),
+        # A metric may be the same on every context device already (a count over whole rows).
+        jax.tree.map(lambda a: jax.lax.pmean(_varying(a), zero_axes()), aux),
         jax.tree.map(_across_devices, model_state),
     )
 
@@ -181,8 +184,8 @@ def _across_devices(x):
     """Model state after the step: floating leaves averaged over ``data`` (cross-replica batch
     statistics); other leaves (counters, the same on every device) take the maximum."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jax.lax.pmean(x, DATA)
-    return jax.lax.pmax(x, DATA)
+        return jax.lax.pmean(x, zero_axes())
+    return jax.lax.pmax(x, zero_axes())
 
 
 def _accumulated(
@@ -197,10 +200,10 @@ def _accumulated(
     grad_accum: int,
     per_layer: str | None,
     varying,
-    prefetch: int = 0,
-    gather_dtype=None,
-    reduce_dtype=jnp.float32,
-    compute_dtype=None,
+    prefetch: int,
+    gather_dtype,
+    collectives: Stage3Collectives,
+    compute_dtype,
 ):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
@@ -220,14 +223,14 @@ def _accumulated(
         params,
         routes,
     )
-    collectives = Stage3Collectives.of(plan, reduce_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
+    widens, reduce_dtype = plan.traits.widens_half_precision, collectives.reduce_dtype
     gather_layer = (
         None
         if per_layer is None
-        else _layer_gatherer(routes[per_layer], dtypes[per_layer], varying, collectives)
+        else _layer_gatherer(routes[per_layer], dtypes[per_layer], varying, collectives, widens)
     )
 
     def grads_of(micro, model_state, key):
@@ -253,7 +256,7 @@ def _accumulated(
                 dtypes,
                 micro,
                 prefetch,
-                plan.traits.widens_half_precision,
+                widens,
                 gather_layer,
                 given,
                 collectives,
@@ -305,22 +308,22 @@ def _visible(x, w, r: Route, varying):
     return x
 
 
-def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives = PLAIN):
+def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives, widens: bool):
     """``gather_layer``: one layer's slice of the stack -> its compute weights on the device,
     through the layer's slice of the same source any other fetch uses (``Source.layer``).
     Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
-    ``collectives``: how stage-3 slices and their gradients travel (ZeRO++)."""
+    ``collectives``, ``widens``: as for ``_source``."""
 
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
         if r.frozen:  # fetched without a gradient path
             weight = offload.to_device(varying(x)) if r.stream else x
-            return _source(r, dt, collectives).layer().fetch(weight) if r.sharded else weight
+            return _layer_source(r, dt, collectives, widens).fetch(weight) if r.sharded else weight
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.weight, x.stand_in)
         weight = offload.to_device(varying(x.weight)) if r.stream else x.weight
-        return _source(r, dt, collectives).layer().fetch_for_grad((weight, x.stand_in))
+        return _layer_source(r, dt, collectives, widens).fetch_for_grad((weight, x.stand_in))
 
     def gather_layer(layer_params):
         return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=is_route)
@@ -379,29 +382,28 @@ def _rebuilt(tree):
 
 def _all_reduced(g, dtype):
     """``g`` summed over ``data`` in ``dtype`` (``Precision.reduce``), in its own dtype."""
-    return jax.lax.psum(g.astype(dtype), DATA).astype(g.dtype)
+    return jax.lax.psum(g.astype(dtype), zero_axes()).astype(g.dtype)
 
 
 def _reduce_late(g, r: Route, dtype=jnp.float32):
     """Per micro-batch: a gradient to be reduce-scattered that the backward pass left whole (a
     streamed stack split along its layer axis) is reduce-scattered now."""
     if r.reduce is Reduce.AFTER:
-        return reduce_scatter(g, r.dim, r.padded, dtype)
+        return reduce_scatter(g, r.split_dim, r.padded, dtype)
     return g
 
 
-def _source(
-    r: Route, dtype, collectives: Stage3Collectives = PLAIN, widens: bool = True
-) -> sources.Source:
+def _source(r: Route, dtype, collectives: Stage3Collectives, widens: bool) -> sources.Source:
     """The source of a leaf as its route stores it (``.layer()``: of one layer's slice).
-    ``widens``: the backend widens each use of a half-precision weight (XLA:CPU), so a whole
+    ``collectives``: how stage-3 weights and their gradients travel (ZeRO++), and what whole
+    gradients are reduced in. ``widens``: the backend widens each use of a half-precision weight (XLA:CPU), so a whole
     weight's use waits for its unit's inputs like a gather."""
     if r.frozen:
         return sources.Frozen(
             r.dim if r.sharded else None, dtype, r.cut, ordered=r.sharded or widens
         )
     if r.sharded:
-        return sources.Sharded(r.dim, dtype, r.cut, r.padded, collectives=collectives)
+        return sources.Sharded(r.split_dim, dtype, r.cut, r.padded, collectives=collectives)
     scattered = r.reduce is Reduce.ON_USE
     return sources.Whole(
         r.dim if scattered else None,
@@ -409,6 +411,15 @@ def _source(
         ordered=widens,
         reduce_dtype=collectives.reduce_dtype,
     )
+
+
+def _layer_source(r: Route, dtype, collectives: Stage3Collectives, widens: bool) -> sources.Source:
+    """The source of one layer's slice of a leaf fetched one layer at a time: such a leaf is
+    split within its layers or not at all, never along its layer axis, so the slice has one."""
+    layer = _source(r, dtype, collectives, widens).layer()
+    if layer is None:
+        raise AssertionError(f"{r} is fetched per layer but split along its layer axis")
+    return layer
 
 
 def _call_gathering(
@@ -421,8 +432,8 @@ def _call_gathering(
     widens,
     gather_layer,
     given,
-    collectives: Stage3Collectives = PLAIN,
-    compute_dtype=None,
+    collectives: Stage3Collectives,
+    compute_dtype,
 ):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
@@ -442,9 +453,11 @@ def _call_gathering(
         is_leaf=is_route,
     )
     leaves, treedef = jax.tree.flatten(seen, is_leaf=lambda x: _is_pair(x) or is_quantized(x))
+    # jaxlib ships no stub for its compiled PyTreeDef, so mypy cannot see its methods
+    flat = treedef.flatten_up_to(top)  # type: ignore[attr-defined]
     specs = [
         source_of(x, compute_dtype, spec.data) if is_quantized(x) else spec
-        for x, spec in zip(leaves, treedef.flatten_up_to(top))
+        for x, spec in zip(leaves, flat)
     ]
     if not any(specs):
         return call(seen, micro, given)

@@ -13,8 +13,8 @@ A route is two choices and two facts:
 - ``stream``: the compute weight lives in host memory and is copied in per layer.
 
 The decision is one table, ``ROUTES``: a ``RouteKey`` (what the stage does with gradients,
-where the layer stack's compute weights live, where the leaf is split, whether it trains;
-``route_key``) to a ``Decision``, a row per case with its reason. The one choice outside it is
+where the layer stack's compute weights live, where the leaf is split, whether it trains,
+as its layout says; ``route_key``) to a ``Decision``, a row per case with its reason. The one choice outside it is
 the backend's: where XLA:CPU widens half precision, a weight the table uses as stored is
 fetched on use instead (``fetches_whole``).
 """
@@ -79,6 +79,14 @@ class Route:
         """The gradient leaves ``local_grads`` split over ``data``."""
         return self.reduce in (Reduce.ON_USE, Reduce.AFTER)
 
+    @property
+    def split_dim(self) -> int:
+        """``dim`` of a leaf that is split over ``data``: one that is sharded or whose gradient
+        is reduce-scattered; such a route always has one."""
+        if self.dim is None:
+            raise AssertionError(f"{self} keeps its leaf whole: it has no split dimension")
+        return self.dim
+
 
 # -- the table's key -------------------------------------------------------------------------
 class Stage(enum.Enum):
@@ -135,10 +143,10 @@ def route_key(
     *,
     per_layer: str | None,
     grad_accum: int = 1,
-    trains: bool = True,
 ) -> RouteKey:
-    """The table's key for the leaf at ``path`` (``path_str``) of layout ``lay``. ``per_layer``:
-    the top-level key of the stack handed to ``gather_layer`` (or None).
+    """The table's key for the leaf at ``path`` (``path_str``) of layout ``lay`` (which says
+    whether it trains). ``per_layer``: the top-level key of the stack handed to
+    ``gather_layer`` (or None).
 
     Stage 1 reduces gradients once per step: with one micro-batch that is on use, as stage 2
     (a reduce-scatter moves half the bytes of an all-reduce and leaves each device the slice
@@ -164,7 +172,7 @@ def route_key(
         place = SPLIT
     else:
         place = STACK_BY_LAYER if dim_in_layer(lay.zero_dim) is None else STACK_IN_LAYER
-    return RouteKey(stage, HOST if host else DEVICE, place, trains)
+    return RouteKey(stage, HOST if host else DEVICE, place, lay.trains)
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -287,24 +295,14 @@ def step_routes(
     prec: Precision,
     per_layer: str | None,
     grad_accum: int = 1,
-    trainable=None,
 ):
-    """A ``Route`` per leaf of ``layouts`` (``plan.layouts``), as the train step takes them:
-    the row of ``ROUTES`` at each leaf's ``route_key``. ``per_layer``: the top-level key of
-    the layer stack handed to ``gather_layer`` (or None). ``trainable``: a mask of bools
-    matching ``layouts`` (None: every leaf trains)."""
+    """A ``Route`` per leaf of ``layouts`` (``plan.layouts``, frozen leaves marked), as the
+    train step takes them: the row of ``ROUTES`` at each leaf's ``route_key``. ``per_layer``:
+    the top-level key of the layer stack handed to ``gather_layer`` (or None)."""
     whole_on_use = fetches_whole(plan, prec.compute_dtype)
 
-    def route(path, lay: LeafLayout, trains: bool = True) -> Route:
-        key = route_key(
-            plan,
-            prec,
-            lay,
-            path_str(path),
-            per_layer=per_layer,
-            grad_accum=grad_accum,
-            trains=trains,
-        )
+    def route(path, lay: LeafLayout) -> Route:
+        key = route_key(plan, prec, lay, path_str(path), per_layer=per_layer, grad_accum=grad_accum)
         fetch, reduce, sharded, stream = ROUTES[key]
         if fetch is Fetch.STORED and whole_on_use:
             fetch = Fetch.ON_USE
@@ -312,8 +310,7 @@ def step_routes(
         padded = size + lay.pad if size is not None and lay.pad else None
         return Route(lay.zero_dim, fetch, reduce, sharded, stream, size, padded)
 
-    trees = (layouts,) if trainable is None else (layouts, trainable)
-    return jax.tree_util.tree_map_with_path(route, *trees, is_leaf=is_layout)
+    return jax.tree_util.tree_map_with_path(route, layouts, is_leaf=is_layout)
 
 
 def trained(routes):

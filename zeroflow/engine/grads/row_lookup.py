@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 
 
 def is_row_lookup(eqn) -> bool:
@@ -45,9 +45,9 @@ def is_row_lookup(eqn) -> bool:
 
 def _positions(shard, index):
     """Every device's row indices, as positions in this device's rows, and which fall there."""
-    every = jax.lax.all_gather(index[..., 0], DATA, axis=0, tiled=True)
+    every = jax.lax.all_gather(index[..., 0], zero_axes(), axis=0, tiled=True)
     rows = shard.shape[0]
-    position = every - jax.lax.axis_index(DATA) * rows
+    position = every - jax.lax.axis_index(zero_axes()) * rows
     held = (position >= 0) & (position < rows)
     return jnp.clip(position, 0, rows - 1), held
 
@@ -61,7 +61,7 @@ def _forward(shard, index, dtype):
     position, held = _positions(shard, index)
     rows = jnp.take(shard.astype(dtype), position, axis=0)
     rows = jnp.where(held[..., None], rows, jnp.zeros((), dtype))
-    return jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=True)
+    return jax.lax.psum_scatter(rows, zero_axes(), scatter_dimension=0, tiled=True)
 
 
 def _lookup_fwd(shard, stand_in, index, dtype):
@@ -71,7 +71,7 @@ def _lookup_fwd(shard, stand_in, index, dtype):
 def _lookup_bwd(dtype, residuals, cotangent):
     shard, stand_in, index = residuals
     position, held = _positions(shard, index)
-    every = jax.lax.all_gather(cotangent, DATA, axis=0, tiled=True).astype(jnp.float32)
+    every = jax.lax.all_gather(cotangent, zero_axes(), axis=0, tiled=True).astype(jnp.float32)
     every = jnp.where(held[..., None], every, 0.0)
     grad = jnp.zeros(stand_in.shape, jnp.float32).at[position].add(every)
     return jnp.zeros_like(shard), grad.astype(stand_in.dtype), None

@@ -41,10 +41,13 @@ def dim_in_layer(dim: int) -> int | None:
 class Source(Protocol):
     """How one weight is stored on this device and how its gradient goes back there."""
 
-    ordered: bool
-    "Its fetch waits for the unit's inputs (``ordering.after``); else the compiler places it."
-    frozen: bool
-    "Never differentiated: the unit takes no vjp with respect to it."
+    @property
+    def ordered(self) -> bool:
+        """Its fetch waits for the unit's inputs (``ordering.after``), or the compiler places it."""
+
+    @property
+    def frozen(self) -> bool:
+        """Never differentiated: the unit takes no vjp with respect to it."""
 
     def fetch(self, stored) -> jax.Array:
         """The whole weight, as the loss uses it, from what this device stores."""
@@ -81,7 +84,8 @@ class Stage3Collectives:
     "What gradients are summed over devices in (``Precision.reduce``), exact reductions only."
 
     @classmethod
-    def of(cls, plan: ZeroPlan, reduce_dtype=jnp.float32) -> Stage3Collectives:
+    def of(cls, plan: ZeroPlan, reduce_dtype) -> Stage3Collectives:
+        """What ``plan`` sets (hpZ, qwZ, qgZ), summing exact reductions in ``reduce_dtype``."""
         return cls(
             plan.gather_groups,
             plan.quantize_block if plan.quantize_weights else None,
@@ -114,9 +118,6 @@ class Stage3Collectives:
         return reduce_scatter(grad, dim, padded, self.reduce_dtype)
 
 
-PLAIN = Stage3Collectives()
-
-
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """ZeRO-3: stored as a pair ``(shard, stand_in)``, the shard split along ``dim`` and
@@ -130,7 +131,9 @@ class Sharded:
     padded: int | None = None
     sliced: bool = False
     "One iteration's slice of a stack a scan walks through (``layer()``; see ``all_gather``)."
-    collectives: Stage3Collectives = PLAIN
+    # The plan's (``Stage3Collectives.of``), always given: a source built without it is a
+    # TypeError, never plain collectives where the plan asked for ZeRO++'s.
+    collectives: Stage3Collectives = dataclasses.field(kw_only=True)
     ordered = True
     frozen = False
 

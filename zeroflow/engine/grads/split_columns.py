@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 
 
 def applies(eqn, data_aval, weight_aval, dim: int, n: int) -> bool:
@@ -45,13 +45,13 @@ def moves_less(data_aval, out_aval, weight_aval, n: int) -> bool:
 
 
 def _local_product(x, shard, dtype, out_dtype):
-    every = jax.lax.all_gather(x, DATA, axis=0, tiled=True)
+    every = jax.lax.all_gather(x, zero_axes(), axis=0, tiled=True)
     return every, jnp.matmul(every, shard.astype(dtype)).astype(out_dtype)
 
 
 def _to_rows(y_local, size):
     """Each device's rows of every device's columns, in column order, cut to ``size``."""
-    y = jax.lax.all_to_all(y_local, DATA, 0, y_local.ndim - 1, tiled=True)
+    y = jax.lax.all_to_all(y_local, zero_axes(), 0, y_local.ndim - 1, tiled=True)
     return y[..., :size]
 
 
@@ -66,14 +66,16 @@ def _matmul_fwd(x, shard, stand_in, dtype, out_dtype, size):
 
 def _matmul_bwd(dtype, out_dtype, size, residuals, cotangent):
     x, shard, stand_in = residuals
-    every = jax.lax.all_gather(x, DATA, axis=0, tiled=True)
+    every = jax.lax.all_gather(x, zero_axes(), axis=0, tiled=True)
     n = every.shape[0] // x.shape[0]
     padded = jnp.pad(cotangent, [(0, 0)] * (cotangent.ndim - 1) + [(0, n * shard.shape[-1] - size)])
-    d_local = jax.lax.all_to_all(padded.astype(dtype), DATA, cotangent.ndim - 1, 0, tiled=True)
+    d_local = jax.lax.all_to_all(
+        padded.astype(dtype), zero_axes(), cotangent.ndim - 1, 0, tiled=True
+    )
     rows = every.reshape(-1, every.shape[-1]).astype(dtype)
     d_weight = jnp.matmul(rows.T, d_local.reshape(-1, d_local.shape[-1])).astype(jnp.float32)
     d_every = jnp.matmul(d_local, shard.astype(dtype).T)
-    d_x = jax.lax.psum_scatter(d_every, DATA, scatter_dimension=0, tiled=True)
+    d_x = jax.lax.psum_scatter(d_every, zero_axes(), scatter_dimension=0, tiled=True)
     return d_x.astype(x.dtype), jnp.zeros_like(shard), d_weight.astype(stand_in.dtype)
 
 

@@ -81,7 +81,7 @@ def quantize_frozen(params, trainable, kind: str = "nf4", *, stacked: str | None
     lazy = frozen_weights.is_function(params)
     abstract = jax.eval_shape(params) if lazy else params
     mask = frozen_weights.trainable_mask(trainable, abstract)
-    if not frozen_weights.any_frozen(mask):
+    if all(jax.tree.leaves(mask)):  # a bool per leaf; a hole (None) has none
         raise ValueError("quantize_frozen: trainable freezes no parameter, so nothing to quantize")
 
     def quantized(tree):

@@ -171,6 +171,8 @@ def dequantize(q: QuantizedArray, dtype=None) -> jax.Array:
     if q.kind == "int8":
         whole = int8_dequantize(Int8(parts.codes, parts.scale_codes), (n,), dtype)
     else:
-        scales = nf4.dequantize_scales(nf4.Scales(*parts[1:]))
+        # NF4 parts always carry maxima and offset (unpack fills them for this kind)
+        assert parts.maxima is not None and parts.offset is not None
+        scales = nf4.dequantize_scales(nf4.Scales(parts.scale_codes, parts.maxima, parts.offset))
         whole = nf4.dequantize(parts.codes, scales, n, dtype)
     return whole.reshape(q.full_shape)

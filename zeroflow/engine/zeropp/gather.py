@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 from zeroflow.engine.hosts import index_groups
 from zeroflow.engine.padding import cut_to
 from zeroflow.engine.zeropp.quantize import Quantized, dequantize, quantize
@@ -33,8 +33,8 @@ def quantized_all_gather(
     q = quantize(shard, block_size)
     listed = index_groups(groups)
     gathered = Quantized(
-        jax.lax.all_gather(q.values, DATA, axis_index_groups=listed),
-        jax.lax.all_gather(q.scales, DATA, axis_index_groups=listed),
+        jax.lax.all_gather(q.values, zero_axes(), axis_index_groups=listed),
+        jax.lax.all_gather(q.scales, zero_axes(), axis_index_groups=listed),
     )
     whole = _dequantized(gathered, shard.shape, jnp.dtype(dtype).name, dim)
     return whole if size is None else cut_to(whole, dim, size)

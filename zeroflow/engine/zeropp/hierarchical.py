@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 from zeroflow.engine.hosts import HostSplit, index_groups
 from zeroflow.engine.padding import Entry
 from zeroflow.engine.plan import ZeroPlan, is_layout
@@ -49,11 +49,12 @@ def tile(tree, entries: tuple[Entry, ...], copies: int):
     if copies == 1:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten(
+    return jax.tree.unflatten(
+        treedef,
         [
             x if e is None else jnp.concatenate([x] * copies, axis=e[0])
             for x, e in zip(leaves, entries)
-        ]
+        ],
     )
 
 
@@ -62,9 +63,9 @@ def _regrouped(piece, dim: int, split: HostSplit):
     device's 1/N piece (the permutation, then the gather across hosts)."""
     hosts, local = split
     moves = [(p, (p % hosts) * local + p // hosts) for p in range(hosts * local)]
-    piece = jax.lax.ppermute(piece, DATA, moves)
+    piece = jax.lax.ppermute(piece, zero_axes(), moves)
     return jax.lax.all_gather(
-        piece, DATA, axis=dim, tiled=True, axis_index_groups=index_groups(split.across)
+        piece, zero_axes(), axis=dim, tiled=True, axis_index_groups=index_groups(split.across)
     )
 
 
@@ -82,8 +83,8 @@ def refresh(compute, layouts, plan: ZeroPlan):
             for x, lay in zip(pieces, lays)
         ]
 
-    manual = {DATA} if plan.model_size > 1 else set(plan.mesh.axis_names)
+    manual = plan.manual_axes
     out = jax.shard_map(
         regroup, mesh=plan.mesh, in_specs=(specs,), out_specs=specs, axis_names=manual
     )(leaves)
-    return treedef.unflatten(out)
+    return jax.tree.unflatten(treedef, out)

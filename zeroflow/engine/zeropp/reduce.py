@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zeroflow.backend.mesh import DATA
+from zeroflow.backend.mesh import zero_axes
 from zeroflow.engine.hosts import HostSplit, index_groups
 from zeroflow.engine.padding import pad_to
 from zeroflow.engine.zeropp.quantize import dequantize, quantize
@@ -39,8 +39,8 @@ def _exchanged(rows, groups, block_size: int):
     in fp32: ``[k]``."""
     q = jax.vmap(lambda r: quantize(r, block_size))(rows)
     listed = index_groups(groups)
-    values = jax.lax.all_to_all(q.values, DATA, 0, 0, axis_index_groups=listed)
-    scales = jax.lax.all_to_all(q.scales, DATA, 0, 0, axis_index_groups=listed)
+    values = jax.lax.all_to_all(q.values, zero_axes(), 0, 0, axis_index_groups=listed)
+    scales = jax.lax.all_to_all(q.scales, zero_axes(), 0, 0, axis_index_groups=listed)
     received = dequantize(q._replace(values=values, scales=scales), rows.shape[1:])
     return jnp.sum(received, axis=0)
 

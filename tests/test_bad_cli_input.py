@@ -1,0 +1,63 @@
+"""Flags and files the CLIs must refuse in one line (exit 2), before any work: each case was
+once accepted silently or answered with a raw error or a usage block."""
+
+import pytest
+
+from helpers import REPO
+from zeroflow.cli import export, memory, sample, train
+from zeroflow.data.corpus import iter_documents
+
+
+def _one_error_line(capsys, code) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1, err  # no usage block, no traceback
+    assert ": error: " in err[0]
+    return err[0]
+
+
+def _exit_code(main, argv):
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse ends the process itself
+        return e.code
+
+
+@pytest.mark.parametrize("main, argv, named", [
+    (train.main, ["--cpu-devices", "-1"], "--cpu-devices"),
+    (train.main, ["--cpu-devices", "0"], "--cpu-devices"),
+    (sample.main, ["--run", "nowhere", "--temperature", "-1"], "--temperature"),
+    (sample.main, ["--run", "nowhere", "--temperature", "nan"], "--temperature"),
+    (sample.main, ["--run", "nowhere", "--tokens", "0"], "--tokens"),
+    (sample.main, ["--run", "nowhere", "--top-k", "-3"], "--top-k"),
+    (export.main, ["--run", "nowhere", "--out", "w.npz", "--step", "-2"], "--step"),
+    (memory.main, ["--no-such-flag"], "--no-such-flag"),
+], ids=["cpu-devices-negative", "cpu-devices-zero", "temperature-negative", "temperature-nan",
+        "tokens-zero", "top-k-negative", "export-step-negative", "memory-unknown-flag"])
+def test_a_bad_flag_is_one_line_naming_it(main, argv, named, capsys):
+    line = _one_error_line(capsys, _exit_code(main, argv))
+    assert named in line
+
+
+def test_a_config_that_is_not_text_names_the_file(tmp_path, capsys):
+    config = tmp_path / "weights.yaml"
+    config.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    line = _one_error_line(capsys, _exit_code(train.main, ["--config", str(config)]))
+    assert str(config) in line and "UTF-8" in line
+
+
+def test_export_to_an_existing_file_as_a_folder_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.write_text("keep me")
+    run = REPO / "no-run-needed"  # the flag is checked before the run is read
+    line = _one_error_line(capsys, _exit_code(export.main, [
+        "--run", str(run), "--format", "hf", "--out", str(out)]))
+    assert str(out) in line and "is a file" in line
+    assert out.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [out]
+
+
+def test_a_lone_data_file_that_is_not_utf8_is_an_error_naming_it(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_bytes("caf\u00e9 ".encode("latin-1") * 100)
+    with pytest.raises(ValueError, match="corpus.txt is not readable UTF-8"):
+        list(iter_documents(data, val_fraction=0.1))

@@ -1,0 +1,174 @@
+"""``python -m zeroflow.planner --config X [--gpus h100,a100,l4] [--devices 1,8] [--out DIR]``
+
+For each GPU x device count, searches ZeRO stage, offload and where the update runs, remat,
+micro-batch split, attention kernel and ZeRO++ options for the config's GPT, compiles the most
+promising plans with XLA for that GPU (no GPU needed), and prints the fastest plan whose
+compiled peak fits, with its host memory, XLA:GPU's step estimate, tokens/s and MFU. The whole
+search goes to DIR/search.json, each row's plan to DIR/<gpu>-x<devices>.overrides (for
+``python -m zeroflow.train --config X $(cat FILE)``) and DIR/<gpu>-x<devices>.yaml. Without
+--gpus it plans for this machine's devices.
+
+XLA reads its logging and the number of CPU devices when it starts, so the command starts
+itself again with XLA:GPU's scheduler statistics on and as many CPU devices as the largest
+device count (offloaded plans are compiled through CPU devices standing in for the GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from zeroflow.cli.common import run_cli
+from zeroflow.config.io import add_config_arguments, load_config, save_config
+from zeroflow.memory import schedule
+from zeroflow.memory.estimate import REMATS, parse_bytes
+
+PROG = "zeroflow.planner"
+CHILD = "ZEROFLOW_PLANNER_STARTED"
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+"XLA:CPU options that change only its generated code (the emulated devices never run it)."
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1])
+    p.add_argument("--gpus", "--target", default=None, help="GPU targets, e.g. h100,a100,l4,h200")
+    p.add_argument("--devices", default=None, help="device counts, e.g. 1,8,16 (default 1,8)")
+    p.add_argument("--out", default=None, help="output folder (default plans/<config name>)")
+    p.add_argument("--margin", type=float, default=0.1, help="memory kept free (default 0.1)")
+    p.add_argument("--device-memory", default=None, help="memory per device instead (80GB)")
+    p.add_argument("--max-compiles", type=int, default=3, help="compiles per row at most")
+    p.add_argument("--min-compiles", type=int, default=2, help="compiles per row at least")
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--remats", default=",".join(REMATS))
+    p.add_argument("--attentions", default=None, help="default: the config's, and cudnn on GPUs")
+    p.add_argument("--grad-accums", default=None, help="micro-batch splits (default: all)")
+    p.add_argument("--no-zeropp", action="store_true", help="leave out ZeRO++ options")
+    return add_config_arguments(p)
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} takes comma-separated integers, got {text!r}") from None
+
+
+def _restart(args) -> None:
+    """Start again with the environment XLA reads at start-up (see the module doc)."""
+    if os.environ.get(CHILD):
+        return
+    env = dict(os.environ, **{CHILD: "1", "ZEROFLOW_QUIET_XLA_INFO": "1"})
+    if args.gpus:
+        schedule.enable(env)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    counts = _ints(args.devices, "devices") if args.devices else [1, 8]
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={max(counts)} {FAST_CPU_COMPILE}"
+    env["XLA_FLAGS"] = flags.strip()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", PROG, *sys.argv[1:]], env)
+
+
+def main_args(args: argparse.Namespace) -> int:
+    from zeroflow.planner.config_plan import plan_config
+
+    cfg = load_config(args.config, args.overrides)
+    name = Path(args.config).stem if args.config else "default"
+    out = Path(args.out or os.path.join("plans", name))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="zeroflow-planner-") as scratch, _progress() as tick:
+        plan, said = plan_config(
+            cfg,
+            name=args.config or "default config",
+            gpus=[g.strip() for g in args.gpus.split(",")] if args.gpus else None,
+            devices=_ints(args.devices, "devices") if args.devices else None,
+            margin=args.margin,
+            device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
+            max_compiles=args.max_compiles,
+            min_compiles=args.min_compiles,
+            stages=_ints(args.stages, "stages"),
+            remats=[r.strip() for r in args.remats.split(",")],
+            attentions=[a.strip() for a in args.attentions.split(",")] if args.attentions else None,
+            zeropp=not args.no_zeropp,
+            grad_accums=_ints(args.grad_accums, "grad-accums") if args.grad_accums else None,
+            cache_dir=scratch,
+            progress=tick,
+        )
+    from zeroflow.planner.report import render
+
+    for line in said:
+        print(line)
+    render(plan)
+    _write(plan, cfg, out, args.config, time.perf_counter() - started)
+    return 0
+
+
+def _write(plan, cfg, out: Path, config_path: str | None, seconds: float) -> None:
+    from zeroflow.config.io import apply_overrides
+
+    out.mkdir(parents=True, exist_ok=True)
+    data = plan.as_json()
+    data["wall_seconds"] = round(seconds, 1)
+    (out / "search.json").write_text(json.dumps(data, indent=1))
+    written = []
+    for s in plan.summaries():
+        if s.best is None or not s.overrides:
+            continue
+        stem = out / f"{s.row.where.name}-x{s.row.where.devices}"
+        stem.with_suffix(".overrides").write_text(" ".join(s.overrides) + "\n")
+        save_config(apply_overrides(cfg, s.overrides), stem.with_suffix(".yaml"))
+        written.append(stem)
+    print(f"wrote {out / 'search.json'} (the whole search) in {seconds:.0f} s")
+    if written:
+        config = f"--config {config_path} " if config_path else ""
+        print(
+            f"run a plan: python -m zeroflow.train {config}$(cat {written[0]}.overrides), "
+            f"or --config {written[0]}.yaml"
+        )
+
+
+@contextlib.contextmanager
+def _progress():
+    """A progress bar of the search's compiles (done / its bound, elapsed, time left)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("compiles"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def tick(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        yield tick
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        _restart(parser().parse_intermixed_args(sys.argv[1:]))
+    if os.environ.get("ZEROFLOW_QUIET_XLA_INFO"):
+        schedule.drop_info_lines()
+    return run_cli(PROG, main_args, parser(), argv)

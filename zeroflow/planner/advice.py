@@ -1,0 +1,134 @@
+"""Where nothing fits: changes that can make a config fit, each with its predicted peak.
+
+Each is compiled in its most memory-frugal plan (the what-if's smallest prediction): LoRA
+adapters on the frozen base weights, everything offloaded to the host, and the fewest devices on
+which the ZeRO formula expects the frugal plan of the full model to fit (the next count too
+where XLA's compile disagrees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zeroflow.config.io import apply_overrides
+from zeroflow.memory.estimate import format_bytes
+from zeroflow.planner import where as places
+from zeroflow.planner.choices import Choice, Space
+from zeroflow.planner.compiling import Compiler
+from zeroflow.planner.configs import ConfigProblem
+from zeroflow.planner.search import SKIPPED, Row, candidates_for
+from zeroflow.planner.whatif import what_if
+
+LORA_RANK = 16
+"Adapter rank the LoRA advice compiles with (a common choice; memory hardly depends on it)."
+MORE_DEVICES = (2, 4, 8, 16, 32, 64, 128, 256)
+MORE_DEVICE_COMPILES = 2
+PLAIN = (("none", "device"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    what: str
+    overrides: list[str]
+    peak_bytes: float | None
+    "XLA's compiled peak (None: from the formula only, ``predicted_bytes``)."
+    predicted_bytes: float
+    fits: bool
+
+    def line(self) -> str:
+        figure = (
+            f"XLA peak {format_bytes(self.peak_bytes)}"
+            if self.peak_bytes is not None
+            else f"ZeRO formula {format_bytes(self.predicted_bytes)}"
+        )
+        verdict = "fits" if self.fits else "does not fit"
+        return f"{self.what}: {figure} per device, {verdict} ({' '.join(self.overrides)})"
+
+    def as_json(self) -> dict:
+        return {
+            "what": self.what,
+            "overrides": self.overrides,
+            "xla_peak_bytes": None if self.peak_bytes is None else round(self.peak_bytes),
+            "predicted_bytes": round(self.predicted_bytes),
+            "fits": self.fits,
+        }
+
+
+def _frugal(problem, where, space: Space, usable: float) -> Choice | None:
+    cands = [c for c in candidates_for(problem, where, space, usable) if c.status != SKIPPED]
+    if not cands:
+        return None
+    # On a tie the plainer remat: full moves nothing over PCIe.
+    return min(cands, key=lambda c: (c.what_if.predicted_bytes, c.choice.remat != "full")).choice
+
+
+def _compiled(problem, choice, where, compiler: Compiler, usable: float, what: str) -> Advice:
+    got = compiler.measure(problem, choice, where)
+    predicted = _predicted(problem, choice, where)
+    if isinstance(got, str):
+        return Advice(f"{what} (did not compile: {got})", [], None, predicted, False)
+    return Advice(
+        what,
+        problem.overrides(choice, where.devices),
+        got.peak_bytes,
+        predicted,
+        got.peak_bytes <= usable,
+    )
+
+
+def _predicted(problem, choice, where) -> float:
+    return what_if(
+        problem.facts,
+        choice,
+        devices=where.devices,
+        hosts=where.hosts,
+        peak_flops=where.peak_flops,
+        links=where.links,
+        per_process=where.per_process,
+    ).predicted_bytes
+
+
+def advise(problem: ConfigProblem, row: Row, space: Space, compiler: Compiler) -> list[Advice]:
+    """Plain plans only (no ZeRO++): advice should be the simplest change that works."""
+    where, usable, out = row.where, row.usable_bytes, []
+    space = dataclasses.replace(space, zeropp=False)
+    if problem.cfg.model.lora.rank == 0:
+        lora = ConfigProblem(
+            apply_overrides(problem.cfg, [f"model.lora.rank={LORA_RANK}"]), problem.name
+        )
+        # The adapters' own state is small: the frozen base weights decide, on the device.
+        # zf.lora finds where each weight is read by tracing the loss on fp32 shapes, which
+        # cuDNN attention refuses, so LoRA is planned with XLA's attention.
+        kernels = tuple(dict.fromkeys("xla" if a == "cudnn" else a for a in space.attentions))
+        lora_space = dataclasses.replace(space, offloads=PLAIN, attentions=kernels)
+        choice = _frugal(lora, where, lora_space, usable)
+        if choice is not None:
+            advice = _compiled(lora, choice, where, compiler, usable, "LoRA adapters")
+            keys = [f"model.lora.rank={LORA_RANK}", *advice.overrides]
+            out.append(dataclasses.replace(advice, overrides=keys))
+    offload = dataclasses.replace(space, offloads=(("optimizer+params", "host"),))
+    choice = _frugal(problem, where, offload, usable)
+    if choice is not None:
+        out.append(_compiled(problem, choice, where, compiler, usable, "everything offloaded"))
+    out += _more_devices(problem, where, space, usable, compiler)
+    return out
+
+
+def _more_devices(problem, where, space: Space, usable: float, compiler) -> list[Advice]:
+    """The fewest devices whose frugal plain plan the formula expects to fit, compiled; if XLA
+    disagrees, the next count too (``MORE_DEVICE_COMPILES`` at most)."""
+    if where.local:
+        return []
+    plain = dataclasses.replace(space, offloads=PLAIN)
+    out = []
+    for count in MORE_DEVICES:
+        if count <= where.devices or count > problem.facts.batch_size:
+            continue
+        wider = places.target(where.name, count, where.memory_bytes)
+        choice = _frugal(problem, wider, plain, usable)
+        if choice is None or _predicted(problem, choice, wider) > usable:
+            continue
+        out.append(_compiled(problem, choice, wider, compiler, usable, f"{count} devices"))
+        if out[-1].fits or len(out) == MORE_DEVICE_COMPILES:
+            break
+    return out[-1:]

@@ -1,0 +1,206 @@
+"""The plans the planner searches: one ``Choice`` is a ZeRO stage, where the optimizer state
+lives and where its update runs, a remat policy, a micro-batch split, an attention kernel and
+the ZeRO++ options, for one device count.
+
+What a choice may combine is the engine's to say (``zeroflow.engine.plan_rules``), never
+re-derived here. Two more rules prune the space before anything is compiled:
+
+- on one device, stages that cannot differ are listed once: a stage is dropped when a lower
+  one makes the same decision the engine makes on one device (whether the state keeps a
+  compute-dtype copy of the weights, ``ZeroPlan.keeps_compute_copy``);
+- plans XLA is known to refuse are skipped with XLA's own reason (``known_failure``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Sequence
+
+import jax.numpy as jnp
+
+from zeroflow.backend.mesh import planning_mesh
+from zeroflow.engine.plan import ZeroPlan
+from zeroflow.engine.plan_rules import batch_split_problem, plan_problems
+
+OFFLOAD_PAIRS = (
+    ("none", "device"),
+    ("optimizer", "device"),
+    ("optimizer", "host"),
+    ("optimizer+params", "device"),
+    ("optimizer+params", "host"),
+)
+"(offload, update_on): where the fp32 state lives and where its update runs."
+REMAT_MEMORY = {"none": 4, "save_dots": 3, "offload_dots": 2, "full": 1}
+"Device memory a remat policy keeps, ranked (offload_dots keeps on the device what full keeps,"
+" and its copies' buffers)."
+OFFLOAD_MEMORY = {("none", "device"): 2, ("optimizer", "device"): 1, ("optimizer", "host"): 1}
+"Device memory of where the state lives, ranked where the order is certain (see needs_more)."
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One plan. ``remat`` / ``attention`` None: the model's own (a model given as a loss
+    function decides those itself)."""
+
+    stage: int
+    offload: str = "none"
+    update_on: str = "device"
+    grad_accum: int = 1
+    remat: str | None = None
+    attention: str | None = None
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    hierarchical: bool = False
+
+    def label(self) -> str:
+        """A short name for tables: 'stage 3, opt->host, full, 2 micro, cudnn, qwZ'."""
+        parts = [f"stage {self.stage}"]
+        if self.offload != "none":
+            short = {"optimizer": "opt", "optimizer+params": "opt+params"}[self.offload]
+            parts.append(f"{short} on host, update on {self.update_on}")
+        if self.remat is not None:
+            parts.append(f"remat {self.remat}")
+        parts.append(f"{self.grad_accum} micro" if self.grad_accum > 1 else "1 micro")
+        if self.attention is not None:
+            parts.append(self.attention)
+        parts += [name for name, on in self.zeropp_names() if on]
+        return ", ".join(parts)
+
+    def zeropp_names(self) -> list[tuple[str, bool]]:
+        return [
+            ("qwZ", self.quantize_weights is not None),
+            ("qgZ", self.quantize_grads is not None),
+            ("hpZ", self.hierarchical),
+        ]
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def plan_settings(self) -> dict:
+        """The ``ZeroPlan`` keywords of this choice (its hosts are the mesh's)."""
+        return dict(
+            stage=self.stage,
+            offload=self.offload,
+            update_on=self.update_on,
+            quantize_weights=self.quantize_weights,
+            quantize_grads=self.quantize_grads,
+            hierarchical=self.hierarchical,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What to search. Empty ``remats`` / ``attentions``: the model's own."""
+
+    stages: Sequence[int] = (0, 1, 2, 3)
+    offloads: Sequence[tuple[str, str]] = OFFLOAD_PAIRS
+    remats: Sequence[str | None] = (None,)
+    attentions: Sequence[str | None] = (None,)
+    grad_accums: Sequence[int] | None = None
+    "None: every split of the per-device batch into equal micro-batches."
+    zeropp: bool = True
+    "Also try ZeRO++'s quantized gathers (qwZ) and reductions (qgZ), and hpZ across hosts."
+
+
+def micro_splits(batch_size: int, devices: int) -> list[int]:
+    """Every ``grad_accum`` that splits ``batch_size`` into equal micro-batches over
+    ``devices`` (the engine's own batch rule decides)."""
+    if batch_size < devices:
+        return []
+    per_device = batch_size // devices
+    return [
+        g for g in range(1, per_device + 1) if batch_split_problem(batch_size, g, devices) is None
+    ]
+
+
+def _zeropp_options(
+    stage: int, offload: str, devices: int, hosts: int, zeropp: bool
+) -> Iterable[tuple]:
+    """(qwZ, qgZ, hpZ) settings to try: at stage 3 on two or more devices (on one, nothing is
+    gathered or reduced); hpZ across hosts without offload (the engine's rules)."""
+    if not zeropp or stage != 3 or devices == 1:
+        return [(None, None, False)]
+    hpz = [False, True] if hosts > 1 and offload == "none" else [False]
+    return itertools.product([None, "int8"], [None, "int8"], hpz)
+
+
+def enumerate_choices(
+    space: Space, *, devices: int, batch_size: int, hosts: int, compute_dtype: str
+) -> list[Choice]:
+    """Every choice of ``space`` the engine accepts for ``devices`` data devices on ``hosts``
+    hosts, the batch split evenly; on one device, one stage per distinct decision."""
+    splits = list(space.grad_accums or micro_splits(batch_size, devices))
+    splits = [g for g in splits if batch_split_problem(batch_size, g, devices) is None]
+    out = []
+    for stage, (offload, update_on) in itertools.product(space.stages, space.offloads):
+        if devices == 1 and _same_as_lower_stage(stage, offload, update_on, compute_dtype):
+            continue
+        for qw, qg, hp in _zeropp_options(stage, offload, devices, hosts, space.zeropp):
+            problems = plan_problems(stage, offload, update_on, qw, 256, hp, qg, hosts)
+            if problems or (hp and compute_dtype == "fp32"):
+                continue
+            for remat, attention, g in itertools.product(space.remats, space.attentions, splits):
+                out.append(Choice(stage, offload, update_on, g, remat, attention, qw, qg, hp))
+    return out
+
+
+def _same_as_lower_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> bool:
+    """On one device every split is whole, so stages differ only in what the engine keeps:
+    whether the state holds a compute-dtype copy of the weights."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute_dtype, jnp.float32)
+
+    def keeps(s: int) -> bool:
+        plan = ZeroPlan(planning_mesh(1), stage=s, offload=offload, update_on=update_on)
+        return plan.keeps_compute_copy(dtype)
+
+    return any(keeps(lower) == keeps(stage) for lower in range(stage))
+
+
+KNOWN_FAILURES = (
+    (
+        lambda c, gpu: gpu and c.remat == "offload_dots" and c.stage <= 1,
+        "XLA:GPU's scheduler cannot schedule remat offload_dots at stages 0-1 (INTERNAL: "
+        "FindAndExtractBestNodeAvailable failed to find a node to schedule)",
+    ),
+)
+"(applies(choice, for_gpu), XLA's reason) of plans XLA is known to refuse: skipped, not compiled."
+
+
+def known_failure(choice: Choice, gpu: bool) -> str | None:
+    for applies, reason in KNOWN_FAILURES:
+        if applies(choice, gpu):
+            return reason
+    return None
+
+
+XLA_FAILURE_TEXT = {
+    "FindAndExtractBestNodeAvailable": KNOWN_FAILURES[0][1],
+}
+"A compile error holding the key is reported as the value."
+
+
+def needs_more(a: Choice, b: Choice) -> bool:
+    """Whether ``a`` needs at least the device memory ``b`` needs, knob by knob: a plan that
+    did not fit rules out every plan that needs more. Only orders that hold for every model
+    are used (a lower stage, less remat, bigger micro-batches, the state on the device);
+    anything else (ZeRO++, another attention kernel) is not compared."""
+    same = ("attention", "quantize_weights", "quantize_grads", "hierarchical")
+    if any(getattr(a, k) != getattr(b, k) for k in same):
+        return False
+    pair_a, pair_b = (a.offload, a.update_on), (b.offload, b.update_on)
+    if pair_a != pair_b and not (
+        pair_a in OFFLOAD_MEMORY
+        and pair_b in OFFLOAD_MEMORY
+        and OFFLOAD_MEMORY[pair_a] > OFFLOAD_MEMORY[pair_b]
+    ):
+        return False
+    if (a.remat is None) != (b.remat is None):
+        return False
+    if (
+        a.remat is not None
+        and b.remat is not None
+        and REMAT_MEMORY[a.remat] < REMAT_MEMORY[b.remat]
+    ):
+        return False
+    return a.stage <= b.stage and a.grad_accum <= b.grad_accum

@@ -1,0 +1,193 @@
+"""One plan compiled by XLA for where it runs: its device peak and host memory from XLA's memory
+analysis, and on GPUs XLA:GPU's own step-time estimate (its latency-hiding scheduler's cost
+model, ``zeroflow.memory.schedule``).
+
+Compiles are shared. Every compile for one GPU target reads and extends one XLA kernel cache
+(``xla_gpu_kernel_cache_file``): two plans of one model share most of their kernels, and
+generating them (LLVM, then ptxas) is most of an XLA:GPU compile, so after a row's first
+compile the others cost a fraction. The options that only change how kernels are generated
+(``CODEGEN_OPTIONS``) make it cheaper still; neither touches the HLO, its schedule or its
+buffers. Results are remembered per (where, plan), and XLA's time per matmul flop is
+remembered per target (``Rates``).
+
+XLA:GPU prints no schedule statistics for a computation without an asynchronous collective:
+a one-device program, or a stage 0-2 forward pass. Those loops are costed at their matmul
+flops, at the time per flop XLA's model gave this program's costed loops, else another
+program's for the same GPU, else the GPU's dense peak (a lower bound, marked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+
+from zeroflow.memory import schedule
+from zeroflow.memory.measure import analysed, device_peak
+from zeroflow.planner.choices import XLA_FAILURE_TEXT, Choice
+from zeroflow.planner.where import Where
+
+CODEGEN_OPTIONS = {
+    "xla_gpu_disable_gpuasm_optimizations": True,
+    "xla_llvm_disable_expensive_passes": True,
+}
+"Options that change only how XLA:GPU generates kernel code (ptxas at -O0, fewer LLVM passes)."
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What XLA's compile of one plan says."""
+
+    peak_bytes: float
+    "Device memory per device (XLA's memory analysis, offloaded state left out on XLA:CPU)."
+    host_bytes: float
+    "XLA's host-memory buffers per device (offloaded state and activations; 0 on XLA:CPU)."
+    compile_s: float
+    xla_us: float = 0.0
+    "Step time of the computations XLA's scheduler costed, in its microseconds."
+    uncosted_flops: float = 0.0
+    "Matmul flops per step of the loops it printed nothing for."
+    own_us_per_flop: float | None = None
+    "XLA's time per matmul flop in this program's costed loops."
+    exposed_us: dict = dataclasses.field(default_factory=dict)
+    "Time the schedule waits on each kind of collective."
+    timed: bool = False
+    "Whether XLA:GPU's scheduler estimate was read (a GPU compile with its logging on)."
+
+    def step_ms(self, rates: Rates, where: Where) -> float | None:
+        """XLA's step estimate, the loops it did not cost at the best time per flop known."""
+        if not self.timed:
+            return None
+        per_flop, _ = self.flop_rate(rates, where)
+        return (self.xla_us + self.uncosted_flops * per_flop) / 1e3
+
+    def flop_rate(self, rates: Rates, where: Where) -> tuple[float, str]:
+        """(microseconds per flop, how): this program's, the target's, or its peak's."""
+        if self.own_us_per_flop is not None:
+            return self.own_us_per_flop, "xla"
+        known = rates.us_per_flop.get(where.name)
+        if known is not None:
+            return known, "xla-target"
+        return 1e6 / where.peak_flops, "peak"
+
+    def costed_by(self, rates: Rates, where: Where) -> str:
+        """'xla': every loop costed by XLA's scheduler or at its own time per flop;
+        'xla-target': some at XLA's time per flop for this GPU in another program;
+        'peak': some at the dense peak (a lower bound)."""
+        return "xla" if not self.uncosted_flops else self.flop_rate(rates, where)[1]
+
+
+@dataclasses.dataclass
+class Rates:
+    """XLA's time per matmul flop in costed loops, per GPU target, across compiles."""
+
+    us_per_flop: dict = dataclasses.field(default_factory=dict)
+
+
+class Compiler:
+    """Compiles plans of one problem, sharing kernels and results (see the module doc)."""
+
+    def __init__(self, cache_dir: str):
+        self.cache_dir = cache_dir
+        self.rates = Rates()
+        self.results: dict = {}
+        self.compile_seconds = 0.0
+        self.compiles = 0
+
+    def options(self, where: Where) -> dict:
+        if not where.is_gpu:
+            return {}
+        kernels = os.path.join(self.cache_dir, f"{where.name}.kernels")
+        return {"xla_gpu_kernel_cache_file": kernels, **CODEGEN_OPTIONS}
+
+    def measure(self, problem, choice: Choice, where: Where) -> Measured | str:
+        """XLA's figures for ``choice`` at ``where``, or the one-line reason it did not
+        compile."""
+        key = (where, choice)
+        if key not in self.results:
+            self.results[key] = self._compile(problem, choice, where)
+        return self.results[key]
+
+    def _compile(self, problem, choice: Choice, where: Where) -> Measured | str:
+        start = time.perf_counter()
+        timed = where.is_gpu and schedule.enabled()
+        try:
+            if timed:
+                with schedule.capture() as log:
+                    compiled, state = problem.compile(choice, where, self.options(where))
+            else:
+                compiled, state = problem.compile(choice, where, self.options(where))
+            got = analysed(compiled)
+        except Exception as e:  # a plan that cannot compile is a row with its reason
+            return failure_reason(e)
+        finally:
+            self.compiles += 1
+            self.compile_seconds += time.perf_counter() - start
+        measured = Measured(
+            peak_bytes=float(device_peak(got, state)),
+            host_bytes=float(got.host_total_bytes),
+            compile_s=time.perf_counter() - start,
+        )
+        if timed:
+            measured = self._with_step(measured, log.text, compiled.as_text(), where)
+            on_device = choice.offload == "none" and choice.remat != "offload_dots"
+            if measured.own_us_per_flop is not None and on_device:
+                self._remember_rate(where, measured.own_us_per_flop)
+        return measured
+
+    def _remember_rate(self, where: Where, us_per_flop: float) -> None:
+        """XLA's time per flop for a GPU, from programs whose loops wait on no host copy; the
+        fastest seen."""
+        known = self.rates.us_per_flop.get(where.name, us_per_flop)
+        self.rates.us_per_flop[where.name] = min(known, us_per_flop)
+
+    def _with_step(self, measured: Measured, log_text: str, hlo: str, where: Where) -> Measured:
+        xla_us, uncosted_flops, own = step_parts(log_text, hlo, where.peak_flops)
+        return dataclasses.replace(
+            measured,
+            xla_us=xla_us,
+            uncosted_flops=uncosted_flops,
+            own_us_per_flop=own,
+            exposed_us=schedule.parse(log_text, hlo).exposed_by_kind(),
+            timed=True,
+        )
+
+
+def step_parts(log_text: str, hlo: str, peak_flops: float) -> tuple[float, float, float | None]:
+    """``(microseconds XLA's scheduler costed, matmul flops per step of the loops it did not,
+    XLA's microseconds per flop in its costed loops less their exposed collectives)``; the
+    last is None where no costed loop has a matmul."""
+    est = schedule.parse(log_text, hlo, peak_flops=peak_flops)
+    bodies = schedule.computations_of(hlo)
+    trips, _ = schedule.loop_trips(hlo)
+    xla = [c for c in est.computations if c.costed_by == "xla"]
+    loops = [(c, schedule.gemm_flops(bodies, c.name) * c.trips) for c in xla if c.name in trips]
+    loops = [(c, f) for c, f in loops if f]
+    flops = sum(f for _, f in loops)
+    # ``parse`` costs the loops it has no statistics for at its own rate (whole loop time per
+    # flop, else the peak): dividing by that rate gives back their flops.
+    parse_rate = sum(c.total_us * c.trips for c, _ in loops) / flops if flops else 1e6 / peak_flops
+    by_flops = sum(c.total_us * c.trips for c in est.computations if c.costed_by != "xla")
+    compute_us = sum((c.total_us - sum(c.wasted_us.values())) * c.trips for c, _ in loops)
+    # Without any collective (one device) XLA prints nothing for the entry computation either:
+    # its own matmuls (a vocabulary projection outside the layer loop) are costed by flops too.
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.MULTILINE)
+    unseen = entry is not None and all(c.name != entry.group(1) for c in xla)
+    entry_flops = schedule.gemm_flops(bodies, entry.group(1)) if entry and unseen else 0.0
+    return (
+        sum(c.total_us * c.trips for c in xla),
+        by_flops / parse_rate + entry_flops,
+        compute_us / flops if flops else None,
+    )
+
+
+def failure_reason(error: Exception) -> str:
+    """One line for a plan XLA or the engine refused: XLA's known failures in words, else the
+    error's first line."""
+    text = str(error)
+    for key, reason in XLA_FAILURE_TEXT.items():
+        if key in text:
+            return reason
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(error).__name__}: {first[:300]}"

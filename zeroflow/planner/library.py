@@ -1,0 +1,146 @@
+"""``zf.plan``: the planner's search for any JAX model, and the loop over rows it shares with
+``python -m zeroflow.planner``."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+
+import jax
+
+from zeroflow.autocast.precision import Precision
+from zeroflow.planner import where as places
+from zeroflow.planner.choices import OFFLOAD_PAIRS, Space
+from zeroflow.planner.compiling import Compiler
+from zeroflow.planner.problems import ModelProblem
+from zeroflow.planner.results import Plan
+from zeroflow.planner.search import search_row
+from zeroflow.planner.where import Where
+
+Progress = Callable[[int, int, str], None]
+"progress(done, total, what): compile slots done of the search's bound, and what compiles next."
+
+
+def plan(
+    loss_fn,
+    params,
+    batch,
+    tx,
+    *,
+    targets: Sequence[str] | None = None,
+    devices: Sequence[int] | None = None,
+    precision: Precision | None = None,
+    margin: float = 0.1,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    offloads: Sequence[tuple[str, str]] = OFFLOAD_PAIRS,
+    grad_accums: Sequence[int] | None = None,
+    zeropp: bool = True,
+    max_compiles: int = 4,
+    min_compiles: int = 2,
+    trainable=None,
+    gather_per_layer: str | None = None,
+    tokens_per_example: int | None = None,
+    device_memory: int | None = None,
+    progress: Progress | None = None,
+) -> Plan:
+    """Search ZeRO stage, offload (and where the update runs), micro-batch split and ZeRO++
+    options for ``zf.make_train_step(loss_fn, tx, plan, precision)`` on each GPU of ``targets``
+    (``zf.target_mesh`` names, compiled without the GPU) x each count of ``devices``; without
+    ``targets``, on this machine's devices. ``params``: abstract fp32 parameters (arrays or
+    ``ShapeDtypeStruct``s); ``batch``: one global batch (its leading dimension is split over
+    devices and micro-batches). Peaks and step times are XLA's (see ``zeroflow.planner``);
+    a plan fits when its compiled peak is at most ``1 - margin`` of the device's memory.
+    ``tokens_per_example``: to report tokens/s and MFU (else examples/s, no MFU).
+    Returns a ``Plan``: ``plan.summaries()`` per row, ``plan.as_json()`` the whole search."""
+    problem = ModelProblem(
+        loss_fn,
+        params,
+        batch,
+        tx,
+        precision or Precision(),
+        trainable=trainable,
+        gather_per_layer=gather_per_layer,
+        tokens_per_example=tokens_per_example,
+    )
+    space = Space(
+        stages=tuple(stages), offloads=tuple(offloads), grad_accums=grad_accums, zeropp=zeropp
+    )
+    rows = rows_of(targets, devices, device_memory)
+    return run(
+        problem,
+        rows,
+        lambda where: space,
+        margin=margin,
+        max_compiles=max_compiles,
+        min_compiles=min_compiles,
+        progress=progress,
+    )
+
+
+def rows_of(
+    targets: Sequence[str] | None, devices: Sequence[int] | None, device_memory: int | None
+) -> list[Where]:
+    """One ``Where`` per GPU x device count (this machine's devices without ``targets``)."""
+    if targets:
+        counts = list(devices or (1, 8))
+        _check_counts(counts)
+        return [places.target(g, n, device_memory) for g in targets for n in counts]
+    counts = list(devices or (jax.device_count(),))
+    _check_counts(counts)
+    return [places.local(n, device_memory) for n in counts]
+
+
+def _check_counts(counts: Sequence[int]) -> None:
+    for n in counts:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"device counts must be positive ints, got {n!r}")
+
+
+def run(
+    problem,
+    rows: Sequence[Where],
+    space_for: Callable[[Where], Space],
+    *,
+    margin: float,
+    max_compiles: int,
+    min_compiles: int,
+    progress: Progress | None = None,
+    cache_dir: str | None = None,
+) -> Plan:
+    """Search every row. Rows with more devices go first: their programs have collectives, so
+    XLA costs their loops, and a GPU's time per flop is then known for its one-device rows."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    if max_compiles < 1 or min_compiles < 1:
+        raise ValueError("max_compiles and min_compiles must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="zeroflow-planner-") as scratch:
+        compiler = Compiler(cache_dir or scratch)
+        total, done = max_compiles * len(rows), 0
+        found = {}
+        for where in sorted(rows, key=lambda w: -w.devices):
+            start = compiler.compiles
+
+            def tick(what: str, start=start, done=done) -> None:
+                if progress:
+                    progress(done + compiler.compiles - start, total, what)
+
+            found[where] = search_row(
+                problem,
+                where,
+                space_for(where),
+                compiler,
+                margin=margin,
+                max_compiles=max_compiles,
+                min_compiles=min_compiles,
+                on_compile=tick,
+            )
+            done += max_compiles
+            if progress:
+                progress(done, total, f"{where.title} done")
+    return Plan(
+        title=problem.title,
+        rows=[found[w] for w in rows],
+        margin=margin,
+        compiler=compiler,
+        problem=problem,
+    )

@@ -1,0 +1,215 @@
+"""The bounded search of one row (one GPU x device count): what-if every choice, compile the
+most promising few, pick the fastest that fits.
+
+1. Every choice the engine accepts gets the instant what-if (``zeroflow.planner.whatif``). A
+   choice whose state alone, by the ZeRO formula, exceeds the usable memory cannot fit and is
+   never compiled; one XLA is known to refuse is skipped with XLA's reason.
+2. The rest are ordered by the what-if's step time, fastest first, those the formula predicts
+   to fit (scaled by the last compile's ratio of XLA's peak to the formula's) ahead; where none
+   is predicted to fit, the smallest prediction goes first.
+3. They are compiled in that order. A plan whose compiled peak does not fit rules out every
+   plan that needs at least as much memory (``choices.needs_more``). The search stops after
+   ``max_compiles``, or once ``min_compiles`` are done, one fits, and the next plan could not
+   beat it even at the most favourable ratio of XLA's step to the what-if's seen so far.
+4. The best plan is the fitting one with the shortest step by XLA's estimate (by the what-if
+   where the backend gives none, as XLA:CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from zeroflow.memory.estimate import format_bytes
+from zeroflow.planner.choices import Choice, Space, enumerate_choices, known_failure, needs_more
+from zeroflow.planner.compiling import Compiler, Measured
+from zeroflow.planner.whatif import WhatIf, what_if
+from zeroflow.planner.where import Where
+
+OPEN, COMPILED, FAILED = "open", "compiled", "failed"
+EXPLORE = 1.3
+"A plan of an untried stage / offload is compiled before a tried one up to this much slower"
+" by the what-if."
+CANNOT_FIT, SKIPPED, RULED_OUT, NOT_COMPILED = "cannot fit", "skipped", "ruled out", "not compiled"
+
+
+@dataclasses.dataclass
+class Candidate:
+    choice: Choice
+    what_if: WhatIf
+    status: str = OPEN
+    reason: str = ""
+    measured: Measured | None = None
+
+    @property
+    def got(self) -> Measured:
+        """What XLA measured, for a candidate that was compiled."""
+        if self.measured is None:
+            raise ValueError(f"{self.choice.label()} was not compiled")
+        return self.measured
+
+
+@dataclasses.dataclass
+class Row:
+    """One GPU x device count: every candidate with what became of it, and the best."""
+
+    where: Where
+    usable_bytes: float
+    candidates: list[Candidate]
+    best: Candidate | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def compiled(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.status == COMPILED]
+
+    def fits(self, cand: Candidate) -> bool:
+        return cand.measured is not None and cand.measured.peak_bytes <= self.usable_bytes
+
+
+def candidates_for(problem, where: Where, space: Space, usable: float) -> list[Candidate]:
+    """Every choice of ``space`` at ``where`` with its what-if, the ones that cannot fit or that
+    XLA refuses marked (step 1)."""
+    choices = enumerate_choices(
+        space,
+        devices=where.devices,
+        batch_size=problem.facts.batch_size,
+        hosts=where.hosts,
+        compute_dtype=problem.facts.compute_dtype,
+    )
+    out = []
+    for choice in choices:
+        est = what_if(
+            problem.facts,
+            choice,
+            devices=where.devices,
+            hosts=where.hosts,
+            peak_flops=where.peak_flops,
+            links=where.links,
+            per_process=where.per_process,
+        )
+        cand = Candidate(choice, est)
+        refused = known_failure(choice, where.is_gpu)
+        if est.floor_bytes > usable:
+            cand.status = CANNOT_FIT
+            cand.reason = (
+                f"the state alone needs {format_bytes(est.floor_bytes)} per device by the ZeRO "
+                f"formula, over the {format_bytes(usable)} usable"
+            )
+        elif refused:
+            cand.status, cand.reason = SKIPPED, refused
+        out.append(cand)
+    out.sort(key=lambda c: (c.what_if.prior_s, c.what_if.predicted_bytes))
+    return out
+
+
+def search_row(
+    problem,
+    where: Where,
+    space: Space,
+    compiler: Compiler,
+    *,
+    margin: float,
+    max_compiles: int,
+    min_compiles: int,
+    on_compile: Callable[[str], None] | None = None,
+) -> Row:
+    usable = where.memory_bytes * (1 - margin)
+    row = Row(where, usable, candidates_for(problem, where, space, usable))
+    scale, done = 1.0, 0
+    while done < max_compiles:
+        nxt = _next(row, scale, compiler)
+        if nxt is None:
+            break
+        if on_compile:
+            on_compile(f"{where.title}: {nxt.choice.label()}")
+        got = compiler.measure(problem, nxt.choice, where)
+        done += 1
+        if isinstance(got, str):
+            nxt.status, nxt.reason = FAILED, got
+            continue
+        nxt.status, nxt.measured = COMPILED, got
+        if nxt.what_if.predicted_bytes > 0:
+            scale = got.peak_bytes / nxt.what_if.predicted_bytes
+        if not row.fits(nxt):
+            _rule_out_bigger(row, nxt)
+        elif done >= min_compiles and _cannot_be_beaten(row, compiler, scale):
+            break
+    for cand in row.candidates:
+        if cand.status == OPEN:
+            cand.status = NOT_COMPILED
+            cand.reason = "the what-if ranks it below the plans compiled"
+    row.best = best_of(row, compiler)
+    return row
+
+
+def _likely(row: Row, scale: float) -> list[Candidate]:
+    """Open candidates the formula, scaled by the last compile's ratio, predicts to fit."""
+    return [
+        c
+        for c in row.candidates
+        if c.status == OPEN and c.what_if.predicted_bytes * scale <= row.usable_bytes
+    ]
+
+
+def _next(row: Row, scale: float, compiler: Compiler) -> Candidate | None:
+    """The fastest open candidate the formula (scaled) predicts to fit, preferring, within
+    ``EXPLORE`` of it, one whose stage and offload no compile has tried yet (the what-if's
+    near-ties are for XLA to break); where none is predicted to fit and nothing compiled fits,
+    the one the formula predicts smallest."""
+    open_ = [c for c in row.candidates if c.status == OPEN]
+    likely = _likely(row, scale)
+    if likely:
+        tried = {_family(c.choice) for c in row.candidates if c.status in (COMPILED, FAILED)}
+        near = [c for c in likely if c.what_if.prior_s <= likely[0].what_if.prior_s * EXPLORE]
+        fresh = [c for c in near if _family(c.choice) not in tried]
+        return (fresh or likely)[0]
+    if open_ and best_of(row, compiler) is None:  # the one likeliest to fit
+        return min(open_, key=lambda c: c.what_if.predicted_bytes)
+    return None
+
+
+def _family(choice: Choice) -> tuple:
+    return (choice.stage, choice.offload, choice.update_on)
+
+
+def _rule_out_bigger(row: Row, compiled: Candidate) -> None:
+    for cand in row.candidates:
+        if cand.status == OPEN and needs_more(cand.choice, compiled.choice):
+            cand.status = RULED_OUT
+            cand.reason = (
+                f"needs at least the {format_bytes(compiled.got.peak_bytes)} XLA "
+                f"compiled for {compiled.choice.label()}"
+            )
+
+
+def step_seconds(cand: Candidate, compiler: Compiler, where: Where) -> float:
+    """XLA's step estimate where there is one, else the what-if's."""
+    ms = cand.measured.step_ms(compiler.rates, where) if cand.measured else None
+    return cand.what_if.prior_s if ms is None else ms / 1e3
+
+
+def best_of(row: Row, compiler: Compiler) -> Candidate | None:
+    fitting = [c for c in row.compiled() if row.fits(c)]
+    if not fitting:
+        return None
+    return min(
+        fitting,
+        key=lambda c: (step_seconds(c, compiler, row.where), c.got.peak_bytes),
+    )
+
+
+def _cannot_be_beaten(row: Row, compiler: Compiler, scale: float) -> bool:
+    """Whether no open candidate likely to fit could beat the best, at the most favourable
+    ratio of XLA's step to the what-if's seen in this row."""
+    best = best_of(row, compiler)
+    open_ = _likely(row, scale)
+    if best is None or not open_:
+        return best is not None
+    ratios = [
+        step_seconds(c, compiler, row.where) / c.what_if.prior_s
+        for c in row.compiled()
+        if c.what_if.prior_s > 0
+    ]
+    ratio = min(ratios) if ratios else 1.0
+    fastest = min(c.what_if.prior_s for c in open_)
+    return fastest * ratio >= step_seconds(best, compiler, row.where)

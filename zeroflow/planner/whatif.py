@@ -1,0 +1,187 @@
+"""The instant what-if: what a plan needs and roughly how fast it runs, from the ZeRO paper's
+formula and a roofline, before anything is compiled.
+
+Nothing here is a figure the planner reports as a plan's peak or step time: those come from
+XLA's compiles. The what-if does two things only:
+
+- proves a plan cannot fit (``floor_bytes``: the state the plan keeps on each device between
+  steps, by the ZeRO formula; a compiled peak is never below it), so it is never compiled;
+- orders the rest, fastest first (``prior_s``: a roofline of the model's matmul flops, the
+  bytes each stage moves between devices and over PCIe, and the recompute of each remat
+  policy), so that the few compiles the search affords go to the plans most likely to win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from zeroflow.memory.estimate import DTYPE_BYTES, estimate
+from zeroflow.planner.choices import Choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """Bytes per second one GPU moves, one direction: to a peer in its host, over PCIe to its
+    host's memory, to a peer in another host, and from its own memory."""
+
+    peer: float
+    host: float
+    network: float
+    memory: float = 2e12
+    "The GPU's own memory (a target's spec gives it)."
+
+
+LINKS = {
+    # NVLink 4 (900 GB/s both ways), PCIe Gen5 x16, one 400 Gb/s NIC per GPU (DGX H100).
+    "h100": Links(peer=450e9, host=64e9, network=50e9),
+    "h200": Links(peer=450e9, host=64e9, network=50e9),
+    # NVLink 3 (600 GB/s both ways), PCIe Gen4 x16, one 200 Gb/s NIC per GPU (DGX A100).
+    "a100": Links(peer=300e9, host=32e9, network=25e9),
+    # No NVLink: peers over PCIe Gen4 x16; a 100 Gb/s NIC shared by the host's GPUs.
+    "l4": Links(peer=32e9, host=32e9, network=3e9),
+    # NVLink 2 (300 GB/s both ways), PCIe Gen3 x16, one 100 Gb/s NIC per GPU (DGX-1).
+    "v100": Links(peer=150e9, host=16e9, network=12.5e9),
+}
+"Interconnect per GPU, from NVIDIA's H100, A100, L4 and V100 datasheets and DGX/HGX system specs."
+CPU_LINKS = Links(peer=10e9, host=10e9, network=10e9, memory=20e9)
+"Emulated CPU devices share one memory: every link is a memory copy."
+HOST_UPDATE_BYTES_PER_S = 20e9
+"Host memory traffic a CPU optimizer update sustains per process (ZeRO-Offload's Adam)."
+MATMUL_EFFICIENCY = 0.5
+"Fraction of the dense peak the roofline assumes for the model's matmuls."
+WEIGHT_READS = 3
+"Times each micro-batch reads every weight from memory: forward, and twice backward."
+UNHIDDEN = 0.1
+"Share of an overlapped collective's time the roofline still charges: overlapped transfers"
+" compete with the compute for memory bandwidth and SMs, so moving fewer bytes stays better."
+RECOMPUTE = {None: 1.0, "none": 1.0, "save_dots": 1.05, "offload_dots": 1.05, "full": 4 / 3}
+"Step flops relative to no remat: full remat runs the forward pass twice (8 instead of 6 flops"
+" per parameter and token); save_dots recomputes only what lies between matmuls."
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the what-if knows of a model: its parameter counts, the tokens (or examples) in
+    one optimizer step, its precision and, where a formula exists (the trainer's GPT), its
+    activations per device."""
+
+    params: int
+    tokens_per_step: int
+    batch_size: int
+    compute_dtype: str = "bf16"
+    frozen_params: int = 0
+    optimizer_bytes: float = 8.0
+    activations: Callable[[Choice, int], float] | None = None
+    "(choice, micro-batch per device) -> activation bytes per device; None: unknown."
+    offloaded_activations: Callable[[Choice, int], float] | None = None
+    "(choice, micro-batch per device) -> activation bytes per device kept in host memory."
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatIf:
+    floor_bytes: float
+    "The state the plan keeps on each device between steps: no compiled peak is below it."
+    predicted_bytes: float
+    "The formula's peak: model states at their largest plus activations where known."
+    host_bytes: float
+    "Pinned host memory per process: offloaded state and activations."
+    prior_s: float
+    "The roofline's step time, only to order compiles."
+
+
+def what_if(
+    facts: ModelFacts,
+    choice: Choice,
+    *,
+    devices: int,
+    hosts: int,
+    peak_flops: float,
+    links: Links,
+    per_process: int,
+) -> WhatIf:
+    states = estimate(
+        num_params=facts.params,
+        num_devices=devices,
+        stage=choice.stage,
+        offload=choice.offload,
+        update_on=choice.update_on,
+        precision=facts.compute_dtype,
+        devices_per_process=per_process,
+        gradient_bytes=4,
+        optimizer_bytes=facts.optimizer_bytes,
+        frozen_params=facts.frozen_params,
+    )
+    micro = max(facts.batch_size // (devices * choice.grad_accum), 1)
+    acts = facts.activations(choice, micro) if facts.activations else 0.0
+    host_acts = facts.offloaded_activations(choice, micro) if facts.offloaded_activations else 0.0
+    return WhatIf(
+        floor_bytes=states.between_steps_bytes,
+        predicted_bytes=max(states.device.total + acts, states.update_bytes),
+        host_bytes=states.host_bytes + host_acts * per_process,
+        prior_s=prior_seconds(
+            facts,
+            choice,
+            devices=devices,
+            hosts=hosts,
+            peak_flops=peak_flops,
+            links=links,
+            per_process=per_process,
+            host_activations=host_acts,
+        ),
+    )
+
+
+def prior_seconds(
+    facts: ModelFacts,
+    choice: Choice,
+    *,
+    devices: int,
+    hosts: int,
+    peak_flops: float,
+    links: Links,
+    per_process: int,
+    host_activations: float = 0.0,
+) -> float:
+    """Roofline step time: matmuls at ``MATMUL_EFFICIENCY`` of the peak and each micro-batch's
+    reads of the weights, plus the collectives the compute cannot hide (and ``UNHIDDEN`` of those it can), plus the PCIe traffic of offloading and the host's update."""
+    n, m = devices, choice.grad_accum
+    trained = facts.params - facts.frozen_params
+    tokens = facts.tokens_per_step / n
+    width = DTYPE_BYTES[facts.compute_dtype]
+    flops = 6 * facts.params * tokens * RECOMPUTE[choice.remat] / (MATMUL_EFFICIENCY * peak_flops)
+    compute = flops + m * WEIGHT_READS * width * facts.params / links.memory
+    ring = (n - 1) / n
+    link = links.peer if hosts <= 1 else links.network
+    grads = (1 if choice.quantize_grads else 4) * trained * ring / link
+    weights = (1 if choice.quantize_weights else width) * facts.params * ring / link
+    if choice.hierarchical and hosts > 1:
+        weights *= links.network / links.peer
+    # Stage 0-1 reduce once per step after the backward pass (exposed); stage 1-2 then gather
+    # the updated weights; stage 2 reduce-scatters each micro-batch, stage 3 also gathers
+    # every weight twice per micro-batch, both overlapping the compute.
+    exposed = {0: 2 * grads, 1: 2 * grads + weights, 2: weights}.get(choice.stage, 0.0)
+    hidden = {2: m * grads, 3: m * (grads + 2 * weights)}.get(choice.stage, 0.0)
+    comm = exposed + max(0.0, hidden - compute) + UNHIDDEN * min(hidden, compute)
+    return (
+        compute
+        + comm
+        + _offload_seconds(facts, choice, devices, links, per_process, width, host_activations)
+    )
+
+
+def _offload_seconds(facts, choice, devices, links, per_process, width, host_activations):
+    """PCIe traffic of the offloaded state and activations, and the host's update."""
+    shard = (facts.params - facts.frozen_params) / (devices if choice.stage >= 1 else 1)
+    state = (4 + facts.optimizer_bytes) * shard
+    seconds = 2 * host_activations * choice.grad_accum / links.host
+    if choice.offload == "none":
+        return seconds
+    if choice.update_on == "device":  # the state streams in for the update and back out
+        seconds += 2 * state / links.host
+    else:  # gradients out, new weights in, the update on the host's cores
+        seconds += (4 + width) * shard / links.host
+        seconds += 2 * state * per_process / HOST_UPDATE_BYTES_PER_S
+    if choice.offload == "optimizer+params":  # the weights come in for every micro-batch
+        seconds += choice.grad_accum * width * facts.params / links.host
+    return seconds

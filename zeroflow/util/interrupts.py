@@ -1,0 +1,56 @@
+"""Ctrl-C and SIGTERM while a command starts: one line and the signal's exit code, at once.
+
+A KeyboardInterrupt raised at an arbitrary point of start-up lands in whatever runs then: an
+import (a raw traceback), a garbage-collection callback of XLA's (printed as "Exception ignored"
+and lost, so the run goes on), or a compile whose threads are torn down under it (a segfault).
+Before the first step there is nothing to keep, so the command ends on the spot instead: the
+handler writes one line and leaves with ``os._exit`` (no interpreter teardown, no half-run
+finalizers). The trainer replaces the handler with its own for the steps (it saves a
+checkpoint first) and puts this one back after.
+
+It is installed only for the ``python -m zeroflow.<command>`` programs, before jax is imported;
+``import zeroflow`` from other code leaves the process's signals alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+COMMANDS = ("train", "sample", "export", "launch", "memory", "planner")
+"The ``python -m zeroflow.<name>`` programs."
+
+
+def _command() -> str | None:
+    """The zeroflow command this process runs as ``python -m zeroflow.<name>``, if any."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "-m":
+            module = argv[i + 1]
+            name = module.removeprefix("zeroflow.")
+            return name if module.startswith("zeroflow.") and name in COMMANDS else None
+    return None
+
+
+_stderr: int | None = None
+"A copy of descriptor 2 made at install: while jax starts, 2 may point at /dev/null."
+
+
+def _end_now(signum: int, _frame) -> None:
+    name = signal.Signals(signum).name
+    os.write(
+        _stderr if _stderr is not None else 2,
+        f"zeroflow.{_command()}: stopped by {name}\n".encode(),
+    )
+    os._exit(128 + signum)
+
+
+def install_for_commands() -> None:
+    """SIGINT and SIGTERM end a ``python -m zeroflow.<command>`` process at once (see above)."""
+    global _stderr
+    if _command() is None:
+        return
+    _stderr = os.dup(2)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _end_now)
