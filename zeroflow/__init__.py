@@ -11,6 +11,7 @@ state, metrics = step(state, batch)
 tx  = zf.optim.adamw_8bit(3e-4)       # AdamW with 8-bit moments (docs/engine.md)
 f16 = zf.autocast(fn, dtype="bf16")   # an unmodified fp32 model in half precision (docs/autocast.md)
 lo  = zf.lora(loss_fn, rank=8, alpha=16, targets=r"query|value")  # adapters (docs/lora.md)
+q, mask = zf.quantize_frozen(params, trainable, kind="nf4")  # 4-bit frozen base (docs/nf4.md)
 ce  = zf.chunked_cross_entropy(hidden, w_out, labels)  # never holds the logits (docs/memory.md)
 best = zf.plan(loss_fn, params, batch, tx, targets=("h100",), devices=(8,))  # docs/planner.md
 """
@@ -31,6 +32,7 @@ from zeroflow.backend.mesh import make_mesh, planning_mesh  # noqa: E402
 from zeroflow.engine import offload, padding  # noqa: E402  (zf.offload, zf.padding)
 from zeroflow.engine.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 from zeroflow.engine.plan import PlanDescription, ZeroPlan  # noqa: E402
+from zeroflow.engine.quantized import QuantizedArray, quantize_frozen  # noqa: E402
 from zeroflow.engine.state import TrainState, init_train_state, state_shardings  # noqa: E402
 from zeroflow.engine.step import make_train_step  # noqa: E402
 from zeroflow.lora import LoRA, lora, lora_merge  # noqa: E402
@@ -50,6 +52,8 @@ __all__ = [
     "init_train_state",
     "state_shardings",
     "make_train_step",
+    "quantize_frozen",
+    "QuantizedArray",
     "save_checkpoint",
     "restore_checkpoint",
     "memory",

@@ -160,10 +160,12 @@ def export_peft(run_dir: Path, out: Path, step: int | None = None) -> str:
     base = model_cfg.init_from
     if not base:  # the frozen base is the run's own random initialisation: written beside
         from zeroflow import hf
+        from zeroflow.engine.quantized import dequantized
         from zeroflow.models import GPT
 
         base = str((out / "base").absolute())
-        hf.save_pretrained(GPT(model_cfg), params[BASE], cfg, out / "base")
+        # A quantized base is written as the weights the run trained against.
+        hf.save_pretrained(GPT(model_cfg), dequantized(params[BASE]), cfg, out / "base")
     save_peft(params[ADAPTERS], cfg, out, alpha=lora.alpha, base_model=base, dropout=lora.dropout)
     readable_by_all(out)
     return (

@@ -546,6 +546,11 @@ def _lora_problems(lora, freeze: str) -> list[str]:
         out.append(f"model.lora.alpha must be positive; got {lora.alpha}")
     if not 0 <= lora.dropout < 1:
         out.append(f"model.lora.dropout must be in [0, 1); got {lora.dropout}")
+    if lora.quantize != "none" and lora.rank == 0:
+        out.append(
+            f"model.lora.quantize={lora.quantize} needs model.lora.rank > 0: it quantizes the "
+            "frozen base weights of a LoRA run"
+        )
     if lora.rank > 0:
         try:
             re.compile(lora.targets or "(?!)")

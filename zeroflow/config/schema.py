@@ -24,6 +24,7 @@ from zeroflow.engine.plan import (
     ZERO_STAGES,
 )
 from zeroflow.engine.plan_rules import CONTEXT_CHUNKS
+from zeroflow.engine.quantized import KINDS as QUANTIZE_KINDS
 from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
 
@@ -55,6 +56,8 @@ class LoraConfig:
     "Regex (re.search) on parameter paths such as 'layers/attn/query/kernel': the weights that get adapters; the default takes every attention and MLP projection."
     dropout: float = 0.0
     "Dropout on the adapters' input (peft's lora_dropout); 0 disables it."
+    quantize: str = one_of("none", *QUANTIZE_KINDS)
+    "Storage of the frozen base weights (QLoRA): 'none' (the compute dtype), 'nf4' (4-bit NormalFloat, double-quantized scales: about 0.52 bytes a weight) or 'int8' (blocks of 64: 1.06 bytes); dequantized just before each use inside the step."
 
 
 @dataclass

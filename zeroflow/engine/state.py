@@ -12,7 +12,7 @@ from flax import struct
 
 from zeroflow.autocast.precision import LossScaleState, Precision
 from zeroflow.engine import frozen as frozen_weights
-from zeroflow.engine import opt_mirror, padding
+from zeroflow.engine import opt_mirror, padding, quantized
 from zeroflow.engine.padding import NO_PADDING, StatePadding
 from zeroflow.engine.plan import ZeroPlan, abstract_of, is_layout
 from zeroflow.engine.plan_rules import hierarchical_copy_problem
@@ -81,10 +81,12 @@ class TrainState:
 
 
 def check_float_params(params) -> None:
+    """Every leaf floating point; a ``QuantizedArray`` (``zeroflow.engine.quantized``) counts
+    as the floating-point weight it encodes."""
     bad = [
         f"{path_str(p)} ({jnp.result_type(x)})"
-        for p, x in jax.tree_util.tree_leaves_with_path(params)
-        if not jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=quantized.is_quantized)
+        if not quantized.is_quantized(x) and not jnp.issubdtype(jnp.result_type(x), jnp.floating)
     ]
     if bad:
         raise ValueError(
@@ -262,6 +264,15 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
+def _in_compute_dtype(frozen, prec: Precision):
+    """Frozen weights in the compute dtype; quantized ones keep their codes and scales."""
+    return jax.tree.map(
+        lambda x: x if quantized.is_quantized(x) else jnp.asarray(x, prec.compute_dtype),
+        frozen,
+        is_leaf=quantized.is_quantized,
+    )
+
+
 def init_train_state(
     params,
     tx: optax.GradientTransformation,
@@ -281,7 +292,8 @@ def init_train_state(
     ``trainable``: which leaves train (``zeroflow.engine.frozen``): a pytree of bools matching
     ``params``, or a callable ``(path_str, leaf) -> bool``; None trains every leaf. A frozen
     leaf is stored once, in the compute dtype, with no master copy and no optimizer state: the
-    optimizer ``tx`` sees the trainable leaves only.
+    optimizer ``tx`` sees the trainable leaves only. A frozen leaf may be a ``QuantizedArray``
+    (``zf.quantize_frozen``): stored as its codes and scales, dequantized on use by the step.
     """
     init_fn: Callable[[], Any] | None = params if frozen_weights.is_function(params) else None
     abstract = jax.eval_shape(init_fn) if init_fn else _abstract(params)
@@ -291,6 +303,7 @@ def init_train_state(
     key = None if rng is None else as_key(rng)
     plan.warn_if_replicated(abstract)
     mask = frozen_weights.trainable_mask(trainable, abstract)
+    quantized.check_trainable(abstract, mask)
     layouts = plan.layouts(abstract, trainable=mask)
     shardings = state_shardings_of(layouts, tx, plan, prec, model_state, key)
     pads = shardings.padding
@@ -299,11 +312,7 @@ def init_train_state(
         p, frozen = frozen_weights.split(init_fn() if init_fn else p, layouts)
         master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
         if frozen_weights.any_frozen(layouts):
-            frozen = padding.pad(
-                jax.tree.map(lambda x: jnp.asarray(x, prec.compute_dtype), frozen),
-                pads.frozen,
-                plan.data_size,
-            )
+            frozen = padding.pad(_in_compute_dtype(frozen, prec), pads.frozen, plan.data_size)
         else:
             frozen = None
         compute = (

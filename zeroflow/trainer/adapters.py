@@ -14,6 +14,7 @@ import jax
 
 import zeroflow as zf
 from zeroflow.config.schema import LoraConfig
+from zeroflow.engine import quantized
 from zeroflow.lora import Site
 from zeroflow.util.tree import path_str
 
@@ -68,12 +69,13 @@ def init_adapters(lo: zf.LoRA, sites: dict[str, Site], seed: int):
 
 
 def merged(lo: zf.LoRA | None, params):
-    """The model's weights: ``params`` as they are without LoRA, else the base with the
-    adapters folded in (``W + alpha / r * a b``)."""
+    """The model's weights: ``params`` as they are without LoRA, else the base (dequantized
+    first when it is quantized) with the adapters folded in (``W + alpha / r * a b``)."""
     if lo is None:
         return params
-    return lo.merge(params[BASE], params[ADAPTERS])
+    return lo.merge(quantized.dequantized(params[BASE]), params[ADAPTERS])
 
 
-def banner(lo: zf.LoRA, trained: int, frozen: int) -> str:
-    return f"LoRA r={lo.rank}, {trained:,} adapter params trained, {frozen:,} frozen"
+def banner(lo: zf.LoRA, trained: int, frozen: int, quantize: str = "none") -> str:
+    stored = "" if quantize == "none" else f" ({quantize})"
+    return f"LoRA r={lo.rank}, {trained:,} adapter params trained, {frozen:,} frozen{stored}"

@@ -15,6 +15,7 @@ from zeroflow.config.io import save_config
 from zeroflow.config.schema import Config
 from zeroflow.data import RecordData, TokenData, train_batch
 from zeroflow.engine import frozen as frozen_weights
+from zeroflow.engine import quantized
 from zeroflow.engine.distributed import StopVote
 from zeroflow.models import flops_per_token
 from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder
@@ -201,9 +202,11 @@ def _restored_or_fresh(run: Run, checkpoints: RunCheckpoints, loader):
 
 
 def _banner(run: Run, state) -> str:
-    trained, frozen = frozen_weights.count(state.trainable, state.params)
+    trained, frozen = frozen_weights.count(
+        quantized.as_weights(state.trainable, False), quantized.as_weights(state.params)
+    )
     params = (
-        adapters.banner(run.lora, trained, frozen)
+        adapters.banner(run.lora, trained, frozen, run.model_cfg.lora.quantize)
         if run.lora is not None
         else f"params: {trained:,} trained" + (f", {frozen:,} frozen" if frozen else "")
     )

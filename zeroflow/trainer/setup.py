@@ -1,5 +1,6 @@
 """Everything a run needs, built from a Config: data, model, mesh, plan, optimizer, state.
-With ``model.lora.rank > 0`` the parameters are ``{"base", "lora"}`` (``trainer.adapters``)."""
+With ``model.lora.rank > 0`` the parameters are ``{"base", "lora"}`` (``trainer.adapters``);
+with ``model.lora.quantize`` the base's matrices are ``zf.QuantizedArray`` leaves."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import zeroflow as zf
 from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.config.schema import Config, ModelConfig
 from zeroflow.data import RecordData, TokenData, load_data
+from zeroflow.engine.grads.dequantized import dequantized_on_use
 from zeroflow.engine.plan_rules import batch_split_problem
 from zeroflow.models import (
     LAYER_STACK,
@@ -71,7 +73,17 @@ class Run:
         shapes = abstract_params(self.model_cfg)[0]
         if self.lora is None:
             return shapes
-        return {adapters.BASE: shapes, adapters.ADAPTERS: jax.eval_shape(self._adapters)}
+        both = {adapters.BASE: shapes, adapters.ADAPTERS: jax.eval_shape(self._adapters)}
+        return jax.eval_shape(self._quantized, both)
+
+    def _quantized(self, params):
+        """``params`` (or a function making them) with the frozen base quantized as
+        ``model.lora.quantize`` says; as they are with ``none``."""
+        kind = self.model_cfg.lora.quantize
+        if self.lora is None or kind == "none":
+            return params
+        stack = f"{adapters.BASE}/{LAYER_STACK}"  # scanned: quantized and dequantized per layer
+        return zf.quantize_frozen(params, self.trainable, kind, stacked=stack)[0]
 
     def _adapters(self):
         return adapters.init_adapters(self.lora, self.adapter_sites, self.cfg.train.seed)
@@ -94,7 +106,7 @@ class Run:
             if self.lora is not None:  # the adapters made apart: the base is not copied
                 params = {adapters.BASE: params, adapters.ADAPTERS: jax.jit(self._adapters)()}
             return zf.init_train_state(
-                params,
+                self._quantized(params),
                 self.tx,
                 self.plan,
                 self.prec,
@@ -116,7 +128,7 @@ class Run:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
         return zf.init_train_state(
-            lambda: self._with_adapters(init(rng)),
+            self._quantized(lambda: self._with_adapters(init(rng))),
             self.tx,
             self.plan,
             self.prec,
@@ -252,6 +264,8 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
     else:  # train.freeze is refused with LoRA (config_io): the adapters alone train
         trainable, loss_fn = adapters.trains_adapters, lora.loss
         sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg))
+        if model_cfg.lora.quantize != "none":  # evaluation reads the quantized base too
+            loss_fn = dequantized_on_use(loss_fn, prec.compute_dtype)
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
     # computed from what it is given.
     mask = decay_mask if trainable else decay_mask(shapes)

@@ -33,10 +33,12 @@ from zeroflow.engine import offload
 from zeroflow.engine.grads import gather_on_use, sources
 from zeroflow.engine.grads.collectives import reduce_scatter, stream_in
 from zeroflow.engine.grads.collectives import varying as _varying
+from zeroflow.engine.grads.dequantized import source_of
 from zeroflow.engine.grads.loss_errors import explained
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route, trained
 from zeroflow.engine.grads.sources import Stage3Collectives
 from zeroflow.engine.plan import ZeroPlan
+from zeroflow.engine.quantized import is_quantized
 from zeroflow.util.tree import path_str
 
 
@@ -128,6 +130,7 @@ def local_grads(
     prefetch: int,
     gather_dtype,
     collectives: Stage3Collectives,
+    compute_dtype,
     collective: bool = True,
 ):
     """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
@@ -138,7 +141,8 @@ def local_grads(
     fetched (``gather_on_use.call``). ``collectives``: the plan's (``Stage3Collectives.of``):
     how stage-3 weights and gradients travel, and what every gradient is summed over devices
     in (its ``reduce_dtype``). ``gather_dtype``: the dtype stage-3 weights stored in fp32 (no
-    compute copy) are cast to as they are gathered; None: their own."""
+    compute copy) are cast to as they are gathered; None: their own. ``compute_dtype``: what
+    quantized frozen weights are dequantized to (None: their own)."""
     varying = _varying if collective else (lambda x: x)
     extras = dict(extras)
     if "rng" in extras:  # one key per device: fold in its index on the data axis
@@ -159,6 +163,7 @@ def local_grads(
         prefetch=prefetch,
         gather_dtype=gather_dtype,
         collectives=collectives,
+        compute_dtype=compute_dtype,
     )
     if not collective:
         return grads, loss, aux, model_state
@@ -198,11 +203,15 @@ def _accumulated(
     prefetch: int,
     gather_dtype,
     collectives: Stage3Collectives,
+    compute_dtype,
 ):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
+    # Frozen leaves are stored in the dtype they are used in (quantized codes in their own).
     dtypes = jax.tree.map(
-        lambda x, r: jnp.dtype(gather_dtype) if gather_dtype and r.sharded else x.dtype,
+        lambda x, r: (
+            jnp.dtype(gather_dtype) if gather_dtype and r.sharded and not r.frozen else x.dtype
+        ),
         params,
         routes,
     )
@@ -251,6 +260,7 @@ def _accumulated(
                 gather_layer,
                 given,
                 collectives,
+                compute_dtype,
             )
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
@@ -423,10 +433,13 @@ def _call_gathering(
     gather_layer,
     given,
     collectives: Stage3Collectives,
+    compute_dtype,
 ):
     """``loss_fn(seen, micro[, gather_layer], **given)`` with the weights routed ``on_use``
     fetched just before each use (``gather_on_use``). ``given``: the model state and key, passed
-    to the replay as data. ``collectives``: how stage-3 weights and gradients travel (ZeRO++)."""
+    to the replay as data. ``collectives``: how stage-3 weights and gradients travel (ZeRO++).
+    A quantized frozen weight (``zeroflow.engine.quantized``) is always fetched on use: its
+    bytes as its route says, then dequantized to ``compute_dtype``."""
     loss_fn = explained(loss_fn)  # one readable error where jax cannot trace the loss here
     call = (
         (lambda p, b, kw: loss_fn(p, b, **kw))
@@ -439,9 +452,13 @@ def _call_gathering(
         dtypes,
         is_leaf=is_route,
     )
-    leaves, treedef = jax.tree.flatten(seen, is_leaf=_is_pair)
+    leaves, treedef = jax.tree.flatten(seen, is_leaf=lambda x: _is_pair(x) or is_quantized(x))
     # jaxlib ships no stub for its compiled PyTreeDef, so mypy cannot see its methods
-    specs = treedef.flatten_up_to(top)  # type: ignore[attr-defined]
+    flat = treedef.flatten_up_to(top)  # type: ignore[attr-defined]
+    specs = [
+        source_of(x, compute_dtype, spec.data) if is_quantized(x) else spec
+        for x, spec in zip(leaves, flat)
+    ]
     if not any(specs):
         return call(seen, micro, given)
     return gather_on_use.call(
