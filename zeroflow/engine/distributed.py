@@ -228,6 +228,53 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
     return jax.distributed.is_initialized()
 
 
+# Long enough for any compile; the barrier only waits for the slowest process to finish one.
+LOCKSTEP_TIMEOUT_MS = 60 * 60 * 1000
+
+
+def _coordination_client():
+    # jax exposes no public barrier of its coordination service; the client it initialized
+    # is where its own multi-process tests wait.
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def _signature(args) -> tuple:
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple(
+        (np.shape(x), np.result_type(x), getattr(x, "sharding", None)) for x in leaves
+    )
+
+
+class InLockstep:
+    """``fn`` (a jitted function: it has ``lower``) that every process compiles before any of
+    them runs it.
+
+    Processes compile at their own speed, and the first to run a new program waits for the
+    others inside its collectives; the CPU collectives (gloo) give up after 30 seconds, so a
+    loaded machine could fail a healthy run. With several processes each new input signature
+    is therefore compiled ahead (the call then finds it in jit's cache), and the processes meet
+    at a barrier of jax's coordination service, which waits as long as compiling takes. One
+    process calls ``fn`` as it is.
+    """
+
+    def __init__(self, fn, name: str):
+        self.fn, self.name = fn, name
+        self.seen: set = set()
+        self.multi = jax.process_count() > 1
+
+    def __call__(self, *args):
+        if self.multi:
+            key = _signature(args)
+            if key not in self.seen:
+                self.fn.lower(*args).compile()
+                barrier = f"zeroflow:{self.name}:{len(self.seen)}"
+                _coordination_client().wait_at_barrier(barrier, LOCKSTEP_TIMEOUT_MS)
+                self.seen.add(key)
+        return self.fn(*args)
+
+
 class StopVote:
     """Agrees across processes on the step where a caught signal ends a training loop.
 
@@ -248,7 +295,8 @@ class StopVote:
             flat = Mesh(mesh.devices.reshape(-1), ("all",))
             self.sharding = NamedSharding(flat, PartitionSpec("all"))
             self.local_count = len(flat.local_devices)
-            self.reduce = jax.jit(jnp.max, out_shardings=NamedSharding(flat, PartitionSpec()))
+            reduce = jax.jit(jnp.max, out_shardings=NamedSharding(flat, PartitionSpec()))
+            self.reduce = InLockstep(reduce, "stop vote")
 
     def cast(self, signum: int) -> int:
         """Vote ``signum`` for this step; returns the signal all processes agreed on, or 0."""

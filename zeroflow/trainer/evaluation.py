@@ -12,6 +12,7 @@ import numpy as np
 
 from zeroflow.data import RecordData, bits_per_byte, eval_batches
 from zeroflow.engine import offload
+from zeroflow.engine.distributed import InLockstep
 from zeroflow.models import LAYER_STACK
 from zeroflow.trainer.setup import Run
 
@@ -30,8 +31,7 @@ class TrainResult:
 
 
 def make_eval(run: Run):
-    @jax.jit
-    def eval_loss(state, batch):
+    def loss_of(state, batch):
         # Outside the step's shard_map, whole rows (tokens in order) as one device would see
         # them; the compiler splits the work.
         # Offloaded weights are read from host memory like the train step reads them: the
@@ -43,6 +43,8 @@ def make_eval(run: Run):
             k: v if k == LAYER_STACK else offload.to_device(v) for k, v in state.params.items()
         }
         return run.loss_fn(params, batch, offload.to_device)[0]
+
+    eval_loss = InLockstep(jax.jit(loss_of), "eval")
 
     def evaluate(state) -> dict[str, float]:
         cfg = run.cfg

@@ -16,7 +16,7 @@ from zeroflow.config.schema import Config
 from zeroflow.data import RecordData, TokenData, train_batch
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import quantized
-from zeroflow.engine.distributed import StopVote
+from zeroflow.engine.distributed import InLockstep, StopVote
 from zeroflow.models import flops_per_token
 from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints
@@ -118,17 +118,7 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         save_config(cfg, run_dir / run_folder.CONFIG_FILE)
-    reporter = Reporter(
-        run_dir,
-        cfg.train.steps,
-        start,
-        progress=cfg.run.progress if progress is None else progress,
-        cfg=cfg,
-        flops_per_token=flops_per_token(run.model_cfg),
-        num_devices=jax.device_count(),
-        resumed=resumed,
-        rollbacks=health.rollbacks,
-    )
+    reporter = _reporter(run, start, progress, resumed=resumed, rollbacks=health.rollbacks)
     if resumed:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(_banner(run, state))
@@ -158,21 +148,28 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     )
 
 
-def _final_eval_only(run: Run, state, checkpoints: RunCheckpoints, held, progress) -> TrainResult:
-    """The run's steps are done but its final evaluation was never recorded (the run was killed
-    during it): run that evaluation alone and record it."""
-    cfg, run_dir, end = run.cfg, Path(run.cfg.run.dir), int(state.step)
-    checkpoints.close()
-    reporter = Reporter(
-        run_dir,
+def _reporter(run: Run, start: int, progress, *, resumed: bool, rollbacks: int = 0) -> Reporter:
+    """The run's progress bar, metrics file and plot, from ``start`` on."""
+    cfg = run.cfg
+    return Reporter(
+        Path(cfg.run.dir),
         cfg.train.steps,
-        end,
+        start,
         progress=cfg.run.progress if progress is None else progress,
         cfg=cfg,
         flops_per_token=flops_per_token(run.model_cfg),
         num_devices=jax.device_count(),
-        resumed=True,
+        resumed=resumed,
+        rollbacks=rollbacks,
     )
+
+
+def _final_eval_only(run: Run, state, checkpoints: RunCheckpoints, held, progress) -> TrainResult:
+    """The run's steps are done but its final evaluation was never recorded (the run was killed
+    during it): run that evaluation alone and record it."""
+    run_dir, end = Path(run.cfg.run.dir), int(state.step)
+    checkpoints.close()
+    reporter = _reporter(run, end, progress, resumed=True)
     try:
         reporter.print(
             f"{run_dir}: step {end} is trained; running its final evaluation, "
@@ -289,7 +286,7 @@ def _train_steps(
     while True:
         run = position.run
         if run.lr_factor not in step_fns:
-            step_fns[run.lr_factor] = run.make_step()
+            step_fns[run.lr_factor] = InLockstep(run.make_step(), f"step x{run.lr_factor}")
         segment = _Segment(
             run, step_fns[run.lr_factor], evaluate, checkpoints, reporter, stop_vote, losses
         )
