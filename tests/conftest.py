@@ -8,3 +8,25 @@ os.environ["XLA_FLAGS"] = (
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One compilation cache for the whole run: its worker processes and every process a test starts
+# inherit it. Tests compile the same programs again and again (the tiny trainer's step in each
+# run a test starts, the same small model in many tests), and XLA compiling is most of the
+# suite's time. Keyed by the program, the devices and XLA's options, so a hit is the program
+# the test would have compiled; a fresh folder per run, so no run's timing depends on another.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zeroflow-test-compiles-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_configure(config):
+    # One line per finished test file rather than a dot per test: what a person watching a
+    # long run on two cores wants to know is how far it is.
+    from file_progress import FileProgress
+
+    if not hasattr(config, "workerinput"):  # the process that prints, not an xdist worker
+        config.pluginmanager.register(FileProgress(config), "file-progress")

@@ -159,7 +159,7 @@ QUICK = Profile(
     largest=dict(
         base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="none", steps=1, warmup=1),
         searches=[["none", "device"], ["optimizer", "host"]], fit_by="compile", compile_budget=5e6,
-        max_layers=6, max_probes=3, host_memory_fraction=0.85),
+        max_layers=6, max_probes=2, host_memory_fraction=0.85),
     autocast=dict(
         base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="none", steps=2, warmup=1),
         modes=[["fp32", "fp32", None], ["autocast bf16", "fp32", "bf16"], ["hand bf16", "bf16", None]]),

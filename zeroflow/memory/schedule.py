@@ -34,7 +34,13 @@ import tempfile
 import threading
 from collections.abc import MutableMapping
 
-LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
+LOG_ENV = {
+    "TF_CPP_MIN_LOG_LEVEL": "0",
+    "TF_CPP_VMODULE": "latency_hiding_scheduler=1",
+    # A program found in jax's persistent compilation cache is loaded, not scheduled: it
+    # would print no statistics.
+    "JAX_ENABLE_COMPILATION_CACHE": "false",
+}
 "What makes XLA print its schedule statistics (set before JAX starts)."
 
 _BLOCK = "Statistics after scheduling:"
@@ -353,6 +359,13 @@ def timed(compile_fn, text_of=lambda compiled: compiled.as_text(), peak_flops=No
     with capture() as log:
         result = compile_fn()
     if _BLOCK not in log.text:
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR") and os.environ.get(
+            "JAX_ENABLE_COMPILATION_CACHE", "true"
+        ).lower() not in ("0", "false"):
+            raise RuntimeError(
+                "no schedule statistics were printed: the program may have come from jax's "
+                "persistent compilation cache; set JAX_ENABLE_COMPILATION_CACHE=false"
+            )
         raise RuntimeError(
             "no schedule statistics were printed: XLA:GPU's estimate needs a "
             "step compiled for GPUs (a zf.target_mesh or GPU devices)"
