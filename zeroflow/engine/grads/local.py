@@ -207,22 +207,8 @@ def _accumulated(
 ):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
-    # Frozen leaves are stored in the dtype they are used in (quantized codes in their own).
-    dtypes = jax.tree.map(
-        lambda x, r: (
-            jnp.dtype(gather_dtype) if gather_dtype and r.sharded and not r.frozen else x.dtype
-        ),
-        params,
-        routes,
-    )
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
-    params = jax.tree.map(
-        lambda x, r: (
-            None if r.frozen else _differentiable(x, r, plan.data_size, varying, plan.weight_copies)
-        ),
-        params,
-        routes,
-    )
+    dtypes, params = _used_dtypes_and_stand_ins(params, routes, plan, varying, gather_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
@@ -274,6 +260,28 @@ def _accumulated(
         return g, loss, aux, new_state
 
     return _over_micro_batches(grads_of, batch, extras, grad_accum, varying)
+
+
+def _used_dtypes_and_stand_ins(params, routes, plan: ZeroPlan, varying, gather_dtype):
+    """``(dtypes, stand_ins)``: the dtype each leaf is used in (a sharded trained leaf is cast
+    to ``gather_dtype`` as it is gathered; frozen leaves are stored in the dtype they are used
+    in, quantized codes in their own), and what the loss is differentiated against per leaf
+    (``_differentiable``; None for a frozen leaf)."""
+    dtypes = jax.tree.map(
+        lambda x, r: (
+            jnp.dtype(gather_dtype) if gather_dtype and r.sharded and not r.frozen else x.dtype
+        ),
+        params,
+        routes,
+    )
+    stand_ins = jax.tree.map(
+        lambda x, r: (
+            None if r.frozen else _differentiable(x, r, plan.data_size, varying, plan.weight_copies)
+        ),
+        params,
+        routes,
+    )
+    return dtypes, stand_ins
 
 
 def _differentiable(x, r: Route, n: int, varying, copies: int = 1):
