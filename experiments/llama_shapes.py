@@ -113,9 +113,7 @@ def batch_constraint(mesh, axis: str = "data"):
     """What MaxText's logical axis rules do to activations under FSDP: every activation's
     leading (batch) dimension pinned to ``axis``, the rest replicated, so GSPMD never reshards
     a ``[batch, time, ...]`` activation along another dimension."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     def constrain(x):
-        spec = P(axis, *[None] * (x.ndim - 1))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        spec = jax.sharding.PartitionSpec(axis, *[None] * (x.ndim - 1))
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
     return constrain
