@@ -3,9 +3,14 @@
 One plain-JAX Llama-shaped loss (``experiments/llama_shapes.py``) through
 (a) GSPMD FSDP: ``jax.jit`` of loss + grad + AdamW with every parameter and optimizer-state
     leaf sharded over ``data`` on its largest divisible dimension, the batch sharded, the state
-    donated (what MaxText and Levanter do);
+    donated: as the model is written (no annotations, XLA's default options), and as a
+    MaxText user runs it (every activation constrained to batch sharding,
+    ``llama_shapes.batch_constraint``) under each XLA option set of
+    ``experiments/xla_option_sets.py`` (``--plain-sets``), the fastest being the baseline;
 (b) DDP: the same step with everything replicated;
 (c) zeroflow stages 0-3 (``zf.memory.compile_step``), and ZeRO++ options at stage 3;
+with cuDNN attention (``jax.nn.dot_product_attention(implementation="cudnn")``) too for the
+shapes of ``--cudnn-shapes``;
 each compiled for abstract GPUs (``zf.target_mesh``: 8 x H100, 8 x A100) by XLA:GPU, on a
 machine without them. Per row: XLA:GPU's peak per device (``memory_analysis``), its ratio to
 the ZeRO paper's model-state formula, XLA:GPU's *estimated* step time (its latency-hiding
@@ -17,6 +22,8 @@ stage 3 against GSPMD FSDP, steps alternating, the ratio of medians and the loss
 
     python experiments/vs_gspmd.py                 # writes experiments/results/vs_gspmd.md
     python experiments/vs_gspmd.py --quick         # 1B shape, H100, remat full only
+    python experiments/vs_gspmd.py --plain-sets zeroflow,recipe-triton+2 --zeroflow-sets ""
+                                                   # only the 2 sets fastest at 1B, remat full
 
 Every compile runs in its own process started with the scheduler's logging on (XLA reads it
 at start-up), so a crash or an out-of-memory compile is one row's note.
@@ -28,6 +35,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -253,6 +261,7 @@ def plan_rows(args) -> list[dict]:
                 if target in TIMED_TARGETS and shape in args.cudnn_shapes:
                     cudnn = {**base, "attention": "cudnn"}
                     rows += [{**cudnn, "system": s} for s in ("gspmd", "ddp", "stage2", "stage3")]
+                    rows.append({**cudnn, "system": "stage3", "reduce": "bf16"})
                     rows += _tuned_rows(cudnn, args)
     if args.with_70b:
         base = {"target": "h100", "shape": "70b", "remat": "full", "devices": 16, "hosts": 2}
@@ -445,9 +454,10 @@ def write_report(rows: list[dict], cpu: dict | None, command: str, path: Path) -
               "GSPMD FSDP annotated + best options: the plain jit step with every activation "
               "constrained to batch sharding (MaxText's logical axis rules under FSDP) and the "
               "XLA option set (`experiments/xla_option_sets.py`) that gives it the shortest "
-              "estimated step; zeroflow stage 3: the better of its own options and its own "
-              "with the options both systems share. Each cell: peak per device / estimated "
-              "step.", "", *summary_lines(rows)]
+              "estimated step; zeroflow stage 3: its shortest row with fp32 gradient reduction and "
+              "no ZeRO++ (its own options, or its own with the options both systems share "
+              "where that row was compiled; the set is in brackets). Each cell: peak per "
+              "device / estimated step.", "", *summary_lines(rows)]
     lines += table_lines(rows)
     uncosted = [f"- {r['shape']} {r['remat']} {r['target']} {_label(r)}: {', '.join(r['uncosted'])}"
                 for r in rows if r.get("uncosted")]
@@ -539,7 +549,7 @@ def main(argv=None) -> int:
     args.plain_sets, args.zeroflow_sets = (
         [x for x in a.split(",") if x] for a in (args.plain_sets, args.zeroflow_sets))
     command = "python experiments/vs_gspmd.py" + "".join(
-        f" {a}" for a in (argv or sys.argv[1:]) if a != "--resume")
+        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]) if a != "--resume")
     todo, rows, cpu = plan_rows(args), [], None
     done = _previous(args.out) if args.resume else {}
     if not args.no_cpu:
@@ -549,7 +559,9 @@ def main(argv=None) -> int:
     for i, row in enumerate(todo, 1):
         rows.append(done.get(_key(row)) or run_child(row, "row", args.timeout))
         print(_progress(i, len(todo), rows[-1]), flush=True)
-        write_report(rows, cpu, command, args.out)
+        # the rows still to come that an earlier run has, so that stopping here loses none
+        kept = [done[_key(r)] for r in todo[i:] if _key(r) in done]
+        write_report(rows + kept, cpu, command, args.out)
     write_report(rows, cpu, command, args.out)
     print(f"wrote {args.out}")
     return 0
