@@ -21,7 +21,10 @@ so that its GSPMD FSDP baseline is the best one found, not XLA's defaults.
 for one program's memory (the combine thresholds and reduce-scatter pipelining are such choices:
 zeroflow bounds them to reduce one gradient at a time), less the GEMM backend: zeroflow's step is
 compiled with them too (set ``shared``), so that both systems get the same options wherever an
-option is not specific to one.
+option is not specific to one. ``rs`` and ``shared+rs`` add the recipe's reduce-scatter
+pipelining to zeroflow's own options (which turn it off to keep one layer's fp32 gradient from
+living across a loop iteration): how much of the baseline's schedule that buys, and at what
+peak.
 """
 from __future__ import annotations
 
@@ -73,10 +76,12 @@ def option_set(name: str, traits=None) -> dict:
         return options
     if name == "shared":
         return dict(SHARED)
+    if name == "shared+rs":  # as the recipe, a loop's reduce-scatter moved into the next iteration
+        return {**SHARED, **_pipelined("reduce_scatter")}
+    if name == "rs":
+        return _pipelined("reduce_scatter")
     raise ValueError(f"unknown XLA option set {name!r}")
 
 
 PLAIN_SETS = ("default", "zeroflow", "recipe", "recipe-triton", "recipe-triton+2")
 "What the annotated GSPMD step is compiled with; its row is the set with the shortest step."
-ZEROFLOW_SETS = (None, "shared")
-"zeroflow's step: its own options (None), and those with ``SHARED`` added."
