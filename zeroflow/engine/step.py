@@ -29,7 +29,7 @@ from zeroflow import backend
 from zeroflow.autocast import autocast
 from zeroflow.autocast.precision import Precision
 from zeroflow.engine import frozen as frozen_weights
-from zeroflow.engine import offload, padding, quantized, update
+from zeroflow.engine import offload, padding, update
 from zeroflow.engine.grads import (
     Stage3Collectives,
     local_grads,
@@ -153,12 +153,6 @@ def train_step(
     batch = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding(jnp.ndim(x))), batch
     )
-    if per_layer is not None and quantized.any_quantized(state.frozen):
-        raise ValueError(
-            f"gather_per_layer={per_layer!r} with quantized frozen weights: the step "
-            "dequantizes them on use itself, layer by layer in a scan; leave gather_per_layer "
-            "unset"
-        )
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
     grads, loss, aux, model_state = _step_gradients(
