@@ -23,6 +23,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+import pytest  # noqa: E402  (after the environment above: pytest's plugins may import jax)
+
+
 def pytest_configure(config):
     # One line per finished test file rather than a dot per test: what a person watching a
     # long run on two cores wants to know is how far it is.
@@ -30,3 +33,17 @@ def pytest_configure(config):
 
     if not hasattr(config, "workerinput"):  # the process that prints, not an xdist worker
         config.pluginmanager.register(FileProgress(config), "file-progress")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
+def pytest_collection_modifyitems(config, items):
+    # A module-scoped fixture (a trained run, a compiled reference) is built once per xdist
+    # worker that runs a test using it: the tests that share one go to the same worker
+    # (``--dist loadgroup``), the rest are spread as they come.
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        module = getattr(item, "module", None)
+        if info is None or module is None:
+            continue
+        if any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
