@@ -72,6 +72,30 @@ def test_stage_3_when_the_replicated_state_does_not_fit():
     assert row.best.measured.peak_bytes <= limit
 
 
+def test_a_peak_compiled_for_one_gpu_rules_the_plan_out_on_another():
+    """XLA:GPU's peak of one program hardly depends on the GPU: stage 0 (20.1P bytes on four
+    H100s), over the limit (18.5P) by more than ``OTHER_GPU_SPREAD``, is ruled out for four
+    A100s with the same limit without a compile of its own; stage 3 (17.9P) is compiled for
+    both and fits."""
+    from zeroflow.backend import targets
+    from zeroflow.planner.search import OTHER_GPU_SPREAD, RULED_OUT
+    if not targets.plugin_installed():
+        pytest.skip("compiling for GPU targets needs the CUDA plugin (jax-cuda12-plugin)")
+    limit = int(18.5 * P)
+    params, batch = mlp()
+    plan = zf.plan(mlp_loss, params, batch, optax.adam(1e-3), targets=("h100", "a100"),
+                   devices=(4,), stages=(0, 3), offloads=NONE, grad_accums=(8,), zeropp=False,
+                   margin=0.0, device_memory=limit, min_compiles=1, max_compiles=2)
+    h100, a100 = plan.rows
+    first = next(c for c in h100.candidates if c.choice.stage == 0)
+    assert first.status == COMPILED
+    assert first.measured.peak_bytes > limit * (1 + OTHER_GPU_SPREAD)
+    again = next(c for c in a100.candidates if c.choice.stage == 0)
+    assert again.status == RULED_OUT and "on h100" in again.reason
+    assert (a100.where, again.choice) not in plan.compiler.results
+    assert a100.best is not None and a100.best.choice.stage == 3
+
+
 def test_what_the_formula_rules_out_is_never_compiled():
     """Below 12P / 4 bytes (stage 3's sharded fp32 weights and moments) even the smallest
     plan's state cannot fit: nothing is compiled."""

@@ -101,6 +101,19 @@ class Compiler:
         kernels = os.path.join(self.cache_dir, f"{where.name}.kernels")
         return {"xla_gpu_kernel_cache_file": kernels, **CODEGEN_OPTIONS}
 
+    def peak_elsewhere(self, choice: Choice, where: Where) -> tuple[float, str] | None:
+        """The smallest peak XLA compiled for ``choice`` on the same device count and hosts of
+        another GPU, with that GPU's name; None where there is none."""
+        seen = [
+            (got.peak_bytes, other.name)
+            for (other, c), got in self.results.items()
+            if c == choice
+            and isinstance(got, Measured)
+            and other.name != where.name
+            and (other.devices, other.hosts, other.local) == (where.devices, where.hosts, False)
+        ]
+        return min(seen) if seen else None
+
     def measure(self, problem, choice: Choice, where: Where) -> Measured | str:
         """XLA's figures for ``choice`` at ``where``, or the one-line reason it did not
         compile."""

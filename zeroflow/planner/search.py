@@ -31,6 +31,11 @@ EXPLORE = 1.3
 "A plan of an untried stage / offload is compiled before a tried one up to this much slower"
 " by the what-if."
 CANNOT_FIT, SKIPPED, RULED_OUT, NOT_COMPILED = "cannot fit", "skipped", "ruled out", "not compiled"
+OTHER_GPU_SPREAD = 0.05
+"How far one program's compiled peak may differ between GPU targets for the planner to reuse it:"
+" XLA:GPU's buffer assignment hardly depends on the GPU (gpt-1b's plans on 8 and on 1 x H100"
+" and A100: within 0.3%), so a peak this far over a GPU's usable memory elsewhere rules the"
+" plan out there without compiling it."
 
 
 @dataclasses.dataclass
@@ -120,6 +125,8 @@ def search_row(
         nxt = _next(row, scale, compiler)
         if nxt is None:
             break
+        if _too_big_elsewhere(row, nxt, compiler):
+            continue
         if on_compile:
             on_compile(f"{where.title}: {nxt.choice.label()}")
         got = compiler.measure(problem, nxt.choice, where)
@@ -180,6 +187,20 @@ def _rule_out_bigger(row: Row, compiled: Candidate) -> None:
                 f"needs at least the {format_bytes(compiled.got.peak_bytes)} XLA "
                 f"compiled for {compiled.choice.label()}"
             )
+
+
+def _too_big_elsewhere(row: Row, cand: Candidate, compiler: Compiler) -> bool:
+    """Rule ``cand`` out, and every plan needing more, where XLA compiled it for another GPU
+    of the same device count with a peak ``OTHER_GPU_SPREAD`` over this row's usable memory."""
+    seen = compiler.peak_elsewhere(cand.choice, row.where)
+    if seen is None or seen[0] <= row.usable_bytes * (1 + OTHER_GPU_SPREAD):
+        return False
+    peak, gpu = seen
+    why = f"needs at least the {format_bytes(peak)} XLA compiled for {cand.choice.label()} on {gpu}"
+    for other in row.candidates:
+        if other.status == OPEN and (other is cand or needs_more(other.choice, cand.choice)):
+            other.status, other.reason = RULED_OUT, why
+    return True
 
 
 def step_seconds(cand: Candidate, compiler: Compiler, where: Where) -> float:
