@@ -11,6 +11,8 @@ most promising few, pick the fastest that fits.
    plan that needs at least as much memory (``choices.needs_more``). The search stops after
    ``max_compiles``, or once ``min_compiles`` are done, one fits, and the next plan could not
    beat it even at the most favourable ratio of XLA's step to the what-if's seen so far.
+   Where ``max_compiles`` found nothing that fits, one more compile tries the open plan the
+   formula predicts smallest.
 4. The best plan is the fitting one with the shortest step by XLA's estimate (by the what-if
    where the backend gives none, as XLA:CPU).
 """
@@ -125,7 +127,7 @@ def search_row(
         nxt = _next(row, scale, compiler)
         if nxt is None:
             break
-        if _too_big_elsewhere(row, nxt, compiler):
+        if _too_big_elsewhere(problem, row, nxt, compiler):
             continue
         if on_compile:
             on_compile(f"{where.title}: {nxt.choice.label()}")
@@ -141,12 +143,29 @@ def search_row(
             _rule_out_bigger(row, nxt)
         elif done >= min_compiles and _cannot_be_beaten(row, compiler, scale):
             break
+    _last_resort(problem, row, compiler, on_compile)
     for cand in row.candidates:
         if cand.status == OPEN:
             cand.status = NOT_COMPILED
             cand.reason = "the what-if ranks it below the plans compiled"
     row.best = best_of(row, compiler)
     return row
+
+
+def _last_resort(problem, row: Row, compiler: Compiler, on_compile) -> None:
+    """Where nothing compiled fits: compile the open plan the formula predicts smallest (the
+    faster plans tried first may all have missed the memory by a little)."""
+    open_ = [c for c in row.candidates if c.status == OPEN]
+    if best_of(row, compiler) is not None or not open_:
+        return
+    cand = min(open_, key=lambda c: c.what_if.predicted_bytes)
+    if on_compile:
+        on_compile(f"{row.where.title}: {cand.choice.label()}")
+    got = compiler.measure(problem, cand.choice, row.where)
+    if isinstance(got, str):
+        cand.status, cand.reason = FAILED, got
+    else:
+        cand.status, cand.measured = COMPILED, got
 
 
 def _likely(row: Row, scale: float) -> list[Candidate]:
@@ -189,10 +208,10 @@ def _rule_out_bigger(row: Row, compiled: Candidate) -> None:
             )
 
 
-def _too_big_elsewhere(row: Row, cand: Candidate, compiler: Compiler) -> bool:
+def _too_big_elsewhere(problem, row: Row, cand: Candidate, compiler: Compiler) -> bool:
     """Rule ``cand`` out, and every plan needing more, where XLA compiled it for another GPU
     of the same device count with a peak ``OTHER_GPU_SPREAD`` over this row's usable memory."""
-    seen = compiler.peak_elsewhere(cand.choice, row.where)
+    seen = compiler.peak_elsewhere(problem, cand.choice, row.where)
     if seen is None or seen[0] <= row.usable_bytes * (1 + OTHER_GPU_SPREAD):
         return False
     peak, gpu = seen
