@@ -11,8 +11,8 @@ most promising few, pick the fastest that fits.
    plan that needs at least as much memory (``choices.needs_more``). The search stops after
    ``max_compiles``, or once ``min_compiles`` are done, one fits, and the next plan could not
    beat it even at the most favourable ratio of XLA's step to the what-if's seen so far.
-   Where ``max_compiles`` found nothing that fits, one more compile tries the open plan the
-   formula predicts smallest.
+   Where ``max_compiles`` found nothing that fits, one more compile tries the plainest open
+   plan the formula predicts to fit (else the one it predicts smallest).
 4. The best plan is the fitting one with the shortest step by XLA's estimate (by the what-if
    where the backend gives none, as XLA:CPU).
 """
@@ -153,12 +153,21 @@ def search_row(
 
 
 def _last_resort(problem, row: Row, compiler: Compiler, on_compile) -> None:
-    """Where nothing compiled fits: compile the open plan the formula predicts smallest (the
-    faster plans tried first may all have missed the memory by a little)."""
+    """Where nothing compiled fits (the faster plans tried first may all have missed by a
+    little): compile the plainest open plan the formula predicts to fit, the state on the
+    device and no ZeRO++ first, else the one it predicts smallest. Plain plans first, as
+    XLA:GPU fails on some combinations of host offload and ZeRO++ (8 x L4, Llama 3.1 8B:
+    IndexError in its compile)."""
     open_ = [c for c in row.candidates if c.status == OPEN]
     if best_of(row, compiler) is not None or not open_:
         return
-    cand = min(open_, key=lambda c: c.what_if.predicted_bytes)
+
+    def plainness(c: Candidate) -> tuple:
+        extras = sum(on for _, on in c.choice.zeropp_names())
+        fits = c.what_if.predicted_bytes <= row.usable_bytes
+        return (not fits, fits and c.choice.offload != "none", extras, c.what_if.predicted_bytes)
+
+    cand = min(open_, key=plainness)
     if on_compile:
         on_compile(f"{row.where.title}: {cand.choice.label()}")
     got = compiler.measure(problem, cand.choice, row.where)
