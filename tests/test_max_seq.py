@@ -1,0 +1,62 @@
+"""The longest sequence that fits (``--max-seq``): the search against the closed-form answer of
+a peak formula, and, compiled on the CPU, the long-context settings holding a sequence the plain
+step cannot in the same memory."""
+import math
+import warnings
+
+import pytest
+
+from zeroflow.cli.max_seq import probe_config
+from zeroflow.config.io import load_config
+from zeroflow.memory.max_seq import Probe, longest_fitting
+from helpers import REPO
+
+
+def linear_probe(base, per_token, calls):
+    def probe(seq):
+        calls.append(seq)
+        return Probe(seq, base + per_token * seq, 0.0)
+    return probe
+
+
+@pytest.mark.parametrize("start", [1024, 65536, 10 ** 6])
+def test_search_finds_the_formulas_longest_length(start):
+    base, per_token, memory, granule = 3e9, 2e5, 80e9, 1024
+    calls = []
+    got = longest_fitting(linear_probe(base, per_token, calls), memory, start=start,
+                          granule=granule, limit=1 << 24, max_compiles=20)
+    expected = math.floor((memory - base) / per_token / granule) * granule
+    assert got.best.seq == expected and got.first_too_long.seq == expected + granule
+    assert got.converged and len(calls) == len(got.probes) <= 20
+    assert all(s % granule == 0 for s in calls)
+
+
+def test_search_stops_at_its_budget_and_its_limit_and_when_nothing_fits():
+    calls = []
+    short = longest_fitting(linear_probe(3e9, 2e5, calls), 80e9, start=1024, granule=1024,
+                            limit=1 << 24, max_compiles=11)
+    assert len(calls) == 11 and not short.converged
+    assert short.best.seq <= 384_000 < short.first_too_long.seq  # the answer is bracketed
+    roomy = longest_fitting(linear_probe(0, 1, []), 80e9, start=1024, granule=1024,
+                            limit=8192, max_compiles=12)
+    assert roomy.best.seq == 8192 and roomy.first_too_long is None
+    none = longest_fitting(linear_probe(100e9, 1, []), 80e9, start=4096, granule=1024,
+                           limit=8192, max_compiles=12)
+    assert none.best is None and [p.seq for p in none.probes] == [4096, 2048, 1024]
+
+
+def test_a_length_that_does_not_compile_does_not_fit():
+    def probe(seq):
+        if seq > 5000:
+            return Probe(seq, None, None, "XLA ran out of memory")
+        return Probe(seq, 1.0, 0.0)
+    got = longest_fitting(probe, 80e9, start=1000, granule=1000, limit=10 ** 5, max_compiles=12)
+    assert got.best.seq == 5000 and got.first_too_long.note == "XLA ran out of memory"
+
+
+def test_bad_search_settings_are_one_line(capsys):
+    from zeroflow.memory import __main__ as cli
+    with pytest.raises(SystemExit):
+        cli.main(["--config", str(REPO / "configs/tiny.yaml"), "--max-seq", "--seq-step", "0"])
+    err = capsys.readouterr().err
+    assert "positive start" in err and "Traceback" not in err
