@@ -1,6 +1,6 @@
 """The longest sequence that fits (``--max-seq``): the search against the closed-form answer of
-a peak formula, and, compiled on the CPU, the long-context settings holding a sequence the plain
-step cannot in the same memory."""
+a peak formula; compiled on the CPU, the long-context settings holding a row that whole-row
+attention cannot hold in the same memory; the long-context config's schema."""
 import math
 import warnings
 
@@ -60,3 +60,41 @@ def test_bad_search_settings_are_one_line(capsys):
         cli.main(["--config", str(REPO / "configs/tiny.yaml"), "--max-seq", "--seq-step", "0"])
     err = capsys.readouterr().err
     assert "positive start" in err and "Traceback" not in err
+
+
+LENGTH, CONTEXT = 4096, 8
+LONG_CONTEXT = ("train.batch_size=1", f"parallel.context={CONTEXT}",
+                "model.context_attention=ring", "model.remat=full")
+"The long-context settings the CPU can show: the row split over 8 devices, a ring of key/value"
+" blocks, each layer's input the only saved activation."
+
+
+def test_long_context_settings_hold_a_row_whole_row_attention_cannot():
+    """The demo in docs/long_context.md, at one length: any step that runs XLA attention on the
+    whole row materializes at least one layer's fp32 scores [heads, S, S] (the plain step keeps
+    every layer's), so a device of heads x S^2 x 4 bytes cannot hold it. The tiny model's
+    long-context step, compiled by XLA:CPU, fits in it: no device ever holds a whole row's
+    scores."""
+    cfg = load_config(REPO / "configs/tiny.yaml", list(LONG_CONTEXT))
+    scores = cfg.model.num_heads * LENGTH ** 2 * 4  # one layer's fp32 [heads, S, S]: 268 MB
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        long = probe_config(cfg, devices=1, target=None)(LENGTH)
+    assert long.fits(scores), (long.peak_bytes, scores)
+
+
+def test_the_long_context_config_validates_as_planned():
+    """The config whose memory plan docs/long_context.md reports (schema only, no compile):
+    it and its 8 x H100 variant load, and carry the settings the plan was compiled with."""
+    from zeroflow.models.gpt import check_config
+    from zeroflow.trainer.setup import run_model_config
+    path = REPO / "configs/long-context-llama3-8b.yaml"
+    eight = ["parallel.context=8", "model.attention=pallas", "model.context_attention=ring",
+             "parallel.update_on=device"]
+    for overrides in ([], eight):
+        cfg = load_config(path, overrides)
+        model = run_model_config(cfg)  # the architecture from config.json
+        check_config(model)
+        assert (model.num_layers, model.embed_dim, model.seq_len) == (32, 4096, 524288)
+        assert (model.remat, model.loss_chunk, model.mlp_chunk) == ("offload_input", 4096, 8192)
+        assert (cfg.parallel.zero_stage, cfg.parallel.offload) == (3, "optimizer+params")

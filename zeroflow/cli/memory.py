@@ -502,6 +502,8 @@ def _max_seq(args, cfg, devices: int, device_memory: float, title: str) -> int:
         max_compiles=args.max_compiles,
     )
     total = devices * cfg.parallel.model * cfg.parallel.context
+    if total != devices:
+        title += f", {total} devices in all (context {cfg.parallel.context})"
     max_seq.print_result(search, args, device_memory=device_memory, devices=total, title=title)
     return 0
 
