@@ -98,3 +98,31 @@ def test_the_long_context_config_validates_as_planned():
         assert (model.num_layers, model.embed_dim, model.seq_len) == (32, 4096, 524288)
         assert (model.remat, model.loss_chunk, model.mlp_chunk) == ("offload_input", 4096, 8192)
         assert (cfg.parallel.zero_stage, cfg.parallel.offload) == (3, "optimizer+params")
+
+
+def test_cli_answers_with_the_longest_fit_and_the_host_memory_per_process(monkeypatch, capsys):
+    """``--max-seq`` end to end with the compile replaced by a formula (a 10 GB base, 100 KB
+    and 20 KB of host memory per token): the answer and the host to provision follow from it."""
+    import json
+
+    from zeroflow.cli import max_seq
+    from zeroflow.memory import __main__ as cli
+    seen = {}
+
+    def formula(cfg, *, devices, target):
+        seen.update(devices=devices, context=cfg.parallel.context, target=target)
+        return lambda seq: Probe(seq, 10e9 + 1e5 * seq, 2e4 * seq)
+    monkeypatch.setattr(max_seq, "probe_config", formula)
+    argv = ["--config", str(REPO / "configs/tiny.yaml"), "--devices", "2", "--max-seq",
+            "--device-memory", "80GB", "--seq-step", "1000", "--max-compiles", "20",
+            "parallel.context=4",
+            "model.context_attention=ring"]
+    assert cli.main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert seen == {"devices": 2, "context": 4, "target": None}
+    assert got["max_seq"] == 700_000 and got["first_too_long"] == 701_000 and got["converged"]
+    # 2 data x 4 context devices, all in one process: 8 x 20 KB x 700,000 tokens.
+    assert got["host_bytes_per_process"] == 8 * 2e4 * 700_000
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "700,000 tokens per row" in text and "701,000 does not fit" in text
