@@ -126,3 +126,18 @@ def test_cli_answers_with_the_longest_fit_and_the_host_memory_per_process(monkey
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "700,000 tokens per row" in text and "701,000 does not fit" in text
+
+
+def test_the_table_counts_every_context_device_in_a_process(capsys):
+    """2 data x 4 context devices are 8 devices of one host, each with its own offloaded
+    state: the host memory per process is 8 devices' (it counted the 2 data devices only)."""
+    import json
+
+    from zeroflow.memory import __main__ as cli
+    assert cli.main(["--config", str(REPO / "configs/tiny.yaml"), "--devices", "2", "--measure",
+                     "never", "--json", "--stages", "3", "--offloads", "optimizer", "--remats",
+                     "full", "parallel.context=4", "model.context_attention=ring",
+                     "parallel.offload=optimizer"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    per_device = row["terms"]["host_state"] + row["terms"]["host_activations"]
+    assert per_device > 0 and row["host_bytes_per_process"] == pytest.approx(8 * per_device, abs=8)

@@ -548,7 +548,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             offloads=offloads,
             remats=remats,
             measure=args.measure,
-            devices_per_process=args.devices_per_process,
+            # Every device of the mesh (data x context x model) keeps its own host state.
+            devices_per_process=args.devices_per_process
+            or min(devices * cfg.parallel.model * cfg.parallel.context, 8),
             log=lambda m: print(m, file=sys.stderr),
             backend=backend,
             target=args.target,
