@@ -71,30 +71,49 @@ def _rotary(x):
     return jnp.concatenate([even * cos - odd * sin, even * sin + odd * cos], -1).astype(x.dtype)
 
 
-def _layer(shape, dtype, x, p):
+def _layer(shape, dtype, x, p, constrain=lambda a: a, attention="xla"):
+    """One decoder layer; ``constrain`` is applied to every activation (the identity unless a
+    caller pins the activations' sharding, as MaxText's logical axis rules do)."""
     heads, kv = shape["heads"], shape["kv"]
     batch, time, d = x.shape
     head_dim = d // heads
     w = jax.tree.map(lambda a: a.astype(dtype), p)
-    y = _rms_norm(x, w["attn_norm"])
-    q = _rotary((y @ w["wq"]).reshape(batch, time, heads, head_dim))
-    k = _rotary((y @ w["wk"]).reshape(batch, time, kv, head_dim))
-    v = (y @ w["wv"]).reshape(batch, time, kv, head_dim)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-    x = x + o.reshape(batch, time, d) @ w["wo"]
-    y = _rms_norm(x, w["mlp_norm"])
-    return x + (jax.nn.silu(y @ w["w1"]) * (y @ w["w3"])) @ w["w2"], None
+    x = constrain(x)
+    y = constrain(_rms_norm(x, w["attn_norm"]))
+    q = constrain(_rotary((y @ w["wq"]).reshape(batch, time, heads, head_dim)))
+    k = constrain(_rotary((y @ w["wk"]).reshape(batch, time, kv, head_dim)))
+    v = constrain((y @ w["wv"]).reshape(batch, time, kv, head_dim))
+    o = constrain(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention))
+    x = constrain(x + o.reshape(batch, time, d) @ w["wo"])
+    y = constrain(_rms_norm(x, w["mlp_norm"]))
+    h = constrain(jax.nn.silu(y @ w["w1"]) * (y @ w["w3"]))
+    return constrain(x + h @ w["w2"]), None
 
 
-def make_loss(shape: dict, remat: str = "full", dtype=jnp.bfloat16):
-    """``loss(params, batch)``: next-token cross-entropy of ``batch["tokens"]`` ([B, T+1])."""
-    body = jax.checkpoint(lambda x, p: _layer(shape, dtype, x, p), policy=POLICIES[remat])
+def make_loss(shape: dict, remat: str = "full", dtype=jnp.bfloat16, constrain=None,
+              attention: str = "xla"):
+    """``loss(params, batch)``: next-token cross-entropy of ``batch["tokens"]`` ([B, T+1]).
+    ``constrain``: applied to every activation (e.g. ``batch_constraint``); ``attention``:
+    ``jax.nn.dot_product_attention``'s implementation ("xla" or "cudnn")."""
+    constrain = constrain or (lambda a: a)
+    body = jax.checkpoint(lambda x, p: _layer(shape, dtype, x, p, constrain, attention),
+                          policy=POLICIES[remat])
 
     def loss(params, batch):
         tokens = batch["tokens"]
-        x = params["embed"].astype(dtype)[tokens[:, :-1]]
+        x = constrain(params["embed"].astype(dtype)[tokens[:, :-1]])
         x, _ = jax.lax.scan(body, x, params["layers"])
-        x = _rms_norm(x, params["norm"].astype(dtype))
-        logits = (x @ params["head"].astype(dtype)).astype(jnp.float32)
+        x = constrain(_rms_norm(x, params["norm"].astype(dtype)))
+        logits = constrain((x @ params["head"].astype(dtype)).astype(jnp.float32))
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     return loss
+
+
+def batch_constraint(mesh, axis: str = "data"):
+    """What MaxText's logical axis rules do to activations under FSDP: every activation's
+    leading (batch) dimension pinned to ``axis``, the rest replicated, so GSPMD never reshards
+    a ``[batch, time, ...]`` activation along another dimension."""
+    def constrain(x):
+        spec = jax.sharding.PartitionSpec(axis, *[None] * (x.ndim - 1))
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+    return constrain

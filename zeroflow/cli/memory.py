@@ -1,5 +1,4 @@
 """``python -m zeroflow.memory --config X [--devices N --device-memory 80GB] [key=value ...]``
-
 Prints every ZeRO stage x offload x remat choice for the GPT model of a trainer config, with
 the ZeRO formula's bytes per device and per host process (model states, and the GPT's
 activation formula) and, where the step is compiled (small configs, enough devices: the CPU
@@ -18,6 +17,9 @@ latency-hiding scheduler's cost model for the target, ``zeroflow.memory.schedule
 runs, so it is an estimate, not a measurement), the communication it leaves exposed and the
 MFU it implies. XLA prints those statistics only when the process starts with
 ``schedule.LOG_ENV``, so the command starts itself again with it.
+
+``--max-seq`` instead answers the longest sequence that fits, by compiling the config's own
+choice at one length after another (``zeroflow.cli.max_seq``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Sequence
 import jax
 
 from zeroflow.backend import targets
+from zeroflow.cli import max_seq
 from zeroflow.cli.common import ArgumentParser
 from zeroflow.config.io import ConfigError, add_config_arguments, load_config
 from zeroflow.memory import schedule
@@ -417,6 +420,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per choice instead of the table"
     )
+    parser.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="instead of the table, find the longest model.seq_len that fits by compiling "
+        "the config's own choice (stage, offload, remat, context, chunks) at one length "
+        "after another",
+    )
+    parser.add_argument(
+        "--seq-step", type=int, default=1024, help="--max-seq tries multiples of this"
+    )
+    parser.add_argument(
+        "--seq-limit", type=int, default=1 << 24, help="--max-seq tries nothing longer"
+    )
+    parser.add_argument(
+        "--max-compiles", type=int, default=12, help="--max-seq compiles at most this many"
+    )
     add_config_arguments(parser)
     return parser
 
@@ -475,7 +494,25 @@ def _target_devices(args) -> int | None:
     except (ValueError, ConfigError):
         return None
     data = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else 1)
-    return data * cfg.parallel.model
+    return data * cfg.parallel.model * cfg.parallel.context
+
+
+def _max_seq(args, cfg, devices: int, device_memory: float, title: str) -> int:
+    """``--max-seq``: the search, then its answer (``zeroflow.cli.max_seq``)."""
+    search = max_seq.search_config(
+        cfg,
+        devices=devices,
+        target=args.target,
+        device_memory=device_memory,
+        step=args.seq_step,
+        limit=args.seq_limit,
+        max_compiles=args.max_compiles,
+    )
+    total = devices * cfg.parallel.model * cfg.parallel.context
+    if total != devices:
+        title += f", {total} devices in all (context {cfg.parallel.context})"
+    max_seq.print_result(search, args, device_memory=device_memory, devices=total, title=title)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -495,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.devices is not None and args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
         devices = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else None)
-        wanted = (devices or 1) * cfg.parallel.model
+        wanted = (devices or 1) * cfg.parallel.model * cfg.parallel.context
         if (
             args.target is None
             and args.measure != "never"
@@ -503,12 +540,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             and wanted <= MEASURE_MAX_DEVICES
         ):
             _emulate_devices(wanted)
-        devices = devices or jax.device_count() // cfg.parallel.model
+        devices = devices or jax.device_count() // (cfg.parallel.model * cfg.parallel.context)
         where = _where(args, devices)
         title = (
             f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
             f"batch {cfg.train.batch_size}, {cfg.precision.params}, {where}"
         )
+        if args.max_seq:
+            return _max_seq(args, cfg, devices, device_memory, title)
         rows = plan_rows(
             cfg,
             devices=devices,
@@ -516,7 +555,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             offloads=offloads,
             remats=remats,
             measure=args.measure,
-            devices_per_process=args.devices_per_process,
+            # Every device of the mesh (data x context x model) keeps its own host state.
+            devices_per_process=args.devices_per_process
+            or min(devices * cfg.parallel.model * cfg.parallel.context, 8),
             log=lambda m: print(m, file=sys.stderr),
             target=args.target,
         )

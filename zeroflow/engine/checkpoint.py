@@ -24,7 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from zeroflow.engine import checkpoint_digests, padding
-from zeroflow.engine.state import TrainState
+from zeroflow.engine.state import TrainState, stored_frozen
 from zeroflow.engine.zeropp import hierarchical
 from zeroflow.util.tree import path_str
 
@@ -192,7 +192,10 @@ def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
     )
     frozen = None
     if like.frozen is not None:
-        frozen = jax.tree.map(place, restored["frozen"], like.frozen)
+        frozen = restored["frozen"]
+        if like.padding.compute_copies > 1:  # hpZ: one copy per host, read as the first only
+            frozen = stored_frozen(padding.unpad(frozen, like.padding.frozen), like.padding)
+        frozen = jax.tree.map(place, frozen, like.frozen)
     return TrainState(
         step=step,
         applied=applied,

@@ -138,6 +138,8 @@ def state_padding(
     frozen = (
         () if frozen_layouts is None else padding.entries_of(frozen_layouts, plan.shards_compute)
     )
+    if plan.hierarchical and frozen_layouts is not None:  # one copy per host, as compute's
+        frozen = hierarchical.copy_entries(frozen_layouts)
     return StatePadding(
         master=padding.entries_of(layouts.master, plan.shards_storage),
         compute=compute,
@@ -149,17 +151,12 @@ def state_padding(
     )
 
 
-def _check_hierarchical(plan: ZeroPlan, prec: Precision, any_frozen: bool) -> None:
+def _check_hierarchical(plan: ZeroPlan, prec: Precision) -> None:
     if not plan.hierarchical:
         return
     problem = hierarchical_copy_problem(True, prec.params)
     if problem:
         raise ValueError(problem)
-    if any_frozen:
-        raise ValueError(
-            "hierarchical=True does not keep frozen weights in its within-host copy "
-            "yet; train every leaf or use hierarchical=False"
-        )
 
 
 def state_shardings(
@@ -196,7 +193,7 @@ def state_shardings_of(
     trained, frozen_layouts = frozen_weights.split(param_layouts, param_layouts)
     if not jax.tree.leaves(frozen_layouts, is_leaf=is_layout):  # every leaf trains
         frozen_layouts = None
-    _check_hierarchical(plan, prec, frozen_layouts is not None)
+    _check_hierarchical(plan, prec)
     layouts = state_layouts(trained, tx, plan)
     host = plan.storage_memory_kind
     master = plan.shardings_of(layouts.master, plan.shards_storage, host)
@@ -273,6 +270,14 @@ def _in_compute_dtype(frozen, prec: Precision):
     )
 
 
+def stored_frozen(frozen, pads: StatePadding):
+    """The frozen weights (their own shapes) as the state stores them: padded where split,
+    and with hpZ one copy per host (``zeroflow.engine.zeropp.hierarchical``: never updated,
+    so the within-host copy is their only one)."""
+    padded = padding.pad(frozen, pads.frozen, pads.data_size)
+    return hierarchical.tile(padded, pads.frozen, pads.compute_copies)
+
+
 def init_train_state(
     params,
     tx: optax.GradientTransformation,
@@ -312,7 +317,7 @@ def init_train_state(
         p, frozen = frozen_weights.split(init_fn() if init_fn else p, layouts)
         master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
         if frozen_weights.any_frozen(layouts):
-            frozen = padding.pad(_in_compute_dtype(frozen, prec), pads.frozen, plan.data_size)
+            frozen = stored_frozen(_in_compute_dtype(frozen, prec), pads)
         else:
             frozen = None
         compute = (

@@ -29,7 +29,7 @@ from zeroflow import backend
 from zeroflow.autocast import autocast
 from zeroflow.autocast.precision import Precision
 from zeroflow.engine import frozen as frozen_weights
-from zeroflow.engine import offload, padding, quantized, update
+from zeroflow.engine import offload, padding, update
 from zeroflow.engine.grads import (
     Stage3Collectives,
     local_grads,
@@ -153,12 +153,6 @@ def train_step(
     batch = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(x, plan.batch_sharding(jnp.ndim(x))), batch
     )
-    if per_layer is not None and quantized.any_quantized(state.frozen):
-        raise ValueError(
-            f"gather_per_layer={per_layer!r} with quantized frozen weights: the step "
-            "dequantizes them on use itself, layer by layer in a scan; leave gather_per_layer "
-            "unset"
-        )
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
     grads, loss, aux, model_state = _step_gradients(
@@ -173,15 +167,7 @@ def train_step(
         per_layer=per_layer,
         prefetch=prefetch,
     )
-
-    # Unscale in fp32 and average over devices and micro-batches; gradients in their own dtype
-    # (native_gradients) are widened and unscaled where the update reads them.
-    divisor: jax.Array | None = scale * (n * grad_accum)
-    if native_gradients(plan, grad_accum):
-        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
-    else:
-        grads = jax.tree.map(lambda g: g / divisor, grads)
-        grad_norm, divisor = optax.tree.norm(grads), None
+    grads, grad_norm, divisor = _averaged(grads, scale * (n * grad_accum), plan, grad_accum)
     finite = jnp.isfinite(grad_norm)  # any inf/nan element makes the norm non-finite
     if not plan.shards_grads:  # whole gradients: into the master's (padded) form for the update
         grads = padding.pad(grads, pads.master, n)
@@ -191,13 +177,45 @@ def train_step(
     if plan.hierarchical:  # the within-host copy the next step gathers from
         new_compute = hierarchical.refresh(new_compute, layout.layouts, plan)
 
-    # A skipped step changes nothing, the model state included (its statistics may be NaN).
+    return _next_state(
+        state,
+        finite,
+        loss,
+        grad_norm,
+        scale,
+        aux,
+        model_state,
+        (new_master, new_opt, new_compute),
+        prec=prec,
+        layout=layout,
+    )
+
+
+def _averaged(grads, divisor, plan: ZeroPlan, grad_accum: int):
+    """``(grads, grad_norm, divisor)``: the summed gradients of the scaled loss divided by
+    ``divisor`` (loss scale x devices x micro-batches) in fp32, and their global norm.
+    Gradients in their own dtype (``native_gradients``) stay as they are, to be widened and
+    divided where the update reads them: then ``divisor`` comes back, otherwise None."""
+    if native_gradients(plan, grad_accum):
+        norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)) / divisor
+        return grads, norm, divisor
+    grads = jax.tree.map(lambda g: g / divisor, grads)
+    return grads, optax.tree.norm(grads), None
+
+
+def _next_state(
+    state: TrainState, finite, loss, grad_norm, scale, aux, model_state, updated, *, prec, layout
+):
+    """``(new_state, metrics)`` from the ``updated`` (master, opt state, compute) weights: a
+    skipped step (not ``finite``) changes nothing, the model state included (its statistics
+    may be NaN); the rng's base key and the frozen weights stay as they are."""
+    new_master, new_opt, new_compute = updated
     model_state = jax.tree.map(
         lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
     )
     loss_scale = prec.next_loss_scale(state.loss_scale, finite)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
-    new_state = dataclasses.replace(  # the rng's base key and the frozen weights stay as they are
+    new_state = dataclasses.replace(
         state,
         step=state.step + 1,
         applied=state.applied + (1 - skipped),

@@ -290,46 +290,9 @@ def streamed(
     ``apply``."""
     n_grads, master_leaves = len(jax.tree.leaves(grads)), jax.tree.leaves(master)
     opt_leaves = jax.tree.leaves(opt_state)
-    # Where each input leaf is padded (grads are in the master's form), to cut and re-pad it.
-    entries = (
-        list(pads.master or [None] * n_grads)
-        + list(pads.master or [None] * len(master_leaves))
-        + list(pads.opt_state or [None] * len(opt_leaves))
+    entries, groups, closed, out_shape, grouping = _update_by_parameter(
+        tx, grads, master, opt_state, pads
     )
-
-    def own(tree, es):
-        return jax.tree.unflatten(
-            jax.tree.structure(tree),
-            [
-                jax.ShapeDtypeStruct(_own_shape(x.shape, e), x.dtype)
-                for x, e in zip(jax.tree.leaves(tree), es)
-            ],
-        )
-
-    groups = (
-        [-1] * n_grads
-        + list(range(len(master_leaves)))
-        + owners(
-            tx,
-            own(master, entries[n_grads : n_grads + len(master_leaves)]),
-            own(opt_state, entries[n_grads + len(master_leaves) :]),
-        )
-    )
-
-    closed, out_shape = _step_jaxpr(
-        tx,
-        own(grads, entries[:n_grads]),
-        own(master, entries[n_grads : n_grads + len(master_leaves)]),
-        own(opt_state, entries[n_grads + len(master_leaves) :]),
-    )
-    grouping = _grouping(closed.jaxpr, groups, n_grads)
-    if grouping is None:
-        raise ValueError(
-            "this optimizer's update mixes several parameters' state (a norm over "
-            "the updates, say), so it cannot run one parameter at a time; "
-            "update_path brings such state in whole (UpdatePath.BROUGHT_IN_WHOLE)"
-        )
-
     stored = jax.tree.leaves(grads) + master_leaves + opt_leaves
     host_shardings = jax.tree.leaves(shardings.master) + jax.tree.leaves(shardings.opt_state)
 
@@ -374,6 +337,59 @@ def streamed(
     if new_compute is not None:
         new_compute = jax.tree.unflatten(jax.tree.structure(master_tree), new_compute)
     return new_master, new_opt, new_compute
+
+
+def _update_by_parameter(
+    tx: optax.GradientTransformation, grads, master, opt_state, pads: StatePadding
+):
+    """What ``streamed`` replays: ``(entries, groups, closed, out_shape, grouping)``, where
+    ``entries`` says where each input leaf (grads, master, opt state, flattened in that order;
+    grads in the master's form) is padded, ``groups`` the parameter each input belongs to (-1:
+    shared), ``closed`` / ``out_shape`` the update's jaxpr on the unpadded shapes and its
+    output trees, ``grouping`` its equations by parameter (``_grouping``). One readable line
+    where the update mixes parameters."""
+    n_grads, master_leaves = len(jax.tree.leaves(grads)), jax.tree.leaves(master)
+    opt_leaves = jax.tree.leaves(opt_state)
+    # Where each input leaf is padded (grads are in the master's form), to cut and re-pad it.
+    entries = (
+        list(pads.master or [None] * n_grads)
+        + list(pads.master or [None] * len(master_leaves))
+        + list(pads.opt_state or [None] * len(opt_leaves))
+    )
+
+    def own(tree, es):
+        return jax.tree.unflatten(
+            jax.tree.structure(tree),
+            [
+                jax.ShapeDtypeStruct(_own_shape(x.shape, e), x.dtype)
+                for x, e in zip(jax.tree.leaves(tree), es)
+            ],
+        )
+
+    groups = (
+        [-1] * n_grads
+        + list(range(len(master_leaves)))
+        + owners(
+            tx,
+            own(master, entries[n_grads : n_grads + len(master_leaves)]),
+            own(opt_state, entries[n_grads + len(master_leaves) :]),
+        )
+    )
+
+    closed, out_shape = _step_jaxpr(
+        tx,
+        own(grads, entries[:n_grads]),
+        own(master, entries[n_grads : n_grads + len(master_leaves)]),
+        own(opt_state, entries[n_grads + len(master_leaves) :]),
+    )
+    grouping = _grouping(closed.jaxpr, groups, n_grads)
+    if grouping is None:
+        raise ValueError(
+            "this optimizer's update mixes several parameters' state (a norm over "
+            "the updates, say), so it cannot run one parameter at a time; "
+            "update_path brings such state in whole (UpdatePath.BROUGHT_IN_WHOLE)"
+        )
+    return entries, groups, closed, out_shape, grouping
 
 
 def _replay_by_parameter(

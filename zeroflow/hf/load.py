@@ -24,6 +24,7 @@ from zeroflow.config.schema import ModelConfig
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.hf.architectures import CONVERTERS, read_config
 from zeroflow.hf.convert import Converter, HFConfig
+from zeroflow.hf.quantized_load import place_quantized, quantized_abstract, quantizes
 from zeroflow.hf.reader import HFCheckpointError, SafetensorsReader
 from zeroflow.hf.tensors import TensorMap, read_region
 from zeroflow.models.gpt import GPT, abstract_params
@@ -110,13 +111,17 @@ def load_params(
     dtype: str = "fp32",
     shardings: Any = None,
     reader: SafetensorsReader | None = None,
+    quantize: str | None = None,
 ) -> Any:
     """The params tree of ``model_cfg`` read from the checkpoint folder ``path``.
 
     ``converter``: the architecture's (default: the one config.json names). ``shardings``: a
     tree of ``jax.sharding.Sharding`` matching the params (e.g. a plan's
     ``storage_shardings``); default: everything on the first device. ``reader``: where the
-    tensors come from (default: the folder's safetensors).
+    tensors come from (default: the folder's safetensors). ``quantize``: "nf4" or "int8" to
+    read every matrix straight into a ``zf.QuantizedArray`` of that kind, tensor by tensor
+    (``zeroflow.hf.quantized_load``), for a frozen base; ``shardings`` then matches that tree
+    (``quantized_params_shape``), a ``QuantizedArray`` of the sharding of its bytes.
     """
     np_dtype = _dtype(dtype)
     converter = converter or CONVERTERS[read_config(path).architecture]
@@ -129,17 +134,27 @@ def load_params(
             f"{converter.architecture} table and model disagree: {sorted(paths ^ set(maps))}"
         )
     _check_tensors(reader, list(maps.values()), model_cfg.num_layers, model_cfg.tie_embeddings)
+    if quantize is not None and shardings is None:
+        shardings = _default_shardings(quantized_abstract(maps, abstract, np_dtype, quantize))
     shardings = _default_shardings(abstract) if shardings is None else shardings
+
+    def one(p, leaf, sharding):
+        m = maps[path_str(p)]
+        if quantize is not None and quantizes(m, leaf.shape):
+            return place_quantized(m, leaf.shape, sharding.data, np_dtype, quantize, reader.read)
+        return _place(m, leaf.shape, sharding, np_dtype, reader.read)
+
     try:
-        return jax.tree_util.tree_map_with_path(
-            lambda p, leaf, sharding: _place(
-                maps[path_str(p)], leaf.shape, sharding, np_dtype, reader.read
-            ),
-            abstract,
-            shardings,
-        )
+        return jax.tree_util.tree_map_with_path(one, abstract, shardings)
     finally:
         reader.close()
+
+
+def quantized_params_shape(model_cfg: ModelConfig, dtype: str, kind: str, architecture: str):
+    """The abstract parameters ``load_params(..., quantize=kind)`` returns: each matrix a
+    ``zf.QuantizedArray`` (of bytes shapes), each vector as it is."""
+    maps = {m.ours: m for m in CONVERTERS[architecture].tensor_maps(model_cfg)}
+    return quantized_abstract(maps, abstract_params(model_cfg)[0], _dtype(dtype), kind)
 
 
 def from_pretrained(
@@ -149,6 +164,7 @@ def from_pretrained(
     plan: ZeroPlan | None = None,
     shardings: Any = None,
     seq_len: int | None = None,
+    quantize: str | None = None,
 ) -> tuple[GPT, Any, HFConfig]:
     """``(model, params, cfg)`` from a Hugging Face checkpoint folder (config.json + safetensors).
 
@@ -159,12 +175,31 @@ def from_pretrained(
     leaf in ``plan.storage_shardings`` (ZeRO / tensor-parallel), ``shardings`` gives a tree
     of them directly; default one device. ``seq_len`` sets ``cfg.model.seq_len`` (default:
     the checkpoint's context length).
+
+    ``quantize``: "nf4" or "int8" reads a frozen base for QLoRA: every matrix becomes a
+    ``zf.QuantizedArray``, quantized one tensor (one layer) at a time as it is read, so the
+    model in ``dtype`` is never whole in host or device memory. Each layer is quantized on its
+    own, as ``zf.quantize_frozen(..., stacked="layers")`` does. With ``plan`` the bytes are
+    placed as the plan stores frozen weights (split over ``data`` at stage 3). The model reads
+    them dequantized: ``zeroflow.engine.grads.dequantized.dequantized_on_use`` outside the
+    train step, the step itself inside.
     """
     cfg = read_config(path)
     model_cfg = cfg.model if seq_len is None else dataclasses.replace(cfg.model, seq_len=seq_len)
     if shardings is None and plan is not None:
-        shardings = plan.storage_shardings(abstract_params(model_cfg)[0])
+        shardings = (
+            plan.storage_shardings(abstract_params(model_cfg)[0])
+            if quantize is None
+            else plan.compute_shardings(
+                quantized_params_shape(model_cfg, dtype, quantize, cfg.architecture)
+            )
+        )
     params = load_params(
-        path, model_cfg, converter=CONVERTERS[cfg.architecture], dtype=dtype, shardings=shardings
+        path,
+        model_cfg,
+        converter=CONVERTERS[cfg.architecture],
+        dtype=dtype,
+        shardings=shardings,
+        quantize=quantize,
     )
     return GPT(model_cfg), params, dataclasses.replace(cfg, model=model_cfg)

@@ -93,20 +93,35 @@ class Run:
             return base
         return {adapters.BASE: base, adapters.ADAPTERS: self._adapters()}
 
+    @property
+    def _quantizes_base(self) -> bool:
+        return self.lora is not None and self.model_cfg.lora.quantize != "none"
+
+    def _read_base(self):
+        """The weights of ``model.init_from``, each leaf read straight into its shards; with
+        ``model.lora.quantize`` each matrix quantized as it is read, one tensor at a time, so
+        the model in fp32 is never whole (``zeroflow.hf.quantized_load``)."""
+        from zeroflow import hf
+
+        path = self.model_cfg.init_from
+        if self._quantizes_base:
+            shardings = self.plan.compute_shardings(self.abstract_params()[adapters.BASE])
+            kind = self.model_cfg.lora.quantize
+            return hf.load_params(path, self.model_cfg, shardings=shardings, quantize=kind)
+        # Shardings for the parameters' own shapes (a leaf ZeRO pads is read whole and padded
+        # by init_train_state).
+        shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
+        return hf.load_params(path, self.model_cfg, shardings=shardings)
+
     def init_state(self) -> zf.TrainState:
         """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
         from the Hugging Face checkpoint) directly in their shards."""
         if self.model_cfg.init_from:
-            from zeroflow import hf
-
-            # Shardings for the parameters' own shapes (a leaf ZeRO pads is read whole and
-            # padded by init_train_state).
-            shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
-            params = hf.load_params(self.model_cfg.init_from, self.model_cfg, shardings=shardings)
+            params = self._read_base()
             if self.lora is not None:  # the adapters made apart: the base is not copied
                 params = {adapters.BASE: params, adapters.ADAPTERS: jax.jit(self._adapters)()}
             return zf.init_train_state(
-                self._quantized(params),
+                params if self._quantizes_base else self._quantized(params),
                 self.tx,
                 self.plan,
                 self.prec,

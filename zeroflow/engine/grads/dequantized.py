@@ -60,8 +60,10 @@ class Dequantized:
 
 
 def source_of(q: QuantizedArray, dtype, part=None) -> Dequantized:
-    """The source of the quantized weight stored as ``q`` (or this device's shard of it)."""
-    return Dequantized(dtype, len(q.stack_shape), part)
+    """The source of the quantized weight stored as ``q`` (or this device's shard of it,
+    ``part``: the ``sources.Frozen`` of its bytes, which gathers them as they are: they are
+    4-bit already, so qwZ's int8 blocks would only add error and bytes)."""
+    return Dequantized(dtype, len(q.stack_shape), None if part is None else part.as_bytes())
 
 
 def dequantized_on_use(loss_fn, dtype):

@@ -38,7 +38,7 @@ from zeroflow.engine.grads.loss_errors import explained
 from zeroflow.engine.grads.routes import Fetch, Reduce, Route, is_route, trained
 from zeroflow.engine.grads.sources import Stage3Collectives
 from zeroflow.engine.plan import ZeroPlan
-from zeroflow.engine.quantized import is_quantized
+from zeroflow.engine.quantized import dequantize, is_quantized
 from zeroflow.util.tree import path_str
 
 
@@ -207,22 +207,8 @@ def _accumulated(
 ):
     """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
     the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
-    # Frozen leaves are stored in the dtype they are used in (quantized codes in their own).
-    dtypes = jax.tree.map(
-        lambda x, r: (
-            jnp.dtype(gather_dtype) if gather_dtype and r.sharded and not r.frozen else x.dtype
-        ),
-        params,
-        routes,
-    )
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
-    params = jax.tree.map(
-        lambda x, r: (
-            None if r.frozen else _differentiable(x, r, plan.data_size, varying, plan.weight_copies)
-        ),
-        params,
-        routes,
-    )
+    dtypes, params = _used_dtypes_and_stand_ins(params, routes, plan, varying, gather_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
     # pass made them until the update reads them (see native_gradients).
     native = native_gradients(plan, grad_accum)
@@ -230,7 +216,9 @@ def _accumulated(
     gather_layer = (
         None
         if per_layer is None
-        else _layer_gatherer(routes[per_layer], dtypes[per_layer], varying, collectives, widens)
+        else _layer_gatherer(
+            routes[per_layer], dtypes[per_layer], varying, collectives, widens, compute_dtype
+        )
     )
 
     def grads_of(micro, model_state, key):
@@ -276,6 +264,28 @@ def _accumulated(
     return _over_micro_batches(grads_of, batch, extras, grad_accum, varying)
 
 
+def _used_dtypes_and_stand_ins(params, routes, plan: ZeroPlan, varying, gather_dtype):
+    """``(dtypes, stand_ins)``: the dtype each leaf is used in (a sharded trained leaf is cast
+    to ``gather_dtype`` as it is gathered; frozen leaves are stored in the dtype they are used
+    in, quantized codes in their own), and what the loss is differentiated against per leaf
+    (``_differentiable``; None for a frozen leaf)."""
+    dtypes = jax.tree.map(
+        lambda x, r: (
+            jnp.dtype(gather_dtype) if gather_dtype and r.sharded and not r.frozen else x.dtype
+        ),
+        params,
+        routes,
+    )
+    stand_ins = jax.tree.map(
+        lambda x, r: (
+            None if r.frozen else _differentiable(x, r, plan.data_size, varying, plan.weight_copies)
+        ),
+        params,
+        routes,
+    )
+    return dtypes, stand_ins
+
+
 def _differentiable(x, r: Route, n: int, varying, copies: int = 1):
     """What the loss is differentiated against for one leaf: zeros shaped like the gradient
     that leaves the backward pass stand in for the weight (see zeroflow.engine.grads.collectives),
@@ -308,25 +318,48 @@ def _visible(x, w, r: Route, varying):
     return x
 
 
-def _layer_gatherer(routes, dtypes, varying, collectives: Stage3Collectives, widens: bool):
+def _layer_gatherer(
+    routes, dtypes, varying, collectives: Stage3Collectives, widens: bool, compute_dtype=None
+):
     """``gather_layer``: one layer's slice of the stack -> its compute weights on the device,
     through the layer's slice of the same source any other fetch uses (``Source.layer``).
     Under the ``save_all_but_fetched`` remat policy the backward pass fetches it again.
-    ``collectives``, ``widens``: as for ``_source``."""
+    ``collectives``, ``widens``: as for ``_source``; a quantized leaf's bytes are gathered as
+    they are and dequantized to ``compute_dtype``."""
+
+    def frozen(r: Route, x, dt, packed: bool = False):  # fetched without a gradient path
+        weight = offload.to_device(varying(x)) if r.stream else x
+        if not r.sharded:
+            return weight
+        source = _layer_source(r, dt, collectives, widens)
+        if packed and isinstance(source, sources.Frozen):
+            source = source.as_bytes()
+        return source.fetch(weight)
 
     def one(r: Route, x, dt):
         if r.fetch is not Fetch.PER_LAYER:
             return x
-        if r.frozen:  # fetched without a gradient path
-            weight = offload.to_device(varying(x)) if r.stream else x
-            return _layer_source(r, dt, collectives, widens).fetch(weight) if r.sharded else weight
+        if r.frozen:
+            return frozen(r, x, dt)
         if r.stream and r.reduce is not Reduce.ON_USE:
             return stream_in(x.weight, x.stand_in)
         weight = offload.to_device(varying(x.weight)) if r.stream else x.weight
         return _layer_source(r, dt, collectives, widens).fetch_for_grad((weight, x.stand_in))
 
+    def one_or_bytes(r, x, dt):
+        if is_quantized(x) and r.data.fetch is Fetch.PER_LAYER:
+            data = frozen(r.data, x.data, dt.data, packed=True)
+            return dequantize(x.replace(data=data), compute_dtype)
+        return one(r, x, dt)
+
     def gather_layer(layer_params):
-        return jax.tree.map(one, routes, layer_params, dtypes, is_leaf=is_route)
+        return jax.tree.map(
+            one_or_bytes,
+            routes,
+            layer_params,
+            dtypes,
+            is_leaf=lambda x: is_route(x) or is_quantized(x),
+        )
 
     return gather_layer
 
@@ -400,7 +433,11 @@ def _source(r: Route, dtype, collectives: Stage3Collectives, widens: bool) -> so
     weight's use waits for its unit's inputs like a gather."""
     if r.frozen:
         return sources.Frozen(
-            r.dim if r.sharded else None, dtype, r.cut, ordered=r.sharded or widens
+            r.dim if r.sharded else None,
+            dtype,
+            r.cut,
+            ordered=r.sharded or widens,
+            collectives=collectives,
         )
     if r.sharded:
         return sources.Sharded(r.split_dim, dtype, r.cut, r.padded, collectives=collectives)
@@ -455,9 +492,15 @@ def _call_gathering(
     leaves, treedef = jax.tree.flatten(seen, is_leaf=lambda x: _is_pair(x) or is_quantized(x))
     # jaxlib ships no stub for its compiled PyTreeDef, so mypy cannot see its methods
     flat = treedef.flatten_up_to(top)  # type: ignore[attr-defined]
+    # A quantized leaf fetched per layer reaches the loss as stored: ``gather_layer`` gathers
+    # and dequantizes each layer's slice.
+    per_layer = [
+        is_quantized(r) and r.data.fetch is Fetch.PER_LAYER
+        for r in treedef.flatten_up_to(routes)  # type: ignore[attr-defined]
+    ]
     specs = [
-        source_of(x, compute_dtype, spec.data) if is_quantized(x) else spec
-        for x, spec in zip(leaves, flat)
+        None if layered else source_of(x, compute_dtype, spec.data) if is_quantized(x) else spec
+        for x, spec, layered in zip(leaves, flat, per_layer)
     ]
     if not any(specs):
         return call(seen, micro, given)

@@ -247,20 +247,28 @@ class Frozen:
     and all-gathered as ``dtype`` (cut to ``size``), or whole (``dim`` None). It is fetched for
     the forward and the backward pass like any weight, but the unit takes no vjp with respect
     to it: its gradient is never computed. ``ordered`` as for ``Whole``, ``sliced`` as for
-    ``Sharded``."""
+    ``Sharded``. ``collectives``: how a stage-3 shard is gathered, as trained weights are
+    (hpZ within each host, qwZ in int8 blocks); a weight that is already packed bytes (a
+    ``QuantizedArray``'s) is gathered as it is, never quantized again."""
 
     dim: int | None
     dtype: Any
     size: int | None = None
     ordered: bool = True
     sliced: bool = False
+    collectives: Stage3Collectives = dataclasses.field(kw_only=True)
     frozen = True
 
     def fetch(self, stored):
-        return (
-            stored
-            if self.dim is None
-            else all_gather(stored, self.dim, self.dtype, self.size, sliced=self.sliced)
+        if self.dim is None:
+            return stored
+        return self.collectives.gather(stored, self.dim, self.dtype, self.size, sliced=self.sliced)
+
+    def as_bytes(self) -> Frozen:
+        """This source for packed bytes: gathered as they are (qwZ would quantize them again),
+        within the same groups."""
+        return dataclasses.replace(
+            self, collectives=dataclasses.replace(self.collectives, weight_block=None)
         )
 
     def give_back(self, stored, grad):  # never called: nothing differentiates a frozen weight

@@ -51,6 +51,7 @@ __all__ = [
     "pack",
     "quantize",
     "quantize_frozen",
+    "quantize_shape",
     "unpack",
 ]
 

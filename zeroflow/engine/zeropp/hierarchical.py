@@ -71,9 +71,12 @@ def _regrouped(piece, dim: int, split: HostSplit):
 
 def refresh(compute, layouts, plan: ZeroPlan):
     """The secondary copy from ``compute``, the updated compute weights stored 1/N over
-    ``data`` (padded, as ``plan`` stores stage-3 weights)."""
+    ``data`` (padded, as ``plan`` stores stage-3 weights); ``layouts``: every parameter's,
+    frozen ones included."""
     split = plan.host_split
-    lays = jax.tree.leaves(layouts, is_leaf=is_layout)
+    # ``compute`` holds the trained leaves only: frozen ones are never refreshed (their copy
+    # per host is made once, ``zeroflow.engine.state.stored_frozen``)
+    lays = [lay for lay in jax.tree.leaves(layouts, is_leaf=is_layout) if lay.trains]
     leaves, treedef = jax.tree.flatten(compute)
     specs = [lay.data_only_spec(True) for lay in lays]
 
