@@ -5,7 +5,6 @@ Run as CI does: vulture zeroflow tests scripts experiments .ci/vulture_whitelist
 # ruff: noqa
 from zeroflow.autocast.policy import AutocastPolicy
 from zeroflow.memory.measure import MeasuredMemory
-from zeroflow.memory.peak import PeakEstimate
 
 # Fields read through getattr by name (policy.py's _PRIMITIVE_FIELDS loop over them).
 AutocastPolicy.fp32
@@ -13,8 +12,6 @@ AutocastPolicy.follow
 
 # Record fields: written into reports and JSON through dataclasses.asdict / NamedTuple._asdict.
 MeasuredMemory.generated_code_bytes
-PeakEstimate.gathered_weights
-PeakEstimate.layer_in_flight
 _.log_tail  # scripts/benchlib/isolate.py: a case's result, printed by the GPU report
 
 # Attributes third-party objects read: argparse's parser, tokenizers' Tokenizer, jinja2's

@@ -57,7 +57,7 @@ def compile_row(seq: int, context: int, strategy: str, attention: str) -> dict:
                     mesh=zf.target_mesh("h100", data=data, context=context))
     state = run.abstract_state()
     batch = abstract_batch(cfg, run.plan.batch_sharding)
-    compiled, est = schedule.of_compile(lambda: run.make_step().lower(state, batch).compile())
+    compiled, est = schedule.timed(lambda: run.make_step().lower(state, batch).compile())
     row = {"context": context, "data": data, "strategy": strategy if context > 1 else "-",
            "attention": attention, "seq": seq, "tokens": seq // context,
            "peak": device_peak(analysed(compiled), state),

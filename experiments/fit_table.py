@@ -1,9 +1,8 @@
 """What fits on one GPU, or eight, for fine-tuning: XLA:GPU's own peak per device.
 
 Each row compiles the trainer's step for abstract GPUs (``zf.target_mesh``; no GPU needed) and
-reports XLA:GPU's peak per device (``memory_analysis``), zeroflow's estimate of it
-(``estimate_config_step``), the host memory the step keeps per device (offloaded state), and
-whether the peak fits the card.
+reports XLA:GPU's peak per device (``memory_analysis``), the host memory the step keeps per
+device (offloaded state), and whether the peak fits the card.
 
     python experiments/fit_table.py      # writes experiments/results/fit_table.md
 
@@ -82,12 +81,6 @@ Notes:
   over the slice it read), and finds codes by comparing with all 255 midpoints of the map (a
   fused reduction); with the layers mapped into fresh zero-filled outputs the all-GPU row
   peaked at 110.3 GB, with every moment dequantized and binary-searched at once at 171.6 GB.
-- The estimate counts, for an update on one GPU, each parameter's update direction fused into
-  its update except the largest loop's buffers (an 8-bit stack's fp32 direction and new
-  moments); with the state streamed in, one parameter's state as brought in and as made,
-  the gradients not yet read, and the loop's fp32 buffer. On a 34M-parameter model with one
-  512-token sequence, where activations weigh more, it is within 6.3% of XLA:GPU
-  (`experiments/results/one_gpu_estimates.md`).
 - Offloaded rows are compiled on CPU devices standing in for the GPUs
   (`zeroflow.memory.on_target`): the abstract GPUs of `zf.target_mesh` expose no memories,
   so jax drops a sharding's `pinned_host` memory kind on them; planned and traced on CPU
@@ -96,8 +89,7 @@ Notes:
 - 70B LoRA row: the adapted loss reads whole weights, so at stage 3 each stack of layers is
   fetched on use, one layer per scan iteration. The gate, up and query stacks are split along
   a dimension after the layer's first; gathered along it, XLA:GPU kept a relaid-out copy of
-  those stacks' local shards for the whole step (10.0 GB per device: 36.0 GB, the estimate
-  29% under). Each slice is now gathered on a new leading axis and moved into place
+  those stacks' local shards for the whole step (10.0 GB per device: 36.0 GB). Each slice is now gathered on a new leading axis and moved into place
   (`zeroflow.engine.grads.collectives.all_gather(sliced=True)`).
 - Llama 3.1 70B's architecture is `configs/hf/llama-3.1-70b/config.json`, Meta's published
   config.json for meta-llama/Llama-3.1-70B (hidden 8192, intermediate 28672, 80 layers, 64
@@ -116,13 +108,12 @@ def measure(label, config, overrides, gpu, devices, stage, offload, remat):
     update_on = cfg.parallel.update_on if offload != "none" else "device"
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, update_on=update_on))
     (r,) = plan_rows(cfg, devices=devices, stages=[stage], offloads=[offload], remats=[remat],
-                     measure="always", backend="gpu", target=gpu)
+                     measure="always", target=gpu)
     if r.measured_bytes is None:
         raise RuntimeError(f"{label}: {r.note}")
     memory = _card_memory(gpu)
     row = {"label": label, "where": f"{devices} x {gpu}", "stage": stage, "offload": offload,
-           "remat": remat, "peak": r.measured_bytes, "estimate": r.estimate.peak_bytes,
-           "host": r.measured_host_bytes, "memory": memory,
+           "remat": remat, "peak": r.measured_bytes, "host": r.measured_host_bytes, "memory": memory,
            "seconds": time.perf_counter() - start}
     print(_line(row), file=sys.stderr, flush=True)
     return row
@@ -136,8 +127,7 @@ def _line(r):
     host = "-" if not r["host"] else f"{r['host'] / GB:,.1f}"
     fits = "yes" if r["peak"] <= r["memory"] else "no"
     return (f"| {r['label']} | {r['where']} | {r['offload']} | {r['remat']} | "
-            f"{r['peak'] / GB:,.1f} | {r['estimate'] / GB:,.1f} | "
-            f"{r['estimate'] / r['peak'] - 1:+.1%} | {host} | {fits} ({r['memory'] / GB:,.0f} GB) |")
+            f"{r['peak'] / GB:,.1f} | {host} | {fits} ({r['memory'] / GB:,.0f} GB) |")
 
 
 def main(argv=None):
@@ -151,11 +141,11 @@ def main(argv=None):
             f"GPU ({platform.machine()}), {datetime.date.today()}, jax {jax.__version__}: each row "
             "is one XLA:GPU compile of the trainer's step for abstract GPUs, one sequence of "
             "2048 tokens per device, bf16 weights. Peak = `memory_analysis()` per device; "
-            "estimate = `estimate_config_step`; host = XLA:GPU's host memory per device "
+            "host = XLA:GPU's host memory per device "
             "(offloaded state and the host update's temporaries). Fits = peak <= the card's "
             "memory.\n\n"
-            "| setup | devices | offload | remat | XLA:GPU peak GB | estimate GB | estimate error "
-            "| host GB | fits |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| setup | devices | offload | remat | XLA:GPU peak GB | host GB | fits |\n"
+            "|---|---|---|---|---|---|---|\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(head + "\n".join(_line(r) for r in rows) + "\n\n" + NOTES)
     print(f"wrote {args.out}", file=sys.stderr)

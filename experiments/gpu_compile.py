@@ -2,10 +2,9 @@
 
 Compiles zeroflow's step for abstract GPUs (``zf.target_mesh``) and reports, per model, stage
 and target: XLA:GPU's peak per device (``memory_analysis``), its ratio to the ZeRO paper's
-model-state formula, the activation term of zeroflow's estimate (activations are outside the
-formula), the estimate's error, and how many all-gathers and reduce-scatters overlap compute in
-the scheduled program (``zf.memory.collectives``). The scan model is also compiled for XLA:CPU
-(8 emulated devices), where the estimate is checked too.
+model-state formula (activations are outside it), and how many all-gathers and reduce-scatters
+overlap compute in the scheduled program (``zf.memory.collectives``). The scan model is also
+compiled for XLA:CPU (8 emulated devices).
 
     python experiments/gpu_compile.py            # writes experiments/results/gpu_compile.md
 
@@ -89,15 +88,11 @@ def measure_row(name, loss, params, batch, mesh, stage, where):
     start = time.perf_counter()
     compiled, state = zf.memory.compile_step(loss, params, batch, tx, plan, prec)
     peak = device_peak(analysed(compiled), state)
-    est = zf.memory.estimate_step(loss, params, batch, tx, plan, prec)
     summary = zf.memory.overlap(zf.memory.collectives(compiled))
     psi = sum(x.size for x in jax.tree.leaves(params))
     n = plan.data_size
     row = {"model": name, "where": where, "stage": stage, "psi": psi, "peak": peak,
-           "ratio": peak / formula(stage, psi, n),
-           "ratio_wo_act": (peak - est.activations) / formula(stage, psi, n),
-           "activations": est.activations, "estimate": est.peak_bytes,
-           "error": est.peak_bytes / peak - 1, "overlap": summary,
+           "ratio": peak / formula(stage, psi, n), "overlap": summary,
            "seconds": time.perf_counter() - start}
     print(_line(row), file=sys.stderr, flush=True)
     return row
@@ -114,17 +109,14 @@ def config_row(config, target, devices, stage, remat, overrides=(), label=""):
         cfg = dataclasses.replace(cfg, model=run_model_config(cfg))
     start = time.perf_counter()
     (r,) = plan_rows(cfg, devices=devices, stages=[stage], offloads=["none"], remats=[remat],
-                     measure="always", backend="gpu", target=target)
+                     measure="always", target=target)
     if r.measured_bytes is None:
         raise RuntimeError(f"{config}: {r.note}")
     psi = zf.memory.count_gpt_params(cfg.model)
     row = {"model": f"{Path(config).stem} (remat {remat}{', ' + label if label else ''})",
            "where": f"{devices} x {target}",
            "stage": stage, "psi": psi, "peak": r.measured_bytes,
-           "ratio": r.measured_bytes / formula(stage, psi, devices),
-           "ratio_wo_act": (r.measured_bytes - r.estimate.activations) / formula(stage, psi, devices),
-           "activations": r.estimate.activations, "estimate": r.estimate.peak_bytes,
-           "error": r.estimate.peak_bytes / r.measured_bytes - 1, "overlap": r.overlap,
+           "ratio": r.measured_bytes / formula(stage, psi, devices), "overlap": r.overlap,
            "seconds": time.perf_counter() - start}
     print(_line(row), file=sys.stderr, flush=True)
     return row
@@ -137,8 +129,7 @@ def _fraction(summary, kind):
 
 def _line(r):
     return (f"| {r['model']} | {r['where']} | {r['stage']} | {r['psi'] / 1e6:.1f}M | "
-            f"{r['peak'] / MiB:,.1f} | {r['ratio']:.2f} | {r['activations'] / MiB:,.1f} | "
-            f"{r['ratio_wo_act']:.2f} | {r['estimate'] / MiB:,.1f} | {r['error']:+.1%} | "
+            f"{r['peak'] / MiB:,.1f} | {r['ratio']:.2f} | "
             f"{_fraction(r['overlap'], 'all-gather')} | {_fraction(r['overlap'], 'reduce-scatter')} |")
 
 
@@ -193,14 +184,12 @@ def write(rows, out: Path):
         "compile of zeroflow's step, AdamW, bf16 weights, fp32 master and moments. Peak = "
         "`memory_analysis()` per device (arguments + outputs + temporaries - aliased). "
         "Formula = the ZeRO paper's model states (stage 2: 2Psi + 14Psi/N, stage 3: 16Psi/N); "
-        "activations are outside it, so the next column takes zeroflow's activation estimate "
-        "off the peak. Overlap = collectives with at least one kernel scheduled between start "
+        "activations are outside it. Overlap = collectives with at least one kernel scheduled between start "
         "and done / all of that kind (XLA:CPU runs collectives in line: none overlap there).",
         "",
-        "| model | devices | stage | Psi | peak MiB | / formula | activations MiB | "
-        "(peak - act.) / formula | estimate MiB | estimate error | all-gathers overlapped | "
+        "| model | devices | stage | Psi | peak MiB | / formula | all-gathers overlapped | "
         "reduce-scatters overlapped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|"]
     lines += [_line(r) for r in rows]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

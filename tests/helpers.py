@@ -98,14 +98,3 @@ def require_cuda_plugin():
     if cuda_plugin_module() is None:
         pytest.skip("no CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin) is installed: "
                     "pip install -e '.[test]'", allow_module_level=True)
-
-
-def split_k_chunks(hlo_text: str) -> int:
-    """The chunks of the one split-K matmul in an XLA:GPU program's text: the leading dimension
-    of its 3-D fp32 Triton matmul fusion (1 when it has none)."""
-    for line in hlo_text.splitlines():
-        if "kind=kCustom" in line and "gemm" in line and " fusion(" in line and "= f32[" in line:
-            shape = line.split("= f32[", 1)[1].split("]", 1)[0].split(",")
-            if len(shape) == 3:
-                return int(shape[0])
-    return 1

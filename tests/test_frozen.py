@@ -15,7 +15,7 @@ from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, walk, re
 from zeroflow.engine.checkpoint import CheckpointError
 from zeroflow.engine.grads.routes import Reduce, is_route, step_routes
 from zeroflow.util.tree import path_str
-from zeroflow.trainer.planning import estimate_config_step, measure_config
+
 
 N_DEV = 8
 
@@ -252,7 +252,7 @@ def test_each_leafs_layout_says_whether_it_trains():
     assert jax.tree.map(lambda r: r.reduce is not Reduce.NONE, routes, is_leaf=is_route) == MASK
 
 
-# --- estimate_step(trainable=) against XLA:CPU's compiled memory ---------------------------------
+# --- frozen weights in XLA:CPU's compiled memory ---------------------------------------------
 
 WIDTH, DEPTH, ROWS = 256, 8, 16
 
@@ -285,15 +285,12 @@ def backbone_frozen(path, _leaf):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_estimate_step_with_frozen_weights_is_within_10_percent(stage):
+def test_frozen_weights_lower_the_compiled_peak(stage):
     loss, params, batch = _stack_setup()
     tx, prec = optax.adam(1e-3), zf.Precision(params="bf16")
     plan = zf.ZeroPlan(zf.make_mesh(), stage=stage)
     _, measured = zf.memory.measure_step(loss, params, batch, tx, plan, prec,
                                          trainable=backbone_frozen)
-    estimate = zf.memory.estimate_step(loss, params, batch, tx, plan, prec,
-                                       trainable=backbone_frozen)
-    assert estimate.peak_bytes == pytest.approx(measured, rel=0.10), estimate.terms()
     # The saving is real: at least the frozen leaves' fp32 master + Adam moments (12 bytes per
     # parameter, 1/N from stage 1), from the ZeRO paper's accounting.
     _, everything = zf.memory.measure_step(loss, params, batch, tx, plan, prec)
@@ -369,22 +366,6 @@ def test_analytic_estimate_counts_frozen_parameters_as_compute_bytes_only(stage)
     assert offloaded.host.compute_weights == pytest.approx(2 * p / (n if stage == 3 else 1))
     with pytest.raises(ValueError, match="frozen_params"):
         zf.memory.estimate(num_params=10, frozen_params=11, num_devices=n, stage=stage)
-
-
-def test_trainer_memory_estimate_with_freeze_is_within_10_percent():
-    """``estimate_config_step`` for the trainer's GPT with ``train.freeze`` against XLA:CPU's
-    compiled step (the trainer's own, layers gathered one at a time at stage 3)."""
-    from fixtures import TINY_TRAINER
-
-    from zeroflow.config.io import load_config
-    cfg = load_config("configs/tiny.yaml", TINY_TRAINER + [
-        "model.embed_dim=128", "model.mlp_dim=512", "precision.params=bf16",
-        "train.freeze=^embedding|layers/(attn|mlp/up)/"])
-    choice = dict(num_devices=8, stage=3, offload="none", update_on="device", remat="none")
-    measured, _ = measure_config(cfg, **choice)
-    estimate = estimate_config_step(cfg, num_devices=8, stage=3, offload="none",
-                                    update_on="device", remat="none")
-    assert estimate.peak_bytes == pytest.approx(measured.total_bytes, rel=0.10), estimate.terms()
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -189,7 +189,6 @@ def offload_h100():
 
 def test_offload_input_moves_the_layer_inputs_to_the_host(offload_h100):
     from zeroflow.memory.measure import analysed, device_peak
-    from zeroflow.trainer.planning import estimate_config_step
     memory = {remat: analysed(compiled) for remat, (compiled, _) in offload_h100.items()}
     peak = {remat: device_peak(memory[remat], setup.state)
             for remat, (_, setup) in offload_h100.items()}
@@ -204,10 +203,7 @@ def test_offload_input_moves_the_layer_inputs_to_the_host(offload_h100):
     shapes = {(dtype, tuple(int(d) for d in dims.split(",")))
               for dtype, dims in HOST_ARRAY.findall(hlo)}
     assert shapes == {("bf16", (GPU_LAYERS, micro, GPU_SEQ, GPU_WIDTH))}
-    # The traced estimate and the formula both know what goes to the host.
-    est = estimate_config_step(GPU_CFG, **{k: v for k, v in GPU_CHOICE.items() if k != "target"},
-                               remat="offload_input", backend="gpu")
-    assert est.host_activations == pytest.approx(host, rel=0.1)
+    # The formula knows what goes to the host.
     formula = zf.memory.offloaded_activations(GPU_CFG.model, micro_batch=micro,
                                               remat="offload_input")
     assert formula == layer_inputs and formula == pytest.approx(host, rel=0.1)

@@ -1,18 +1,15 @@
 """The compiled step's peak memory per device (``memory_analysis``, 8 emulated devices): ZeRO-2
-and ZeRO-3 shrink the peak of a model zeroflow never saw, and ``zf.memory.estimate_step``
-predicts the peak within 10% for every stage x offload x remat choice."""
+and ZeRO-3 shrink the peak of a model zeroflow never saw; ``python -m zeroflow.memory`` fits by
+XLA's compiled peak where it compiles."""
 import dataclasses
-import json
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 
 import zeroflow as zf
 from zeroflow.engine.grads import gather_on_use
-from zeroflow.memory import __main__ as memory_cli
 
 WIDTH, DEPTH, BATCH = 512, 16, 16
 
@@ -52,9 +49,7 @@ def _setup(stage, devices, *, remat=False, offload="none", prec="bf16", grad_acc
              "y": jax.ShapeDtypeStruct((BATCH,), jnp.int32)}
     _, measured = zf.memory.measure_step(loss_fn, params, batch, tx, plan, precision,
                                          grad_accum=grad_accum)
-    estimate = zf.memory.estimate_step(loss_fn, params, batch, tx, plan, precision,
-                                       grad_accum=grad_accum)
-    return measured, estimate, sum(x.size for x in jax.tree.leaves(params))
+    return measured, sum(x.size for x in jax.tree.leaves(params))
 
 
 def _peak(stage, devices, **kwargs):
@@ -67,12 +62,12 @@ def zero_formula(stage, psi, n):
 
 
 def test_stage3_peak_is_the_zero_formula():
-    peak, _, psi = _setup(3, 8)
+    peak, psi = _setup(3, 8)
     assert peak <= 1.5 * zero_formula(3, psi, 8), (peak, zero_formula(3, psi, 8))
 
 
 def test_stage2_peak_is_the_zero_formula():
-    peak, _, psi = _setup(2, 8)
+    peak, psi = _setup(2, 8)
     assert peak <= 1.25 * zero_formula(2, psi, 8), (peak, zero_formula(2, psi, 8))
 
 
@@ -81,7 +76,7 @@ def test_stage2_accumulates_gradient_shards_where_stage1_accumulates_whole_ones(
     stage 2 reduce-scatters each micro-batch's inside the backward pass: the difference is
     about the whole gradient less its shard (fp32, so that XLA:CPU's converted copies of bf16
     weights, which it hoists out of the accumulation loop, do not blur it)."""
-    stage2, _, psi = _setup(2, 8, grad_accum=2, prec="fp32")
+    stage2, psi = _setup(2, 8, grad_accum=2, prec="fp32")
     stage1 = _peak(1, 8, grad_accum=2, prec="fp32")
     assert stage1 - stage2 >= 0.75 * 4 * psi * (1 - 1 / 8)
 
@@ -95,7 +90,7 @@ def test_without_fetching_whole_weights_on_use_xla_cpu_keeps_fp32_copies():
     for a backend that multiplies bf16 natively), the fp32 copies XLA:CPU makes for its matmuls
     live from the forward to the backward pass and the stage-2 bound no longer holds."""
     native = dataclasses.replace(zf.backend.of(zf.make_mesh()), widens_half_precision=False)
-    peak, _, psi = _setup(2, 8, traits=native)
+    peak, psi = _setup(2, 8, traits=native)
     assert peak > 1.25 * zero_formula(2, psi, 8)
 
 
@@ -103,30 +98,28 @@ def test_without_ordered_gathers_every_weight_is_gathered_at_once(monkeypatch):
     """The control: with the fetches not waiting for their inputs (``after`` a no-op), XLA
     gathers every weight up front and the stage-3 bound no longer holds."""
     monkeypatch.setattr(gather_on_use, "after", lambda values, anchors: values)
-    peak, _, psi = _setup(3, 8)
+    peak, psi = _setup(3, 8)
     assert peak > 1.5 * zero_formula(3, psi, 8)
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("offload", ["none", "optimizer"])
-@pytest.mark.parametrize("remat", [False, True])
-def test_estimate_is_within_10_percent_for_a_foreign_model(stage, offload, remat):
-    measured, estimate, _ = _setup(stage, 8, remat=remat, offload=offload)
-    assert estimate.peak_bytes == pytest.approx(measured, rel=0.10), estimate.terms()
 
 
 GPT_OVERRIDES = ["model.num_layers=4", "model.embed_dim=256", "model.mlp_dim=1024"]
 
 
-def test_memory_cli_json_estimates_the_gpt_within_10_percent(capsys):
-    """``python -m zeroflow.memory --json``: one object per choice, every compiled row within
-    10% of XLA's number for the trainer's GPT."""
-    # Remat full at every stage, with and without offload (remat none: the foreign model above).
-    assert memory_cli.main(["--config", "configs/tiny.yaml", "--devices", "8", "--json",
-                            "--offloads", "none,optimizer", "--remats", "full",
-                            *GPT_OVERRIDES]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(rows) == 8
-    for row in rows:
-        assert {"stage", "offload", "remat", "estimated_peak_bytes", "measured_peak_bytes"} <= set(row)
-        assert row["estimated_peak_bytes"] == pytest.approx(row["measured_peak_bytes"], rel=0.10), row
+def test_memory_cli_fits_by_xla_where_it_compiles():
+    """``python -m zeroflow.memory``'s rows: the measured column is XLA's compiled peak of the
+    trainer's step (its ``memory_analysis``), and a memory between the formula's figure and
+    XLA's decides by XLA's."""
+    from zeroflow.cli.memory import cheapest_fit, plan_rows
+    from zeroflow.config.io import load_config
+    from zeroflow.trainer.planning import measure_config
+    cfg = load_config("configs/tiny.yaml", GPT_OVERRIDES)
+    [row] = plan_rows(cfg, devices=8, stages=[3], offloads=["none"], remats=["none"],
+                      measure="always")
+    got, _ = measure_config(cfg, num_devices=8, stage=3, offload="none", update_on="device",
+                            remat="none")
+    assert row.measured_bytes == got.total_bytes  # (no offloaded state to leave out)
+    formula, xla = row.estimate.device_bytes, row.measured_bytes
+    assert formula != xla
+    between = (formula + xla) / 2
+    assert (cheapest_fit([row], between) is row) == (xla <= between)
+    assert (cheapest_fit([row], xla) is row) and cheapest_fit([row], 0.99 * xla) is None

@@ -62,14 +62,65 @@ def test_stage_0_when_the_model_fits_replicated():
 def test_stage_3_when_the_replicated_state_does_not_fit():
     """At 18 bytes per parameter the ZeRO formula expects stage 0 to fit (16P: fp32 weights,
     gradients and two moments), so it is compiled first (it moves fewer bytes); XLA's compile
-    also holds the step's temporaries and does not fit. Stage 3 keeps 16P / 4 and fits."""
+    also holds the step's temporaries and does not fit. Stage 3 keeps 16P / 4 and fits: with one
+    compile allowed, it is the last resort's (the open plan the formula predicts smallest)."""
     limit = 18 * P
-    plan = plan_mlp(limit)
+    plan = plan_mlp(limit, max_compiles=1, min_compiles=1)
     row = plan.rows[0]
     stage0 = next(c for c in row.candidates if c.choice.stage == 0)
     assert stage0.status == COMPILED and stage0.measured.peak_bytes > limit
     assert row.best is not None and row.best.choice.stage == 3
     assert row.best.measured.peak_bytes <= limit
+
+
+def test_a_peak_compiled_for_one_gpu_rules_the_plan_out_on_another():
+    """XLA:GPU's peak of one program hardly depends on the GPU: stage 0 (20.1P bytes on four
+    H100s), over the limit (18.5P) by more than ``OTHER_GPU_SPREAD``, is ruled out for four
+    A100s with the same limit without a compile of its own; stage 3 (17.9P) is compiled for
+    both and fits."""
+    from zeroflow.backend import targets
+    from zeroflow.planner.search import OTHER_GPU_SPREAD, RULED_OUT
+    if not targets.plugin_installed():
+        pytest.skip("compiling for GPU targets needs the CUDA plugin (jax-cuda12-plugin)")
+    limit = int(18.5 * P)
+    params, batch = mlp()
+    plan = zf.plan(mlp_loss, params, batch, optax.adam(1e-3), targets=("h100", "a100"),
+                   devices=(4,), stages=(0, 3), offloads=NONE, grad_accums=(8,), zeropp=False,
+                   margin=0.0, device_memory=limit, min_compiles=1, max_compiles=2)
+    h100, a100 = plan.rows
+    first = next(c for c in h100.candidates if c.choice.stage == 0)
+    assert first.status == COMPILED
+    assert first.measured.peak_bytes > limit * (1 + OTHER_GPU_SPREAD)
+    again = next(c for c in a100.candidates if c.choice.stage == 0)
+    assert again.status == RULED_OUT and "on h100" in again.reason
+    assert all(key[1:] != (a100.where, again.choice) for key in plan.compiler.results)
+    assert a100.best is not None and a100.best.choice.stage == 3
+
+
+def test_two_problems_compiled_in_the_same_plan_are_kept_apart(tmp_path):
+    """The advice compiles one plan of a config with LoRA and with LoRA on 4-bit frozen
+    weights: each problem keeps its own compile. Two models of different widths in the same
+    plan (XLA:CPU, two devices): two compiles, the wider holding more; two configs differ in
+    their key exactly where their settings differ."""
+    from zeroflow.config.io import apply_overrides
+    from zeroflow.planner import where as places
+    from zeroflow.planner.choices import Choice
+    from zeroflow.planner.compiling import Compiler, problem_key
+    from zeroflow.planner.configs import ConfigProblem
+    from zeroflow.planner.problems import ModelProblem
+    params, batch = mlp()
+    wide = {"layers": [jax.ShapeDtypeStruct((WIDTH, 2 * WIDTH), jnp.float32),
+                       jax.ShapeDtypeStruct((2 * WIDTH, WIDTH), jnp.float32)]}
+    compiler, here = Compiler(str(tmp_path)), places.local(2)
+    choice = Choice(stage=3)
+    narrow_got, wide_got = (
+        compiler.measure(ModelProblem(mlp_loss, p, batch, optax.adam(1e-3), zf.Precision()),
+                         choice, here) for p in (params, wide))
+    assert compiler.compiles == 2 and wide_got.peak_bytes > narrow_got.peak_bytes
+    lora = load_config(REPO / "configs" / "tiny.yaml", ["model.lora.rank=4"])
+    nf4 = apply_overrides(lora, ["model.lora.quantize=nf4"])
+    keys = [problem_key(ConfigProblem(c)) for c in (lora, nf4, apply_overrides(nf4, []))]
+    assert keys[0] != keys[1] and keys[1] == keys[2]
 
 
 def test_what_the_formula_rules_out_is_never_compiled():

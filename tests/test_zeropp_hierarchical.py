@@ -208,17 +208,17 @@ def test_hpz_without_a_bf16_copy_is_a_one_line_error():
     assert "\n" not in str(e.value)
 
 
-def test_estimators_count_the_copy_per_host():
+def test_the_state_and_the_formula_count_the_copy_per_host():
     """hpZ's copy, 2 bytes per entry of the stored (padded) weights over L=4 devices, where
-    plain stage 3 keeps none: what estimate_step reads from the state's shapes adds exactly
-    that to stage 3's model states, and hierarchical_copy_bytes gives it for the unpadded
-    parameter count."""
+    plain stage 3 keeps none: the state's device bytes (``zf.memory.state_bytes``, what a
+    plan's peak is built on) grow by exactly that, and hierarchical_copy_bytes gives it for
+    the unpadded parameter count."""
     params = _params_with_padding()
-    tx, prec, batch = optax.adam(1e-3), zf.Precision(params="bf16"), _mlp_batches(1)[0]
+    tx, prec = optax.adam(1e-3), zf.Precision(params="bf16")
 
     def states(**options):
         plan = zf.ZeroPlan(zf.make_mesh(), stage=3, **options)
-        return zf.memory.estimate_step(_loss_with_bias, params, batch, tx, plan, prec).model_states
+        return zf.memory.state_bytes(zf.init_train_state(params, tx, plan, prec))["device"]
     stored = 64 * 48 + 48 * 8 + 16  # the bias stored padded to 16
     assert states(hierarchical=True, hosts=2) - states() == 2 * stored / 4
     own = 64 * 48 + 48 * 8 + 10

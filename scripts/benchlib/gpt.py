@@ -74,15 +74,9 @@ def estimate(spec: dict):
 
 
 def estimate_dict(spec: dict) -> dict:
-    """Both estimates for the spec; call it where jax may start (the peak estimate traces the
-    model: a parent process that must leave the GPU to its children uses ``estimate``)."""
-    from zeroflow.trainer.planning import estimate_config_step
+    """The ZeRO formula's figures for the spec (the step's peak is XLA's compile's)."""
     est = estimate(spec)
-    cfg = config_for(spec)
-    peak = estimate_config_step(cfg, num_devices=1, stage=spec["stage"], offload=spec["offload"],
-                                update_on=spec["update_on"], remat=cfg.model.remat)
-    return {"peak": peak.peak_bytes, "peak_phase": peak.phase, "peak_terms": peak.terms(),
-            "device": est.device_bytes, "model_states": est.model_state_bytes,
+    return {"device": est.device_bytes, "model_states": est.model_state_bytes,
             "activations": est.activation_bytes, "host": est.host_bytes,
             "between_steps": est.between_steps_bytes}
 

@@ -20,11 +20,7 @@ import dataclasses
 
 import jax
 
-from zeroflow.util.compat import (
-    cpu_widens_half_dots,
-    no_pipelined_reduce_scatter,
-    pipelined_all_gather,
-)
+from zeroflow.util.compat import no_pipelined_reduce_scatter, pipelined_all_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +36,6 @@ class Traits:
     "pinned_host is a memory of its own (GPU/TPU); on XLA:CPU it is the device memory itself."
     widens_half_precision: bool = False
     "bf16/fp16 collectives (gathers, reductions) run in fp32 on converted copies (XLA:CPU)."
-    widens_half_dots: bool = False
-    "bf16/fp16 matmuls run in fp32 on converted copies of their operands (XLA:CPU up to jaxlib"
-    " 0.10, ``compat.cpu_widens_half_dots``)."
     has_cudnn: bool = False
     "cuDNN kernels (jax.nn.dot_product_attention(implementation='cudnn'))."
     overlaps_collectives: bool = False
@@ -52,15 +45,6 @@ class Traits:
     "A ``lax.cond`` over the optimizer update writes into the donated state's buffers (XLA:CPU);"
     " XLA:GPU returns the branch's results in new buffers and copies them back, which holds a"
     " second copy of the whole optimizer state: there a skipped step is an elementwise select."
-    copies_conv_layouts: bool = False
-    "A convolution whose operands are not channels-last reads transposed copies of them"
-    " (XLA:CPU); XLA:GPU's layout assignment picks the convolution's layouts instead."
-    fuses_matmul_and_reduction_operands: bool = False
-    "Matmuls and reductions compute their elementwise operands inside their kernels (XLA:GPU:"
-    " Triton matmul fusions, reduction input fusions), so those are not buffers of their own."
-    splits_k: bool = False
-    "A small matmul with a long contraction runs as chunks summed from an fp32 buffer of"
-    " partial results (XLA:GPU's split-K rewrite, ``zeroflow.memory.split_k``)."
     compiles_pallas: bool = False
     "Pallas kernels compile (Triton on GPU) instead of running in the interpreter."
     memory_bytes: int | None = None
@@ -76,13 +60,9 @@ def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None 
         device_kind=device_kind,
         separate_host_memory=not cpu,
         widens_half_precision=cpu,
-        widens_half_dots=cpu and cpu_widens_half_dots(),
         has_cudnn=platform == "gpu" and "AMD" not in device_kind,
         overlaps_collectives=not cpu,
         cond_updates_in_place=cpu,
-        copies_conv_layouts=cpu,
-        fuses_matmul_and_reduction_operands=platform == "gpu",
-        splits_k=platform == "gpu",
         compiles_pallas=platform == "gpu",
         memory_bytes=memory_bytes,
     )

@@ -1,22 +1,25 @@
 """``python -m zeroflow.memory --config X [--devices N --device-memory 80GB] [key=value ...]``
-
 Prints every ZeRO stage x offload x remat choice for the GPT model of a trainer config, with
-the estimated bytes per device and per host process and, where the step can be compiled here
-(small configs, enough devices: the CPU backend emulates them), what XLA says it needs, then
-names the cheapest choice that fits. Nothing model-sized is allocated: the measured column
-comes from ahead-of-time compilation with abstract inputs.
+the ZeRO formula's bytes per device and per host process (model states, and the GPT's
+activation formula) and, where the step is compiled (small configs, enough devices: the CPU
+backend emulates them; always for a --target), what XLA says it needs, then names the
+cheapest choice that fits. Nothing model-sized is allocated: the measured column comes from
+ahead-of-time compilation with abstract inputs.
 
 "Cheapest" ranks choices by their usual cost in step time: no offload before offload
 (PCIe traffic), then remat none < save_dots < offload_dots (activations over PCIe) < full
 (recompute) < offload_input (recompute, and the layer inputs over PCIe), then a lower stage
-(stage 3 adds an all-gather per use). A choice fits when max(estimate, measured) <=
---device-memory.
+(stage 3 adds an all-gather per use). A choice fits when its peak is at most --device-memory:
+XLA's compiled peak where it was compiled, else the formula's.
 
 With ``--target`` each compiled row also carries XLA:GPU's *estimated* step time (its
 latency-hiding scheduler's cost model for the target, ``zeroflow.memory.schedule``; nothing
 runs, so it is an estimate, not a measurement), the communication it leaves exposed and the
 MFU it implies. XLA prints those statistics only when the process starts with
 ``schedule.LOG_ENV``, so the command starts itself again with it.
+
+``--max-seq`` instead answers the longest sequence that fits, by compiling the config's own
+choice at one length after another (``zeroflow.cli.max_seq``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 import jax
 
 from zeroflow.backend import targets
+from zeroflow.cli import max_seq
 from zeroflow.cli.common import ArgumentParser
 from zeroflow.config.io import ConfigError, add_config_arguments, load_config
 from zeroflow.memory import schedule
@@ -39,14 +43,16 @@ from zeroflow.memory.estimate import (
     OFFLOADS,
     REMATS,
     STAGES,
+    MemoryEstimate,
     count_gpt_params,
+    estimate_config,
     format_bytes,
+    offloaded_activations,
     parse_bytes,
 )
 from zeroflow.memory.measure import analysed, device_peak
-from zeroflow.memory.peak import PeakEstimate
 from zeroflow.planner.compiling import failure_reason
-from zeroflow.trainer.planning import attention_note, compile_config, estimate_config_step
+from zeroflow.trainer.planning import attention_note, compile_config, count_frozen_params
 from zeroflow.trainer.setup import run_model_config
 
 MEASURE_MAX_PARAMS = 50_000_000
@@ -65,7 +71,10 @@ class Row:
     offload: str
     remat: str
     update_on: str
-    estimate: PeakEstimate
+    estimate: MemoryEstimate
+    "The ZeRO formula's (model states, and the GPT's activations per micro-batch)."
+    host_activations: float
+    "Activations an offloading remat keeps in host memory per device, by the formula."
     devices_per_process: int
     measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
     note: str = ""
@@ -75,15 +84,16 @@ class Row:
 
     @property
     def need_bytes(self) -> float:
-        est = self.estimate.peak_bytes
-        return est if self.measured_bytes is None else max(est, self.measured_bytes)
+        """XLA's compiled peak where compiled, else the formula's."""
+        return self.estimate.device_bytes if self.measured_bytes is None else self.measured_bytes
 
     @property
     def host_bytes(self) -> float:
-        """Pinned host memory per process (its devices' offloaded state and activations)."""
-        return (
-            self.estimate.host_state + self.estimate.host_activations
-        ) * self.devices_per_process
+        """Pinned host memory per process (its devices' offloaded state and activations):
+        XLA's host buffers where it reports them, else the formula's."""
+        if self.measured_host_bytes:
+            return self.measured_host_bytes * self.devices_per_process
+        return self.estimate.host_bytes + self.host_activations * self.devices_per_process
 
     def as_json(self) -> dict:
         return {
@@ -91,16 +101,19 @@ class Row:
             "offload": self.offload,
             "update_on": self.update_on,
             "remat": self.remat,
-            "estimated_peak_bytes": round(self.estimate.peak_bytes),
+            "estimated_peak_bytes": round(self.estimate.device_bytes),
             "measured_peak_bytes": None
             if self.measured_bytes is None
             else round(self.measured_bytes),
             "measured_host_bytes": None
             if self.measured_host_bytes is None
             else round(self.measured_host_bytes),
-            "peak_phase": self.estimate.phase,
             "host_bytes_per_process": round(self.host_bytes),
-            "terms": {k: round(v) for k, v in self.estimate.terms().items()},
+            "formula": {
+                "model_states": round(self.estimate.device.total),
+                "activations": round(self.estimate.activation_bytes),
+                "update": round(self.estimate.update_bytes),
+            },
             **({"overlap": self.overlap} if self.overlap is not None else {}),
             **({"estimated_step": self.timing} if self.timing is not None else {}),
             **({"note": self.note} if self.note else {}),
@@ -190,10 +203,9 @@ def plan_rows(
     measure: str = "auto",
     devices_per_process: int | None = None,
     log=None,
-    backend: str | None = None,
     target: str | None = None,
 ) -> list[Row]:
-    """One Row per choice: the estimated peak, and the measured peak where compiled
+    """One Row per choice: the formula's peak, and the measured peak where compiled
     (for ``target``'s abstract GPUs when given: XLA:GPU's peak, and its overlap; offloaded
     choices compiled through CPU stand-ins, ``zeroflow.memory.on_target``)."""
     num_params = count_gpt_params(cfg.model)
@@ -208,19 +220,25 @@ def plan_rows(
             else "never"
         )
     per_process = devices_per_process or min(devices, 8)
+    frozen = count_frozen_params(cfg)
+    micro = max(cfg.train.batch_size // (devices * cfg.parallel.grad_accum), 1)
     rows = []
     for stage in stages:
         for offload in offloads:
             for remat in remats:
                 update_on = cfg.parallel.update_on if offload != "none" else "device"
-                est = estimate_config_step(
+                est = estimate_config(
                     cfg,
                     num_devices=devices,
                     stage=stage,
                     offload=offload,
                     update_on=update_on,
                     remat=remat,
-                    backend=backend,
+                    devices_per_process=per_process,
+                    frozen_params=frozen,
+                )
+                host_acts = offloaded_activations(
+                    cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params
                 )
                 measured, note, overlapped, host, timing = None, "", None, None, None
                 if measure == "always":
@@ -240,6 +258,7 @@ def plan_rows(
                         remat,
                         update_on,
                         est,
+                        host_acts,
                         per_process,
                         measured,
                         note,
@@ -294,9 +313,9 @@ def render(rows: Sequence[Row], device_memory: float, title: str, console=None) 
             str(r.stage),
             r.offload,
             r.remat,
-            format_bytes(e.model_states),
-            format_bytes(e.activations),
-            format_bytes(e.peak_bytes),
+            format_bytes(e.model_state_bytes),
+            format_bytes(e.activation_bytes),
+            format_bytes(e.device_bytes),
             measured,
             format_bytes(r.host_bytes),
             fits,
@@ -399,14 +418,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--offloads", default=",".join(OFFLOADS))
     parser.add_argument("--remats", default=",".join(REMATS))
     parser.add_argument(
-        "--backend",
-        choices=("gpu", "cpu"),
-        default=None,
-        help="estimate for this platform (default: this machine's; 'cpu' adds "
-        "XLA:CPU's fp32 copies of half-precision weights)",
+        "--json", action="store_true", help="print one JSON object per choice instead of the table"
     )
     parser.add_argument(
-        "--json", action="store_true", help="print one JSON object per choice instead of the table"
+        "--max-seq",
+        action="store_true",
+        help="instead of the table, find the longest model.seq_len that fits by compiling "
+        "the config's own choice (stage, offload, remat, context, chunks) at one length "
+        "after another",
+    )
+    parser.add_argument(
+        "--seq-step", type=int, default=1024, help="--max-seq tries multiples of this"
+    )
+    parser.add_argument(
+        "--seq-limit", type=int, default=1 << 24, help="--max-seq tries nothing longer"
+    )
+    parser.add_argument(
+        "--max-compiles", type=int, default=12, help="--max-seq compiles at most this many"
     )
     add_config_arguments(parser)
     return parser
@@ -433,13 +461,11 @@ def _emulate_devices(wanted: int) -> None:
         os.environ["XLA_FLAGS"] = flags.strip()
 
 
-def _platform(args, devices: int) -> tuple[str, str]:
-    """The platform the estimate is for, and where the table says it was made."""
+def _where(args, devices: int) -> str:
+    """Where the measured column's compiles are for, as the table's title says."""
     if args.target is not None:
-        return "gpu", f"{devices} x {args.target} (XLA:GPU, compiled without the GPU)"
-    backend = args.backend or ("cpu" if jax.default_backend() == "cpu" else "gpu")
-    named = "--backend" if args.backend else "this machine's; --backend cpu|gpu to choose"
-    return backend, f"{devices} devices, estimated for {backend.upper()} ({named})"
+        return f"{devices} x {args.target} (XLA:GPU, compiled without the GPU)"
+    return f"{devices} devices (measured: XLA:{jax.default_backend().upper()} of this machine)"
 
 
 def _restart_with_schedule_log(argv: Sequence[str] | None, args) -> None:
@@ -468,7 +494,25 @@ def _target_devices(args) -> int | None:
     except (ValueError, ConfigError):
         return None
     data = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else 1)
-    return data * cfg.parallel.model
+    return data * cfg.parallel.model * cfg.parallel.context
+
+
+def _max_seq(args, cfg, devices: int, device_memory: float, title: str) -> int:
+    """``--max-seq``: the search, then its answer (``zeroflow.cli.max_seq``)."""
+    search = max_seq.search_config(
+        cfg,
+        devices=devices,
+        target=args.target,
+        device_memory=device_memory,
+        step=args.seq_step,
+        limit=args.seq_limit,
+        max_compiles=args.max_compiles,
+    )
+    total = devices * cfg.parallel.model * cfg.parallel.context
+    if total != devices:
+        title += f", {total} devices in all (context {cfg.parallel.context})"
+    max_seq.print_result(search, args, device_memory=device_memory, devices=total, title=title)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -488,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.devices is not None and args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
         devices = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else None)
-        wanted = (devices or 1) * cfg.parallel.model
+        wanted = (devices or 1) * cfg.parallel.model * cfg.parallel.context
         if (
             args.target is None
             and args.measure != "never"
@@ -496,12 +540,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             and wanted <= MEASURE_MAX_DEVICES
         ):
             _emulate_devices(wanted)
-        devices = devices or jax.device_count() // cfg.parallel.model
-        backend, where = _platform(args, devices)
+        devices = devices or jax.device_count() // (cfg.parallel.model * cfg.parallel.context)
+        where = _where(args, devices)
         title = (
             f"{args.config or 'default config'}: {count_gpt_params(cfg.model):,} params, "
             f"batch {cfg.train.batch_size}, {cfg.precision.params}, {where}"
         )
+        if args.max_seq:
+            return _max_seq(args, cfg, devices, device_memory, title)
         rows = plan_rows(
             cfg,
             devices=devices,
@@ -509,9 +555,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             offloads=offloads,
             remats=remats,
             measure=args.measure,
-            devices_per_process=args.devices_per_process,
+            # Every device of the mesh (data x context x model) keeps its own host state.
+            devices_per_process=args.devices_per_process
+            or min(devices * cfg.parallel.model * cfg.parallel.context, 8),
             log=lambda m: print(m, file=sys.stderr),
-            backend=backend,
             target=args.target,
         )
     except (ValueError, ConfigError) as e:

@@ -64,11 +64,6 @@ class UpdatePath(enum.Enum):
     parameters' state (a norm over the updates), or host memory is device memory (XLA:CPU: the
     copies cost nothing, and streaming would only order them)."""
 
-    @property
-    def copies_state_in(self) -> bool:
-        """The update runs on the device on offloaded state it copies in first."""
-        return self in (UpdatePath.STREAMED, UpdatePath.BROUGHT_IN_WHOLE)
-
 
 class ComputeRefresh(enum.Enum):
     """How the new compute-dtype weights reach the layout they are stored in after the update

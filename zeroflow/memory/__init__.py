@@ -1,18 +1,19 @@
-"""Memory planning: the step's peak estimated from shapes, the ZeRO paper's model-state
-accounting, and what XLA says.
+"""Memory planning: the ZeRO paper's model-state accounting, and what XLA says.
 
     from zeroflow import memory
-    peak = memory.estimate_step(loss_fn, params, batch, tx, plan, prec)  # peak.peak_bytes, terms
+    got, peak = memory.measure_step(loss_fn, params, batch, tx, plan, prec)  # XLA's compile
     got = memory.measure(step, state, batch)                            # AOT memory_analysis()
     memory.overlap(memory.collectives(compiled))   # async collectives with compute in between
     t = memory.step_time(loss_fn, params, batch, tx, plan, prec)  # XLA:GPU's estimate (target mesh)
     est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # model states ~ 16.6e9
 
-Two verbs, two sources of truth: ``estimate*`` computes from shapes alone (no compile, no
-devices: ``estimate`` the ZeRO paper's model states, ``estimate_step`` the step's peak,
-``estimate_config`` a trainer config's); ``measure*`` and ``compile_step`` ask XLA, by compiling
-(``measure`` a compiled step's ``memory_analysis()``, ``measure_step`` compile and read it,
-``step_time`` XLA:GPU's own step-time estimate of that compile).
+Two verbs: ``estimate*`` is the instant what-if from parameter counts alone (no compile, no
+devices: ``estimate`` the ZeRO paper's model states, ``estimate_config`` a trainer config's,
+with the GPT's activation formula); ``measure*`` and ``compile_step`` ask XLA, by compiling,
+and are the step's peak (``measure`` a compiled step's ``memory_analysis()``, ``measure_step``
+compile and read it, ``step_time`` XLA:GPU's own step-time estimate of that compile). A step's
+peak is XLA's: its compile (for abstract GPUs too, ``zf.target_mesh``) is the only model of its
+fusion, layouts and buffer reuse that holds across XLA versions.
 
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
 offload x remat choice and names the cheapest that fits (the trainer's side of planning, a
@@ -41,22 +42,18 @@ from zeroflow.memory.measure import (
     state_bytes,
     step_time,
 )
-from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 from zeroflow.memory.schedule import StepTime
 
 __all__ = [
-    # From shapes, no compile
+    # From parameter counts, no compile
     "MemoryEstimate",
     "ModelStates",
-    "PeakEstimate",
     "activations",
     "count_gpt_params",
     "estimate",
     "estimate_config",
-    "estimate_step",
     "hierarchical_copy_bytes",
     "offloaded_activations",
-    "remat_recompute_bytes",
     # From XLA's compile
     "MeasuredMemory",
     "StepTime",

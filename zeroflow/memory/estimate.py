@@ -562,8 +562,8 @@ def hierarchical_copy_bytes(
     ``num_devices / hosts`` devices: its compute-weight copy, split over a host's L devices
     (``width x P / L``), where plain stage 3 keeps no compute copy (each use casts the master's
     shard as it gathers it, ``ZeroPlan.keeps_compute_copy``); the master, gradients and
-    optimizer state do not change. ``estimate_step`` reads it from the state's shapes
-    (``model_states``)."""
+    optimizer state do not change (``zf.memory.state_bytes`` of the state reads it from its
+    shapes)."""
     n = _check_int("num_devices", num_devices, 1)
     h = _check_int("hosts", hosts, 1)
     if n % h:

@@ -105,7 +105,7 @@ def measure_step(
     **step_options,
 ) -> tuple[MeasuredMemory, float]:
     """``(memory_analysis, device peak)`` of ``make_train_step(loss_fn, tx, plan, prec, ...)``
-    for abstract fp32 ``params`` and global ``batch`` (the arguments of ``estimate_step``):
+    for abstract fp32 ``params`` and global ``batch`` (arrays or ``ShapeDtypeStruct``s):
     the state is built abstractly in the plan's shardings, nothing is allocated or run. The
     device peak leaves out the offloaded state, which XLA:CPU counts as device arguments.
     On a ``zf.target_mesh`` this is XLA:GPU's number. ``step_options``: more keywords of

@@ -1,9 +1,10 @@
 """Where nothing fits: changes that can make a config fit, each with its predicted peak.
 
 Each is compiled in its most memory-frugal plan (the what-if's smallest prediction): LoRA
-adapters on the frozen base weights, everything offloaded to the host, and the fewest devices on
-which the ZeRO formula expects the frugal plan of the full model to fit (the next count too
-where XLA's compile disagrees).
+adapters on the frozen base weights (kept in the compute dtype, and in 4-bit NormalFloat,
+``model.lora.quantize=nf4``), everything offloaded to the host, and the fewest devices on which
+the ZeRO formula expects the frugal plan of the full model to fit (the next count too where
+XLA's compile disagrees).
 """
 
 from __future__ import annotations
@@ -93,25 +94,41 @@ def advise(problem: ConfigProblem, row: Row, space: Space, compiler: Compiler) -
     where, usable, out = row.where, row.usable_bytes, []
     space = dataclasses.replace(space, zeropp=False)
     if problem.cfg.model.lora.rank == 0:
-        lora = ConfigProblem(
-            apply_overrides(problem.cfg, [f"model.lora.rank={LORA_RANK}"]), problem.name
-        )
-        # The adapters' own state is small: the frozen base weights decide, on the device.
-        # zf.lora finds where each weight is read by tracing the loss on fp32 shapes, which
-        # cuDNN attention refuses, so LoRA is planned with XLA's attention.
-        kernels = tuple(dict.fromkeys("xla" if a == "cudnn" else a for a in space.attentions))
-        lora_space = dataclasses.replace(space, offloads=PLAIN, attentions=kernels)
-        choice = _frugal(lora, where, lora_space, usable)
-        if choice is not None:
-            advice = _compiled(lora, choice, where, compiler, usable, "LoRA adapters")
-            keys = [f"model.lora.rank={LORA_RANK}", *advice.overrides]
-            out.append(dataclasses.replace(advice, overrides=keys))
+        for keys, what in LORA_ADVICE:
+            advice = _lora(problem, keys, what, row, space, compiler)
+            if advice is not None:
+                out.append(advice)
     offload = dataclasses.replace(space, offloads=(("optimizer+params", "host"),))
     choice = _frugal(problem, where, offload, usable)
     if choice is not None:
         out.append(_compiled(problem, choice, where, compiler, usable, "everything offloaded"))
     out += _more_devices(problem, where, space, usable, compiler)
     return out
+
+
+LORA_ADVICE = (
+    ((f"model.lora.rank={LORA_RANK}",), "LoRA adapters"),
+    (
+        (f"model.lora.rank={LORA_RANK}", "model.lora.quantize=nf4"),
+        "LoRA adapters, base weights in 4-bit NormalFloat",
+    ),
+)
+"The LoRA advice: its config keys and what the row calls it."
+
+
+def _lora(problem, keys, what: str, row: Row, space: Space, compiler) -> Advice | None:
+    """``keys`` applied to the config, compiled in its frugal plain plan on the device."""
+    lora = ConfigProblem(apply_overrides(problem.cfg, list(keys)), problem.name)
+    # The adapters' own state is small: the frozen base weights decide, on the device.
+    # zf.lora finds where each weight is read by tracing the loss on fp32 shapes, which
+    # cuDNN attention refuses, so LoRA is planned with XLA's attention.
+    kernels = tuple(dict.fromkeys("xla" if a == "cudnn" else a for a in space.attentions))
+    lora_space = dataclasses.replace(space, offloads=PLAIN, attentions=kernels)
+    choice = _frugal(lora, row.where, lora_space, row.usable_bytes)
+    if choice is None:
+        return None
+    advice = _compiled(lora, choice, row.where, compiler, row.usable_bytes, what)
+    return dataclasses.replace(advice, overrides=[*keys, *advice.overrides])
 
 
 def _more_devices(problem, where, space: Space, usable: float, compiler) -> list[Advice]:

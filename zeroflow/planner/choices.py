@@ -31,9 +31,9 @@ OFFLOAD_PAIRS = (
     ("optimizer+params", "host"),
 )
 "(offload, update_on): where the fp32 state lives and where its update runs."
-REMAT_MEMORY = {"none": 4, "save_dots": 3, "offload_dots": 2, "full": 1}
+REMAT_MEMORY = {"none": 4, "save_dots": 3, "offload_dots": 2, "full": 1, "offload_input": 0}
 "Device memory a remat policy keeps, ranked (offload_dots keeps on the device what full keeps,"
-" and its copies' buffers)."
+" and its copies' buffers; offload_input keeps less than full: the layer inputs are on the host)."
 OFFLOAD_MEMORY = {("none", "device"): 2, ("optimizer", "device"): 1, ("optimizer", "host"): 1}
 "Device memory of where the state lives, ranked where the order is certain (see needs_more)."
 

@@ -101,10 +101,25 @@ class Compiler:
         kernels = os.path.join(self.cache_dir, f"{where.name}.kernels")
         return {"xla_gpu_kernel_cache_file": kernels, **CODEGEN_OPTIONS}
 
+    def peak_elsewhere(self, problem, choice: Choice, where: Where) -> tuple[float, str] | None:
+        """The smallest peak XLA compiled for ``problem``'s ``choice`` on the same device count
+        and hosts of another GPU, with that GPU's name; None where there is none."""
+        mine = problem_key(problem)
+        seen = [
+            (got.peak_bytes, other.name)
+            for (key, other, c), got in self.results.items()
+            if key == mine
+            and c == choice
+            and isinstance(got, Measured)
+            and other.name != where.name
+            and (other.devices, other.hosts, other.local) == (where.devices, where.hosts, False)
+        ]
+        return min(seen) if seen else None
+
     def measure(self, problem, choice: Choice, where: Where) -> Measured | str:
         """XLA's figures for ``choice`` at ``where``, or the one-line reason it did not
         compile."""
-        key = (where, choice)
+        key = (problem_key(problem), where, choice)
         if key not in self.results:
             self.results[key] = self._compile(problem, choice, where)
         return self.results[key]
@@ -152,6 +167,12 @@ class Compiler:
             exposed_us=schedule.parse(log_text, hlo).exposed_by_kind(),
             timed=True,
         )
+
+
+def problem_key(problem) -> object:
+    """What keeps two problems' compiles of one plan apart: the problem's ``key`` where it has
+    one (a config), else the problem itself (a model given as a loss, alive for its search)."""
+    return getattr(problem, "key", problem)
 
 
 def step_parts(log_text: str, hlo: str, peak_flops: float) -> tuple[float, float, float | None]:

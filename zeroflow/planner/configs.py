@@ -46,6 +46,12 @@ class ConfigProblem:
         )
 
     @property
+    def key(self) -> str:
+        """What tells two problems' compiles apart: their configs (the advice compiles the
+        same plan of a config with LoRA, and with LoRA on 4-bit weights)."""
+        return repr(self.cfg)
+
+    @property
     def title(self) -> str:
         c = self.cfg
         return (

@@ -115,7 +115,9 @@ def run(
         raise ValueError("max_compiles and min_compiles must be >= 1")
     with tempfile.TemporaryDirectory(prefix="zeroflow-planner-") as scratch:
         compiler = Compiler(cache_dir or scratch)
-        total, done = max_compiles * len(rows), 0
+        # (a row may add one compile where nothing it compiled fits: search.py's last resort)
+        bound = max_compiles + 1
+        total, done = bound * len(rows), 0
         found = {}
         for where in sorted(rows, key=lambda w: -w.devices):
             start = compiler.compiles
@@ -134,7 +136,7 @@ def run(
                 min_compiles=min_compiles,
                 on_compile=tick,
             )
-            done += max_compiles
+            done += bound
             if progress:
                 progress(done, total, f"{where.title} done")
     return Plan(

@@ -11,6 +11,8 @@ most promising few, pick the fastest that fits.
    plan that needs at least as much memory (``choices.needs_more``). The search stops after
    ``max_compiles``, or once ``min_compiles`` are done, one fits, and the next plan could not
    beat it even at the most favourable ratio of XLA's step to the what-if's seen so far.
+   Where ``max_compiles`` found nothing that fits, one more compile tries the plainest open
+   plan the formula predicts to fit (else the one it predicts smallest).
 4. The best plan is the fitting one with the shortest step by XLA's estimate (by the what-if
    where the backend gives none, as XLA:CPU).
 """
@@ -31,6 +33,11 @@ EXPLORE = 1.3
 "A plan of an untried stage / offload is compiled before a tried one up to this much slower"
 " by the what-if."
 CANNOT_FIT, SKIPPED, RULED_OUT, NOT_COMPILED = "cannot fit", "skipped", "ruled out", "not compiled"
+OTHER_GPU_SPREAD = 0.05
+"How far one program's compiled peak may differ between GPU targets for the planner to reuse it:"
+" XLA:GPU's buffer assignment hardly depends on the GPU (gpt-1b's plans on 8 and on 1 x H100"
+" and A100: within 0.3%), so a peak this far over a GPU's usable memory elsewhere rules the"
+" plan out there without compiling it."
 
 
 @dataclasses.dataclass
@@ -120,6 +127,8 @@ def search_row(
         nxt = _next(row, scale, compiler)
         if nxt is None:
             break
+        if _too_big_elsewhere(problem, row, nxt, compiler):
+            continue
         if on_compile:
             on_compile(f"{where.title}: {nxt.choice.label()}")
         got = compiler.measure(problem, nxt.choice, where)
@@ -134,12 +143,38 @@ def search_row(
             _rule_out_bigger(row, nxt)
         elif done >= min_compiles and _cannot_be_beaten(row, compiler, scale):
             break
+    _last_resort(problem, row, compiler, on_compile)
     for cand in row.candidates:
         if cand.status == OPEN:
             cand.status = NOT_COMPILED
             cand.reason = "the what-if ranks it below the plans compiled"
     row.best = best_of(row, compiler)
     return row
+
+
+def _last_resort(problem, row: Row, compiler: Compiler, on_compile) -> None:
+    """Where nothing compiled fits (the faster plans tried first may all have missed by a
+    little): compile the plainest open plan the formula predicts to fit, the state on the
+    device and no ZeRO++ first, else the one it predicts smallest. Plain plans first, as
+    XLA:GPU fails on some combinations of host offload and ZeRO++ (8 x L4, Llama 3.1 8B:
+    IndexError in its compile)."""
+    open_ = [c for c in row.candidates if c.status == OPEN]
+    if best_of(row, compiler) is not None or not open_:
+        return
+
+    def plainness(c: Candidate) -> tuple:
+        extras = sum(on for _, on in c.choice.zeropp_names())
+        fits = c.what_if.predicted_bytes <= row.usable_bytes
+        return (not fits, fits and c.choice.offload != "none", extras, c.what_if.predicted_bytes)
+
+    cand = min(open_, key=plainness)
+    if on_compile:
+        on_compile(f"{row.where.title}: {cand.choice.label()}")
+    got = compiler.measure(problem, cand.choice, row.where)
+    if isinstance(got, str):
+        cand.status, cand.reason = FAILED, got
+    else:
+        cand.status, cand.measured = COMPILED, got
 
 
 def _likely(row: Row, scale: float) -> list[Candidate]:
@@ -180,6 +215,20 @@ def _rule_out_bigger(row: Row, compiled: Candidate) -> None:
                 f"needs at least the {format_bytes(compiled.got.peak_bytes)} XLA "
                 f"compiled for {compiled.choice.label()}"
             )
+
+
+def _too_big_elsewhere(problem, row: Row, cand: Candidate, compiler: Compiler) -> bool:
+    """Rule ``cand`` out, and every plan needing more, where XLA compiled it for another GPU
+    of the same device count with a peak ``OTHER_GPU_SPREAD`` over this row's usable memory."""
+    seen = compiler.peak_elsewhere(problem, cand.choice, row.where)
+    if seen is None or seen[0] <= row.usable_bytes * (1 + OTHER_GPU_SPREAD):
+        return False
+    peak, gpu = seen
+    why = f"needs at least the {format_bytes(peak)} XLA compiled for {cand.choice.label()} on {gpu}"
+    for other in row.candidates:
+        if other.status == OPEN and (other is cand or needs_more(other.choice, cand.choice)):
+            other.status, other.reason = RULED_OUT, why
+    return True
 
 
 def step_seconds(cand: Candidate, compiler: Compiler, where: Where) -> float:

@@ -1,18 +1,15 @@
-"""The trainer's GPT step of a ``Config``, for memory planning: abstract step parts for the
-estimator, abstract compiled steps for XLA's own numbers, one stage / offload / remat choice at
-a time. ``zeroflow.memory`` stays the engine's (any model); this is where it meets configs.
+"""The trainer's GPT step of a ``Config``, for memory planning: abstract compiled steps for
+XLA's own numbers, one stage / offload / remat choice at a time. ``zeroflow.memory`` stays the
+engine's (any model); this is where it meets configs.
 
-    parts = gpt_step_parts(cfg, num_devices=8, stage=3, planning=True)   # estimator inputs
     compiled, setup = compile_config(cfg, num_devices=8, stage=3, offload="none",
                                      update_on="device", remat="full", target="h100")
-    peak = estimate_config_step(cfg, num_devices=8, stage=3)
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import re
 from typing import Any
@@ -21,14 +18,11 @@ import jax
 
 from zeroflow import backend
 from zeroflow.backend import target_mesh
-from zeroflow.backend.mesh import planning_mesh
-from zeroflow.config.schema import ModelConfig
 from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
-from zeroflow.memory.peak import PeakEstimate, estimate_step, remat_recompute_bytes
 from zeroflow.models import abstract_params
-from zeroflow.trainer.setup import abstract_batch, build_run, lm_loss_fn
+from zeroflow.trainer.setup import abstract_batch, build_run
 from zeroflow.util import compat
 from zeroflow.util.tree import path_str
 
@@ -44,22 +38,6 @@ class StepSetup:
     num_params: int
     target: Any = None
     "The abstract GPUs' mesh where the step is planned on CPU stand-ins for them (offloaded)."
-
-
-@dataclasses.dataclass(frozen=True)
-class StepParts:
-    """What ``zf.make_train_step`` and ``zf.memory.estimate_step`` take for the trainer's GPT
-    step: abstract fp32 ``params`` and global ``batch`` (nothing allocated)."""
-
-    loss_fn: Any
-    params: Any
-    batch: Any
-    tx: Any
-    plan: Any
-    prec: Any
-    gather_per_layer: str | None
-    trainable: Any = None
-    "``trainable=`` (the trainer's ``train.freeze``), None when every leaf trains."
 
 
 def choice_config(
@@ -88,61 +66,6 @@ def choice_config(
             update_on=update_on,
         ),
     )
-
-
-def gpt_step_parts(
-    cfg,
-    *,
-    num_devices: int,
-    stage: int | None = None,
-    offload: str | None = None,
-    update_on: str | None = None,
-    remat: str | None = None,
-    planning: bool = False,
-) -> StepParts:
-    """The trainer's GPT step for ``cfg`` (``build_run``: its loss, optimizer and precision) on
-    ``num_devices`` data-parallel devices (times ``parallel.model``); keywords override
-    ``parallel.*`` / ``model.remat``. ``planning``: on a device-free ``zf.planning_mesh`` (for
-    estimates), else on this machine's first devices."""
-    cfg = choice_config(
-        cfg, num_devices=num_devices, stage=stage, offload=offload, update_on=update_on, remat=remat
-    )
-    if planning and cfg.model.attention == "cudnn" and jax.default_backend() not in ("gpu", "cuda"):
-        # jax asks this machine's cuDNN library for its version before it traces cuDNN
-        # attention, so without a GPU install it cannot be traced here (whatever the plan's
-        # target); our flash kernel keeps the same residuals for the backward pass (q, k, v,
-        # output and per-row softmax statistics).
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas"))
-    if planning:
-        mesh = planning_mesh(num_devices, cfg.parallel.model, context=cfg.parallel.context)
-        run = build_run(cfg, with_data=False, mesh=mesh)
-    else:
-        run = build_run(cfg, with_data=False, devices=_first_devices(num_devices, cfg))
-    batch = abstract_batch(cfg)
-    # A LoRA run's loss is its own zf.lora object's (``build_run``); the plain GPT loss is
-    # shared between configs of the same model, so that its traces are remembered.
-    loss_fn = _loss_of(run.model_cfg) if run.lora is None else run.loss_fn
-    return StepParts(
-        loss_fn=loss_fn,
-        params=run.abstract_params(),
-        batch=batch,
-        tx=run.tx,
-        plan=run.plan,
-        prec=run.prec,
-        gather_per_layer=run.gather_per_layer,
-        trainable=run.trainable,
-    )
-
-
-def _loss_of(model_cfg):
-    """The trainer's loss for ``model_cfg``, the same function for the same config: what the
-    estimates trace is remembered per loss function (``zeroflow.memory.trace_cache``)."""
-    return _loss_by_fields(tuple(sorted(vars(model_cfg).items())))
-
-
-@functools.lru_cache(maxsize=16)
-def _loss_by_fields(fields: tuple):
-    return lm_loss_fn(ModelConfig(**dict(fields)))
 
 
 def _first_devices(data: int, cfg):
@@ -247,56 +170,6 @@ def attention_note(cfg, target: str | None) -> str:
     return (
         f"cuDNN attention lowered for cuDNN {named(compat.TARGET_CUDNN_VERSION)} (none "
         "installed here); its workspace, sized on a GPU, is not in the peak"
-    )
-
-
-def estimate_config_step(
-    cfg,
-    *,
-    num_devices: int,
-    stage: int | None = None,
-    offload: str | None = None,
-    update_on: str | None = None,
-    remat: str | None = None,
-    backend: str | None = None,
-) -> PeakEstimate:
-    """``zf.memory.estimate_step`` for the trainer's GPT step of ``cfg`` on ``num_devices``
-    data-parallel devices (times ``parallel.model``); keywords override ``parallel.*`` /
-    ``model.remat``. Needs no devices (a planning mesh) and allocates nothing. ``backend``:
-    "gpu" or "cpu"; by default the planning mesh's, a GPU's (pass "cpu" to compare with a step
-    compiled by XLA:CPU)."""
-    parts_for = functools.partial(
-        gpt_step_parts,
-        cfg,
-        num_devices=num_devices,
-        stage=stage,
-        offload=offload,
-        update_on=update_on,
-        planning=True,
-    )
-    parts = parts_for(remat=remat)
-    remat = cfg.model.remat if remat is None else remat
-    recompute = 0.0
-    if remat != "none":  # one layer's activations, made again by its remat in the backward pass
-        recompute = remat_recompute_bytes(
-            parts_for(remat="none"),
-            parts,
-            grad_accum=cfg.parallel.grad_accum,
-            num_layers=cfg.model.num_layers,
-            backend=backend,
-        )
-    return estimate_step(
-        parts.loss_fn,
-        parts.params,
-        parts.batch,
-        parts.tx,
-        parts.plan,
-        parts.prec,
-        grad_accum=cfg.parallel.grad_accum,
-        gather_per_layer=parts.gather_per_layer,
-        backend=backend,
-        recompute_bytes=recompute,
-        trainable=parts.trainable,
     )
 
 

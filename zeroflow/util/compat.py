@@ -13,8 +13,6 @@ from its version number, and each names the release that changed it:
 - ``host_compute``: a jitted function run on the host. Up to 0.10 ``compute_on`` is a context
   manager around the call; from 0.11 it wraps the function and names its outputs' memory space.
 - ``no_pipelined_reduce_scatter``: an XLA:GPU compile option that became an enum in 0.11.
-- ``cpu_widens_half_dots``: XLA:CPU multiplies bf16/fp16 matrices in fp32 up to jaxlib 0.10
-  and in their own dtype from 0.11 (its collectives widen to fp32 in both).
 - ``CUDA_PLUGINS`` / ``cuda_plugin_module``: the CUDA plugin for XLA:GPU compiles is
   ``jax_plugins.xla_cuda12`` (CUDA 12) or ``jax_plugins.xla_cuda13`` (CUDA 13, the GPU
   machines' jax 0.11.2).
@@ -111,15 +109,6 @@ def no_pipelined_reduce_scatter() -> dict:
     if _jaxlib_version() < (0, 11):
         return {"xla_gpu_enable_pipelined_reduce_scatter": False}
     return {"xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_OFF"}
-
-
-def cpu_widens_half_dots() -> bool:
-    """Whether XLA:CPU computes a bf16/fp16 ``dot`` in fp32 on converted copies of its operands
-    (jaxlib <= 0.10: each multiplied weight has a 4-byte copy) rather than in the operands' own
-    dtype (jaxlib >= 0.11). Its all-gathers and reductions of half-precision arrays run in fp32
-    in both. Read by jaxlib version: the choice is XLA's, made when a program compiles
-    (``tests/test_compat.py`` checks it against a compiled dot)."""
-    return _jaxlib_version() < (0, 11)
 
 
 def pipelined_all_gather(on: bool = True) -> dict:

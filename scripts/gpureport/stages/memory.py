@@ -51,8 +51,8 @@ def render(records: list[dict]) -> list[str]:
                      size(est["host"]), size(compiled.get("host_argument_bytes"))])
     if not rows:
         return []
-    return (["estimate: `zeroflow.trainer.planning.estimate_config_step` (the step's peak from shapes: "
-             "model states, gradients, jax's residuals, the layer in flight, the update); "
+    return (["estimate: `zeroflow.memory.estimate_config` (the ZeRO formula's model states and "
+             "the GPT's activation formula); "
              "deviceless: the same step compiled for this GPU's abstract twin on the CPU "
              "platform (zf.target_mesh: what a machine without a GPU predicts); "
              "compiled: XLA's memory_analysis "
