@@ -69,8 +69,8 @@ def main() -> None:
         "parallel.grad_accum=1",
         "parallel.zero_stage=0",
         "precision.params=bf16",
-        # The LoRA sites are traced on the fp32 parameter shapes, which cuDNN's attention
-        # refuses: both rows use XLA's.
+        # XLA's attention: the rows compare the stored base, whatever the attention
+        # (experiments/qlora_fit.py compiles the fit rows with cuDNN's).
         "model.attention=xla",
         f"model.lora.rank={args.rank}",
     ]

@@ -39,6 +39,7 @@ TARGETS = {
     "h200": "h200.txtpb",  # SXM 141 GB
     "a100": "a100.txtpb",  # SXM4 80 GB
     "l4": "l4.txtpb",  # 24 GB
+    "rtx4070": "rtx4070.txtpb",  # 12 GB (Ada, sm_89): a consumer card
     "v100": "v100.txtpb",  # SXM2 32 GB (sm_70)
 }
 "Target GPU names and their spec files."
@@ -168,7 +169,7 @@ def _check_ptxas(gpu: str, text: str) -> None:
 def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1, *, context: int = 1) -> Mesh:
     """A ``("data", "model")`` mesh (``("data", "context", "model")`` when ``context > 1``) of
     ``data x context x model`` abstract devices of GPU ``gpu`` (``"h100"``, ``"h200"``,
-    ``"a100"``, ``"l4"``, ``"v100"``) on ``hosts`` hosts of equally many devices, for compiling
+    ``"a100"``, ``"l4"``, ``"rtx4070"``, ``"v100"``) on ``hosts`` hosts of equally many devices, for compiling
     (never running) steps: ``ZeroPlan``, ``state_shardings``,
     ``make_train_step(...).lower(abstract_state, abstract_batch).compile()`` and
     ``zf.memory.measure_step`` work on it. The data axis spans hosts; each host holds whole

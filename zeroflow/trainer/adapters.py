@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 
 import zeroflow as zf
 from zeroflow.config.schema import LoraConfig
@@ -56,10 +57,23 @@ def trains_adapters(path: str, _leaf) -> bool:
     return path.split("/", 1)[0] == ADAPTERS
 
 
-def adapter_sites(lo: zf.LoRA, base_shapes, batch_shapes) -> dict[str, Site]:
+def adapter_sites(lo: zf.LoRA, base_shapes, batch_shapes, compute_dtype) -> dict[str, Site]:
     """Where each targeted weight is read (found by tracing the loss on shapes, once per
-    run); a matched weight the adapters cannot go on is a ValueError naming it."""
-    return lo.sites(base_shapes, batch_shapes)
+    run); a matched weight the adapters cannot go on is a ValueError naming it. The base is
+    traced at ``compute_dtype``, the dtype the step's loss reads it in: a loss that checks
+    its operands' dtype (cuDNN attention takes bf16/fp16 only) sees what the step gives it."""
+    return lo.sites(compute_shapes(base_shapes, compute_dtype), batch_shapes)
+
+
+def compute_shapes(shapes, dtype):
+    """``shapes`` with every floating-point leaf at ``dtype`` (the others as they are)."""
+
+    def cast(leaf):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=getattr(leaf, "sharding", None))
+
+    return jax.tree.map(cast, shapes)
 
 
 def init_adapters(lo: zf.LoRA, sites: dict[str, Site], seed: int):

@@ -278,7 +278,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
         trainable = freeze_rule(cfg.train.freeze, shapes)
     else:  # train.freeze is refused with LoRA (config_io): the adapters alone train
         trainable, loss_fn = adapters.trains_adapters, lora.loss
-        sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg))
+        sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg), prec.compute_dtype)
         if model_cfg.lora.quantize != "none":  # evaluation reads the quantized base too
             loss_fn = dequantized_on_use(loss_fn, prec.compute_dtype)
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then
