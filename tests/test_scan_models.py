@@ -36,13 +36,13 @@ def batches(steps, rows=16, width=WIDTH):
              "y": jnp.asarray(rng.integers(0, 8, size=(rows,)), jnp.int32)} for _ in range(steps)]
 
 
-def _side_by_side_with_optax(step, state, loss, tx, trained, fixed=None, steps=3):
+def _side_by_side_with_optax(step, state, loss, tx, trained, fixed=None, steps=3, width=WIDTH):
     """``step`` and the reference (plain optax on one device, whole weights, ``trained``
     updated, ``fixed`` not) over ``batches(steps)``: the losses agree at every step. Returns the
     step's state and the reference's trained weights."""
     fixed = fixed or {}
     want, opt = trained, tx.init(trained)
-    for batch in batches(steps):
+    for batch in batches(steps, width=width):
         state, metrics = step(state, batch)
         loss_value, grads = jax.value_and_grad(lambda w: loss({**fixed, **w}, batch))(want)
         updates, opt = tx.update(grads, opt, want)
@@ -99,7 +99,8 @@ def test_stage3_scan_model_peak_shrinks_with_devices():
 
 def mlp_scan_loss(p, b):
     """A scanned stack of two-matrix MLPs: the up stack (layers, width, 2 width) is split by
-    ZeRO along its last dimension, the down stack (layers, 2 width, width) along its rows."""
+    ZeRO along its rows where width divides by the devices, else along its last dimension; the
+    down stack (layers, 2 width, width) along its rows."""
     def layer(x, w):
         return x + jnp.tanh(x @ w["up"].astype(x.dtype)) @ w["down"].astype(x.dtype), None
     x, _ = jax.lax.scan(layer, b["x"].astype(p["up"].dtype), {"up": p["up"], "down": p["down"]})
@@ -120,7 +121,7 @@ def test_stage2_whole_stacks_gathered_slice_by_slice_equal_the_master():
     tx = optax.adam(1e-2)
     traits = zf.backend.for_platform("gpu")
     plan = zf.ZeroPlan(zf.make_mesh(), stage=2, traits=traits)
-    assert [plan.layouts(params)[n].zero_dim for n in ("up", "down")] == [2, 1]
+    assert [plan.layouts(params)[n].zero_dim for n in ("up", "down")] == [1, 1]
     prec = zf.Precision(params="bf16")
     state = zf.init_train_state(params, tx, plan, prec)
     step = zf.make_train_step(mlp_scan_loss, tx, plan, prec)
@@ -142,25 +143,57 @@ def test_stage2_whole_stacks_gathered_slice_by_slice_equal_the_master():
                                           err_msg=name)
 
 
-@pytest.mark.parametrize("frozen", [(), ("up",)])
-def test_stage3_stacks_split_along_a_later_dimension_train_like_plain_optax(frozen):
-    """The up stack is split along its last dimension, so each iteration's slice is gathered
-    on a new leading (device) axis moved into place afterwards (``all_gather(sliced=True)``,
-    which spares XLA:GPU a relaid-out copy of the whole stack), trained or frozen: a device's
-    part put in the wrong place changes the losses and the trained weights."""
+@pytest.mark.parametrize("width,up_dim,frozen", [(16, 1, ()), (12, 2, ()), (12, 2, ("up",))])
+def test_stage3_stacks_train_like_plain_optax(width, up_dim, frozen):
+    """Split along each layer's rows where they divide by the 8 devices (width 16), the up
+    stack's slices are gathered along their major dimension; where they do not (width 12),
+    along its last dimension, so each iteration's slice is gathered on a new leading (device)
+    axis moved into place afterwards (``all_gather(sliced=True)``, which spares XLA:GPU a
+    relaid-out copy of the whole stack), trained or frozen: a device's part put in the wrong
+    place changes the losses and the trained weights."""
     k = jax.random.split(jax.random.key(2), 3)
-    params = {"up": jax.random.normal(k[0], (LAYERS, WIDTH, 2 * WIDTH)) / WIDTH ** 0.5,
-              "down": jax.random.normal(k[1], (LAYERS, 2 * WIDTH, WIDTH)) / WIDTH ** 0.5,
-              "head": jax.random.normal(k[2], (WIDTH, 8)) / WIDTH ** 0.5}
+    params = {"up": jax.random.normal(k[0], (LAYERS, width, 2 * width)) / width ** 0.5,
+              "down": jax.random.normal(k[1], (LAYERS, 2 * width, width)) / width ** 0.5,
+              "head": jax.random.normal(k[2], (width, 8)) / width ** 0.5}
     trainable = {name: name not in frozen for name in params}
     tx, prec = optax.adam(1e-2), zf.Precision()
     plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
-    assert plan.layouts(params)["up"].zero_dim == 2
+    assert [plan.layouts(params)[n].zero_dim for n in ("up", "down")] == [up_dim, 1]
     state = zf.init_train_state(params, tx, plan, prec, trainable=trainable)
     step = zf.make_train_step(mlp_scan_loss, tx, plan, prec, trainable=trainable)
     state, want = _side_by_side_with_optax(
         step, state, mlp_scan_loss, tx, {n: w for n, w in params.items() if trainable[n]},
-        fixed={n: w for n, w in params.items() if not trainable[n]})
+        fixed={n: w for n, w in params.items() if not trainable[n]}, width=width)
     for name in want:
         np.testing.assert_allclose(state.params[name], want[name], rtol=2e-4, atol=2e-5,
                                    err_msg=name)
+
+
+def test_a_checkpoint_of_stacks_split_along_their_last_dimension_restores_split_by_rows(
+        tmp_path, monkeypatch):
+    """Checkpoints hold each leaf whole, in its own shape: one written while a ``(layers, in,
+    out)`` stack was split along ``out`` (the rule before stacks were split by rows) restores
+    onto today's layout, split along ``in``, with every value in place."""
+    import dataclasses
+
+    from zeroflow.engine.plan import ZeroPlan
+
+    params = {"up": jax.random.normal(jax.random.key(3), (LAYERS, WIDTH, 2 * WIDTH))}
+    by_rows = ZeroPlan.leaf_layout
+
+    def by_last(self, path, shape, **kw):
+        lay = by_rows(self, path, shape, **kw)
+        return dataclasses.replace(lay, zero_dim=2) if len(shape) == 3 else lay
+    monkeypatch.setattr(ZeroPlan, "leaf_layout", by_last)
+    old_plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
+    state = zf.init_train_state(params, optax.adam(1e-2), old_plan, zf.Precision(params="bf16"))
+    assert state.master["up"].sharding.spec[2] is not None
+    zf.save_checkpoint(tmp_path / "ckpt", state)
+    monkeypatch.undo()
+
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3)
+    like = zf.init_train_state(jax.tree.map(jnp.zeros_like, params), optax.adam(1e-2), plan,
+                               zf.Precision(params="bf16"))
+    restored = zf.restore_checkpoint(tmp_path / "ckpt", like)
+    assert restored.master["up"].sharding.spec[1] is not None
+    np.testing.assert_array_equal(np.asarray(restored.master["up"]), np.asarray(params["up"]))

@@ -9,8 +9,9 @@ Tensor-parallel rules place dimensions on the ``model`` axis in both.
 
 The ZeRO dimension of a leaf is the largest dimension that divides by the ``data`` axis size
 and is not already split over ``model``; a matrix whose rows divide is split by rows (its
-first dimension), so that each shard is a contiguous block of the row-major array and
-gathering weights or reduce-scattering gradients needs no transpose (on XLA:GPU a transposed
+first dimension), and a stack of layers by each layer's rows (its second), so that each shard
+is a contiguous block of the row-major array (of a layer's slice) and gathering weights or
+reduce-scattering gradients needs no transpose (on XLA:GPU a transposed
 gradient shard also made the update copy the optimizer state it overwrites). A leaf with no such dimension (a 50257 x 100
 embedding, a bias of size 10 on 8 devices) is *padded*: its largest free dimension of at least
 N entries is stored with zeros appended up to a multiple of N and split like any other
@@ -378,9 +379,14 @@ class ZeroPlan:
         computed where its columns are, ``grads/split_columns.py``) or else a matrix's rows
         when they divide by N, else the largest free dimension that divides by N; failing that,
         the largest free dimension of at least N entries, padded up to a multiple of N; failing
-        that (every free dimension shorter than N, or a scalar) none. (Leaves of three or more
-        dimensions keep the largest: a leading axis there is often a stack of layers, fetched one
-        layer at a time.) ``tensor_rules=False``: an array that is not a parameter (optimizer
+        that (every free dimension shorter than N, or a scalar) none. A leaf of three or more
+        dimensions is most often a stack of layers (``[layers, in, out]``) fetched one layer at a
+        time: it is split along each layer's rows (its second dimension) when they divide by N,
+        so that a layer's slice is gathered, and its gradient reduce-scattered, along the
+        slice's major dimension; split along a later dimension, each gathered slice lands on a
+        new leading axis to be moved into place and its gradient moved back before the
+        reduction (a pass over the layer's weights and one over its gradient, per layer, in
+        each direction). ``tensor_rules=False``: an array that is not a parameter (optimizer
         state of its own shape)."""
         shape = tuple(int(d) for d in shape)
         tspec = self._tensor_spec(path, shape) if tensor_rules else (None,) * len(shape)
@@ -399,6 +405,8 @@ class ZeroPlan:
             zero_dim = 1  # a vocabulary head: split by columns (see grads/split_columns.py)
         elif len(shape) == 2 and 0 in even:
             zero_dim = 0
+        elif len(shape) >= 3 and 1 in even:
+            zero_dim = 1  # a layer's rows, in a stack of layers
         else:
             zero_dim = largest(even) if even else largest(free)
         return LeafLayout(
