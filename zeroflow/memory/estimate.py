@@ -191,7 +191,7 @@ def estimate(
     ``frozen_params``: how many of the ``num_params`` are frozen: stored once in the compute
     dtype (beside the compute weights, offloaded with them), nothing else.
     ``frozen_bytes_per_param``: bytes each frozen parameter is stored in, where not the
-    compute dtype's (a quantized base, ``frozen_bytes_per_param``'s function of a config).
+    compute dtype's (a quantized base: ``stored_frozen_bytes_per_param`` of a GPT config).
     """
     n = _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes)
     per_process = (
@@ -515,7 +515,7 @@ def optimizer_bytes_per_param(model, optimizer: str) -> float:
     return total / sum(math.prod(shape) for shape in shapes)
 
 
-def frozen_bytes_per_param(model, precision: str) -> float:
+def stored_frozen_bytes_per_param(model, precision: str) -> float:
     """Bytes per frozen parameter of the GPT model stored as the trainer stores it: in the
     compute dtype ``precision``, or, with LoRA and ``model.lora.quantize`` nf4 / int8, its
     matrices packed as ``zf.quantize_frozen`` packs them (the layer stack one layer's tensor at
@@ -563,7 +563,7 @@ def estimate_config(
     optimizer state is ``train.optimizer``'s (``optimizer_bytes_per_param``).
     ``frozen_params``: how many of the GPT's parameters ``train.freeze`` (or LoRA) freezes
     (``zeroflow.trainer.planning.count_frozen_params``), stored as ``model.lora.quantize``
-    says (``frozen_bytes_per_param``)."""
+    says (``stored_frozen_bytes_per_param``)."""
     par = cfg.parallel
     n = num_devices if num_devices is not None else (par.data if par.data > 0 else None)
     if n is None:
@@ -600,7 +600,7 @@ def estimate_config(
         remat=remat,
         optimizer_bytes=optimizer_bytes_per_param(cfg.model, cfg.train.optimizer),
         frozen_params=math.ceil(frozen_params / model_parallel),
-        frozen_bytes_per_param=frozen_bytes_per_param(cfg.model, cfg.precision.params),
+        frozen_bytes_per_param=stored_frozen_bytes_per_param(cfg.model, cfg.precision.params),
     )
 
 

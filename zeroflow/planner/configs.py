@@ -12,9 +12,9 @@ from zeroflow.memory.estimate import (
     DTYPE_BYTES,
     activations,
     count_gpt_params,
-    frozen_bytes_per_param,
     offloaded_activations,
     optimizer_bytes_per_param,
+    stored_frozen_bytes_per_param,
 )
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
@@ -41,7 +41,7 @@ class ConfigProblem:
             batch_size=cfg.train.batch_size,
             compute_dtype=cfg.precision.params,
             frozen_params=count_frozen_params(dataclasses.replace(cfg, model=self.model)),
-            frozen_bytes_per_param=frozen_bytes_per_param(self.model, cfg.precision.params),
+            frozen_bytes_per_param=stored_frozen_bytes_per_param(self.model, cfg.precision.params),
             optimizer_bytes=optimizer_bytes_per_param(self.model, cfg.train.optimizer),
             activations=self._activations,
             offloaded_activations=self._offloaded,
