@@ -235,3 +235,79 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in err and err.startswith("python -m zeroflow.memory: error:")
+
+
+def _stored_base_bytes(model, kind, width=2):
+    """Bytes of the GPT base as a QLoRA run stores it: ``zf.quantize_frozen``'s packed leaves
+    (their actual array sizes), every other leaf in the compute dtype (``width`` bytes)."""
+    from zeroflow.models import abstract_params
+    shapes, _ = abstract_params(model)
+    both = {"base": shapes, "lora": jax.ShapeDtypeStruct((4,), jnp.float32)}  # one to train
+    packed = jax.eval_shape(lambda p: zf.quantize_frozen(
+        p, lambda path, x: "lora" in str(path), kind, stacked="base/layers")[0], both)["base"]
+    return sum(x.size * (1 if x.dtype == jnp.uint8 else width) for x in jax.tree.leaves(packed))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_estimate_counts_a_quantized_base_at_its_stored_bytes(kind):
+    """With ``model.lora.quantize`` the formula's frozen weights are the packed base's bytes
+    split over the devices at stage 3 (the adapters, not counted, are the only trained
+    parameters), not 2 bytes each."""
+    from zeroflow.trainer.planning import count_frozen_params
+    cfg = _small_config(num_layers=2, embed_dim=64, mlp_dim=128, vocab_size=256)
+    cfg.model = dataclasses.replace(
+        cfg.model, lora=dataclasses.replace(cfg.model.lora, rank=4, quantize=kind))
+    frozen = count_frozen_params(cfg)
+    est = memory.estimate_config(cfg, num_devices=4, stage=3, frozen_params=frozen)
+    stored = _stored_base_bytes(cfg.model, kind)
+    assert stored < frozen * (0.6 if kind == "nf4" else 1.1)  # the layout is 4 or 8 bits
+    assert est.device.compute_weights == pytest.approx(stored / 4, rel=1e-12)
+    assert est.device.gradients == est.device.master == est.device.optimizer == 0
+    # The planner's instant what-if reads the same stored bytes.
+    from zeroflow.planner.configs import ConfigProblem
+    facts = ConfigProblem(cfg).facts
+    assert facts.frozen_bytes_per_param * facts.frozen_params == pytest.approx(stored, rel=1e-12)
+
+
+def test_planner_counts_a_quantize_frozen_tree_at_its_packed_bytes():
+    """``zf.plan``'s what-if of a tree from ``zf.quantize_frozen``: the frozen leaves' stored
+    bytes are the packed arrays' sizes plus the unquantized vectors in the compute dtype."""
+    from zeroflow.planner.problems import ModelProblem
+    params = {"w": jnp.ones((64, 128)), "b": jnp.ones((128,)), "a": jnp.ones((4,))}
+    qparams, qmask = zf.quantize_frozen(params, {"w": False, "b": False, "a": True}, "nf4")
+    batch = {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    problem = ModelProblem(lambda p, b: 0.0, qparams, batch, optax.adam(1e-3),
+                           zf.Precision(params="bf16"), trainable=qmask)
+    stored = qparams["w"].data.size * 1 + 128 * 2  # uint8 bytes, the bias in bf16
+    facts = problem.facts
+    assert facts.frozen_bytes_per_param * facts.frozen_params == stored
+
+
+def test_cli_estimate_of_qlora_tiny_drops_by_the_packed_base(tmp_path, capsys):
+    """configs/qlora-tiny.yaml's formula column (its base's config.json as
+    scripts/make_tiny_hf.py writes it): NF4 storage takes the bf16 base's bytes less its packed
+    ones, over the 2 devices of stage 3, off the estimated peak (it trains in fp32: 4 bytes
+    a weight unquantized)."""
+    from pathlib import Path
+
+    from zeroflow.config.io import load_config
+    from zeroflow.trainer.setup import run_model_config
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}))
+    config = str(Path(__file__).resolve().parents[1] / "configs/qlora-tiny.yaml")
+    argv = ["--config", config, "--devices", "2", "--measure", "never", "--stages", "3",
+            "--offloads", "none", "--remats", "full", "--json", f"model.init_from={tmp_path}"]
+    peaks = {}
+    for kind in ("nf4", "none"):
+        assert main([*argv, f"model.lora.quantize={kind}"]) == 0
+        (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        peaks[kind] = row["estimated_peak_bytes"]
+    cfg = load_config(config, [f"model.init_from={tmp_path}"])
+    assert cfg.precision.params == "fp32"
+    model = run_model_config(cfg)
+    params = memory.count_gpt_params(model)
+    drop = (4 * params - _stored_base_bytes(model, "nf4", width=4)) / 2
+    assert abs(peaks["none"] - peaks["nf4"] - drop) <= 1  # each peak rounded to a byte

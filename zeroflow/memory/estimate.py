@@ -15,8 +15,10 @@ counts as compute weights and the stored 4 P / N as master; at stage 3 compute a
 share one sharded layout again (4 P / N).
 
 A frozen parameter (``frozen_params``; ``zf.init_train_state(trainable=...)``) costs only its
-compute-dtype bytes: 2 P_f (bf16) at stages 0-2, 2 P_f / N at stage 3, no gradient, master
-or optimizer state.
+stored bytes, b P_f at stages 0-2 and b P_f / N at stage 3, no gradient, master or optimizer
+state: b is the compute dtype's width (2 for bf16), or, for a base ``zf.quantize_frozen``
+stores in 4 or 8 bits, its packed bytes per parameter (``frozen_bytes_per_param``: about 0.52
+for NF4, 1.06 for int8).
 
 The activation formula for the GPT model and the meaning of each field are in docs/memory.md.
 """
@@ -32,6 +34,7 @@ from zeroflow.autocast.precision import DTYPES
 from zeroflow.backend.mesh import planning_mesh
 from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES, ZeroPlan
 from zeroflow.engine.plan_rules import host_update_problem
+from zeroflow.engine.quantized import quantized_bytes
 from zeroflow.optim import moment_bytes
 
 STAGES = ZERO_STAGES
@@ -171,6 +174,7 @@ def estimate(
     remat: str | None = None,
     resident_params: int | None = None,
     frozen_params: int = 0,
+    frozen_bytes_per_param: float | None = None,
 ) -> MemoryEstimate:
     """Model-state memory of ZeRO ``stage`` with ``num_devices`` data-parallel devices.
 
@@ -186,6 +190,8 @@ def estimate(
     streamed in one layer at a time (default: all, as when nothing is streamed).
     ``frozen_params``: how many of the ``num_params`` are frozen: stored once in the compute
     dtype (beside the compute weights, offloaded with them), nothing else.
+    ``frozen_bytes_per_param``: bytes each frozen parameter is stored in, where not the
+    compute dtype's (a quantized base: ``stored_frozen_bytes_per_param`` of a GPT config).
     """
     n = _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes)
     per_process = (
@@ -208,9 +214,16 @@ def estimate(
         raise ValueError(
             f"frozen_params must be a number in [0, num_params={num_params}], got {frozen_params!r}"
         )
+    frozen_width = float(
+        DTYPE_BYTES[name] if frozen_bytes_per_param is None else frozen_bytes_per_param
+    )
+    if not frozen_width > 0:
+        raise ValueError(f"frozen_bytes_per_param must be > 0, got {frozen_bytes_per_param!r}")
     # The plan's own reading of the choices (a planning mesh: nothing but the sizes is needed).
     plan = ZeroPlan(planning_mesh(n), stage=stage, offload=offload, update_on=update_on)
-    states = _model_states(plan, name, p, float(frozen_params), grad_width, optimizer_bytes)
+    states = _model_states(
+        plan, name, p, float(frozen_params), grad_width, optimizer_bytes, frozen_width
+    )
     resident = (
         p
         if resident_params is None
@@ -267,19 +280,26 @@ class _StateBytes:
 
 
 def _model_states(
-    plan: ZeroPlan, name: str, p: float, f: float, grad_width: int, optimizer_bytes: float
+    plan: ZeroPlan,
+    name: str,
+    p: float,
+    f: float,
+    grad_width: int,
+    optimizer_bytes: float,
+    frozen_width: float,
 ) -> _StateBytes:
-    """The ZeRO paper's accounting of ``p`` parameters (``f`` of them frozen) in precision
-    ``name`` under ``plan``."""
+    """The ZeRO paper's accounting of ``p`` parameters (``f`` of them frozen, ``frozen_width``
+    bytes each) in precision ``name`` under ``plan``."""
     n, width, trained = plan.data_size, DTYPE_BYTES[name], p - f
 
     def split(sharded: bool) -> float:
         return 1.0 / n if sharded else 1.0
 
-    compute = width * p * split(plan.shards_compute)  # on the device during forward/backward
-    frozen = (
-        width * f * split(plan.shards_compute)
-    )  # stored as used: no master, gradient or moments
+    # Stored as used (a quantized one dequantized inside the step, a layer at a time): no
+    # master, gradient or moments.
+    frozen = frozen_width * f * split(plan.shards_compute)
+    # On the device during forward/backward.
+    compute = width * trained * split(plan.shards_compute) + frozen
     # fp32: one copy serves compute and optimizer. Where storage and compute layouts agree
     # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
     # gathered from the sharded master for each step and dropped after it.
@@ -460,6 +480,12 @@ def _gpt_param_shapes(model) -> Shapes:
     """The shapes of the GPT model's parameters (the scanned blocks' with their leading layers
     axis), the same parameters ``_gpt_param_counts`` counts: what blockwise optimizer state
     depends on (the last axis and each tensor's size)."""
+    block, rest = _gpt_stack_and_rest_shapes(model)
+    return block + rest
+
+
+def _gpt_stack_and_rest_shapes(model) -> tuple[Shapes, Shapes]:
+    """``_gpt_param_shapes`` in two: the scanned blocks' (leading layers axis) and the rest."""
     h, f, v, layers = model.embed_dim, model.mlp_dim, model.vocab_size, model.num_layers
     head = model.head_dim or h // model.num_heads
     heads, kv = model.num_heads, model.num_kv_heads or model.num_heads
@@ -476,7 +502,7 @@ def _gpt_param_shapes(model) -> Shapes:
     rest: Shapes = [(v, h)] + norm + ([] if model.tie_embeddings else [(h, v)])
     if model.positions == "learned":
         rest += [(model.max_positions or model.seq_len, h)]
-    return [(layers, *shape) for shape in block] + rest
+    return [(layers, *shape) for shape in block], rest
 
 
 def optimizer_bytes_per_param(model, optimizer: str) -> float:
@@ -487,6 +513,27 @@ def optimizer_bytes_per_param(model, optimizer: str) -> float:
     shapes = _gpt_param_shapes(model)
     total = sum(moment_bytes(optimizer, shape) for shape in shapes)
     return total / sum(math.prod(shape) for shape in shapes)
+
+
+def stored_frozen_bytes_per_param(model, precision: str) -> float:
+    """Bytes per frozen parameter of the GPT model stored as the trainer stores it: in the
+    compute dtype ``precision``, or, with LoRA and ``model.lora.quantize`` nf4 / int8, its
+    matrices packed as ``zf.quantize_frozen`` packs them (the layer stack one layer's tensor at
+    a time), its vectors in the compute dtype. Counted tensor by tensor from the layout, since
+    each tensor's scales and padding add to its bytes."""
+    width = DTYPE_BYTES[_precision_name(precision)]
+    kind = model.lora.quantize
+    if model.lora.rank == 0 or kind == "none":
+        return float(width)
+    stack, rest = _gpt_stack_and_rest_shapes(model)
+    total = params = 0
+    for shapes, stack_axes in ((stack, 1), (rest, 0)):
+        for shape in shapes:
+            size = math.prod(shape)
+            packed = quantized_bytes(shape, kind, stack_axes)
+            total += width * size if packed is None else packed
+            params += size
+    return total / params
 
 
 def count_gpt_params(model) -> int:
@@ -514,8 +561,9 @@ def estimate_config(
     ``parallel.*`` / ``model.remat`` choices. Gradients are counted in fp32 (4 bytes), as
     zeroflow's engine reduces them, activations per micro-batch are included, and the
     optimizer state is ``train.optimizer``'s (``optimizer_bytes_per_param``).
-    ``frozen_params``: how many of the GPT's parameters ``train.freeze`` freezes
-    (``zeroflow.trainer.planning.count_frozen_params``)."""
+    ``frozen_params``: how many of the GPT's parameters ``train.freeze`` (or LoRA) freezes
+    (``zeroflow.trainer.planning.count_frozen_params``), stored as ``model.lora.quantize``
+    says (``stored_frozen_bytes_per_param``)."""
     par = cfg.parallel
     n = num_devices if num_devices is not None else (par.data if par.data > 0 else None)
     if n is None:
@@ -552,6 +600,7 @@ def estimate_config(
         remat=remat,
         optimizer_bytes=optimizer_bytes_per_param(cfg.model, cfg.train.optimizer),
         frozen_params=math.ceil(frozen_params / model_parallel),
+        frozen_bytes_per_param=stored_frozen_bytes_per_param(cfg.model, cfg.precision.params),
     )
 
 

@@ -14,6 +14,7 @@ from zeroflow.memory.estimate import (
     count_gpt_params,
     offloaded_activations,
     optimizer_bytes_per_param,
+    stored_frozen_bytes_per_param,
 )
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
@@ -40,6 +41,7 @@ class ConfigProblem:
             batch_size=cfg.train.batch_size,
             compute_dtype=cfg.precision.params,
             frozen_params=count_frozen_params(dataclasses.replace(cfg, model=self.model)),
+            frozen_bytes_per_param=stored_frozen_bytes_per_param(self.model, cfg.precision.params),
             optimizer_bytes=optimizer_bytes_per_param(self.model, cfg.train.optimizer),
             activations=self._activations,
             offloaded_activations=self._offloaded,

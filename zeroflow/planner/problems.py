@@ -8,10 +8,12 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zeroflow.engine.frozen import trainable_mask
 from zeroflow.engine.plan import ZeroPlan
+from zeroflow.memory.estimate import DTYPE_BYTES
 from zeroflow.memory.measure import compile_step, itemsize
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
@@ -40,12 +42,14 @@ class ModelProblem:
             raise ValueError("zf.plan: batch must hold arrays with a leading batch dimension")
         batch_size = int(np.shape(leaves[0])[0])
         total = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
+        frozen, frozen_bytes = _frozen(params, trainable, DTYPE_BYTES[prec.params])
         self.facts = ModelFacts(
             params=total,
             tokens_per_step=batch_size * (tokens_per_example or 1),
             batch_size=batch_size,
             compute_dtype=prec.params,
-            frozen_params=_frozen(params, trainable),
+            frozen_params=frozen,
+            frozen_bytes_per_param=frozen_bytes / frozen if frozen else None,
             optimizer_bytes=_optimizer_bytes(tx, params, total),
         )
         self.tokens_per_example = tokens_per_example
@@ -79,15 +83,21 @@ class ModelProblem:
         return None
 
 
-def _frozen(params, trainable) -> int:
+def _frozen(params, trainable, width: int) -> tuple[int, int]:
+    """``(elements, stored bytes)`` of the frozen leaves: a floating-point one is stored in the
+    compute dtype (``width`` bytes), any other (a ``zf.quantize_frozen`` leaf's packed bytes)
+    in its own."""
     if trainable is None:
-        return 0
+        return 0, 0
     flags = jax.tree.leaves(trainable_mask(trainable, params))
-    return sum(
+    frozen = [x for x, keep in zip(jax.tree.leaves(params), flags, strict=True) if not keep]
+    elements = sum(math.prod(np.shape(x)) for x in frozen)
+    stored = sum(
         math.prod(np.shape(x))
-        for x, keep in zip(jax.tree.leaves(params), flags, strict=True)
-        if not keep
+        * (width if jnp.issubdtype(x.dtype, jnp.floating) else itemsize(x.dtype))
+        for x in frozen
     )
+    return elements, stored
 
 
 def _optimizer_bytes(tx, params, total: int) -> float:

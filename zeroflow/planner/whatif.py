@@ -79,6 +79,8 @@ class ModelFacts:
     batch_size: int
     compute_dtype: str = "bf16"
     frozen_params: int = 0
+    frozen_bytes_per_param: float | None = None
+    "Stored bytes per frozen parameter; None: the compute dtype's (4-bit ones: a quantized base)."
     optimizer_bytes: float = 8.0
     activations: Callable[[Choice, int], float] | None = None
     "(choice, micro-batch per device) -> activation bytes per device; None: unknown."
@@ -119,6 +121,7 @@ def what_if(
         gradient_bytes=4,
         optimizer_bytes=facts.optimizer_bytes,
         frozen_params=facts.frozen_params,
+        frozen_bytes_per_param=facts.frozen_bytes_per_param,
     )
     micro = max(facts.batch_size // (devices * choice.grad_accum), 1)
     acts = facts.activations(choice, micro) if facts.activations else 0.0

@@ -21,6 +21,8 @@ tree says it, and the step dequantizes what it finds.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -34,6 +36,7 @@ from zeroflow.engine.quantized.arrays import (
     is_quantized,
     pack,
     quantize,
+    row_bytes,
     unpack,
 )
 from zeroflow.util.tree import is_under, path_str
@@ -52,6 +55,7 @@ __all__ = [
     "quantize",
     "quantize_frozen",
     "quantize_shape",
+    "quantized_bytes",
     "unpack",
 ]
 
@@ -66,6 +70,17 @@ def _quantizes(x, trains: bool, stack_axes: int) -> bool:
     of the bytes and stay as they are."""
     floating = jnp.issubdtype(jnp.result_type(x), jnp.floating)
     return not trains and floating and jnp.ndim(x) - stack_axes >= 2
+
+
+def quantized_bytes(shape, kind: str, stack_axes: int = 0) -> int | None:
+    """Bytes of the leaf ``quantize_frozen`` makes of a frozen floating-point weight of
+    ``shape`` (its first ``stack_axes`` axes a stack), from the layout alone (nothing traced,
+    for estimates of models too large to build); None where it leaves the weight as it is."""
+    check_kind(kind)
+    if len(shape) - stack_axes < 2:
+        return None
+    stack, tensor = shape[:stack_axes], shape[stack_axes:]
+    return math.prod(stack) * row_bytes(kind, math.prod(tensor))
 
 
 def quantize_frozen(params, trainable, kind: str = "nf4", *, stacked: str | None = None):
