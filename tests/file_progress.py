@@ -63,6 +63,8 @@ class FileProgress:
         if reporter is not None:
             reporter.write_line(
                 f"{file}: {counts} ({self.seconds[file]:.0f} s) "
-                f"[{self.files_done}/{len(self.expected)} files, {elapsed / 60:.1f} min]"
+                f"[{self.files_done}/{len(self.expected)} files, "
+                f"{sum(self.finished.values())}/{sum(self.expected.values())} tests, "
+                f"{elapsed / 60:.1f} min]"
             )
 
