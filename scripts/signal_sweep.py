@@ -2,16 +2,19 @@
 
     PYTHONPATH=$PWD python scripts/signal_sweep.py [--out experiments/signal_sweep.json]
 
-One uninterrupted run of the tiny trainer gives the reference: its per-step losses, its final
-evaluation and the master weights of its final checkpoint. Then the same command is started
-again and again, and each time a signal is sent at another moment: some spread in time over
-start-up (from the instant zeroflow's package begins to load, when the process starts to catch
-SIGTERM, to the first step's line), the others right after a given line of the run's output
-(each training step, the mid-run evaluation, the final summary). Each interrupted run must end
-with exit 128 + N and one line: ``zeroflow.train: stopped by SIGINT`` on stderr while starting,
-or ``SIGINT: saved a checkpoint at step K ...`` as the last line of stdout once it trains, with
-no traceback and nothing else on stderr. Then the same command resumes it, and the resumed
-run's losses, final evaluation and final weights must equal the reference's bit for bit.
+One uninterrupted run of the tiny trainer gives the reference: its per-step losses, its
+evaluations and the master weights of its final checkpoint. Then the same command is started
+again and again, and each time a signal is sent at another moment (``moments``): 12 over
+start-up, each anchored on what marks its phase (the instant zeroflow's package begins to load,
+when the process starts to catch SIGTERM; ``trainer.lock`` appearing as the run is built;
+``config.yaml`` and the banner line as the first step compiles) plus an offset, since times
+alone drift with the machine's load; 8 right after a line of the output (each training step,
+the mid-run evaluation, the final summary); and SIGTERM at 3. Each run must be interrupted
+(a run that ended first is a failure of the moment) and end with exit 128 + N and one line:
+``zeroflow.train: stopped by SIGINT`` on stderr, leaving no run folder, while starting; else
+``SIGINT: saved a checkpoint at step K ...`` (or ``... the run had finished ...``) as the last
+line of stdout, with nothing on stderr. Then the same command resumes it, and the resumed
+run's losses, evaluations and final weights must equal the reference's bit for bit.
 
 Prints a Markdown table (one row per moment) and exits 1 if any moment fails.
 """
@@ -64,13 +67,25 @@ def catches_sigterm(pid: int) -> bool:
     return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
 
 
-def run_until(run_dir: Path, sig: int | None, *, at: float | None = None, after: str | None = None):
-    """Start the trainer and send ``sig`` ``at`` seconds after zeroflow loads, or right after
-    the first stdout line starting with ``after``. Returns a record of what happened."""
+def where(run_dir: Path, lines: list[tuple[float, str]]) -> str:
+    """The phase the run is in now, from its folder and its output."""
+    if lines and not lines[-1][1].startswith("data "):
+        return f"after '{lines[-1][1].split('  ')[0]}'"
+    if (run_dir / "config.yaml").exists():
+        return "compiling step 1"
+    if (run_dir / "trainer.lock").exists():
+        return "building the run"
+    return "importing"
+
+
+def run_until(run_dir: Path, sig: int | None, anchor: str = "load", offset: float = 0.0):
+    """Start the trainer and send ``sig`` ``offset`` seconds after ``anchor``: 'load' (zeroflow
+    starts to load), 'file:NAME' (NAME appears in the run folder) or 'line:TEXT' (the first
+    stdout line starting with TEXT). Returns a record of what happened."""
     proc = subprocess.Popen(command(run_dir), env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     lines: list[tuple[float, str]] = []
-    seen = threading.Event()
+    ended = threading.Event()
     while proc.poll() is None and not catches_sigterm(proc.pid):
         time.sleep(0.002)
     t0 = time.perf_counter()
@@ -78,22 +93,26 @@ def run_until(run_dir: Path, sig: int | None, *, at: float | None = None, after:
     def read_stdout():
         for line in proc.stdout:
             lines.append((time.perf_counter() - t0, line.rstrip("\n")))
-            if after is not None and line.startswith(after):
-                seen.set()
-        seen.set()  # the output ended without the line
+        ended.set()
+
+    def anchored() -> bool:
+        kind, _, what = anchor.partition(":")
+        if kind == "file":
+            return (run_dir / what).exists()
+        if kind == "line":
+            return any(text.startswith(what) for _, text in lines)
+        return True
 
     reader = threading.Thread(target=read_stdout, daemon=True)
     reader.start()
+    sent, landed = None, ""
     if sig is not None:
-        if after is not None:
-            seen.wait()
-        else:
-            time.sleep(max(0.0, at - (time.perf_counter() - t0)))
-        sent = time.perf_counter() - t0
+        while not anchored() and not ended.is_set():
+            time.sleep(0.002)
+        time.sleep(offset)
+        sent, landed = time.perf_counter() - t0, where(run_dir, list(lines))
         if proc.poll() is None:
             proc.send_signal(sig)
-    else:
-        sent = None
     try:
         err = proc.stderr.read()
         proc.wait(timeout=900)
@@ -101,10 +120,8 @@ def run_until(run_dir: Path, sig: int | None, *, at: float | None = None, after:
         proc.kill()
         err = "HANG (killed after 900 s)"
     reader.join(timeout=10)
-    before = [text for t, text in lines if sent is None or t <= sent]
-    return {"code": proc.returncode, "sent": sent, "stdout": [t for _, t in lines],
-            "times": [round(t, 3) for t, _ in lines],
-            "stderr": err.strip().splitlines(), "last_before": before[-1] if before else ""}  # fmt: skip
+    return {"code": proc.returncode, "sent": sent, "landed": landed,
+            "stdout": [t for _, t in lines], "stderr": err.strip().splitlines()}  # fmt: skip
 
 
 def metrics(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
@@ -153,47 +170,35 @@ def one_line_problem(rec: dict, sig: int, run_dir: Path) -> str:
     return "" if last.startswith(ends) else f"last line: {last!r}"
 
 
-def phase(rec: dict) -> str:
-    """Where the signal landed, from the output seen before it."""
-    last = rec["last_before"]
-    if not last:
-        return "importing / building the run"
-    if last.startswith("data "):
-        return "compiling step 1"
-    if last.startswith("final:"):
-        return "exiting"
-    return f"after '{last.split('  ')[0]}'"
-
-
-def moments(first_step: float, count: int) -> list[tuple[int, float | None, str | None]]:
-    """(signal, seconds, line) of each moment: SIGINT spread over start-up and after each
-    line of ``AFTER_LINES``, and SIGTERM at a few of them."""
-    timed = count - len(AFTER_LINES)
-    spread = [round(first_step * i / timed, 2) for i in range(timed)]
-    out = [(signal.SIGINT, t, None) for t in spread]
-    out += [(signal.SIGINT, None, line) for line in AFTER_LINES]
-    out += [(signal.SIGTERM, 0.0, None), (signal.SIGTERM, spread[timed // 2], None),
-            (signal.SIGTERM, None, f"step 2/{STEPS}")]  # fmt: skip
+def moments() -> list[tuple[int, str, float]]:
+    """(signal, anchor, offset) of each moment: 12 SIGINTs over start-up (importing, building
+    the run, compiling the first step: anchored on what marks each, as times alone drift with
+    the machine's load), one right after each line of ``AFTER_LINES``, and 3 SIGTERMs."""
+    start = [("load", t) for t in (0.0, 0.5, 1.0, 2.0, 4.0)]
+    start += [("file:trainer.lock", t) for t in (0.0, 0.5, 2.0)]
+    start += [("file:config.yaml", 0.0)] + [("line:data ", t) for t in (0.0, 0.5, 2.0)]
+    out = [(signal.SIGINT, anchor, t) for anchor, t in start]
+    out += [(signal.SIGINT, f"line:{line}", 0.0) for line in AFTER_LINES]
+    out += [(signal.SIGTERM, "load", 0.0), (signal.SIGTERM, "file:trainer.lock", 0.5),
+            (signal.SIGTERM, f"line:step 2/{STEPS}", 0.0)]  # fmt: skip
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--moments", type=int, default=20, help="SIGINT moments (>= 9)")
     parser.add_argument("--out", type=Path, default=None, help="write the records as JSON")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="signal_sweep_"))
     ref = run_until(work / "straight", None)
     assert ref["code"] == 0, ref
-    timed = zip(ref["times"], ref["stdout"], strict=True)
-    first_step = next(t for t, line in timed if line.startswith(f"step 1/{STEPS}"))
     ref_metrics, ref_weights = metrics(work / "straight"), final_weights(work / "straight")
-    print(f"uninterrupted: first step's line {first_step:.1f} s after zeroflow loads", flush=True)
     rows, failed = [], 0
-    for i, (sig, at, after) in enumerate(moments(first_step, args.moments)):
+    for i, (sig, anchor, offset) in enumerate(moments()):
         run_dir = work / f"run{i}"
-        rec = run_until(run_dir, sig, at=at, after=after)
-        problem = one_line_problem(rec, sig, run_dir)
+        rec = run_until(run_dir, sig, anchor, offset)
+        problem = one_line_problem(rec, sig, run_dir) or (
+            "not interrupted: it had ended" if rec["code"] == 0 else ""
+        )
         resumed = subprocess.run(command(run_dir), env=env(), capture_output=True, text=True)
         same = resumed.returncode == 0 and metrics(run_dir) == ref_metrics
         if same:
@@ -207,8 +212,10 @@ def main() -> int:
         elif not same:
             problem = problem or "resume not bit-identical"
         failed += bool(problem)
-        row = {"signal": signal.Signals(sig).name, "moment": f"{at:.2f} s" if after is None
-               else f"after '{after}'", "landed": phase(rec), "code": rec["code"],
+        kind, _, what = anchor.partition(":")
+        moment = {"load": "zeroflow loads", "file": f"{what} appears", "line": f"line '{what}'"}
+        row = {"signal": signal.Signals(sig).name,
+               "moment": f"{moment[kind]} + {offset:g} s", "landed": rec["landed"], "code": rec["code"],
                "line": (rec["stderr"] or rec["stdout"][-1:] or [""])[-1], "identical": same,
                "problem": problem, "record": rec}  # fmt: skip
         rows.append(row)
