@@ -1,6 +1,7 @@
 """Ctrl-C (SIGINT) at any moment of ``python -m zeroflow.train``: while jax imports, while the
-run is built and compiled, and while it trains. Each ends with exit 130 and one line, no
-traceback, and the run resumed with the same command ends exactly as an uninterrupted one.
+run is built and compiled, while it trains and while it closes. Each ends with exit 130 and one
+line, no traceback, and the run resumed with the same command ends exactly as an uninterrupted
+one. These four moments sample the 20 of scripts/signal_sweep.py (its table: docs/runs.md).
 
 The moments are counted from the instant zeroflow's package starts to load (when the process
 begins to catch SIGTERM, which plain Python does not): before it the interpreter is still
@@ -67,8 +68,8 @@ def _interrupt(run_dir, *, after_seconds=None, after_line=None):
     return proc.returncode, "".join(out) + rest, err
 
 
-@pytest.mark.parametrize("moment", [0.0, 2.0, "step 1/"],
-                         ids=["importing", "building", "training"])
+@pytest.mark.parametrize("moment", [0.0, 2.0, "step 1/", f"step {STEPS}/"],
+                         ids=["importing", "building", "training", "closing"])
 def test_sigint_at_any_moment_is_one_line_and_resumes_exactly(moment, tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     kind = "after_line" if isinstance(moment, str) else "after_seconds"
@@ -79,9 +80,13 @@ def test_sigint_at_any_moment_is_one_line_and_resumes_exactly(moment, tmp_path, 
     assert code == 130, (out, err)
     assert "Traceback" not in out + err and "Exception ignored" not in err, err
     lines = err.strip().splitlines()
-    if lines:  # stopped while starting: the one line is on stderr
+    if lines:  # stopped at once (starting, or exiting): the one line is on stderr
         assert lines == ["zeroflow.train: stopped by SIGINT"], err
-    else:  # stopped while training: it saved, and says so last
-        assert out.strip().splitlines()[-1].startswith("SIGINT: saved a checkpoint at step"), out
+        if "step 1/" not in out:  # a start stopped leaves no run folder, as a failed one
+            assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+    else:  # stopped while training (it saved) or closing (it had saved): it says so last
+        last = out.strip().splitlines()[-1]
+        assert last.startswith(("SIGINT: saved a checkpoint at step",
+                                f"SIGINT: the run had finished; its last checkpoint is step {STEPS}")), out
     subprocess.run(_command(run_dir), env=_env(), check=True, capture_output=True)
     assert _final_loss(run_dir) == uninterrupted

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from zeroflow.cli.common import run_cli
+from zeroflow.cli.common import ArgumentParser, run_cli
 from zeroflow.config.io import add_config_arguments, load_config, save_config
 from zeroflow.memory import schedule
 from zeroflow.memory.estimate import REMATS, parse_bytes
@@ -37,7 +37,7 @@ FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expens
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1])
     p.add_argument("--gpus", "--target", default=None, help="GPU targets, e.g. h100,a100,l4,h200")
     p.add_argument("--devices", default=None, help="device counts, e.g. 1,8,16 (default 1,8)")
     p.add_argument("--out", default=None, help="output folder (default plans/<config name>)")
@@ -68,7 +68,12 @@ def _restart(args) -> None:
     if args.gpus:
         schedule.enable(env)
         env.setdefault("JAX_PLATFORMS", "cpu")
-    counts = _ints(args.devices, "devices") if args.devices else [1, 8]
+    try:
+        counts = _ints(args.devices, "devices") if args.devices else [1, 8]
+    except ValueError:
+        return  # not restarted: the run reports the bad flag in one line
+    if min(counts, default=0) < 1:
+        return  # the same
     flags = env.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={max(counts)} {FAST_CPU_COMPILE}"

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from zeroflow.autocast.precision import parse_loss_scale
+from zeroflow.autocast.precision import Precision, parse_loss_scale
 from zeroflow.config import schema as config_module
 from zeroflow.config.schema import CHOICES, Config, ParallelConfig
 from zeroflow.engine.plan_rules import (
@@ -506,14 +506,38 @@ def _context_problems(cfg: Config) -> list[str | None]:
 
 
 def _precision_problems(prec) -> list[str]:
+    problems = _failed(
+        [
+            (prec.init_scale > 0, f"precision.init_scale must be positive; got {prec.init_scale}"),
+            (
+                prec.growth_interval > 0,
+                f"precision.growth_interval must be positive; got {prec.growth_interval}",
+            ),
+            (prec.min_scale > 0, f"precision.min_scale must be positive; got {prec.min_scale}"),
+            (
+                prec.min_scale <= prec.init_scale,
+                f"precision.min_scale ({prec.min_scale:g}) must not exceed "
+                f"precision.init_scale ({prec.init_scale:g})",
+            ),
+            (
+                prec.max_consecutive_skips > 0,
+                f"precision.max_consecutive_skips must be positive; got {prec.max_consecutive_skips}",
+            ),
+        ]
+    )
     try:
         parse_loss_scale(prec.loss_scale)
     except ValueError:
-        return [
+        problems.append(
             f"precision.loss_scale must be 'none', 'dynamic' or a positive number; "
             f"got {prec.loss_scale!r}"
-        ]
-    return []
+        )
+    if not problems:  # the rules between the keys are the engine's own
+        try:
+            Precision.from_config(prec)
+        except ValueError as e:
+            problems.append(f"precision: {e}")
+    return problems
 
 
 def _fusemix_problems(f) -> list[str]:
@@ -523,6 +547,15 @@ def _fusemix_problems(f) -> list[str]:
             (f.adapter_hidden > 0, "fusemix.adapter_hidden must be positive"),
             (f.adapter_layers > 0, "fusemix.adapter_layers must be positive"),
             (f.adapter_expansion > 0, "fusemix.adapter_expansion must be positive"),
+            (f.max_text_len > 0, f"fusemix.max_text_len must be positive; got {f.max_text_len}"),
+            (f.encode_batch > 0, f"fusemix.encode_batch must be positive; got {f.encode_batch}"),
+            (f.val_pairs > 0, f"fusemix.val_pairs must be positive; got {f.val_pairs}"),
+            (f.temperature > 0, f"fusemix.temperature must be positive; got {f.temperature}"),
+            (
+                f.mixup_alpha >= 0,
+                f"fusemix.mixup_alpha must be >= 0 (0 = no mixup); got {f.mixup_alpha}",
+            ),
+            (f.prefetch >= 0, f"fusemix.prefetch must be >= 0; got {f.prefetch}"),
         ]
     )
 

@@ -141,8 +141,12 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
         finally:
             reporter.close(failing=failing)
             checkpoints.close()
-        if stopped_by is None and caught:  # came while the run was closing: say so by the code
+        if stopped_by is None and caught:  # came while the run was closing: say so
             stopped_by = signal.Signals(caught[0]).name
+            if jax.process_index() == 0:
+                print(
+                    f"{stopped_by}: the run had finished; its last checkpoint is step {int(state.step)}"
+                )
     return TrainResult(
         run_dir=run_dir, step=int(state.step), losses=losses, eval=last_eval, stopped_by=stopped_by
     )

@@ -29,6 +29,7 @@ from pathlib import Path
 from zeroflow.config.io import ConfigError, load_config
 from zeroflow.config.schema import Config
 from zeroflow.trainer.optim import lr_schedule
+from zeroflow.util import interrupts
 
 log = logging.getLogger("zeroflow")
 
@@ -240,8 +241,16 @@ def claim(run_dir: Path, *, holder: bool = True):
                 folder.rmdir()
         raise
     held = Claim(run_dir, created)
+
+    def release() -> None:
+        if held.armed:
+            held.undo()
+        with contextlib.suppress(OSError):
+            (run_dir / LOCK_FILE).unlink()
+
     try:
-        yield held
+        with interrupts.undone_if_stopped(release):  # Ctrl-C before the first step
+            yield held
     except BaseException:
         if held.armed:
             held.undo()

@@ -14,9 +14,11 @@ It is installed only for the ``python -m zeroflow.<command>`` programs, before j
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 
 COMMANDS = ("train", "sample", "export", "launch", "memory", "planner")
 "The ``python -m zeroflow.<name>`` programs."
@@ -37,8 +39,26 @@ _stderr: int | None = None
 "A copy of descriptor 2 made at install: while jax starts, 2 may point at /dev/null."
 
 
+_undo: list[Callable[[], None]] = []
+"What ``undone_if_stopped`` blocks ask to be undone before the process ends, innermost last."
+
+
+@contextlib.contextmanager
+def undone_if_stopped(undo: Callable[[], None]) -> Iterator[None]:
+    """Call ``undo`` if a signal ends the process at once while inside this block: e.g. a run
+    folder made for a run that never started is removed, as a failed start removes it."""
+    _undo.append(undo)
+    try:
+        yield
+    finally:
+        _undo.remove(undo)
+
+
 def _end_now(signum: int, _frame) -> None:
     name = signal.Signals(signum).name
+    for undo in reversed(_undo):
+        with contextlib.suppress(Exception):  # the process ends whatever happens
+            undo()
     os.write(
         _stderr if _stderr is not None else 2,
         f"zeroflow.{_command()}: stopped by {name}\n".encode(),
