@@ -39,3 +39,11 @@ compile_fit_case
 
 # A pytest fixture, requested by parameter name.
 target_cudnn
+
+# pytest hooks: pytest calls them by name (tests/conftest.py, tests/file_progress.py).
+_.pytest_configure
+_.pytest_collection_modifyitems
+_.pytest_xdist_node_collection_finished
+_.pytest_collection_finish
+_.pytest_report_teststatus
+_.pytest_runtest_logreport
