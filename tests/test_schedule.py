@@ -82,6 +82,7 @@ def _run_case(case: str) -> dict:
     require_cuda_plugin()
     env = schedule.enable(dict(os.environ))
     env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(CASES.parents[1])  # this checkout, whatever is installed
     out = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
