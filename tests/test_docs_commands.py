@@ -38,6 +38,14 @@ NOT_IN_CLONE = {
     "run1/results.jsonl": "gpu_report.py's usage: the results of an earlier --out run1 call",
     "run2/results.jsonl": "gpu_report.py's usage: the results of an earlier --out run2 call",
 }
+# Config keys that name files or folders a run reads.
+CONFIG_INPUTS = (
+    "model.init_from",
+    "data.tokenizer",
+    "data.source",
+    "fusemix.image_encoder",
+    "fusemix.text_encoder",
+)
 # What argparse says when a span names a program and some of its flags but not a whole command
 # (``--target`` in a sentence): accepted for inline code only, its flags still checked.
 FRAGMENT = ("the following arguments are required", "expected one argument")
@@ -266,16 +274,20 @@ def _made_by_documented_commands() -> set[str]:
 MADE = _made_by_documented_commands()
 
 
+def _check_input(what: str, path: str) -> None:
+    path = path.rstrip("/")
+    if PLACEHOLDER.search(path):
+        return
+    made = any(path == m or path.startswith(m + "/") for m in MADE)
+    assert (REPO / path).exists() or made or path in NOT_IN_CLONE, (
+        f"{what} {path}: no such file, and no documented command makes it"
+    )
+
+
 def _check_inputs(words: list[str]) -> None:
-    for flag in INPUT_FLAGS:
-        for i, word in enumerate(words[:-1]):
-            if word != flag or PLACEHOLDER.search(words[i + 1]):
-                continue
-            path = words[i + 1].rstrip("/")
-            made = any(path == m or path.startswith(m + "/") for m in MADE)
-            assert (REPO / path).exists() or made or path in NOT_IN_CLONE, (
-                f"{flag} {path}: no such file, and no documented command makes it"
-            )
+    for i, word in enumerate(words[:-1]):
+        if word in INPUT_FLAGS:
+            _check_input(word, words[i + 1])
 
 
 def _check_flags_exist(words: list[str], parser: argparse.ArgumentParser) -> None:
@@ -294,7 +306,14 @@ def _check_config(namespace) -> None:
 
     if config and not (REPO / config).is_file():  # made by a documented run (_check_inputs)
         config = None  # a run folder's config.yaml has the schema's keys: check against those
-    load_config(REPO / config if config else None, overrides)  # one line naming the bad key
+    cfg = load_config(REPO / config if config else None, overrides)  # one line on a bad key
+    # What the run reads: the Hugging Face folders and data a fresh clone lacks until a
+    # documented preparation command (make_tiny_hf.py, make_tiny_encoders.py, ...) writes them.
+    for key in CONFIG_INPUTS:
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if "/" in value:  # "stdlib", "byte": built in, not files
+            _check_input(key, value)
 
 
 @pytest.mark.parametrize("name,words,fenced", COMMANDS, ids=IDS)
