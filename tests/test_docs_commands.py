@@ -175,14 +175,15 @@ IDS = _unique_ids()
 class _ParseError(AssertionError):
     """argparse's one line: the command as written would stop with it."""
 
+    def __init__(self, parser: argparse.ArgumentParser, line: str):
+        super().__init__(line)
+        self.parser = parser
+
 
 class _Parsed(Exception):
-    def __init__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace):
+    def __init__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace | None):
         super().__init__()
         self.parser, self.namespace = parser, namespace
-
-
-_LAST_PARSER: list[argparse.ArgumentParser] = []
 
 
 @contextlib.contextmanager
@@ -195,8 +196,13 @@ def _stop_after_parsing():
 
     def stopping(name):
         def parse(self, *args, **kwargs):
-            _LAST_PARSER[:] = [self]
-            raise _Parsed(self, originals[name](self, *args, **kwargs))
+            try:
+                namespace = originals[name](self, *args, **kwargs)
+            except SystemExit as stop:  # a usage error (on stderr), or --help (exit 0)
+                raise (
+                    _Parsed(self, None) if stop.code in (0, None) else _ParseError(self, "")
+                ) from None
+            raise _Parsed(self, namespace)
 
         return parse
 
@@ -213,8 +219,9 @@ def _stop_after_parsing():
         sys.path[:], sys.argv[:] = saved_path, saved_argv
 
 
-def _parse_as_the_program_does(words: list[str]) -> tuple[argparse.ArgumentParser, object]:
-    """Start the program with ``words`` as ``python`` would; return its parser and namespace."""
+def _parse_as_the_program_does(words: list[str]) -> _Parsed:
+    """Start the program with ``words`` as ``python`` would; its parser and namespace (None
+    after --help), or _ParseError with argparse's message."""
     module, args = (words[2], words[3:]) if words[1] == "-m" else (None, words[2:])
     script = None if module else REPO / words[1]
     errors = io.StringIO()
@@ -231,11 +238,10 @@ def _parse_as_the_program_does(words: list[str]) -> tuple[argparse.ArgumentParse
             else:
                 runpy.run_path(str(script), run_name="__main__")
         except _Parsed as parsed:
-            return parsed.parser, parsed.namespace
-        except SystemExit as stop:
-            if stop.code in (0, None):  # --help
-                return None, None
-            raise _ParseError(errors.getvalue().strip().split("\n")[-1]) from None
+            return parsed
+        except _ParseError as failed:
+            message = errors.getvalue().strip().split("\n")[-1]
+            raise _ParseError(failed.parser, message) from None
     raise AssertionError("the program finished without parsing its arguments")
 
 
@@ -331,17 +337,20 @@ def test_documented_command_is_accepted_as_written(name, words, fenced):
             return
         _check_inputs(words)
         try:
-            _, namespace = _parse_as_the_program_does(words)
+            parsed = _parse_as_the_program_does(words)
         except _ParseError as e:
             if fenced or not any(f in str(e) for f in FRAGMENT):
                 raise
-            _check_flags_exist(words, _LAST_PARSER[0])
+            _check_flags_exist(words, e.parser)
             return
-        _check_flags_exist(words, _LAST_PARSER[0])  # argparse also takes a flag's prefix
-        if namespace is not None:
-            _check_config(namespace)
+        _check_flags_exist(words, parsed.parser)  # argparse also takes a flag's prefix
+        if parsed.namespace is not None:
+            _check_config(parsed.namespace)
     except (AssertionError, ValueError) as e:
-        pytest.fail(f"{name}: `{command}`: {e}", pytrace=False)
+        problem = str(e)
+    else:
+        return
+    pytest.fail(f"{name}: `{command}`: {problem}", pytrace=False)  # outside: no chained trace
 
 
 def test_the_docs_show_commands_of_every_kind():
