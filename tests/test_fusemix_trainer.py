@@ -22,6 +22,14 @@ def encoders(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def latents(encoders, tmp_path_factory):
+    """The digits' latent cache, encoded by the first run that asks for it and shared by the
+    module's runs after (each finds it full and reads it): encoding 1797 pairs through both
+    encoders is the same work for every test and proves nothing new the second time."""
+    return tmp_path_factory.mktemp("fusemix") / "latents"
+
+
 def _cfg(encoders, cache, run_dir, steps):
     return load_config(REPO / "configs" / "fusemix.yaml", [
         f"fusemix.image_encoder={encoders / 'vision'}", f"fusemix.text_encoder={encoders / 'text'}",
@@ -36,8 +44,8 @@ def _losses(run_dir):
             if "loss" in r}
 
 
-def test_resume_mid_epoch_is_exact(encoders, tmp_path):
-    cache = tmp_path / "latents"
+def test_resume_mid_epoch_is_exact(encoders, latents, tmp_path):
+    cache = latents
     straight = train_fusemix(_cfg(encoders, cache, tmp_path / "a", 6))
     assert rows_done(cache / "image") == rows_done(cache / "text") == 1797
     # Interrupted after step 3 (22 batches an epoch): its folder holds step 3's checkpoint only.
@@ -52,7 +60,7 @@ def test_resume_mid_epoch_is_exact(encoders, tmp_path):
     assert a[1] != a[2]  # each step draws its own batch and mixup
 
 
-def test_the_papers_residual_adapter_is_a_config_key(encoders, tmp_path):
+def test_the_papers_residual_adapter_is_a_config_key(encoders, latents, tmp_path):
     # fusemix.adapter=residual trains the paper's adapter (its blocks at the latent's width,
     # each widened adapter_expansion times) through the trainer, not only in the experiments.
     import jax
@@ -61,7 +69,7 @@ def test_the_papers_residual_adapter_is_a_config_key(encoders, tmp_path):
 
     cfg = load_config(REPO / "configs" / "fusemix.yaml", [
         f"fusemix.image_encoder={encoders / 'vision'}", f"fusemix.text_encoder={encoders / 'text'}",
-        f"fusemix.cache={tmp_path / 'latents'}", f"run.dir={tmp_path / 'run'}", "train.steps=2",
+        f"fusemix.cache={latents}", f"run.dir={tmp_path / 'run'}", "train.steps=2",
         "train.batch_size=64", "train.eval_every=0", "fusemix.shared_dim=16",
         "fusemix.val_pairs=100", "run.progress=false", "fusemix.adapter=residual",
         "fusemix.adapter_layers=3", "fusemix.adapter_expansion=2"])
@@ -101,14 +109,15 @@ def test_the_settings_cover_every_plan_key():
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["zero++", "offload"])
-def test_fusemix_and_the_gpt_trainer_honour_every_parallel_setting(encoders, tmp_path, settings):
+def test_fusemix_and_the_gpt_trainer_honour_every_parallel_setting(encoders, latents, tmp_path,
+                                                                  settings):
     from zeroflow.fusemix.trainer import build_fusemix
     from zeroflow.trainer.setup import build_run
 
     overrides = [f"parallel.{k}={str(v).lower()}" for k, v in settings.items()]
     cfg = load_config(REPO / "configs" / "fusemix.yaml", [
         f"fusemix.image_encoder={encoders / 'vision'}", f"fusemix.text_encoder={encoders / 'text'}",
-        f"fusemix.cache={tmp_path / 'latents'}", f"run.dir={tmp_path / 'run'}",
+        f"fusemix.cache={latents}", f"run.dir={tmp_path / 'run'}",
         "run.progress=false", "precision.params=bf16", *overrides])
     gpt_cfg = load_config(REPO / "configs" / "tiny.yaml",
                           [f"run.dir={tmp_path / 'gpt'}", "precision.params=bf16", *overrides])
