@@ -111,9 +111,9 @@ class EqxTransformer(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
 
-def eqx_transformer(seed=0, dims: Size = TINY) -> Corpus:
+def eqx_transformer(seed=0, dims: Size = TINY, layers=2) -> Corpus:
     """``params`` is ``eqx.partition(model, eqx.is_inexact_array)[0]``, with its None holes."""
-    params, static = eqx.partition(EqxTransformer(jax.random.key(seed), dims=dims),
+    params, static = eqx.partition(EqxTransformer(jax.random.key(seed), layers, dims),
                                    eqx.is_inexact_array)
 
     def forward(params, model_state, batch, key):

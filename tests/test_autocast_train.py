@@ -87,7 +87,7 @@ def plain_optax_losses(loss_fn, tx, data):
 
 
 def test_unmodified_flax_transformer_trains_in_bf16_within_2_percent():
-    data = markov_batches(200, 16)
+    data = markov_batches(60, 16)
     tx = optax.adam(3e-3)
     ref, _, params, opt_state = plain_optax_losses(lm_loss, tx, data)
     got, step, _, _ = plain_optax_losses(zf.autocast(lm_loss, dtype="bf16"), tx, data)
@@ -99,7 +99,7 @@ def test_unmodified_flax_transformer_trains_in_bf16_within_2_percent():
 
 
 def test_fp16_with_dynamic_scaling_through_the_engine_at_stage_3():
-    data = markov_batches(200, 64, seed=1)
+    data = markov_batches(60, 64, seed=1)
     tx = optax.adam(3e-3)
     ref, *_ = plain_optax_losses(lm_loss, tx, data)
     plan = zf.ZeroPlan(zf.make_mesh(data=8, model=1), stage=3)
@@ -113,7 +113,7 @@ def test_fp16_with_dynamic_scaling_through_the_engine_at_stage_3():
         losses.append(float(metrics["loss"]))
         skipped += int(metrics["skipped"])
     losses = np.array(losses)
-    assert np.isfinite(losses).all() and skipped < 20
+    assert np.isfinite(losses).all() and skipped < 6  # a tenth of the steps at most
     assert state.master["Dense_0"]["kernel"].dtype == jnp.float32  # weights stay fp32 at rest
     assert abs(losses[-20:].mean() - ref[-20:].mean()) < 0.02 * ref[-20:].mean()
 
