@@ -1,8 +1,12 @@
-"""The GPU report (scripts/gpu_report.py): its --quick run on the CPU produces every stage and
-well-formed files, and a failing item (exception, OOM, exit, segfault, hang, a broken stage
-plan, an exhausted budget) is recorded while the run goes on."""
+"""The GPU report (scripts/gpu_report.py): its quick profile on the CPU (trimmed to one run of
+each code path) produces every stage and well-formed files, and a failing item (exception, OOM,
+exit, segfault, hang, a broken stage plan, an exhausted budget) is recorded while the run goes
+on."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import math
 import os
@@ -22,6 +26,7 @@ from benchlib.search import layer_search  # noqa: E402
 from gpureport import files, render, targets  # noqa: E402
 from gpureport.profiles import QUICK, STAGE_ORDER  # noqa: E402
 from gpureport.runner import Context, Item, Runner, Summary  # noqa: E402
+from gpureport.session import RunOptions, run_report  # noqa: E402
 from gpureport.stages import STAGES  # noqa: E402
 
 GOOD = ("ok", "reused")
@@ -34,17 +39,31 @@ def _script(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+SMOKE = dataclasses.replace(QUICK, training_runs=QUICK.training_runs[:1],
+                            largest={**QUICK.largest, "max_probes": 1})
+"""The quick profile less what repeats a code path, each item being a process (~6 CPU-s): one
+training configuration (the second differs by its attention only) and one probe per
+largest-model search (each probe is the same compile-and-compare)."""
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
+    """The report run in this process (its items in child processes, as always) on ``SMOKE``.
+    Budgets and item time limits far above what anything needs, so that a busy machine never
+    decides the outcome (budgets and time limits are tested with injected slow items below)."""
     out = tmp_path_factory.mktemp("quick")
-    # Budgets and item time limits far above what anything needs, so that a busy machine never
-    # decides the outcome (budgets and time limits are tested with injected slow items below).
-    unbounded = [arg for name in STAGE_ORDER for arg in ("--budget", f"{name}=30000")]
-    done = _script("--quick", "--out", str(out), "--time-limit", "300000", *unbounded,
-                   "--timeout-scale", "1000", timeout=300000)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    options = RunOptions(out=out, command="python scripts/gpu_report.py --quick", time_limit_s=300000,
+                         budgets={name: 30000 for name in STAGE_ORDER}, require_gpu=False,
+                         timeout_scale=1000)
+    saved = dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            run_report(SMOKE, options)
+    finally:  # the report pins this process to the CPU platform
+        os.environ.clear()
+        os.environ.update(saved)
     report = json.loads((out / files.REPORT_JSON).read_text())
-    return out, report, done.stdout
+    return out, report, printed.getvalue()
 
 
 def _results(report, stage, item_prefix=""):
@@ -102,7 +121,7 @@ def test_quick_kernels_were_checked_against_the_references(quick):
             assert 0 < err["kernel"] < 0.1 * err["scale"] and 0 < err["naive"]
     timed = _results(report, "kernels", "attention")
     assert {(r["result"]["impl"], r["result"]["pass"]) for r in timed if "impl" in r["result"]} == {
-        (impl, p) for impl in QUICK.attention_timing["impls"] for p in QUICK.attention_timing["passes"]}
+        (impl, p) for impl in SMOKE.attention_timing["impls"] for p in SMOKE.attention_timing["passes"]}
     for r in timed:
         res = r["result"]  # TFLOP/s = 4 B H S^2 D (x0.5 causal, x3.5 fwd+bwd) / seconds
         flops = 4 * res["batch"] * res["heads"] * res["seq"] ** 2 * res["head_dim"] * 0.5
@@ -113,7 +132,7 @@ def test_quick_kernels_were_checked_against_the_references(quick):
 def test_quick_training_ran_the_real_model(quick):
     _, report, _ = quick
     runs = _results(report, "training")
-    assert len(runs) == len(QUICK.training_runs)
+    assert len(runs) == len(SMOKE.training_runs)
     h, f, v, layers = 64, 128, 256, 2  # the tiny preset: SwiGLU, RMSNorm, tied embedding
     expected_params = layers * (4 * h * h + 3 * h * f + 2 * h) + v * h + h
     for r in runs:
@@ -129,17 +148,17 @@ def test_quick_training_ran_the_real_model(quick):
     memory = [r for r in report["records"]
               if r["stage"] == "memory" and not r["item"].endswith(" / deviceless")]
     assert [(r["item"], r["status"]) for r in memory] == [
-        (label, "reused") for label, _ in QUICK.training_runs]
+        (label, "reused") for label, _ in SMOKE.training_runs]
 
 
 def test_quick_offload_ratio_and_largest_model_search(quick):
     _, report, _ = quick
     ratios = _results(report, "offload", "ratio")
-    assert [r["item"] for r in ratios] == [f"ratio {o}/{u}" for o, u in QUICK.offload_ratio["choices"]]
+    assert [r["item"] for r in ratios] == [f"ratio {o}/{u}" for o, u in SMOKE.offload_ratio["choices"]]
     losses = [r["result"]["loss"] for r in ratios]
     assert max(losses) - min(losses) < 1e-3  # offload moves the state, not the arithmetic
-    budget = QUICK.largest["compile_budget"]
-    for offload, update_on in QUICK.largest["searches"]:
+    budget = SMOKE.largest["compile_budget"]
+    for offload, update_on in SMOKE.largest["searches"]:
         name = f"largest {offload}/{update_on}"
         probes = {int(r["item"].split("L=")[1]): r["result"]
                   for r in _results(report, "offload", name + " L=")}
@@ -156,7 +175,7 @@ def test_quick_autocast_stage_measures_every_mode(quick):
     report's "unavailable" row is for trees without it."""
     _, report, _ = quick
     own = [r for r in report["records"] if r["stage"] == "autocast"]
-    assert sorted(r["item"] for r in own) == sorted(label for label, *_ in QUICK.autocast["modes"])
+    assert sorted(r["item"] for r in own) == sorted(label for label, *_ in SMOKE.autocast["modes"])
     assert all(r["status"] in ("ok", "reused") for r in own)
 
 
@@ -424,7 +443,9 @@ def _kernel_inputs_of_the_gpu_profile():
                           block_sizes=spec["block_sizes"], interpret=False)
         yield spec["name"], forward_and_backward(fn), (q, kv, kv, q)
     tiles = FULL.attention_tiles
-    for config in FULL.attention_timing["configs"] + tiles["configs"]:
+    # A configuration both timed and tiled is lowered once per tile choice.
+    timed = FULL.attention_timing["configs"]
+    for config in timed + [c for c in tiles["configs"] if c not in timed]:
         shape = (config["tokens"] // config["seq"], config["seq"], config["width"] // config["head_dim"],
                  config["head_dim"])
         q = sds(shape, jnp.bfloat16)
