@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,10 +167,7 @@ class RunCheckpoints:
     def _disk_full(self, step: int, needed: int, code: int) -> DiskFull:
         """The error for a save that ran out of room (``code``: ENOSPC or EFBIG), after removing
         what it left half-written (the earlier steps are untouched)."""
-        for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        if (self.directory / str(step)).is_dir() and step not in self._written:
-            shutil.rmtree(self.directory / str(step), ignore_errors=True)
+        self._remove_half_written(step)
         free = shutil.disk_usage(self.directory).free
         _, what, remedy = OUT_OF_ROOM[code]
         error = DiskFull(
@@ -180,6 +178,27 @@ class RunCheckpoints:
         )
         error.errno = code
         return error
+
+    def _remove_half_written(self, step: int, quiet_s: float = 1.0, give_up_s: float = 30.0):
+        """Removes step ``step``'s partial folders until none has reappeared for ``quiet_s``.
+        The first write that fails ends the save, but the others of the same save are not
+        cancelled: tensorstore's threads can still finish a file (the OCDBT manifest) into the
+        temporary folder after the error has reached us, which would recreate it after a single
+        removal."""
+
+        def leftovers() -> list[Path]:
+            found = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            if (self.directory / str(step)).is_dir() and step not in self._written:
+                found.append(self.directory / str(step))
+            return found
+
+        start = last_seen = time.monotonic()
+        while time.monotonic() - last_seen < quiet_s and time.monotonic() - start < give_up_s:
+            if found := leftovers():
+                for path in found:
+                    shutil.rmtree(path, ignore_errors=True)
+                last_seen = time.monotonic()
+            time.sleep(0.05)
 
     def restore(
         self, step: int, like: TrainState, loader=None

@@ -156,6 +156,7 @@ _FAILED_WRITES = (
     "write_fragment",
     "RESOURCE_EXHAUSTED",
     "No space left on device",
+    "File too large",  # EFBIG: a file over the process's or the file system's size limit
     "Read-only file system",
 )
 
