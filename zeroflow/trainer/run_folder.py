@@ -242,22 +242,28 @@ def claim(run_dir: Path, *, holder: bool = True):
         raise
     held = Claim(run_dir, created)
 
-    def release() -> None:
+    def undo_start() -> None:
         if held.armed:
             held.undo()
+
+    def unlock() -> None:
         with contextlib.suppress(OSError):
             (run_dir / LOCK_FILE).unlink()
 
+    def stopped() -> None:
+        undo_start()
+        unlock()
+
     try:
-        with interrupts.undone_if_stopped(release):  # Ctrl-C before the first step
+        # A signal that ends the process at once (Ctrl-C before the first step) skips the
+        # handlers below: it is undone the same way.
+        with interrupts.undone_if_stopped(stopped):
             yield held
     except BaseException:
-        if held.armed:
-            held.undo()
+        undo_start()
         raise
     finally:
-        with contextlib.suppress(OSError):
-            (run_dir / LOCK_FILE).unlink()
+        unlock()
         os.close(fd)
 
 
