@@ -15,10 +15,9 @@ from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.trainer.planning import compile_config
 from helpers import REPO, token_batches, train_losses, require_cuda_plugin
 
-LAYERS, WIDTH, MLP, HEADS, SEQ, BATCH, N = 2, 128, 384, 4, 64, 16, 8
+LAYERS, WIDTH, MLP, HEADS, SEQ, BATCH, N = 4, 128, 384, 4, 256, 64, 8
 CFG = load_config(REPO / "configs" / "tiny.yaml",
-                  ["precision.params=bf16", f"train.batch_size={BATCH}", f"model.seq_len={SEQ}",
-                   f"model.num_layers={LAYERS}"])
+                  ["precision.params=bf16", f"train.batch_size={BATCH}", f"model.seq_len={SEQ}"])
 CHOICE = dict(num_devices=N, stage=3, offload="none", update_on="device")
 HOST_ARRAY = re.compile(r"(bf16|f32)\[([0-9,]*)\]\{[0-9,]*:S\(5\)\}")
 
