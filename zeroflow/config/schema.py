@@ -289,7 +289,7 @@ class RunConfig:
     tensorboard: bool = True
     "Write TensorBoard event files to run.dir/tb (view with: tensorboard --logdir run.dir/tb)."
     plot: bool = True
-    "Write run.dir/plot.png (training and held-out loss, tokens/s) at each evaluation and at the end."
+    "Write run.dir/plot.png (training and held-out loss, tokens/s) at the end, and at an evaluation when it is over a minute old."
     wandb: str = one_of("off", "offline", "online")
     "Also log to Weights & Biases: 'offline' writes run.dir/wandb/ (upload later with 'wandb sync'), 'online' needs a login; pip install zeroflow[wandb]."
     trackio: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,13 +34,30 @@ def _require(module: str, extra: str):
         ) from None
 
 
-class TensorBoardSink:
-    def __init__(self, run_dir: Path, start_step: int, resumed: bool):
+def _summary_writer_class():
+    """tensorboardX's ``SummaryWriter``, imported without torch. tensorboardX imports torch,
+    when it is installed, only to accept torch tensors, which a run never logs (its scalars are
+    Python floats), and that import takes 2-4 s of every run's start. While tensorboardX loads,
+    ``import torch`` fails as if torch were absent; a later one imports it as usual."""
+    if "torch" in sys.modules:  # already paid for
         from tensorboardX import SummaryWriter
 
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # None makes ``import torch`` fail
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path, start_step: int, resumed: bool):
         self.folder = str(run_dir / TB_DIR)
         # purge_step: TensorBoard hides the events past the resumed step.
-        self.writer = SummaryWriter(self.folder, purge_step=start_step + 1 if resumed else None)
+        self.writer = _summary_writer_class()(
+            self.folder, purge_step=start_step + 1 if resumed else None
+        )
 
     def log(self, row: dict[str, float], step: int) -> None:
         for k, v in row.items():
@@ -48,10 +66,8 @@ class TensorBoardSink:
 
     def rewind(self, step: int) -> None:
         """A rollback to ``step``: a new event file whose purge hides the later events."""
-        from tensorboardX import SummaryWriter
-
         self.writer.close()
-        self.writer = SummaryWriter(self.folder, purge_step=step + 1)
+        self.writer = _summary_writer_class()(self.folder, purge_step=step + 1)
 
     def close(self) -> None:
         self.writer.close()

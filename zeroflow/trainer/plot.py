@@ -1,6 +1,6 @@
 """A picture of a run: ``plot.png`` in the run folder, drawn from its ``metrics.jsonl`` (training
 loss per logged step from the first, held-out loss at each evaluation, the learning rate,
-throughput), redrawn at each evaluation and at the end (``run.plot``). ``python -m zeroflow.trainer.plot RUN_DIR`` draws it again, for
+throughput), redrawn at an evaluation when it is over a minute old, and at the end (``run.plot``). ``python -m zeroflow.trainer.plot RUN_DIR`` draws it again, for
 a run that is still going or one trained with the plot off.
 """
 

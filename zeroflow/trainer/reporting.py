@@ -1,6 +1,6 @@
 """What a run reports: ``metrics.jsonl``, the sinks ``run.*`` asks for (TensorBoard events by
-default, W&B, trackio: ``zeroflow.trainer.loggers``), ``plot.png`` redrawn at each evaluation
-and at the end (``zeroflow.trainer.plot``), and on the terminal a rich progress bar, or (progress off, or output not a terminal) a plain line every
+default, W&B, trackio: ``zeroflow.trainer.loggers``), ``plot.png`` redrawn at an evaluation
+when it is over a minute old, and at the end (``zeroflow.trainer.plot``), and on the terminal a rich progress bar, or (progress off, or output not a terminal) a plain line every
 ``train.log_every`` steps. What a person reads (step lines, evaluations, the final summary)
 goes to stdout, never wrapped; warnings and errors go to stderr.
 
@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ def device_peak_flops(device: jax.Device | None = None) -> float | None:
 
 
 METRICS = "metrics.jsonl"
+PLOT_EVERY_S = 60.0
+"The least time between two redraws of ``plot.png`` at evaluations (the end always redraws)."
 
 
 ROLLBACK = "rollback"
@@ -129,6 +132,8 @@ class Reporter:
         self.jsonl = None
         self.sinks: list = []
         self.plot = cfg.run.plot and self.is_main
+        self.drawn_at: float | None = None  # time.monotonic() of the last redraw
+        self.rows_since_draw = 0
         if self.is_main:
             dropped = trim_metrics(run_dir / METRICS, start_step, rollbacks)
             self.jsonl = open(run_dir / METRICS, "a", encoding="utf-8")
@@ -187,7 +192,7 @@ class Reporter:
         }
         for sink in self.sinks:
             sink.log(numbers, step)
-        if "eval_loss" in row:
+        if "eval_loss" in row and self._plot_is_stale():
             self.draw()
 
     def rollback(self, to_step: int, row: dict[str, Any]) -> None:
@@ -209,17 +214,25 @@ class Reporter:
         not raised."""
         if not self.plot:
             return
+        self.drawn_at, self.rows_since_draw = time.monotonic(), 0
         try:
             write_plot(self.run_dir)
         except Exception as e:
             if report:
                 print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}", file=sys.stderr)
 
+    def _plot_is_stale(self) -> bool:
+        """Redraw at an evaluation when the picture is over ``PLOT_EVERY_S`` old (or there is
+        none yet): a drawing takes about half a second, which a run with frequent evaluations
+        should not pay at each one."""
+        return self.drawn_at is None or time.monotonic() - self.drawn_at >= PLOT_EVERY_S
+
     def _row(self, row: dict[str, Any]) -> None:
         if self.jsonl is None:  # only the main process writes metrics.jsonl
             return
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
+        self.rows_since_draw += 1
 
     def print(self, message: str) -> None:
         """A line for the person running it, on stdout (above the bar while one is shown)."""
@@ -238,7 +251,8 @@ class Reporter:
             self.progress.stop()
         if self.jsonl:
             self.jsonl.close()
-            self.draw(report=not failing)
+            if self.rows_since_draw or self.drawn_at is None:  # else the picture is current
+                self.draw(report=not failing)
         for sink in self.sinks:
             sink.close()
 
