@@ -1,6 +1,8 @@
 """Helpers shared by several test files (tests/ is on sys.path under pytest): loading scripts,
 walking jaxprs, and the loops and comparisons the engine tests run against plain optax."""
 import importlib.util
+import os
+import re
 from pathlib import Path
 
 import jax
@@ -9,6 +11,14 @@ import optax
 from jax.extend import core as jcore
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def one_cpu_env(**extra) -> dict[str, str]:
+    """The environment of a program a test starts as a user would: one CPU device (without the
+    suite's 8 emulated ones), the suite's cheap-compile XLA flags (tests/conftest.py: a tiny
+    run starts in about half the time), and ``extra`` on top."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    return {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": " ".join(flags.split()), **extra}
 
 
 def load_script(name):

@@ -165,8 +165,10 @@ def test_stage3_context2_data2_trains_like_optax():
         params = optax.apply_updates(params, updates)
         want_losses.append(float(loss))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    # Adam divides by the gradient's size: where a gradient is near zero, a rounding of it moves
+    # the weight by a sizeable part of the learning rate, so weights agree to 1% of it.
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 def test_balanced_layout_holds_chunks_i_and_mirror_with_even_causal_work():

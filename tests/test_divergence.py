@@ -3,7 +3,6 @@ tests/spike.py) rolls back to its newest healthy checkpoint, skips the batches t
 finishes; with train.on_divergence=stop it names that checkpoint, never the poisoned one; a run
 killed with kill -9 in the middle of its recovery ends where the uninterrupted one ends."""
 import json
-import os
 import re
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from zeroflow.autocast.precision import Precision
 from zeroflow.config.schema import TrainConfig
 from fixtures import TINY_TRAINER
 from spike import spiked
+from helpers import one_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = TINY_TRAINER + ["data.max_bytes=100000", "train.warmup_steps=2", "train.eval_every=0"]
@@ -256,10 +256,9 @@ def test_rollback_on_packed_records_moves_the_grain_loader_past_the_skipped_batc
 def _spawn(run_dir: Path, cache: Path):
     # One CPU device; every start reuses the first one's compiled programs (jax's persistent
     # cache), so the second and third runs cost seconds.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    env = one_cpu_env(JAX_COMPILATION_CACHE_DIR=str(cache),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     args = ["--config", str(REPO / "configs/tiny.yaml"), *SMALL, *RECOVERING, f"run.dir={run_dir}"]
     return subprocess.Popen([sys.executable, str(REPO / "tests" / "spike.py"), str(AT), str(TIMES),
                              *args], cwd=REPO, env=env, stdout=subprocess.PIPE,

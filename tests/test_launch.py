@@ -1,6 +1,5 @@
 """Multi-process runs: ``zeroflow.launch`` on local CPU processes, ``zeroflow.engine.distributed`` settings."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from zeroflow.engine.distributed import ProcessSettings, requested, settings_fro
 from zeroflow.cli.launch import free_port, process_env
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from fixtures import TINY_TRAINER
+from helpers import one_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.steps=4", "train.eval_every=0"]
@@ -24,9 +24,7 @@ SLURM_STEP = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_N
 
 def plain_env(**extra):
     """A child environment without the 8 emulated devices of conftest."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **extra}
-    env.pop("XLA_FLAGS", None)
-    return env
+    return one_cpu_env(**extra)
 
 
 def start(args, **kw):

@@ -34,7 +34,9 @@ def test_per_layer_gather_matches_and_needs_no_more_memory():
     layered, layered_temp, state = _run(3, per_layer=True)
     np.testing.assert_allclose(layered, ref, rtol=1e-6)
     np.testing.assert_allclose(whole, ref, rtol=1e-6)
-    assert_leaves_close(state.master_params, ref_state.master_params, rtol=1e-5, atol=1e-6)
+    # Adam divides by the gradient's size: where a gradient is near zero, a rounding of it moves
+    # the weight by a sizeable part of the learning rate, so weights agree to 1% of it.
+    assert_leaves_close(state.master_params, ref_state.master_params, rtol=1e-5, atol=1e-5)
     # Only one layer's weights are whole at a time (XLA's own accounting of the compiled step).
     # Without the hint, stage 3 descends into the model's nn.scan by itself and also gathers one
     # layer per iteration, so both need the same; what that saves over gathering the whole

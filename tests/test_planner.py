@@ -164,8 +164,9 @@ def test_a_refused_compile_is_one_readable_line():
 
 def test_written_overrides_train(tmp_path):
     """The planner's overrides for this machine run the trainer as they are."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)
+    from helpers import one_cpu_env  # here: GPU_PLAN's process imports this module without tests/
+
+    env = one_cpu_env()
     out = tmp_path / "plan"
     planned = subprocess.run(
         [sys.executable, "-m", "zeroflow.planner", "--config", "configs/tiny.yaml", "--devices",

@@ -24,6 +24,7 @@ from zeroflow.trainer import build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from zeroflow.trainer.reporting import trim_metrics
 from fixtures import TINY_TRAINER
+from helpers import one_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = TINY_TRAINER + ["data.max_bytes=100000", "train.warmup_steps=2", "train.eval_every=0"]
@@ -86,10 +87,9 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def _spawn(args, compile_cache: Path):
     # One CPU device, like a user's first run; each start reuses the first one's compiled
     # programs (jax's persistent cache), so a fault costs seconds.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    env = one_cpu_env(JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

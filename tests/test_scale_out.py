@@ -1,5 +1,4 @@
 """Tensor parallelism composed with ZeRO, and checkpoints that reshard, on 8 emulated devices."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_loss_fn
 from zeroflow.models.rules import gpt_tensor_rules
 from fixtures import BATCHES, init_params as mlp_params, loss_fn as mlp_loss, make_tx
-from helpers import assert_leaves_close, train_losses
+from helpers import assert_leaves_close, one_cpu_env, train_losses
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_CFG = ModelConfig(vocab_size=256, seq_len=16, num_layers=1, embed_dim=32, num_heads=2,
@@ -127,8 +126,7 @@ def test_restore_onto_mismatched_tree_is_a_clear_error(tmp_path):
 
 
 def test_cli_trains_with_tensor_parallel_model_axis(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
+    env = one_cpu_env()
     proc = subprocess.run(
         [sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml", "--cpu-devices", "4",
          "parallel.data=2", "parallel.model=2", "parallel.zero_stage=3", "model.num_layers=1",

@@ -1,6 +1,5 @@
 """The trainer through its real entry points, on a shrunk config of the embedded corpus."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,14 +14,14 @@ from zeroflow.config.io import load_config
 from zeroflow.trainer import TrainingDiverged, build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from fixtures import TINY_TRAINER
+from helpers import one_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2"]
 
 
 def cli(*args, env_extra=None, **kw):
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    env.pop("XLA_FLAGS", None)  # the CLI must work on a plain single-device CPU
+    env = one_cpu_env(**(env_extra or {}))  # the CLI must work on a plain single-device CPU
     return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -77,7 +76,9 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
               f"train.steps={n}", "train.eval_every=0"]
     # The three runs share compiled programs through jax's persistent cache: a start costs
     # seconds, not a compile.
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "compiled"),
+    # XLA's full optimisation: these steps are ten times the tiny runs', and run 60 times each,
+    # which the suite's cheap-compile flags would make 3x slower.
+    cache = {"XLA_FLAGS": "", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "compiled"),
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     straight = tmp_path / "straight"
