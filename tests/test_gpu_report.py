@@ -28,6 +28,7 @@ from gpureport.profiles import QUICK, STAGE_ORDER  # noqa: E402
 from gpureport.runner import Context, Item, Runner, Summary  # noqa: E402
 from gpureport.session import RunOptions, run_report  # noqa: E402
 from gpureport.stages import STAGES  # noqa: E402
+from helpers import one_cpu_env  # noqa: E402
 
 GOOD = ("ok", "reused")
 STATUSES = {"ok", "reused", "error", "oom", "timeout", "crash", "skipped", "unavailable"}
@@ -40,10 +41,12 @@ def _script(*args, timeout=600):
 
 
 SMOKE = dataclasses.replace(QUICK, training_runs=QUICK.training_runs[:1],
-                            largest={**QUICK.largest, "max_probes": 1})
+                            largest={**QUICK.largest, "max_probes": 1},
+                            child_vars={**QUICK.child_vars, "XLA_FLAGS": one_cpu_env()["XLA_FLAGS"]})
 """The quick profile less what repeats a code path, each item being a process (~6 CPU-s): one
 training configuration (the second differs by its attention only) and one probe per
-largest-model search (each probe is the same compile-and-compare)."""
+largest-model search (each probe is the same compile-and-compare); its processes compile with
+the suite's cheap-compile flags."""
 
 
 @pytest.fixture(scope="module")
