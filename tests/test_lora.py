@@ -128,12 +128,16 @@ def test_gpt_adapted_loss_starts_at_base_and_merges():
     loss_fn = make_loss_fn(cfg)
     lo = zf.lora(loss_fn, rank=RANK, alpha=ALPHA, targets="kernel")
     ad = lo.init(jax.random.key(2), params, batch)
-    base = loss_fn(params, batch)[0]
-    np.testing.assert_allclose(lo.loss({"base": params, "lora": ad}, batch)[0], base, rtol=1e-6)
+    # Jitted, each loss compiles once for its two calls (op by op, the model's small
+    # operations each compile, several times the cost).
+    plain_loss = jax.jit(lambda p, b: loss_fn(p, b)[0])
+    adapted_loss = jax.jit(lambda p, b: lo.loss(p, b)[0])
+    base = plain_loss(params, batch)
+    np.testing.assert_allclose(adapted_loss({"base": params, "lora": ad}, batch), base, rtol=1e-6)
     ad = _perturbed(ad)
-    adapted = lo.loss({"base": params, "lora": ad}, batch)[0]
+    adapted = adapted_loss({"base": params, "lora": ad}, batch)
     assert abs(float(adapted - base)) > 1e-3
-    np.testing.assert_allclose(loss_fn(lo.merge(params, ad), batch)[0], adapted, rtol=1e-5)
+    np.testing.assert_allclose(plain_loss(lo.merge(params, ad), batch), adapted, rtol=1e-5)
 
 
 def test_errors_name_the_parameter():
@@ -177,8 +181,8 @@ def test_peft_folder_gives_our_adapted_logits(arch, tmp_path):
 
     lo = zf.lora(logits, rank=3, alpha=5.0, targets=targets)
     ad = _perturbed(lo.init(jax.random.key(0), params, jnp.asarray(tokens)))
-    ours = np.asarray(lo.loss({"base": params, "lora": ad}, jnp.asarray(tokens)))
-    assert np.abs(ours - np.asarray(logits(params, tokens))).max() > 0.05
+    ours = np.asarray(jax.jit(lo.loss)({"base": params, "lora": ad}, jnp.asarray(tokens)))
+    assert np.abs(ours - np.asarray(jax.jit(logits)(params, tokens))).max() > 0.05
     save_peft(ad, cfg, tmp_path / "peft", alpha=5.0, base_model=str(tmp_path / "base"))
     loaded = peft.PeftModel.from_pretrained(type(model).from_pretrained(tmp_path / "base"),
                                             tmp_path / "peft").eval()
