@@ -1,5 +1,6 @@
 """Frozen weights (``trainable=``): the engine against a hand-written loop of plain optax on the
 trainable leaves alone, the step's jaxpr, the state's bytes, checkpoints and bad input."""
+import functools
 import math
 
 import flax.linen as nn
@@ -50,6 +51,13 @@ def reference_run(params, batches, tx, dtype):
     return np.array(losses), train, fixed
 
 
+@functools.cache
+def reference(dtype):
+    """``reference_run`` from the initial parameters over ``BATCHES``: one hand-written run per
+    dtype, shared by the tests that compare against it (its arrays are immutable)."""
+    return reference_run(init_params(), BATCHES, make_tx(), dtype)
+
+
 def run(stage, prec, trainable, offload="none", batches=BATCHES, update_on="device", grad_accum=1):
     plan = zf.ZeroPlan(zf.make_mesh(), stage=stage, offload=offload, update_on=update_on)
     tx = make_tx()
@@ -73,7 +81,7 @@ def frozen_leaves(tree):
 
 @pytest.mark.parametrize("stage,grad_accum", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 2), (3, 2)])
 def test_fp32_matches_optax_on_the_trainable_subset(stage, grad_accum):
-    ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.float32)
+    ref_losses, ref_train, ref_fixed = reference(jnp.float32)
     losses, state = run(stage, zf.Precision(), MASK, grad_accum=grad_accum)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_leaves_close(trained_leaves(state.master_params), ref_train, rtol=1e-5, atol=1e-6)
@@ -82,7 +90,7 @@ def test_fp32_matches_optax_on_the_trainable_subset(stage, grad_accum):
 
 def test_one_device_matches_optax_on_the_trainable_subset():
     """One device: the step runs without shard_map or collectives."""
-    ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.bfloat16)
+    ref_losses, ref_train, ref_fixed = reference(jnp.bfloat16)
     plan = zf.ZeroPlan(zf.make_mesh(devices=jax.devices()[:1]), stage=0)
     prec, tx = zf.Precision(params="bf16"), make_tx()
     state = zf.init_train_state(init_params(), tx, plan, prec, trainable=MASK)
@@ -100,7 +108,7 @@ def test_one_device_matches_optax_on_the_trainable_subset():
     (1, "none", "device"), (3, "none", "device"), (3, "optimizer+params", "device"),
     (1, "optimizer+params", "host")])
 def test_bf16_matches_the_hand_written_loop_and_keeps_frozen_bits(stage, offload, update_on):
-    ref_losses, ref_train, ref_fixed = reference_run(init_params(), BATCHES, make_tx(), jnp.bfloat16)
+    ref_losses, ref_train, ref_fixed = reference(jnp.bfloat16)
     losses, state = run(stage, zf.Precision(params="bf16"), frozen_by_path, offload,
                         update_on=update_on)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
