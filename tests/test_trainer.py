@@ -1,5 +1,6 @@
 """The trainer through its real entry points, on a shrunk config of the embedded corpus."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,10 +22,18 @@ REPO = Path(__file__).resolve().parents[1]
 SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2"]
 
 
-def cli(*args, env_extra=None, **kw):
-    env = one_cpu_env(**(env_extra or {}))  # the CLI must work on a plain single-device CPU
-    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+def cli_env() -> dict[str, str]:
+    # The CLI must work on a plain single-device CPU. Every program goes to the test run's
+    # compilation cache (conftest), however quickly it compiled: the SIGTERM test's runs load
+    # the smoke run's programs instead of compiling them again.
+    return one_cpu_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+
+def cli(*args):
+    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
@@ -88,7 +97,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path, smoke_ru
     stopped, marker = tmp_path / "stopped", tmp_path / "held"
     p = subprocess.Popen([sys.executable, str(REPO / "tests" / "hold_before_step.py"), "2",
                           str(marker), *SMOKE, f"run.dir={stopped}"], cwd=REPO,
-                         env=one_cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     while p.poll() is None and not marker.exists():
         time.sleep(0.01)
@@ -109,10 +118,22 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path, smoke_ru
                                rtol=1e-6)
 
 
-def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(tmp_path, caplog):
-    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=4", "checkpoint.every=2",
-                                                             "train.eval_every=0", f"run.dir={tmp_path}"])
-    train(cfg)
+def four_steps_config(run_dir):
+    return load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=4", "checkpoint.every=2",
+                                                             "train.eval_every=0", f"run.dir={run_dir}"])
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A finished 4-step run, checkpoints at steps 2 and 4; tests damage or resume copies."""
+    run_dir = tmp_path_factory.mktemp("four") / "run"
+    train(four_steps_config(run_dir))
+    return run_dir
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(four_steps, tmp_path, caplog):
+    shutil.copytree(four_steps, tmp_path, dirs_exist_ok=True)
+    cfg = four_steps_config(tmp_path)
     ckpts = RunCheckpoints(tmp_path / "checkpoints", 3)
     assert ckpts.steps() == [2, 4]
     # Truncate every data file of the latest checkpoint's state, as a crash mid-copy would.
@@ -187,15 +208,13 @@ def test_sample_and_export_from_a_run(tmp_path, capsys):
     assert "must end in .safetensors or .npz" in capsys.readouterr().err
 
 
-def test_resuming_a_finished_run_says_so_in_one_line(tmp_path, capsys):
-    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=2", "train.eval_every=0",
-                                                             f"run.dir={tmp_path}"])
-    train(cfg)
-    capsys.readouterr()
-    result = train(cfg)
+def test_resuming_a_finished_run_says_so_in_one_line(four_steps, tmp_path, capsys):
+    shutil.copytree(four_steps, tmp_path, dirs_exist_ok=True)
+    capsys.readouterr()  # the lines of the run that made it
+    result = train(four_steps_config(tmp_path))
     out = capsys.readouterr().out
-    assert "the checkpoint is at step 2, train.steps is 2: nothing to do" in out
-    assert "nan" not in out and result.step == 2 and result.losses == {}
+    assert "the checkpoint is at step 4, train.steps is 4: nothing to do" in out
+    assert "nan" not in out and result.step == 4 and result.losses == {}
 
 
 def test_dropout_uses_the_engine_rng_and_evaluation_runs_without_it(tmp_path):
