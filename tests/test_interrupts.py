@@ -8,7 +8,6 @@ begins to catch SIGTERM, which plain Python does not): before it the interpreter
 starting (its site imports), where no program's code runs yet."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 import pytest
 
 from fixtures import TINY_TRAINER
-from helpers import REPO
+from helpers import REPO, one_cpu_env
 
 STEPS = 6
 
@@ -30,11 +29,12 @@ def _command(run_dir):
 
 
 def _env():
-    # Every program of every run goes to the test run's compilation cache (conftest), however
-    # quickly it compiled: the runs are the same program, so only the first one compiles.
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    # One CPU device, as a user's first run (the suite's eight emulated ones would make each run
+    # compile and step an 8-way sharded program). Every program of every run goes to the test
+    # run's compilation cache (conftest), however quickly it compiled: the runs are the same
+    # program, so only the first one compiles.
+    return one_cpu_env(PYTHONUNBUFFERED="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 
 def _final_loss(run_dir) -> float:

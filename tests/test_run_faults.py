@@ -84,14 +84,18 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 # --- kill -9 -------------------------------------------------------------------------------
 
-def _spawn(args, compile_cache: Path):
-    # One CPU device, like a user's first run; each start reuses the first one's compiled
-    # programs (jax's persistent cache), so a fault costs seconds.
-    env = one_cpu_env(JAX_COMPILATION_CACHE_DIR=str(compile_cache),
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _cached_env(**extra) -> dict[str, str]:
+    # One CPU device, like a user's first run; every program goes to the test run's compilation
+    # cache (conftest), however quickly it compiled: the runs of a test, and the disk-full run
+    # of the same command, compile only once.
+    return one_cpu_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", **extra)
+
+
+def _spawn(args):
+    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO,
+                            env=_cached_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _logged_steps(run_dir: Path) -> int:
@@ -102,11 +106,14 @@ def _logged_steps(run_dir: Path) -> int:
         return 0
 
 
+# The command of the kill -9 test and of the disk-full one: one compiled step for both.
+EVERY_STEP_SAVED = ["train.steps=8", "checkpoint.every=1", "train.eval_batches=0"]
+
+
 def test_kill_9_at_random_points_resumes_bit_identically_and_logs_each_step_once(tmp_path):
-    steps = 12
-    common = ["train.steps=12", "checkpoint.every=1", "checkpoint.keep=2", "train.eval_batches=0"]
-    cache = tmp_path / "compiled"
-    straight = _spawn(cli_args(tmp_path / "straight", *common), cache)
+    steps = 8
+    common = [*EVERY_STEP_SAVED, "checkpoint.keep=2"]
+    straight = _spawn(cli_args(tmp_path / "straight", *common))
     _, err = straight.communicate(timeout=600)
     assert straight.returncode == 0, err
 
@@ -114,7 +121,7 @@ def test_kill_9_at_random_points_resumes_bit_identically_and_logs_each_step_once
     rng = random.Random(22)
     killed_mid_run = 0
     for target in sorted(rng.sample(range(1, steps), 3)):  # kill once this many steps are logged
-        proc = _spawn(cli_args(faulty, *common), cache)
+        proc = _spawn(cli_args(faulty, *common))
         while proc.poll() is None and _logged_steps(faulty) < target:
             time.sleep(0.005)
         time.sleep(rng.uniform(0, 0.05))  # land anywhere: mid-step, mid-save, mid-log
@@ -122,7 +129,7 @@ def test_kill_9_at_random_points_resumes_bit_identically_and_logs_each_step_once
         proc.communicate(timeout=600)
         killed_mid_run += proc.returncode == -signal.SIGKILL and _logged_steps(faulty) < steps
     assert killed_mid_run >= 1
-    resumed = _spawn(cli_args(faulty, *common), cache)
+    resumed = _spawn(cli_args(faulty, *common))
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
 
@@ -360,12 +367,10 @@ needs_mount_namespace = pytest.mark.skipif(
     "(unshare -rm), which this machine does not allow")
 
 
-def _in_private_mount(setup: str, args: list[str], cache: Path) -> subprocess.CompletedProcess:
+def _in_private_mount(setup: str, args: list[str]) -> subprocess.CompletedProcess:
     """``python -m zeroflow.train ARGS`` after the shell commands ``setup`` in a private mount
     namespace (a tmpfs of a few hundred KB, or a folder mounted read-only)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    env = _cached_env()
     env.pop("ZEROFLOW_TRACEBACK", None)
     command = f'{setup} && exec "$0" -m zeroflow.train "$@"'
     return subprocess.run(["unshare", "-rm", "sh", "-c", command, sys.executable, *args],
@@ -377,10 +382,9 @@ def test_disk_full_and_a_read_only_folder_each_end_in_one_line(tmp_path, finishe
     disk = tmp_path / "disk"
     disk.mkdir()
     run_dir = disk / "run"
-    common = ["train.steps=8", "checkpoint.every=1", "train.eval_batches=0"]
     # 700 KB: the first checkpoints fit, a later one does not.
     full = _in_private_mount(f"mount -t tmpfs -o size=700k tmpfs {disk}",
-                             cli_args(run_dir, *common), tmp_path / "compiled")
+                             cli_args(run_dir, *EVERY_STEP_SAVED))
     assert full.returncode == 1, full.stderr
     line = one_line(full.stderr)
     assert line.startswith("zeroflow.train: error: no space left on device for checkpoint step ")
@@ -389,8 +393,7 @@ def test_disk_full_and_a_read_only_folder_each_end_in_one_line(tmp_path, finishe
     shutil.copytree(finished_run, run_dir)
     before = snapshot(run_dir)
     read_only = _in_private_mount(f"mount --bind {run_dir} {run_dir} && mount -o "
-                                  f"remount,bind,ro {run_dir}", cli_args(run_dir, "train.steps=6"),
-                                  tmp_path / "compiled")
+                                  f"remount,bind,ro {run_dir}", cli_args(run_dir, "train.steps=6"))
     assert read_only.returncode == 2, read_only.stderr
     assert one_line(read_only.stderr) == (
         f"zeroflow.train: error: run.dir {run_dir} is not writable (Read-only file system): a "
@@ -531,7 +534,7 @@ def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_leaves_nothing_ha
 
     # Without the suite's shared compilation cache: its entries (~50 KB) would meet the limit
     # first, and jax warns about each one it cannot write.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    env = one_cpu_env(JAX_ENABLE_COMPILATION_CACHE="false")
     env.pop("ZEROFLOW_TRACEBACK", None)
     done = subprocess.run(
         [sys.executable, "-m", "zeroflow.train",

@@ -1,5 +1,6 @@
 """The trainer through its real entry points, on a shrunk config of the embedded corpus."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from zeroflow.cli import train as train_cli
 from zeroflow.config.io import load_config
 from zeroflow.trainer import TrainingDiverged, build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints
@@ -20,10 +22,18 @@ REPO = Path(__file__).resolve().parents[1]
 SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2"]
 
 
-def cli(*args, env_extra=None, **kw):
-    env = one_cpu_env(**(env_extra or {}))  # the CLI must work on a plain single-device CPU
-    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+def cli_env() -> dict[str, str]:
+    # The CLI must work on a plain single-device CPU. Every program goes to the test run's
+    # compilation cache (conftest), however quickly it compiled: the SIGTERM test's runs load
+    # the smoke run's programs instead of compiling them again.
+    return one_cpu_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+
+def cli(*args):
+    return subprocess.Popen([sys.executable, "-m", "zeroflow.train", *args], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
@@ -31,11 +41,22 @@ def read_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_cli_smoke_trains_and_writes_outputs(tmp_path):
-    proc = cli("--config", "configs/tiny.yaml", *SHRUNK, "train.steps=8", "train.eval_every=4",
-               "run.tensorboard=true", f"run.dir={tmp_path}")
+# The smoke run's command: also the uninterrupted run the SIGTERM test resumes to match.
+SMOKE = ["--config", "configs/tiny.yaml", *SHRUNK, "train.steps=8", "train.eval_every=4",
+         "run.tensorboard=true"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("smoke")
+    proc = cli(*SMOKE, f"run.dir={run_dir}")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
+    return run_dir
+
+
+def test_cli_smoke_trains_and_writes_outputs(smoke_run):
+    tmp_path = smoke_run
     losses = read_losses(tmp_path)
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1]
@@ -51,10 +72,12 @@ def test_cli_smoke_trains_and_writes_outputs(tmp_path):
     ("train.steps=many", "train.steps"),
     ("model.norm=batchnorm", "rmsnorm, layernorm"),
 ])
-def test_cli_bad_config_is_one_line(override, needle, tmp_path):
-    proc = cli("--config", "configs/tiny.yaml", override, f"run.dir={tmp_path}")
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
+def test_cli_bad_config_is_one_line(override, needle, tmp_path, capsys):
+    # In-process: the exit status of ``python -m zeroflow.train`` is main's return value (the
+    # mesh test below runs the real entry point).
+    assert train_cli.main(["--config", str(REPO / "configs/tiny.yaml"), override,
+                           f"run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert needle in lines[0] and "Traceback" not in err
@@ -67,55 +90,50 @@ def test_cli_mesh_that_does_not_fit_is_one_line(tmp_path):
     assert err.strip().splitlines()[-1].startswith("zeroflow.train: error: mesh data=4")
 
 
-def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
-    # Wide enough that a step takes ~0.1 s on 2 CPU cores: the signal lands seconds before the
-    # 60-step run could finish, however fast the machine is.
-    n = 60
-    common = ["--config", "configs/tiny.yaml", *SHRUNK, "model.embed_dim=128", "model.mlp_dim=384",
-              "model.seq_len=128", "train.batch_size=16", "data.max_bytes=2000000",
-              f"train.steps={n}", "train.eval_every=0"]
-    # The three runs share compiled programs through jax's persistent cache: a start costs
-    # seconds, not a compile.
-    # XLA's full optimisation: these steps are ten times the tiny runs', and run 60 times each,
-    # which the suite's cheap-compile flags would make 3x slower.
-    cache = {"XLA_FLAGS": "", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "compiled"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-    straight = tmp_path / "straight"
-    p = cli(*common, f"run.dir={straight}", env_extra=cache)
-    assert p.wait(timeout=600) == 0, p.stderr.read()
-
-    stopped = tmp_path / "stopped"
-    p = cli(*common, f"run.dir={stopped}", env_extra=cache)
-    deadline = time.time() + 600
-    while time.time() < deadline:  # interrupt once a few steps have been logged
-        metrics = stopped / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
+def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path, smoke_run):
+    # The smoke run's command, held before its third step until SIGTERM is pending
+    # (tests/hold_before_step.py): the signal lands after two steps on any machine. The step
+    # in flight then (the third) finishes and is saved.
+    stopped, marker = tmp_path / "stopped", tmp_path / "held"
+    p = subprocess.Popen([sys.executable, str(REPO / "tests" / "hold_before_step.py"), "2",
+                          str(marker), *SMOKE, f"run.dir={stopped}"], cwd=REPO,
+                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    while p.poll() is None and not marker.exists():
+        time.sleep(0.01)
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=300)
-    saved = RunCheckpoints(stopped / "checkpoints", 3).steps()
-    if p.returncode == 0:  # it finished before the signal landed: nothing to resume
-        pytest.fail("run finished before SIGTERM; make it longer")
+    out, err = p.communicate(timeout=600)
     assert p.returncode == 128 + signal.SIGTERM, err
-    assert len(saved) == 1 and 3 <= saved[0] < n
-    assert "SIGTERM: saved a checkpoint" in out  # what a person reads is on stdout
+    assert RunCheckpoints(stopped / "checkpoints", 3).steps() == [3]
+    assert sorted(read_losses(stopped)) == [1, 2, 3]
+    assert "SIGTERM: saved a checkpoint at step 3" in out  # what a person reads is on stdout
 
-    p = cli(*common, f"run.dir={stopped}", env_extra=cache)
+    p = cli(*SMOKE, f"run.dir={stopped}")
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
-    assert f"resumed from step {saved[0]}" in out
-    want, got = read_losses(straight), read_losses(stopped)
-    assert sorted(got) == sorted(want) == list(range(1, n + 1))
-    np.testing.assert_allclose([got[s] for s in range(1, n + 1)], [want[s] for s in range(1, n + 1)],
+    assert "resumed from step 3" in out
+    want, got = read_losses(smoke_run), read_losses(stopped)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
                                rtol=1e-6)
 
 
-def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(tmp_path, caplog):
-    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=4", "checkpoint.every=2",
-                                                             "train.eval_every=0", f"run.dir={tmp_path}"])
-    train(cfg)
+def four_steps_config(run_dir):
+    return load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=4", "checkpoint.every=2",
+                                                             "train.eval_every=0", f"run.dir={run_dir}"])
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A finished 4-step run, checkpoints at steps 2 and 4; tests damage or resume copies."""
+    run_dir = tmp_path_factory.mktemp("four") / "run"
+    train(four_steps_config(run_dir))
+    return run_dir
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(four_steps, tmp_path, caplog):
+    shutil.copytree(four_steps, tmp_path, dirs_exist_ok=True)
+    cfg = four_steps_config(tmp_path)
     ckpts = RunCheckpoints(tmp_path / "checkpoints", 3)
     assert ckpts.steps() == [2, 4]
     # Truncate every data file of the latest checkpoint's state, as a crash mid-copy would.
@@ -190,15 +208,13 @@ def test_sample_and_export_from_a_run(tmp_path, capsys):
     assert "must end in .safetensors or .npz" in capsys.readouterr().err
 
 
-def test_resuming_a_finished_run_says_so_in_one_line(tmp_path, capsys):
-    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=2", "train.eval_every=0",
-                                                             f"run.dir={tmp_path}"])
-    train(cfg)
-    capsys.readouterr()
-    result = train(cfg)
+def test_resuming_a_finished_run_says_so_in_one_line(four_steps, tmp_path, capsys):
+    shutil.copytree(four_steps, tmp_path, dirs_exist_ok=True)
+    capsys.readouterr()  # the lines of the run that made it
+    result = train(four_steps_config(tmp_path))
     out = capsys.readouterr().out
-    assert "the checkpoint is at step 2, train.steps is 2: nothing to do" in out
-    assert "nan" not in out and result.step == 2 and result.losses == {}
+    assert "the checkpoint is at step 4, train.steps is 4: nothing to do" in out
+    assert "nan" not in out and result.step == 4 and result.losses == {}
 
 
 def test_dropout_uses_the_engine_rng_and_evaluation_runs_without_it(tmp_path):
