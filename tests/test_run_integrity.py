@@ -156,7 +156,7 @@ def jax_leaves(tree):
 def test_a_second_trainer_refuses_in_one_line_while_export_reads_the_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     first = _spawn(cli_args(run_dir, "train.steps=100000", "checkpoint.every=2",
-                            "train.eval_batches=0"), tmp_path / "compiled")
+                            "train.eval_batches=0"))
     try:
         while first.poll() is None and not (run_dir / "checkpoints" / "2").is_dir():
             time.sleep(0.05)
