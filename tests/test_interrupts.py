@@ -21,9 +21,9 @@ from helpers import REPO, one_cpu_env
 STEPS = 6
 
 
-def _command(run_dir):
+def _command(run_dir, program=("-m", "zeroflow.train")):
     # 100 KB of the corpus: a run reads only what its 6 steps and one evaluation batch need.
-    return [sys.executable, "-m", "zeroflow.train", "--config", str(REPO / "configs" / "tiny.yaml"),
+    return [sys.executable, *program, "--config", str(REPO / "configs" / "tiny.yaml"),
             *TINY_TRAINER, f"run.dir={run_dir}", f"train.steps={STEPS}", "checkpoint.every=2",
             "train.eval_every=0", "run.plot=false", "run.tensorboard=false", "data.max_bytes=100000"]
 
@@ -55,13 +55,19 @@ def _catches_sigterm(pid: int) -> bool:
     return bool(caught & (1 << (signal.SIGTERM - 1)))
 
 
-def _interrupt(run_dir, *, after_seconds=None, after_line=None):
-    proc = subprocess.Popen(_command(run_dir), env=_env(), stdout=subprocess.PIPE,
+def _interrupt(run_dir, *, after_seconds=None, after_line=None, held_after_step=None):
+    marker = run_dir.parent / "held"
+    program = ("-m", "zeroflow.train") if held_after_step is None else (
+        str(REPO / "tests" / "hold_before_step.py"), str(held_after_step), str(marker))
+    proc = subprocess.Popen(_command(run_dir, program), env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     out = []
     while proc.poll() is None and not _catches_sigterm(proc.pid):
         time.sleep(0.005)
-    if after_line is not None:
+    if held_after_step is not None:  # the run waits there for the signal: no race to lose
+        while proc.poll() is None and not marker.exists():
+            time.sleep(0.01)
+    elif after_line is not None:
         for line in proc.stdout:
             out.append(line)
             if line.startswith(after_line):
@@ -73,13 +79,15 @@ def _interrupt(run_dir, *, after_seconds=None, after_line=None):
     return proc.returncode, "".join(out) + rest, err
 
 
-@pytest.mark.parametrize("moment", [0.0, 2.0, "step 1/", f"step {STEPS}/"],
+@pytest.mark.parametrize("moment", [{"after_seconds": 0.0}, {"after_seconds": 2.0},
+                                    {"held_after_step": 1}, {"after_line": f"step {STEPS}/"}],
                          ids=["importing", "building", "training", "closing"])
 def test_sigint_at_any_moment_is_one_line_and_resumes_exactly(moment, tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    kind = "after_line" if isinstance(moment, str) else "after_seconds"
-    code, out, err = _interrupt(run_dir, **{kind: moment})
-    if code == 0:  # a fast machine finished first: nothing was interrupted, nothing to check
+    code, out, err = _interrupt(run_dir, **moment)
+    # Training is held after step 1 until the signal comes (tests/hold_before_step.py), so it
+    # is always interrupted; the other moments are instants a fast machine may have passed.
+    if code == 0 and "held_after_step" not in moment:  # finished first: nothing interrupted
         assert _final_loss(run_dir) == uninterrupted
         return
     assert code == 130, (out, err)
@@ -94,6 +102,8 @@ def test_sigint_at_any_moment_is_one_line_and_resumes_exactly(moment, tmp_path, 
             return
     else:  # stopped while training (it saved) or closing (it had saved): it says so last
         last = out.strip().splitlines()[-1]
+        if "held_after_step" in moment:  # step 2 was in flight when the signal came: it is saved
+            assert last.startswith("SIGINT: saved a checkpoint at step 2"), out
         assert last.startswith(("SIGINT: saved a checkpoint at step",
                                 f"SIGINT: the run had finished; its last checkpoint is step {STEPS}")), out
     subprocess.run(_command(run_dir), env=_env(), check=True, capture_output=True)
