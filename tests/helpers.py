@@ -13,12 +13,18 @@ from jax.extend import core as jcore
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one_cpu_env(**extra) -> dict[str, str]:
+def one_cpu_env(*, cache_every_program: bool = False, **extra) -> dict[str, str]:
     """The environment of a program a test starts as a user would: one CPU device (without the
     suite's 8 emulated ones), the suite's cheap-compile XLA flags (tests/conftest.py: a tiny
-    run starts in about half the time), and ``extra`` on top."""
+    run starts in about half the time), and ``extra`` on top. ``cache_every_program``: every
+    program it compiles goes to the persistent compilation cache (the test run's, from
+    conftest, unless ``extra`` names another), however quickly it compiled, so a second
+    process running the same command loads them instead of compiling."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    return {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": " ".join(flags.split()), **extra}
+    cache = ({"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"} if cache_every_program else {})
+    return {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": " ".join(flags.split()), **cache,
+            **extra}
 
 
 def load_script(name):

@@ -256,9 +256,7 @@ def test_rollback_on_packed_records_moves_the_grain_loader_past_the_skipped_batc
 def _spawn(run_dir: Path, cache: Path):
     # One CPU device; every start reuses the first one's compiled programs (jax's persistent
     # cache), so the second and third runs cost seconds.
-    env = one_cpu_env(JAX_COMPILATION_CACHE_DIR=str(cache),
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    env = one_cpu_env(cache_every_program=True, JAX_COMPILATION_CACHE_DIR=str(cache))
     args = ["--config", str(REPO / "configs/tiny.yaml"), *SMALL, *RECOVERING, f"run.dir={run_dir}"]
     return subprocess.Popen([sys.executable, str(REPO / "tests" / "spike.py"), str(AT), str(TIMES),
                              *args], cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -33,8 +33,7 @@ def _env():
     # compile and step an 8-way sharded program). Every program of every run goes to the test
     # run's compilation cache (conftest), however quickly it compiled: the runs are the same
     # program, so only the first one compiles.
-    return one_cpu_env(PYTHONUNBUFFERED="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return one_cpu_env(cache_every_program=True, PYTHONUNBUFFERED="1")
 
 
 def _final_loss(run_dir) -> float:

@@ -22,13 +22,8 @@ SLURM_STEP = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_N
               "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
 
 
-def plain_env(**extra):
-    """A child environment without the 8 emulated devices of conftest."""
-    return one_cpu_env(**extra)
-
-
 def start(args, **kw):
-    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=plain_env(), text=True, **kw)
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=one_cpu_env(), text=True, **kw)
 
 
 def launch(*args, **kw):
@@ -153,7 +148,7 @@ def test_processes_under_slurm_find_each_other():
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE,
-                              env=plain_env(**{**SLURM_STEP, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+                              env=one_cpu_env(**{**SLURM_STEP, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
                                             JAX_COORDINATOR_PORT=port, JAX_PLATFORMS="cpu"))
              for i in range(2)]
     results = [p.communicate(timeout=120) for p in procs]
@@ -163,7 +158,7 @@ def test_processes_under_slurm_find_each_other():
 
 
 def test_train_cli_reports_bad_settings_in_one_line(tmp_path):
-    env = plain_env(ZEROFLOW_COORDINATOR="127.0.0.1:1", ZEROFLOW_NUM_PROCESSES="two", ZEROFLOW_PROCESS_ID="0")
+    env = one_cpu_env(ZEROFLOW_COORDINATOR="127.0.0.1:1", ZEROFLOW_NUM_PROCESSES="two", ZEROFLOW_PROCESS_ID="0")
     p = subprocess.run([sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml",
                         f"run.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2

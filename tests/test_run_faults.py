@@ -88,8 +88,7 @@ def _cached_env(**extra) -> dict[str, str]:
     # One CPU device, like a user's first run; every program goes to the test run's compilation
     # cache (conftest), however quickly it compiled: the runs of a test, and the disk-full run
     # of the same command, compile only once.
-    return one_cpu_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", **extra)
+    return one_cpu_env(cache_every_program=True, **extra)
 
 
 def _spawn(args):

@@ -26,8 +26,7 @@ def cli_env() -> dict[str, str]:
     # The CLI must work on a plain single-device CPU. Every program goes to the test run's
     # compilation cache (conftest), however quickly it compiled: the SIGTERM test's runs load
     # the smoke run's programs instead of compiling them again.
-    return one_cpu_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return one_cpu_env(cache_every_program=True)
 
 
 def cli(*args):

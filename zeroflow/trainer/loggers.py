@@ -39,15 +39,14 @@ def _summary_writer_class():
     when it is installed, only to accept torch tensors, which a run never logs (its scalars are
     Python floats), and that import takes 2-4 s of every run's start. While tensorboardX loads,
     ``import torch`` fails as if torch were absent; a later one imports it as usual."""
-    if "torch" in sys.modules:  # already paid for
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]  # None makes ``import torch`` fail
+    masked = "torch" not in sys.modules  # else already paid for
+    if masked:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # None makes ``import torch`` fail
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if masked:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
