@@ -45,6 +45,7 @@ TARGETS = {
 "Target GPU names and their spec files."
 
 _MEMORY: dict[str, int] = {}  # device_kind -> memory size of the spec it came from
+_DEVICES: set = set()  # every abstract device a target mesh was made of
 
 
 class TargetUnavailable(RuntimeError):
@@ -108,6 +109,7 @@ def _topology(gpu: str, hosts: int, per_host: int):
     _MEMORY[spec_field(text, "device_description_str")] = int(
         spec_field(text, "device_memory_size")
     )
+    _DEVICES.update(topo.devices)
     return topo
 
 
@@ -191,6 +193,12 @@ def target_mesh(gpu: str, data: int, model: int = 1, hosts: int = 1, *, context:
     sizes = {DATA: data, CONTEXT: context, MODEL: model}
     grid = np.asarray(devices, dtype=object).reshape(tuple(sizes[a] for a in names))
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def is_target_device(device) -> bool:
+    """Whether ``device`` is one of a target mesh's abstract devices (not a real GPU of the
+    same name)."""
+    return device in _DEVICES
 
 
 def memory_of(device) -> int | None:

@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 
+from zeroflow.backend import kernel_cache
 from zeroflow.util.compat import no_pipelined_reduce_scatter, pipelined_all_gather
 
 
@@ -49,6 +50,8 @@ class Traits:
     "Pallas kernels compile (Triton on GPU) instead of running in the interpreter."
     memory_bytes: int | None = None
     "Memory per device where known (a GPU's, or a target's published size)."
+    compile_only: bool = False
+    "Abstract devices of a GPU target (``zf.target_mesh``): programs are compiled, never run."
 
 
 def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None = None) -> Traits:
@@ -78,7 +81,10 @@ def of(mesh) -> Traits:
             return for_platform("gpu")
         return for_platform(device.platform, device.device_kind or "")
     device = mesh.devices.flat[0]
-    return for_platform(device.platform, device.device_kind, _memory_bytes(device))
+    traits = for_platform(device.platform, device.device_kind, _memory_bytes(device))
+    from zeroflow.backend import targets
+
+    return dataclasses.replace(traits, compile_only=targets.is_target_device(device))
 
 
 def _memory_bytes(device) -> int | None:
@@ -160,10 +166,14 @@ def compiler_options(traits: Traits) -> dict:
     FSDP runs its gathers and reductions) they overlap each other and the compute (Llama-8B
     shape, 8 x H100, stage 3: XLA:GPU's step estimate 622 -> 568 ms with remat full, 600 ->
     546 ms with dots saved; peak +1.2 GB / +1.0 GB, the second collective's buffers).
+
+    On a target's abstract devices the compiles of one process share their kernels
+    (``kernel_cache``).
     """
     if traits.platform != "gpu":
         return {}
     return {
+        **(kernel_cache.options(traits.device_kind) if traits.compile_only else {}),
         "xla_gpu_enable_latency_hiding_scheduler": True,
         "xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
         "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
