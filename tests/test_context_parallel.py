@@ -65,12 +65,20 @@ def reference(cfg, params, batch, data):
 
 
 @functools.cache
+def reference_program(data):
+    """``reference`` of ``CFG`` jitted, ``(params, batch) -> (loss, aux), grads``: compiled once
+    per ``data`` and reused for every batch and parameters (op by op it took several times the
+    CPU). On whole rows there is no split, so neither the context strategy nor the attention
+    kernel of a case enters it: the cases of any ``context_attention`` share it."""
+    return jax.jit(functools.partial(reference, CFG, data=data))
+
+
+@functools.cache
 def reference_at_init(data):
-    """The initial parameters and ``reference`` on ``packed_batch()`` at them. On whole rows
-    there is no split, so neither the context strategy nor the attention kernel of a case
-    enters it: the cases share one run per ``data`` (the reference runs op by op, slowly)."""
+    """The initial parameters and ``reference`` on ``packed_batch()`` at them, shared by the
+    cases of one ``data``."""
     params, _ = init_params(CFG, jax.random.key(0))
-    return params, reference(CFG, params, packed_batch(), data)
+    return params, reference_program(data)(params, packed_batch())
 
 
 def whole_rows(params, data):
@@ -178,7 +186,7 @@ def test_stage3_context2_data2_trains_like_optax():
 
     want_losses, opt_state = [], tx.init(params)
     for i, batch in enumerate(batches):  # the first: packed_batch() at the initial parameters
-        (loss, _), grads = whole_rows(params, 2) if i == 0 else reference(cfg, params, batch, 2)
+        (loss, _), grads = whole_rows(params, 2) if i == 0 else reference_program(2)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         want_losses.append(float(loss))
