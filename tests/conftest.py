@@ -27,6 +27,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zeroflow-test-compiles-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    # Every program, however quickly it compiles (JAX keeps only those over a second by
+    # default): the tests build the same small steps in many places, as new function objects
+    # that JAX's in-memory cache does not recognise (test_engine + test_padding +
+    # test_autocast_train in one process: 139 -> 128 CPU-s).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
 import pytest  # noqa: E402  (after the environment above: pytest's plugins may import jax)
