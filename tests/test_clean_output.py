@@ -8,7 +8,7 @@ import re
 import sys
 
 from fixtures import TINY_TRAINER
-from helpers import REPO
+from helpers import REPO, one_cpu_env
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -23,8 +23,11 @@ def _in_a_terminal(argv: list[str]) -> str:
         out.extend(data)
         return data
 
+    # pty.spawn starts ``argv`` with this process's environment: for the run, the one of a
+    # user's first run (one CPU device, not the suite's eight emulated ones), with every program
+    # going to the test run's compilation cache.
     env_before = dict(os.environ)
-    os.environ.update(COLUMNS="160", PYTHONPATH=str(REPO))
+    os.environ.update(one_cpu_env(cache_every_program=True, COLUMNS="160"))
     try:
         status = pty.spawn(argv, read)
     finally:

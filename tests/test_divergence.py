@@ -28,7 +28,10 @@ from spike import spiked
 from helpers import one_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = TINY_TRAINER + ["data.max_bytes=100000", "train.warmup_steps=2", "train.eval_every=0"]
+# No plot.png: drawing it costs about a second of CPU per run and a matplotlib import per
+# process, and no test here reads it.
+SMALL = TINY_TRAINER + ["data.max_bytes=100000", "train.warmup_steps=2", "train.eval_every=0",
+                        "run.plot=false"]
 # The spike: the update after 5 applied ones (step 6) at 1000 times the rate. Its weights give
 # step 7 a loss over 3 times the median of the steps before (measured: 74.4 against 5.27).
 AT, TIMES = 5, 1000.0

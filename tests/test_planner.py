@@ -166,20 +166,27 @@ def test_written_overrides_train(tmp_path):
     """The planner's overrides for this machine run the trainer as they are."""
     from helpers import one_cpu_env  # here: GPU_PLAN's process imports this module without tests/
 
-    env = one_cpu_env()
+    # Every program to the test run's compilation cache: the trainer loads the step the
+    # planner compiled where the two are the same program.
+    env = one_cpu_env(cache_every_program=True)
+    # The config's model shrunk for both commands: what is checked is that the planner's
+    # overrides run the trainer, which no model size changes; compiling is the time here.
+    shrunk = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.mlp_dim=64",
+              "model.seq_len=32", "train.batch_size=8"]
     out = tmp_path / "plan"
     planned = subprocess.run(
-        [sys.executable, "-m", "zeroflow.planner", "--config", "configs/tiny.yaml", "--devices",
-         "1", "--out", str(out), "--remats", "full", "--max-compiles", "1", "--min-compiles",
-         "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        [sys.executable, "-m", "zeroflow.planner", "--config", "configs/tiny.yaml", *shrunk,
+         "--devices", "1", "--out", str(out), "--remats", "full", "--max-compiles", "1",
+         "--min-compiles", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "No --gpus given" in planned.stdout
     overrides = (out / "cpu-x1.overrides").read_text().split()
     assert "parallel.data=1" in overrides and "model.remat=full" in overrides
     run = tmp_path / "run"
     trained = subprocess.run(
-        [sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml", *overrides,
-         "train.steps=2", "train.eval_every=0", "checkpoint.every=0", f"run.dir={run}"],
+        [sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml", *shrunk,
+         *overrides, "data.max_bytes=100000", "train.steps=2", "train.eval_every=0",
+         "checkpoint.every=0", "run.plot=false", f"run.dir={run}"],  # plot: not read here
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert (run / "metrics.jsonl").exists()

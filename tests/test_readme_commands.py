@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, one_cpu_env
 
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
@@ -39,9 +39,21 @@ def test_the_readme_shows_the_commands_a_newcomer_needs():
     assert any("--cpu-devices 4 parallel.zero_stage=3" in c for c in COMMANDS)  # "scale it"
 
 
+def _env() -> dict[str, str]:
+    # A bare environment, as a newcomer's shell would give (no JAX_PLATFORMS, no test
+    # settings), plus only what makes compiling cheaper and changes no command or output: the
+    # suite's cheap-compile XLA flags and its compilation cache, every program written to it,
+    # so the sample and export commands load what the train command compiled.
+    suite = one_cpu_env(cache_every_program=True)
+    keep = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+    return {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+            **{key: suite[key] for key in keep if key in suite}}
+
+
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=900)
+                          env=_env(), timeout=900)
     assert done.returncode == 0, f"{shlex.join(argv)}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     return done
 

@@ -27,7 +27,10 @@ from fixtures import TINY_TRAINER
 from helpers import one_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = TINY_TRAINER + ["data.max_bytes=100000", "train.warmup_steps=2", "train.eval_every=0"]
+# No plot.png: drawing it costs about a second of CPU per run and a matplotlib import per
+# process, and no test here reads it except the plot's own, which turns it on.
+SMALL = TINY_TRAINER + ["data.max_bytes=100000", "train.warmup_steps=2", "train.eval_every=0",
+                        "run.plot=false"]
 LEAKS = ("Traceback", "TensorStore", "tensorstore", "pybind", "NoneType", "zarr", "OCDBT")
 
 

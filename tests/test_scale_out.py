@@ -132,7 +132,8 @@ def test_cli_trains_with_tensor_parallel_model_axis(tmp_path):
          "parallel.data=2", "parallel.model=2", "parallel.zero_stage=3", "model.num_layers=1",
          "model.embed_dim=32", "model.num_heads=2", "model.mlp_dim=64", "model.seq_len=32",
          "train.batch_size=8", "train.steps=3", "train.eval_every=0", "train.log_every=1",
-         "data.max_bytes=400000", "run.progress=false", f"run.dir={tmp_path}"],
+         "data.max_bytes=400000", "run.progress=false", f"run.dir={tmp_path}",
+         "run.plot=false"],  # not read here; drawing it costs the run about 2 s of CPU
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "mesh: {'data': 2, 'model': 2}" in proc.stdout.replace("\n", "")

@@ -20,6 +20,9 @@ from helpers import one_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2"]
+# For the in-process runs: no plot.png, which costs about a second of CPU per run to draw and
+# which none of them reads (the CLI runs below keep the default, plot included).
+NO_PLOT = ["run.plot=false"]
 
 
 def cli_env() -> dict[str, str]:
@@ -118,8 +121,8 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path, smoke_ru
 
 
 def four_steps_config(run_dir):
-    return load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=4", "checkpoint.every=2",
-                                                             "train.eval_every=0", f"run.dir={run_dir}"])
+    return load_config(REPO / "configs/tiny.yaml", SHRUNK + NO_PLOT + [
+        "train.steps=4", "checkpoint.every=2", "train.eval_every=0", f"run.dir={run_dir}"])
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +152,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(four_steps, tmp
 
 def test_resume_onto_another_zero_stage(tmp_path):
     """parallel.* may change between a run and its resume (the same portable checkpoints)."""
-    base = SHRUNK + ["train.steps=3", "train.eval_every=0", f"run.dir={tmp_path}"]
+    base = SHRUNK + NO_PLOT + ["train.steps=3", "train.eval_every=0", f"run.dir={tmp_path}"]
     train(load_config(REPO / "configs/tiny.yaml", base))
     cfg = load_config(REPO / "configs/tiny.yaml", base + ["train.steps=5", "parallel.zero_stage=3",
                                                            "precision.params=bf16"])
@@ -162,7 +165,7 @@ def test_offloaded_run_trains_evaluates_and_checkpoints_like_a_plain_one(tmp_pat
     """parallel.offload=optimizer+params: weights and optimizer state in host memory, layers
     streamed in by the train step and by evaluation; same numbers as without offload."""
     def run(name, *extra):
-        base = SHRUNK + ["model.num_layers=2", "parallel.zero_stage=3", "precision.params=bf16",
+        base = SHRUNK + NO_PLOT + ["model.num_layers=2", "parallel.zero_stage=3", "precision.params=bf16",
                          "train.steps=3", "train.eval_every=3", f"run.dir={tmp_path / name}"]
         result = train(load_config(REPO / "configs/tiny.yaml", base + list(extra)))
         rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -177,7 +180,7 @@ def test_diverging_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
     # lr=1e30 blows the weights up on the first update, so the second step's loss or gradients
     # are inf/nan without any loss scaling to blame. The run must stop, say so, save nothing.
     # (Rolling back instead is tests/test_divergence.py's.)
-    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=6", "train.lr=1e30", "train.grad_clip=0",
+    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + NO_PLOT + ["train.steps=6", "train.lr=1e30", "train.grad_clip=0",
                                                              "train.warmup_steps=0", "train.eval_every=0",
                                                              "train.on_divergence=stop", f"run.dir={tmp_path}"])
     with pytest.raises(TrainingDiverged, match=r"step 2: .*(loss is (nan|inf)|non-finite gradients).*"
@@ -190,7 +193,7 @@ def test_sample_and_export_from_a_run(tmp_path, capsys):
     from safetensors.numpy import load_file
 
     from zeroflow.cli import export, sample
-    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + ["train.steps=2", "train.eval_every=0",
+    cfg = load_config(REPO / "configs/tiny.yaml", SHRUNK + NO_PLOT + ["train.steps=2", "train.eval_every=0",
                                                              "parallel.zero_stage=3", f"run.dir={tmp_path}"])
     result = train(cfg)
     capsys.readouterr()  # the run's own lines
