@@ -77,6 +77,13 @@ def test_the_memory_analysis_is_xlas_own_without_the_cache(folders, monkeypatch)
         assert getattr(cached, field) == getattr(plain, field), field
 
 
+def test_a_bad_setting_is_one_line(monkeypatch):
+    monkeypatch.setenv(kernel_cache.ENV, "off")
+    with pytest.raises(ValueError, match="ZEROFLOW_KERNEL_CACHE='off': set it to 0") as caught:
+        zf.backend.compiler_options(zf.backend.of(zf.target_mesh("h100", data=2)))
+    assert "\n" not in str(caught.value)
+
+
 def test_only_target_compiles_use_it():
     target = zf.backend.of(zf.target_mesh("h100", data=2))
     assert target.compile_only and "xla_gpu_kernel_cache_file" in zf.backend.compiler_options(target)

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 
 ENV = "ZEROFLOW_KERNEL_CACHE"
-"Set to 0 to compile every target program without reusing kernels."
+"0: compile every target program without reusing kernels; 1 (the default): reuse them."
 
 _folder: dict[int, str] = {}  # process id -> its kernel folder (a forked child makes its own)
 
@@ -33,7 +33,10 @@ _folder: dict[int, str] = {}  # process id -> its kernel folder (a forked child 
 def options(device_kind: str) -> dict:
     """XLA options that make this process's compiles for ``device_kind`` share kernels
     (none when turned off)."""
-    if os.environ.get(ENV, "1") == "0":
+    setting = os.environ.get(ENV, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{ENV}={setting!r}: set it to 0 (off) or 1 (on, the default)")
+    if setting == "0":
         return {}
     name = re.sub(r"[^A-Za-z0-9]+", "-", device_kind).strip("-") or "gpu"
     return {"xla_gpu_kernel_cache_file": os.path.join(_process_folder(), f"{name}.kernels")}
