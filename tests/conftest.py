@@ -1,9 +1,9 @@
 """Test setup: 8 emulated CPU devices, set before jax is imported anywhere."""
+import gc
 import os
-
 from importlib.metadata import version
 
-# Compiling is most of the suite's time, and the tests check numerics and sharding, not CPU
+# Compiling is a large part of the suite's time, and the tests check numerics and sharding, not CPU
 # speed: XLA:CPU skips its expensive optimisation passes, and on jaxlib 0.10 generates its
 # fusions with its older emitters, which compile a training step 2-2.5x faster (jaxlib 0.11
 # has only the new ones, and stops on a flag it does not know).
@@ -45,6 +45,26 @@ def pytest_configure(config):
 
     if not hasattr(config, "workerinput"):  # the process that prints, not an xdist worker
         config.pluginmanager.register(FileProgress(config), "file-progress")
+
+
+def pytest_collection_finish(session):
+    # What collection imported (jax, torch, transformers, the test modules) lives until the
+    # end: frozen, Python's cyclic collector stops walking it again and again, and it runs
+    # less often. test_engine + test_frozen in one process: 5.3 -> 1.8 s collecting garbage,
+    # about 3% of their CPU time (2026-12-02).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
+
+
+def pytest_xdist_auto_num_workers(config):
+    # ``-n auto`` (pyproject's addopts): a worker per core this process may run on, but no more
+    # than one per 4 GiB of memory. A worker holds JAX's caches and the programs it compiled,
+    # and a test's own processes (trainer runs, GPU compiles) come on top: the largest process
+    # of a run on 2026-12-01 peaked at 5.6 GB.
+    cores = len(os.sched_getaffinity(0))
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cores, int(memory_gib // 4)))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
