@@ -47,3 +47,4 @@ _.pytest_xdist_node_collection_finished
 _.pytest_collection_finish
 _.pytest_report_teststatus
 _.pytest_runtest_logreport
+_.pytest_xdist_auto_num_workers
