@@ -1,5 +1,5 @@
-"""Where a test selection's CPU time goes, by JAX phase: ``python scripts/profile_tests.py
-tests/test_engine.py [more pytest arguments]``. Needs py-spy (``pip install py-spy``).
+"""Where a test selection's CPU time goes, by JAX phase. Needs py-spy (``pip install py-spy``):
+``python scripts/profile_tests.py tests/test_engine.py tests/test_frozen.py``.
 
 Runs ``python -m pytest -p no:cacheprovider -n 0 ARGS`` (one process, so one profile) under
 py-spy's sampling profiler (20 samples a second of the test process's busy threads: time spent
@@ -80,7 +80,8 @@ def main() -> None:
         if not raw.exists():
             last = done.stdout.strip().splitlines()[-1:]
             sys.exit(f"profile_tests: py-spy wrote no profile (exit {done.returncode}): {last}")
-        outcome = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+        lines = done.stdout.splitlines()
+        outcome = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
         print(*outcome[-1:])  # pytest's summary line
         print(report(read_samples(raw)))
 

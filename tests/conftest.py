@@ -3,10 +3,10 @@ import gc
 import os
 from importlib.metadata import version
 
-# Compiling is a large part of the suite's time, and the tests check numerics and sharding, not CPU
-# speed: XLA:CPU skips its expensive optimisation passes, and on jaxlib 0.10 generates its
-# fusions with its older emitters, which compile a training step 2-2.5x faster (jaxlib 0.11
-# has only the new ones, and stops on a flag it does not know).
+# Compiling is a large part of the suite's time, and the tests check numerics and sharding,
+# not CPU speed: XLA:CPU skips its expensive optimisation passes, and on jaxlib 0.10 generates
+# its fusions with its older emitters, which compile a training step 2-2.5x faster (jaxlib
+# 0.11 has only the new ones, and stops on a flag it does not know).
 FAST_COMPILES = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if version("jaxlib").startswith("0.10."):
     FAST_COMPILES += " --xla_cpu_use_fusion_emitters=false"
