@@ -62,8 +62,14 @@ def pytest_xdist_auto_num_workers(config):
     # than one per 4 GiB of memory. A worker holds JAX's caches and the programs it compiled,
     # and a test's own processes (trainer runs, GPU compiles) come on top: the largest process
     # of a run on 2026-12-01 peaked at 5.6 GB.
-    cores = len(os.sched_getaffinity(0))
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may use
+        cores = len(os.sched_getaffinity(0))
+    else:  # macOS has no affinity call
+        cores = os.cpu_count() or 1
+    try:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or not this name
+        return cores
     return max(1, min(cores, int(memory_gib // 4)))
 
 
