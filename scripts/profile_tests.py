@@ -65,6 +65,16 @@ def report(samples: list[tuple[list[str], int]], top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def pytest_summary(lines: list[str]) -> str:
+    """pytest's summary line. py-spy exits 0 whatever pytest did: a run without one (a wrong
+    path, a usage error, nothing collected) is no profile of the tests, and ends in one line."""
+    outcome = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
+    if not outcome:
+        said = [line for line in lines if line.startswith("ERROR")] or lines[-1:] or ["no output"]
+        sys.exit(f"profile_tests: no tests ran under the profiler: {said[0]}")
+    return outcome[-1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("pytest_args", nargs="+", help="test files and pytest options")
@@ -77,13 +87,13 @@ def main() -> None:
                    sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                    *args.pytest_args]
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if not raw.exists():
-            last = done.stdout.strip().splitlines()[-1:]
-            sys.exit(f"profile_tests: py-spy wrote no profile (exit {done.returncode}): {last}")
-        lines = done.stdout.splitlines()
-        outcome = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
-        print(*outcome[-1:])  # pytest's summary line
-        print(report(read_samples(raw)))
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        summary = pytest_summary(lines)
+        samples = read_samples(raw) if raw.exists() else []
+        if not samples:
+            sys.exit(f"profile_tests: py-spy took no samples ({summary})")
+        print(summary)
+        print(report(samples))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ stack wins, and what no phase claims is listed by its function."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import profile_tests  # noqa: E402
@@ -30,3 +32,13 @@ def test_the_innermost_phase_takes_the_sample_and_shares_add_up(tmp_path):
     assert shares == {"other": "50.0%", "tracing": "30.0%", "XLA compile": "15.0%",
                       "lowering": "5.0%"}
     assert " 50.0%  json_dump (json.py:1)" in printed
+
+
+def test_a_run_without_a_pytest_outcome_is_one_line():
+    # py-spy exits 0 whatever pytest did; pytest's own lines tell a wrong path from a profile.
+    summary = "3 passed, 1 failed in 9.1s"
+    assert profile_tests.pytest_summary(["..", summary]) == summary
+    with pytest.raises(SystemExit, match="no tests ran under the profiler: ERROR: file or "
+                                         "directory not found: tests/nope.py"):
+        profile_tests.pytest_summary(["ERROR: file or directory not found: tests/nope.py",
+                                      "no tests ran in 0.01s"])
