@@ -1,7 +1,15 @@
 """Test setup: 8 emulated CPU devices, set before jax is imported anywhere."""
 import gc
+import importlib.util
 import os
 from importlib.metadata import version
+
+# pyproject's addopts use plugins of the test extra (-n: pytest-xdist, --nbmake: nbmake); without
+# them pytest would end in an INTERNALERROR about this file's hooks. One line instead.
+_missing = [name for name in ("xdist", "nbmake") if importlib.util.find_spec(name) is None]
+if _missing:
+    raise SystemExit(f"the tests need the test extra ({', '.join(_missing)} missing): "
+                     "pip install -e \".[test]\"")
 
 # Compiling is a large part of the suite's time, and the tests check numerics and sharding,
 # not CPU speed: XLA:CPU skips its expensive optimisation passes, and on jaxlib 0.10 generates
@@ -36,6 +44,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 
 import pytest  # noqa: E402  (after the environment above: pytest's plugins may import jax)
+
+TIERS = ("fast", "slow")
+NOTEBOOKS = "experiments/notebooks"
+
+
+def pytest_report_header(config):
+    return [f"tier: {_tier_asked(config)} (python -m pytest: the fast tier; -m slow: the "
+            "end-to-end tier; -m \"\": both; tests/conftest.py)"]
+
+
+def _tier_asked(config) -> str:
+    expression = config.getoption("markexpr", "")
+    return {"not slow": "fast", "slow": "slow", "": "both"}.get(expression, expression)
 
 
 def pytest_configure(config):
@@ -78,6 +99,7 @@ def pytest_collection_modifyitems(config, items):
     # A module-scoped fixture (a trained run, a compiled reference) is built once per xdist
     # worker that runs a test using it: the tests that share one go to the same worker
     # (``--dist loadgroup``), the rest are spread as they come.
+    _check_tiers(items)
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         module = getattr(item, "module", None)
@@ -85,3 +107,28 @@ def pytest_collection_modifyitems(config, items):
             continue
         if any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(module.__name__))
+
+
+def _tier_of(item) -> list[str]:
+    """The tiers a test declares: its own mark or its file's ``pytestmark``; the notebooks,
+    which have no Python file to declare it in, are end-to-end by their nature."""
+    if NOTEBOOKS in item.nodeid.replace("\\", "/"):
+        item.add_marker(pytest.mark.slow)
+    return sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+
+
+def _check_tiers(items) -> None:
+    # The README's command runs the fast tier (pyproject's addopts: -m "not slow"), CI runs
+    # both. Every test says which it is, so that a new test cannot land in neither or both and
+    # the split cannot drift: a test without exactly one tier stops the collection.
+    wrong = {}
+    for item in items:
+        tiers = _tier_of(item)
+        if len(tiers) != 1:
+            wrong[item.nodeid] = "both tiers" if tiers else "no tier"
+    if wrong:
+        shown = "; ".join(f"{nodeid}: {why}" for nodeid, why in list(wrong.items())[:5])
+        raise pytest.UsageError(
+            f"{len(wrong)} tests declare no tier or both (each needs exactly one of "
+            f"pytest.mark.fast / pytest.mark.slow, on the test or as the file's pytestmark): "
+            f"{shown}")

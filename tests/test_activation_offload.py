@@ -15,6 +15,8 @@ from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.trainer.planning import compile_config
 from helpers import REPO, token_batches, train_losses, require_cuda_plugin
 
+pytestmark = pytest.mark.slow
+
 LAYERS, WIDTH, MLP, HEADS, SEQ, BATCH, N = 4, 128, 384, 4, 256, 64, 8
 CFG = load_config(REPO / "configs" / "tiny.yaml",
                   ["precision.params=bf16", f"train.batch_size={BATCH}", f"model.seq_len={SEQ}"])

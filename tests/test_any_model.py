@@ -14,6 +14,8 @@ from helpers import optax_losses, train_losses
 from model_corpus import (Corpus, EqxTransformer, engine_loss, eqx_transformer,
                           nnx_net)
 
+pytestmark = pytest.mark.fast
+
 N_DEV = 8
 KEY = jax.random.key(3)
 TX = optax.adamw(1e-2, weight_decay=0.1)

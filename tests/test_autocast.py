@@ -13,6 +13,8 @@ import zeroflow as zf
 from helpers import walk
 from zeroflow.util.compat import scan_split
 
+pytestmark = pytest.mark.fast
+
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 RNG = np.random.default_rng(0)
 

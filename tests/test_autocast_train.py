@@ -10,6 +10,9 @@ import optax
 
 import zeroflow as zf
 from helpers import walk
+import pytest
+
+pytestmark = pytest.mark.fast
 
 VOCAB, SEQ, WIDTH, HEADS, LAYERS = 32, 16, 32, 2, 2
 

@@ -7,6 +7,8 @@ from helpers import REPO
 from zeroflow.cli import export, memory, sample, train
 from zeroflow.data.corpus import iter_documents
 
+pytestmark = pytest.mark.fast
+
 
 def _one_error_line(capsys, code) -> str:
     err = capsys.readouterr().err.strip().splitlines()

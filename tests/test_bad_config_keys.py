@@ -22,6 +22,8 @@ from zeroflow.cli import export, launch, memory, planner, sample, train
 from zeroflow.config.io import ConfigError, config_from_dict, load_config
 from zeroflow.config.schema import CHOICES, Config
 
+pytestmark = pytest.mark.fast
+
 
 def leaves(cls=Config, prefix=""):
     """``(dotted key, type, choices or None)`` of every settable key, nested sections entered."""

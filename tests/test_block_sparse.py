@@ -18,6 +18,8 @@ from pallas_kernels import (
 )
 from pallas_kernels._backend import lower_for_cuda
 
+pytestmark = pytest.mark.fast
+
 # Each interpreted program is compiled once and run once: skip LLVM's optimisation (2-3x faster).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 TOL = 2e-2 if jax.default_backend() == "gpu" else 2e-5  # GPU: TF32 dots for fp32 inputs

@@ -12,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 import zeroflow as zf
 from helpers import optax_losses, train_losses, walk
 
+pytestmark = pytest.mark.fast
+
 ROWS, SEQ, WIDTH, VOCAB = 3, 20, 8, 50
 
 

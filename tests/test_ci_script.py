@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 from helpers import REPO
+import pytest
+
+pytestmark = pytest.mark.fast
 
 CI_SCRIPT = REPO / ".ci" / "run"
 

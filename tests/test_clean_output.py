@@ -9,6 +9,9 @@ import sys
 
 from fixtures import TINY_TRAINER
 from helpers import REPO, one_cpu_env
+import pytest
+
+pytestmark = pytest.mark.slow
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

@@ -5,6 +5,8 @@ checker (mypy) and the dead-code check. Their settings live in pyproject.toml an
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO
 
 
@@ -14,16 +16,19 @@ def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, check=False)
 
 
+@pytest.mark.fast
 def test_ruff_lint_passes():
     done = _run("ruff", "check", "zeroflow")
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.fast
 def test_ruff_format_leaves_every_file_as_it_is():
     done = _run("ruff", "format", "--check", "zeroflow")
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.fast
 def test_no_dead_code():
     done = _run("vulture", "zeroflow", "tests", "scripts", "experiments",
                 ".ci/vulture_whitelist.py", "--min-confidence", "60")
@@ -31,6 +36,7 @@ def test_no_dead_code():
         "how it is used):\n" + done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_the_type_checker_passes():
     # mypy over zeroflow/ with pyproject.toml's [tool.mypy]: an annotation that lies (a
     # "-> bool" returning a string) fails here.

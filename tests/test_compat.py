@@ -13,6 +13,8 @@ from jax import lax
 from helpers import REPO, walk
 from zeroflow.util import compat
 
+pytestmark = pytest.mark.fast
+
 
 def _scan_eqn(fn, *args):
     eqns = [e for e in walk(jax.make_jaxpr(fn)(*args)) if e.primitive.name == "scan"]

@@ -7,6 +7,8 @@ from zeroflow.config.schema import CHOICES, Config, ModelConfig, ParallelConfig
 from zeroflow.config.io import (ConfigError, apply_overrides, config_from_dict, config_to_dict,
                                 field_docs, load_config, parse_cli, save_config)
 
+pytestmark = pytest.mark.fast
+
 YAML = """\
 model:
   num_layers: 4

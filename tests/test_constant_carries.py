@@ -11,6 +11,8 @@ import pytest
 import zeroflow as zf
 from helpers import optax_losses, train_losses
 
+pytestmark = pytest.mark.fast
+
 ROWS, STEPS_IN_TIME, FEATURES, HIDDEN, OUT = 16, 6, 8, 16, 4
 CHUNK = 2
 

@@ -26,6 +26,8 @@ from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.trainer import build_run, train
 from fixtures import TINY_TRAINER
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 ROWS, LENGTH, VOCAB = 4, 32, 64
 CFG = ModelConfig(vocab_size=VOCAB, seq_len=LENGTH, num_layers=1, embed_dim=32, num_heads=4,

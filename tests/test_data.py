@@ -12,6 +12,8 @@ from zeroflow.data import (ByteTokenizer, bits_per_byte, eval_batches, list_sour
                            load_data, load_tokenizer, stdlib_root, train_batch,
                            train_sentencepiece)
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 
 

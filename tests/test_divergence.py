@@ -27,6 +27,8 @@ from fixtures import TINY_TRAINER
 from spike import spiked
 from helpers import one_cpu_env
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 # No plot.png: drawing it costs about a second of CPU per run and a matplotlib import per
 # process, and no test here reads it.

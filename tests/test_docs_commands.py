@@ -322,6 +322,7 @@ def _check_config(namespace) -> None:
             _check_input(key, value)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name,words,fenced", COMMANDS, ids=IDS)
 def test_documented_command_is_accepted_as_written(name, words, fenced):
     command = shlex.join(words)
@@ -353,6 +354,7 @@ def test_documented_command_is_accepted_as_written(name, words, fenced):
     pytest.fail(f"{name}: `{command}`: {problem}", pytrace=False)  # outside: no chained trace
 
 
+@pytest.mark.fast
 def test_the_docs_show_commands_of_every_kind():
     """The extraction itself: a regex that silently found nothing would pass every case."""
     programs = {w[2] if w[1] == "-m" else w[1].split("/")[0] for _, w, _ in COMMANDS}
@@ -370,6 +372,7 @@ def test_the_docs_show_commands_of_every_kind():
 HELP = [(n, w) for n, w, _ in COMMANDS if w[-1] == "--help"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,words", HELP, ids=[n for n, _ in HELP])
 def test_help_commands_run_for_real(name, words):
     done = subprocess.run(

@@ -11,6 +11,8 @@ import zeroflow as zf
 from fixtures import BATCHES, MLP, MODEL, init_params, linear_loss, loss_fn, make_batch, make_tx
 from helpers import assert_leaves_close, bytes_on, optax_losses, train_losses
 
+pytestmark = pytest.mark.fast
+
 N_DEV = 8
 
 

@@ -8,6 +8,8 @@ import optax
 import pytest
 from helpers import require_cuda_plugin
 
+pytestmark = pytest.mark.slow
+
 require_cuda_plugin()
 
 import zeroflow as zf  # noqa: E402

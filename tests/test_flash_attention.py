@@ -12,6 +12,8 @@ import pytest
 from pallas_kernels import BlockSizes, flash_attention, reference_attention
 from pallas_kernels._backend import lower_for_cuda
 
+pytestmark = pytest.mark.fast
+
 # Backward q tile differs from the forward one on purpose (padding to the larger tile).
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=32, block_k_bwd=16)
 # A compiled GPU run would use TF32 dots for fp32 inputs.

@@ -17,6 +17,8 @@ from zeroflow.engine.checkpoint import CheckpointError
 from zeroflow.engine.grads.routes import Reduce, is_route, step_routes
 from zeroflow.util.tree import path_str
 
+pytestmark = pytest.mark.fast
+
 
 N_DEV = 8
 

@@ -11,6 +11,8 @@ import pytest
 from zeroflow import make_mesh
 from zeroflow.fusemix import cache, model, retrieval, stream
 
+pytestmark = pytest.mark.fast
+
 
 def _unit(x):
     return x / np.linalg.norm(x, axis=1, keepdims=True)

@@ -7,6 +7,8 @@ import jax
 import pytest
 from helpers import REPO, require_cuda_plugin
 
+pytestmark = pytest.mark.slow
+
 require_cuda_plugin()
 
 import zeroflow as zf  # noqa: E402

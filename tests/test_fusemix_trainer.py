@@ -6,6 +6,8 @@ import shutil
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("sklearn", reason="the digits come with scikit-learn (the fusemix extra)")
 pytest.importorskip("transformers", reason="the encoders are made with transformers")
 

@@ -14,6 +14,8 @@ from zeroflow.engine.grads.collectives import varying
 from zeroflow.engine.grads.sources import Stage3Collectives
 from zeroflow.backend.mesh import DATA
 
+pytestmark = pytest.mark.fast
+
 N = 8
 PLAIN = Stage3Collectives(reduce_dtype=jnp.float32)  # stage 3 without ZeRO++, summing in fp32
 

@@ -21,6 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import require_cuda_plugin
 
+pytestmark = pytest.mark.slow
+
 require_cuda_plugin()
 
 from pallas_kernels import (  # noqa: E402

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.fast
+
 torch = pytest.importorskip("torch", reason="the reference is transformers on torch")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers on torch")
 

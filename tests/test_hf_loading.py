@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+pytestmark = pytest.mark.fast
+
 torch = pytest.importorskip("torch", reason="torch is in the test extra (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 

@@ -10,6 +10,8 @@ import numpy as np
 import optax
 import pytest
 
+pytestmark = pytest.mark.fast
+
 torch = pytest.importorskip("torch", reason="torch is in the test extra (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 

@@ -18,6 +18,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "zeroflow"
 
 LAYERS = ["util", "backend", "ops", "optim", "autocast", "engine", "memory", "config", "data",

@@ -18,6 +18,8 @@ import pytest
 from fixtures import TINY_TRAINER
 from helpers import REPO, one_cpu_env
 
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 
 

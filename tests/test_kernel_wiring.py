@@ -9,6 +9,9 @@ import zeroflow as zf
 from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_loss_fn
 from helpers import assert_leaves_close, train_losses
+import pytest
+
+pytestmark = pytest.mark.fast
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64)
 

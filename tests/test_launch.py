@@ -16,6 +16,8 @@ from zeroflow.trainer.checkpoints import RunCheckpoints
 from fixtures import TINY_TRAINER
 from helpers import one_cpu_env
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 # No plot.png: drawing it (a matplotlib import and a render) costs each run's reporting
 # process about 2 s of CPU, and nothing here reads it.

@@ -18,6 +18,8 @@ from zeroflow.engine import offload
 from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_layerwise_loss_fn, make_loss_fn
 
+pytestmark = pytest.mark.fast
+
 CFG = ModelConfig(vocab_size=256, seq_len=32, num_layers=3, embed_dim=64, num_heads=4, mlp_dim=128,
                   remat="full")
 BATCHES = token_batches(2, rows=16, seq_len=32, vocab=256)

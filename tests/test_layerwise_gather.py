@@ -12,6 +12,8 @@ from helpers import assert_leaves_close, token_batches, train_losses
 from zeroflow.config.schema import ModelConfig
 from zeroflow.models import init_params, make_layerwise_loss_fn, make_loss_fn
 
+pytestmark = pytest.mark.fast
+
 CFG = ModelConfig(vocab_size=256, seq_len=32, num_layers=4, embed_dim=64, num_heads=4, mlp_dim=256,
                   remat="full")
 BATCHES = token_batches(2, rows=16, seq_len=32, vocab=256)

@@ -20,6 +20,8 @@ from zeroflow.models import GPT, init_params, make_layerwise_loss_fn, make_loss_
 from zeroflow.models.gpt import Mlp, offload_policy, tiled_mlp
 from helpers import REPO, optax_losses, require_cuda_plugin, token_batches, train_losses, walk
 
+pytestmark = pytest.mark.slow
+
 CFG = ModelConfig(vocab_size=61, seq_len=24, num_layers=3, embed_dim=32, num_heads=4,
                   mlp_dim=64, remat="full")
 LONG = dict(loss_chunk=7, loss_vocab_chunk=16, mlp_chunk=5, remat="offload_input")

@@ -8,6 +8,8 @@ import pytest
 
 import zeroflow as zf
 
+pytestmark = pytest.mark.fast
+
 ALPHA, RANK = 4.0, 2
 SCALE = ALPHA / RANK
 

@@ -12,6 +12,8 @@ import pytest
 
 from zeroflow.config.io import ConfigError, load_config, parse_cli, save_config
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch", reason="torch is in the test extra")
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 peft = pytest.importorskip("peft", reason="peft is in the test extra")

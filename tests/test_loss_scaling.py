@@ -14,6 +14,8 @@ from zeroflow.trainer import TrainingDiverged, train
 from zeroflow.trainer.optim import lr_schedule
 from fixtures import TINY_TRAINER, linear_loss
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 SHRUNK = TINY_TRAINER + ["data.max_bytes=200000", "train.eval_every=0"]
 

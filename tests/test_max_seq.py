@@ -11,6 +11,8 @@ from zeroflow.config.io import load_config
 from zeroflow.memory.max_seq import Probe, longest_fitting
 from helpers import REPO
 
+pytestmark = pytest.mark.fast
+
 
 def linear_probe(base, per_token, calls):
     def probe(seq):

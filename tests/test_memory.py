@@ -14,6 +14,8 @@ from zeroflow.config.schema import Config
 from zeroflow.cli.memory import main
 from zeroflow.trainer.planning import abstract_setup
 
+pytestmark = pytest.mark.fast
+
 GB = 1e9
 
 # ZeRO paper (Rajbhandari et al. 2020), Table 1: per-device model-state memory in GB for

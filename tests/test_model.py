@@ -23,6 +23,8 @@ from zeroflow.models import (
 )
 from zeroflow.models.axes import is_axis_names
 
+pytestmark = pytest.mark.fast
+
 TINY = ModelConfig(vocab_size=64, seq_len=16, num_layers=2, embed_dim=32, num_heads=4,
                    mlp_dim=64)
 

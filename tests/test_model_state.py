@@ -10,6 +10,8 @@ import pytest
 import zeroflow as zf
 from helpers import assert_leaves_close, assert_leaves_equal, train_losses
 
+pytestmark = pytest.mark.fast
+
 N_DEV, ACCUM = 8, 2
 
 

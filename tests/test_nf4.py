@@ -24,6 +24,8 @@ from zeroflow.engine import quantized
 from zeroflow.engine.grads.dequantized import dequantized_on_use
 from zeroflow.engine.quantized import codes, nf4
 
+pytestmark = pytest.mark.fast
+
 BNB_REASON = ("bitsandbytes (the reference) is in the test extra for Python 3.11 only: it needs "
               "torch, whose CPU wheel the package index has for 3.11 only")
 

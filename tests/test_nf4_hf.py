@@ -67,6 +67,7 @@ def _logits(model, tokens):
         return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
 
+@pytest.mark.fast
 def test_loaded_quantized_logits_match_transformers_on_the_nf4_weights(tiny_llama, monkeypatch):
     from zeroflow.hf import quantized_load
 
@@ -99,6 +100,7 @@ def test_loaded_quantized_logits_match_transformers_on_the_nf4_weights(tiny_llam
         assert np.mean(np.asarray(got.scale_codes) == np.asarray(ref.scale_codes)) > 0.99
 
 
+@pytest.mark.slow
 def test_qlora_tiny_config_trains_and_exports_for_peft(tiny_llama, tmp_path):
     """configs/qlora-tiny.yaml (the base read into NF4 shards at stage 3) trains a few steps;
     its peft folder on transformers' model with the NF4 round-tripped weights, and its merged

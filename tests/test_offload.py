@@ -17,6 +17,8 @@ import zeroflow as zf
 from zeroflow.engine import offload, update
 from zeroflow.engine.state import state_shardings
 
+pytestmark = pytest.mark.fast
+
 STEPS = 2
 
 

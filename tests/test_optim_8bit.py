@@ -13,6 +13,8 @@ import pytest
 import zeroflow as zf
 from helpers import REPO, assert_leaves_equal, bytes_on, train_losses
 
+pytestmark = pytest.mark.fast
+
 # --- the scheme in numpy (Dettmers et al. 2022, section 2 and appendix) -------------------------
 
 

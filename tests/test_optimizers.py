@@ -9,6 +9,8 @@ import pytest
 import zeroflow as zf
 from helpers import assert_leaves_close, optax_losses, train_losses
 
+pytestmark = pytest.mark.fast
+
 
 def init_params():
     k = jax.random.split(jax.random.key(0), 4)

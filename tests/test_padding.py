@@ -9,6 +9,8 @@ import pytest
 import zeroflow as zf
 from helpers import assert_leaves_close, assert_leaves_equal, bytes_on, optax_losses, train_losses
 
+pytestmark = pytest.mark.fast
+
 VOCAB, WIDTH = 50257, 100  # GPT-2's vocabulary: prime factors 29 x 1733; 100 = 4 x 25
 
 

@@ -10,6 +10,9 @@ import optax
 
 import zeroflow as zf
 from zeroflow.engine.grads import gather_on_use
+import pytest
+
+pytestmark = pytest.mark.fast
 
 WIDTH, DEPTH, BATCH = 512, 16, 16
 

@@ -11,6 +11,8 @@ from zeroflow.config.io import CONFIG_KEYS, ConfigError, load_config
 from zeroflow.engine import plan_rules as rules
 from zeroflow.engine.plan_rules import PLAN_KEYS, Keys
 
+pytestmark = pytest.mark.fast
+
 HPZ = ["parallel.zero_stage=3", "parallel.hierarchical=true", "precision.params=bf16"]
 
 CASES = {  # rule: (ZeroPlan arguments, config overrides), each breaking that rule alone

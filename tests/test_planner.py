@@ -20,6 +20,8 @@ from zeroflow.planner.choices import Space, enumerate_choices
 from zeroflow.planner.compiling import failure_reason
 from zeroflow.planner.search import CANNOT_FIT, COMPILED
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 WIDTH, LAYERS, BATCH = 256, 4, 32
 P = LAYERS * WIDTH * WIDTH  # parameters of the MLP below

@@ -9,6 +9,9 @@ from zeroflow import backend
 from zeroflow.config.io import load_config
 from zeroflow.trainer.setup import abstract_batch, build_run
 from zeroflow.util import compat
+import pytest
+
+pytestmark = pytest.mark.slow
 
 
 def _fused_attention_operands(text: str) -> dict[str, list[str]]:

@@ -14,6 +14,8 @@ import pytest
 
 from helpers import REPO, one_cpu_env
 
+pytestmark = pytest.mark.slow
+
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
 SPANS = BLOCKS + re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", README, flags=re.S))

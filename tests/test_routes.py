@@ -31,6 +31,8 @@ from zeroflow.engine.grads.routes import Decision, Fetch, Reduce, RouteKey, step
 from zeroflow.engine.plan import is_layout
 from zeroflow.util.tree import path_str
 
+pytestmark = pytest.mark.fast
+
 A, S, G = R.ALL_REDUCED, R.SCATTERED, R.GATHERED
 DEV, HOST = R.DEVICE, R.HOST
 WHOLE, SPLIT, STACK, BY_LAYER, IN_LAYER = (R.WHOLE, R.SPLIT, R.STACK_WHOLE, R.STACK_BY_LAYER,

@@ -25,6 +25,8 @@ from fixtures import init_params
 from test_run_faults import (LEAKS, REPO, _logged_steps, _spawn, cli_args, config,  # noqa: F401
                              finished_run, metric_rows, run_copy, stored_arrays)
 
+pytestmark = pytest.mark.slow
+
 
 def flip_one_bit(path: Path, rng: random.Random) -> None:
     data = bytearray(path.read_bytes())

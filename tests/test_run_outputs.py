@@ -18,6 +18,8 @@ from zeroflow.config.io import apply_overrides, load_config
 from zeroflow.trainer import plot as plot_module
 from zeroflow.trainer import reporting, train
 
+pytestmark = pytest.mark.slow
+
 STEPS, EVAL_EVERY = 6, 3
 SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2", f"train.steps={STEPS}",
                          f"train.eval_every={EVAL_EVERY}"]

@@ -18,6 +18,8 @@ from zeroflow.models.rules import gpt_tensor_rules
 from fixtures import BATCHES, init_params as mlp_params, loss_fn as mlp_loss, make_tx
 from helpers import assert_leaves_close, one_cpu_env, train_losses
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 GPT_CFG = ModelConfig(vocab_size=256, seq_len=16, num_layers=1, embed_dim=32, num_heads=2,
                       mlp_dim=64, tie_embeddings=False)

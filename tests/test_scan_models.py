@@ -10,6 +10,8 @@ import pytest
 import zeroflow as zf
 from helpers import walk
 
+pytestmark = pytest.mark.fast
+
 LAYERS, WIDTH = 4, 16
 
 

@@ -19,6 +19,8 @@ from helpers import require_cuda_plugin
 
 from zeroflow.memory import schedule
 
+pytestmark = pytest.mark.slow
+
 CASES = Path(__file__).with_name("schedule_cases.py")
 
 

@@ -17,6 +17,8 @@ from zeroflow.models import GPT, init_params
 from zeroflow.models import gpt as gpt_module
 from pallas_kernels import BlockSizes, flash_attention, reference_attention
 
+pytestmark = pytest.mark.fast
+
 LENGTHS = (5, 9)
 "Two examples packed in a row of 16: segments 1 and 2, then 2 padding tokens (segment 0)."
 SEQ = 16

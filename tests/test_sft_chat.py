@@ -8,6 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.fast
+
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
 from zeroflow.config.schema import DataConfig  # noqa: E402

@@ -12,6 +12,8 @@ from zeroflow.data import iter_records, load_data
 from zeroflow.data.packing import packed_batches, packing_efficiency
 from helpers import load_script
 
+pytestmark = pytest.mark.fast
+
 RECORDS = [{"prompt": f"Q{i}: what is {i} + {i}?", "completion": f" {2 * i}."} for i in range(40)]
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch", reason="torch is in the test extra (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 

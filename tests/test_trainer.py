@@ -18,6 +18,8 @@ from zeroflow.trainer.checkpoints import RunCheckpoints
 from fixtures import TINY_TRAINER
 from helpers import one_cpu_env
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SHRUNK = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2"]
 # For the in-process runs: no plot.png, which costs about a second of CPU per run to draw and

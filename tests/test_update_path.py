@@ -17,6 +17,8 @@ from zeroflow.engine.step import step_layout
 from zeroflow.engine.update import ComputeRefresh, UpdatePath
 from test_offload import init_params, loss_fn  # the same small model, one bias stored padded
 
+pytestmark = pytest.mark.slow
+
 IN_PLACE, ON_HOST, STREAMED, WHOLE = (UpdatePath.IN_PLACE, UpdatePath.ON_HOST,
                                       UpdatePath.STREAMED, UpdatePath.BROUGHT_IN_WHOLE)
 

@@ -9,6 +9,8 @@ import pytest
 
 from zeroflow.engine import zeropp
 
+pytestmark = pytest.mark.fast
+
 
 def numpy_quantize(x, block_size):
     """The reference: absmax per block of the flattened array, scale = absmax / 127, codes

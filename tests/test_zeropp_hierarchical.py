@@ -12,6 +12,8 @@ import zeroflow as zf
 from zeroflow.engine import zeropp
 from test_zeropp import W, V, _mlp_batches, _mlp_loss, _mlp_params, _stage3_on_two_hosts, numpy_quantize
 
+pytestmark = pytest.mark.fast
+
 
 def _params_with_padding():
     """The two matrices and a bias of 10 entries, stored padded to 16 on 8 devices."""
