@@ -1,7 +1,8 @@
 """Where a test selection's CPU time goes, by JAX phase. Needs py-spy (``pip install py-spy``):
 ``python scripts/profile_tests.py tests/test_engine.py tests/test_frozen.py``.
 
-Runs ``python -m pytest -p no:cacheprovider -n 0 ARGS`` (one process, so one profile) under
+Runs ``python -m pytest -m "" -p no:cacheprovider -n 0 ARGS`` (one process, so one profile; both
+tiers, so a file of either is profiled whole, and ``-m slow`` among ARGS still narrows it) under
 py-spy's sampling profiler (20 samples a second of the test process's busy threads: time spent
 waiting for a process the test started is not counted, that process's own work neither) and
 files each sample under the innermost phase on its stack: an XLA compile inside a trace counts
@@ -84,8 +85,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         raw = Path(scratch) / "samples.txt"
         command = ["py-spy", "record", "-r", "20", "-f", "raw", "-o", str(raw), "--",
-                   sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                   *args.pytest_args]
+                   sys.executable, "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider",
+                   "-n", "0", *args.pytest_args]
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = [line for line in done.stdout.splitlines() if line.strip()]
         summary = pytest_summary(lines)
