@@ -8,8 +8,8 @@ handler writes one line and leaves with ``os._exit`` (no interpreter teardown, n
 finalizers). The trainer replaces the handler with its own for the steps (it saves a
 checkpoint first) and puts this one back after.
 
-It is installed only for the ``python -m zeroflow.<command>`` programs, before jax is imported;
-``import zeroflow`` from other code leaves the process's signals alone.
+It is installed only for the ``python -m zeroflow.<command>`` programs, before jax is imported
+(``zeroflow.cli.common.start_command``); ``import zeroflow`` leaves the process's signals alone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COMMANDS = ("train", "sample", "export", "launch", "memory", "planner")
 "The ``python -m zeroflow.<name>`` programs."
 
 
-def _command() -> str | None:
+def command() -> str | None:
     """The zeroflow command this process runs as ``python -m zeroflow.<name>``, if any."""
     argv = list(getattr(sys, "orig_argv", ()))
     for i, arg in enumerate(argv[:-1]):
@@ -61,7 +61,7 @@ def _end_now(signum: int, _frame) -> None:
             undo()
     os.write(
         _stderr if _stderr is not None else 2,
-        f"zeroflow.{_command()}: stopped by {name}\n".encode(),
+        f"zeroflow.{command()}: stopped by {name}\n".encode(),
     )
     os._exit(128 + signum)
 
@@ -69,7 +69,7 @@ def _end_now(signum: int, _frame) -> None:
 def install_for_commands() -> None:
     """SIGINT and SIGTERM end a ``python -m zeroflow.<command>`` process at once (see above)."""
     global _stderr
-    if _command() is None:
+    if command() is None:
         return
     _stderr = os.dup(2)
     for sig in (signal.SIGINT, signal.SIGTERM):
