@@ -76,16 +76,17 @@ def _log_as(prog: str) -> None:
     warnings.showwarning = show
 
 
-def start_command() -> None:
-    """Prepare this process if it is ``python -m zeroflow.<command>``, before jax is imported:
-    a Ctrl-C or SIGTERM while it starts ends it with one line (``util.interrupts``); where the
-    CUDA plugin is installed without a driver, jax runs on the CPU without the plugin's noise
+def start_command(command: str | None = None) -> None:
+    """Prepare this process if it is ``python -m zeroflow.<command>`` (or a program that runs
+    ``command``'s ``main`` as that would, and says so), before jax is imported: a Ctrl-C or
+    SIGTERM while it starts ends it with one line (``util.interrupts``); where the CUDA plugin
+    is installed without a driver, jax runs on the CPU without the plugin's noise
     (``util.quiet_jax``); warnings print as the command's lines. Any other process (a program
     or a test importing the CLI modules) is left as it is."""
-    command = interrupts.command()
+    command = command or interrupts.command()
     if command is None:
         return
-    interrupts.install_for_commands()
+    interrupts.install(command)
     quiet_jax.quiet_for_this_command()
     _log_as(f"zeroflow.{command}")
 

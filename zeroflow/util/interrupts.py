@@ -37,6 +37,8 @@ def command() -> str | None:
 
 _stderr: int | None = None
 "A copy of descriptor 2 made at install: while jax starts, 2 may point at /dev/null."
+_installed_for: str | None = None
+"The command the handler was installed for, named in its line."
 
 
 _undo: list[Callable[[], None]] = []
@@ -61,16 +63,15 @@ def _end_now(signum: int, _frame) -> None:
             undo()
     os.write(
         _stderr if _stderr is not None else 2,
-        f"zeroflow.{command()}: stopped by {name}\n".encode(),
+        f"zeroflow.{_installed_for}: stopped by {name}\n".encode(),
     )
     os._exit(128 + signum)
 
 
-def install_for_commands() -> None:
-    """SIGINT and SIGTERM end a ``python -m zeroflow.<command>`` process at once (see above)."""
-    global _stderr
-    if command() is None:
-        return
+def install(command_name: str) -> None:
+    """SIGINT and SIGTERM end this process, the command ``command_name``, at once (see above)."""
+    global _stderr, _installed_for
+    _installed_for = command_name
     _stderr = os.dup(2)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _end_now)
