@@ -8,8 +8,8 @@ median CPU time (user + system of the process: on a busy machine the steadier of
 
 - ``python -c pass``: the interpreter alone, the floor;
 - ``python -c "import zeroflow"``;
-- ``python -m zeroflow.train --config configs/tiny.yaml bad.key=1``: a mistyped key, which must
-  end with one ``zeroflow.train: error: ...`` line and exit 2 (checked on every run);
+- the tiny config's train command with a mistyped key (the override bad.key=1), which must end
+  with one ``zeroflow.train: error: ...`` line and exit 2 (checked on every run);
 - ``python -c "import jax"``: what the typo no longer waits for.
 """
 
