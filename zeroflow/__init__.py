@@ -27,9 +27,41 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zeroflow.util import interrupts as _interrupts
+
+if TYPE_CHECKING:  # what a type checker and an editor see: the names __getattr__ resolves
+    from zeroflow import backend as backend
+    from zeroflow import memory as memory
+    from zeroflow import optim as optim
+    from zeroflow.autocast.interpret import autocast as autocast
+    from zeroflow.autocast.policy import AutocastPolicy as AutocastPolicy
+    from zeroflow.autocast.precision import LossScaleState as LossScaleState
+    from zeroflow.autocast.precision import Precision as Precision
+    from zeroflow.autocast.report import autocast_report as autocast_report
+    from zeroflow.autocast.scaling import scaled_value_and_grad as scaled_value_and_grad
+    from zeroflow.backend import target_mesh as target_mesh
+    from zeroflow.backend.mesh import make_mesh as make_mesh
+    from zeroflow.backend.mesh import planning_mesh as planning_mesh
+    from zeroflow.engine import offload as offload
+    from zeroflow.engine import padding as padding
+    from zeroflow.engine.checkpoint import restore_checkpoint as restore_checkpoint
+    from zeroflow.engine.checkpoint import save_checkpoint as save_checkpoint
+    from zeroflow.engine.plan import PlanDescription as PlanDescription
+    from zeroflow.engine.plan import ZeroPlan as ZeroPlan
+    from zeroflow.engine.quantized import QuantizedArray as QuantizedArray
+    from zeroflow.engine.quantized import quantize_frozen as quantize_frozen
+    from zeroflow.engine.state import TrainState as TrainState
+    from zeroflow.engine.state import init_train_state as init_train_state
+    from zeroflow.engine.state import state_shardings as state_shardings
+    from zeroflow.engine.step import make_train_step as make_train_step
+    from zeroflow.lora.transform import LoRA as LoRA
+    from zeroflow.lora.transform import lora as lora
+    from zeroflow.lora.transform import lora_merge as lora_merge
+    from zeroflow.ops.cross_entropy import chunked_cross_entropy as chunked_cross_entropy
+    from zeroflow.ops.cross_entropy import chunked_token_losses as chunked_token_losses
+    from zeroflow.planner.library import plan as plan
 
 if _interrupts.command() is not None:  # python -m zeroflow.<command>, never a program's import
     from zeroflow.cli.common import start_command as _start_command

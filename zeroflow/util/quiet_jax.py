@@ -77,7 +77,9 @@ class _QuietLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        module.__loader__ = module.__spec__.loader = self.loader  # jax sees its own loader
+        module.__loader__ = self.loader  # jax sees its own loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
         with _stderr_muted():
             self.loader.exec_module(module)
             _register_plugins()
