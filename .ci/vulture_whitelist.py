@@ -48,3 +48,12 @@ _.pytest_collection_finish
 _.pytest_report_teststatus
 _.pytest_runtest_logreport
 _.pytest_xdist_auto_num_workers
+
+# The public package's lazy names: Python calls a module's __getattr__ and __dir__ by name, and
+# the package's class is set so that loading the autocast and lora sub-packages keeps
+# zf.autocast and zf.lora the functions (zeroflow/__init__.py). A command's quiet jax import
+# hands jax back its own loader (zeroflow/util/quiet_jax.py).
+__getattr__
+__dir__
+_.__class__
+_.__loader__

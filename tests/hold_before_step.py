@@ -14,7 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from zeroflow.trainer import loop
+from zeroflow.cli.common import start_command
+
+start_command("train")  # as ``python -m zeroflow.train`` is, before jax is imported
+
+from zeroflow.trainer import loop  # noqa: E402
 
 HELD = (signal.SIGTERM, signal.SIGINT)
 

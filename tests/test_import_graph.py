@@ -58,6 +58,9 @@ def _imports(name: str) -> set[str]:
                 continue
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
                       for a in node.names}
+    if name == "zeroflow":  # the public names are imported at first use, by module name
+        found |= {node.value for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Constant) and node.value in MODULES}
     return found - {name}
 
 

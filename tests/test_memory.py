@@ -236,7 +236,7 @@ def test_cli_errors_are_one_line(argv, message, capsys):
         main(["--measure", "never", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert message in err and err.startswith("python -m zeroflow.memory: error:")
+    assert message in err and err.startswith("zeroflow.memory: error:")
 
 
 def _stored_base_bytes(model, kind, width=2):

@@ -3,39 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-MASTER_DTYPES = ("fp32",)
-AUTOCAST = ("none", "bf16", "fp16")
+from zeroflow.util.settings import AUTOCAST as AUTOCAST  # re-exported: the names stay here too
+from zeroflow.util.settings import DTYPE_NAMES, check_precision
+from zeroflow.util.settings import MASTER_DTYPES as MASTER_DTYPES
+from zeroflow.util.settings import parse_loss_scale as parse_loss_scale
 
-
-def parse_loss_scale(value: Any) -> str | float:
-    """``"none"``, ``"dynamic"`` or a positive finite number (also given as text, as YAML and
-    the command line give it) -> that value, a number as float; anything else -> ValueError.
-    The one parser of loss-scale settings: ``Precision`` and the config validation use it."""
-    if isinstance(value, str):
-        if value in ("none", "dynamic"):
-            return value
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(
-                f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}"
-            ) from None
-    elif not _is_number(value):
-        raise ValueError(
-            f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}"
-        )
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"a static loss_scale must be a positive finite number, got {value!r}")
-    return value
+DTYPES = dict(zip(DTYPE_NAMES, (jnp.float32, jnp.bfloat16, jnp.float16), strict=True))
 
 
 @struct.dataclass
@@ -82,50 +61,9 @@ class Precision:
         return cls(**dataclasses.asdict(section))
 
     def __post_init__(self):
-        if not isinstance(self.params, str) or self.params not in DTYPES:
-            raise ValueError(
-                f"unknown params dtype {self.params!r}; choose one of {sorted(DTYPES)}"
-            )
-        if self.master not in MASTER_DTYPES:
-            raise ValueError(f"unknown master dtype {self.master!r}; master weights are 'fp32'")
-        object.__setattr__(self, "loss_scale", parse_loss_scale(self.loss_scale))
-        self._check_scaling_fields()
-        self._check_autocast()
-        if not isinstance(self.reduce, str) or self.reduce not in ("fp32", self.params):
-            raise ValueError(
-                f"unknown reduce dtype {self.reduce!r}; gradients are summed in 'fp32' "
-                f"or the compute dtype (params={self.params!r})"
-            )
-
-    def _check_scaling_fields(self):
-        for name in ("init_scale", "min_scale"):
-            value = getattr(self, name)
-            if not _is_number(value) or not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-        for name in ("growth_interval", "max_consecutive_skips"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.min_scale > self.init_scale:
-            raise ValueError(
-                f"min_scale ({self.min_scale:g}) must not exceed init_scale ({self.init_scale:g})"
-            )
-
-    def _check_autocast(self):
-        if not isinstance(self.autocast, str) or self.autocast not in AUTOCAST:
-            raise ValueError(f"unknown autocast {self.autocast!r}; choose one of {list(AUTOCAST)}")
-        if self.autocast == "none":
-            return
-        if self.params not in ("fp32", self.autocast):
-            raise ValueError(
-                f"autocast={self.autocast!r} with params={self.params!r} mixes two half "
-                f"types; use params='fp32' or params={self.autocast!r}"
-            )
-        if self.autocast == "fp16" and not self.scaled:
-            raise ValueError(
-                "autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
-                "in fp16); set loss_scale='dynamic' or a number"
-            )
+        # the checks are plain Python (zeroflow.util.settings): the config runs them before jax
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        object.__setattr__(self, "loss_scale", check_precision(**fields))
 
     @property
     def summary(self) -> str:
@@ -198,7 +136,3 @@ class Precision:
             skips=skips,
             dynamic=True,
         )
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

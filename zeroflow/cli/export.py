@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from zeroflow.autocast.precision import DTYPES
 from zeroflow.cli.common import ArgumentParser, at_least, run_cli
+from zeroflow.cli.sample import check_run_folder
+from zeroflow.util.settings import DTYPE_NAMES
 
 PROG = "zeroflow.export"
 FORMATS = (".safetensors", ".npz")
@@ -89,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
+        choices=DTYPE_NAMES,
         default="fp32",
         help="weight dtype of --format hf (default fp32)",
     )
@@ -184,17 +185,18 @@ def _check_out(out: Path, folder: bool) -> None:
 def main_args(args) -> int:
     out = Path(args.out)
     _check_out(out, folder=args.format in (HF_FORMAT, PEFT_FORMAT))
+    if args.format == "file" and out.suffix not in FORMATS:
+        raise ValueError(
+            f"--out must end in {' or '.join(FORMATS)}, got {out.name!r} "
+            "(or use --format hf for a Hugging Face folder)"
+        )
+    check_run_folder(Path(args.run))  # the flags and --run checked, before jax is imported
     if args.format == HF_FORMAT:
         print(export_hf(Path(args.run), out, args.dtype, args.step))
         return 0
     if args.format == PEFT_FORMAT:
         print(export_peft(Path(args.run), out, args.step))
         return 0
-    if out.suffix not in FORMATS:
-        raise ValueError(
-            f"--out must end in {' or '.join(FORMATS)}, got {out.name!r} "
-            "(or use --format hf for a Hugging Face folder)"
-        )
     from zeroflow.cli.sample import load_params
 
     _, _, params, step = load_params(Path(args.run), args.step)

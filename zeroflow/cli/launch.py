@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from zeroflow.cli.common import ArgumentParser
-from zeroflow.engine.distributed import (
+from zeroflow.engine.job_env import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,

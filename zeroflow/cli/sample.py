@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from zeroflow.cli.common import ArgumentParser, at_least, non_negative_float, run_cli
+from zeroflow.cli.common import ArgumentParser, at_least, error_line, non_negative_float, run_cli
 
 PROG = "zeroflow.sample"
 
@@ -71,6 +71,12 @@ def until_end(tokenizer, tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
+def check_run_folder(run_dir: Path) -> None:
+    """A ``--run`` that is no run folder is one line, before jax is imported."""
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a zeroflow run folder?")
+
+
 def load_params(run_dir: Path, step: int | None = None):
     """(model config, tokenizer, fp32 params, step) of checkpoint ``step`` (default: the
     latest, which must be readable), on one device; a LoRA run's adapters folded into its
@@ -91,8 +97,7 @@ def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool =
     from zeroflow.trainer import build_run
     from zeroflow.trainer.checkpoints import RunCheckpoints
 
-    if not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a zeroflow run folder?")
+    check_run_folder(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     single = dataclasses.replace(
         cfg.parallel,
@@ -116,6 +121,7 @@ def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool =
 
 
 def main_args(args) -> int:
+    check_run_folder(Path(args.run))
     import jax
 
     from zeroflow.models import generate
@@ -160,7 +166,7 @@ def prompt_loop(answer, seed: int, lines=None) -> int:
         try:
             print(answer(line, seed + n), flush=True)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(error_line(PROG, str(e)), file=sys.stderr, flush=True)
     return 0
 
 

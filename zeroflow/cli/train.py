@@ -15,7 +15,6 @@ import sys
 
 from zeroflow.cli.common import ArgumentParser, at_least, run_cli, set_cpu_devices
 from zeroflow.config.io import add_config_arguments, config_from_args
-from zeroflow.engine.distributed import initialize_from_env
 
 PROG = "zeroflow.train"
 
@@ -33,7 +32,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main_args(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)  # ConfigError is a ValueError: one line, exit 2
+    cfg = config_from_args(args)  # ConfigError is a ValueError: one line, exit 2 (before jax)
+    from zeroflow.engine.distributed import initialize_from_env
+
     set_cpu_devices(args.cpu_devices)
     # Joins a multi-process job when ZEROFLOW_*/SLURM variables describe one; like the line
     # above, this must come before anything starts a jax backend.

@@ -27,7 +27,6 @@ from typing import Any
 
 import yaml
 
-from zeroflow.autocast.precision import Precision, parse_loss_scale
 from zeroflow.config import schema as config_module
 from zeroflow.config.schema import CHOICES, Config, ParallelConfig
 from zeroflow.engine.plan_rules import (
@@ -40,6 +39,7 @@ from zeroflow.engine.plan_rules import (
     plan_problems,
     sequence_split_problem,
 )
+from zeroflow.util.settings import check_precision, parse_loss_scale
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -534,7 +534,7 @@ def _precision_problems(prec) -> list[str]:
         )
     if not problems:  # the rules between the keys are the engine's own
         try:
-            Precision.from_config(prec)
+            check_precision(**dataclasses.asdict(prec))
         except ValueError as e:
             problems.append(f"precision: {e}")
     return problems

@@ -5,9 +5,10 @@ command line overrides them with dotted keys (``train.steps=100``). A section ma
 section (``model.lora``, set with ``model.lora.rank=8`` or a mapping under ``lora:`` in YAML).
 Loading and validation live in ``zeroflow.config.io``.
 
-The allowed values of the engine's settings are the engine's own constants (``zeroflow.engine.plan``,
-``zeroflow.autocast.precision``); the model's are spelled here, on ``ModelConfig``, and the model reads
-them back with ``choices_of`` (it imports this module, so it cannot be imported from here).
+The allowed values of the engine's settings are the engine's own constants, kept free of jax in
+``zeroflow.util.settings`` so that a config is checked before jax is imported; the model's are
+spelled here, on ``ModelConfig``, and the model reads them back with ``choices_of`` (it imports
+this module, so it cannot be imported from here).
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from zeroflow.autocast.precision import AUTOCAST, DTYPES, MASTER_DTYPES
-from zeroflow.engine.plan import (
+from zeroflow.engine.plan_rules import CONTEXT_CHUNKS
+from zeroflow.util.settings import (
+    ADAMW_CHOICES,
+    AUTOCAST,
+    DTYPE_NAMES,
+    MASTER_DTYPES,
     OFFLOAD_CHOICES,
     QUANTIZE_GRADS_CHOICES,
+    QUANTIZE_KINDS,
     QUANTIZE_WEIGHTS_CHOICES,
+    REMATS,
     UPDATE_ON_CHOICES,
     ZERO_STAGES,
 )
-from zeroflow.engine.plan_rules import CONTEXT_CHUNKS
-from zeroflow.engine.quantized import KINDS as QUANTIZE_KINDS
-from zeroflow.memory.estimate import REMATS
-from zeroflow.optim.adam import ADAMW_CHOICES
 
 CHOICES = "choices"
 "Field-metadata key holding the allowed values of an enumerated field (checked by config_io)."
@@ -254,7 +257,7 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    params: str = one_of(*DTYPES)
+    params: str = one_of(*DTYPE_NAMES)
     "Compute weight dtype: 'fp32', 'bf16' or 'fp16'."
     master: str = one_of(*MASTER_DTYPES)
     "Master weight dtype (fp32)."
@@ -262,7 +265,7 @@ class PrecisionConfig:
     "'none', 'dynamic' or a number (static scale)."
     autocast: str = one_of(*AUTOCAST)
     "Run the unmodified model under zf.autocast: 'none', 'bf16' or 'fp16' (fp16 needs loss_scale)."
-    reduce: str = one_of(*DTYPES)
+    reduce: str = one_of(*DTYPE_NAMES)
     "Dtype gradients are summed over devices in: 'fp32' (exact) or the params dtype (half the bytes)."
     init_scale: float = 32768.0
     "Starting scale of dynamic loss scaling."

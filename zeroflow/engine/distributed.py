@@ -36,11 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-ENV_COORDINATOR = "ZEROFLOW_COORDINATOR"
-ENV_NUM_PROCESSES = "ZEROFLOW_NUM_PROCESSES"
-ENV_PROCESS_ID = "ZEROFLOW_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "ZEROFLOW_LOCAL_DEVICE_IDS"
-ENV_DISTRIBUTED = "ZEROFLOW_DISTRIBUTED"
+from zeroflow.engine.job_env import (
+    ENV_COORDINATOR,
+    ENV_DISTRIBUTED,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
 # What jax's SLURM detection needs (jax/_src/clusters/slurm_cluster.py); mirrored so that
 # ``requested`` agrees with jax about when a SLURM step is present.
 SLURM_STEP_VARS = (

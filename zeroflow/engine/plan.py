@@ -39,9 +39,15 @@ from zeroflow import backend
 from zeroflow.backend.mesh import CONTEXT, DATA, MODEL, zero_axes, zero_axis_names
 from zeroflow.engine.hosts import host_split, hosts_of
 from zeroflow.engine.plan_rules import hierarchical_hosts_problem, plan_problems
+from zeroflow.util.settings import (  # the config reads them from there, before jax starts
+    OFFLOAD_CHOICES,
+    QUANTIZE_GRADS_CHOICES,
+    QUANTIZE_WEIGHTS_CHOICES,
+    UPDATE_ON_CHOICES,
+    ZERO_STAGES,
+)
 from zeroflow.util.tree import path_str
 
-ZERO_STAGES = (0, 1, 2, 3)
 WIDE = 8
 "A matrix at least this many times wider than tall is split by columns (``leaf_layout``)."
 LOOKUP_TABLE_NAMES = ("embedding",)
@@ -55,12 +61,6 @@ gathered rows, so XLA:GPU gathers the whole table (docs/engine.md measures the c
 def is_lookup_table(path: str) -> bool:
     """Whether the leaf at ``path`` (``util.tree.path_str``) is a lookup table by its name."""
     return path.rsplit("/", 1)[-1] in LOOKUP_TABLE_NAMES
-
-
-OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
-UPDATE_ON_CHOICES = ("device", "host")
-QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
-QUANTIZE_GRADS_CHOICES = (None, "int8")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,9 +19,9 @@ import optax
 from optax import tree_utils as otu
 
 from zeroflow.optim import blockwise as q
+from zeroflow.util.settings import ADAMW_CHOICES as ADAMW_CHOICES  # re-exported
 
-ADAMW_CHOICES = ("adamw", "adamw_8bit", "adamw_bf16")
-"AdamW by how its moments are stored: fp32 (``optax.adamw``), 8-bit blockwise, bf16."
+# ADAMW_CHOICES: AdamW by how its moments are stored: fp32 (``optax.adamw``), 8-bit blockwise, bf16.
 BLOCK_SIZE = 256
 "``adamw_8bit``'s default: entries of a parameter's last axis that share one scale."
 MIN_8BIT_SIZE = 4096

@@ -18,9 +18,9 @@ yet seen (numbered past the checkpoint's count): the resumed run makes them agai
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from zeroflow.config.schema import Config
 from zeroflow.trainer import loggers
 from zeroflow.trainer.plot import write_plot
+
+log = logging.getLogger("zeroflow")
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
 PEAK_FLOPS = {
@@ -219,7 +221,7 @@ class Reporter:
             write_plot(self.run_dir)
         except Exception as e:
             if report:
-                print(f"warning: could not draw {self.run_dir / 'plot.png'}: {e}", file=sys.stderr)
+                log.warning(f"could not draw {self.run_dir / 'plot.png'}: {e}")
 
     def _plot_is_stale(self) -> bool:
         """Redraw at an evaluation when the picture is over ``PLOT_EVERY_S`` old (or there is

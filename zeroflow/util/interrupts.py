@@ -8,8 +8,8 @@ handler writes one line and leaves with ``os._exit`` (no interpreter teardown, n
 finalizers). The trainer replaces the handler with its own for the steps (it saves a
 checkpoint first) and puts this one back after.
 
-It is installed only for the ``python -m zeroflow.<command>`` programs, before jax is imported;
-``import zeroflow`` from other code leaves the process's signals alone.
+It is installed only for the ``python -m zeroflow.<command>`` programs, before jax is imported
+(``zeroflow.cli.common.start_command``); ``import zeroflow`` leaves the process's signals alone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COMMANDS = ("train", "sample", "export", "launch", "memory", "planner")
 "The ``python -m zeroflow.<name>`` programs."
 
 
-def _command() -> str | None:
+def command() -> str | None:
     """The zeroflow command this process runs as ``python -m zeroflow.<name>``, if any."""
     argv = list(getattr(sys, "orig_argv", ()))
     for i, arg in enumerate(argv[:-1]):
@@ -37,6 +37,8 @@ def _command() -> str | None:
 
 _stderr: int | None = None
 "A copy of descriptor 2 made at install: while jax starts, 2 may point at /dev/null."
+_installed_for: str | None = None
+"The command the handler was installed for, named in its line."
 
 
 _undo: list[Callable[[], None]] = []
@@ -61,16 +63,15 @@ def _end_now(signum: int, _frame) -> None:
             undo()
     os.write(
         _stderr if _stderr is not None else 2,
-        f"zeroflow.{_command()}: stopped by {name}\n".encode(),
+        f"zeroflow.{_installed_for}: stopped by {name}\n".encode(),
     )
     os._exit(128 + signum)
 
 
-def install_for_commands() -> None:
-    """SIGINT and SIGTERM end a ``python -m zeroflow.<command>`` process at once (see above)."""
-    global _stderr
-    if _command() is None:
-        return
+def install(command_name: str) -> None:
+    """SIGINT and SIGTERM end this process, the command ``command_name``, at once (see above)."""
+    global _stderr, _installed_for
+    _installed_for = command_name
     _stderr = os.dup(2)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _end_now)

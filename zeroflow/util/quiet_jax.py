@@ -1,4 +1,4 @@
-"""Start JAX without the CUDA plugin's native noise on machines without a GPU.
+"""The commands' jax without the CUDA plugin's native noise on machines without a GPU.
 
 The test extra installs ``jax-cuda12-plugin`` (Python 3.11, jax 0.10.2) or ``jax-cuda13-plugin``
 (Python 3.12+, jax 0.11.2) so that XLA:GPU can compile for GPU targets on
@@ -6,17 +6,22 @@ any machine (``zf.target_mesh``). Without a GPU driver, its native libraries pri
 find cuda drivers on your machine" to the process's stderr (file descriptor 2, below Python)
 when JAX imports the plugin, and again when it registers it, and jax then prints the plugin's
 failure. None of it is actionable here, and it buries the one line a command-line error should
-be. So, only in that situation (plugin installed, no driver, JAX not yet imported), zeroflow
-imports JAX, and JAX later discovers its plugins, with descriptor 2 pointed at /dev/null, and
-the CPU is made JAX's platform. Python exceptions are raised as usual; nothing else is muted.
+be. So, only for a ``python -m zeroflow.<command>`` process and only in that situation (plugin
+installed, no driver, JAX not yet imported), the command makes the CPU JAX's platform and, when
+something first imports JAX, imports it and registers its plugins with descriptor 2 pointed at
+/dev/null. Python exceptions are raised as usual; nothing else is muted. ``import zeroflow``
+never does any of this: a program that imports zeroflow keeps its environment and its jax.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes.util
+import importlib.abc
+import importlib.machinery
 import os
 import sys
+import types
 
 from zeroflow.util.compat import cuda_plugin_module
 
@@ -42,45 +47,64 @@ def _stderr_muted():
     try:
         yield
     finally:
+        sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
 
 
-def start() -> None:
-    """Import JAX (quietly where the plugin cannot work, choosing the CPU there).
+def _register_plugins() -> None:
+    """Register jax's PJRT plugins now (muted by the caller) rather than at the first backend
+    use, which may come anywhere later; registering creates no backend, so the CPU device count
+    and a multi-process job can still be set after it (private hook: another jax just prints
+    its lines there)."""
+    try:
+        from jax._src import xla_bridge
 
-    Where the user imported JAX first (``import jax, zeroflow``), its import has printed the
-    plugin's driver lines already, but no backend has started yet: the plugin's failure (a
-    logged traceback) is still muted and the CPU chosen, unless a platform was."""
-    if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu") or (
-        not cuda_plugin_installed() or has_gpu_driver()
-    ):
-        import jax
-
+        register = xla_bridge._discover_and_register_pjrt_plugins
+    except (ImportError, AttributeError):
         return
-    if "jax" in sys.modules:
-        import jax
-        from jax._src import xla_bridge
+    register()
 
-        if xla_bridge.backends_are_initialized():
-            return
-        # jax's options are dynamic attributes of jax.config, which its type does not declare
-        if not jax.config.jax_platforms:  # type: ignore[attr-defined]
-            jax.config.update("jax_platforms", "cpu")
-    else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+class _QuietLoader(importlib.abc.Loader):
+    """jax's own loader, run with descriptor 2 muted."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__loader__ = self.loader  # jax sees its own loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
         with _stderr_muted():
-            import jax
-    try:  # the plugin registers at the first backend use: mute that too (private hook)
-        from jax._src import xla_bridge
+            self.loader.exec_module(module)
+            _register_plugins()
 
-        discover = xla_bridge.discover_pjrt_plugins
 
-        def discover_quietly():
-            with _stderr_muted():
-                return discover()
+class _QuietJaxFinder(importlib.abc.MetaPathFinder):
+    """Finds ``jax`` as the other finders do, once, and hands it a muted loader."""
 
-        xla_bridge.discover_pjrt_plugins = discover_quietly
-    except (ImportError, AttributeError):  # another jax: its lines come back, nothing breaks
-        pass
+    def find_spec(self, name, path=None, target=None):
+        if name != "jax":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
+def quiet_for_this_command() -> None:
+    """Where the plugin cannot work (installed, no driver) and no platform was chosen: the CPU
+    becomes JAX's platform, and JAX's import and plugin registration, whenever they come, write
+    nothing to stderr. For the commands only (``zeroflow.cli.common.start_command``)."""
+    if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
+        return
+    if not cuda_plugin_installed() or has_gpu_driver():
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.meta_path.insert(0, _QuietJaxFinder())

@@ -34,8 +34,8 @@ from zeroflow.engine.quantized import nf4
 from zeroflow.engine.zeropp.quantize import Quantized as Int8
 from zeroflow.engine.zeropp.quantize import dequantize as int8_dequantize
 from zeroflow.engine.zeropp.quantize import quantize as int8_quantize
+from zeroflow.util.settings import QUANTIZE_KINDS as KINDS
 
-KINDS = ("nf4", "int8")
 INT8_BLOCK = 64
 "Entries per int8 block (one fp32 scale each)."
 ALIGN = 512

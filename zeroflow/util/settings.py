@@ -1,0 +1,127 @@
+"""The values each layer's settings accept, and the checks of the precision settings: plain
+Python, no jax.
+
+The config (``zeroflow.config``) validates a run against these before anything imports jax,
+so that a mistyped key or value is reported at once; the layers that act on the settings
+(``autocast.precision``, ``optim.adam``, ``engine.plan``, ``engine.quantized``) read their own
+names from here, so there is one spelling of each.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+# --- precision (zeroflow.autocast.precision) -----------------------------------------------------
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+"The compute dtypes by name (``Precision.params``, ``Precision.reduce``)."
+MASTER_DTYPES = ("fp32",)
+AUTOCAST = ("none", "bf16", "fp16")
+
+# --- optimizers (zeroflow.optim) -----------------------------------------------------------------
+
+ADAMW_CHOICES = ("adamw", "adamw_8bit", "adamw_bf16")
+
+# --- ZeRO plan and frozen weights (zeroflow.engine) ----------------------------------------------
+
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
+UPDATE_ON_CHOICES = ("device", "host")
+QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
+QUANTIZE_GRADS_CHOICES = (None, "int8")
+QUANTIZE_KINDS = ("nf4", "int8")
+"How ``quantize_frozen`` stores frozen weights."
+
+# --- activation memory (the model's remat, which zeroflow.memory estimates) ----------------------
+
+REMATS = ("none", "full", "save_dots", "offload_dots", "offload_input")
+
+
+def is_number(value: Any) -> bool:
+    """A real number, not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def parse_loss_scale(value: Any) -> str | float:
+    """``"none"``, ``"dynamic"`` or a positive finite number (also given as text, as YAML and
+    the command line give it) -> that value, a number as float; anything else -> ValueError.
+    The one parser of loss-scale settings: ``Precision`` and the config validation use it."""
+    if isinstance(value, str):
+        if value in ("none", "dynamic"):
+            return value
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(
+                f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}"
+            ) from None
+    elif not is_number(value):
+        raise ValueError(
+            f"loss_scale must be 'none', 'dynamic' or a positive number, got {value!r}"
+        )
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"a static loss_scale must be a positive finite number, got {value!r}")
+    return value
+
+
+def check_precision(
+    params: str,
+    master: str,
+    loss_scale: Any,
+    init_scale: float,
+    growth_interval: int,
+    min_scale: float,
+    max_consecutive_skips: int,
+    autocast: str,
+    reduce: str,
+) -> str | float:
+    """Raise ValueError (one line) for a precision that cannot run; return the parsed
+    ``loss_scale``. ``Precision`` runs it when made, the config before jax starts; its
+    arguments are ``Precision``'s fields, which the config's ``precision`` section repeats."""
+    if not isinstance(params, str) or params not in DTYPE_NAMES:
+        raise ValueError(f"unknown params dtype {params!r}; choose one of {sorted(DTYPE_NAMES)}")
+    if master not in MASTER_DTYPES:
+        raise ValueError(f"unknown master dtype {master!r}; master weights are 'fp32'")
+    parsed = parse_loss_scale(loss_scale)
+    _check_scaling(init_scale, growth_interval, min_scale, max_consecutive_skips)
+    _check_autocast(autocast, params, scaled=parsed != "none")
+    if not isinstance(reduce, str) or reduce not in ("fp32", params):
+        raise ValueError(
+            f"unknown reduce dtype {reduce!r}; gradients are summed in 'fp32' "
+            f"or the compute dtype (params={params!r})"
+        )
+    return parsed
+
+
+def _check_scaling(init_scale, growth_interval, min_scale, max_consecutive_skips) -> None:
+    for name, value in (("init_scale", init_scale), ("min_scale", min_scale)):
+        if not is_number(value) or not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    counts = (
+        ("growth_interval", growth_interval),
+        ("max_consecutive_skips", max_consecutive_skips),
+    )
+    for name, value in counts:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if min_scale > init_scale:
+        raise ValueError(f"min_scale ({min_scale:g}) must not exceed init_scale ({init_scale:g})")
+
+
+def _check_autocast(autocast: str, params: str, *, scaled: bool) -> None:
+    if not isinstance(autocast, str) or autocast not in AUTOCAST:
+        raise ValueError(f"unknown autocast {autocast!r}; choose one of {list(AUTOCAST)}")
+    if autocast == "none":
+        return
+    if params not in ("fp32", autocast):
+        raise ValueError(
+            f"autocast={autocast!r} with params={params!r} mixes two half "
+            f"types; use params='fp32' or params={autocast!r}"
+        )
+    if autocast == "fp16" and not scaled:
+        raise ValueError(
+            "autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
+            "in fp16); set loss_scale='dynamic' or a number"
+        )
