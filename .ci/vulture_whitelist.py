@@ -48,6 +48,10 @@ _.pytest_collection_finish
 _.pytest_report_teststatus
 _.pytest_runtest_logreport
 _.pytest_xdist_auto_num_workers
+_.pytest_report_header
+
+# A test file's tier (pytest.mark.fast / slow): pytest reads a module's pytestmark by name.
+pytestmark
 
 # The public package's lazy names: Python calls a module's __getattr__ and __dir__ by name, and
 # the package's class is set so that loading the autocast and lora sub-packages keeps
