@@ -48,3 +48,6 @@ _.pytest_collection_finish
 _.pytest_report_teststatus
 _.pytest_runtest_logreport
 _.pytest_xdist_auto_num_workers
+
+# A test module's tier (pytest reads the module attribute by name).
+pytestmark

@@ -2,7 +2,8 @@
 default, W&B, trackio: ``zeroflow.trainer.loggers``), ``plot.png`` redrawn at an evaluation
 when it is over a minute old, and at the end (``zeroflow.trainer.plot``), and on the terminal a rich progress bar, or (progress off, or output not a terminal) a plain line every
 ``train.log_every`` steps. What a person reads (step lines, evaluations, the final summary)
-goes to stdout, never wrapped; warnings and errors go to stderr.
+goes to stdout, whole when piped and cut only between its items in a terminal narrower than
+it (``zeroflow.util.lines``); warnings and errors go to stderr.
 
 A resumed run first drops the rows of ``metrics.jsonl`` past the step it resumed from (they
 were logged by the interrupted run and are about to be logged again), then records the resume
@@ -28,10 +29,12 @@ from typing import Any
 import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Column
 
 from zeroflow.config.schema import Config
 from zeroflow.trainer import loggers
 from zeroflow.trainer.plot import write_plot
+from zeroflow.util import lines
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
 PEAK_FLOPS = {
@@ -151,7 +154,10 @@ class Reporter:
                 TextColumn("[bold]train"),
                 BarColumn(bar_width=16),
                 MofNCompleteColumn(),
-                TextColumn("{task.fields[stats]}"),
+                # cut short (an ellipsis) in a narrow terminal, never wrapped inside a figure
+                TextColumn(
+                    "{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis")
+                ),
                 TimeRemainingColumn(),
                 console=bar,
                 transient=False,
@@ -235,13 +241,15 @@ class Reporter:
         self.rows_since_draw += 1
 
     def print(self, message: str) -> None:
-        """A line for the person running it, on stdout (above the bar while one is shown)."""
+        """A line for the person running it, on stdout (above the bar while one is shown):
+        whole when piped, cut between its items in a terminal narrower than it
+        (``zeroflow.util.lines``)."""
         if not self.is_main:
             return
-        if self.progress is not None:  # through the bar's console, which keeps the bar below
-            self.progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
-        else:
-            self.out.print(message, markup=False)
+        # through the bar's console while it is shown, which keeps the bar below
+        console = self.out if self.progress is None else self.progress.console
+        for line in lines.fit(message, console.width if console.is_terminal else None):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def close(self, failing: bool = False) -> None:
         """Stop the bar, close the files and draw the plot a last time. ``failing``: the run is
