@@ -76,3 +76,34 @@ def test_a_line_that_fits_is_printed_as_it_is():
     console, out = _console(terminal=True, width=200)
     _trainer_print(console, STEP)
     assert out.getvalue() == STEP + "\n"
+
+
+@pytest.mark.parametrize("width", [50, 70, 200])
+def test_the_bar_shows_whole_figures_that_fit(width):
+    """The trainer's progress bar in a terminal: as many of its figures as fit beside the bar,
+    each whole, the first ones first; the rendered bar is one line within the terminal."""
+    from rich.progress import Progress
+
+    from zeroflow.trainer.reporting import Reporter
+
+    console, out = _console(terminal=True, width=width)
+    reporter = Reporter.__new__(Reporter)
+    reporter.total_steps = 200
+    reporter.progress = Progress(console=console)
+    m = {"loss": 2.34567, "tokens_per_s": 12345.6, "step_time": 0.1234, "loss_scale": 1.0,
+         "mfu": None}
+    figures = ["loss 2.346", "12,346 tok/s", "123 ms", "scale 1", "MFU n/a"]
+    shown = reporter._bar_stats(m).split("  ")
+    assert shown == figures[:len(shown)] and shown  # whole figures, in order, at least the loss
+    assert (len(shown) == len(figures)) == (width == 200)
+    # drawn with the trainer's columns (label, 16-wide bar, step/total, time left)
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+    from rich.table import Column
+    bar = Progress(TextColumn("train"), BarColumn(bar_width=16), MofNCompleteColumn(),
+                   TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True)),
+                   TimeRemainingColumn(), console=console, auto_refresh=False)
+    bar.add_task("train", total=200, completed=100, stats="  ".join(shown))
+    console.print(bar.make_tasks_table(bar.tasks))
+    drawn = out.getvalue().rstrip("\n").split("\n")
+    assert len(drawn) == 1 and len(drawn[0]) <= width and "100/200" in drawn[0], drawn
+    assert "━" * 8 in drawn[0]  # the bar kept its width

@@ -68,6 +68,9 @@ PLOT_EVERY_S = 60.0
 
 ROLLBACK = "rollback"
 "The ``event`` of a rollback's row."
+BAR_COLUMNS = len("train") + 16 + 1 + len("-:--:--") + 4
+"The bar's columns but its figures: the label, the bar, the '/' of step/total, the time left and "
+"a space between each two (the step numbers' digits are added to it)."
 
 
 def trim_metrics(path: Path, step: int, rollbacks: int | None = None) -> int:
@@ -154,7 +157,7 @@ class Reporter:
                 TextColumn("[bold]train"),
                 BarColumn(bar_width=16),
                 MofNCompleteColumn(),
-                # cut short (an ellipsis) in a narrow terminal, never wrapped inside a figure
+                # whole figures that fit (_bar_stats); never wrapped inside one
                 TextColumn(
                     "{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis")
                 ),
@@ -175,16 +178,26 @@ class Reporter:
     def step(self, step: int, m: dict[str, Any], log_line: bool) -> None:
         """``m``: host floats for one finished step (1-based ``step``)."""
         if self.progress is not None:
-            mfu = m.get("mfu")
-            stats = (
-                f"loss {m['loss']:.3f} {m['tokens_per_s']:,.0f} tok/s {m['step_time'] * 1e3:.0f} ms"
-                f" scale {m['loss_scale']:g} MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a")
-            )
-            self.progress.update(self.task, completed=step, stats=stats)
+            self.progress.update(self.task, completed=step, stats=self._bar_stats(m))
         if log_line or step == 1:  # the first step always: the plot starts at the first loss
             self.write(step, m)
         if log_line and self.progress is None:
             self.print(step_line(step, self.total_steps, m))
+
+    def _bar_stats(self, m: dict[str, Any]) -> str:
+        """The bar's figures that fit beside its other columns in the terminal: whole items,
+        the first ones, so that none is cut and the bar keeps its width."""
+        assert self.progress is not None
+        mfu = m.get("mfu")
+        items = [
+            f"loss {m['loss']:.3f}",
+            f"{m['tokens_per_s']:,.0f} tok/s",
+            f"{m['step_time'] * 1e3:.0f} ms",
+            f"scale {m['loss_scale']:g}",
+            "MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a"),
+        ]
+        room = self.progress.console.width - BAR_COLUMNS - 2 * len(str(self.total_steps))
+        return lines.fit("  ".join(items), max(room, 1))[0]
 
     def write(self, step: int, m: dict[str, Any]) -> None:
         if not self.is_main:
