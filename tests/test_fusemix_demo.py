@@ -18,8 +18,9 @@ pytest.importorskip("sklearn", reason="the digits come with scikit-learn (the fu
 README = (REPO / "README.md").read_text()
 # The FuseMix paragraph's command, read from the README itself so that the test follows it.
 INLINE = re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", README, flags=re.S))
-COMMAND = next(span for span in INLINE
-               if span.startswith("python -m zeroflow.train") and "configs/fusemix.yaml" in span)
+COMMAND = next(command.strip() for span in INLINE for command in span.split("&&")
+               if command.strip().startswith("python -m zeroflow.train")
+               and "configs/fusemix.yaml" in command)
 
 
 def _fresh_folder(tmp_path):
