@@ -4,9 +4,10 @@
 
 Writes ``vision/`` (a randomly initialised ``CLIPVisionModel``: 32x32 images, 8x8 patches)
 and ``text/`` (a randomly initialised ``BertModel`` with a word-level ``tokenizer.json`` over
-the digits captions' words, built with the ``tokenizers`` library), each as transformers saves
-a published checkpoint. Needs torch and transformers: ``pip install -e ".[hf]"``.
-configs/fusemix.yaml aligns them on scikit-learn's digits.
+the digits captions' words), each as transformers saves a published checkpoint
+(``zeroflow.fusemix.tiny_encoders``). Needs torch and transformers: ``pip install -e ".[hf]"``.
+configs/fusemix.yaml makes the same two itself where they are missing
+(``fusemix.tiny_encoders: true``); this script writes them elsewhere or at another width.
 """
 from __future__ import annotations
 
@@ -14,18 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from zeroflow.fusemix.digits import CLS, PAD, SEP, UNK, vocabulary
-
-
-def make_tokenizer(folder: Path) -> int:
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    vocab = {word: i for i, word in enumerate(vocabulary())}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{CLS} $A {SEP}", special_tokens=[(CLS, vocab[CLS]), (SEP, vocab[SEP])])
-    tok.save(str(folder / "tokenizer.json"))
-    return len(vocab)
+from zeroflow.fusemix import tiny_encoders
 
 
 def main(argv=None) -> int:
@@ -34,22 +24,13 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=64, help="hidden size of both encoders")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    import torch
-    import transformers
     out = Path(args.out)
-    torch.manual_seed(args.seed)
-    w = args.width
-    vision = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
-        hidden_size=w, intermediate_size=4 * w, num_hidden_layers=2, num_attention_heads=4,
-        image_size=32, patch_size=8))
-    vision.eval().save_pretrained(out / "vision")
-    (out / "text").mkdir(parents=True, exist_ok=True)
-    vocab_size = make_tokenizer(out / "text")
-    text = transformers.BertModel(transformers.BertConfig(
-        vocab_size=vocab_size, hidden_size=w, intermediate_size=4 * w, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=32, pad_token_id=vocabulary().index(PAD)))
-    text.eval().save_pretrained(out / "text")
-    print(f"wrote {out}/vision (CLIPVisionModel) and {out}/text (BertModel, {vocab_size} words)")
+    try:  # a folder holding a model (an earlier run's) is replaced, one holding other files not
+        tiny_encoders.make(out / "vision", out / "text", width=args.width, seed=args.seed)
+    except (tiny_encoders.MissingLibraries, FileExistsError) as e:
+        sys.exit(f"make_tiny_encoders.py: {e}")
+    print(f"wrote {out}/vision (CLIPVisionModel) and {out}/text (BertModel, "
+          f"{len(tiny_encoders.vocabulary())} words)")
     return 0
 
 

@@ -313,6 +313,8 @@ class FuseMixConfig:
     "Hugging Face folder of the frozen image encoder (CLIPVisionModel)."
     text_encoder: str = ""
     "Hugging Face folder of the frozen text encoder (BertModel) with its tokenizer.json."
+    tiny_encoders: bool = False
+    "The CPU demo's encoders: where image_encoder or text_encoder names a folder that does not exist yet (or is empty), write a tiny randomly initialised CLIP vision model or BERT there (seeded, nothing downloaded; needs torch and transformers) instead of stopping."
     image_pooling: str = one_of("pooled", "mean")
     "Image latent: the encoder's pooled output (CLIP: the class token after the final norm) or the mean of its last hidden states."
     text_pooling: str = one_of("cls", "mean")

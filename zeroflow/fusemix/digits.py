@@ -75,7 +75,12 @@ def _lean(images: np.ndarray) -> np.ndarray:
 
 
 def digits_pairs(seed: int = 0) -> Pairs:
-    from sklearn.datasets import load_digits  # the optional dependency, only for this dataset
+    try:
+        from sklearn.datasets import load_digits  # the optional dependency, only for this dataset
+    except ImportError:
+        raise ValueError(
+            'fusemix.dataset=digits needs scikit-learn: pip install -e ".[fusemix]"'
+        ) from None
 
     data = load_digits()
     images = (data.images / 16.0).astype(np.float32)

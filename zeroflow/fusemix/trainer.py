@@ -21,11 +21,12 @@ import numpy as np
 import optax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Column
 
 import zeroflow as zf
 from zeroflow.config.io import save_config
 from zeroflow.config.schema import Config
-from zeroflow.fusemix import digits, latents, retrieval, stream
+from zeroflow.fusemix import digits, latents, retrieval, stream, tiny_encoders
 from zeroflow.fusemix.model import IMAGE, TEXT, make_loss
 from zeroflow.trainer import loggers
 from zeroflow.trainer.checkpoints import RunCheckpoints
@@ -33,6 +34,7 @@ from zeroflow.trainer.evaluation import TrainResult
 from zeroflow.trainer.optim import make_optimizer
 from zeroflow.trainer.parallel import mesh_of, plan_of
 from zeroflow.trainer.plot import write_plot
+from zeroflow.util import lines
 
 MIXUP_STREAM = 2
 "Folded into the seed's key for the state's rng (the engine derives each step's mixup key)."
@@ -65,20 +67,44 @@ class FuseMixRun:
         return zf.init_train_state(init, self.tx, self.plan, self.prec, rng=rng)
 
 
-def build_fusemix(cfg: Config, progress: bool) -> FuseMixRun:
-    """The data and its latents (encoded now when the cache lacks them), mesh, plan, optimizer."""
-    fm, par = cfg.fusemix, cfg.parallel
+def _find_encoders(fm, console: Console) -> None:
+    """Both encoder folders hold a model, or, with ``fusemix.tiny_encoders``, the missing ones
+    are written now (the CPU demo's); otherwise one line naming the key."""
     if not fm.image_encoder or not fm.text_encoder:
         raise ValueError(
-            "fusemix.image_encoder and fusemix.text_encoder must name Hugging Face "
-            "folders (python scripts/make_tiny_encoders.py makes tiny ones)"
+            "fusemix.image_encoder and fusemix.text_encoder must name Hugging Face folders "
+            "(with fusemix.tiny_encoders=true the CPU demo's tiny ones are written there)"
         )
-    for key, folder in (("image_encoder", fm.image_encoder), ("text_encoder", fm.text_encoder)):
-        if not (Path(folder) / "config.json").is_file():
+    folders = {"image_encoder": fm.image_encoder, "text_encoder": fm.text_encoder}
+    missing = {key: f for key, f in folders.items() if not tiny_encoders.holds_model(f)}
+    for key, folder in missing.items():
+        if not fm.tiny_encoders:
             raise FileNotFoundError(
-                f"fusemix.{key}: no Hugging Face model at {folder}; the CPU demo's tiny encoders "
-                f"are made by: python scripts/make_tiny_encoders.py --out {Path(folder).parent}"
+                f"fusemix.{key}: no Hugging Face model at {folder}; set "
+                "fusemix.tiny_encoders=true to write the CPU demo's tiny random one there"
             )
+        if not tiny_encoders.can_write(folder):
+            raise ValueError(
+                f"fusemix.{key}: {folder} holds files but no model (no config.json); "
+                "fusemix.tiny_encoders writes only to a new or empty folder"
+            )
+    if missing:
+        try:
+            written = tiny_encoders.make(missing.get("image_encoder"), missing.get("text_encoder"))
+        except tiny_encoders.MissingLibraries as e:
+            raise ValueError(f"fusemix.tiny_encoders: {e}") from None
+        _say(
+            console,
+            f"FuseMix: wrote the tiny random encoders {', '.join(map(str, written))} "
+            "(fusemix.tiny_encoders)",
+        )
+
+
+def build_fusemix(cfg: Config, progress: bool, console: Console | None = None) -> FuseMixRun:
+    """The data and its latents (encoded now when the cache lacks them; the tiny encoders
+    written first where ``fusemix.tiny_encoders`` asks), mesh, plan, optimizer."""
+    fm, par = cfg.fusemix, cfg.parallel
+    _find_encoders(fm, console or Console(stderr=True))
     if par.model != 1:
         raise ValueError(
             f"parallel.model={par.model}: FuseMix's adapters are not split over a model axis; "
@@ -145,14 +171,25 @@ def _draw(cfg: Config, run_dir: Path) -> None:
 
 
 def _recall_text(r: dict[str, float]) -> str:
-    return " ".join(f"{k} {v:.3f}" for k, v in r.items())
+    return "  ".join(f"{k} {v:.3f}" for k, v in r.items())
+
+
+def _say(console: Console, message: str) -> None:
+    """A progress or result line: whole when piped, cut only between its items in a terminal
+    narrower than it (``zeroflow.util.lines``), never inside a figure."""
+    for line in lines.fit(message, console.width if console.is_terminal else None):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _step_text(step: int, total: int, m: dict[str, float], rate: float) -> str:
+    return f"step {step}/{total}  loss {m['loss']:.4f}  {rate:.1f} steps/s"
 
 
 def train_fusemix(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     """Train (or resume) the FuseMix run of ``cfg`` in ``cfg.run.dir``."""
     show = cfg.run.progress if progress is None else progress
     console = Console(stderr=True)
-    run = build_fusemix(cfg, show)
+    run = build_fusemix(cfg, show, console)
     run_dir = Path(cfg.run.dir)
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep)
     try:
@@ -162,12 +199,13 @@ def train_fusemix(cfg: Config, *, progress: bool | None = None) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         chance = retrieval.chance(run.groups[run.val_rows])
-        console.print(
+        _say(
+            console,
             f"FuseMix: {len(run.train_rows)} training pairs, {len(run.val_rows)} "
             f"held out (chance recall@1 {chance['r1']:.3f}); latents "
             f"{ {k: v.shape[1] for k, v in run.latents.items()} }; ZeRO stage "
             f"{run.plan.stage}, mesh {dict(run.plan.mesh.shape)}"
-            + (f"; resumed at step {int(state.step)}" if restored else "")
+            + (f"; resumed at step {int(state.step)}" if restored else ""),
         )
         state, losses, last = _train_steps(run, state, checkpoints, console, show)
     finally:
@@ -198,11 +236,13 @@ def _train_steps(run: FuseMixRun, state, checkpoints: RunCheckpoints, console, s
         BarColumn(),
         MofNCompleteColumn(),
         TimeRemainingColumn(),
-        TextColumn("{task.fields[loss]}"),
+        TextColumn("{task.fields[loss]}", table_column=Column(no_wrap=True)),
     ]
     t0 = time.perf_counter()
     sinks = loggers.open_sinks(cfg, run_dir, start, resumed=start > 0)
-    bar = Progress(*columns, console=console, disable=not show, transient=True)
+    # The bar in a terminal; otherwise (piped, or run.progress=false) a plain line per log step.
+    plain = not (show and console.is_terminal)
+    bar = Progress(*columns, console=console, disable=plain, transient=True)
     try:
         bar.start()
         task = bar.add_task("train", total=tcfg.steps, completed=start, loss="")
@@ -215,11 +255,13 @@ def _train_steps(run: FuseMixRun, state, checkpoints: RunCheckpoints, console, s
                 rate = (step - start) / (time.perf_counter() - t0)
                 _log(run_dir, {"step": step, **m, "steps_per_s": rate}, sinks)
                 bar.update(task, loss=f"loss {m['loss']:.3f}")
+                if plain:
+                    _say(console, _step_text(step, tcfg.steps, m, rate))
             bar.update(task, completed=step)
             if (tcfg.eval_every and step % tcfg.eval_every == 0) or step == tcfg.steps:
                 last = evaluate(run, state)
                 _log(run_dir, {"step": step, **last}, sinks)
-                console.print(f"step {step}: {_recall_text(last)}")
+                _say(console, f"step {step}:  {_recall_text(last)}")
                 _draw(cfg, run_dir)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tcfg.steps:
                 checkpoints.save(step, state, {"step": step, "seed": tcfg.seed})

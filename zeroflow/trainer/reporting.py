@@ -2,7 +2,8 @@
 default, W&B, trackio: ``zeroflow.trainer.loggers``), ``plot.png`` redrawn at an evaluation
 when it is over a minute old, and at the end (``zeroflow.trainer.plot``), and on the terminal a rich progress bar, or (progress off, or output not a terminal) a plain line every
 ``train.log_every`` steps. What a person reads (step lines, evaluations, the final summary)
-goes to stdout, never wrapped; warnings and errors go to stderr.
+goes to stdout, whole when piped and cut only between its items in a terminal narrower than
+it (``zeroflow.util.lines``); warnings and errors go to stderr.
 
 A resumed run first drops the rows of ``metrics.jsonl`` past the step it resumed from (they
 were logged by the interrupted run and are about to be logged again), then records the resume
@@ -28,10 +29,12 @@ from typing import Any
 import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Column
 
 from zeroflow.config.schema import Config
 from zeroflow.trainer import loggers
 from zeroflow.trainer.plot import write_plot
+from zeroflow.util import lines
 
 log = logging.getLogger("zeroflow")
 
@@ -67,6 +70,9 @@ PLOT_EVERY_S = 60.0
 
 ROLLBACK = "rollback"
 "The ``event`` of a rollback's row."
+BAR_COLUMNS = len("train") + 16 + 1 + len("-:--:--") + 4
+"The bar's columns but its figures: the label, the bar, the '/' of step/total, the time left and "
+"a space between each two (the step numbers' digits are added to it)."
 
 
 def trim_metrics(path: Path, step: int, rollbacks: int | None = None) -> int:
@@ -153,7 +159,10 @@ class Reporter:
                 TextColumn("[bold]train"),
                 BarColumn(bar_width=16),
                 MofNCompleteColumn(),
-                TextColumn("{task.fields[stats]}"),
+                # whole figures that fit (_bar_stats); never wrapped inside one
+                TextColumn(
+                    "{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis")
+                ),
                 TimeRemainingColumn(),
                 console=bar,
                 transient=False,
@@ -171,16 +180,26 @@ class Reporter:
     def step(self, step: int, m: dict[str, Any], log_line: bool) -> None:
         """``m``: host floats for one finished step (1-based ``step``)."""
         if self.progress is not None:
-            mfu = m.get("mfu")
-            stats = (
-                f"loss {m['loss']:.3f} {m['tokens_per_s']:,.0f} tok/s {m['step_time'] * 1e3:.0f} ms"
-                f" scale {m['loss_scale']:g} MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a")
-            )
-            self.progress.update(self.task, completed=step, stats=stats)
+            self.progress.update(self.task, completed=step, stats=self._bar_stats(m))
         if log_line or step == 1:  # the first step always: the plot starts at the first loss
             self.write(step, m)
         if log_line and self.progress is None:
             self.print(step_line(step, self.total_steps, m))
+
+    def _bar_stats(self, m: dict[str, Any]) -> str:
+        """The bar's figures that fit beside its other columns in the terminal: whole items,
+        the first ones, so that none is cut and the bar keeps its width."""
+        assert self.progress is not None
+        mfu = m.get("mfu")
+        items = [
+            f"loss {m['loss']:.3f}",
+            f"{m['tokens_per_s']:,.0f} tok/s",
+            f"{m['step_time'] * 1e3:.0f} ms",
+            f"scale {m['loss_scale']:g}",
+            "MFU " + (f"{mfu:.1%}" if mfu is not None else "n/a"),
+        ]
+        room = self.progress.console.width - BAR_COLUMNS - 2 * len(str(self.total_steps))
+        return lines.fit("  ".join(items), max(room, 1))[0]
 
     def write(self, step: int, m: dict[str, Any]) -> None:
         if not self.is_main:
@@ -237,13 +256,15 @@ class Reporter:
         self.rows_since_draw += 1
 
     def print(self, message: str) -> None:
-        """A line for the person running it, on stdout (above the bar while one is shown)."""
+        """A line for the person running it, on stdout (above the bar while one is shown):
+        whole when piped, cut between its items in a terminal narrower than it
+        (``zeroflow.util.lines``)."""
         if not self.is_main:
             return
-        if self.progress is not None:  # through the bar's console, which keeps the bar below
-            self.progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
-        else:
-            self.out.print(message, markup=False)
+        # through the bar's console while it is shown, which keeps the bar below
+        console = self.out if self.progress is None else self.progress.console
+        for line in lines.fit(message, console.width if console.is_terminal else None):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def close(self, failing: bool = False) -> None:
         """Stop the bar, close the files and draw the plot a last time. ``failing``: the run is
