@@ -355,7 +355,9 @@ class Attention(nn.Module):
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
         implementation = "xla" if self.is_initializing() else cfg.attention
         if isinstance(local, bool):
-            out = self._attend(q, k, v, implementation, cfg.sliding_window if local else 0, segment_ids)
+            out = self._attend(
+                q, k, v, implementation, cfg.sliding_window if local else 0, segment_ids
+            )
         else:  # a layer index traced by the scan: both windows compiled, one run per layer
             out = lax.cond(
                 local,
