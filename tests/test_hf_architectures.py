@@ -206,3 +206,50 @@ def test_options_a_path_cannot_run_are_refused_at_config_time(fields, setting):
     with pytest.raises(ValueError, match=setting) as err:
         check_config(ModelConfig(**fields))
     assert "\n" not in str(err.value)
+
+
+# --- the published configs stored under configs/hf/ -------------------------------------------
+
+
+def _meta_param_count(model_class, config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_class(config).parameters())
+
+
+@pytest.mark.parametrize("folder, model_class", [
+    ("configs/hf/qwen3-8b", "Qwen3ForCausalLM"),
+    ("configs/hf/gemma-3-12b", "Gemma3ForCausalLM"),
+])
+def test_stored_published_configs_mean_what_transformers_reads(folder, model_class):
+    """config.json as published (Gemma 3 12B's is multimodal and leaves most keys to the
+    class defaults): the architecture we read has transformers' parameter count and layer
+    kinds, window, query scalar and rotary bases."""
+    from zeroflow.models.gpt import abstract_params, count_params
+    from helpers import REPO
+    if "gemma" in folder:
+        with pytest.warns(UserWarning, match="vision tower is not loaded"):
+            cfg = hf.read_config(REPO / folder).model
+    else:
+        cfg = hf.read_config(REPO / folder).model
+    theirs = T.AutoConfig.from_pretrained(REPO / folder)
+    theirs = getattr(theirs, "text_config", theirs)
+    assert count_params(abstract_params(cfg)[0]) == _meta_param_count(
+        getattr(T, model_class), theirs)
+    assert (cfg.num_layers, cfg.head_dim or cfg.embed_dim // cfg.num_heads) == (
+        theirs.num_hidden_layers, theirs.head_dim)
+    kinds = getattr(theirs, "layer_types", None) or ["full_attention"] * cfg.num_layers
+    local = [k == "sliding_attention" for k in kinds]
+    every = cfg.global_every or cfg.num_layers + 1
+    assert local == [bool(cfg.sliding_window) and (i + 1) % every != 0
+                     for i in range(cfg.num_layers)]
+    rope = theirs.rope_parameters
+    if "full_attention" in rope:  # Gemma 3: one per kind of layer
+        assert cfg.rope_base == rope["full_attention"]["rope_theta"]
+        assert cfg.local_rope_base == rope["sliding_attention"]["rope_theta"]
+        assert (cfg.rope_scaling, cfg.rope_scaling_factor) == (
+            rope["full_attention"]["rope_type"], rope["full_attention"]["factor"])
+        assert (cfg.sliding_window, cfg.query_pre_attn_scalar) == (
+            theirs.sliding_window, theirs.query_pre_attn_scalar)
+    else:
+        assert cfg.rope_base == rope["rope_theta"] and cfg.qk_norm
+
