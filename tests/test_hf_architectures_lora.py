@@ -14,7 +14,7 @@ import zeroflow as zf  # noqa: E402
 from zeroflow import hf  # noqa: E402
 from zeroflow.models import make_loss_fn  # noqa: E402
 from test_hf_architectures import ONE_EACH, save_cases  # noqa: E402
-from test_hf_parity import ATOL, torch_logits  # noqa: E402
+from test_hf_parity import ATOL, torch_logits, zf_logits  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +89,52 @@ def test_gemma3_on_the_context_axis_matches_transformers(saved):
                                            "allgather"))
     np.testing.assert_allclose(float(metrics["loss"]), _reference_loss(reference_model, tokens),
                                rtol=1e-5)
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    """``x``'s entries in blocks of 64 consecutive ones (the last padded with its last entry)."""
+    flat = np.asarray(x, np.float32).ravel()
+    return np.pad(flat, (0, -flat.size % 64), constant_values=flat[-1]).reshape(-1, 64)
+
+
+def _distinct_per_block(x: np.ndarray) -> int:
+    """The most distinct values any block of 64 consecutive entries of ``x`` holds."""
+    return max(len(np.unique(block)) for block in _blocks(x))
+
+
+@pytest.mark.parametrize("name", ["gemma3-pattern2-linear", "phi3-window"])
+def test_nf4_base_at_stage3_runs_as_transformers_on_its_weights(name, saved, tmp_path):
+    """QLoRA's base read straight into NF4 shards at ZeRO-3 (Phi-3's fused tensors quantized
+    part by part, Gemma's norm and qk-norm vectors kept as they are): every matrix holds at
+    most 16 values per block of 64 (a 4-bit code times the block's scale), and transformers
+    running the dequantized weights (saved back in its layout) gives our logits."""
+    from zeroflow.engine import quantized
+    from zeroflow.util.tree import path_str
+    folder, reference_model, tokens, original = saved[name]
+    plan = zf.ZeroPlan(zf.make_mesh(data=8), stage=3)
+    model, params, cfg = hf.from_pretrained(folder, plan=plan, quantize="nf4")
+    _, loaded, _ = hf.from_pretrained(folder)
+    weights = jax.device_get(quantized.dequantized(params))
+    quantized_leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, zf.QuantizedArray))
+    for (path, weight), leaf in zip(jax.tree_util.tree_leaves_with_path(loaded), quantized_leaves):
+        matrix = weight.ndim - path_str(path).startswith("layers") >= 2
+        assert isinstance(leaf, zf.QuantizedArray) == matrix, path_str(path)  # vectors kept
+    for (path, weight), exact in zip(jax.tree_util.tree_leaves_with_path(weights),
+                                     jax.tree.leaves(loaded)):
+        if weight.ndim - path_str(path).startswith("layers") >= 2:
+            stacked = weight if path_str(path).startswith("layers") else weight[None]
+            exact = np.asarray(exact).reshape(stacked.shape)
+            for w, x in zip(stacked, exact):
+                assert _distinct_per_block(w) <= 16, path_str(path)
+                # within half NF4's widest gap (-1 to -0.696) of each block's largest entry,
+                # plus the 8-bit error of the block's (double-quantized) scale
+                w, x = _blocks(w), _blocks(x)
+                ratio = (np.abs(w - x) / np.abs(x).max(-1, keepdims=True)).max()
+                assert ratio <= 0.16, (path_str(path), ratio)
+    logits = jax.jit(lambda p, t: model.apply({"params": quantized.dequantized(p)}, t))
+    ours = np.asarray(logits(params, jnp.asarray(tokens)))
+    assert np.abs(ours - original).max() > 0.05  # NF4 moves the logits well above the tolerance
+    assert np.abs(ours - zf_logits(model, loaded, tokens)).max() > 0.05
+    hf.save_pretrained(model, weights, cfg, tmp_path / "nf4")
+    theirs = torch_logits(type(reference_model).from_pretrained(tmp_path / "nf4").eval(), tokens)
+    np.testing.assert_allclose(ours, theirs, atol=ATOL, rtol=0)

@@ -208,19 +208,13 @@ def rope_inv_freq(dim: int, base: float, cfg: ModelConfig | None = None) -> jax.
     return inv_freq
 
 
-def apply_rope(
-    x: jax.Array, base: float, cfg: ModelConfig | None = None, positions: jax.Array | None = None
-) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form).
+def rotate(x: jax.Array, inv_freq: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form) with the
+    inverse frequencies ``inv_freq`` (``rope_inv_freq``; they may differ from layer to layer).
 
     ``positions`` [batch, seq]: each token's position (packed examples restart at 0);
     None = 0 .. seq - 1.
     """
-    return rotate(x, rope_inv_freq(x.shape[-1], base, cfg), positions)
-
-
-def rotate(x: jax.Array, inv_freq: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """``apply_rope`` with the inverse frequencies given (they may differ from layer to layer)."""
     seq = x.shape[-3]
     if positions is None:
         positions = jnp.arange(seq)[None, :]
