@@ -138,3 +138,28 @@ def test_nf4_base_at_stage3_runs_as_transformers_on_its_weights(name, saved, tmp
     hf.save_pretrained(model, weights, cfg, tmp_path / "nf4")
     theirs = torch_logits(type(reference_model).from_pretrained(tmp_path / "nf4").eval(), tokens)
     np.testing.assert_allclose(ours, theirs, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("config, name", [
+    ("configs/finetune-qwen3-8b.yaml", "qwen3-gqa-headdim"),
+    ("configs/qlora-gemma3-12b.yaml", "gemma3-pattern2-linear"),
+])
+def test_shipped_configs_train_a_tiny_model_of_their_architecture(config, name, tmp_path):
+    """The two configs as shipped (offload and host update, or an NF4 base with adapters; the
+    chunked loss) on a tiny random model of the same architecture, with byte tokens, XLA
+    attention and the 8 emulated devices on the data axis: a few steps train, losses finite."""
+    from test_hf_architectures import CASES, scrambled
+    from zeroflow.config.io import load_config
+    from zeroflow.trainer import train
+    model_class, config_class, kwargs = CASES[name]
+    scrambled(model_class, config_class, {**kwargs, "vocab_size": 256}).save_pretrained(
+        tmp_path / "base")
+    cfg = load_config(config, [
+        f"model.init_from={tmp_path / 'base'}", "data.tokenizer=byte", "model.seq_len=16",
+        "model.attention=xla", "model.loss_chunk=8", "parallel.data=-1", "train.batch_size=64",
+        "data.max_bytes=100000", "train.steps=3", "train.warmup_steps=0", "train.eval_every=0",
+        "train.eval_batches=1", "train.log_every=1", "checkpoint.every=0",
+        "run.progress=false", "run.tensorboard=false", "run.plot=false",
+        f"run.dir={tmp_path / 'run'}"])
+    result = train(cfg)
+    assert len(result.losses) == 3 and all(np.isfinite(list(result.losses.values())))
