@@ -45,6 +45,11 @@ CASES = {
         vocab_size=71, hidden_size=16, intermediate_size=24, num_hidden_layers=6,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=3,
         query_pre_attn_scalar=8)),
+    # Llama with linear rotary scaling (read for every rotary architecture now).
+    "llama-linear-rope": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        vocab_size=59, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 3.0})),
     # Phi-3: fused qkv and gate_up, a window; Phi-4's shape (no window, MHA).
     "phi3-window": (T.Phi3ForCausalLM, T.Phi3Config, dict(
         vocab_size=83, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
