@@ -179,13 +179,13 @@ def _edit_config(folder, **changes):
 @pytest.mark.parametrize("spec,changes,needle", [
     (LLAMA, {"architectures": ["FalconForCausalLM"]},
      "architecture 'FalconForCausalLM' is not supported; supported: LlamaForCausalLM, "
-     "MistralForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel"),
+     "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"),
     (LLAMA, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      "rope_parameters.rope_type='yarn' is not supported; zeroflow supports rope types "
      "default, llama3"),
-    (LLAMA, {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear",
+    (LLAMA, {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "dynamic",
                                                                           "factor": 2.0}},
-     "rope_scaling.rope_type='linear' is not supported"),
+     "rope_scaling.rope_type='dynamic' is not supported"),
     (LLAMA, {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     (LLAMA, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                  "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),

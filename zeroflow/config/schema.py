@@ -81,8 +81,8 @@ class ModelConfig:
     "Per-head width; 0 means embed_dim // num_heads."
     mlp_dim: int = 512
     "Hidden width of the MLP."
-    mlp_activation: str = one_of("swiglu", "gelu", "gelu_exact")
-    "MLP kind: 'swiglu', 'gelu' (tanh approximation, Hugging Face's gelu_new) or 'gelu_exact' (erf)."
+    mlp_activation: str = one_of("swiglu", "gelu", "gelu_exact", "geglu")
+    "MLP kind: 'swiglu', 'gelu' (tanh approximation, Hugging Face's gelu_new), 'gelu_exact' (erf) or 'geglu' (a gate as swiglu's, through the tanh-approximated gelu: Gemma)."
     norm: str = one_of("rmsnorm", "layernorm")
     "Normalisation: 'rmsnorm' or 'layernorm'."
     tie_embeddings: bool = True
@@ -115,10 +115,10 @@ class ModelConfig:
     "Longest sequence the model supports (the learned position table's size; config.json's max_position_embeddings); 0 = seq_len."
     norm_eps: float = 1e-6
     "Epsilon added to the variance inside every norm."
-    rope_scaling: str = one_of("none", "llama3")
-    "Rotary frequency scaling: 'none' or 'llama3' (Llama 3.1's long-context rescaling)."
+    rope_scaling: str = one_of("none", "llama3", "linear")
+    "Rotary frequency scaling: 'none', 'llama3' (Llama 3.1's long-context rescaling) or 'linear' (every frequency divided by rope_scaling_factor: Gemma 3's global layers)."
     rope_scaling_factor: float = 8.0
-    "llama3 rope scaling: how much the low frequencies are slowed down."
+    "llama3 rope scaling: how much the low frequencies are slowed down; linear: the divisor of every frequency."
     rope_low_freq_factor: float = 1.0
     "llama3 rope scaling: wavelengths above original_max_positions / this are scaled fully."
     rope_high_freq_factor: float = 4.0
@@ -131,6 +131,24 @@ class ModelConfig:
     "Biases on the MLP projections (GPT-2)."
     sliding_window: int = 0
     "Attend to at most this many most recent tokens, the current one included (Mistral); 0 = all."
+    global_every: int = 0
+    "With sliding_window: every global_every-th layer (layers global_every - 1, 2 * global_every - 1, ...) attends to the whole sequence and the others use the window (Gemma 2: 2, Gemma 3: 6); 0 = the window in every layer."
+    local_rope_base: float = 0.0
+    "Rotary base of the sliding-window layers when global_every > 0 (Gemma 3: 10,000); they take no rope_scaling; 0 = rope_base."
+    qk_norm: bool = False
+    "RMSNorm (with norm_eps and norm_offset) on each head's queries and keys before the rotary embedding (Qwen3, Gemma 3)."
+    norm_offset: float = 0.0
+    "Added to every norm's learned scale, which then starts at 1 - norm_offset (Gemma: 1.0, the scale stored as w and applied as 1 + w)."
+    post_norms: bool = False
+    "Also normalise the attention and MLP outputs before they join the residual stream (Gemma 2 and 3)."
+    scale_embeddings: bool = False
+    "Multiply the input embeddings by sqrt(embed_dim), rounded to the compute dtype (Gemma)."
+    query_pre_attn_scalar: float = 0.0
+    "Attention scores are scaled by 1 / sqrt(this) instead of 1 / sqrt(head_dim) (Gemma); 0 = head_dim."
+    attn_softcap: float = 0.0
+    "Attention scores soft-capped to cap * tanh(score / cap) before the softmax (Gemma 2); 0 = off. Needs attention='xla' and no context axis."
+    logit_softcap: float = 0.0
+    "Output logits soft-capped to cap * tanh(logit / cap) (Gemma 2); 0 = off. Needs loss_chunk=0."
     init_from: str = ""
     "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, the loss and MLP chunks, lora)."
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -9,29 +9,37 @@ from pathlib import Path
 
 from zeroflow.config.schema import ModelConfig
 from zeroflow.hf.convert import RUNTIME_FIELDS, Converter, HFConfig
+from zeroflow.hf.gemma import GEMMA2, GEMMA3, GEMMA3_MULTIMODAL
 from zeroflow.hf.gpt2 import GPT2
-from zeroflow.hf.llama import LLAMA, MISTRAL, QWEN2
+from zeroflow.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from zeroflow.hf.phi3 import PHI3
 from zeroflow.hf.reader import HFCheckpointError
 
 CONFIG_FILE = "config.json"
-CONVERTERS: dict[str, Converter] = {c.architecture: c for c in (LLAMA, MISTRAL, QWEN2, GPT2)}
+CONVERTERS: dict[str, Converter] = {
+    c.architecture: c for c in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, GPT2)
+}
 "Architecture name (config.json ``architectures[0]``) -> converter."
+READ_ONLY: dict[str, Converter] = {"Gemma3ForConditionalGeneration": GEMMA3}
+"Architectures read through another's converter (their text decoder), and saved as that one."
 _BY_MODEL_TYPE = {c.model_type: c for c in CONVERTERS.values()}
+_BY_MODEL_TYPE[GEMMA3_MULTIMODAL] = GEMMA3
 
 
 def _supported() -> str:
-    return ", ".join(CONVERTERS)
+    return ", ".join([*CONVERTERS, *READ_ONLY])
 
 
 def converter_for(raw: dict, where: str) -> Converter:
     """The converter config.json names (``architectures``, else ``model_type``)."""
     names = raw.get("architectures") or []
     if names:
-        if names[0] not in CONVERTERS:
+        converter = CONVERTERS.get(names[0]) or READ_ONLY.get(names[0])
+        if converter is None:
             raise HFCheckpointError(
                 f"{where}: architecture {names[0]!r} is not supported; supported: {_supported()}"
             )
-        return CONVERTERS[names[0]]
+        return converter
     model_type = raw.get("model_type")
     if model_type not in _BY_MODEL_TYPE:
         raise HFCheckpointError(
@@ -63,6 +71,7 @@ def read_config(path: str | os.PathLike) -> HFConfig:
     if not isinstance(raw, dict):
         raise HFCheckpointError(f"{file} does not hold a JSON object")
     converter = converter_for(raw, os.fspath(file))
+    raw = converter.text_config(raw, os.fspath(file))
     return HFConfig(converter.architecture, converter.model_config(raw, os.fspath(file)), raw)
 
 

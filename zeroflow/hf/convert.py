@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zeroflow.config.schema import ModelConfig
-from zeroflow.hf.reader import HFCheckpointError
+from zeroflow.hf.reader import HFCheckpointError, Prefix
 from zeroflow.hf.tensors import TensorMap
 
 RUNTIME_FIELDS = (
@@ -76,7 +76,7 @@ def refuse(where: str, key: str, value: Any, supported: str) -> HFConfigValueErr
 
 # --- rotary embeddings: transformers 4's rope_theta/rope_scaling and 5's rope_parameters -----
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear")
 _LLAMA3_KEYS = {
     "factor": "rope_scaling_factor",
     "low_freq_factor": "rope_low_freq_factor",
@@ -103,6 +103,9 @@ def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
         "rope_base": get({"rope_theta": theta}, "rope_theta", where, float),
         "rope_scaling": "none",
     }
+    if kind == "linear":
+        fields["rope_scaling"] = "linear"
+        fields["rope_scaling_factor"] = get(params, "factor", f"{where} ({key})", float)
     if kind == "llama3":
         fields["rope_scaling"] = "llama3"
         for hf_key, ours in _LLAMA3_KEYS.items():
@@ -129,10 +132,34 @@ def write_rope(cfg: ModelConfig, raw: Mapping[str, Any]) -> dict[str, Any]:
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_positions,
         }
+    if cfg.rope_scaling == "linear":
+        scaling = {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
     if "rope_parameters" in raw:
         params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_base}
         return {"rope_parameters": params, "rope_theta": DROP, "rope_scaling": DROP}
     return {"rope_theta": cfg.rope_base, "rope_scaling": scaling, "rope_parameters": DROP}
+
+
+LAYER_OPTIONS = {
+    "global_every": 0,
+    "local_rope_base": 0.0,
+    "qk_norm": False,
+    "norm_offset": 0.0,
+    "post_norms": False,
+    "scale_embeddings": False,
+    "query_pre_attn_scalar": 0.0,
+    "attn_softcap": 0.0,
+    "logit_softcap": 0.0,
+}
+"ModelConfig options of the newer architectures, with the value that leaves them off."
+
+
+def unexpressed(cfg: ModelConfig, allowed: tuple[str, ...] = ()) -> str | None:
+    """The first of ``LAYER_OPTIONS`` that ``cfg`` turns on and an architecture lacks."""
+    for field, off in LAYER_OPTIONS.items():
+        if field not in allowed and getattr(cfg, field) != off:
+            return f"model.{field}={getattr(cfg, field)!r} (it has no such option)"
+    return None
 
 
 class Converter(abc.ABC):
@@ -142,8 +169,15 @@ class Converter(abc.ABC):
     "The config.json ``architectures`` entry, e.g. 'LlamaForCausalLM'."
     model_type: str
     "The config.json ``model_type``, e.g. 'llama'."
-    key_prefixes: tuple[str, ...] = ()
-    "Leading key components some exports drop (tried when a key is missing as named)."
+    key_prefixes: tuple[Prefix, ...] = ()
+    "Leading key components some exports drop or rename (tried when a key is missing as named)."
+    ignored_prefixes: tuple[str, ...] = ()
+    "Tensors a checkpoint may hold that this converter leaves out (a vision tower)."
+
+    def text_config(self, raw: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+        """The part of config.json that describes the decoder (all of it, but for multimodal
+        checkpoints, whose text part is read)."""
+        return raw
 
     @abc.abstractmethod
     def model_config(self, raw: Mapping[str, Any], where: str) -> ModelConfig:

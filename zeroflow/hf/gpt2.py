@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zeroflow.config.schema import ModelConfig
-from zeroflow.hf.convert import Converter, get, merged, refuse
+from zeroflow.hf.convert import Converter, get, merged, refuse, unexpressed
 from zeroflow.hf.tensors import TensorMap, tensor_map
 from zeroflow.models.gpt import head_dim, max_positions, num_kv_heads
 
@@ -68,6 +68,9 @@ class GPT2Converter(Converter):
         for field, value in wanted.items():
             if getattr(cfg, field) != value:
                 return f"model.{field}={getattr(cfg, field)!r} (it needs {value!r})"
+        reason = unexpressed(cfg)
+        if reason is not None:
+            return reason
         if cfg.mlp_activation not in ("gelu", "gelu_exact"):
             return f"model.mlp_activation={cfg.mlp_activation!r} (it needs 'gelu' or 'gelu_exact')"
         if num_kv_heads(cfg) != cfg.num_heads or head_dim(cfg) * cfg.num_heads != cfg.embed_dim:

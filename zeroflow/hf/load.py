@@ -47,10 +47,15 @@ def _dtype(dtype: str) -> np.dtype:
 
 
 def _check_tensors(
-    reader: SafetensorsReader, maps: list[TensorMap], num_layers: int, tied: bool
+    reader: SafetensorsReader,
+    maps: list[TensorMap],
+    num_layers: int,
+    tied: bool,
+    ignored: tuple[str, ...] = (),
 ) -> None:
     """Every tensor the table names exists with the shape config.json implies, is floating
-    point, and nothing the table does not read is left over (a weight we would drop)."""
+    point, and nothing the table does not read is left over (a weight we would drop), but
+    for the parts the converter leaves out on purpose (``ignored``: a vision tower)."""
     used = set()
     for m in maps:
         for layer in range(num_layers) if m.stacked else [None]:
@@ -70,7 +75,10 @@ def _check_tensors(
     left = [
         k
         for k in reader.weight_map
-        if k not in used and not _IGNORED.search(k) and not (tied and k.endswith("lm_head.weight"))
+        if k not in used
+        and not _IGNORED.search(k)
+        and not (tied and k.endswith("lm_head.weight"))
+        and not k.startswith(ignored)
     ]
     if left:
         raise HFCheckpointError(
@@ -133,7 +141,13 @@ def load_params(
         raise AssertionError(
             f"{converter.architecture} table and model disagree: {sorted(paths ^ set(maps))}"
         )
-    _check_tensors(reader, list(maps.values()), model_cfg.num_layers, model_cfg.tie_embeddings)
+    _check_tensors(
+        reader,
+        list(maps.values()),
+        model_cfg.num_layers,
+        model_cfg.tie_embeddings,
+        converter.ignored_prefixes,
+    )
     if quantize is not None and shardings is None:
         shardings = _default_shardings(quantized_abstract(maps, abstract, np_dtype, quantize))
     shardings = _default_shardings(abstract) if shardings is None else shardings

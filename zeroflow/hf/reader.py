@@ -59,11 +59,17 @@ def _index(folder: Path) -> dict[str, str]:
     return weight_map
 
 
+Prefix = str | tuple[str, str]
+"A leading key component some exports drop, or ``(ours, theirs)``: one they spell differently."
+
+
 class SafetensorsReader:
     """Tensor slices from one checkpoint folder; ``prefixes`` are leading key components that
-    some exports drop (GPT-2's ``transformer.``), tried when a key is not found as named."""
+    some exports drop (GPT-2's ``transformer.``) or rename (``("model.",
+    "language_model.model.")``: a multimodal checkpoint's text decoder), tried in order when a
+    key is not found as named."""
 
-    def __init__(self, folder: str | os.PathLike, prefixes: Iterable[str] = ()):
+    def __init__(self, folder: str | os.PathLike, prefixes: Iterable[Prefix] = ()):
         self.folder = Path(folder)
         self.weight_map = _index(self.folder)
         self.prefixes = tuple(prefixes)
@@ -73,8 +79,9 @@ class SafetensorsReader:
         if key in self.weight_map:
             return key
         for prefix in self.prefixes:
-            if key.startswith(prefix) and key[len(prefix) :] in self.weight_map:
-                return key[len(prefix) :]
+            ours, theirs = prefix if isinstance(prefix, tuple) else (prefix, "")
+            if key.startswith(ours) and theirs + key[len(ours) :] in self.weight_map:
+                return theirs + key[len(ours) :]
         sample = ", ".join(sorted(self.weight_map)[:4])
         raise HFCheckpointError(
             f"{self.folder}: tensor {key!r} not found among its "

@@ -53,6 +53,9 @@ OFFLOADED = {"offload_dots": MATMUL_OUTPUTS, "offload_input": (LAYER_INPUT,)}
 INIT_REMAT = {"offload_dots": "save_dots", "offload_input": "full"}
 "What an offloading policy runs as while initialising (only shapes, no backend to ask)."
 
+GATED = ("swiglu", "geglu")
+"MLP activations with a gate projection beside up and down."
+
 _CHOICES = choices_of(ModelConfig)
 "The allowed values of each enumerated model setting, as ModelConfig spells them."
 
@@ -89,11 +92,33 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(
             "model.sliding_window needs attention='xla' or 'cudnn'; the pallas kernel has no window"
         )
+    _check_layer_options(cfg)
     if cfg.loss_chunk < 0 or cfg.mlp_chunk < 0 or cfg.loss_vocab_chunk < 1:
         raise ValueError(
             f"model.loss_chunk={cfg.loss_chunk} and model.mlp_chunk={cfg.mlp_chunk} must be >= 0 "
             f"and model.loss_vocab_chunk={cfg.loss_vocab_chunk} positive"
         )
+
+
+def _check_layer_options(cfg: ModelConfig) -> None:
+    """The options of the Gemma/Qwen3 family that some paths cannot run, refused by name."""
+    if cfg.global_every < 0 or (cfg.global_every and not cfg.sliding_window):
+        raise ValueError(
+            f"model.global_every={cfg.global_every} needs model.sliding_window > 0 "
+            "(it says which layers skip the window) and must be >= 0"
+        )
+    if cfg.attn_softcap and cfg.attention != "xla":
+        raise ValueError(
+            f"model.attn_softcap={cfg.attn_softcap} needs attention='xla' "
+            f"(the {cfg.attention} attention has no score soft-capping)"
+        )
+    if cfg.logit_softcap and cfg.loss_chunk:
+        raise ValueError(
+            f"model.logit_softcap={cfg.logit_softcap} needs model.loss_chunk=0 "
+            "(the chunked cross-entropy projects the logits itself, without the cap)"
+        )
+    if min(cfg.attn_softcap, cfg.logit_softcap, cfg.query_pre_attn_scalar) < 0:
+        raise ValueError("model.attn_softcap, logit_softcap and query_pre_attn_scalar must be >= 0")
 
 
 def _param(module: nn.Module, name: str, init, shape, names):
@@ -134,16 +159,21 @@ class Norm(nn.Module):
 
     kind: str
     eps: float = 1e-6
+    offset: float = 0.0
+    "Added to the learned scale (Gemma's 1 + w); the scale starts at 1 - offset."
+    axis_name: str = NORM
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         width = (x.shape[-1],)
-        scale = _param(self, "scale", nn.initializers.ones, width, (NORM,))
+        init = nn.initializers.constant(1.0 - self.offset) if self.offset else nn.initializers.ones
+        scale = _param(self, "scale", init, width, (self.axis_name,))
         y = x.astype(jnp.float32)
         if self.kind == "layernorm":
             y = y - y.mean(-1, keepdims=True)
         y = y * lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + self.eps)
-        y = y * scale.astype(jnp.float32)
+        scale = scale.astype(jnp.float32)
+        y = y * (scale + self.offset if self.offset else scale)
         if self.kind == "layernorm":
             y = y + _param(self, "bias", nn.initializers.zeros, width, (NORM,)).astype(jnp.float32)
         return y.astype(x.dtype)
@@ -173,19 +203,19 @@ def rope_inv_freq(dim: int, base: float, cfg: ModelConfig | None = None) -> jax.
     inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
     if cfg is not None and cfg.rope_scaling == "llama3":
         inv_freq = llama3_scaled(inv_freq, cfg)
+    if cfg is not None and cfg.rope_scaling == "linear":
+        inv_freq = inv_freq / cfg.rope_scaling_factor
     return inv_freq
 
 
-def apply_rope(
-    x: jax.Array, base: float, cfg: ModelConfig | None = None, positions: jax.Array | None = None
-) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form).
+def rotate(x: jax.Array, inv_freq: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form) with the
+    inverse frequencies ``inv_freq`` (``rope_inv_freq``; they may differ from layer to layer).
 
     ``positions`` [batch, seq]: each token's position (packed examples restart at 0);
     None = 0 .. seq - 1.
     """
-    seq, dim = x.shape[-3], x.shape[-1]
-    inv_freq = rope_inv_freq(dim, base, cfg)
+    seq = x.shape[-3]
     if positions is None:
         positions = jnp.arange(seq)[None, :]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch or 1, seq, dim/2]
@@ -242,12 +272,61 @@ def check_implementation(implementation: str, dtype) -> None:
         )
 
 
+def softcapped_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cap: float,
+    window: int = 0,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """``causal_attention`` (xla) with the scores soft-capped to ``cap * tanh(s / cap)`` before
+    the mask and softmax (Gemma 2), which ``jax.nn.dot_product_attention`` cannot take."""
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    grouped = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k, preferred_element_type=jnp.float32)
+    scores = cap * jnp.tanh(scores / (math.sqrt(d) * cap))
+    at = jnp.arange(s)
+    keep = at[None, :] <= at[:, None]
+    if window:
+        keep = keep & (at[:, None] - at[None, :] < window)
+    keep = keep[None, None, None]
+    if segment_ids is not None:
+        keep = keep & segment_mask(segment_ids)[:, :, None]
+    probs = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, h, d).astype(q.dtype)
+
+
+def is_local_layer(cfg: ModelConfig, layer: jax.Array | None) -> jax.Array | bool:
+    """Whether a layer uses ``cfg.sliding_window``: every layer without ``global_every``, else
+    all but every ``global_every``-th (``layer`` traced: the scan's index)."""
+    if not cfg.global_every or layer is None:
+        return bool(cfg.sliding_window)
+    return (layer + 1) % cfg.global_every != 0
+
+
+def _layer_inv_freq(cfg: ModelConfig, dim: int, local: jax.Array | bool) -> jax.Array:
+    """The rotary frequencies of a layer: sliding-window layers of a ``global_every`` model take
+    ``local_rope_base`` without scaling, the others ``rope_base`` with ``rope_scaling``."""
+    global_freq = rope_inv_freq(dim, cfg.rope_base, cfg)
+    if not cfg.global_every:
+        return global_freq
+    local_freq = rope_inv_freq(dim, cfg.local_rope_base or cfg.rope_base)
+    return jnp.where(local, local_freq, global_freq)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        layer: jax.Array | None = None,
     ) -> jax.Array:
         cfg = self.cfg
         heads, kv_heads, dim = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
@@ -256,20 +335,29 @@ class Attention(nn.Module):
         k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="key")(x)
         v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="value")(x)
         q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
+        if cfg.qk_norm:  # per head, over head_dim (Qwen3, Gemma 3)
+            q = self._head_norm("query_norm")(q)
+            k = self._head_norm("key_norm")(k)
+        local = is_local_layer(cfg, layer)
         if cfg.positions == "rope":
-            q = apply_rope(q, cfg.rope_base, cfg, positions)
-            k = apply_rope(k, cfg.rope_base, cfg, positions)
+            inv_freq = _layer_inv_freq(cfg, dim, local)
+            q, k = rotate(q, inv_freq, positions), rotate(k, inv_freq, positions)
+        if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != dim:
+            # Every attention path scales by 1 / sqrt(head_dim): fold the rest into q.
+            q = (q * math.sqrt(dim / cfg.query_pre_attn_scalar)).astype(q.dtype)
         # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
         implementation = "xla" if self.is_initializing() else cfg.attention
-        if context_size() > 1:  # inside the step, this device holds a part of every row
-            if implementation != "pallas":
-                check_implementation(implementation, q.dtype)
-            out = context_attention(
-                q, k, v, cfg.context_attention, implementation, cfg.sliding_window, segment_ids
+        if isinstance(local, bool):
+            out = self._attend(
+                q, k, v, implementation, cfg.sliding_window if local else 0, segment_ids
             )
-        else:
-            out = causal_attention(q, k, v, implementation, cfg.sliding_window, segment_ids)
+        else:  # a layer index traced by the scan: both windows compiled, one run per layer
+            out = lax.cond(
+                local,
+                lambda: self._attend(q, k, v, implementation, cfg.sliding_window, segment_ids),
+                lambda: self._attend(q, k, v, implementation, 0, segment_ids),
+            )
         # Row-parallel output projection, init scaled down so the residual stream does not grow
         # with depth.
         out = Dense(
@@ -281,6 +369,27 @@ class Attention(nn.Module):
             name="out",
         )(out)
         return checkpoint_name(out, "attn_out")
+
+    def _head_norm(self, name: str) -> Norm:
+        cfg = self.cfg
+        return Norm("rmsnorm", cfg.norm_eps, cfg.norm_offset, HEAD_DIM, name=name)
+
+    def _attend(self, q, k, v, implementation: str, window: int, segment_ids) -> jax.Array:
+        cfg = self.cfg
+        if context_size() > 1:  # inside the step, this device holds a part of every row
+            if cfg.attn_softcap:
+                raise ValueError(
+                    f"model.attn_softcap={cfg.attn_softcap} cannot run with a context axis "
+                    "(parallel.context > 1): its attention has no score soft-capping"
+                )
+            if implementation != "pallas":
+                check_implementation(implementation, q.dtype)
+            return context_attention(
+                q, k, v, cfg.context_attention, implementation, window, segment_ids
+            )
+        if cfg.attn_softcap:
+            return softcapped_attention(q, k, v, cfg.attn_softcap, window, segment_ids)
+        return causal_attention(q, k, v, implementation, window, segment_ids)
 
 
 def _output_std(cfg: ModelConfig) -> float:
@@ -309,9 +418,13 @@ class Mlp(nn.Module):
         cfg = self.cfg
         up = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "up", layout_seed=0)(x)
         up = checkpoint_name(up, "mlp_up")
-        if cfg.mlp_activation == "swiglu":
+        if cfg.mlp_activation in GATED:
             gate = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "gate", layout_seed=1)(x)
-            hidden = nn.silu(checkpoint_name(gate, "mlp_gate")) * up
+            gate = checkpoint_name(gate, "mlp_gate")
+            if cfg.mlp_activation == "swiglu":
+                hidden = nn.silu(gate) * up
+            else:  # geglu: Gemma's gelu_pytorch_tanh gate
+                hidden = nn.gelu(gate, approximate=True) * up
         else:  # 'gelu' is the tanh approximation (GPT-2's gelu_new), 'gelu_exact' the erf form
             hidden = nn.gelu(up, approximate=cfg.mlp_activation == "gelu")
         down = self._projection(
@@ -346,24 +459,39 @@ def tiled_mlp(mlp: Mlp, x: jax.Array, chunk: int) -> jax.Array:
 
 class Block(nn.Module):
     """Pre-norm decoder block; ``(x, None)`` out so nn.scan can stack it. ``segment_ids`` and
-    ``positions`` (packed examples, or None) are the same for every layer."""
+    ``positions`` (packed examples, or None) are the same for every layer; ``layer`` (the
+    scan's index) is passed only where layers differ (``global_every``)."""
 
     cfg: ModelConfig
     deterministic: bool = True
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        layer: jax.Array | None = None,
     ) -> tuple[jax.Array, None]:
         cfg = self.cfg
         x = checkpoint_name(x, LAYER_INPUT)
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
-        attn_in = Norm(cfg.norm, cfg.norm_eps, name="attn_norm")(x)
-        x = x + drop(Attention(cfg, name="attn")(attn_in, segment_ids, positions))
-        mlp, mlp_in = Mlp(cfg, name="mlp"), Norm(cfg.norm, cfg.norm_eps, name="mlp_norm")(x)
+        attn_in = self._norm("attn_norm")(x)
+        attn_out = Attention(cfg, name="attn")(attn_in, segment_ids, positions, layer)
+        if cfg.post_norms:
+            attn_out = self._norm("attn_post_norm")(attn_out)
+        x = x + drop(attn_out)
+        mlp, mlp_in = Mlp(cfg, name="mlp"), self._norm("mlp_norm")(x)
         if 0 < cfg.mlp_chunk < x.shape[1] and not self.is_initializing():
-            return x + drop(tiled_mlp(mlp, mlp_in, cfg.mlp_chunk)), None
-        return x + drop(mlp(mlp_in)), None
+            mlp_out = tiled_mlp(mlp, mlp_in, cfg.mlp_chunk)
+        else:
+            mlp_out = mlp(mlp_in)
+        if cfg.post_norms:
+            mlp_out = self._norm("mlp_post_norm")(mlp_out)
+        return x + drop(mlp_out), None
+
+    def _norm(self, name: str) -> Norm:
+        return Norm(self.cfg.norm, self.cfg.norm_eps, self.cfg.norm_offset, name=name)
 
 
 def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Module]:
@@ -464,6 +592,8 @@ class GPT(nn.Module):
             (VOCAB, EMBED),
         )
         x = jnp.take(embedding, tokens, axis=0)
+        if cfg.scale_embeddings:  # Gemma: sqrt(width) rounded to the compute dtype first
+            x = x * jnp.asarray(math.sqrt(cfg.embed_dim), x.dtype)
         if positions is None and context_size() > 1:  # each token's place in the whole row
             positions = token_index(tokens.shape[-1], cfg.context_attention)[None]
         if cfg.positions == "learned":
@@ -471,16 +601,18 @@ class GPT(nn.Module):
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         # Initialising needs only shapes: no backend to ask where activations may go.
         remat = INIT_REMAT.get(cfg.remat, cfg.remat) if self.is_initializing() else cfg.remat
+        # Layers that differ (global_every) get their index as a scanned input.
+        per_layer = (jnp.arange(cfg.num_layers),) if cfg.global_every else ()
         stack = nn.scan(
             _rematted(block, remat, fetched=block is not Block),
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=(nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, *(0 for _ in per_layer)),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: LAYERS},
         )
-        x, _ = stack(cfg, deterministic, name=LAYER_STACK)(x, segment_ids, positions)
-        x = Norm(cfg.norm, cfg.norm_eps, name="final_norm")(x)
+        x, _ = stack(cfg, deterministic, name=LAYER_STACK)(x, segment_ids, positions, *per_layer)
+        x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_offset, name="final_norm")(x)
         if cfg.tie_embeddings:
             unembed, spec = embedding, "bsd,vd->bsv"
         else:
@@ -493,10 +625,14 @@ class GPT(nn.Module):
             )
             spec = "bsd,dv->bsv"
         if return_hidden:
+            if cfg.logit_softcap:
+                raise ValueError("model.logit_softcap: the hidden states alone miss the cap")
             return x.astype(unembed.dtype), unembed
         logits = jnp.einsum(
             spec, x.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32
         )
+        if cfg.logit_softcap:  # Gemma 2's final_logit_softcapping
+            logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
         return logits.astype(jnp.float32)
 
     def _learned_positions(self, length: int, positions: jax.Array | None = None) -> jax.Array:
@@ -598,7 +734,7 @@ def flops_per_token(cfg: ModelConfig) -> float:
     heads_width = cfg.num_heads * head_dim(cfg)
     kv_width = num_kv_heads(cfg) * head_dim(cfg)
     attn = cfg.embed_dim * (2 * heads_width + 2 * kv_width)  # query, key, value, out
-    mlp: float = (3 if cfg.mlp_activation == "swiglu" else 2) * cfg.embed_dim * cfg.mlp_dim
+    mlp: float = (3 if cfg.mlp_activation in GATED else 2) * cfg.embed_dim * cfg.mlp_dim
     if cfg.mlp == "block_sparse":
         mlp *= cfg.mlp_density
     matmul_weights = cfg.num_layers * (attn + mlp) + cfg.embed_dim * cfg.vocab_size
