@@ -83,3 +83,27 @@ def test_a_program_using_jax_writes_nothing_of_the_cuda_plugin(tmp_path):
     noise = [line for line in done.stderr.splitlines()
              if "cuda" in line.lower() or "traceback" in line.lower()]
     assert not noise, "\n".join(noise[:5])
+
+
+@pytest.mark.parametrize("driver", [True, False])
+def test_on_a_machine_with_a_gpu_driver_a_program_keeps_its_gpu(driver):
+    # scripts/gpu_report.py and the benchmarks measure real GPUs: where a driver exists,
+    # start_script must leave jax's platform choice alone. A driver is faked by replacing the
+    # check itself (this machine has none); without one (the control), the CPU is chosen.
+    code = (
+        "import os, sys\n"
+        "from zeroflow.util import quiet_jax\n"
+        "quiet_jax.cuda_plugin_module = lambda: 'xla_cuda12'  # the plugin installed, as on GPUs\n"
+        f"quiet_jax.has_gpu_driver = lambda: {driver}\n"
+        "from zeroflow.cli.common import start_script\n"
+        "start_script()\n"
+        "print(os.environ.get('JAX_PLATFORMS'), len(sys.meta_path))\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    runs = [subprocess.run([sys.executable, "-c", c], capture_output=True, text=True,
+                           env={**env, "PYTHONPATH": str(REPO)}, timeout=120)
+            for c in (code, code.replace("start_script()\n", ""))]
+    (platform, finders), (_, finders_before) = (r.stdout.split() for r in runs)
+    if driver:
+        assert (platform, finders) == ("None", finders_before)
+    else:
+        assert (platform, int(finders)) == ("cpu", int(finders_before) + 1)
