@@ -4,6 +4,7 @@ holds and the commands read (``configs/``, ``scripts/``, ``experiments/``), noth
 test_docs_commands_run.py."""
 
 import importlib.util
+import os
 import shlex
 import subprocess
 import sys
@@ -33,7 +34,9 @@ def bare_env() -> dict[str, str]:
     suite = one_cpu_env(cache_every_program=True)
     keep = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "HOME", "TMPDIR")
-    return {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+    # PATH: the shell's ``python`` is this interpreter (the launcher starts "python -m ...").
+    path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    return {"PYTHONPATH": str(REPO), "PATH": path,
             **{key: suite[key] for key in keep if key in suite}}
 
 
