@@ -26,6 +26,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # experiments/ first on sys.path, not the repository).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

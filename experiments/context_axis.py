@@ -18,6 +18,11 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin describes targets only then
+
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 from zeroflow.memory import schedule  # noqa: E402  (its logging must be on before jax starts)
 
 schedule.enable()

@@ -31,6 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's zeroflow, not an installed one
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import math
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax
 import jax.numpy as jnp
 import optax

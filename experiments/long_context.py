@@ -24,6 +24,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin describes targe
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()  # CPU devices stand in for the GPUs while the offloaded step is planned
+
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 from zeroflow.memory import schedule  # its logging must be on before jax starts
 
 schedule.enable()

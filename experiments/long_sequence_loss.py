@@ -26,6 +26,10 @@ args_parser.add_argument("--vocab-chunk", type=int, default=16384)
 args_parser.add_argument("--mlp-chunk", type=int, default=8192)
 args = args_parser.parse_args()
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax  # noqa: E402
 
 from zeroflow.config.io import load_config  # noqa: E402

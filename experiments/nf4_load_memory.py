@@ -24,6 +24,10 @@ import threading
 import time
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import numpy as np
 
 GIB = 1 << 30

@@ -27,6 +27,10 @@ import os
 import subprocess
 import sys
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 CHILD = "ZEROFLOW_PIECES_LAYERS"
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -30,6 +30,10 @@ import re  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

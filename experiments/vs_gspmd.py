@@ -41,6 +41,10 @@ import sys
 import time
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "vs_gspmd.md"
 PEAK_BF16 = {"h100": 989e12, "a100": 312e12}

@@ -28,6 +28,10 @@ peak.
 """
 from __future__ import annotations
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 GIB = 2**30
 DEVICES = 8
 

@@ -28,6 +28,10 @@ import dataclasses  # noqa: E402
 import pathlib  # noqa: E402
 import time  # noqa: E402
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 from zeroflow import memory  # noqa: E402
 from zeroflow.config.schema import Config  # noqa: E402
 from zeroflow.trainer.planning import abstract_setup  # noqa: E402

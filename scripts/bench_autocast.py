@@ -37,6 +37,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax
 import jax.numpy as jnp
 import numpy as np

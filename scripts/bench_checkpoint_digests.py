@@ -13,6 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax
 import jax.numpy as jnp
 import optax

@@ -15,6 +15,10 @@ import statistics
 import time
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 from zeroflow.backend import kernel_cache
 from zeroflow.config.io import load_config
 from zeroflow.memory.measure import analysed, device_peak

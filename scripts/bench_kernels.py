@@ -23,6 +23,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 from gpureport.profiles import FULL, QUICK  # noqa: E402
 from gpureport.session import RunOptions, run_report  # noqa: E402
 

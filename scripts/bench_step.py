@@ -72,6 +72,10 @@ if __name__ == "__main__":
     if _early.comparison in COMPARISONS:
         _force_host_device_count(1 if _early.comparison == "one_device" else _early.devices)
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import flax.linen as nn  # noqa: E402  (after the device count is fixed)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

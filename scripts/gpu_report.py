@@ -26,6 +26,10 @@ for _path in (str(REPO), str(SCRIPTS)):  # zeroflow and benchlib, however this f
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 from gpureport import files, render  # noqa: E402
 from gpureport.profiles import PROFILES, STAGE_ORDER  # noqa: E402
 from gpureport.session import RunOptions, run_report  # noqa: E402

@@ -32,6 +32,10 @@ import threading
 import time
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
 TINY = [

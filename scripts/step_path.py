@@ -31,6 +31,10 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 import jax
 import jax.numpy as jnp
 import optax

@@ -287,4 +287,7 @@ def child_main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from zeroflow.cli.common import start_script
+
+    start_script()  # before the target imports jax: no CUDA-plugin noise where it has no driver
     sys.exit(child_main())

@@ -8,7 +8,8 @@ own (e.g. a diverging loss), 128 + N for a run stopped by signal N after saving.
 ZEROFLOW_TRACEBACK=1 to see the full traceback instead.
 
 ``start_command`` prepares a ``python -m zeroflow.<command>`` process before anything imports
-jax (``zeroflow/cli/__init__.py`` calls it); ``import zeroflow`` alone does none of it.
+jax (``zeroflow/cli/__init__.py`` calls it), ``start_script`` one of the project's programs in
+scripts/ and experiments/ (each calls it first); ``import zeroflow`` alone does none of it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def start_command(command: str | None = None) -> None:
     interrupts.install(command)
     quiet_jax.quiet_for_this_command()
     _log_as(f"zeroflow.{command}")
+
+
+def start_script() -> None:
+    """Prepare one of the project's own programs (``python scripts/<x>.py``,
+    ``python experiments/<x>.py``, a benchmark's child process) before it imports jax, as
+    ``start_command`` prepares the commands: where the CUDA plugin is installed without a
+    driver, jax runs on the CPU without the plugin's noise (``util.quiet_jax``). On a machine
+    with a GPU, or where ``JAX_PLATFORMS`` names another platform, nothing changes. Its signals,
+    warnings and logging stay Python's own."""
+    quiet_jax.quiet_for_this_command()
 
 
 class ArgumentParser(argparse.ArgumentParser):

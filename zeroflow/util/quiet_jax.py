@@ -6,7 +6,8 @@ any machine (``zf.target_mesh``). Without a GPU driver, its native libraries pri
 find cuda drivers on your machine" to the process's stderr (file descriptor 2, below Python)
 when JAX imports the plugin, and again when it registers it, and jax then prints the plugin's
 failure. None of it is actionable here, and it buries the one line a command-line error should
-be. So, only for a ``python -m zeroflow.<command>`` process and only in that situation (plugin
+be. So, only for a ``python -m zeroflow.<command>`` process (or one of the project's programs in
+scripts/ and experiments/: ``zeroflow.cli.common.start_script``) and only in that situation (plugin
 installed, no driver, JAX not yet imported), the command makes the CPU JAX's platform and, when
 something first imports JAX, imports it and registers its plugins with descriptor 2 pointed at
 /dev/null. Python exceptions are raised as usual; nothing else is muted. ``import zeroflow``
@@ -101,7 +102,8 @@ class _QuietJaxFinder(importlib.abc.MetaPathFinder):
 def quiet_for_this_command() -> None:
     """Where the plugin cannot work (installed, no driver) and no platform was chosen: the CPU
     becomes JAX's platform, and JAX's import and plugin registration, whenever they come, write
-    nothing to stderr. For the commands only (``zeroflow.cli.common.start_command``)."""
+    nothing to stderr. For the commands and the project's programs only
+    (``zeroflow.cli.common.start_command`` and ``start_script``)."""
     if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
         return
     if not cuda_plugin_installed() or has_gpu_driver():
