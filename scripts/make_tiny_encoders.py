@@ -15,7 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from zeroflow.fusemix import tiny_encoders
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax (zeroflow.fusemix imports it): no CUDA plugin noise without a driver
+
+from zeroflow.fusemix import tiny_encoders  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ this machine lacks:
   to 70B models (gpu_compile, vs_gspmd, fit_table, zero_memory_table, qlora_fit, nf4_memory,
   long_sequence_loss, peak_memory, padding_cost), long CPU runs (autocast_loss_gap,
   adamw_8bit, fusemix_cached_vs_in_step) and a multi-GB checkpoint (nf4_load_memory);
-- ``python -m zeroflow.memory`` for GPU targets or 1B+ models (gpt-1b, gpt2-small, 8B, the
+- ``python -m zeroflow.memory`` for GPU targets or 1B+ models (gpt-1b, gpt2-small, the 8B Llama and Qwen3, Gemma-3-12B, the
   long-context 8B: many XLA:GPU compiles), and on the tiny config for every stage, offload and
   remat choice (memory.md: over 3 CPU-minutes) or with 8 ring-attention compiles
   (long_context.md's second --max-seq line); ``python -m zeroflow.planner`` (minutes of
@@ -50,6 +50,8 @@ PARSED_ONLY = (
     "python -m zeroflow.memory --config configs/gpt2-small.yaml",
     "python -m zeroflow.memory --config configs/finetune-llama3-8b.yaml",
     "python -m zeroflow.memory --config configs/long-context-llama3-8b.yaml",
+    "python -m zeroflow.memory --config configs/finetune-qwen3-8b.yaml",
+    "python -m zeroflow.memory --config configs/qlora-gemma3-12b.yaml",
     "python -m zeroflow.memory --config configs/tiny.yaml --target h100",
     "python -m zeroflow.memory --config configs/tiny.yaml --devices 8 --device-memory 80GB",
     "python -m zeroflow.memory --config configs/tiny.yaml --devices 1 --device-memory 256MB "
