@@ -20,6 +20,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import contextlib
 import datetime
 import pathlib
 import sys
@@ -38,6 +39,7 @@ from zeroflow.engine.plan import ZeroPlan
 from zeroflow.memory.instant import estimate_step, estimate_traced
 from zeroflow.memory.measure import device_peak, measure_step
 from zeroflow.trainer.planning import abstract_setup, compile_config
+from zeroflow.util import compat
 
 MB = 1e6
 TINY = [
@@ -56,7 +58,9 @@ def config_row(name, cfg, **choice) -> dict:
 
     t0 = time.time()
     setup = abstract_setup(cfg, **choice)
-    est = estimate_traced(setup.step, setup.state, setup.batch)
+    cudnn = choice.get("target") and cfg.model.attention == "cudnn"
+    with compat.cudnn_for_target() if cudnn else contextlib.nullcontext():
+        est = estimate_traced(setup.step, setup.state, setup.batch)
     est_s = time.time() - t0
     t0 = time.time()
     compiled, setup = compile_config(cfg, **choice)
@@ -200,9 +204,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--quick", action="store_true", help="fewer tiny rows, no XLA:GPU rows")
+    parser.add_argument("--only", default="", help="only the cases whose name holds this text")
+    parser.add_argument("--name", default="estimate_vs_compile.md", help="the table's file name")
     args = parser.parse_args()
     rows = []
     for name, make in cases(args.quick):
+        if args.only not in name:
+            continue
         try:
             row = make(name)
         except Exception as error:
@@ -210,6 +218,7 @@ def main() -> None:
         rows.append(row)
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     command = "python experiments/estimate_vs_compile.py" + (" --quick" if args.quick else "")
+    command += f' --only "{args.only}"' if args.only else ""
     text = (
         "# `zf.memory.estimate_step` vs XLA's compiled peak\n\n"
         f"Measured {datetime.date.today()} on {cpu_name()} ({os.cpu_count()} cores), "
@@ -221,8 +230,8 @@ def main() -> None:
     )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "estimate_vs_compile.md").write_text(text)
-    print(f"wrote {out / 'estimate_vs_compile.md'}")
+    (out / args.name).write_text(text)
+    print(f"wrote {out / args.name}")
 
 
 if __name__ == "__main__":

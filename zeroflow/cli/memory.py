@@ -33,9 +33,16 @@ from collections.abc import Sequence
 
 import jax
 
-from zeroflow.backend import targets
+from zeroflow.backend import accelerators, targets
 from zeroflow.cli import max_seq
-from zeroflow.cli.common import ArgumentParser
+from zeroflow.cli.plan_flags import (
+    PlanParser,
+    at_least,
+    check_between,
+    count,
+    memory_size,
+    require_cuda_plugin,
+)
 from zeroflow.config.io import ConfigError, add_config_arguments, load_config
 from zeroflow.memory import schedule
 from zeroflow.memory.collectives import collectives, overlap
@@ -51,6 +58,7 @@ from zeroflow.memory.estimate import (
     parse_bytes,
 )
 from zeroflow.memory.measure import analysed, device_peak
+from zeroflow.models import flops_per_token
 from zeroflow.planner.compiling import failure_reason
 from zeroflow.trainer.planning import attention_note, compile_config, count_frozen_params
 from zeroflow.trainer.setup import run_model_config
@@ -60,8 +68,6 @@ MEASURE_MAX_PARAMS = 50_000_000
 MEASURE_MAX_DEVICES = 16
 "... and only meshes up to this many devices (CPU compile time grows with both)."
 REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3, "offload_input": 4}
-DENSE_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "l4": 121e12}
-"Dense bf16 tensor-core peak per GPU (vendor data sheets; SXM for H100/A100), for estimated MFU."
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
@@ -158,14 +164,22 @@ def _measured(
             target=target,
         )
 
-    timing = None
+    timing, kept = None, []
+
+    def compile_kept():
+        kept.append(compile_it())
+        return kept[-1]
+
     if target is not None and schedule.enabled():
-        (compiled, setup), est = schedule.timed(
-            compile_it, text_of=lambda r: r[0].as_text(), peak_flops=DENSE_BF16_FLOPS.get(target)
-        )
-        timing = _timing(est, cfg, devices, target)
-    else:
-        compiled, setup = compile_it()
+        try:
+            _, est = schedule.timed(
+                compile_kept, text_of=lambda r: r[0].as_text(), peak_flops=_peak_flops(target)
+            )
+            timing = _timing(est, cfg, devices, target)
+        except RuntimeError:
+            if not kept:  # the compile failed, not the estimate: the row did not compile
+                raise
+    compiled, setup = kept[-1] if kept else compile_it()
     got = analysed(compiled)
     return (
         float(device_peak(got, setup.state)),
@@ -177,10 +191,11 @@ def _measured(
 
 def _timing(est, cfg, devices: int, target: str) -> dict:
     """The JSON fields of an estimated step: ms, exposed ms per collective kind, and the MFU
-    of 6 x parameters x tokens (attention's own flops left out) at the dense bf16 peak."""
+    of the model's FLOPs per token (``zeroflow.models.flops_per_token``: 6 x weights + the
+    attention's) x tokens at the dense bf16 peak."""
     tokens = cfg.train.batch_size * cfg.model.seq_len / devices
-    flops = 6 * count_gpt_params(cfg.model) * tokens
-    peak = DENSE_BF16_FLOPS.get(target)
+    flops = flops_per_token(cfg.model) * tokens
+    peak = _peak_flops(target)
     return {
         "step_ms": round(est.step_ms, 3),
         "exposed_ms": {k: round(v / 1e3, 3) for k, v in est.exposed_by_kind().items()},
@@ -191,6 +206,11 @@ def _timing(est, cfg, devices: int, target: str) -> dict:
             c.name: c.costed_by for c in est.computations if c.costed_by != "xla"
         },
     }
+
+
+def _peak_flops(target: str) -> float | None:
+    found = accelerators.named(target)
+    return None if found is None else found.bf16_flops
 
 
 def plan_rows(
@@ -275,71 +295,88 @@ def cheapest_fit(rows: Sequence[Row], device_memory: float) -> Row | None:
     return min(fitting, key=lambda r: r.cost) if fitting else None
 
 
-def render(rows: Sequence[Row], device_memory: float, title: str, console=None) -> Row | None:
+def render(
+    rows: Sequence[Row], device_memory: float, title: str, console=None, show_all: bool = False
+) -> Row | None:
+    """The table (by default the cheapest choice that fits and, per offload kind, its own
+    cheapest fit or else its smallest need; every choice with ``show_all``), rows that differ
+    only in stage said once, then one line per reason a compile failed, then the answer."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console(width=max(Console().width, 150))
-    table = Table(title=title)
-    with_overlap = any(r.overlap is not None for r in rows)
-    with_timing = any(r.timing is not None for r in rows)
-    for name in (
-        (
-            "stage",
-            "offload",
-            "remat",
-            "model states/dev",
-            "activations/dev",
-            "est. peak/dev",
-            "measured/dev",
-            "host/process",
-            "fits",
-        )
-        + (("overlapped collectives",) if with_overlap else ())
-        + (TIMING_COLUMNS if with_timing else ())
-    ):
-        table.add_column(name, justify="right" if "/" in name else "left")
     best = cheapest_fit(rows, device_memory)
-    for r in rows:
-        e = r.estimate
-        measured = (
-            format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
-        )
+    merged = _merged(rows)
+    shown = merged if show_all else _compact(merged, best, device_memory)
+    console.print(title)
+    table = Table()
+    with_overlap = any(r.overlap is not None for _, r in shown)
+    with_timing = any(r.timing is not None for _, r in shown)
+    columns = ("stage", "offload", "remat", "formula/dev", "XLA/dev", "host/process", "fits")
+    columns += ("overlapped collectives",) if with_overlap else ()
+    for name in columns + (TIMING_COLUMNS if with_timing else ()):
+        table.add_column(name, justify="right" if "/" in name else "left")
+    for stages, r in shown:
+        measured = "-" if r.measured_bytes is None else format_bytes(r.measured_bytes)
         if r.measured_host_bytes:
             measured += f" (+{format_bytes(r.measured_host_bytes)} host)"
-        fits = "yes" if r.need_bytes <= device_memory else "no"
-        style = "bold green" if r is best else None
-        cells = [
-            str(r.stage),
-            r.offload,
-            r.remat,
-            format_bytes(e.model_state_bytes),
-            format_bytes(e.activation_bytes),
-            format_bytes(e.device_bytes),
-            measured,
-            format_bytes(r.host_bytes),
-            fits,
-        ]
+        cells = [stages, r.offload, r.remat, format_bytes(r.estimate.device_bytes), measured]
+        cells += [format_bytes(r.host_bytes), "yes" if r.need_bytes <= device_memory else "no"]
         if with_overlap:
             total = (r.overlap or {}).get("total", {})
             cells.append(f"{total['overlapped']}/{total['count']}" if total else "-")
         if with_timing:
             cells += _timing_cells(r.timing)
-        table.add_row(*cells, style=style)
+        table.add_row(*cells, style="bold green" if r is best else None)
     console.print(table)
+    if len(shown) < len(merged):
+        console.print(f"{len(merged) - len(shown)} more choices: --all lists every one")
     _render_notes(rows, with_timing, console)
+    console.print(_answer(best, device_memory))
+    return best
+
+
+def _merged(rows: Sequence[Row]) -> list[tuple[str, Row]]:
+    """``(stages, row)``: rows that differ only in their stage (stages 0-2 on one device are
+    the same program) said once, with their stages."""
+    groups: dict = {}
+    for r in rows:
+        key = (r.offload, r.remat, r.need_bytes, r.host_bytes, r.note, repr(r.timing))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for same in groups.values():
+        stages = [r.stage for r in same]
+        label = f"{stages[0]}-{stages[-1]}" if len(stages) > 2 else ",".join(map(str, stages))
+        out.append((label, same[0]))
+    return out
+
+
+def _compact(merged, best: Row | None, device_memory: float) -> list[tuple[str, Row]]:
+    """The cheapest fit, and per offload kind its cheapest fit, else its smallest need."""
+    keep = []
+    for offload in OFFLOADS:
+        kind = [(s, r) for s, r in merged if r.offload == offload]
+        fitting = [(s, r) for s, r in kind if r.need_bytes <= device_memory]
+        if fitting:
+            keep.append(min(fitting, key=lambda sr: sr[1].cost))
+        elif kind:
+            keep.append(min(kind, key=lambda sr: sr[1].need_bytes))
+    if best is not None and all(r is not best for _, r in keep):
+        keep.insert(0, next(sr for sr in merged if sr[1] is best))
+    return sorted(keep, key=lambda sr: sr[1].cost)
+
+
+def _answer(best: Row | None, device_memory: float) -> str:
     if best is None:
-        console.print(
+        return (
             f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
             "shrink train.batch_size or raise parallel.grad_accum."
         )
-    else:
-        console.print(
-            f"Cheapest choice that fits in {format_bytes(device_memory)}: "
-            f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
-            f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)"
-        )
-    return best
+    return (
+        f"Cheapest choice that fits in {format_bytes(device_memory)}: "
+        f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
+        f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)"
+    )
 
 
 TIMING_COLUMNS = ("est. step (XLA:GPU)", "exposed comm.", "est. MFU")
@@ -362,36 +399,49 @@ def _timing_cells(timing: dict | None) -> list[str]:
         )
         or "0"
     )
-    mfu = "-" if timing["mfu"] is None else f"{100 * timing['mfu']:.0f}%"
+    # An MFU from a step with loops XLA did not cost (``~``/``≥``) or above the peak is no
+    # figure to print: "-", the legend says why.
+    trusted = timing["mfu"] is not None and not mark and timing["mfu"] <= 1
+    mfu = f"{100 * timing['mfu']:.0f}%" if trusted else "-"
     return [step, f"{exposed} ms" if exposed != "0" else "0", mfu]
 
 
 def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
-    """The lines under the table: what the estimate is, and each row's note when measured."""
+    """The lines under the table: what the columns are, each measured row's note once, and
+    one line per reason a choice did not compile."""
+    console.print(
+        "formula: the ZeRO formula with the GPT's activation formula (no compile); XLA: the "
+        "compiled step's peak, which decides what fits where it was compiled"
+    )
     if with_timing:
         console.print(
-            "est. step: XLA:GPU's latency-hiding scheduler's estimate for the target "
-            "(its cost model; nothing ran), not a measurement; exposed comm.: time it "
-            "waits on collectives (gather, RS, reduce...); est. MFU: 6 x params x "
-            "tokens / est. step / dense bf16 peak, attention flops excluded; ~: loops "
-            "without collectives (XLA prints nothing for them) costed at their matmul "
-            "flops, at XLA's time per flop for the step's other loops; ≥: at the peak."
+            "est. step: XLA:GPU's latency-hiding scheduler's estimate for the target (its cost "
+            "model; nothing ran); exposed comm.: time it waits on collectives; est. MFU: model "
+            "FLOPs / est. step / dense bf16 peak, '-' where XLA left loops uncosted (~: costed "
+            "at its time per flop, >=: at the peak) or the figure would pass 100%"
         )
-    notes = {r.note for r in rows if r.note and r.measured_bytes is not None}
-    for note in sorted(notes):
+    for note in sorted({r.note for r in rows if r.note and r.measured_bytes is not None}):
         console.print(f"measured: {note}")
+    failed: dict = {}
+    for r in rows:
+        if r.note and r.measured_bytes is None:
+            failed.setdefault(r.note, []).append(f"{r.stage}/{r.offload}/{r.remat}")
+    for reason, which in failed.items():
+        more = f" and {len(which) - 2} more" if len(which) > 2 else ""
+        console.print(f"did not compile ({', '.join(which[:2])}{more}): {reason}")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
+    parser = PlanParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
     parser.add_argument(
         "--devices",
-        type=int,
+        type=count,
         default=None,
         help="data-parallel devices (default: parallel.data, or all devices)",
     )
     parser.add_argument(
         "--device-memory",
+        type=memory_size,
         default=None,
         help="memory per device, e.g. 80GB, 24GiB (default: the target's, else 80GB)",
     )
@@ -403,7 +453,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--devices-per-process",
-        type=int,
+        type=count,
         default=None,
         help="devices sharing one host's memory (default: min(devices, 8))",
     )
@@ -421,6 +471,9 @@ def _parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object per choice instead of the table"
     )
     parser.add_argument(
+        "--all", action="store_true", help="list every choice (default: the cheapest fits)"
+    )
+    parser.add_argument(
         "--max-seq",
         action="store_true",
         help="instead of the table, find the longest model.seq_len that fits by compiling "
@@ -428,13 +481,13 @@ def _parser() -> argparse.ArgumentParser:
         "after another",
     )
     parser.add_argument(
-        "--seq-step", type=int, default=1024, help="--max-seq tries multiples of this"
+        "--seq-step", type=count, default=1024, help="--max-seq tries multiples of this"
     )
     parser.add_argument(
-        "--seq-limit", type=int, default=1 << 24, help="--max-seq tries nothing longer"
+        "--seq-limit", type=count, default=1 << 24, help="--max-seq tries nothing longer"
     )
     parser.add_argument(
-        "--max-compiles", type=int, default=12, help="--max-seq compiles at most this many"
+        "--max-compiles", type=at_least(2), default=12, help="--max-seq compiles at most this many"
     )
     add_config_arguments(parser)
     return parser
@@ -449,7 +502,7 @@ def _device_memory(args) -> int:
         targets.use_cpu_for_targets()
     else:
         default = parse_bytes("80GB")
-    return parse_bytes(args.device_memory) if args.device_memory else default
+    return args.device_memory or default
 
 
 def _emulate_devices(wanted: int) -> None:
@@ -518,6 +571,11 @@ def _max_seq(args, cfg, devices: int, device_memory: float, title: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_intermixed_args(argv)
+    check_between(parser, args, "seq_step", "seq_limit")
+    if args.target is not None and args.measure != "never":
+        require_cuda_plugin(
+            parser, "--target", args.target, "; or --measure never for the formula's figures"
+        )
     _restart_with_schedule_log(argv, args)
     if os.environ.get("ZEROFLOW_QUIET_XLA_INFO"):
         schedule.drop_info_lines()
@@ -576,5 +634,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
     else:
-        render(rows, device_memory, title)
+        render(rows, device_memory, title, show_all=args.all)
     return 0

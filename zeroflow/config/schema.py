@@ -25,8 +25,8 @@ from zeroflow.engine.plan import (
 )
 from zeroflow.engine.plan_rules import CONTEXT_CHUNKS
 from zeroflow.engine.quantized import KINDS as QUANTIZE_KINDS
-from zeroflow.memory.estimate import REMATS
 from zeroflow.optim.adam import ADAMW_CHOICES
+from zeroflow.util.units import REMATS
 
 CHOICES = "choices"
 "Field-metadata key holding the allowed values of an enumerated field (checked by config_io)."
