@@ -10,6 +10,7 @@ from zeroflow.backend import accelerators
 from zeroflow.cli import memory as memory_cli
 from zeroflow.cli import plan_flags, planner
 from zeroflow.memory import schedule
+from zeroflow.planner import memory_table
 
 pytestmark = pytest.mark.fast
 
@@ -35,7 +36,7 @@ def test_rows_that_differ_only_in_stage_are_said_once(capsys):
 def _row(stage, need, note=""):
     from zeroflow.memory.estimate import estimate
     est = estimate(num_params=1000, num_devices=1, stage=stage)
-    return memory_cli.Row(stage, "none", "full", "device", est, 0.0, 1,
+    return memory_table.Row(stage, "none", "full", "device", est, 0.0, 1,
                           measured_bytes=need, note=note)
 
 
@@ -43,7 +44,7 @@ def test_a_failed_compile_is_one_line_under_the_table(capsys):
     from rich.console import Console
     rows = [_row(0, None, "RuntimeError: XLA ran out of words"), _row(1, None,
             "RuntimeError: XLA ran out of words"), _row(3, 5e3)]
-    memory_cli.render(rows, 1e9, "t", console=Console(width=150), show_all=True)
+    memory_table.render(rows, 1e9, "t", console=Console(width=150), show_all=True)
     out = capsys.readouterr().out.splitlines()
     failed = [line for line in out if "did not compile" in line]
     assert failed == ["did not compile (0/none/full, 1/none/full): "
@@ -59,7 +60,7 @@ def test_a_failed_compile_is_one_line_under_the_table(capsys):
 def test_an_estimated_mfu_is_never_above_100_percent(mfu, loops, shown):
     timing = {"step_ms": 10.0, "exposed_ms": {}, "mfu": mfu, "uncosted_loops": list(loops),
               "loops_costed_by_flops": loops}
-    assert memory_cli._timing_cells(timing)[2] == shown
+    assert memory_table._timing_cells(timing)[2] == shown
 
 
 def test_a_gpu_target_without_the_cuda_plugin_is_one_line_with_the_pip_command(

@@ -38,7 +38,7 @@ from zeroflow.cli.plan_flags import (
     stages,
 )
 from zeroflow.config.io import add_config_arguments, load_config, save_config
-from zeroflow.memory import schedule
+from zeroflow.util import xla_log
 from zeroflow.util.units import REMATS
 
 PROG = "zeroflow.planner"
@@ -88,7 +88,7 @@ def _restart(args) -> None:
         return
     env = dict(os.environ, **{CHILD: "1", "ZEROFLOW_QUIET_XLA_INFO": "1"})
     if args.gpus:
-        schedule.enable(env)
+        xla_log.enable(env)
         env.setdefault("JAX_PLATFORMS", "cpu")
     wanted = args.devices or [1, 8]
     flags = env.get("XLA_FLAGS", "")
@@ -222,5 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         _restart(args)
     if os.environ.get("ZEROFLOW_QUIET_XLA_INFO"):
+        from zeroflow.memory import schedule  # imports jax: after the restart
+
         schedule.drop_info_lines()
     return run_cli(PROG, main_args, parser(), argv)

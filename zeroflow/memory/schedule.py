@@ -32,36 +32,15 @@ import re
 import sys
 import tempfile
 import threading
-from collections.abc import MutableMapping
 
 from zeroflow.backend import accelerators
+from zeroflow.util import xla_log
 
-LOG_ENV = {
-    "TF_CPP_MIN_LOG_LEVEL": "0",
-    "TF_CPP_VMODULE": "latency_hiding_scheduler=1",
-    # A program found in jax's persistent compilation cache is loaded, not scheduled: it
-    # would print no statistics.
-    "JAX_ENABLE_COMPILATION_CACHE": "false",
-}
-"What makes XLA print its schedule statistics (set before JAX starts)."
+# Re-exported: the environment is set before jax starts (zeroflow.util.xla_log).
+LOG_ENV, enable, enabled = xla_log.LOG_ENV, xla_log.enable, xla_log.enabled
 
 _BLOCK = "Statistics after scheduling:"
 _STAT = re.compile(r"\] (Total wasted cycles|Wasted cycles for [\w-]+|Total cycles): ([-\d.e+]+)")
-
-
-def enabled() -> bool:
-    """Whether this process was started with XLA's schedule statistics on."""
-    return os.environ.get(
-        "TF_CPP_MIN_LOG_LEVEL"
-    ) == "0" and "latency_hiding_scheduler" in os.environ.get("TF_CPP_VMODULE", "")
-
-
-def enable(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
-    """``env`` (default ``os.environ``) with the logging that prints the statistics turned on;
-    takes effect in a process started with it."""
-    env = os.environ if env is None else env
-    env.update(LOG_ENV)
-    return env
 
 
 @dataclasses.dataclass(frozen=True)
