@@ -185,7 +185,15 @@ def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=())
         pool = {v: live.pop(v) for v in dying if v in live}
         before = sum(b.counted for bufs in [*live.values(), *pool.values()] for b in bufs)
         made = _results(eqn, inner, pool, fused, size)
-        new = sum(b.counted for v, bufs in made.items() if v in last_use for b in bufs)
+        # Buffers taken over from dying operands are already in ``before``.
+        reused = {id(b) for bufs in pool.values() for b in bufs}
+        new = sum(
+            b.counted
+            for v, bufs in made.items()
+            if v in last_use
+            for b in bufs
+            if id(b) not in reused
+        )
         working = max((w.peak for w in inner), default=0.0)
         # An inner jaxpr's peak counts the results it has made by then: they are the eqn's.
         if before + max(new, working) > best.peak:
