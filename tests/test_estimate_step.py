@@ -89,3 +89,14 @@ def test_estimate_compiles_nothing(monkeypatch):
     est = zf.memory.estimate_step(loss_fn, params, batch, optax.adam(1e-3), _plan(3),
                                   zf.Precision("fp32"))
     assert est.peak_bytes > est.state_bytes > 0 and est.at
+
+
+def test_the_walk_counts_a_buffer_written_in_place_once():
+    """``(x @ w).T * 2``: the matmul makes one 512 x 512 fp32 buffer; the transpose and the
+    product, each where its operand dies, are written into it. The program holds that one
+    buffer, 1 MiB (the reference is counted by hand)."""
+    from zeroflow.memory.traced import walk
+
+    f32 = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, w: (x @ w).T * 2)(f32, f32).jaxpr
+    assert walk(jaxpr, [1.0, 1.0]).peak == 512 * 512 * 4

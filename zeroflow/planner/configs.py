@@ -16,6 +16,7 @@ from zeroflow.memory.estimate import (
     optimizer_bytes_per_param,
     stored_frozen_bytes_per_param,
 )
+from zeroflow.models import flops_per_token
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where
@@ -98,8 +99,9 @@ class ConfigProblem:
         return compiled, setup.state
 
     def model_flops(self) -> float:
-        """6 x parameters x tokens per step (attention's own flops left out), as MFU counts."""
-        return 6.0 * self.facts.params * self.facts.tokens_per_step
+        """The model's FLOPs per step as the trainer's MFU counts them
+        (``zeroflow.models.flops_per_token``: 6 x matmul weights + attention's) x tokens."""
+        return flops_per_token(self.model) * self.facts.tokens_per_step
 
     def _model_of(self, choice: Choice):
         return dataclasses.replace(
