@@ -202,13 +202,13 @@ def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=())
             best = Walk(before + max(new, working), before, max(new, working), [], [], at)
         live.update((v, bufs) for v, bufs in made.items() if v in last_use)
     outs = [_share(v, shares) for v in jaxpr.outvars]
-    reused = [
+    taken_over = [
         next((b.origin for b in live.get(v, ()) if b.origin is not None), None)
         if not isinstance(v, Literal)
         else None
         for v in jaxpr.outvars
     ]
-    return best._replace(out_shares=outs, reused=reused)
+    return best._replace(out_shares=outs, reused=taken_over)
 
 
 def _vars(values) -> list:
@@ -258,6 +258,7 @@ def _last_uses(jaxpr) -> dict:
 
 def _set_shares(eqn, shares: dict, inner: list[Walk], local: bool) -> None:
     """Record the per-device shares of ``eqn``'s results."""
+    placed: list[float] | None
     if local:
         placed = [1.0] * len(eqn.outvars)
     else:
@@ -265,7 +266,7 @@ def _set_shares(eqn, shares: dict, inner: list[Walk], local: bool) -> None:
         if placed is None and inner and eqn.primitive.name != "shard_map":
             placed = _inner_outputs(eqn, inner[0])
         placed = placed or _follow(eqn, shares)
-    for var, share in zip(eqn.outvars, placed):
+    for var, share in zip(eqn.outvars, placed or []):
         shares[var] = share
 
 
@@ -290,7 +291,7 @@ def _fused(jaxpr) -> set:
             if not isinstance(v, Literal):
                 readers.setdefault(v, []).append(eqn.primitive.name)
     outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-    fused = set()
+    fused: set = set()
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         # A transpose read by matmuls becomes their operand layout (no copy); an elementwise

@@ -268,7 +268,15 @@ def render(
     table = Table()
     with_overlap = any(r.overlap is not None for _, r in shown)
     with_timing = any(r.timing is not None for _, r in shown)
-    columns = ("stage", "offload", "remat", "formula/dev", "XLA/dev", "host/process", "fits")
+    columns: tuple[str, ...] = (
+        "stage",
+        "offload",
+        "remat",
+        "formula/dev",
+        "XLA/dev",
+        "host/process",
+        "fits",
+    )
     columns += ("overlapped collectives",) if with_overlap else ()
     for name in columns + (TIMING_COLUMNS if with_timing else ()):
         table.add_column(name, justify="right" if "/" in name else "left")
