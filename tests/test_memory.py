@@ -121,6 +121,19 @@ def _small_config(**model):
     return cfg
 
 
+def test_a_flash_kernel_keeps_no_attention_scores():
+    """With cudnn or pallas attention the formula holds each layer's fp32 softmax statistics
+    (b x heads x s) where XLA's attention keeps the scores: fp32 softmax + bf16 probabilities
+    (b x heads x s x s x 6 bytes), for every layer without remat."""
+    base = _small_config(num_layers=3, seq_len=512, num_heads=4).model
+    b = 2
+    plain = memory.activations(base, micro_batch=b, remat="none", precision="bf16")
+    for kind in ("cudnn", "pallas"):
+        flash = dataclasses.replace(base, attention=kind)
+        got = memory.activations(flash, micro_batch=b, remat="none", precision="bf16")
+        assert plain - got == 3 * b * 4 * 512 * (512 * 6 - 4)
+
+
 def test_activation_formula_orders_remat_policies():
     model = _small_config(num_layers=8).model
     none, dots, full = (memory.activations(model, micro_batch=4, remat=r, precision="bf16")

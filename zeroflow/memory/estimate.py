@@ -362,10 +362,13 @@ def activations(
     mlp_tokens = b * min(model.mlp_chunk, s) if model.mlp_chunk else tokens
     # Everything one block keeps for its backward pass when nothing is recomputed:
     # two norm inputs + two norm outputs (4h), q/k/v (q + 2kv), attention output (q),
-    # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs.
-    per_layer_none = width * (
-        tokens * (4 * h + 2 * q + 2 * kv) + mlp_tokens * (3 if swiglu else 2) * f
-    ) + b * heads * s * s * (4 + width)
+    # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs,
+    # or with a flash kernel (cudnn, pallas) none of them, only its fp32 softmax statistics.
+    flash = getattr(model, "attention", "xla") in ("cudnn", "pallas")
+    scores = b * heads * s * (4 if flash else s * (4 + width))
+    per_layer_none = (
+        width * (tokens * (4 * h + 2 * q + 2 * kv) + mlp_tokens * (3 if swiglu else 2) * f) + scores
+    )
     # save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus
     # the block input; attention scores and norms are recomputed.
     per_layer_dots = width * tokens * (h + q + 2 * kv + h + (2 if swiglu else 1) * f + h)
