@@ -31,7 +31,7 @@ import jax  # noqa: E402
 
 from zeroflow.backend import targets  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
-from zeroflow.cli.memory import plan_rows  # noqa: E402
+from zeroflow.planner.memory_table import plan_rows  # noqa: E402
 from zeroflow.trainer.setup import run_model_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fit_table.md"

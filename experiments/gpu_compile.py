@@ -104,7 +104,7 @@ def measure_row(name, loss, params, batch, mesh, stage, where):
 
 def config_row(config, target, devices, stage, remat, overrides=(), label=""):
     from zeroflow.config.io import load_config
-    from zeroflow.cli.memory import plan_rows
+    from zeroflow.planner.memory_table import plan_rows
     cfg = load_config(config, ["model.attention=xla", *overrides])
     if cfg.model.init_from:
         import dataclasses

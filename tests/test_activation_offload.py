@@ -67,7 +67,7 @@ def test_the_formula_and_the_memory_table_know_offloaded_activations(h100):
     only feeds the residual sum and is kept by neither, so it stays over by up to 15%. The
     memory table's host column where compiled is XLA's host bytes per device times a
     process's 8 devices."""
-    from zeroflow.cli.memory import Row
+    from zeroflow.planner.memory_table import Row
     host = analysed(h100["offload_dots"][0]).host_temp_bytes
     formula = zf.memory.offloaded_activations(CFG.model, micro_batch=BATCH // N,
                                               remat="offload_dots")

@@ -4,7 +4,7 @@ once accepted silently or answered with a raw error or a usage block."""
 import pytest
 
 from helpers import REPO
-from zeroflow.cli import export, memory, sample, train
+from zeroflow.cli import export, memory, planner, sample, train
 from zeroflow.data.corpus import iter_documents
 
 pytestmark = pytest.mark.fast
@@ -34,11 +34,43 @@ def _exit_code(main, argv):
     (sample.main, ["--run", "nowhere", "--top-k", "-3"], "--top-k"),
     (export.main, ["--run", "nowhere", "--out", "w.npz", "--step", "-2"], "--step"),
     (memory.main, ["--no-such-flag"], "--no-such-flag"),
+    (memory.main, ["--device-memory", "0"], "--device-memory"),
+    (memory.main, ["--devices-per-process", "0"], "--devices-per-process"),
+    (memory.main, ["--devices", "0"], "--devices"),
+    (memory.main, ["--max-seq", "--seq-step", "-1"], "--seq-step"),
+    (memory.main, ["--max-seq", "--seq-step", "0"], "--seq-step"),
+    (memory.main, ["--max-seq", "--max-compiles", "0"], "--max-compiles"),
+    (memory.main, ["--max-seq", "--seq-limit", "-5"], "--seq-limit"),
+    (memory.main, ["--max-seq", "--max-compiles", "1"], "--max-compiles"),
+    (memory.main, ["--max-seq", "--seq-step", "4096", "--seq-limit", "1024"], "--seq-limit"),
+    (planner.main, ["--gpus", "h100", "--devices", "1", "--grad-accums", "0"], "--grad-accums"),
+    (planner.main, ["--devices", "0"], "--devices"),
+    (planner.main, ["--devices", "1,x"], "--devices"),
+    (planner.main, ["--min-compiles", "5", "--max-compiles", "1"], "--min-compiles"),
+    (planner.main, ["--max-compiles", "0"], "--max-compiles"),
+    (planner.main, ["--device-memory", "0"], "--device-memory"),
+    (planner.main, ["--stages", "4"], "--stages"),
+    (planner.main, ["--margin", "1.5"], "--margin"),
 ], ids=["cpu-devices-negative", "cpu-devices-zero", "temperature-negative", "temperature-nan",
-        "tokens-zero", "top-k-negative", "export-step-negative", "memory-unknown-flag"])
+        "tokens-zero", "top-k-negative", "export-step-negative", "memory-unknown-flag",
+        "memory-device-memory-zero", "memory-devices-per-process-zero", "memory-devices-zero",
+        "memory-seq-step-negative", "memory-seq-step-zero", "memory-max-compiles-zero",
+        "memory-seq-limit-negative", "memory-max-compiles-one", "memory-seq-limit-below-step",
+        "planner-grad-accums-zero", "planner-devices-zero",
+        "planner-devices-not-int", "planner-min-above-max-compiles", "planner-max-compiles-zero",
+        "planner-device-memory-zero", "planner-stage-4", "planner-margin-above-1"])
 def test_a_bad_flag_is_one_line_naming_it(main, argv, named, capsys):
     line = _one_error_line(capsys, _exit_code(main, argv))
     assert named in line
+
+
+def test_the_planner_refuses_an_out_that_is_a_file_before_any_work(tmp_path, capsys):
+    out = tmp_path / "plans"
+    out.write_text("keep me")
+    line = _one_error_line(capsys, _exit_code(planner.main, [
+        "--config", str(REPO / "configs/tiny.yaml"), "--gpus", "h100", "--out", str(out)]))
+    assert "--out" in line and "is a file" in line and line.startswith("zeroflow.planner: ")
+    assert out.read_text() == "keep me"
 
 
 def test_a_config_that_is_not_text_names_the_file(tmp_path, capsys):

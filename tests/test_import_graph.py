@@ -95,6 +95,17 @@ def test_no_module_but_an_entry_point_imports_the_public_package():
     assert not inner, f"import the module, not zeroflow: {inner}"
 
 
+def test_nothing_inside_the_package_imports_it_whole():
+    """``import zeroflow`` (``as zf`` or not) from inside the package runs every layer's
+    public names, the planner's included: any module doing so reaches above itself."""
+    whole = sorted(
+        name for name, path in MODULES.items() if name not in ENTRY_POINTS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import) and any(a.name == "zeroflow" for a in node.names)
+    )
+    assert not whole, f"import the module you need, not zeroflow: {whole}"
+
+
 @pytest.mark.parametrize("layer", ["util", "backend", "ops", "optim", "autocast", "engine"])
 def test_the_engine_imports_nothing_above_it(layer):
     reached = {f"{a} -> {b}" for a, targets in GRAPH.items()

@@ -61,7 +61,7 @@ def test_bad_search_settings_are_one_line(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--config", str(REPO / "configs/tiny.yaml"), "--max-seq", "--seq-step", "0"])
     err = capsys.readouterr().err
-    assert "positive start" in err and "Traceback" not in err
+    assert "argument --seq-step: must be at least 1, got 0" in err and "Traceback" not in err
 
 
 LENGTH, CONTEXT = 4096, 8

@@ -123,6 +123,19 @@ def _small_config(**model):
     return cfg
 
 
+def test_a_flash_kernel_keeps_no_attention_scores():
+    """With cudnn or pallas attention the formula holds each layer's fp32 softmax statistics
+    (b x heads x s) where XLA's attention keeps the scores: fp32 softmax + bf16 probabilities
+    (b x heads x s x s x 6 bytes), for every layer without remat."""
+    base = _small_config(num_layers=3, seq_len=512, num_heads=4).model
+    b = 2
+    plain = memory.activations(base, micro_batch=b, remat="none", precision="bf16")
+    for kind in ("cudnn", "pallas"):
+        flash = dataclasses.replace(base, attention=kind)
+        got = memory.activations(flash, micro_batch=b, remat="none", precision="bf16")
+        assert plain - got == 3 * b * 4 * 512 * (512 * 6 - 4)
+
+
 def test_activation_formula_orders_remat_policies():
     model = _small_config(num_layers=8).model
     none, dots, full = (memory.activations(model, micro_batch=4, remat=r, precision="bf16")
@@ -181,7 +194,7 @@ def test_measure_reports_xla_memory_analysis():
 
 # --------------------------------------------------------------------------- command line
 def test_cli_prints_table_and_cheapest_fit(capsys):
-    assert main(["--devices", "8", "--device-memory", "10MB", "--measure", "never",
+    assert main(["--devices", "8", "--device-memory", "10MB", "--measure", "never", "--all",
                  "precision.params=bf16"]) == 0
     out = capsys.readouterr().out
     assert "optimizer+params" in out and "save_dots" in out
@@ -225,11 +238,11 @@ def test_cli_nothing_fits(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--device-memory", "80XB"], "bad memory size '80XB'"),
+    (["--device-memory", "80XB"], "argument --device-memory: bad memory size '80XB'"),
     (["--stages", "5"], "unknown stage '5'"),
     (["--remats", "sometimes"], "unknown remat 'sometimes'"),
     (["parallel.zero_stage=7"], "parallel.zero_stage must be one of 0, 1, 2, 3"),
-    (["--devices", "-2"], "--devices must be >= 1"),
+    (["--devices", "-2"], "argument --devices: must be at least 1, got -2"),
 ])
 def test_cli_errors_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

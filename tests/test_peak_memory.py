@@ -112,7 +112,7 @@ def test_memory_cli_fits_by_xla_where_it_compiles():
     """``python -m zeroflow.memory``'s rows: the measured column is XLA's compiled peak of the
     trainer's step (its ``memory_analysis``), and a memory between the formula's figure and
     XLA's decides by XLA's."""
-    from zeroflow.cli.memory import cheapest_fit, plan_rows
+    from zeroflow.planner.memory_table import cheapest_fit, plan_rows
     from zeroflow.config.io import load_config
     from zeroflow.trainer.planning import measure_config
     cfg = load_config("configs/tiny.yaml", GPT_OVERRIDES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +183,8 @@ def test_written_overrides_train(tmp_path):
          "--min-compiles", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "No --gpus given" in planned.stdout
+    # piped: its own progress, a line per compile
+    assert re.search(r"^zeroflow\.planner: compile \d+ of \d+ done", planned.stderr, re.M)
     overrides = (out / "cpu-x1.overrides").read_text().split()
     assert "parallel.data=1" in overrides and "model.remat=full" in overrides
     run = tmp_path / "run"

@@ -6,17 +6,15 @@ backend emulates them; always for a --target), what XLA says it needs, then name
 cheapest choice that fits. Nothing model-sized is allocated: the measured column comes from
 ahead-of-time compilation with abstract inputs.
 
-"Cheapest" ranks choices by their usual cost in step time: no offload before offload
-(PCIe traffic), then remat none < save_dots < offload_dots (activations over PCIe) < full
-(recompute) < offload_input (recompute, and the layer inputs over PCIe), then a lower stage
-(stage 3 adds an all-gather per use). A choice fits when its peak is at most --device-memory:
-XLA's compiled peak where it was compiled, else the formula's.
+"Cheapest" and "fits" are ``zeroflow.planner.memory_table``'s; this module only reads the
+flags and the config.
 
 With ``--target`` each compiled row also carries XLA:GPU's *estimated* step time (its
 latency-hiding scheduler's cost model for the target, ``zeroflow.memory.schedule``; nothing
 runs, so it is an estimate, not a measurement), the communication it leaves exposed and the
 MFU it implies. XLA prints those statistics only when the process starts with
-``schedule.LOG_ENV``, so the command starts itself again with it.
+``zeroflow.util.xla_log.LOG_ENV``, so the command starts itself again with it, before it
+imports jax.
 
 ``--max-seq`` instead answers the longest sequence that fits, by compiling the config's own
 choice at one length after another (``zeroflow.cli.max_seq``).
@@ -31,97 +29,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-import jax
-
-from zeroflow.backend import targets
-from zeroflow.cli import max_seq
-from zeroflow.cli.common import ArgumentParser
-from zeroflow.config.io import ConfigError, add_config_arguments, load_config
-from zeroflow.memory import schedule
-from zeroflow.memory.collectives import collectives, overlap
-from zeroflow.memory.estimate import (
-    OFFLOADS,
-    REMATS,
-    STAGES,
-    MemoryEstimate,
-    count_gpt_params,
-    estimate_config,
-    format_bytes,
-    offloaded_activations,
-    parse_bytes,
+from zeroflow.cli.plan_flags import (
+    PlanParser,
+    at_least,
+    check_between,
+    count,
+    memory_size,
+    require_cuda_plugin,
 )
-from zeroflow.memory.measure import analysed, device_peak
-from zeroflow.planner.compiling import failure_reason
-from zeroflow.trainer.planning import attention_note, compile_config, count_frozen_params
-from zeroflow.trainer.setup import run_model_config
+from zeroflow.config.io import ConfigError, add_config_arguments, load_config
+from zeroflow.util import xla_log
+from zeroflow.util.units import parse_bytes
 
-MEASURE_MAX_PARAMS = 50_000_000
-"'--measure auto' compiles only models up to this many parameters..."
-MEASURE_MAX_DEVICES = 16
-"... and only meshes up to this many devices (CPU compile time grows with both)."
-REMAT_COST = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 3, "offload_input": 4}
-DENSE_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "l4": 121e12}
-"Dense bf16 tensor-core peak per GPU (vendor data sheets; SXM for H100/A100), for estimated MFU."
+# jax and what imports it are imported in ``_run``, after the command has restarted itself
+# for XLA's start-up settings (``_restart_with_schedule_log``).
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    stage: int
-    offload: str
-    remat: str
-    update_on: str
-    estimate: MemoryEstimate
-    "The ZeRO formula's (model states, and the GPT's activations per micro-batch)."
-    host_activations: float
-    "Activations an offloading remat keeps in host memory per device, by the formula."
-    devices_per_process: int
-    measured_bytes: float | None = None  # XLA's per-device total, host-kind state removed
-    note: str = ""
-    overlap: dict | None = None  # zeroflow.memory.collectives.overlap of the compiled step
-    measured_host_bytes: float | None = None  # XLA's host-memory buffers per device (host_*)
-    timing: dict | None = None  # XLA:GPU's estimated step: step_ms, exposed_ms, mfu (_timing)
-
-    @property
-    def need_bytes(self) -> float:
-        """XLA's compiled peak where compiled, else the formula's."""
-        return self.estimate.device_bytes if self.measured_bytes is None else self.measured_bytes
-
-    @property
-    def host_bytes(self) -> float:
-        """Pinned host memory per process (its devices' offloaded state and activations):
-        XLA's host buffers where it reports them, else the formula's."""
-        if self.measured_host_bytes:
-            return self.measured_host_bytes * self.devices_per_process
-        return self.estimate.host_bytes + self.host_activations * self.devices_per_process
-
-    def as_json(self) -> dict:
-        return {
-            "stage": self.stage,
-            "offload": self.offload,
-            "update_on": self.update_on,
-            "remat": self.remat,
-            "estimated_peak_bytes": round(self.estimate.device_bytes),
-            "measured_peak_bytes": None
-            if self.measured_bytes is None
-            else round(self.measured_bytes),
-            "measured_host_bytes": None
-            if self.measured_host_bytes is None
-            else round(self.measured_host_bytes),
-            "host_bytes_per_process": round(self.host_bytes),
-            "formula": {
-                "model_states": round(self.estimate.device.total),
-                "activations": round(self.estimate.activation_bytes),
-                "update": round(self.estimate.update_bytes),
-            },
-            **({"overlap": self.overlap} if self.overlap is not None else {}),
-            **({"estimated_step": self.timing} if self.timing is not None else {}),
-            **({"note": self.note} if self.note else {}),
-        }
-
-    @property
-    def cost(self) -> tuple:
-        return (OFFLOADS.index(self.offload), REMAT_COST[self.remat], self.stage)
 
 
 def _choices(text: str, valid: Sequence, name: str, cast=str) -> list:
@@ -139,259 +61,17 @@ def _choices(text: str, valid: Sequence, name: str, cast=str) -> list:
     return out
 
 
-def _measured(
-    cfg, devices: int, stage: int, offload: str, remat: str, target: str | None
-) -> tuple[float, dict, float, dict | None]:
-    """XLA's device peak of one choice, the overlap of its collectives, its host-memory
-    bytes per device (offloaded state and activations, where the backend separates them) and,
-    for a target in a process started with the scheduler's logging, XLA:GPU's step estimate."""
-    update_on = cfg.parallel.update_on if offload != "none" else "device"
-
-    def compile_it():
-        return compile_config(
-            cfg,
-            num_devices=devices,
-            stage=stage,
-            offload=offload,
-            update_on=update_on,
-            remat=remat,
-            target=target,
-        )
-
-    timing = None
-    if target is not None and schedule.enabled():
-        (compiled, setup), est = schedule.timed(
-            compile_it, text_of=lambda r: r[0].as_text(), peak_flops=DENSE_BF16_FLOPS.get(target)
-        )
-        timing = _timing(est, cfg, devices, target)
-    else:
-        compiled, setup = compile_it()
-    got = analysed(compiled)
-    return (
-        float(device_peak(got, setup.state)),
-        overlap(collectives(compiled)),
-        float(got.host_total_bytes),
-        timing,
-    )
-
-
-def _timing(est, cfg, devices: int, target: str) -> dict:
-    """The JSON fields of an estimated step: ms, exposed ms per collective kind, and the MFU
-    of 6 x parameters x tokens (attention's own flops left out) at the dense bf16 peak."""
-    tokens = cfg.train.batch_size * cfg.model.seq_len / devices
-    flops = 6 * count_gpt_params(cfg.model) * tokens
-    peak = DENSE_BF16_FLOPS.get(target)
-    return {
-        "step_ms": round(est.step_ms, 3),
-        "exposed_ms": {k: round(v / 1e3, 3) for k, v in est.exposed_by_kind().items()},
-        "mfu": None if peak is None else round(est.mfu(flops, peak), 4),
-        "uncosted_loops": list(est.uncosted),
-        "is_estimate": True,
-        "loops_costed_by_flops": {
-            c.name: c.costed_by for c in est.computations if c.costed_by != "xla"
-        },
-    }
-
-
-def plan_rows(
-    cfg,
-    *,
-    devices: int,
-    stages=STAGES,
-    offloads=OFFLOADS,
-    remats=REMATS,
-    measure: str = "auto",
-    devices_per_process: int | None = None,
-    log=None,
-    target: str | None = None,
-) -> list[Row]:
-    """One Row per choice: the formula's peak, and the measured peak where compiled
-    (for ``target``'s abstract GPUs when given: XLA:GPU's peak, and its overlap; offloaded
-    choices compiled through CPU stand-ins, ``zeroflow.memory.on_target``)."""
-    num_params = count_gpt_params(cfg.model)
-    if measure == "auto":
-        measure = (
-            "always"
-            if target is not None
-            or (
-                num_params <= MEASURE_MAX_PARAMS
-                and devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
-            )
-            else "never"
-        )
-    per_process = devices_per_process or min(devices, 8)
-    frozen = count_frozen_params(cfg)
-    micro = max(cfg.train.batch_size // (devices * cfg.parallel.grad_accum), 1)
-    rows = []
-    for stage in stages:
-        for offload in offloads:
-            for remat in remats:
-                update_on = cfg.parallel.update_on if offload != "none" else "device"
-                est = estimate_config(
-                    cfg,
-                    num_devices=devices,
-                    stage=stage,
-                    offload=offload,
-                    update_on=update_on,
-                    remat=remat,
-                    devices_per_process=per_process,
-                    frozen_params=frozen,
-                )
-                host_acts = offloaded_activations(
-                    cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params
-                )
-                measured, note, overlapped, host, timing = None, "", None, None, None
-                if measure == "always":
-                    if log:
-                        log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
-                    try:
-                        measured, overlapped, host, timing = _measured(
-                            cfg, devices, stage, offload, remat, target
-                        )
-                        note = attention_note(cfg, target)
-                    except Exception as e:  # a choice that cannot compile is reported, not fatal
-                        note = failure_reason(e)
-                rows.append(
-                    Row(
-                        stage,
-                        offload,
-                        remat,
-                        update_on,
-                        est,
-                        host_acts,
-                        per_process,
-                        measured,
-                        note,
-                        overlapped,
-                        host,
-                        timing,
-                    )
-                )
-    return rows
-
-
-def cheapest_fit(rows: Sequence[Row], device_memory: float) -> Row | None:
-    fitting = [r for r in rows if r.need_bytes <= device_memory]
-    return min(fitting, key=lambda r: r.cost) if fitting else None
-
-
-def render(rows: Sequence[Row], device_memory: float, title: str, console=None) -> Row | None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(width=max(Console().width, 150))
-    table = Table(title=title)
-    with_overlap = any(r.overlap is not None for r in rows)
-    with_timing = any(r.timing is not None for r in rows)
-    for name in (
-        (
-            "stage",
-            "offload",
-            "remat",
-            "model states/dev",
-            "activations/dev",
-            "est. peak/dev",
-            "measured/dev",
-            "host/process",
-            "fits",
-        )
-        + (("overlapped collectives",) if with_overlap else ())
-        + (TIMING_COLUMNS if with_timing else ())
-    ):
-        table.add_column(name, justify="right" if "/" in name else "left")
-    best = cheapest_fit(rows, device_memory)
-    for r in rows:
-        e = r.estimate
-        measured = (
-            format_bytes(r.measured_bytes) if r.measured_bytes is not None else (r.note or "-")
-        )
-        if r.measured_host_bytes:
-            measured += f" (+{format_bytes(r.measured_host_bytes)} host)"
-        fits = "yes" if r.need_bytes <= device_memory else "no"
-        style = "bold green" if r is best else None
-        cells = [
-            str(r.stage),
-            r.offload,
-            r.remat,
-            format_bytes(e.model_state_bytes),
-            format_bytes(e.activation_bytes),
-            format_bytes(e.device_bytes),
-            measured,
-            format_bytes(r.host_bytes),
-            fits,
-        ]
-        if with_overlap:
-            total = (r.overlap or {}).get("total", {})
-            cells.append(f"{total['overlapped']}/{total['count']}" if total else "-")
-        if with_timing:
-            cells += _timing_cells(r.timing)
-        table.add_row(*cells, style=style)
-    console.print(table)
-    _render_notes(rows, with_timing, console)
-    if best is None:
-        console.print(
-            f"Nothing fits in {format_bytes(device_memory)} per device; add devices, "
-            "shrink train.batch_size or raise parallel.grad_accum."
-        )
-    else:
-        console.print(
-            f"Cheapest choice that fits in {format_bytes(device_memory)}: "
-            f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
-            f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)"
-        )
-    return best
-
-
-TIMING_COLUMNS = ("est. step (XLA:GPU)", "exposed comm.", "est. MFU")
-
-
-def _timing_cells(timing: dict | None) -> list[str]:
-    if timing is None:
-        return ["-", "-", "-"]
-    how = set(timing["loops_costed_by_flops"].values())
-    mark = (
-        "≥ "
-        if "peak-flops" in how or (timing["uncosted_loops"] and not how)
-        else ("~ " if how else "")
-    )
-    step = mark + f"{timing['step_ms']:.1f} ms"
-    exposed = (
-        ", ".join(
-            f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
-            for k, v in timing["exposed_ms"].items()
-        )
-        or "0"
-    )
-    mfu = "-" if timing["mfu"] is None else f"{100 * timing['mfu']:.0f}%"
-    return [step, f"{exposed} ms" if exposed != "0" else "0", mfu]
-
-
-def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
-    """The lines under the table: what the estimate is, and each row's note when measured."""
-    if with_timing:
-        console.print(
-            "est. step: XLA:GPU's latency-hiding scheduler's estimate for the target "
-            "(its cost model; nothing ran), not a measurement; exposed comm.: time it "
-            "waits on collectives (gather, RS, reduce...); est. MFU: 6 x params x "
-            "tokens / est. step / dense bf16 peak, attention flops excluded; ~: loops "
-            "without collectives (XLA prints nothing for them) costed at their matmul "
-            "flops, at XLA's time per flop for the step's other loops; ≥: at the peak."
-        )
-    notes = {r.note for r in rows if r.note and r.measured_bytes is not None}
-    for note in sorted(notes):
-        console.print(f"measured: {note}")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
+    parser = PlanParser(prog="python -m zeroflow.memory", description=__doc__.split("\n\n")[1])
     parser.add_argument(
         "--devices",
-        type=int,
+        type=count,
         default=None,
         help="data-parallel devices (default: parallel.data, or all devices)",
     )
     parser.add_argument(
         "--device-memory",
+        type=memory_size,
         default=None,
         help="memory per device, e.g. 80GB, 24GiB (default: the target's, else 80GB)",
     )
@@ -403,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--devices-per-process",
-        type=int,
+        type=count,
         default=None,
         help="devices sharing one host's memory (default: min(devices, 8))",
     )
@@ -411,14 +91,17 @@ def _parser() -> argparse.ArgumentParser:
         "--measure",
         choices=("auto", "always", "never"),
         default="auto",
-        help=f"compile to measure (auto: models <= {MEASURE_MAX_PARAMS:,} params "
-        f"on <= {MEASURE_MAX_DEVICES} devices)",
+        help="compile to measure (auto: where it is cheap, small models on few devices: "
+        "docs/memory.md)",
     )
     parser.add_argument("--stages", default="0,1,2,3")
-    parser.add_argument("--offloads", default=",".join(OFFLOADS))
-    parser.add_argument("--remats", default=",".join(REMATS))
+    parser.add_argument("--offloads", default=None, help="default: every offload choice")
+    parser.add_argument("--remats", default=None, help="default: every remat policy")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per choice instead of the table"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="list every choice (default: the cheapest fits)"
     )
     parser.add_argument(
         "--max-seq",
@@ -428,13 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         "after another",
     )
     parser.add_argument(
-        "--seq-step", type=int, default=1024, help="--max-seq tries multiples of this"
+        "--seq-step", type=count, default=1024, help="--max-seq tries multiples of this"
     )
     parser.add_argument(
-        "--seq-limit", type=int, default=1 << 24, help="--max-seq tries nothing longer"
+        "--seq-limit", type=count, default=1 << 24, help="--max-seq tries nothing longer"
     )
     parser.add_argument(
-        "--max-compiles", type=int, default=12, help="--max-seq compiles at most this many"
+        "--max-compiles", type=at_least(2), default=12, help="--max-seq compiles at most this many"
     )
     add_config_arguments(parser)
     return parser
@@ -444,12 +127,14 @@ def _device_memory(args) -> int:
     """--device-memory, else the target GPU's memory (unknown names stop here, with the
     choices), else 80 GB."""
     if args.target is not None:
+        from zeroflow.backend import targets
+
         spec = targets.spec_text(args.target)
         default = int(targets.spec_field(spec, "device_memory_size"))
         targets.use_cpu_for_targets()
     else:
         default = parse_bytes("80GB")
-    return parse_bytes(args.device_memory) if args.device_memory else default
+    return args.device_memory or default
 
 
 def _emulate_devices(wanted: int) -> None:
@@ -463,6 +148,8 @@ def _emulate_devices(wanted: int) -> None:
 
 def _where(args, devices: int) -> str:
     """Where the measured column's compiles are for, as the table's title says."""
+    import jax
+
     if args.target is not None:
         return f"{devices} x {args.target} (XLA:GPU, compiled without the GPU)"
     return f"{devices} devices (measured: XLA:{jax.default_backend().upper()} of this machine)"
@@ -473,9 +160,9 @@ def _restart_with_schedule_log(argv: Sequence[str] | None, args) -> None:
     the estimated step time of a target's rows, and with as many CPU devices as the target
     has (offloaded rows are compiled through CPU devices standing in for the GPUs, and XLA
     reads the device count at start-up too); only from the command line (``argv`` None)."""
-    if argv is not None or args.target is None or args.measure == "never" or schedule.enabled():
+    if argv is not None or args.target is None or args.measure == "never" or xla_log.enabled():
         return
-    env = schedule.enable(dict(os.environ))
+    env = xla_log.enable(dict(os.environ))
     env["ZEROFLOW_QUIET_XLA_INFO"] = "1"
     flags = env.get("XLA_FLAGS", "")
     wanted = _target_devices(args)
@@ -499,6 +186,8 @@ def _target_devices(args) -> int | None:
 
 def _max_seq(args, cfg, devices: int, device_memory: float, title: str) -> int:
     """``--max-seq``: the search, then its answer (``zeroflow.cli.max_seq``)."""
+    from zeroflow.cli import max_seq
+
     search = max_seq.search_config(
         cfg,
         devices=devices,
@@ -518,17 +207,40 @@ def _max_seq(args, cfg, devices: int, device_memory: float, title: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_intermixed_args(argv)
+    check_between(parser, args, "seq_step", "seq_limit")
+    if args.target is not None and args.measure != "never":
+        require_cuda_plugin(
+            parser, "--target", args.target, "; or --measure never for the formula's figures"
+        )
     _restart_with_schedule_log(argv, args)
     if os.environ.get("ZEROFLOW_QUIET_XLA_INFO"):
+        from zeroflow.memory import schedule
+
         schedule.drop_info_lines()
+    return _run(parser, args)
+
+
+def _run(parser, args) -> int:
+    """The table (or ``--max-seq``'s search) once the flags are checked and the process has
+    the environment XLA reads at start-up."""
+    import jax
+
+    from zeroflow.memory.estimate import OFFLOADS, REMATS, STAGES, count_gpt_params
+    from zeroflow.planner.memory_table import (
+        MEASURE_MAX_DEVICES,
+        plan_rows,
+        render,
+    )
+    from zeroflow.trainer.setup import run_model_config
+
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.model.init_from:  # the architecture is the checkpoint's config.json
             cfg = dataclasses.replace(cfg, model=run_model_config(cfg))
         device_memory = _device_memory(args)
         stages = _choices(args.stages, STAGES, "stage", int)
-        offloads = _choices(args.offloads, OFFLOADS, "offload")
-        remats = _choices(args.remats, REMATS, "remat")
+        offloads = _choices(args.offloads or ",".join(OFFLOADS), OFFLOADS, "offload")
+        remats = _choices(args.remats or ",".join(REMATS), REMATS, "remat")
         if args.devices is not None and args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
         devices = args.devices or (cfg.parallel.data if cfg.parallel.data > 0 else None)
@@ -576,5 +288,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
     else:
-        render(rows, device_memory, title)
+        render(rows, device_memory, title, show_all=args.all)
     return 0

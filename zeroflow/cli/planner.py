@@ -25,10 +25,21 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from zeroflow.cli.common import ArgumentParser, run_cli
+from zeroflow.cli.common import run_cli
+from zeroflow.cli.plan_flags import (
+    PlanParser,
+    check_between,
+    check_out_folder,
+    count,
+    counts,
+    fraction,
+    memory_size,
+    require_cuda_plugin,
+    stages,
+)
 from zeroflow.config.io import add_config_arguments, load_config, save_config
-from zeroflow.memory import schedule
-from zeroflow.memory.estimate import REMATS, parse_bytes
+from zeroflow.util import xla_log
+from zeroflow.util.units import REMATS
 
 PROG = "zeroflow.planner"
 CHILD = "ZEROFLOW_PLANNER_STARTED"
@@ -37,27 +48,38 @@ FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expens
 
 
 def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1])
+    p = PlanParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1])
     p.add_argument("--gpus", "--target", default=None, help="GPU targets, e.g. h100,a100,l4,h200")
-    p.add_argument("--devices", default=None, help="device counts, e.g. 1,8,16 (default 1,8)")
+    p.add_argument(
+        "--devices", type=counts, default=None, help="device counts, e.g. 1,8,16 (default 1,8)"
+    )
     p.add_argument("--out", default=None, help="output folder (default plans/<config name>)")
-    p.add_argument("--margin", type=float, default=0.1, help="memory kept free (default 0.1)")
-    p.add_argument("--device-memory", default=None, help="memory per device instead (80GB)")
-    p.add_argument("--max-compiles", type=int, default=3, help="compiles per row at most")
-    p.add_argument("--min-compiles", type=int, default=2, help="compiles per row at least")
-    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--margin", type=fraction, default=0.1, help="memory kept free (default 0.1)")
+    p.add_argument(
+        "--device-memory", type=memory_size, default=None, help="memory per device instead (80GB)"
+    )
+    p.add_argument("--max-compiles", type=count, default=3, help="compiles per row at most")
+    p.add_argument("--min-compiles", type=count, default=2, help="compiles per row at least")
+    p.add_argument("--stages", type=stages, default=[0, 1, 2, 3])
     p.add_argument("--remats", default=",".join(REMATS))
     p.add_argument("--attentions", default=None, help="default: the config's, and cudnn on GPUs")
-    p.add_argument("--grad-accums", default=None, help="micro-batch splits (default: all)")
+    p.add_argument(
+        "--grad-accums", type=counts, default=None, help="micro-batch splits (default: all)"
+    )
     p.add_argument("--no-zeropp", action="store_true", help="leave out ZeRO++ options")
     return add_config_arguments(p)
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{name} takes comma-separated integers, got {text!r}") from None
+def checked_args(argv) -> argparse.Namespace:
+    """The flags, each checked as argparse reads it, then those checked together: all before
+    jax starts or anything is compiled or written."""
+    p = parser()
+    args = p.parse_intermixed_args(argv)
+    check_between(p, args, "min_compiles", "max_compiles")
+    check_out_folder(p, args.out)
+    if args.gpus:
+        require_cuda_plugin(p, "--gpus", args.gpus)
+    return args
 
 
 def _restart(args) -> None:
@@ -66,17 +88,12 @@ def _restart(args) -> None:
         return
     env = dict(os.environ, **{CHILD: "1", "ZEROFLOW_QUIET_XLA_INFO": "1"})
     if args.gpus:
-        schedule.enable(env)
+        xla_log.enable(env)
         env.setdefault("JAX_PLATFORMS", "cpu")
-    try:
-        counts = _ints(args.devices, "devices") if args.devices else [1, 8]
-    except ValueError:
-        return  # not restarted: the run reports the bad flag in one line
-    if min(counts, default=0) < 1:
-        return  # the same
+    wanted = args.devices or [1, 8]
     flags = env.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={max(counts)} {FAST_CPU_COMPILE}"
+        flags += f" --xla_force_host_platform_device_count={max(wanted)} {FAST_CPU_COMPILE}"
     env["XLA_FLAGS"] = flags.strip()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -95,16 +112,16 @@ def main_args(args: argparse.Namespace) -> int:
             cfg,
             name=args.config or "default config",
             gpus=[g.strip() for g in args.gpus.split(",")] if args.gpus else None,
-            devices=_ints(args.devices, "devices") if args.devices else None,
+            devices=args.devices,
             margin=args.margin,
-            device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
+            device_memory=args.device_memory,
             max_compiles=args.max_compiles,
             min_compiles=args.min_compiles,
-            stages=_ints(args.stages, "stages"),
+            stages=args.stages,
             remats=[r.strip() for r in args.remats.split(",")],
             attentions=[a.strip() for a in args.attentions.split(",")] if args.attentions else None,
             zeropp=not args.no_zeropp,
-            grad_accums=_ints(args.grad_accums, "grad-accums") if args.grad_accums else None,
+            grad_accums=args.grad_accums,
             cache_dir=scratch,
             progress=tick,
         )
@@ -143,7 +160,11 @@ def _write(plan, cfg, out: Path, config_path: str | None, seconds: float) -> Non
 
 @contextlib.contextmanager
 def _progress():
-    """A progress bar of the search's compiles (done / its bound, elapsed, time left)."""
+    """A progress bar of the search's compiles (done / its bound, elapsed, time left) on a
+    terminal; where stderr is not one (piped, a log file), one line per compile instead."""
+    if not sys.stderr.isatty():
+        yield _progress_lines(time.perf_counter())
+        return
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -171,9 +192,37 @@ def _progress():
         yield tick
 
 
+def _progress_lines(started: float):
+    """``tick(done, total, what)`` printing ``zeroflow.planner: compile k of N ...`` lines
+    with the time spent and, from the mean compile so far, the time left."""
+    said = [-1]
+
+    def tick(done: int, total: int, what: str) -> None:
+        if done == said[0]:
+            return
+        said[0] = done
+        spent = time.perf_counter() - started
+        left = f", about {_clock(spent / done * (total - done))} left" if done else ""
+        print(
+            f"{PROG}: compile {done} of {total} done ({_clock(spent)}{left}) {what}".rstrip(),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return tick
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}:{secs:02d}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args = checked_args(list(sys.argv[1:] if argv is None else argv))
     if argv is None:
-        _restart(parser().parse_intermixed_args(sys.argv[1:]))
+        _restart(args)
     if os.environ.get("ZEROFLOW_QUIET_XLA_INFO"):
+        from zeroflow.memory import schedule  # imports jax: after the restart
+
         schedule.drop_info_lines()
     return run_cli(PROG, main_args, parser(), argv)

@@ -23,9 +23,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Column
 
-import zeroflow as zf
+from zeroflow.autocast.precision import Precision
 from zeroflow.config.io import save_config
 from zeroflow.config.schema import Config
+from zeroflow.engine.plan import ZeroPlan
+from zeroflow.engine.state import TrainState, init_train_state
+from zeroflow.engine.step import make_train_step
 from zeroflow.fusemix import digits, latents, retrieval, stream, tiny_encoders
 from zeroflow.fusemix.model import IMAGE, TEXT, make_loss
 from zeroflow.trainer import loggers
@@ -43,8 +46,8 @@ MIXUP_STREAM = 2
 @dataclasses.dataclass
 class FuseMixRun:
     cfg: Config
-    plan: zf.ZeroPlan
-    prec: zf.Precision
+    plan: ZeroPlan
+    prec: Precision
     tx: optax.GradientTransformation
     module: Any
     loss_fn: Any
@@ -53,7 +56,7 @@ class FuseMixRun:
     val_rows: np.ndarray
     groups: np.ndarray
 
-    def init_state(self) -> zf.TrainState:
+    def init_state(self) -> TrainState:
         dims = {k: v.shape[1] for k, v in self.latents.items()}
 
         def init():
@@ -64,7 +67,7 @@ class FuseMixRun:
             )["params"]
 
         rng = jax.random.fold_in(jax.random.key(self.cfg.train.seed), MIXUP_STREAM)
-        return zf.init_train_state(init, self.tx, self.plan, self.prec, rng=rng)
+        return init_train_state(init, self.tx, self.plan, self.prec, rng=rng)
 
 
 def _find_encoders(fm, console: Console) -> None:
@@ -131,7 +134,7 @@ def build_fusemix(cfg: Config, progress: bool, console: Console | None = None) -
     return FuseMixRun(
         cfg,
         plan,
-        zf.Precision.from_config(cfg.precision),
+        Precision.from_config(cfg.precision),
         make_optimizer(cfg.train, decay),
         module,
         loss_fn,
@@ -216,7 +219,7 @@ def train_fusemix(cfg: Config, *, progress: bool | None = None) -> TrainResult:
 def _train_steps(run: FuseMixRun, state, checkpoints: RunCheckpoints, console, show: bool):
     cfg, tcfg = run.cfg, run.cfg.train
     run_dir, start = Path(cfg.run.dir), int(state.step)
-    step_fn = zf.make_train_step(
+    step_fn = make_train_step(
         run.loss_fn, run.tx, run.plan, run.prec, grad_accum=cfg.parallel.grad_accum
     )
     batches = stream.device_batches(

@@ -1,15 +1,17 @@
 """Memory planning: the ZeRO paper's model-state accounting, and what XLA says.
 
     from zeroflow import memory
+    est = memory.estimate_step(loss_fn, params, batch, tx, plan, prec)   # traced: est.peak_bytes
     got, peak = memory.measure_step(loss_fn, params, batch, tx, plan, prec)  # XLA's compile
     got = memory.measure(step, state, batch)                            # AOT memory_analysis()
     memory.overlap(memory.collectives(compiled))   # async collectives with compute in between
     t = memory.step_time(loss_fn, params, batch, tx, plan, prec)  # XLA:GPU's estimate (target mesh)
     est = memory.estimate(num_params=7.5e9, num_devices=64, stage=2)   # model states ~ 16.6e9
 
-Two verbs: ``estimate*`` is the instant what-if from parameter counts alone (no compile, no
-devices: ``estimate`` the ZeRO paper's model states, ``estimate_config`` a trainer config's,
-with the GPT's activation formula); ``measure*`` and ``compile_step`` ask XLA, by compiling,
+Two verbs: ``estimate*`` is the instant what-if, no compile (``estimate`` the ZeRO paper's
+model states from a parameter count, ``estimate_config`` a trainer config's with the GPT's
+activation formula, ``estimate_step`` any JAX loss's step from its traced program: what its
+backward pass saves and its largest temporary); ``measure*`` and ``compile_step`` ask XLA, by compiling,
 and are the step's peak (``measure`` a compiled step's ``memory_analysis()``, ``measure_step``
 compile and read it, ``step_time`` XLA:GPU's own step-time estimate of that compile). A step's
 peak is XLA's: its compile (for abstract GPUs too, ``zf.target_mesh``) is the only model of its
@@ -33,6 +35,7 @@ from zeroflow.memory.estimate import (
     offloaded_activations,
     parse_bytes,
 )
+from zeroflow.memory.instant import StepEstimate, estimate_step, estimate_traced
 from zeroflow.memory.measure import (
     MeasuredMemory,
     compile_step,
@@ -52,6 +55,10 @@ __all__ = [
     "count_gpt_params",
     "estimate",
     "estimate_config",
+    # From the traced step, no compile
+    "StepEstimate",
+    "estimate_step",
+    "estimate_traced",
     "hierarchical_copy_bytes",
     "offloaded_activations",
     # From XLA's compile

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 from zeroflow.autocast.precision import DTYPES
@@ -37,54 +36,17 @@ from zeroflow.engine.plan_rules import host_update_problem
 from zeroflow.engine.quantized import quantized_bytes
 from zeroflow.optim import moment_bytes
 
+# Re-exported (their home is util.units, importable without jax).
+from zeroflow.util.units import REMATS as REMATS
+from zeroflow.util.units import format_bytes as format_bytes
+from zeroflow.util.units import parse_bytes as parse_bytes
+
 STAGES = ZERO_STAGES
 OFFLOADS = OFFLOAD_CHOICES
 UPDATE_ONS = UPDATE_ON_CHOICES
-REMATS = ("none", "full", "save_dots", "offload_dots", "offload_input")
-"The remat policies whose activations the estimator knows (the trainer's ``model.remat``)."
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
 "Optimizer-state bytes per parameter for Adam/AdamW: two fp32 moments."
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-}
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '512MB', '1.5TB', or a plain number of bytes."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"memory size must be >= 0, got {text}")
-        return int(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"bad memory size {text!r}; use a number with a unit such as "
-            "80GB, 80GiB, 512MB or 1.5TB"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as the ZeRO paper uses: 1 GB = 1e9 bytes."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,10 +362,13 @@ def activations(
     mlp_tokens = b * min(model.mlp_chunk, s) if model.mlp_chunk else tokens
     # Everything one block keeps for its backward pass when nothing is recomputed:
     # two norm inputs + two norm outputs (4h), q/k/v (q + 2kv), attention output (q),
-    # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs.
-    per_layer_none = width * (
-        tokens * (4 * h + 2 * q + 2 * kv) + mlp_tokens * (3 if swiglu else 2) * f
-    ) + b * heads * s * s * (4 + width)
+    # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs,
+    # or with a flash kernel (cudnn, pallas) none of them, only its fp32 softmax statistics.
+    flash = getattr(model, "attention", "xla") in ("cudnn", "pallas")
+    scores = b * heads * s * (4 if flash else s * (4 + width))
+    per_layer_none = (
+        width * (tokens * (4 * h + 2 * q + 2 * kv) + mlp_tokens * (3 if swiglu else 2) * f) + scores
+    )
     # save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus
     # the block input; attention scores and norms are recomputed.
     per_layer_dots = width * tokens * (h + q + 2 * kv + h + (2 if swiglu else 1) * f + h)

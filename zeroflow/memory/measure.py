@@ -156,6 +156,44 @@ def compile_step(
 ):
     """``(compiled step, abstract state)`` for the arguments of ``measure_step``: read the
     compiled program's collectives with ``zf.memory.collectives``."""
+    step, state, placed, target = abstract_step(
+        loss_fn,
+        params,
+        batch,
+        tx,
+        plan,
+        prec,
+        grad_accum=grad_accum,
+        gather_per_layer=gather_per_layer,
+        model_state=model_state,
+        rng=rng,
+        trainable=trainable,
+        **step_options,
+    )
+    if target is not None:
+        return on_target.compile_for(step, state, placed, target), state
+    return step.lower(state, placed).compile(), state
+
+
+def abstract_step(
+    loss_fn,
+    params,
+    batch,
+    tx,
+    plan,
+    prec,
+    *,
+    grad_accum: int = 1,
+    gather_per_layer: str | None = None,
+    model_state=None,
+    rng=None,
+    trainable=None,
+    **step_options,
+):
+    """``(step, abstract state, abstract batch, target)`` for the arguments of
+    ``measure_step``: the state and batch as ``ShapeDtypeStruct``s in the plan's shardings;
+    ``target`` the abstract GPUs' mesh where an offloaded plan is planned on CPU stand-ins
+    for them (else None)."""
     # Offloaded state on abstract GPUs: planned on CPU stand-ins that keep its host memory.
     target = plan.mesh if plan.offloads and on_target.is_abstract(plan.mesh) else None
     if target is not None:
@@ -181,9 +219,7 @@ def compile_step(
     step = make_train_step(
         loss_fn, tx, plan, prec, grad_accum, gather_per_layer=gather_per_layer, **step_options
     )
-    if target is not None:
-        return on_target.compile_for(step, state, placed, target), state
-    return step.lower(state, placed).compile(), state
+    return step, state, placed, target
 
 
 def step_time(loss_fn, params, batch, tx, plan, prec, **options):

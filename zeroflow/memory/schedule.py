@@ -32,34 +32,15 @@ import re
 import sys
 import tempfile
 import threading
-from collections.abc import MutableMapping
 
-LOG_ENV = {
-    "TF_CPP_MIN_LOG_LEVEL": "0",
-    "TF_CPP_VMODULE": "latency_hiding_scheduler=1",
-    # A program found in jax's persistent compilation cache is loaded, not scheduled: it
-    # would print no statistics.
-    "JAX_ENABLE_COMPILATION_CACHE": "false",
-}
-"What makes XLA print its schedule statistics (set before JAX starts)."
+from zeroflow.backend import accelerators
+from zeroflow.util import xla_log
+
+# Re-exported: the environment is set before jax starts (zeroflow.util.xla_log).
+LOG_ENV, enable, enabled = xla_log.LOG_ENV, xla_log.enable, xla_log.enabled
 
 _BLOCK = "Statistics after scheduling:"
 _STAT = re.compile(r"\] (Total wasted cycles|Wasted cycles for [\w-]+|Total cycles): ([-\d.e+]+)")
-
-
-def enabled() -> bool:
-    """Whether this process was started with XLA's schedule statistics on."""
-    return os.environ.get(
-        "TF_CPP_MIN_LOG_LEVEL"
-    ) == "0" and "latency_hiding_scheduler" in os.environ.get("TF_CPP_VMODULE", "")
-
-
-def enable(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
-    """``env`` (default ``os.environ``) with the logging that prints the statistics turned on;
-    takes effect in a process started with it."""
-    env = os.environ if env is None else env
-    env.update(LOG_ENV)
-    return env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,13 +275,19 @@ def capture():
         print("\n".join(kept), file=sys.stderr)
 
 
-_INFO_LINE = re.compile(rb"^(I\d{4} |WARNING: All log messages before absl::InitializeLog)")
+_INFO_LINE = re.compile(
+    rb"^(I\d{4} |WARNING: All log messages before absl::InitializeLog"
+    # XLA's own notes that change nothing of the answer: its rematerialisation pass could not
+    # reach a memory limit it sets itself, and a debug frame index it could not resolve.
+    rb"|[WE]\d{4} .*(Can't reduce memory use below|Invalid stack_frame_id))"
+)
 
 
 def drop_info_lines() -> None:
     """From now on, XLA's informational lines (``I0000 ...``, which the statistics' log level
-    also lets through, from backend start-up for instance) are dropped from this process's
-    stderr; everything else passes. For a process started with ``LOG_ENV``."""
+    also lets through, from backend start-up for instance) and its notes that change nothing
+    of the answer (``_INFO_LINE``) are dropped from this process's stderr; everything else
+    passes. For a process started with ``LOG_ENV``."""
     sys.stderr.flush()
     read, write = os.pipe()
     terminal = os.dup(2)
@@ -337,16 +324,10 @@ NOT_ENABLED = (
 )
 
 
-DENSE_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
-"Dense bf16 tensor-core peak per GPU, by a name in its device kind (vendor data sheets; SXM)."
-
-
 def peak_bf16_flops(device_kind: str) -> float | None:
-    """The dense bf16 peak of a GPU from its device kind ('NVIDIA H100 80GB HBM3'), or None."""
-    for name, flops in DENSE_BF16_FLOPS.items():
-        if re.search(rf"\b{name}\b", device_kind):
-            return flops
-    return None
+    """The dense bf16 peak of a GPU from its device kind ('NVIDIA H100 80GB HBM3'), or None
+    (``zeroflow.backend.accelerators``)."""
+    return accelerators.peak_flops(device_kind, "bf16")
 
 
 def timed(compile_fn, text_of=lambda compiled: compiled.as_text(), peak_flops=None):

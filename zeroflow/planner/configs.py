@@ -9,20 +9,19 @@ import dataclasses
 
 from zeroflow.config.io import apply_overrides
 from zeroflow.memory.estimate import (
-    DTYPE_BYTES,
     activations,
     count_gpt_params,
     offloaded_activations,
     optimizer_bytes_per_param,
     stored_frozen_bytes_per_param,
 )
+from zeroflow.models import flops_per_token
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where
 from zeroflow.trainer.planning import compile_config, count_frozen_params
 from zeroflow.trainer.setup import run_model_config
 
-FLASH_KERNELS = ("cudnn", "pallas")
 "Attention kernels that keep per-row softmax statistics instead of the scores."
 
 
@@ -98,8 +97,9 @@ class ConfigProblem:
         return compiled, setup.state
 
     def model_flops(self) -> float:
-        """6 x parameters x tokens per step (attention's own flops left out), as MFU counts."""
-        return 6.0 * self.facts.params * self.facts.tokens_per_step
+        """The model's FLOPs per step as the trainer's MFU counts them
+        (``zeroflow.models.flops_per_token``: 6 x matmul weights + attention's) x tokens."""
+        return flops_per_token(self.model) * self.facts.tokens_per_step
 
     def _model_of(self, choice: Choice):
         return dataclasses.replace(
@@ -109,14 +109,10 @@ class ConfigProblem:
         )
 
     def _activations(self, choice: Choice, micro: int) -> float:
-        """The formula's activations, less the attention scores a flash kernel never keeps."""
+        """The formula's activations (with a flash kernel, no attention scores: the formula
+        leaves them out itself)."""
         model = self._model_of(choice)
-        total = activations(model, micro_batch=micro, precision=self.cfg.precision.params)
-        if model.attention in FLASH_KERNELS:
-            width = DTYPE_BYTES[self.cfg.precision.params]
-            scores = micro * model.num_heads * model.seq_len**2 * (4 + width)
-            total -= scores * (model.num_layers if model.remat == "none" else 1)
-        return max(total, 0.0)
+        return activations(model, micro_batch=micro, precision=self.cfg.precision.params)
 
     def _offloaded(self, choice: Choice, micro: int) -> float:
         model = self._model_of(choice)

@@ -69,7 +69,8 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
             "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no "
             "collective in them, e.g. on one device) are costed at the time per matmul flop "
             "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound. "
-            "MFU: 6 x params x tokens per step / est. step / dense bf16 peak."
+            "MFU: the model's FLOPs per step (a config's: 6 x matmul weights + attention, as "
+            "the trainer counts them; zf.plan's: 6 x params) / est. step / dense bf16 peak."
         )
     if "what-if" in marks:
         out.append(

@@ -16,36 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from zeroflow.backend.accelerators import ACCELERATORS, Links
 from zeroflow.memory.estimate import DTYPE_BYTES, estimate
 from zeroflow.planner.choices import Choice
 
-
-@dataclasses.dataclass(frozen=True)
-class Links:
-    """Bytes per second one GPU moves, one direction: to a peer in its host, over PCIe to its
-    host's memory, to a peer in another host, and from its own memory."""
-
-    peer: float
-    host: float
-    network: float
-    memory: float = 2e12
-    "The GPU's own memory (a target's spec gives it)."
-
-
-LINKS = {
-    # NVLink 4 (900 GB/s both ways), PCIe Gen5 x16, one 400 Gb/s NIC per GPU (DGX H100).
-    "h100": Links(peer=450e9, host=64e9, network=50e9),
-    "h200": Links(peer=450e9, host=64e9, network=50e9),
-    # NVLink 3 (600 GB/s both ways), PCIe Gen4 x16, one 200 Gb/s NIC per GPU (DGX A100).
-    "a100": Links(peer=300e9, host=32e9, network=25e9),
-    # No NVLink: peers over PCIe Gen4 x16; a 100 Gb/s NIC shared by the host's GPUs.
-    "l4": Links(peer=32e9, host=32e9, network=3e9),
-    # NVLink 2 (300 GB/s both ways), PCIe Gen3 x16, one 100 Gb/s NIC per GPU (DGX-1).
-    "v100": Links(peer=150e9, host=16e9, network=12.5e9),
-}
-"Interconnect per GPU, from NVIDIA's H100, A100, L4 and V100 datasheets and DGX/HGX system specs."
-CPU_LINKS = Links(peer=10e9, host=10e9, network=10e9, memory=20e9)
-"Emulated CPU devices share one memory: every link is a memory copy."
+LINKS = {a.name: a.links for a in ACCELERATORS if a.links is not None}
+"Interconnect per GPU (``zeroflow.backend.accelerators``), by target name."
 HOST_UPDATE_BYTES_PER_S = 20e9
 "Host memory traffic a CPU optimizer update sustains per process (ZeRO-Offload's Adam)."
 MATMUL_EFFICIENCY = 0.5

@@ -13,10 +13,9 @@ import re
 import jax
 import jax.numpy as jnp
 
-import zeroflow as zf
 from zeroflow.config.schema import LoraConfig
 from zeroflow.engine import quantized
-from zeroflow.lora import Site
+from zeroflow.lora import LoRA, Site, lora
 from zeroflow.util.tree import path_str
 
 BASE, ADAPTERS = "base", "lora"
@@ -25,7 +24,7 @@ LORA_STREAM = 2
 "Folded into the seed's key for the adapters' initialisation, apart from the model's."
 
 
-def make_lora(loss_fn, lora_cfg: LoraConfig, base_shapes) -> zf.LoRA | None:
+def make_lora(loss_fn, lora_cfg: LoraConfig, base_shapes) -> LoRA | None:
     """The ``zf.lora`` of ``loss_fn`` for ``model.lora`` (None when the rank is 0). Targets
     that match no parameter are one ValueError listing the parameter paths."""
     if lora_cfg.rank == 0:
@@ -36,7 +35,7 @@ def make_lora(loss_fn, lora_cfg: LoraConfig, base_shapes) -> zf.LoRA | None:
             f"model.lora.targets={lora_cfg.targets!r} matches no parameter; the "
             f"model's parameters are {', '.join(paths)}"
         )
-    return zf.lora(
+    return lora(
         loss_fn,
         rank=lora_cfg.rank,
         alpha=lora_cfg.alpha,
@@ -57,7 +56,7 @@ def trains_adapters(path: str, _leaf) -> bool:
     return path.split("/", 1)[0] == ADAPTERS
 
 
-def adapter_sites(lo: zf.LoRA, base_shapes, batch_shapes, compute_dtype) -> dict[str, Site]:
+def adapter_sites(lo: LoRA, base_shapes, batch_shapes, compute_dtype) -> dict[str, Site]:
     """Where each targeted weight is read (found by tracing the loss on shapes, once per
     run); a matched weight the adapters cannot go on is a ValueError naming it. The base is
     traced at ``compute_dtype``, the dtype the step's loss reads it in: a loss that checks
@@ -76,13 +75,13 @@ def compute_shapes(shapes, dtype):
     return jax.tree.map(cast, shapes)
 
 
-def init_adapters(lo: zf.LoRA, sites: dict[str, Site], seed: int):
+def init_adapters(lo: LoRA, sites: dict[str, Site], seed: int):
     """Fresh adapters (``a`` Kaiming-uniform, ``b`` zero) from the run's seed; traceable, so
     ``init_train_state`` can create them directly in their shards."""
     return lo.init_at(jax.random.fold_in(jax.random.key(seed), LORA_STREAM), sites)
 
 
-def merged(lo: zf.LoRA | None, params):
+def merged(lo: LoRA | None, params):
     """The model's weights: ``params`` as they are without LoRA, else the base (dequantized
     first when it is quantized) with the adapters folded in (``W + alpha / r * a b``)."""
     if lo is None:
@@ -90,6 +89,6 @@ def merged(lo: zf.LoRA | None, params):
     return lo.merge(quantized.dequantized(params[BASE]), params[ADAPTERS])
 
 
-def banner(lo: zf.LoRA, trained: int, frozen: int, quantize: str = "none") -> str:
+def banner(lo: LoRA, trained: int, frozen: int, quantize: str = "none") -> str:
     stored = "" if quantize == "none" else f" ({quantize})"
     return f"LoRA r={lo.rank}, {trained:,} adapter params trained, {frozen:,} frozen{stored}"

@@ -3,19 +3,20 @@ them into an engine plan, so no trainer can drop a setting."""
 
 from __future__ import annotations
 
-import zeroflow as zf
+from zeroflow.backend.mesh import make_mesh
 from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.config.schema import ParallelConfig
 from zeroflow.engine.hosts import host_split
+from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.plan_rules import hierarchical_hosts_problem
 
 
 def mesh_of(par: ParallelConfig, devices=None):
     """The mesh ``parallel.data``, ``parallel.context`` and ``parallel.model`` ask for."""
-    return zf.make_mesh(data=par.data, context=par.context, model=par.model, devices=devices)
+    return make_mesh(data=par.data, context=par.context, model=par.model, devices=devices)
 
 
-def plan_of(par: ParallelConfig, mesh, *, tensor_rules=(), traits=None) -> zf.ZeroPlan:
+def plan_of(par: ParallelConfig, mesh, *, tensor_rules=(), traits=None) -> ZeroPlan:
     """Every plan setting of ``par`` (``ParallelConfig.plan_settings``) on ``mesh``.
     ``tensor_rules``: how the model splits over the ``model`` axis; ``traits``: the backend
     the step is shaped for when it is not the mesh's own."""
@@ -24,4 +25,4 @@ def plan_of(par: ParallelConfig, mesh, *, tensor_rules=(), traits=None) -> zf.Ze
         problem = hierarchical_hosts_problem(True, hosts, CONFIG_KEYS)
         if problem:
             raise ValueError(problem)
-    return zf.ZeroPlan(mesh, tensor_rules=tensor_rules, traits=traits, **par.plan_settings())
+    return ZeroPlan(mesh, tensor_rules=tensor_rules, traits=traits, **par.plan_settings())

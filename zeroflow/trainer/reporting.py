@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Column
 
+from zeroflow.backend.accelerators import peak_flops
 from zeroflow.config.schema import Config
 from zeroflow.trainer import loggers
 from zeroflow.trainer.plot import write_plot
@@ -38,29 +39,10 @@ from zeroflow.util import lines
 
 log = logging.getLogger("zeroflow")
 
-# Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
-PEAK_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6": 918e12,
-}
-
 
 def device_peak_flops(device: jax.Device | None = None) -> float | None:
-    kind = (device or jax.devices()[0]).device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return flops
-    return None
+    """The device's dense bf16 peak (``zeroflow.backend.accelerators``), for the MFU."""
+    return peak_flops((device or jax.devices()[0]).device_kind)
 
 
 METRICS = "metrics.jsonl"

@@ -12,12 +12,17 @@ import jax
 import numpy as np
 import optax
 
-import zeroflow as zf
+from zeroflow.autocast.precision import Precision
 from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.config.schema import Config, ModelConfig
 from zeroflow.data import RecordData, TokenData, load_data
 from zeroflow.engine.grads.dequantized import dequantized_on_use
+from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.plan_rules import batch_split_problem
+from zeroflow.engine.quantized import quantize_frozen
+from zeroflow.engine.state import TrainState, init_train_state, state_shardings
+from zeroflow.engine.step import make_train_step
+from zeroflow.lora import LoRA
 from zeroflow.models import (
     LAYER_STACK,
     abstract_params,
@@ -38,13 +43,13 @@ class Run:
     cfg: Config
     model_cfg: ModelConfig
     data: TokenData | RecordData | None
-    plan: zf.ZeroPlan
-    prec: zf.Precision
+    plan: ZeroPlan
+    prec: Precision
     tx: optax.GradientTransformation
     loss_fn: Any
     trainable: Any = None
     "``trainable=`` of ``zf.init_train_state`` from ``train.freeze`` (None: all train)."
-    lora: zf.LoRA | None = None
+    lora: LoRA | None = None
     "With ``model.lora.rank > 0``: ``loss_fn`` is its adapted loss, the base weights frozen."
     adapter_sites: Any = None
     "Where the adapted weights are read (``LoRA.sites``), found once when the run is built."
@@ -83,7 +88,7 @@ class Run:
         if self.lora is None or kind == "none":
             return params
         stack = f"{adapters.BASE}/{LAYER_STACK}"  # scanned: quantized and dequantized per layer
-        return zf.quantize_frozen(params, self.trainable, kind, stacked=stack)[0]
+        return quantize_frozen(params, self.trainable, kind, stacked=stack)[0]
 
     def _adapters(self):
         return adapters.init_adapters(self.lora, self.adapter_sites, self.cfg.train.seed)
@@ -113,14 +118,14 @@ class Run:
         shardings = self.plan.storage_shardings(abstract_params(self.model_cfg)[0])
         return hf.load_params(path, self.model_cfg, shardings=shardings)
 
-    def init_state(self) -> zf.TrainState:
+    def init_state(self) -> TrainState:
         """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
         from the Hugging Face checkpoint) directly in their shards."""
         if self.model_cfg.init_from:
             params = self._read_base()
             if self.lora is not None:  # the adapters made apart: the base is not copied
                 params = {adapters.BASE: params, adapters.ADAPTERS: jax.jit(self._adapters)()}
-            return zf.init_train_state(
+            return init_train_state(
                 params if self._quantizes_base else self._quantized(params),
                 self.tx,
                 self.plan,
@@ -139,10 +144,10 @@ class Run:
             return None
         return jax.random.fold_in(jax.random.key(self.cfg.train.seed), DROPOUT_STREAM)
 
-    def _random_state(self) -> zf.TrainState:
+    def _random_state(self) -> TrainState:
         init = param_init_fn(self.model_cfg)
         rng = jax.random.key(self.cfg.train.seed)
-        return zf.init_train_state(
+        return init_train_state(
             self._quantized(lambda: self._with_adapters(init(rng))),
             self.tx,
             self.plan,
@@ -151,10 +156,10 @@ class Run:
             trainable=self.trainable,
         )
 
-    def abstract_state(self) -> zf.TrainState:
+    def abstract_state(self) -> TrainState:
         """Shapes and shardings of the state, with nothing allocated (restore targets)."""
         shapes = jax.eval_shape(self._random_state)
-        shardings = zf.state_shardings(
+        shardings = state_shardings(
             self.abstract_params(),
             self.tx,
             self.plan,
@@ -169,7 +174,7 @@ class Run:
     def make_step(self, compiler_options: dict | None = None):
         """The train step; ``compiler_options``: XLA options over the backend's own (a planner
         compiling many plans for one GPU target passes it a shared kernel cache)."""
-        return zf.make_train_step(
+        return make_train_step(
             self.loss_fn,
             self.tx,
             self.plan,
@@ -264,7 +269,7 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
     if model_cfg.lora.rank > 0:
         rules = adapters.base_rules(rules)
     plan = plan_of(par, mesh, tensor_rules=rules, traits=traits)
-    prec = zf.Precision.from_config(cfg.precision)
+    prec = Precision.from_config(cfg.precision)
     batch_problem = batch_split_problem(
         cfg.train.batch_size, par.grad_accum, plan.batch_split, CONFIG_KEYS
     )

@@ -1,0 +1,115 @@
+"""What ``python -m zeroflow.memory`` and ``python -m zeroflow.planner`` print: a table a person
+can read (compact by default, rows that differ only in stage said once, failures as one line
+under it, no MFU above 100%), GPU answers only with the CUDA plugin, progress lines when
+piped, XLA's no-answer notes dropped, and the one accelerator table."""
+import re
+
+import pytest
+
+from zeroflow.backend import accelerators
+from zeroflow.cli import memory as memory_cli
+from zeroflow.cli import plan_flags, planner
+from zeroflow.memory import schedule
+from zeroflow.planner import memory_table
+
+pytestmark = pytest.mark.fast
+
+
+def test_the_default_table_of_tiny_on_8_devices_is_short(capsys):
+    assert memory_cli.main(["--config", "configs/tiny.yaml", "--devices", "8",
+                            "--measure", "never"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) < 40, "\n".join(out)
+    assert out[-1].startswith("Cheapest choice that fits in 80.00 GB")
+    assert any("more choices: --all lists every one" in line for line in out)
+
+
+def test_rows_that_differ_only_in_stage_are_said_once(capsys):
+    """On one device the stages shard nothing: in bf16 all four are one row (``0-3``)."""
+    argv = ["--config", "configs/tiny.yaml", "--devices", "1", "--measure", "never", "--all",
+            "--offloads", "none", "--remats", "full", "precision.params=bf16"]
+    assert memory_cli.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if " full " in line]
+    assert len(rows) == 1 and re.search(r"\b0-3\b", rows[0]), rows
+
+
+def _row(stage, need, note=""):
+    from zeroflow.memory.estimate import estimate
+    est = estimate(num_params=1000, num_devices=1, stage=stage)
+    return memory_table.Row(stage, "none", "full", "device", est, 0.0, 1,
+                          measured_bytes=need, note=note)
+
+
+def test_a_failed_compile_is_one_line_under_the_table(capsys):
+    from rich.console import Console
+    rows = [_row(0, None, "RuntimeError: XLA ran out of words"), _row(1, None,
+            "RuntimeError: XLA ran out of words"), _row(3, 5e3)]
+    memory_table.render(rows, 1e9, "t", console=Console(width=150), show_all=True)
+    out = capsys.readouterr().out.splitlines()
+    failed = [line for line in out if "did not compile" in line]
+    assert failed == ["did not compile (0/none/full, 1/none/full): "
+                      "RuntimeError: XLA ran out of words"]
+    assert not any("out of words" in line for line in out if line not in failed)
+
+
+@pytest.mark.parametrize("mfu, loops, shown", [
+    (0.42, {}, "42%"),
+    (5.75, {}, "-"),  # above the peak: no figure
+    (0.42, {"while.3": "scaled-flops"}, "-"),  # a loop XLA did not cost
+])
+def test_an_estimated_mfu_is_never_above_100_percent(mfu, loops, shown):
+    timing = {"step_ms": 10.0, "exposed_ms": {}, "mfu": mfu, "uncosted_loops": list(loops),
+              "loops_costed_by_flops": loops}
+    assert memory_table._timing_cells(timing)[2] == shown
+
+
+def test_a_gpu_target_without_the_cuda_plugin_is_one_line_with_the_pip_command(
+        monkeypatch, capsys):
+    monkeypatch.setattr(plan_flags, "cuda_plugin_module", lambda: None)
+    with pytest.raises(SystemExit) as memory_exit:
+        memory_cli.main(["--config", "configs/tiny.yaml", "--target", "h100"])
+    with pytest.raises(SystemExit) as planner_exit:
+        planner.main(["--config", "configs/tiny.yaml", "--gpus", "h100"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert memory_exit.value.code == planner_exit.value.code == 2 and len(lines) == 2
+    assert lines[0].startswith("zeroflow.memory: error: --target h100")
+    assert lines[1].startswith("zeroflow.planner: error: --gpus h100")
+    assert all("pip install jax-cuda" in line for line in lines)
+    # the formula alone needs no plugin
+    assert memory_cli.main(["--config", "configs/tiny.yaml", "--target", "h100",
+                            "--measure", "never"]) == 0
+
+
+def test_piped_planner_progress_is_a_line_per_compile(capsys):
+    tick = planner._progress_lines(0.0)
+    tick(0, 4, "1 x h100")
+    tick(2, 4, "1 x h100")
+    tick(2, 4, "1 x h100")  # the same count again: said once
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert err[0].startswith("zeroflow.planner: compile 0 of 4 done")
+    assert "compile 2 of 4 done" in err[1] and "left" in err[1]
+
+
+@pytest.mark.parametrize("line, dropped", [
+    (b"I0000 00:00:1.0 123 cuda_executor.cc:1] starting\n", True),
+    (b"W0000 00:00:1.0 123 hlo_rematerialization.cc:3] Can't reduce memory use below 1GiB\n",
+     True),
+    (b"E0000 00:00:1.0 123 debug.cc:9] Invalid stack_frame_id 268\n", True),
+    (b"E0000 00:00:1.0 123 gpu_compiler.cc:1] Out of memory while compiling\n", False),
+    (b"zeroflow.planner: compile 1 of 3 done\n", False),
+])
+def test_only_xla_notes_that_change_no_answer_are_dropped(line, dropped):
+    assert bool(schedule._INFO_LINE.match(line)) == dropped
+
+
+@pytest.mark.parametrize("kind, bf16, fp8", [
+    ("NVIDIA H100 80GB HBM3", 989e12, 1979e12),  # H100 SXM5 datasheet, dense
+    ("NVIDIA A100-SXM4-80GB", 312e12, None),
+    ("NVIDIA L4", 121e12, 242e12),
+    ("TPU v5 lite", 197e12, None),
+    ("cpu", None, None),
+])
+def test_one_accelerator_table(kind, bf16, fp8):
+    assert accelerators.peak_flops(kind, "bf16") == bf16
+    assert accelerators.peak_flops(kind, "fp8") == fp8
