@@ -22,30 +22,67 @@ offload x remat choice and names the cheapest that fits (the trainer's side of p
 Config's GPT step, is ``zeroflow.trainer.planning``). See docs/memory.md.
 """
 
-from zeroflow.memory.collectives import Collective, collectives, overlap, traffic
-from zeroflow.memory.estimate import (
-    MemoryEstimate,
-    ModelStates,
-    activations,
-    count_gpt_params,
-    estimate,
-    estimate_config,
-    format_bytes,
-    hierarchical_copy_bytes,
-    offloaded_activations,
-    parse_bytes,
-)
-from zeroflow.memory.instant import StepEstimate, estimate_step, estimate_traced
-from zeroflow.memory.measure import (
-    MeasuredMemory,
-    compile_step,
-    compile_step_timed,
-    measure,
-    measure_step,
-    state_bytes,
-    step_time,
-)
-from zeroflow.memory.schedule import StepTime
+from typing import TYPE_CHECKING
+
+from zeroflow.util import lazy as _lazy
+
+if TYPE_CHECKING:  # what a type checker and an editor see: the names __getattr__ resolves
+    from zeroflow.memory.collectives import Collective as Collective
+    from zeroflow.memory.collectives import collectives as collectives
+    from zeroflow.memory.collectives import overlap as overlap
+    from zeroflow.memory.collectives import traffic as traffic
+    from zeroflow.memory.estimate import MemoryEstimate as MemoryEstimate
+    from zeroflow.memory.estimate import ModelStates as ModelStates
+    from zeroflow.memory.estimate import activations as activations
+    from zeroflow.memory.estimate import count_gpt_params as count_gpt_params
+    from zeroflow.memory.estimate import estimate as estimate
+    from zeroflow.memory.estimate import estimate_config as estimate_config
+    from zeroflow.memory.estimate import format_bytes as format_bytes
+    from zeroflow.memory.estimate import hierarchical_copy_bytes as hierarchical_copy_bytes
+    from zeroflow.memory.estimate import offloaded_activations as offloaded_activations
+    from zeroflow.memory.estimate import parse_bytes as parse_bytes
+    from zeroflow.memory.instant import StepEstimate as StepEstimate
+    from zeroflow.memory.instant import estimate_step as estimate_step
+    from zeroflow.memory.instant import estimate_traced as estimate_traced
+    from zeroflow.memory.measure import MeasuredMemory as MeasuredMemory
+    from zeroflow.memory.measure import compile_step as compile_step
+    from zeroflow.memory.measure import compile_step_timed as compile_step_timed
+    from zeroflow.memory.measure import measure as measure
+    from zeroflow.memory.measure import measure_step as measure_step
+    from zeroflow.memory.measure import state_bytes as state_bytes
+    from zeroflow.memory.measure import step_time as step_time
+    from zeroflow.memory.schedule import StepTime as StepTime
+
+_WHERE = {
+    "Collective": "zeroflow.memory.collectives",
+    "collectives": "zeroflow.memory.collectives",
+    "overlap": "zeroflow.memory.collectives",
+    "traffic": "zeroflow.memory.collectives",
+    "MemoryEstimate": "zeroflow.memory.estimate",
+    "ModelStates": "zeroflow.memory.estimate",
+    "activations": "zeroflow.memory.estimate",
+    "count_gpt_params": "zeroflow.memory.estimate",
+    "estimate": "zeroflow.memory.estimate",
+    "estimate_config": "zeroflow.memory.estimate",
+    "format_bytes": "zeroflow.memory.estimate",
+    "hierarchical_copy_bytes": "zeroflow.memory.estimate",
+    "offloaded_activations": "zeroflow.memory.estimate",
+    "parse_bytes": "zeroflow.memory.estimate",
+    "StepEstimate": "zeroflow.memory.instant",
+    "estimate_step": "zeroflow.memory.instant",
+    "estimate_traced": "zeroflow.memory.instant",
+    "MeasuredMemory": "zeroflow.memory.measure",
+    "compile_step": "zeroflow.memory.measure",
+    "compile_step_timed": "zeroflow.memory.measure",
+    "measure": "zeroflow.memory.measure",
+    "measure_step": "zeroflow.memory.measure",
+    "state_bytes": "zeroflow.memory.measure",
+    "step_time": "zeroflow.memory.measure",
+    "StepTime": "zeroflow.memory.schedule",
+}
+"Where each public name lives (imported the first time it is read)."
+
+_lazy.install(__name__, _WHERE)
 
 __all__ = [
     # From parameter counts, no compile
