@@ -1,0 +1,44 @@
+"""What differs between jax versions in Pallas's Mosaic GPU backend (``plgpu``), in one place.
+
+Supported: jax 0.10.2, 0.11.x and 0.12.x. The kernels here use only names every one of them
+offers (``plgpu.kernel``, ``SMEM``, ``Barrier``, ``copy_gmem_to_smem``, ``wgmma``, ...); what
+moved is where the GPU interpreter's parameters live, and whether the module exists at all.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+
+class MosaicGPUUnavailable(RuntimeError):
+    """This jax has no Pallas Mosaic GPU backend (``jax.experimental.pallas.mosaic_gpu``)."""
+
+
+@functools.cache
+def plgpu():
+    """``jax.experimental.pallas.mosaic_gpu``, or one line saying it is missing."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu
+    except ImportError as err:
+        raise MosaicGPUUnavailable(
+            f"Pallas Mosaic GPU kernels need jax.experimental.pallas.mosaic_gpu, which jax "
+            f"{jax.__version__} does not provide ({err}); supported: jax 0.10.2, 0.11.x, 0.12.x"
+        ) from None
+    return mosaic_gpu
+
+
+def interpret_params() -> Any:
+    """The argument that makes ``plgpu.kernel`` run in the GPU interpreter on any backend.
+
+    ``interpret=True`` would pick the generic Pallas interpreter, which has no rule for the
+    TMA copies and barriers; the GPU interpreter simulates them (and checks barrier use).
+    jax 0.11 exports its parameters as ``plgpu.InterpretGPUParams``; 0.10.2 keeps the same
+    class in the module that implements the interpreter.
+    """
+    params = getattr(plgpu(), "InterpretGPUParams", None)
+    if params is None:  # jax 0.10.2
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
