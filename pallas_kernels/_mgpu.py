@@ -42,3 +42,31 @@ def interpret_params() -> Any:
     if params is None:  # jax 0.10.2
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
     return params()
+
+
+def varying_like(outputs, *inputs):
+    """``outputs`` typed as varying over every manual mesh axis that any of ``inputs`` varies
+    over. Inside ``jax.shard_map(check_vma=True)`` (zeroflow's train step) ``plgpu.kernel``
+    returns outputs without the inputs' axes (its ``out_type`` keeps none); the custom_vjp
+    and what follows need them."""
+    from jax import lax
+
+    from pallas_kernels._backend import _varying_axes
+
+    want = frozenset().union(*(_varying_axes(x) for x in inputs))
+
+    def one(x):
+        extra = want - _varying_axes(x)
+        return lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x
+
+    return jax.tree.map(one, outputs)
+
+
+def interpreter_waits_forever() -> bool:
+    """Whether an interpreted kernel traced here would wait forever: inside ``shard_map`` over
+    more than one device, the GPU interpreter waits at each kernel's end for every device of
+    the manual axes, and XLA:CPU runs them one after another (see ``attention_xla``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    return any(mesh.shape[axis] > 1 for axis in getattr(mesh, "manual_axes", ()))

@@ -36,6 +36,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _mgpu
+from pallas_kernels.attention_xla import (
+    Band,
+    dense_backward,
+    dense_forward,
+    segment_pair,
+)
 
 # Finite, so that a block whose scores are all masked never produces inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -64,30 +70,6 @@ class TuningConfig:
             value = getattr(self, name)
             if value not in (64, 128) or isinstance(value, bool):
                 raise ValueError(f"TuningConfig.{name} must be 64 or 128; got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Band:
-    """Key j is visible from query i iff i - left <= j <= i + right (None: unbounded)."""
-
-    left: int | None
-    right: int | None
-
-    @classmethod
-    def make(cls, causal: bool, window) -> Band:
-        left = right = None
-        if window is not None:
-            left, right = (window, window) if isinstance(window, int) else tuple(window)
-            for side in (left, right):
-                if not isinstance(side, int) or side < 0:
-                    raise ValueError(f"window must be an int >= 0 or (left, right); got {window!r}")
-        if causal:
-            right = 0
-        return cls(left, right)
-
-    @property
-    def bounded(self) -> bool:
-        return self.left is not None or self.right is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,8 +332,13 @@ def _call(body, out_type, scratch, options):
 
 
 def _forward(q, k, v, segments, cfg: _Config):
+    """(out [B, Sq, H, D], lse [B, H, q_pad] fp32, +inf where a row sees no key)."""
     plgpu = _mgpu.plgpu()
     g = _Geometry.of(q, k, cfg.tuning)
+    if cfg.interpret and _mgpu.interpreter_waits_forever():
+        out, lse = dense_forward(q, k, v, segments, cfg.band, cfg.sm_scale)
+        return out, jnp.pad(lse, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)),
+                            constant_values=jnp.inf)
     bk, d, dtype = g.block_k, g.dim_pad, q.dtype
     segmented = segments is not None
     qp, vp = g.pad(q, g.q_pad), g.pad(v, g.kv_pad)
@@ -372,6 +359,7 @@ def _forward(q, k, v, segments, cfg: _Config):
     body = functools.partial(_fwd_kernel, g=g, cfg=cfg, segmented=segmented)
     options = _kernel_options(cfg, (g.q_pad // _ROWS, g.heads, g.batch), ("q", "heads", "batch"))
     out, lse = _call(body, out_shape, scratch, options)(qp, kt, vp, *seg_arrays)
+    out, lse = _mgpu.varying_like((out, lse), q, k, v)
     return out[:, : g.q_len, :, : g.head_dim], lse
 
 
@@ -524,6 +512,9 @@ def _backward_kernels(q, k, v, segments, out, lse, d_out, cfg: _Config):
     """(dq, dk, dv) padded, given the (padded) lse ``[B, H, q_pad]`` (+inf: row sees nothing)."""
     plgpu = _mgpu.plgpu()
     g = _Geometry.of(q, k, cfg.tuning)
+    if cfg.interpret and _mgpu.interpreter_waits_forever():
+        lse = lse[:, :, : g.q_len]
+        return dense_backward(q, k, v, segments, out, lse, d_out, cfg.band, cfg.sm_scale)
     d, dtype, segmented = g.dim_pad, q.dtype, segments is not None
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), d_out.astype(jnp.float32))
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)))
@@ -560,7 +551,7 @@ def _backward_kernels(q, k, v, segments, out, lse, d_out, cfg: _Config):
          _backend.out_struct(vp.shape, v.dtype, *inputs)], scratch,
         _kernel_options(cfg, (g.kv_pad // _ROWS, g.kv_heads, g.batch), ("kv", "heads", "batch")),
     )(kp, vp, _transposed(qp), qp, _transposed(dop), dop, lse, delta, *seg_arrays)
-    return dq, dk, dv
+    return _mgpu.varying_like((dq, dk, dv), *inputs)
 
 
 def _unpad(grad, length, head_dim, primal):
@@ -598,21 +589,9 @@ def _attention_bwd(cfg: _Config, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def segment_pair(segment_ids, q, k):
-    """``segment_ids`` (one [B, S] array for self-attention, or a (q, kv) pair) -> int32 pair."""
-    if segment_ids is None:
-        return None
-    q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list))
-                     else (segment_ids, segment_ids))
-    q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
-    if q_seg.shape != q.shape[:2] or kv_seg.shape != k.shape[:2]:
-        raise ValueError(f"segment ids must be [batch, seq] of q {q.shape[:2]} and of kv "
-                         f"{k.shape[:2]}; got {q_seg.shape} and {kv_seg.shape}")
-    return q_seg, kv_seg
-
-
-def unsupported_reason(q, k, v) -> str | None:
-    """Why these inputs cannot use the Mosaic GPU kernels (one line), else None."""
+def unsupported_reason(q, k, v, interpret: bool = False) -> str | None:
+    """Why these inputs cannot use the Mosaic GPU kernels (one line), else None. fp32 runs in
+    the interpreter only: compiled, wgmma takes fp32 (TF32) operands only in [N, K] order."""
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         return (f"flash attention expects q [B,S,H,D] and k == v [B,S,Hkv,D]; got {q.shape}, "
                 f"{k.shape}, {v.shape}")
@@ -623,21 +602,24 @@ def unsupported_reason(q, k, v) -> str | None:
     if not 0 < q.shape[3] <= MAX_HEAD_DIM:
         return (f"flash attention (Mosaic GPU) supports head_dim 1..{MAX_HEAD_DIM} (padded to "
                 f"64 or 128); got {q.shape[3]}")
-    if not (q.dtype == k.dtype == v.dtype and any(q.dtype == t for t in DTYPES)):
-        return (f"flash attention (Mosaic GPU) takes bf16 or fp16 q, k and v of one dtype; "
+    dtypes = DTYPES + ((jnp.float32,) if interpret else ())
+    if not (q.dtype == k.dtype == v.dtype and any(q.dtype == t for t in dtypes)):
+        accepted = "bf16, fp16 or (interpreted) fp32" if interpret else "bf16 or fp16"
+        return (f"flash attention (Mosaic GPU) takes {accepted} q, k and v of one dtype; "
                 f"got {q.dtype}, {k.dtype}, {v.dtype}")
     return None
 
 
 def _checked_config(q, k, v, causal, sm_scale, tuning, interpret, window) -> _Config:
-    reason = unsupported_reason(q, k, v)
+    interpret = _backend.resolve_interpret(interpret)
+    reason = unsupported_reason(q, k, v, interpret)
     if reason is not None:
         raise ValueError(reason)
     return _Config(
         band=Band.make(causal, window),
         sm_scale=float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
         tuning=TuningConfig() if tuning is None else tuning,
-        interpret=_backend.resolve_interpret(interpret),
+        interpret=interpret,
     )
 
 
@@ -698,26 +680,10 @@ def flash_attention_backward(q, k, v, out, lse, d_out, *, causal: bool = False,
             _unpad(dv, v.shape[1], d, v))
 
 
-def reference_attention(q, k, v, causal: bool = False, sm_scale: float | None = None,
-                        window: int | tuple[int, int] | None = None, segment_ids=None):
-    """Plain-jnp attention in fp32 with precision="highest"; same semantics, returns fp32."""
-    segments = segment_pair(segment_ids, q, k)
-    band = Band.make(causal, window)
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
-    rows = jnp.arange(q.shape[1])[:, None]
-    cols = jnp.arange(k.shape[1])[None, :]
-    keep = jnp.ones(scores.shape[-2:], bool)
-    if band.left is not None:
-        keep = keep & (cols >= rows - band.left)
-    if band.right is not None:
-        keep = keep & (cols <= rows + band.right)
-    if segments is not None:
-        keep = keep & (segments[0][:, None, :, None] == segments[1][:, None, None, :])
-    scores = jnp.where(keep, scores, -jnp.inf)
-    any_visible = jnp.any(keep, axis=-1, keepdims=True)
-    probs = jnp.where(any_visible, jax.nn.softmax(jnp.where(any_visible, scores, 0.0)), 0.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest")
+def mosaic_gpu_problem() -> str | None:
+    """One line if this jax has no Pallas Mosaic GPU backend, else None."""
+    try:
+        _mgpu.plgpu()
+    except _mgpu.MosaicGPUUnavailable as err:
+        return str(err)
+    return None
