@@ -70,3 +70,13 @@ def interpreter_waits_forever() -> bool:
     if mesh.empty:
         return False
     return any(mesh.shape[axis] > 1 for axis in getattr(mesh, "manual_axes", ()))
+
+
+def lower_for_cuda(fn, *args) -> int:
+    """How many Mosaic GPU kernel calls ``jax.jit(fn)(*args)`` lowers to for CUDA, on any
+    machine (no GPU: the kernels are lowered to Mosaic GPU's MLIR, which XLA compiles later).
+    Catches what Mosaic GPU refuses while lowering (layouts, tile shapes, unsupported
+    primitives); ptxas, shared-memory limits and speed are only checked by a compile or a
+    GPU."""
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")
