@@ -615,10 +615,15 @@ def _checked_config(q, k, v, causal, sm_scale, tuning, interpret, window) -> _Co
     reason = unsupported_reason(q, k, v, interpret)
     if reason is not None:
         raise ValueError(reason)
+    tuning = TuningConfig() if tuning is None else tuning
+    if tuning.block_k_dq > 64 and q.shape[3] > 64:
+        # q, dO, and two slots of K^T, V^T and K: 233,576 bytes > an H100's 232,448.
+        raise ValueError(f"TuningConfig.block_k_dq={tuning.block_k_dq} needs head_dim <= 64 "
+                         f"(shared memory); got head_dim {q.shape[3]}: use block_k_dq=64")
     return _Config(
         band=Band.make(causal, window),
         sm_scale=float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
-        tuning=TuningConfig() if tuning is None else tuning,
+        tuning=tuning,
         interpret=interpret,
     )
 

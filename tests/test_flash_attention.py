@@ -218,5 +218,7 @@ def test_bad_shapes_dtypes_and_windows_raise_one_line():
     with pytest.raises(ValueError, match="bf16 or fp16 q, k and v") as err:
         flash_attention(q, k, v, interpret=False)
     assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="block_k_dq=128 needs head_dim <= 64"):
+        flash_attention(*_qkv(1, 16, 16, 2, 2, 128)[:3], tuning=TuningConfig(block_k_dq=128))
     with pytest.raises(ValueError, match="segment ids must be"):
         flash_attention(q, k, v, segment_ids=jnp.zeros((1, 15), jnp.int32))
