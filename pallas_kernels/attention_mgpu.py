@@ -95,11 +95,17 @@ class _Geometry:
         block_k = min(tuning.block_k, _backend.round_up(kv_len, 64))
         block_k_dq = min(tuning.block_k_dq, _backend.round_up(kv_len, 64))
         return cls(
-            batch, heads, kv_heads, q_len, kv_len, head_dim,
+            batch,
+            heads,
+            kv_heads,
+            q_len,
+            kv_len,
+            head_dim,
             q_pad=_backend.round_up(q_len, _ROWS),
             kv_pad=_backend.round_up(kv_len, max(block_k, block_k_dq)),
             dim_pad=_backend.round_up(head_dim, 64),
-            block_k=block_k, block_k_dq=block_k_dq,
+            block_k=block_k,
+            block_k_dq=block_k_dq,
         )
 
     @property
@@ -115,7 +121,9 @@ class _Geometry:
 
     @staticmethod
     def pad_ids(ids, seq_pad: int):
-        return jnp.pad(ids, ((0, 0), (0, seq_pad - ids.shape[1]))) if seq_pad > ids.shape[1] else ids
+        return (
+            jnp.pad(ids, ((0, 0), (0, seq_pad - ids.shape[1]))) if seq_pad > ids.shape[1] else ids
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +242,9 @@ class _Pipeline:
 
     def step(self, j):
         slot = self.slot(j)
+        # Every warp's reads of the other slot (block j - 1) are done before TMA overwrites it:
+        # commit_smem is a fence and a warpgroup barrier.
+        _mgpu.plgpu().commit_smem()
         pl.when(j + 1 < self.hi)(lambda: self._fetch(j + 1, 1 - slot))
         return slot
 
@@ -303,10 +314,10 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, *refs, g: _Geometry, cfg: _Config, segment
         lay.cast(jnp.full((_ROWS,), _MASK_VALUE, jnp.float32), 1),
         lay.cast(jnp.zeros((_ROWS,), jnp.float32), 1),
     )
-    acc, m, l = lax.fori_loop(lo, hi, visit, init)
+    acc, m, total = lax.fori_loop(lo, hi, visit, init)
     # A row that saw no visible key gets output 0 and lse +inf (probabilities 0 in backward).
     empty = m <= 0.5 * _MASK_VALUE
-    l_safe = jnp.where(empty, 1.0, l)
+    l_safe = jnp.where(empty, 1.0, total)
     out = acc / _rows(l_safe, acc.shape)
     q_smem[...] = jnp.where(_rows(empty, acc.shape), 0.0, out).astype(q_smem.dtype)
     lse_smem[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
@@ -318,8 +329,9 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, *refs, g: _Geometry, cfg: _Config, segment
 
 def _kernel_options(cfg: _Config, grid, grid_names) -> dict:
     plgpu = _mgpu.plgpu()
-    options = dict(grid=grid, grid_names=grid_names,
-                   compiler_params=plgpu.CompilerParams(approx_math=False))
+    options = dict(
+        grid=grid, grid_names=grid_names, compiler_params=plgpu.CompilerParams(approx_math=False)
+    )
     if cfg.interpret:
         options["interpret"] = _mgpu.interpret_params()
     return options
@@ -337,20 +349,26 @@ def _forward(q, k, v, segments, cfg: _Config):
     g = _Geometry.of(q, k, cfg.tuning)
     if cfg.interpret and _mgpu.interpreter_waits_forever():
         out, lse = dense_forward(q, k, v, segments, cfg.band, cfg.sm_scale)
-        return out, jnp.pad(lse, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)),
-                            constant_values=jnp.inf)
+        return out, jnp.pad(lse, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)), constant_values=jnp.inf)
     bk, d, dtype = g.block_k, g.dim_pad, q.dtype
     segmented = segments is not None
     qp, vp = g.pad(q, g.q_pad), g.pad(v, g.kv_pad)
     kt = jnp.transpose(g.pad(k, g.kv_pad), (0, 2, 3, 1))  # [B, Hkv, D, Skv]
-    seg_arrays = [] if not segmented else [g.pad_ids(segments[0], g.q_pad),
-                                           g.pad_ids(segments[1], g.kv_pad)]
+    seg_arrays = (
+        [] if not segmented else [g.pad_ids(segments[0], g.q_pad), g.pad_ids(segments[1], g.kv_pad)]
+    )
     scratch = [
-        _smem((_ROWS, d), dtype), _smem((2, d, bk), dtype), _smem((2, bk, d), dtype),
-        _smem((_ROWS, bk), dtype) if cfg.interpret else None, plgpu.SMEM((_ROWS,), jnp.float32), plgpu.SMEM((_ROWS,), jnp.int32),
+        _smem((_ROWS, d), dtype),
+        _smem((2, d, bk), dtype),
+        _smem((2, bk, d), dtype),
+        _smem((_ROWS, bk), dtype) if cfg.interpret else None,
+        plgpu.SMEM((_ROWS,), jnp.float32),
+        plgpu.SMEM((_ROWS,), jnp.int32),
         plgpu.SMEM((2, bk), jnp.int32),
-        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
     ]
     out_shape = [
         _backend.out_struct((g.batch, g.q_pad, g.heads, d), dtype, q, k, v),
@@ -366,30 +384,63 @@ def _forward(q, k, v, segments, cfg: _Config):
 # --------------------------------------------------------------------------- backward
 
 
-def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, k_ref, *refs, g: _Geometry,
-               cfg: _Config, segmented: bool):
+def _dq_kernel(
+    q_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    kt_ref,
+    vt_ref,
+    k_ref,
+    *refs,
+    g: _Geometry,
+    cfg: _Config,
+    segmented: bool,
+):
     plgpu, lay = _mgpu.plgpu(), _Layouts(cfg.interpret)
     if segmented:
         qseg_ref, kseg_ref, dq_ref, *scratch = refs
     else:
         (dq_ref, *scratch), qseg_ref, kseg_ref = refs, None, None
-    (q_smem, do_smem, lse_smem, delta_smem, qs_smem, kt_smem, vt_smem, k_smem, ks_smem, ds_smem,
-     q_bar, kt_bar, vt_bar, k_bar, s_bar) = scratch
+    (
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        qs_smem,
+        kt_smem,
+        vt_smem,
+        k_smem,
+        ks_smem,
+        ds_smem,
+        q_bar,
+        kt_bar,
+        vt_bar,
+        k_bar,
+        s_bar,
+    ) = scratch
     i, h, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     hk = lax.div(h, g.group)
     bk, band, dtype = g.block_k_dq, cfg.band, q_ref.dtype
     q_start = i * _ROWS
     rows = pl.ds(q_start, _ROWS)
-    fetch_q = [(q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
-               (lse_ref.at[b, h, rows], lse_smem), (delta_ref.at[b, h, rows], delta_smem)]
+    fetch_q = [
+        (q_ref.at[b, rows, h], q_smem),
+        (do_ref.at[b, rows, h], do_smem),
+        (lse_ref.at[b, h, rows], lse_smem),
+        (delta_ref.at[b, h, rows], delta_smem),
+    ]
     fetch_q += [(qseg_ref.at[b, rows], qs_smem)] if segmented else []
     for n, (src, dst) in enumerate(fetch_q):
         plgpu.copy_gmem_to_smem(src, dst, q_bar.at[n])
 
     def copies(j):
         cols = pl.ds(j * bk, bk)
-        out = [(kt_ref.at[b, hk, :, cols], kt_smem, kt_bar), (vt_ref.at[b, hk, :, cols], vt_smem,
-               vt_bar), (k_ref.at[b, cols, hk], k_smem, k_bar)]
+        out = [
+            (kt_ref.at[b, hk, :, cols], kt_smem, kt_bar),
+            (vt_ref.at[b, hk, :, cols], vt_smem, vt_bar),
+            (k_ref.at[b, cols, hk], k_smem, k_bar),
+        ]
         return out + ([(kseg_ref.at[b, cols], ks_smem, s_bar)] if segmented else [])
 
     lo, hi = _block_range(q_start, _ROWS, bk, g.kv_pad // bk, band.left, band.right)
@@ -410,8 +461,9 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, k_ref, *refs, 
             keep = lay.visible(q_start, j * bk, shape, band, g.kv_len)
             if segmented:
                 pipe.wait(s_bar, slot)
-                keep = keep & (q_seg == lax.broadcast_in_dim(
-                    lay.columns_of(ks_smem.at[slot]), shape, [1]))
+                keep = keep & (
+                    q_seg == lax.broadcast_in_dim(lay.columns_of(ks_smem.at[slot]), shape, [1])
+                )
             p = jnp.where(keep, p, 0.0)
         pipe.wait(vt_bar, slot)
         ds = p * (_matmul(do_smem, vt_smem.at[slot], shape) - delta)
@@ -425,8 +477,20 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, k_ref, *refs, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv_kernel(k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, delta_ref, *refs,
-                g: _Geometry, cfg: _Config, segmented: bool):
+def _dkv_kernel(
+    k_ref,
+    v_ref,
+    qt_ref,
+    q_ref,
+    dot_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    *refs,
+    g: _Geometry,
+    cfg: _Config,
+    segmented: bool,
+):
     # One program per (64 kv rows, kv head, batch): it walks the q blocks that see its keys,
     # for each q head of its group in turn, as one pipelined loop.
     plgpu, lay = _mgpu.plgpu(), _Layouts(cfg.interpret)
@@ -434,8 +498,21 @@ def _dkv_kernel(k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, delta_ref
         qseg_ref, kseg_ref, dk_ref, dv_ref, *scratch = refs
     else:
         (dk_ref, dv_ref, *scratch), qseg_ref, kseg_ref = refs, None, None
-    (k_smem, v_smem, ks_smem, qt_smem, q_smem, dot_smem, do_smem, lse_smem, delta_smem, qs_smem,
-     p_smem, kv_bar, q_bars) = scratch
+    (
+        k_smem,
+        v_smem,
+        ks_smem,
+        qt_smem,
+        q_smem,
+        dot_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        qs_smem,
+        p_smem,
+        kv_bar,
+        q_bars,
+    ) = scratch
     j, hk, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
     band, dtype = cfg.band, k_ref.dtype
     k_start = j * _ROWS
@@ -454,9 +531,14 @@ def _dkv_kernel(k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, delta_ref
 
     def copies(t):
         h, rows = at(t)
-        out = [(qt_ref.at[b, h, :, rows], qt_smem), (q_ref.at[b, rows, h], q_smem),
-               (dot_ref.at[b, h, :, rows], dot_smem), (do_ref.at[b, rows, h], do_smem),
-               (lse_ref.at[b, h, rows], lse_smem), (delta_ref.at[b, h, rows], delta_smem)]
+        out = [
+            (qt_ref.at[b, h, :, rows], qt_smem),
+            (q_ref.at[b, rows, h], q_smem),
+            (dot_ref.at[b, h, :, rows], dot_smem),
+            (do_ref.at[b, rows, h], do_smem),
+            (lse_ref.at[b, h, rows], lse_smem),
+            (delta_ref.at[b, h, rows], delta_smem),
+        ]
         out += [(qseg_ref.at[b, rows], qs_smem)] if segmented else []
         return [(src, dst, q_bars[n]) for n, (src, dst) in enumerate(out)]
 
@@ -477,8 +559,9 @@ def _dkv_kernel(k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, delta_ref
         wait = lambda n: pipe.wait(q_bars[n], slot)  # noqa: E731
         wait(0), wait(4)
         q_start = (lo + lax.rem(t, steps)) * _ROWS
-        p = jnp.exp(_matmul(k_smem, qt_smem.at[slot], shape) * cfg.sm_scale
-                    - columns(lse_smem.at[slot]))
+        p = jnp.exp(
+            _matmul(k_smem, qt_smem.at[slot], shape) * cfg.sm_scale - columns(lse_smem.at[slot])
+        )
         if needs_mask:
             keep = lay.visible(q_start, k_start, shape, band, g.kv_len, keys_on_rows=True)
             if segmented:
@@ -520,35 +603,61 @@ def _backward_kernels(q, k, v, segments, out, lse, d_out, cfg: _Config):
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)))
     qp, dop = g.pad(q, g.q_pad), g.pad(d_out.astype(dtype), g.q_pad)
     kp, vp = g.pad(k, g.kv_pad), g.pad(v, g.kv_pad)
-    seg_arrays = [] if not segmented else [g.pad_ids(segments[0], g.q_pad),
-                                           g.pad_ids(segments[1], g.kv_pad)]
+    seg_arrays = (
+        [] if not segmented else [g.pad_ids(segments[0], g.q_pad), g.pad_ids(segments[1], g.kv_pad)]
+    )
     inputs = (q, k, v, d_out)
     bar = lambda n: plgpu.Barrier(num_barriers=n)  # noqa: E731
     vec = lambda *shape: plgpu.SMEM(shape, jnp.float32)  # noqa: E731
     ids = lambda *shape: plgpu.SMEM(shape, jnp.int32)  # noqa: E731
 
     bk = g.block_k_dq
-    scratch = [_smem((_ROWS, d), dtype), _smem((_ROWS, d), dtype), vec(_ROWS), vec(_ROWS),
-               ids(_ROWS), _smem((2, d, bk), dtype), _smem((2, d, bk), dtype),
-               _smem((2, bk, d), dtype), ids(2, bk),
-               _smem((_ROWS, bk), dtype) if cfg.interpret else None,
-               bar(5), bar(2), bar(2), bar(2), bar(2)]
+    scratch = [
+        _smem((_ROWS, d), dtype),
+        _smem((_ROWS, d), dtype),
+        vec(_ROWS),
+        vec(_ROWS),
+        ids(_ROWS),
+        _smem((2, d, bk), dtype),
+        _smem((2, d, bk), dtype),
+        _smem((2, bk, d), dtype),
+        ids(2, bk),
+        _smem((_ROWS, bk), dtype) if cfg.interpret else None,
+        bar(5),
+        bar(2),
+        bar(2),
+        bar(2),
+        bar(2),
+    ]
     dq = _call(
         functools.partial(_dq_kernel, g=g, cfg=cfg, segmented=segmented),
-        _backend.out_struct(qp.shape, dtype, *inputs), scratch,
+        _backend.out_struct(qp.shape, dtype, *inputs),
+        scratch,
         _kernel_options(cfg, (g.q_pad // _ROWS, g.heads, g.batch), ("q", "heads", "batch")),
     )(qp, dop, lse, delta, _transposed(kp), _transposed(vp), kp, *seg_arrays)
 
-    scratch = [_smem((_ROWS, d), dtype), _smem((_ROWS, d), dtype), ids(_ROWS),
-               _smem((2, d, _ROWS), dtype), _smem((2, _ROWS, d), dtype),
-               _smem((2, d, _ROWS), dtype), _smem((2, _ROWS, d), dtype), vec(2, _ROWS),
-               vec(2, _ROWS), ids(2, _ROWS),
-               _smem((_ROWS, _ROWS), dtype) if cfg.interpret else None,
-               bar(3), tuple(bar(2) for _ in range(7))]
+    scratch = [
+        _smem((_ROWS, d), dtype),
+        _smem((_ROWS, d), dtype),
+        ids(_ROWS),
+        _smem((2, d, _ROWS), dtype),
+        _smem((2, _ROWS, d), dtype),
+        _smem((2, d, _ROWS), dtype),
+        _smem((2, _ROWS, d), dtype),
+        vec(2, _ROWS),
+        vec(2, _ROWS),
+        ids(2, _ROWS),
+        _smem((_ROWS, _ROWS), dtype) if cfg.interpret else None,
+        bar(3),
+        tuple(bar(2) for _ in range(7)),
+    ]
     dk, dv = _call(
         functools.partial(_dkv_kernel, g=g, cfg=cfg, segmented=segmented),
-        [_backend.out_struct(kp.shape, k.dtype, *inputs),
-         _backend.out_struct(vp.shape, v.dtype, *inputs)], scratch,
+        [
+            _backend.out_struct(kp.shape, k.dtype, *inputs),
+            _backend.out_struct(vp.shape, v.dtype, *inputs),
+        ],
+        scratch,
         _kernel_options(cfg, (g.kv_pad // _ROWS, g.kv_heads, g.batch), ("kv", "heads", "batch")),
     )(kp, vp, _transposed(qp), qp, _transposed(dop), dop, lse, delta, *seg_arrays)
     return _mgpu.varying_like((dq, dk, dv), *inputs)
@@ -582,8 +691,12 @@ def _attention_bwd(cfg: _Config, residuals, d_out):
     q, k, v, segments, out, lse = residuals
     dq, dk, dv = _backward_kernels(q, k, v, segments, out, lse, d_out, cfg)
     d = q.shape[3]
-    return (_unpad(dq, q.shape[1], d, q), _unpad(dk, k.shape[1], d, k),
-            _unpad(dv, v.shape[1], d, v), _no_grads(segments))
+    return (
+        _unpad(dq, q.shape[1], d, q),
+        _unpad(dk, k.shape[1], d, k),
+        _unpad(dv, v.shape[1], d, v),
+        _no_grads(segments),
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -593,20 +706,26 @@ def unsupported_reason(q, k, v, interpret: bool = False) -> str | None:
     """Why these inputs cannot use the Mosaic GPU kernels (one line), else None. fp32 runs in
     the interpreter only: compiled, wgmma takes fp32 (TF32) operands only in [N, K] order."""
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        return (f"flash attention expects q [B,S,H,D] and k == v [B,S,Hkv,D]; got {q.shape}, "
-                f"{k.shape}, {v.shape}")
+        return (
+            f"flash attention expects q [B,S,H,D] and k == v [B,S,Hkv,D]; got {q.shape}, "
+            f"{k.shape}, {v.shape}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         return f"q and k must share batch and head_dim; got {q.shape} and {k.shape}"
     if q.shape[2] % k.shape[2]:
         return f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})"
     if not 0 < q.shape[3] <= MAX_HEAD_DIM:
-        return (f"flash attention (Mosaic GPU) supports head_dim 1..{MAX_HEAD_DIM} (padded to "
-                f"64 or 128); got {q.shape[3]}")
+        return (
+            f"flash attention (Mosaic GPU) supports head_dim 1..{MAX_HEAD_DIM} (padded to "
+            f"64 or 128); got {q.shape[3]}"
+        )
     dtypes = DTYPES + ((jnp.float32,) if interpret else ())
     if not (q.dtype == k.dtype == v.dtype and any(q.dtype == t for t in dtypes)):
         accepted = "bf16, fp16 or (interpreted) fp32" if interpret else "bf16 or fp16"
-        return (f"flash attention (Mosaic GPU) takes {accepted} q, k and v of one dtype; "
-                f"got {q.dtype}, {k.dtype}, {v.dtype}")
+        return (
+            f"flash attention (Mosaic GPU) takes {accepted} q, k and v of one dtype; "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     return None
 
 
@@ -618,8 +737,10 @@ def _checked_config(q, k, v, causal, sm_scale, tuning, interpret, window) -> _Co
     tuning = TuningConfig() if tuning is None else tuning
     if tuning.block_k_dq > 64 and q.shape[3] > 64:
         # q, dO, and two slots of K^T, V^T and K: 233,576 bytes > an H100's 232,448.
-        raise ValueError(f"TuningConfig.block_k_dq={tuning.block_k_dq} needs head_dim <= 64 "
-                         f"(shared memory); got head_dim {q.shape[3]}: use block_k_dq=64")
+        raise ValueError(
+            f"TuningConfig.block_k_dq={tuning.block_k_dq} needs head_dim <= 64 "
+            f"(shared memory); got head_dim {q.shape[3]}: use block_k_dq=64"
+        )
     return _Config(
         band=Band.make(causal, window),
         sm_scale=float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
@@ -628,9 +749,18 @@ def _checked_config(q, k, v, causal, sm_scale, tuning, interpret, window) -> _Co
     )
 
 
-def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                    tuning: TuningConfig | None = None, interpret: bool | None = None,
-                    window: int | tuple[int, int] | None = None, segment_ids=None):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    tuning: TuningConfig | None = None,
+    interpret: bool | None = None,
+    window: int | tuple[int, int] | None = None,
+    segment_ids=None,
+):
     """Memory-efficient attention on Mosaic GPU, `[batch, seq, heads, head_dim]` in and out.
 
     Args:
@@ -652,9 +782,18 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
     return _attention(q, k, v, segment_pair(segment_ids, q, k), cfg)
 
 
-def flash_attention_forward(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                            tuning: TuningConfig | None = None, interpret: bool | None = None,
-                            window: int | tuple[int, int] | None = None, segment_ids=None):
+def flash_attention_forward(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    tuning: TuningConfig | None = None,
+    interpret: bool | None = None,
+    window: int | tuple[int, int] | None = None,
+    segment_ids=None,
+):
     """The forward pass alone, not differentiable: `(out, lse)` with `lse` `[B, H, Sq]` fp32,
     each row's log-sum-exp of its scaled scores (-inf where a row sees no key). Blockwise
     attention (a ring of key/value blocks) merges such partial results and differentiates them
@@ -665,10 +804,21 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, sm_scale: float | 
     return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
-def flash_attention_backward(q, k, v, out, lse, d_out, *, causal: bool = False,
-                             sm_scale: float | None = None, tuning: TuningConfig | None = None,
-                             interpret: bool | None = None,
-                             window: int | tuple[int, int] | None = None, segment_ids=None):
+def flash_attention_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    d_out,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    tuning: TuningConfig | None = None,
+    interpret: bool | None = None,
+    window: int | tuple[int, int] | None = None,
+    segment_ids=None,
+):
     """`(dq, dk, dv)` of attention over this block of keys and values, given the whole
     attention's `out` `[B, Sq, H, D]` and `lse` `[B, H, Sq]` (over every block the queries
     saw) and the cotangent `d_out`: each block's share of the gradient, so that summing the
@@ -681,8 +831,11 @@ def flash_attention_backward(q, k, v, out, lse, d_out, *, causal: bool = False,
     segments = segment_pair(segment_ids, q, k)
     dq, dk, dv = _backward_kernels(q, k, v, segments, out.astype(q.dtype), lse, d_out, cfg)
     d = q.shape[3]
-    return (_unpad(dq, q.shape[1], d, q), _unpad(dk, k.shape[1], d, k),
-            _unpad(dv, v.shape[1], d, v))
+    return (
+        _unpad(dq, q.shape[1], d, q),
+        _unpad(dk, k.shape[1], d, k),
+        _unpad(dv, v.shape[1], d, v),
+    )
 
 
 def mosaic_gpu_problem() -> str | None:

@@ -44,25 +44,31 @@ class Band:
         return self.left is not None or self.right is not None
 
 
-
-
 def segment_pair(segment_ids, q, k):
     """``segment_ids`` (one [B, S] array for self-attention, or a (q, kv) pair) -> int32 pair."""
     if segment_ids is None:
         return None
-    q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list))
-                     else (segment_ids, segment_ids))
+    q_seg, kv_seg = (
+        segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+    )
     q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
     if q_seg.shape != q.shape[:2] or kv_seg.shape != k.shape[:2]:
-        raise ValueError(f"segment ids must be [batch, seq] of q {q.shape[:2]} and of kv "
-                         f"{k.shape[:2]}; got {q_seg.shape} and {kv_seg.shape}")
+        raise ValueError(
+            f"segment ids must be [batch, seq] of q {q.shape[:2]} and of kv "
+            f"{k.shape[:2]}; got {q_seg.shape} and {kv_seg.shape}"
+        )
     return q_seg, kv_seg
 
 
-
-
-def reference_attention(q, k, v, causal: bool = False, sm_scale: float | None = None,
-                        window: int | tuple[int, int] | None = None, segment_ids=None):
+def reference_attention(
+    q,
+    k,
+    v,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    window: int | tuple[int, int] | None = None,
+    segment_ids=None,
+):
     """Plain-jnp attention in fp32 with precision="highest"; same semantics, returns fp32."""
     segments = segment_pair(segment_ids, q, k)
     keep = _keep(q.shape[1], k.shape[1], Band.make(causal, window), segments)

@@ -160,17 +160,24 @@ def test_block_sparse_matmul_compiles_for_h100(dtype, block_size):
 TARGET_CUDNN_VERSION = 90800
 
 
-def compile_gpt_step(attention: str, data: int, seq_len: int = 128, gpu: str = "h100"):
+def compile_gpt_step(attention: str, data: int, seq_len: int = 128, gpu: str = "h100",
+                     context: int = 1, extra: tuple = ()):
     """The trainer's step (``build_run``, as ``zeroflow.memory.measure`` builds it) of a
-    shrunk ``configs/tiny.yaml`` (head dim 32), ZeRO-3 with bf16 params, compiled for ``data``
-    GPUs."""
+    shrunk ``configs/tiny.yaml`` (head dim 32), ZeRO-3 with bf16 params, compiled for
+    ``data x context`` GPUs."""
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
         f"model.attention={attention}", "model.num_layers=1", f"model.seq_len={seq_len}",
         "model.embed_dim=64", "model.num_heads=2", "model.mlp_dim=128",
-        f"train.batch_size={data}", "parallel.zero_stage=3", "precision.params=bf16"])
-    run = build_run(cfg, with_data=False, mesh=target_mesh(gpu, data=data))
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1),
-                                            np.int32, sharding=run.plan.batch_sharding())}
+        f"train.batch_size={data}", "parallel.zero_stage=3", "precision.params=bf16",
+        f"parallel.context={context}", *extra])
+    run = build_run(cfg, with_data=False, mesh=target_mesh(gpu, data=data, context=context))
+    rows, sharding = cfg.train.batch_size, run.plan.batch_sharding()
+    batch = {"tokens": jax.ShapeDtypeStruct((rows, cfg.model.seq_len + 1), np.int32,
+                                            sharding=sharding)}
+    if context > 1:  # the step takes the split fields (``zeroflow.models.context_batch``)
+        fields = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+        batch = {name: jax.ShapeDtypeStruct((rows, cfg.model.seq_len), np.int32,
+                                            sharding=sharding) for name in fields}
     compiled = run.make_step().lower(run.abstract_state(), batch).compile()
     assert compiled.memory_analysis() is not None
     return compiled
@@ -183,6 +190,15 @@ def test_gpt_step_with_pallas_attention_compiles_for_eight_h100s():
     assert mosaic_kernels(compiled) >= 3
     assert "io_callback" not in compiled.as_text() and "xla_python_cpu_callback" not in (
         compiled.as_text())
+
+
+def test_gpt_step_with_the_context_ring_on_pallas_compiles_for_two_h100s():
+    """The ring merges the Mosaic kernels' log-sum-exp: forward blocks, then backward blocks
+    given the whole attention's lse, all compiled Mosaic GPU calls."""
+    compiled = compile_gpt_step("pallas", data=1, context=2,
+                                extra=("model.context_attention=ring",))
+    assert mosaic_kernels(compiled) >= 3
+    assert "xla_python_cpu_callback" not in compiled.as_text()
 
 
 def test_gpt_step_peak_at_8k_tokens_with_pallas_attention_is_at_most_xla_attentions():

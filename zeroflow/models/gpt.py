@@ -217,7 +217,12 @@ def causal_attention(
     check_implementation(implementation, q.dtype)
     if implementation == "pallas":
         return pallas_kernel("flash_attention", "attention='pallas'")(
-            q, k, v, causal=True, segment_ids=segment_ids, window=(window - 1, 0) if window else None
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=segment_ids,
+            window=(window - 1, 0) if window else None,
         )
     # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
     local = (window - 1, 0) if window else None
