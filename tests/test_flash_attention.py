@@ -222,3 +222,27 @@ def test_bad_shapes_dtypes_and_windows_raise_one_line():
         flash_attention(*_qkv(1, 16, 16, 2, 2, 128)[:3], tuning=TuningConfig(block_k_dq=128))
     with pytest.raises(ValueError, match="segment ids must be"):
         flash_attention(q, k, v, segment_ids=jnp.zeros((1, 15), jnp.int32))
+
+
+@pytest.mark.fast
+def test_a_jax_without_mosaic_gpu_is_named_in_one_line(monkeypatch):
+    """As with a jax whose Pallas has no Mosaic GPU backend: the import fails (None in
+    sys.modules), ``mosaic_gpu_problem`` says so in one line, and so does the kernel."""
+    import sys
+
+    from pallas_kernels import _mgpu, mosaic_gpu_problem
+
+    _mgpu.plgpu.cache_clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, "jax.experimental.pallas.mosaic_gpu", None)
+            problem = mosaic_gpu_problem()
+            assert problem and "\n" not in problem
+            assert "jax.experimental.pallas.mosaic_gpu" in problem and "supported: jax" in problem
+            q, k, v, _ = _qkv(1, 16, 16, 2, 2, 16)
+            with pytest.raises(_mgpu.MosaicGPUUnavailable, match="mosaic_gpu"):
+                flash_attention(q, k, v)
+            _mgpu.plgpu.cache_clear()
+    finally:
+        _mgpu.plgpu.cache_clear()
+    assert mosaic_gpu_problem() is None
