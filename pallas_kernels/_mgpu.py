@@ -38,9 +38,11 @@ def interpret_params() -> Any:
     jax 0.11 exports its parameters as ``plgpu.InterpretGPUParams``; 0.10.2 keeps the same
     class in the module that implements the interpreter.
     """
-    params = getattr(plgpu(), "InterpretGPUParams", None)
+    params: Any = getattr(plgpu(), "InterpretGPUParams", None)
     if params is None:  # jax 0.10.2
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+        from jax._src.pallas.mosaic_gpu.interpret import params as module
+
+        params = module.InterpretGPUParams
     return params()
 
 
