@@ -8,9 +8,11 @@ moved is where the GPU interpreter's parameters live, and whether the module exi
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import jax
+import numpy as np
 
 
 class MosaicGPUUnavailable(RuntimeError):
@@ -64,16 +66,6 @@ def varying_like(outputs, *inputs):
     return jax.tree.map(one, outputs)
 
 
-def interpreter_waits_forever() -> bool:
-    """Whether an interpreted kernel traced here would wait forever: inside ``shard_map`` over
-    more than one device, the GPU interpreter waits at each kernel's end for every device of
-    the manual axes, and XLA:CPU runs them one after another (see ``attention_xla``)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    return any(mesh.shape[axis] > 1 for axis in getattr(mesh, "manual_axes", ()))
-
-
 def lower_for_cuda(fn, *args) -> int:
     """How many Mosaic GPU kernel calls ``jax.jit(fn)(*args)`` lowers to for CUDA, on any
     machine (no GPU: the kernels are lowered to Mosaic GPU's MLIR, which XLA compiles later).
@@ -82,3 +74,31 @@ def lower_for_cuda(fn, *args) -> int:
     GPU."""
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")
+
+
+_INTERPRETER = threading.Lock()
+
+
+def on_host(kernel, out_type):
+    """``kernel`` (interpreted) as a pure host callback that runs it in a program of its own.
+
+    Two reasons. From jax 0.11 an interpreted kernel carries an ordered-IO effect (the
+    interpreter keeps state between its callbacks), which ``flax.linen.scan`` refuses in a
+    layer's body ("broadcasted variable has a data dependency on the scan body"); called from
+    a pure callback the kernel is effect-free where it is traced. And traced inside
+    ``shard_map`` over several devices, the interpreter would simulate them all and wait at
+    each kernel's end for every one, while XLA:CPU runs them one after another: it would wait
+    forever. In a program of its own each call is one device's kernel. The interpreter's state
+    is global: one kernel runs at a time.
+    """
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_type)
+    compiled = jax.jit(kernel)
+
+    def host(*arrays):
+        with _INTERPRETER:
+            return jax.tree.map(np.asarray, compiled(*arrays))
+
+    def call(*args):
+        return jax.pure_callback(host, shapes, *args, vmap_method="sequential")
+
+    return call

@@ -38,8 +38,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _backend, _mgpu
 from pallas_kernels.attention_xla import (
     Band,
-    dense_backward,
-    dense_forward,
     segment_pair,
 )
 
@@ -339,17 +337,16 @@ def _kernel_options(cfg: _Config, grid, grid_names) -> dict:
 
 def _call(body, out_type, scratch, options):
     """``plgpu.kernel`` with the keywords every supported jax takes (``out_type``,
-    ``scratch_types``: jax 0.11 dropped the older ``out_shape``/``scratch_shapes``)."""
-    return _mgpu.plgpu().kernel(body, out_type=out_type, scratch_types=scratch, **options)
+    ``scratch_types``: jax 0.11 dropped the older ``out_shape``/``scratch_shapes``).
+    Interpreted, the kernel runs on the host (``_mgpu.on_host``)."""
+    kernel = _mgpu.plgpu().kernel(body, out_type=out_type, scratch_types=scratch, **options)
+    return _mgpu.on_host(kernel, out_type) if "interpret" in options else kernel
 
 
 def _forward(q, k, v, segments, cfg: _Config):
     """(out [B, Sq, H, D], lse [B, H, q_pad] fp32, +inf where a row sees no key)."""
     plgpu = _mgpu.plgpu()
     g = _Geometry.of(q, k, cfg.tuning)
-    if cfg.interpret and _mgpu.interpreter_waits_forever():
-        out, lse = dense_forward(q, k, v, segments, cfg.band, cfg.sm_scale)
-        return out, jnp.pad(lse, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)), constant_values=jnp.inf)
     bk, d, dtype = g.block_k, g.dim_pad, q.dtype
     segmented = segments is not None
     qp, vp = g.pad(q, g.q_pad), g.pad(v, g.kv_pad)
@@ -595,9 +592,6 @@ def _backward_kernels(q, k, v, segments, out, lse, d_out, cfg: _Config):
     """(dq, dk, dv) padded, given the (padded) lse ``[B, H, q_pad]`` (+inf: row sees nothing)."""
     plgpu = _mgpu.plgpu()
     g = _Geometry.of(q, k, cfg.tuning)
-    if cfg.interpret and _mgpu.interpreter_waits_forever():
-        lse = lse[:, :, : g.q_len]
-        return dense_backward(q, k, v, segments, out, lse, d_out, cfg.band, cfg.sm_scale)
     d, dtype, segmented = g.dim_pad, q.dtype, segments is not None
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), d_out.astype(jnp.float32))
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, g.q_pad - g.q_len)))

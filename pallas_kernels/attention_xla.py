@@ -1,15 +1,5 @@
-"""Attention in plain jnp, with the semantics of the Pallas kernels: the reference the tests
-compare against, and a dense (O(seq^2) memory) stand-in for the Mosaic GPU interpreter where it
-cannot run.
-
-The interpreter simulates every device of the manual mesh axes it is traced under and waits at
-the end of a kernel for all of them; XLA:CPU runs the devices of a ``shard_map`` one after
-another, so inside ``shard_map`` over more than one CPU device an interpreted kernel would wait
-forever. There (and only there: a CPU multi-device step with ``interpret``) the kernels'
-forward and backward are computed by :func:`dense_forward` and :func:`dense_backward`, the same
-arithmetic in fp32 without tiles. Compiled kernels, and the interpreter anywhere else, are
-unaffected.
-"""
+"""Attention in plain jnp with the semantics of the Pallas kernels (the band, segment ids):
+the reference the tests compare against, computed in fp32 with precision="highest"."""
 
 from __future__ import annotations
 
@@ -100,38 +90,3 @@ def _grouped_scores(q, k, sm_scale):
     group = q.shape[2] // k.shape[2]
     k = jnp.repeat(k.astype(jnp.float32), group, axis=2)
     return jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k, precision="highest") * sm_scale
-
-
-def dense_forward(q, k, v, segments, band: Band, sm_scale: float):
-    """(out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] fp32 with +inf where a row sees no key),
-    as the forward kernel returns them."""
-    keep = _keep(q.shape[1], k.shape[1], band, segments)
-    s = jnp.where(keep, _grouped_scores(q, k, sm_scale), -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    total = jnp.sum(p, axis=-1)
-    v32 = jnp.repeat(v.astype(jnp.float32), q.shape[2] // k.shape[2], axis=2)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v32, precision="highest")
-    out = out / jnp.maximum(jnp.swapaxes(total, 1, 2), 1e-30)[..., None]
-    lse = jnp.where(total > 0, m[..., 0] + jnp.log(jnp.maximum(total, 1e-30)), jnp.inf)
-    return out.astype(q.dtype), lse
-
-
-def dense_backward(q, k, v, segments, out, lse, d_out, band: Band, sm_scale: float):
-    """(dq, dk, dv) from the saved ``lse`` [B, H, Sq] (+inf: the row sees nothing), as the
-    backward kernels compute them."""
-    group = q.shape[2] // k.shape[2]
-    keep = _keep(q.shape[1], k.shape[1], band, segments)
-    p = jnp.where(keep, jnp.exp(_grouped_scores(q, k, sm_scale) - lse[..., None]), 0.0)
-    do = d_out.astype(jnp.float32)
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do)
-    v32 = jnp.repeat(v.astype(jnp.float32), group, axis=2)
-    k32 = jnp.repeat(k.astype(jnp.float32), group, axis=2)
-    dp = jnp.einsum("bqhd,bkhd->bhqk", do, v32, precision="highest")
-    ds = p * (dp - delta[..., None]) * sm_scale
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k32, precision="highest")
-    per_head = lambda x: x.reshape(*x.shape[:2], k.shape[2], group, x.shape[-1]).sum(3)  # noqa: E731
-    dk = per_head(jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32), precision="highest"))
-    dv = per_head(jnp.einsum("bhqk,bqhd->bkhd", p, do, precision="highest"))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

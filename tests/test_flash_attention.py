@@ -173,9 +173,8 @@ def test_low_precision_error_is_at_most_twice_naive(dtype):
 @pytest.mark.parametrize("devices", [1, 2])
 def test_inside_shard_map_with_replicated_kv(devices):
     """As in zeroflow's train step: jax.shard_map (check_vma=True) over the batch. k/v are
-    replicated here, so their gradients must come back summed over the devices. On one device
-    the interpreter runs the kernels; on two the dense stand-in does (``attention_xla``: the
-    interpreter would wait forever there), through the same custom_vjp."""
+    replicated here, so their gradients must come back summed over the devices. On two devices
+    each device's kernels run in a program of their own (``_mgpu.on_host``)."""
     mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:devices])
     q, k, v, _ = _qkv(devices, 72, 72, 2, 1, 16)  # one example per device
@@ -230,12 +229,15 @@ def test_a_jax_without_mosaic_gpu_is_named_in_one_line(monkeypatch):
     sys.modules), ``mosaic_gpu_problem`` says so in one line, and so does the kernel."""
     import sys
 
+    import jax.experimental.pallas
+
     from pallas_kernels import _mgpu, mosaic_gpu_problem
 
     _mgpu.plgpu.cache_clear()
     try:
         with monkeypatch.context() as patch:
             patch.setitem(sys.modules, "jax.experimental.pallas.mosaic_gpu", None)
+            patch.delattr(jax.experimental.pallas, "mosaic_gpu", raising=False)
             problem = mosaic_gpu_problem()
             assert problem and "\n" not in problem
             assert "jax.experimental.pallas.mosaic_gpu" in problem and "supported: jax" in problem

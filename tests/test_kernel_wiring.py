@@ -45,8 +45,8 @@ def test_block_sparse_mlp_trains_under_zero3_with_pallas_attention():
 
 @pytest.mark.slow
 def test_pallas_attention_trains_like_xla_over_three_steps():
-    """The ZeRO-3 train step on one device, so the Mosaic GPU interpreter runs the kernels
-    inside the step (on more CPU devices a dense stand-in would): same losses and weights as
+    """The ZeRO-3 train step on one device, the Mosaic GPU interpreter running the kernels
+    inside the step: same losses and weights as
     XLA's attention after three SGD steps, fp32 (SGD: the weights move by the gradients
     themselves, which Adam's normalisation would hide)."""
     params, _ = init_params(CFG, jax.random.key(0))
