@@ -1,7 +1,8 @@
 """Pallas kernels: fused flash attention and block-sparse layers (importable without zeroflow).
 
-On a GPU the kernels compile with the Pallas Triton backend; elsewhere they run in the Pallas
-interpreter (see `pallas_kernels._backend`).
+Flash attention is written for Pallas's Mosaic GPU backend (sm_90: H100/H200) and runs in the
+Mosaic GPU interpreter elsewhere (`pallas_kernels.attention_mgpu`); the block-sparse kernels
+compile with the Pallas Triton backend (see `pallas_kernels._backend`).
 """
 from pallas_kernels.block_sparse import (
     block_sparse_matmul,
@@ -9,13 +10,14 @@ from pallas_kernels.block_sparse import (
     reference_block_sparse_matmul,
     to_dense,
 )
-from pallas_kernels.attention import (
-    BlockSizes,
+from pallas_kernels.attention_mgpu import (
+    TuningConfig,
     flash_attention,
     flash_attention_backward,
     flash_attention_forward,
-    reference_attention,
+    mosaic_gpu_problem,
 )
+from pallas_kernels.attention_xla import reference_attention
 from pallas_kernels.layers import BlockSparseDense
 from pallas_kernels.layouts import (
     banded_layout,
@@ -25,8 +27,8 @@ from pallas_kernels.layouts import (
 )
 
 __all__ = [
-    "BlockSizes",
     "BlockSparseDense",
+    "TuningConfig",
     "banded_layout",
     "block_diagonal_layout",
     "block_sparse_matmul",
@@ -34,6 +36,7 @@ __all__ = [
     "flash_attention_backward",
     "flash_attention_forward",
     "from_dense",
+    "mosaic_gpu_problem",
     "random_layout",
     "reference_attention",
     "reference_block_sparse_matmul",

@@ -245,6 +245,9 @@ def test_bad_context_settings_are_one_line(tmp_path):
         (["parallel.context=2", "model.context_attention=ring", "model.attention=cudnn"],
          "model.context_attention=ring needs model.attention xla or pallas"),
         (["parallel.context=0"], "parallel.context must be positive"),
+        (["parallel.context=2", "model.context_attention=allgather", "model.attention=pallas",
+          "model.sliding_window=8"],
+         "model.sliding_window with model.context_attention=allgather needs model.attention xla"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):

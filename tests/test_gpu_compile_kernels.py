@@ -3,12 +3,13 @@
 ``zeroflow.backend.target_mesh`` gives abstract "NVIDIA H100 80GB HBM3" devices from the CUDA
 plugin; arguments sharded over such a mesh make ``jax.jit(...).trace(...).lower().compile()`` a
 real XLA:GPU compile on a CPU-only machine. Pallas kernels then appear in the optimized HLO as
-Triton custom calls, which XLA compiles with the rest of the program: a Triton lowering error
-or a tile over the H100's shared memory fails here. Autotuning, numerics and speed are left
-to a real GPU (the interpret-mode tests check the numerics).
+custom calls (Mosaic GPU's for flash attention, Triton's for block-sparse), which XLA compiles
+with the rest of the program: a lowering error or a tile over the GPU's shared memory fails
+here. Autotuning, numerics and speed are left to a real GPU (the interpret-mode tests check
+the numerics).
 
 Shapes are small and the cases cover each property once (dtype, head size, GQA/MQA, causal,
-window) rather than their product: each Triton compile takes seconds.
+window, segments) rather than their product: each kernel compile takes seconds.
 """
 import functools
 import re
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 require_cuda_plugin()
 
 from pallas_kernels import (  # noqa: E402
-    BlockSizes,
+    TuningConfig,
     block_sparse_matmul,
     flash_attention,
     random_layout,
@@ -34,13 +35,13 @@ from pallas_kernels import (  # noqa: E402
 from pallas_kernels._backend import compiling_for  # noqa: E402
 from zeroflow.backend import target_mesh  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
+from zeroflow.memory.measure import from_memory_analysis  # noqa: E402
 from zeroflow.trainer.setup import build_run  # noqa: E402
 
 from helpers import REPO  # noqa: E402
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-FLASH_FWD = ["flash_attention_fwd"]
-FLASH_FWD_BWD = ["flash_attention_dkv", "flash_attention_dq", "flash_attention_fwd"]
+MOSAIC_CALL = 'custom_call_target="mosaic_gpu'
 _TRITON_KERNEL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?\bname = "([^"]+)"')
 
 
@@ -50,6 +51,12 @@ def triton_kernels(compiled) -> list[str]:
     names = sorted(m.group(1) for line in hlo.splitlines() if (m := _TRITON_KERNEL.search(line)))
     assert len(names) == hlo.count(f'custom_call_target="{TRITON_CALL}"'), "unnamed Triton call"
     return names
+
+
+def mosaic_kernels(compiled) -> int:
+    """How many Mosaic GPU kernel calls the optimized HLO makes (flash attention: the forward,
+    then dQ and dK/dV)."""
+    return compiled.as_text().count(MOSAIC_CALL)
 
 
 def compile_for_gpu(fn, *args):
@@ -65,12 +72,16 @@ def compile_for_gpu(fn, *args):
 
 
 @functools.cache
-def one_h100():
-    return target_mesh("h100", data=1)
+def one_gpu(gpu: str):
+    return target_mesh(gpu, data=1)
+
+
+def on_one_gpu(shape, dtype, gpu: str = "h100"):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(one_gpu(gpu), P()))
 
 
 def on_one_h100(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(one_h100(), P()))
+    return on_one_gpu(shape, dtype, "h100")
 
 
 def fwd_and_grads(fn):
@@ -81,43 +92,52 @@ def fwd_and_grads(fn):
     return both
 
 
-# (dtype, batch, seq, heads, kv_heads, head_dim, causal, window)
+# (gpu, dtype, batch, seq, heads, kv_heads, head_dim, causal, window, segments)
 FLASH_CASES = [
-    pytest.param(jnp.bfloat16, 2, 256, 4, 2, 64, True, None, id="bf16-gqa-causal-d64"),
-    pytest.param(jnp.float16, 1, 512, 4, 1, 128, False, None, id="fp16-mqa-d128"),
-    pytest.param(jnp.bfloat16, 1, 300, 4, 1, 80, True, (96, 0),
-                 id="bf16-mqa-causal-window-d80-padded"),
-    pytest.param(jnp.float16, 2, 256, 6, 2, 64, False, 48, id="fp16-gqa-symmetric-window"),
+    pytest.param("h100", jnp.bfloat16, 2, 256, 4, 2, 64, True, None, False,
+                 id="h100-bf16-gqa-causal-d64"),
+    pytest.param("h200", jnp.float16, 1, 512, 4, 1, 128, False, None, True,
+                 id="h200-fp16-mqa-d128-segments"),
+    pytest.param("h100", jnp.bfloat16, 1, 300, 4, 1, 80, True, (96, 0), True,
+                 id="h100-bf16-mqa-causal-window-d80-padded-segments"),
+    pytest.param("h200", jnp.float16, 2, 256, 6, 2, 64, False, 48, False,
+                 id="h200-fp16-gqa-symmetric-window"),
 ]
 
 
-@pytest.mark.parametrize("dtype,batch,seq,heads,kv_heads,head_dim,causal,window", FLASH_CASES)
-def test_flash_attention_compiles_for_h100(dtype, batch, seq, heads, kv_heads, head_dim, causal,
-                                           window):
-    """Forward alone, then forward with dq/dk/dv: every kernel is a compiled Triton call. The
-    default tiles are the ones a GPU run uses; head_dim 80 is padded to 128 inside, a sequence
-    of 300 to whole tiles."""
-    q = on_one_h100((batch, seq, heads, head_dim), dtype)
-    kv = on_one_h100((batch, seq, kv_heads, head_dim), dtype)
-    attention = functools.partial(flash_attention, causal=causal, window=window)
+@pytest.mark.parametrize("gpu,dtype,batch,seq,heads,kv_heads,head_dim,causal,window,segments",
+                         FLASH_CASES)
+def test_flash_attention_compiles_for_hopper(gpu, dtype, batch, seq, heads, kv_heads, head_dim,
+                                             causal, window, segments):
+    """Forward alone, then forward with dq/dk/dv: every kernel is a compiled Mosaic GPU call.
+    The default tiles are the ones a GPU run uses; head_dim 80 is padded to 128 inside, a
+    sequence of 300 to whole tiles."""
+    q = on_one_gpu((batch, seq, heads, head_dim), dtype, gpu)
+    kv = on_one_gpu((batch, seq, kv_heads, head_dim), dtype, gpu)
+    ids = on_one_gpu((batch, seq), jnp.int32, gpu)
 
-    assert triton_kernels(compile_for_gpu(attention, q, kv, kv)) == FLASH_FWD
-    both = compile_for_gpu(fwd_and_grads(attention), q, kv, kv)
-    assert triton_kernels(both) == FLASH_FWD_BWD
+    def attention(q, k, v, ids):
+        return flash_attention(q, k, v, causal=causal, window=window,
+                               segment_ids=ids if segments else None)
+
+    assert mosaic_kernels(compile_for_gpu(attention, q, kv, kv, ids)) == 1
+    both = compile_for_gpu(lambda q, k, v, ids: fwd_and_grads(
+        lambda q, k, v: attention(q, k, v, ids))(q, k, v), q, kv, kv, ids)
+    assert mosaic_kernels(both) == 3
 
 
 def test_flash_attention_inside_shard_map_over_eight_h100s_needs_no_context():
     """Inside shard_map the mesh says the kernels are for a GPU (no ``compiling_for``), as in a
-    data-parallel step; small backward tiles that differ from the forward ones."""
+    data-parallel step; dQ tiles that differ from the forward ones."""
     mesh = target_mesh("h100", data=8)
     q = jax.ShapeDtypeStruct((8, 256, 4, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
-    blocks = BlockSizes(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32)
-    attention = functools.partial(flash_attention, causal=True, block_sizes=blocks)
+    tuning = TuningConfig(block_k=128, block_k_dq=64)
+    attention = functools.partial(flash_attention, causal=True, tuning=tuning)
     per_device = jax.shard_map(fwd_and_grads(attention), mesh=mesh,
                                in_specs=P("data"), out_specs=P("data"))
     compiled = jax.jit(per_device).trace(q, q, q).lower().compile()
     assert compiled.memory_analysis() is not None
-    assert triton_kernels(compiled) == FLASH_FWD_BWD
+    assert mosaic_kernels(compiled) == 3
 
 
 @pytest.mark.parametrize("dtype,block_size", [(jnp.bfloat16, 64), (jnp.float16, 32)])
@@ -142,25 +162,61 @@ def test_block_sparse_matmul_compiles_for_h100(dtype, block_size):
 TARGET_CUDNN_VERSION = 90800
 
 
-def compile_gpt_step(attention: str, data: int):
+def compile_gpt_step(attention: str, data: int, seq_len: int = 128, gpu: str = "h100",
+                     context: int = 1, extra: tuple = ()):
     """The trainer's step (``build_run``, as ``zeroflow.memory.measure`` builds it) of a
-    shrunk ``configs/tiny.yaml``, ZeRO-3 with bf16 params, compiled for ``data`` H100s."""
+    shrunk ``configs/tiny.yaml`` (head dim 32), ZeRO-3 with bf16 params, compiled for
+    ``data x context`` GPUs."""
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
-        f"model.attention={attention}", "model.num_layers=1", "model.seq_len=128",
+        f"model.attention={attention}", "model.num_layers=1", f"model.seq_len={seq_len}",
         "model.embed_dim=64", "model.num_heads=2", "model.mlp_dim=128",
-        f"train.batch_size={data}", "parallel.zero_stage=3", "precision.params=bf16"])
-    run = build_run(cfg, with_data=False, mesh=target_mesh("h100", data=data))
-    batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1),
-                                            np.int32, sharding=run.plan.batch_sharding())}
+        f"train.batch_size={data}", "parallel.zero_stage=3", "precision.params=bf16",
+        f"parallel.context={context}", *extra])
+    run = build_run(cfg, with_data=False, mesh=target_mesh(gpu, data=data, context=context))
+    rows, sharding = cfg.train.batch_size, run.plan.batch_sharding()
+    batch = {"tokens": jax.ShapeDtypeStruct((rows, cfg.model.seq_len + 1), np.int32,
+                                            sharding=sharding)}
+    if context > 1:  # the step takes the split fields (``zeroflow.models.context_batch``)
+        fields = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+        batch = {name: jax.ShapeDtypeStruct((rows, cfg.model.seq_len), np.int32,
+                                            sharding=sharding) for name in fields}
     compiled = run.make_step().lower(run.abstract_state(), batch).compile()
     assert compiled.memory_analysis() is not None
     return compiled
 
 
 def test_gpt_step_with_pallas_attention_compiles_for_eight_h100s():
-    """The step traces its kernels for the mesh's GPUs: Triton calls, no interpreter."""
+    """The step traces its kernels for the mesh's GPUs: Mosaic GPU calls, no interpreter (and
+    no dense stand-in): the forward, and the forward again (rematerialised) with dQ and dK/dV."""
     compiled = compile_gpt_step("pallas", data=8)
-    assert sorted(set(triton_kernels(compiled))) == FLASH_FWD_BWD
+    assert mosaic_kernels(compiled) >= 3
+    assert "io_callback" not in compiled.as_text() and "xla_python_cpu_callback" not in (
+        compiled.as_text())
+
+
+def test_gpt_step_with_the_context_ring_on_pallas_compiles_for_two_h100s():
+    """The ring merges the Mosaic kernels' log-sum-exp: forward blocks, then backward blocks
+    given the whole attention's lse, all compiled Mosaic GPU calls."""
+    compiled = compile_gpt_step("pallas", data=1, context=2,
+                                extra=("model.context_attention=ring",))
+    assert mosaic_kernels(compiled) >= 3
+    assert "xla_python_cpu_callback" not in compiled.as_text()
+
+
+def test_gpt_step_peak_at_8k_tokens_with_pallas_attention_is_at_most_xla_attentions():
+    """8,192 tokens in one row: XLA's attention holds [heads, S, S] scores (and their
+    gradient), the kernels O(S) statistics. XLA's own peak of each compiled step, one H100."""
+    peaks = {impl: from_memory_analysis(compile_gpt_step(impl, data=1, seq_len=8192)
+                                        .memory_analysis()) for impl in ("pallas", "xla")}
+    assert peaks["pallas"].total_bytes <= peaks["xla"].total_bytes
+    assert peaks["pallas"].peak_bytes <= peaks["xla"].peak_bytes
+
+
+def test_gpt_step_with_pallas_attention_for_an_a100_is_refused_in_one_line():
+    """The kernels use Hopper's wgmma: on an A100 target the step says so before compiling."""
+    with pytest.raises(ValueError, match=r"sm_90 GPUs \(H100, H200\).*A100") as err:
+        compile_gpt_step("pallas", data=1, gpu="a100")
+    assert "\n" not in str(err.value)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ import dataclasses
 import jax
 import numpy as np
 import optax
+import pytest
 
 import zeroflow as zf
 from zeroflow.config.schema import ModelConfig
@@ -43,3 +44,44 @@ def test_block_sparse_mlp_trains_under_zero3_with_pallas_attention():
     step = zf.make_train_step(make_loss_fn(cfg), tx, plan, prec)
     losses, state, _ = train_losses(step, state, [_batch() for _ in range(3)])
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_pallas_attention_trains_like_xla_over_three_steps():
+    """The ZeRO-3 train step on one device, the Mosaic GPU interpreter running the kernels
+    inside the step: same losses and weights as
+    XLA's attention after three SGD steps, fp32 (SGD: the weights move by the gradients
+    themselves, which Adam's normalisation would hide)."""
+    params, _ = init_params(CFG, jax.random.key(0))
+    plan = zf.ZeroPlan(zf.make_mesh(devices=jax.devices()[:1]), stage=3)
+    batches = [_batch() for _ in range(3)]
+    losses, weights = {}, {}
+    for impl in ("xla", "pallas"):
+        tx = optax.sgd(0.5)
+        state = zf.init_train_state(params, tx, plan, zf.Precision())
+        step = zf.make_train_step(make_loss_fn(dataclasses.replace(CFG, attention=impl)), tx, plan,
+                                  zf.Precision())
+        losses[impl], state, _ = train_losses(step, state, batches)
+        weights[impl] = jax.device_get(state.params)
+    assert losses["xla"][-1] < losses["xla"][0]
+    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=2e-5, atol=2e-6)
+    assert_leaves_close(weights["xla"], weights["pallas"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_pallas_attention_bad_settings_are_one_line():
+    """Head dims over the kernel's 128 (config check), and on a GPU: a device without sm_90,
+    fp32 params. Each is one line, before anything is compiled."""
+    from zeroflow import backend
+    from zeroflow.models.gpt import causal_attention, check_config
+
+    with pytest.raises(ValueError, match="supports head dims up to 128.*got 256"):
+        check_config(dataclasses.replace(CFG, attention="pallas", embed_dim=512))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jax.numpy.bfloat16)
+    for kind, dtype, message in [("NVIDIA A100-SXM4-80GB", q.dtype, "sm_90 GPUs"),
+                                 ("NVIDIA H100 80GB HBM3", np.float32, "bf16 or fp16 params")]:
+        x = jax.ShapeDtypeStruct(q.shape, dtype)
+        with backend.tracing_for(backend.for_platform("gpu", kind)):
+            with pytest.raises(ValueError, match=message) as err:
+                jax.eval_shape(lambda q: causal_attention(q, q, q, "pallas"), x)
+        assert "\n" not in str(err.value)

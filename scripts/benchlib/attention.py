@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from benchlib.isolate import Case
 from benchlib.timing import forward_and_backward, median_seconds
-from pallas_kernels import BlockSizes, flash_attention, reference_attention
+from pallas_kernels import TuningConfig, flash_attention, reference_attention
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 IMPLS = ("pallas", "cudnn", "xla")
@@ -23,13 +23,14 @@ BACKWARD_FLOPS_FACTOR = 3.5
 "fwd+bwd FLOPs / fwd FLOPs: the backward pass does 2.5x the forward's matmul work."
 
 
-def attention_fn(impl: str, *, causal: bool, window=None, block_sizes: dict | None = None,
+def attention_fn(impl: str, *, causal: bool, window=None, tuning: dict | None = None,
                  interpret: bool | None = None):
-    """``(q, k, v) -> out`` for one implementation, [B, S, H, D] layout. ``interpret``: the
-    Pallas kernel's (None: compiled on a GPU, interpreted elsewhere)."""
+    """``(q, k, v) -> out`` for one implementation, [B, S, H, D] layout. ``tuning``: the
+    Pallas kernel's ``TuningConfig`` fields; ``interpret``: its mode (None: compiled on a GPU,
+    interpreted elsewhere)."""
     if impl == "pallas":
-        blocks = BlockSizes(**block_sizes) if block_sizes else None
-        return functools.partial(flash_attention, causal=causal, window=window, block_sizes=blocks,
+        config = TuningConfig(**tuning) if tuning else None
+        return functools.partial(flash_attention, causal=causal, window=window, tuning=config,
                                  interpret=interpret)
     if impl in ("cudnn", "xla"):
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
@@ -65,6 +66,12 @@ def triton_calls(fn, *args) -> int:
     return text.count("xla.gpu.triton") + text.count("triton_kernel_call")
 
 
+def mosaic_calls(fn, *args) -> int:
+    """How many Mosaic GPU kernels the lowered program calls: 3 for flash attention's forward
+    and backward when compiled, 0 in the CPU interpreter."""
+    return jax.jit(fn).lower(*args).as_text().count("stablehlo.custom_call @mosaic_gpu")
+
+
 def check_attention(spec: dict) -> dict:
     """Forward and dq/dk/dv of the Pallas kernel against an fp32 reference, next to the same
     errors of XLA's attention computed in the input dtype ("naive"). Passes when the kernel's
@@ -74,7 +81,7 @@ def check_attention(spec: dict) -> dict:
     q, k, v, d_out = random_qkv(spec["batch"], spec["q_len"], spec["kv_len"], spec["heads"],
                                 spec["kv_heads"], spec["head_dim"], dtype, seed=spec.get("seed", 0))
     kernel = attention_fn("pallas", causal=spec["causal"], window=window,
-                          block_sizes=spec.get("block_sizes"))
+                          tuning=spec.get("tuning"))
     naive = attention_fn("xla", causal=spec["causal"], window=window)
     reference = functools.partial(reference_attention, causal=spec["causal"], window=window)
     # The reference sees the same (rounded) inputs in fp32, so its gradients are not rounded.
@@ -95,7 +102,7 @@ def check_attention(spec: dict) -> dict:
         errors[output] = {"kernel": err_kernel, "naive": err_naive, "scale": scale, "ok": ok}
     return {"spec": spec, "errors": errors, "passed": bool(passed),
             "dtypes_kept": all(x.dtype == dtype for x in results["kernel"]),
-            "triton_calls": triton_calls(forward_and_backward(kernel), q, k, v, d_out)}
+            "kernel_calls": mosaic_calls(forward_and_backward(kernel), q, k, v, d_out)}
 
 
 def correctness_cases(checks: list[dict]) -> Iterator[Case]:
@@ -110,12 +117,12 @@ def config_shape(config: dict) -> tuple[int, int]:
 
 
 def time_attention(config: dict, impl: str, pass_: str, *, warmup: int, iters: int,
-                   block_sizes: dict | None = None) -> dict:
+                   tuning: dict | None = None) -> dict:
     seq, head_dim, causal = config["seq"], config["head_dim"], config["causal"]
     batch, heads = config_shape(config)
     dtype = DTYPES[config.get("dtype", "bf16")]
     q, k, v, d_out = random_qkv(batch, seq, seq, heads, heads, head_dim, dtype)
-    fn = attention_fn(impl, causal=causal, block_sizes=block_sizes)
+    fn = attention_fn(impl, causal=causal, tuning=tuning)
     if pass_ == "fwd":
         seconds = median_seconds(jax.jit(fn), q, k, v, warmup=warmup, iters=iters)
     else:
@@ -123,7 +130,7 @@ def time_attention(config: dict, impl: str, pass_: str, *, warmup: int, iters: i
     flops = attention_flops(batch, heads, seq, seq, head_dim, causal, pass_)
     return {"seq": seq, "batch": batch, "heads": heads, "head_dim": head_dim, "causal": causal,
             "impl": impl, "pass": pass_, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
-            "block_sizes": block_sizes}
+            "tuning": tuning}
 
 
 def config_label(config: dict) -> str:
@@ -145,9 +152,9 @@ def tile_label(blocks: dict) -> str:
 
 def tile_cases(config: dict, candidates: list[dict], passes: list[str], warmup: int,
                iters: int) -> Iterator[Case]:
-    """The Pallas kernel at one shape under each candidate ``BlockSizes``."""
+    """The Pallas kernel at one shape under each candidate ``TuningConfig``."""
     for blocks in candidates:
         for pass_ in passes:
             yield Case(f"{config_label(config)} {pass_} {tile_label(blocks)}",
                        functools.partial(time_attention, config, "pallas", pass_, warmup=warmup,
-                                         iters=iters, block_sizes=blocks))
+                                         iters=iters, tuning=blocks))

@@ -29,7 +29,7 @@ class Profile:
     attention_timing: dict
     "configs (seq, head_dim, causal, tokens, width), impls, passes, warmup, iters."
     attention_tiles: dict
-    "configs, candidate BlockSizes, passes, warmup, iters."
+    "configs, candidate TuningConfig fields, passes, warmup, iters."
     block_sparse_timing: dict
     training_runs: tuple
     "(label, spec) pairs; the memory stage measures the same configurations."
@@ -44,10 +44,10 @@ class Profile:
 
 
 def _attn(name, *, batch=2, q_len, kv_len=None, heads, kv_heads=None, head_dim, dtype="bf16",
-          causal=True, window=None, block_sizes=None) -> dict:
+          causal=True, window=None, tuning=None) -> dict:
     return dict(name=name, batch=batch, q_len=q_len, kv_len=kv_len or q_len, heads=heads,
                 kv_heads=kv_heads or heads, head_dim=head_dim, dtype=dtype, causal=causal,
-                window=window, block_sizes=block_sizes)
+                window=window, tuning=tuning)
 
 
 def _sparse(name, *, m, k, n, block, density, dtype="bf16", block_m=64) -> dict:
@@ -82,8 +82,10 @@ FULL = Profile(
         _attn("causal window 256 bf16 S=2048 D=64", q_len=2048, heads=8, head_dim=64, window=[256, 0]),
         _attn("window +-128 bf16 S=1024 D=128", q_len=1024, heads=4, head_dim=128, causal=False,
               window=[128, 128]),
-        _attn("causal bf16 S=4096 D=128 tiles 64/32", batch=1, q_len=4096, heads=8, head_dim=128,
-              block_sizes={"block_q": 64, "block_k": 32, "block_q_bwd": 32, "block_k_bwd": 32}),
+        _attn("causal bf16 S=4096 D=128 tiles 64/64", batch=1, q_len=4096, heads=8, head_dim=128,
+              tuning={"block_k": 64, "block_k_dq": 64}),
+        _attn("causal bf16 S=2048 D=64 tiles 128/128", batch=1, q_len=2048, heads=8, head_dim=64,
+              tuning={"block_k": 128, "block_k_dq": 128}),
     ),
     block_sparse_checks=(
         _sparse("bf16 block 64 density 25%", m=1024, k=1024, n=2048, block=64, density=0.25),
@@ -92,23 +94,20 @@ FULL = Profile(
                 density=0.5, dtype="fp16"),
         _sparse("bf16 block 16 density 25%", m=512, k=512, n=512, block=16, density=0.25),
     ),
+    # The Mosaic GPU kernels first (pallas), at head dim 128 from 4K to 32K tokens per row
+    # (32K tokens per call: XLA's attention may run out of memory at 16K-32K, a crash record).
     attention_timing=dict(
-        configs=[dict(seq=s, head_dim=d, causal=True, tokens=16384, width=2048)
-                 for s in (2048, 4096, 8192) for d in (64, 128)]
-        + [dict(seq=4096, head_dim=128, causal=False, tokens=16384, width=2048)],
-        impls=["pallas", "cudnn", "xla"], passes=["fwd", "fwd+bwd"], warmup=2, iters=10),
+        configs=[dict(seq=s, head_dim=128, causal=True, tokens=32768, width=2048)
+                 for s in (4096, 8192, 16384, 32768)]
+        + [dict(seq=8192, head_dim=64, causal=True, tokens=32768, width=2048),
+           dict(seq=8192, head_dim=128, causal=False, tokens=32768, width=2048)],
+        impls=["pallas", "cudnn", "xla"], passes=["fwd+bwd", "fwd"], warmup=2, iters=10),
     attention_tiles=dict(
-        configs=[dict(seq=4096, head_dim=d, causal=True, tokens=16384, width=2048) for d in (128, 64)],
+        configs=[dict(seq=8192, head_dim=d, causal=True, tokens=32768, width=2048) for d in (128, 64)],
         candidates=[
-            {"block_q": 128, "block_k": 64},  # today's default
-            {"block_q": 128, "block_k": 64, "num_warps": 4},
-            {"block_q": 128, "block_k": 64, "num_stages": 3},
-            {"block_q": 128, "block_k": 128, "num_warps": 8},
-            {"block_q": 64, "block_k": 64},
-            {"block_q": 64, "block_k": 128},
-            {"block_q": 128, "block_k": 64, "block_q_bwd": 128, "block_k_bwd": 64},
-            {"block_q": 128, "block_k": 64, "block_q_bwd": 64, "block_k_bwd": 128},
-        ],
+            {"block_k": 128, "block_k_dq": 64},  # the default
+            {"block_k": 64, "block_k_dq": 64},
+        ],  # block_k_dq=128 fits shared memory at head dim 64 only (a correctness case above)
         passes=["fwd", "fwd+bwd"], warmup=2, iters=10),
     block_sparse_timing=dict(m=4096, k=4096, n=4096, dtype="bf16", block_sizes=[128, 64],
                              sparsities=[0.9, 0.75, 0.5], passes=["fwd", "fwd+bwd"], warmup=2, iters=10),
@@ -129,7 +128,7 @@ FULL = Profile(
     device_memory=80e9,
 )
 
-_TINY_TILES = {"block_q": 16, "block_k": 16, "block_q_bwd": 16, "block_k_bwd": 16}
+_TINY_TILES = {"block_k": 64, "block_k_dq": 64}
 
 QUICK = Profile(
     name="quick",
@@ -143,7 +142,7 @@ QUICK = Profile(
     # One case covering causal masking, GQA, a sequence tail and a padded head dim (bf16: XLA:CPU
     # has no fp16 x fp16 -> fp32 dot for the comparison).
     attention_checks=(_attn("causal GQA 4q/2kv bf16 S=40 D=24", batch=1, q_len=40, heads=4, kv_heads=2,
-                            head_dim=24, block_sizes=_TINY_TILES),),
+                            head_dim=24, tuning=_TINY_TILES),),
     block_sparse_checks=(_sparse("bf16 block 16 density 50%", m=40, k=64, n=64, block=16, density=0.5,
                                  block_m=16),),
     attention_timing=dict(configs=[dict(seq=32, head_dim=16, causal=True, tokens=32, width=32)],

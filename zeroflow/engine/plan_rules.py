@@ -210,6 +210,12 @@ def context_attention_problem(
 ) -> str | None:
     """The ring merges blocks by their log-sum-exp, which cuDNN's attention does not take into
     its backward pass, and its blocks have no sliding window."""
+    if strategy == "allgather" and attention == "pallas" and sliding_window:
+        return (
+            f"{keys('sliding_window')} with {keys.set('context_attention', 'allgather')} needs "
+            f"{keys('attention')} xla or cudnn (the Pallas kernel's band there is the row's "
+            "causal offset)"
+        )
     if strategy != "ring":
         return None
     if attention == "cudnn":

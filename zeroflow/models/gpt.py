@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, cast
@@ -88,9 +89,10 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(
             "model.mlp_bias needs model.mlp='dense' (block-sparse layers have no bias)"
         )
-    if cfg.sliding_window and cfg.attention == "pallas":
+    if cfg.attention == "pallas" and head_dim(cfg) > PALLAS_MAX_HEAD_DIM:
         raise ValueError(
-            "model.sliding_window needs attention='xla' or 'cudnn'; the pallas kernel has no window"
+            f"model.attention='pallas' supports head dims up to {PALLAS_MAX_HEAD_DIM} (the "
+            f"Mosaic GPU kernel's), got {head_dim(cfg)}; use attention='xla' or 'cudnn'"
         )
     _check_layer_options(cfg)
     if cfg.loss_chunk < 0 or cfg.mlp_chunk < 0 or cfg.loss_vocab_chunk < 1:
@@ -242,11 +244,16 @@ def causal_attention(
     ``window > 0`` lets each query see only the ``window`` most recent keys, itself included.
     ``segment_ids`` [B, S] (packed examples): a query sees only keys of its own segment.
     """
+    check_implementation(implementation, q.dtype)
     if implementation == "pallas":
         return pallas_kernel("flash_attention", "attention='pallas'")(
-            q, k, v, causal=True, segment_ids=segment_ids
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=segment_ids,
+            window=(window - 1, 0) if window else None,
         )
-    check_implementation(implementation, q.dtype)
     # The xla path computes the scores with fp32 accumulation and the softmax in fp32.
     local = (window - 1, 0) if window else None
     # Both paths take the segments as a boolean mask (cuDNN turns it into a bias).
@@ -257,9 +264,18 @@ def causal_attention(
     )
 
 
+PALLAS_MAX_HEAD_DIM = 128
+"The largest head dim of the Pallas flash attention kernel (padded inside to 64 or 128)."
+
+HOPPER = re.compile(r"\bG?H(100|200|800|20)\b")
+"Device kinds with sm_90 (Hopper), where the Mosaic GPU kernel's wgmma exists."
+
+
 def check_implementation(implementation: str, dtype) -> None:
     """One line where the attention implementation cannot run on the step's devices."""
     traits = backend.current()
+    if implementation == "pallas" and traits.platform == "gpu":
+        _check_pallas_gpu(traits.device_kind, dtype)
     if implementation == "cudnn" and not traits.has_cudnn:
         raise ValueError(
             f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the step is "
@@ -315,6 +331,23 @@ def _layer_inv_freq(cfg: ModelConfig, dim: int, local: jax.Array | bool) -> jax.
         return global_freq
     local_freq = rope_inv_freq(dim, cfg.local_rope_base or cfg.rope_base)
     return jnp.where(local, local_freq, global_freq)
+
+
+def _check_pallas_gpu(device_kind: str, dtype) -> None:
+    """The Pallas kernel compiled for a GPU: Mosaic GPU present, sm_90, bf16/fp16."""
+    if device_kind and not HOPPER.search(device_kind):
+        raise ValueError(
+            f"model.attention='pallas' compiles a Mosaic GPU kernel for sm_90 GPUs (H100, H200), "
+            f"but the step is compiled for {device_kind!r}; use attention='cudnn' or 'xla' there"
+        )
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"model.attention='pallas' on a GPU needs bf16 or fp16 params, got {dtype}; "
+            "set precision.params to bf16/fp16 or use attention='xla'"
+        )
+    problem = pallas_kernel("mosaic_gpu_problem", "attention='pallas'")()
+    if problem:
+        raise ValueError(f"model.attention='pallas': {problem}")
 
 
 class Attention(nn.Module):
@@ -382,8 +415,7 @@ class Attention(nn.Module):
                     f"model.attn_softcap={cfg.attn_softcap} cannot run with a context axis "
                     "(parallel.context > 1): its attention has no score soft-capping"
                 )
-            if implementation != "pallas":
-                check_implementation(implementation, q.dtype)
+            check_implementation(implementation, q.dtype)
             return context_attention(
                 q, k, v, cfg.context_attention, implementation, window, segment_ids
             )

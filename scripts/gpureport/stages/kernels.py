@@ -1,5 +1,6 @@
-"""Stage kernels: TFLOP/s of our flash attention next to cuDNN's and XLA's, block-sparse
-matmul against dense, and a sweep of attention tile sizes."""
+"""Stage kernels: TFLOP/s of our flash attention (Mosaic GPU, timed first) next to cuDNN's and
+XLA's at head dim 128 and 4K-32K tokens, block-sparse matmul against dense, and a sweep of
+attention tile sizes."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -87,10 +88,10 @@ def _tiles_table(records: list[dict]) -> list[str]:
             ranked = sorted((res for res in results if res["pass"] == pass_),
                             key=lambda res: -res["tflops"])
             if ranked:
-                rows = [[", ".join(f"{k}={v}" for k, v in sorted(res["block_sizes"].items())),
+                rows = [[", ".join(f"{k}={v}" for k, v in sorted(res["tuning"].items())),
                          f"{res['tflops']:.1f}", f"{res['ms']:.3f}"] for res in ranked]
                 lines += [f"**{r_item}, {pass_}** (best first)", ""]
-                lines += table(["BlockSizes", "TFLOP/s", "ms"], rows) + [""]
+                lines += table(["TuningConfig", "TFLOP/s", "ms"], rows) + [""]
     return lines
 
 
