@@ -26,7 +26,6 @@ from zeroflow.models.rules import gpt_tensor_rules
 from zeroflow.trainer import build_run, train
 from fixtures import TINY_TRAINER
 
-pytestmark = pytest.mark.fast
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS, LENGTH, VOCAB = 4, 32, 64
@@ -122,15 +121,15 @@ def one_step(cfg, *, context, data, stage, model=1, prec="fp32", **plan_options)
     return params, metrics, grads, state
 
 
-CASES = [  # (strategy, attention, context, data, stage)
-    ("allgather", "xla", 2, 2, 3),
-    ("allgather", "xla", 4, 2, 3),
-    ("ring", "xla", 2, 2, 3),
-    ("ring", "xla", 4, 2, 1),
-    ("allgather", "pallas", 2, 1, 2),
-    ("allgather", "pallas", 4, 1, 0),
-    ("ring", "pallas", 2, 1, 2),
-    ("ring", "pallas", 4, 1, 0),
+CASES = [  # (strategy, attention, context, data, stage); the interpreted Mosaic kernels are slow
+    pytest.param("allgather", "xla", 2, 2, 3, marks=pytest.mark.fast),
+    pytest.param("allgather", "xla", 4, 2, 3, marks=pytest.mark.fast),
+    pytest.param("ring", "xla", 2, 2, 3, marks=pytest.mark.fast),
+    pytest.param("ring", "xla", 4, 2, 1, marks=pytest.mark.fast),
+    pytest.param("allgather", "pallas", 2, 1, 2, marks=pytest.mark.slow),
+    pytest.param("allgather", "pallas", 4, 1, 0, marks=pytest.mark.slow),
+    pytest.param("ring", "pallas", 2, 1, 2, marks=pytest.mark.slow),
+    pytest.param("ring", "pallas", 4, 1, 0, marks=pytest.mark.slow),
 ]
 
 
@@ -145,6 +144,7 @@ def test_split_sequence_matches_whole_rows(strategy, attention, context, data, s
     assert_grads_close(grads, want, rtol=2e-5)
 
 
+@pytest.mark.fast
 def test_context_composes_with_tensor_parallelism():
     cfg = dataclasses.replace(CFG, context_attention="ring")
     params, metrics, grads, state = one_step(cfg, context=2, data=2, model=2, stage=3)
@@ -156,6 +156,7 @@ def test_context_composes_with_tensor_parallelism():
     assert query.sharding.shard_shape(query.shape)[1] == query.shape[1] // 4
 
 
+@pytest.mark.fast
 def test_context_composes_with_zeropp():
     """hpZ (a weight copy per host) and qgZ (int8 gradient reduce-scatter) over data x context:
     bf16 weights and int8 gradients in transit, held to the fp32 reference at their precision."""
@@ -169,6 +170,7 @@ def test_context_composes_with_zeropp():
         assert np.abs(np.asarray(got) - np.asarray(ref)).max() <= 0.05 * scale
 
 
+@pytest.mark.fast
 def test_stage3_context2_data2_trains_like_optax():
     cfg = dataclasses.replace(CFG, context_attention="ring")
     params, _ = init_params(cfg, jax.random.key(0))
@@ -199,6 +201,7 @@ def test_stage3_context2_data2_trains_like_optax():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.fast
 def test_balanced_layout_holds_chunks_i_and_mirror_with_even_causal_work():
     order = balanced_order(16, 2)  # 4 chunks of 4: device 0 holds chunks 0, 3; device 1: 1, 2
     assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
@@ -215,6 +218,7 @@ def test_balanced_layout_holds_chunks_i_and_mirror_with_even_causal_work():
         np.testing.assert_array_equal(batch[key], value[:, order])  # positions follow tokens
 
 
+@pytest.mark.fast
 def test_token_windows_become_targets_for_the_split():
     tokens = np.arange(2 * 9, dtype=np.int32).reshape(2, 9)
     batch = context_batch({"tokens": tokens}, 2, "allgather")
@@ -224,6 +228,7 @@ def test_token_windows_become_targets_for_the_split():
     assert batch["loss_mask"].all() and (batch["segment_ids"] == batch["segment_ids"][0, 0]).all()
 
 
+@pytest.mark.fast
 def test_mesh_with_a_context_axis():
     mesh = zf.make_mesh(data=2, context=2, model=2)
     assert mesh.axis_names == ("data", "context", "model")
@@ -237,6 +242,7 @@ def test_mesh_with_a_context_axis():
     assert (plan.data_size, plan.batch_split, plan.context_size) == (8, 4, 2)
 
 
+@pytest.mark.fast
 def test_bad_context_settings_are_one_line(tmp_path):
     base = TINY_TRAINER + [f"run.dir={tmp_path}"]
     cases = [
@@ -258,6 +264,7 @@ def test_bad_context_settings_are_one_line(tmp_path):
                   with_data=False)
 
 
+@pytest.mark.fast
 def test_batch_that_does_not_split_is_one_line():
     params, _ = init_params(CFG, jax.random.key(0))
     plan = zf.ZeroPlan(zf.make_mesh(data=1, context=2, devices=jax.devices()[:2]), stage=0)
@@ -271,6 +278,7 @@ def test_batch_that_does_not_split_is_one_line():
         step(state, {"tokens": np.zeros((2, LENGTH), np.int32)})
 
 
+@pytest.mark.fast
 def test_trainer_with_a_context_axis_trains_as_without(tmp_path):
     base = TINY_TRAINER + ["data.max_bytes=400000", "train.warmup_steps=2", "train.steps=3",
                            "parallel.zero_stage=3", "run.tensorboard=false", "run.plot=false"]

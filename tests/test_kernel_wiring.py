@@ -12,7 +12,6 @@ from zeroflow.models import init_params, make_loss_fn
 from helpers import assert_leaves_close, train_losses
 import pytest
 
-pytestmark = pytest.mark.fast
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64)
 
@@ -21,6 +20,7 @@ def _batch():
     return {"tokens": np.random.default_rng(0).integers(0, 64, size=(4, CFG.seq_len + 1), dtype=np.int32)}
 
 
+@pytest.mark.fast
 def test_pallas_attention_matches_xla_loss_and_grads():
     params, _ = init_params(CFG, jax.random.key(0))
     grads = {}
@@ -32,6 +32,7 @@ def test_pallas_attention_matches_xla_loss_and_grads():
     assert_leaves_close(grads["xla"][1], grads["pallas"][1], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_block_sparse_mlp_trains_under_zero3_with_pallas_attention():
     cfg = dataclasses.replace(CFG, attention="pallas", mlp="block_sparse", mlp_block_size=16, mlp_density=0.5)
     params, _ = init_params(cfg, jax.random.key(0))
