@@ -11,9 +11,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from zeroflow.autocast import fp8
+from zeroflow.autocast.policy import AutocastPolicy
+
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 MASTER_DTYPES = ("fp32",)
-AUTOCAST = ("none", "bf16", "fp16")
+AUTOCAST = ("none", "bf16", "fp16", "fp8")
+FP8_SELECT = ("cost", "all")
+"How autocast='fp8' picks its FP8 matmuls: the roofline model, or every eligible one."
 
 
 def parse_loss_scale(value: Any) -> str | float:
@@ -68,12 +73,16 @@ class Precision:
     max_consecutive_skips: int = 20
     "Consecutive skipped steps (non-finite gradients) after which the trainer stops."
     autocast: str = "none"
-    "Run the loss under zf.autocast in this dtype: 'none', 'bf16' or 'fp16'."
+    "Run the loss under zf.autocast in this dtype: 'none', 'bf16', 'fp16' or 'fp8'."
     reduce: str = "fp32"
     "What gradients are summed over devices in: 'fp32' (the exact sum of half-precision"
     " gradients) or the compute dtype (half the bytes on the wire, and half-size transients of"
     " large gradients, as PyTorch FSDP's reduce_dtype and a bf16 GSPMD program; each device's"
     " sum is rounded to that dtype)."
+    fp8_scaling: str = "tensor"
+    "autocast='fp8': per-'tensor' or per-'row' scales of the e4m3 operands (docs/autocast.md)."
+    fp8_select: str = "cost"
+    "autocast='fp8': which matmuls run in FP8: 'cost' (the roofline model) or 'all' eligible."
 
     @classmethod
     def from_config(cls, section) -> Precision:
@@ -116,6 +125,9 @@ class Precision:
             raise ValueError(f"unknown autocast {self.autocast!r}; choose one of {list(AUTOCAST)}")
         if self.autocast == "none":
             return
+        if self.autocast == "fp8":
+            self._check_fp8()
+            return
         if self.params not in ("fp32", self.autocast):
             raise ValueError(
                 f"autocast={self.autocast!r} with params={self.params!r} mixes two half "
@@ -126,6 +138,24 @@ class Precision:
                 "autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
                 "in fp16); set loss_scale='dynamic' or a number"
             )
+
+    def _check_fp8(self):
+        fp8.check_scaling(self.fp8_scaling, "fp8_scaling")
+        if self.fp8_select not in FP8_SELECT:
+            raise ValueError(
+                f"unknown fp8_select {self.fp8_select!r}; choose one of {list(FP8_SELECT)}"
+            )
+        if self.params not in ("fp32", "bf16"):
+            raise ValueError(
+                f"autocast='fp8' runs around bf16, not params={self.params!r}; "
+                "use params='fp32' or params='bf16'"
+            )
+
+    def autocast_policy(self) -> AutocastPolicy:
+        """The policy ``make_train_step`` runs the loss under (the FP8 choices)."""
+        return AutocastPolicy(
+            fp8_scaling=self.fp8_scaling, fp8_cost_model=self.fp8_select == "cost"
+        )
 
     @property
     def summary(self) -> str:

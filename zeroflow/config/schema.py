@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from zeroflow.autocast.precision import AUTOCAST, DTYPES, MASTER_DTYPES
+from zeroflow.autocast.fp8 import SCALINGS as FP8_SCALINGS
+from zeroflow.autocast.precision import AUTOCAST, DTYPES, FP8_SELECT, MASTER_DTYPES
 from zeroflow.engine.plan import (
     OFFLOAD_CHOICES,
     QUANTIZE_GRADS_CHOICES,
@@ -261,7 +262,7 @@ class PrecisionConfig:
     loss_scale: str = "none"
     "'none', 'dynamic' or a number (static scale)."
     autocast: str = one_of(*AUTOCAST)
-    "Run the unmodified model under zf.autocast: 'none', 'bf16' or 'fp16' (fp16 needs loss_scale)."
+    "Run the unmodified model under zf.autocast: 'none', 'bf16', 'fp16' (needs loss_scale) or 'fp8'."
     reduce: str = one_of(*DTYPES)
     "Dtype gradients are summed over devices in: 'fp32' (exact) or the params dtype (half the bytes)."
     init_scale: float = 32768.0
@@ -272,6 +273,10 @@ class PrecisionConfig:
     "A dynamic loss scale never halves below this."
     max_consecutive_skips: int = 20
     "Consecutive skipped steps (non-finite gradients) after which a dynamically scaled run stops."
+    fp8_scaling: str = one_of(*FP8_SCALINGS)
+    "autocast=fp8: 'tensor' or 'row' scales of the e4m3 operands (current scaling)."
+    fp8_select: str = one_of(*FP8_SELECT)
+    "autocast=fp8: which matmuls run in FP8, 'cost' (roofline model) or 'all' eligible ones."
 
 
 @dataclass

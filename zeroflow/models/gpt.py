@@ -494,9 +494,10 @@ class GPT(nn.Module):
             spec = "bsd,dv->bsv"
         if return_hidden:
             return x.astype(unembed.dtype), unembed
-        logits = jnp.einsum(
-            spec, x.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32
-        )
+        with jax.named_scope("lm_head"):  # a scope autocast='fp8' keeps bf16 by default
+            logits = jnp.einsum(
+                spec, x.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32
+            )
         return logits.astype(jnp.float32)
 
     def _learned_positions(self, length: int, positions: jax.Array | None = None) -> jax.Array:
