@@ -439,6 +439,8 @@ def _paint_convert(eqn, ins, ctx: Ctx) -> EqnPlan:
 
 def _paint_allow(eqn, ins, ctx: Ctx, floats, forced: bool) -> EqnPlan:
     low = ctx.low
+    if ctx.fp8 and not ctx.policy.fp8_cost_model and eqn.primitive.name == "dot_general":
+        forced = True  # every eligible matmul in FP8: the bytes model must not keep it fp32
     if forced or not ctx.policy.cost_model:
         reason = "allow list (policy: low scope)" if forced else "allow list"
     else:
@@ -483,7 +485,9 @@ def _choose_fp8(plan: EqnPlan, ctx: Ctx) -> None:
         n = int(np.prod(rhs)) // k
         verdict = cost.judge_fp8(1, m, k, n, train=ctx.policy.train)
         if not ctx.policy.fp8_cost_model and not verdict.why:
-            verdict = dataclasses.replace(verdict, convert=True)
+            plan.reason += "; fp8 (policy: fp8_cost_model=False)"
+            plan.decision, plan.fp8 = "fp8", ctx.policy.fp8_scaling
+            return
     plan.reason += "; " + verdict.reason()
     if verdict.convert:
         plan.decision, plan.fp8 = "fp8", ctx.policy.fp8_scaling
