@@ -265,3 +265,26 @@ def test_config_keys():
     with pytest.raises(ConfigError, match="precision.fp8_scaling") as info:
         load_config(None, ["precision.autocast=fp8", "precision.fp8_scaling=block"])
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("policy", ["everything_saveable", "nothing_saveable", "dots_saveable"])
+def test_under_remat_policies_values_and_gradients_are_unchanged(policy):
+    """A remat policy that saves the e4m3 residuals (the GPT's layers save everything but the
+    fetched weights) must not alter them: entries above 240 used to come back non-finite."""
+    a, b = operands(outlier_row=False)
+    a = jnp.asarray(a * 10)  # entries of both signs up to 448 after scaling
+
+    def body(x, y):
+        return jnp.tanh(fp8.scaled_dot(x, y, DIMS_2D, jnp.float32, "tensor"))
+
+    def plain(x, y):
+        return body(x, y).sum()
+
+    def remat(x, y):
+        return jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, policy))(x, y).sum()
+
+    want = jax.jit(jax.value_and_grad(plain, (0, 1)))(a, b)
+    got = jax.jit(jax.value_and_grad(remat, (0, 1)))(a, b)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -115,7 +115,19 @@ def _scaled_dot_fwd(lhs, rhs, dims, out_dtype, scaling):
     out, (q_lhs, s_lhs, q_rhs, s_rhs) = _forward(lhs, rhs, dims, out_dtype, scaling)
     # dtypes ride along as zero-size arrays: the cotangents must come back in the inputs' dtypes
     tags = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-    return out, (q_lhs, s_lhs, q_rhs, s_rhs, tags)
+    return out, (_as_bytes(q_lhs), s_lhs, _as_bytes(q_rhs), s_rhs, tags)
+
+
+def _as_bytes(q):
+    """An e4m3 residual as its bytes. Saved under ``jax.checkpoint`` (a remat policy that saves
+    it), a float residual passes through ``reduce_precision`` to its own format, which jax
+    spells with e4m3's IEEE variant (largest finite 240, with infinities) rather than e4m3fn's
+    (448, no infinities): every entry above 240 would come back as inf or NaN."""
+    return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _from_bytes(b):
+    return lax.bitcast_convert_type(b, E4M3)
 
 
 def _per_tensor(q, scale):
@@ -130,6 +142,7 @@ def _per_tensor(q, scale):
 
 def _scaled_dot_bwd(dims, out_dtype, scaling, res, g):
     q_lhs, s_lhs, q_rhs, s_rhs, (lhs_tag, rhs_tag) = res
+    q_lhs, q_rhs = _from_bytes(q_lhs), _from_bytes(q_rhs)
     q_lhs, s_lhs = _per_tensor(q_lhs, s_lhs)
     q_rhs, s_rhs = _per_tensor(q_rhs, s_rhs)
     s_g = scale_of(g, E5M2)
