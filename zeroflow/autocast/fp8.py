@@ -91,7 +91,12 @@ def _operand_scales(lhs, rhs, dims, scaling):
 def _forward(lhs, rhs, dims, out_dtype, scaling):
     s_lhs, s_rhs = _operand_scales(lhs, rhs, dims, scaling)
     q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
-    acc = lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=jnp.float32)
+    # A 16-bit result straight from the GEMM (which accumulates in fp32 either way): what a
+    # remat policy saving matmul outputs keeps is then as wide as a bf16 matmul's, not fp32.
+    narrow = jnp.dtype(out_dtype).itemsize == 2
+    acc = lax.dot_general(
+        q_lhs, q_rhs, dims, preferred_element_type=out_dtype if narrow else jnp.float32
+    )
     if scaling == "tensor":
         out_scale = s_lhs * s_rhs
     else:
@@ -101,7 +106,7 @@ def _forward(lhs, rhs, dims, out_dtype, scaling):
         out_scale = _row_scale_in_out_layout(
             s_lhs, lc, lb, n_rhs_free, lhs=True
         ) * _row_scale_in_out_layout(s_rhs, rc, rb, n_lhs_free, lhs=False)
-    return (acc * out_scale).astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs)
+    return (acc.astype(jnp.float32) * out_scale).astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
