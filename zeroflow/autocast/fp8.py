@@ -152,12 +152,26 @@ def _scaled_dot_bwd(dims, out_dtype, scaling, res, g):
     q_rhs, s_rhs = _per_tensor(q_rhs, s_rhs)
     s_g = scale_of(g, E5M2)
     q_g = quantize(g, s_g, E5M2)
-    common = dict(dimension_numbers=dims, precision=None, preferred_element_type=jnp.float32)
-    d_lhs = fp8_ops.dot_general_transpose_lhs(q_g, q_lhs, q_rhs, **common)
-    d_rhs = fp8_ops.dot_general_transpose_rhs(q_g, q_lhs, q_rhs, **common)
+    d_lhs = fp8_ops.dot_general_transpose_lhs(
+        q_g, q_lhs, q_rhs, **_transpose_args(dims, lhs_tag.dtype)
+    )
+    d_rhs = fp8_ops.dot_general_transpose_rhs(
+        q_g, q_lhs, q_rhs, **_transpose_args(dims, rhs_tag.dtype)
+    )
     return (
-        (d_lhs * (s_g * s_rhs)).astype(lhs_tag.dtype),
-        (d_rhs * (s_g * s_lhs)).astype(rhs_tag.dtype),
+        (d_lhs.astype(jnp.float32) * (s_g * s_rhs)).astype(lhs_tag.dtype),
+        (d_rhs.astype(jnp.float32) * (s_g * s_lhs)).astype(rhs_tag.dtype),
+    )
+
+
+def _transpose_args(dims, dtype) -> dict:
+    """A backward product straight into a 16-bit gradient's dtype (the GEMM accumulates in fp32
+    either way): no fp32 copy of a weight-sized gradient lives between GEMM and cast."""
+    narrow = jnp.dtype(dtype).itemsize == 2
+    return dict(
+        dimension_numbers=dims,
+        precision=None,
+        preferred_element_type=dtype if narrow else jnp.float32,
     )
 
 
