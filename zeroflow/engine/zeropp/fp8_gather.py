@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from zeroflow.autocast import fp8
 from zeroflow.backend.mesh import zero_axes
-from zeroflow.engine.grads.collectives import all_gather
 from zeroflow.engine.hosts import index_groups
+from zeroflow.engine.padding import cut_to
 
 
 def whole_weight_scale(shard, groups=None):
@@ -33,8 +33,17 @@ def whole_weight_scale(shard, groups=None):
 
 def fp8_all_gather(shard, dim: int, dtype, size=None, groups=None, *, sliced: bool = False):
     """The whole weight in ``dtype`` from this device's ``shard`` (split along ``dim``, cut to
-    ``size``), moved as e4m3 with the whole weight's scale."""
+    ``size``), moved as e4m3 with the whole weight's scale. The shards are gathered on a new
+    leading axis and moved into place (as qwZ's are), which also suits a loop's slice
+    (``sliced``: see ``zeroflow.engine.grads.collectives.all_gather``)."""
+    del sliced  # always gathered on a new leading axis
     scale = whole_weight_scale(shard, groups)
     q = fp8.quantize(shard, scale, fp8.E4M3)
-    whole = all_gather(q, dim, fp8.E4M3, size, groups, sliced=sliced)
-    return (whole.astype(jnp.float32) * scale).astype(dtype)
+    parts = jax.lax.all_gather(
+        q, zero_axes(), axis=0, tiled=False, axis_index_groups=index_groups(groups)
+    )
+    shape = list(shard.shape)
+    shape[dim] *= parts.shape[0]
+    whole = jnp.moveaxis(parts, 0, dim).reshape(shape)
+    whole = (whole.astype(jnp.float32) * scale).astype(dtype)
+    return whole if size is None else cut_to(whole, dim, size)
