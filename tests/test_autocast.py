@@ -112,8 +112,8 @@ def test_fp16_and_bad_dtype():
     params, x, labels = mlp_setup()
     dots = eqns(zf.autocast(mlp_loss, dtype="fp16"), params, x, labels, name="dot_general")
     assert len(dots) == 2 and all(in_dtypes(e) == [jnp.dtype(jnp.float16)] * 2 for e in dots)
-    with pytest.raises(ValueError, match=r"autocast dtype must be one of \['bf16', 'fp16'\], got 'fp8'"):
-        zf.autocast(mlp_loss, dtype="fp8")
+    with pytest.raises(ValueError, match=r"autocast dtype must be one of \['bf16', 'fp16', 'fp8'\], got 'fp4'"):
+        zf.autocast(mlp_loss, dtype="fp4")
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -542,7 +542,7 @@ def test_scaled_value_and_grad_rescues_fp16_gradients():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"autocast": "fp8"}, r"unknown autocast 'fp8'; choose one of \['none', 'bf16', 'fp16'\]"),
+    ({"autocast": "fp4"}, r"unknown autocast 'fp4'; choose one of \['none', 'bf16', 'fp16', 'fp8'\]"),
     ({"autocast": "fp16"}, "autocast='fp16' needs loss scaling"),
     ({"params": "bf16", "autocast": "fp16", "loss_scale": "dynamic"}, "mixes two half types"),
 ])

@@ -132,14 +132,16 @@ def test_config_choices_are_the_engines_and_the_models():
     assert choices_of(ParallelConfig) == {"zero_stage": plan.ZERO_STAGES,
                                           "offload": plan.OFFLOAD_CHOICES,
                                           "update_on": plan.UPDATE_ON_CHOICES,
-                                          "quantize_weights": ("none", "int8"),
+                                          "quantize_weights": ("none", "int8", "fp8"),
                                           "quantize_grads": ("none", "int8")}
-    assert plan.QUANTIZE_WEIGHTS_CHOICES == (None, "int8")  # 'none' in a config is None
+    assert plan.QUANTIZE_WEIGHTS_CHOICES == (None, "int8", "fp8")  # 'none' in a config is None
     assert plan.QUANTIZE_GRADS_CHOICES == (None, "int8")
     assert choices_of(PrecisionConfig) == {"params": tuple(precision.DTYPES),
                                            "master": precision.MASTER_DTYPES,
                                            "autocast": precision.AUTOCAST,
-                                           "reduce": tuple(precision.DTYPES)}
+                                           "reduce": tuple(precision.DTYPES),
+                                           "fp8_scaling": ("tensor", "row"),
+                                           "fp8_select": precision.FP8_SELECT}
     assert gpt._CHOICES == choices_of(ModelConfig)
 
 

@@ -86,3 +86,57 @@ def fmt_bytes(n: float) -> str:
 
 def size_of(aval) -> int:
     return math.prod(aval.shape)
+
+
+# --------------------------------------------------------------------------- FP8 matmuls
+# FP8 moves about as many bytes as bf16 (each operand is read for its amax, read again and
+# written at 1 byte before the GEMM reads it at 1), so a bytes-only model would never choose
+# it: its gain is the tensor cores' doubled rate. The FP8 judgement is therefore a roofline:
+# each GEMM takes max(flops / peak, bytes / bandwidth), plus the quantization passes.
+# The figures are an H100 SXM's published dense rates; only their ratios decide.
+BF16_FLOPS = 989e12
+FP8_FLOPS = 1979e12
+HBM_BYTES_PER_S = 3.35e12
+FP8_MIN_DIM = 16
+"A matmul with a side shorter than this stays bf16 (FP8 GEMMs want multiples of 16)."
+QUANTIZE_BYTES = 5
+"Per element of a bf16 operand cast to FP8: read for its amax (2), read again (2), write (1)."
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Verdict:
+    convert: bool
+    fp8_seconds: float
+    bf16_seconds: float
+    why: str = ""
+
+    def reason(self) -> str:
+        if self.why:
+            return f"fp8: kept bf16 ({self.why})"
+        verb = "fp8" if self.convert else "kept bf16"
+        return (
+            f"fp8 roofline: {verb}; {self.fp8_seconds * 1e6:.3g} us in FP8 (quantizing "
+            f"included) vs {self.bf16_seconds * 1e6:.3g} us in bf16"
+        )
+
+
+def _gemm_seconds(flops: float, nbytes: float, peak: float) -> float:
+    return max(flops / peak, nbytes / HBM_BYTES_PER_S)
+
+
+def judge_fp8(batch: int, m: int, k: int, n: int, *, train: bool) -> Fp8Verdict:
+    """Run ``[batch] x [m, k] @ [k, n]`` (already bf16) as FP8 GEMMs? The forward product and,
+    in training, the two backward ones, against the same in bf16."""
+    if min(m, k, n) < FP8_MIN_DIM:
+        return Fp8Verdict(False, 0.0, 0.0, f"skinny: a side below {FP8_MIN_DIM}")
+    a, b, out = batch * m * k, batch * k * n, batch * m * n
+    flops = 2.0 * batch * m * k * n
+    bf16 = _gemm_seconds(flops, 2 * (a + b + out), BF16_FLOPS)
+    fp8 = _gemm_seconds(flops, a + b + 2 * out, FP8_FLOPS)
+    fp8 += QUANTIZE_BYTES * (a + b) / HBM_BYTES_PER_S
+    if train:  # d_lhs = g @ rhs.T, d_rhs = lhs.T @ g; the gradient is quantized once for both
+        bf16 += 2 * _gemm_seconds(flops, 2 * (a + b + out), BF16_FLOPS)
+        fp8 += _gemm_seconds(flops, out + b + 2 * a, FP8_FLOPS)
+        fp8 += _gemm_seconds(flops, out + a + 2 * b, FP8_FLOPS)
+        fp8 += QUANTIZE_BYTES * out / HBM_BYTES_PER_S
+    return Fp8Verdict(fp8 < bf16, fp8, bf16)

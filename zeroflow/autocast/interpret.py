@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from zeroflow.autocast import lists, paint
+from zeroflow.autocast import fp8, lists, paint
 from zeroflow.autocast.policy import AutocastPolicy
 from zeroflow.util import jaxprs
 
@@ -137,7 +137,11 @@ def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
         slot.value if dtype is None else slot.copies.get(dtype)
         for slot, dtype in zip(slots, plan.in_dtypes)
     ]
-    out = jaxprs.bind(eqn, args, plan.params)
+    if plan.fp8 is not None:
+        dims = fp8.as_dims(eqn.params["dimension_numbers"])
+        out = [fp8.scaled_dot(*args, dims, plan.outs[0].dtype, plan.fp8)]
+    else:
+        out = jaxprs.bind(eqn, args, plan.params)
     result = []
     for array, value in zip(out, plan.outs):
         if paint.dtype_of(array) != paint.norm(value.dtype):  # a primitive typed its result unlike
@@ -172,9 +176,9 @@ def trace(fn, args, kwargs):
     return closed, arrays, out_tree[0]
 
 
-def paint_closed(closed, low, policy: AutocastPolicy) -> paint.Painting:
+def paint_closed(closed, low, policy: AutocastPolicy, fp8: bool = False) -> paint.Painting:
     groups = paint.Groups()
-    ctx = paint.Ctx(low=low, policy=policy, groups=groups)
+    ctx = paint.Ctx(low=low, policy=policy, groups=groups, fp8=fp8)
     consts = [
         paint.Value(dtype=paint.dtype_of(c), group=groups.new(paint.dtype_of(c)))
         for c in closed.consts
@@ -189,8 +193,9 @@ def paint_closed(closed, low, policy: AutocastPolicy) -> paint.Painting:
 
 def autocast(fn, dtype="bf16", policy: AutocastPolicy | None = None):
     """``fn`` with half-precision compute and no change to the model: same signature, same
-    output dtypes. See ``docs/autocast.md``."""
-    low = lists.parse_dtype(dtype)
+    output dtypes. ``dtype="fp8"``: as bf16, with the large matmuls in FP8 (``fp8.py``). See
+    ``docs/autocast.md``."""
+    low, use_fp8 = lists.parse_mode(dtype)
     policy = AutocastPolicy() if policy is None else policy
     if not isinstance(policy, AutocastPolicy):
         raise ValueError(f"policy must be a zf.AutocastPolicy, got {type(policy).__name__}")
@@ -200,7 +205,7 @@ def autocast(fn, dtype="bf16", policy: AutocastPolicy | None = None):
     @functools.wraps(fn)
     def cast_fn(*args, **kwargs):
         closed, arrays, out_tree = trace(fn, args, kwargs)
-        painting = paint_closed(closed, low, policy)
+        painting = paint_closed(closed, low, policy, use_fp8)
         outs = run_jaxpr(painting, const_slots(closed.consts), [Slot.of(a) for a in arrays])
         return jax.tree.unflatten(out_tree, [slot.value for slot in outs])
 

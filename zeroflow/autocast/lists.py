@@ -164,7 +164,16 @@ UNSCALE_SCOPE = "zeroflow_unscale"
 "Name scope marking gradient unscaling: it and everything computed from it stays fp32."
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
-_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+FP8 = "fp8"
+"The mode name for FP8 matmuls: the program runs as under bf16, large matmuls in FP8."
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8": FP8}
+
+
+def parse_mode(dtype) -> tuple[np.dtype, bool]:
+    """``(half dtype, fp8)``: ``"fp8"`` is bf16 with FP8 matmuls (``fp8.py``)."""
+    if isinstance(dtype, str) and _ALIASES.get(dtype, dtype) == FP8:
+        return np.dtype(jnp.bfloat16), True
+    return parse_dtype(dtype), False
 
 
 def parse_dtype(dtype) -> np.dtype:
@@ -177,7 +186,7 @@ def parse_dtype(dtype) -> np.dtype:
             name = repr(dtype)
     name = _ALIASES.get(name, name)
     if name not in DTYPES:
-        raise ValueError(f"autocast dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"autocast dtype must be one of {sorted([*DTYPES, FP8])}, got {dtype!r}")
     return np.dtype(DTYPES[name])
 
 

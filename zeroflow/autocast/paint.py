@@ -122,6 +122,8 @@ class EqnPlan:
     "The plan of a higher-order primitive (``higher_order.py``)."
     in_values: tuple = ()
     "The ``Value`` of each input as painting found it (for the report)."
+    fp8: str | None = None
+    "A matmul run in FP8 (``fp8.scaled_dot``): its scaling recipe."
 
 
 @dataclasses.dataclass
@@ -145,6 +147,8 @@ class Ctx:
     "Outputs of the jaxpr being painted whose every use outside ends in an fp32-list op."
     eqn_fp32_outs: frozenset = frozenset()
     "While painting one eqn: the indices of its outputs whose every use ends in fp32 ops."
+    fp8: bool = False
+    "dtype='fp8': low is bf16, and large weight matmuls run in FP8."
 
     def inside(self, path: str, scope: str = "") -> Ctx:
         return dataclasses.replace(
@@ -435,6 +439,8 @@ def _paint_convert(eqn, ins, ctx: Ctx) -> EqnPlan:
 
 def _paint_allow(eqn, ins, ctx: Ctx, floats, forced: bool) -> EqnPlan:
     low = ctx.low
+    if ctx.fp8 and not ctx.policy.fp8_cost_model and eqn.primitive.name == "dot_general":
+        forced = True  # every eligible matmul in FP8: the bytes model must not keep it fp32
     if forced or not ctx.policy.cost_model:
         reason = "allow list (policy: low scope)" if forced else "allow list"
     else:
@@ -458,7 +464,33 @@ def _paint_allow(eqn, ins, ctx: Ctx, floats, forced: bool) -> EqnPlan:
     params = dict(eqn.params)
     if "preferred_element_type" in params:
         params["preferred_element_type"] = low
-    return run_at(eqn, ins, ctx, floats, low, "low", reason, params=params)
+    plan = run_at(eqn, ins, ctx, floats, low, "low", reason, params=params)
+    if ctx.fp8 and eqn.primitive.name == "dot_general" and len(floats) == 2:
+        _choose_fp8(plan, ctx)
+    return plan
+
+
+def _choose_fp8(plan: EqnPlan, ctx: Ctx) -> None:
+    """Turn a low ``dot_general`` into an FP8 one where the policy and the roofline agree."""
+    eqn = plan.eqn
+    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    if lb:
+        verdict = cost.Fp8Verdict(False, 0, 0, "batched: attention-like, both operands computed")
+    elif ctx.policy.fp8_kept(ctx.scope):
+        verdict = cost.Fp8Verdict(False, 0, 0, "policy: fp8_keep_scopes")
+    else:
+        k = int(np.prod([lhs[d] for d in lc]))
+        m = int(np.prod(lhs)) // k
+        n = int(np.prod(rhs)) // k
+        verdict = cost.judge_fp8(1, m, k, n, train=ctx.policy.train)
+        if not ctx.policy.fp8_cost_model and not verdict.why:
+            plan.reason += "; fp8 (policy: fp8_cost_model=False)"
+            plan.decision, plan.fp8 = "fp8", ctx.policy.fp8_scaling
+            return
+    plan.reason += "; " + verdict.reason()
+    if verdict.convert:
+        plan.decision, plan.fp8 = "fp8", ctx.policy.fp8_scaling
 
 
 def _low_compatible(value: Value, eqn_var, low) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zeroflow.autocast import lists
+from zeroflow.autocast import fp8, lists
 
 _PRIMITIVE_FIELDS = ("low", "fp32", "follow", "keep")
 
@@ -52,6 +52,12 @@ class AutocastPolicy:
     "Keep an allow-list op in fp32 when the casts it needs move more bytes than it saves."
     train: bool = True
     "The cost model counts the backward pass too (forward only when False)."
+    fp8_scaling: str = "tensor"
+    "dtype='fp8': how operands are scaled before the cast, 'tensor' or 'row' (``fp8.py``)."
+    fp8_keep_scopes: tuple[str, ...] = ("lm_head",)
+    "dtype='fp8': name scopes whose matmuls stay bf16 (the LM head; e.g. a first or last layer)."
+    fp8_cost_model: bool = True
+    "dtype='fp8': keep a matmul bf16 when the roofline model says FP8 is not faster."
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
@@ -73,7 +79,8 @@ class AutocastPolicy:
                         f"{seen[name]!r} and {field!r}"
                     )
                 seen[name] = field
-        for field in ("cost_model", "train"):
+        fp8.check_scaling(self.fp8_scaling, "AutocastPolicy.fp8_scaling")
+        for field in ("cost_model", "train", "fp8_cost_model"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(
                     f"AutocastPolicy.{field} must be True or False, got {getattr(self, field)!r}"
@@ -97,6 +104,11 @@ class AutocastPolicy:
             if primitive in members:
                 return name
         return "keep"
+
+    def fp8_kept(self, scope: str) -> bool:
+        """Whether an equation in this name stack stays bf16 under dtype='fp8'."""
+        parts = split_scope(scope)
+        return any(_contains_run(parts, split_scope(s)) for s in self.fp8_keep_scopes)
 
     def scope_rule(self, scope: str) -> str | None:
         """``"fp32"``, ``"low"`` or None for an eqn's name stack (``"Model/Block_0/attn"``)."""

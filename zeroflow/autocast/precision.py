@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from zeroflow.autocast.policy import AutocastPolicy
 from zeroflow.util.settings import AUTOCAST as AUTOCAST  # re-exported: the names stay here too
 from zeroflow.util.settings import DTYPE_NAMES, check_precision
+from zeroflow.util.settings import FP8_SELECT as FP8_SELECT
 from zeroflow.util.settings import MASTER_DTYPES as MASTER_DTYPES
 from zeroflow.util.settings import parse_loss_scale as parse_loss_scale
 
@@ -47,12 +49,16 @@ class Precision:
     max_consecutive_skips: int = 20
     "Consecutive skipped steps (non-finite gradients) after which the trainer stops."
     autocast: str = "none"
-    "Run the loss under zf.autocast in this dtype: 'none', 'bf16' or 'fp16'."
+    "Run the loss under zf.autocast in this dtype: 'none', 'bf16', 'fp16' or 'fp8'."
     reduce: str = "fp32"
     "What gradients are summed over devices in: 'fp32' (the exact sum of half-precision"
     " gradients) or the compute dtype (half the bytes on the wire, and half-size transients of"
     " large gradients, as PyTorch FSDP's reduce_dtype and a bf16 GSPMD program; each device's"
     " sum is rounded to that dtype)."
+    fp8_scaling: str = "tensor"
+    "autocast='fp8': per-'tensor' or per-'row' scales of the e4m3 operands (docs/autocast.md)."
+    fp8_select: str = "cost"
+    "autocast='fp8': which matmuls run in FP8: 'cost' (the roofline model) or 'all' eligible."
 
     @classmethod
     def from_config(cls, section) -> Precision:
@@ -64,6 +70,12 @@ class Precision:
         # the checks are plain Python (zeroflow.util.settings): the config runs them before jax
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         object.__setattr__(self, "loss_scale", check_precision(**fields))
+
+    def autocast_policy(self) -> AutocastPolicy:
+        """The policy ``make_train_step`` runs the loss under (the FP8 choices)."""
+        return AutocastPolicy(
+            fp8_scaling=self.fp8_scaling, fp8_cost_model=self.fp8_select == "cost"
+        )
 
     @property
     def summary(self) -> str:

@@ -103,9 +103,9 @@ def autocast_report(
 ) -> AutocastReport:
     """What ``zf.autocast(fn, dtype, policy)`` would do on these arguments (arrays or
     ``jax.ShapeDtypeStruct``s; nothing is computed). ``print()`` it for a table."""
-    low = lists.parse_dtype(dtype)
+    low, use_fp8 = lists.parse_mode(dtype)
     policy = AutocastPolicy() if policy is None else policy
     closed, _, _ = trace(fn, args, kwargs)
     rows: list = []
-    _rows(paint_closed(closed, low, policy), rows)
-    return AutocastReport(dtype=low.name, decisions=tuple(rows))
+    _rows(paint_closed(closed, low, policy, use_fp8), rows)
+    return AutocastReport(dtype=lists.FP8 if use_fp8 else low.name, decisions=tuple(rows))

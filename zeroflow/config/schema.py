@@ -21,6 +21,8 @@ from zeroflow.util.settings import (
     ADAMW_CHOICES,
     AUTOCAST,
     DTYPE_NAMES,
+    FP8_SCALINGS,
+    FP8_SELECT,
     MASTER_DTYPES,
     OFFLOAD_CHOICES,
     QUANTIZE_GRADS_CHOICES,
@@ -282,7 +284,7 @@ class PrecisionConfig:
     loss_scale: str = "none"
     "'none', 'dynamic' or a number (static scale)."
     autocast: str = one_of(*AUTOCAST)
-    "Run the unmodified model under zf.autocast: 'none', 'bf16' or 'fp16' (fp16 needs loss_scale)."
+    "Run the unmodified model under zf.autocast: 'none', 'bf16', 'fp16' (needs loss_scale) or 'fp8'."
     reduce: str = one_of(*DTYPE_NAMES)
     "Dtype gradients are summed over devices in: 'fp32' (exact) or the params dtype (half the bytes)."
     init_scale: float = 32768.0
@@ -293,6 +295,10 @@ class PrecisionConfig:
     "A dynamic loss scale never halves below this."
     max_consecutive_skips: int = 20
     "Consecutive skipped steps (non-finite gradients) after which a dynamically scaled run stops."
+    fp8_scaling: str = one_of(*FP8_SCALINGS)
+    "autocast=fp8: 'tensor' or 'row' scales of the e4m3 operands (current scaling)."
+    fp8_select: str = one_of(*FP8_SELECT)
+    "autocast=fp8: which matmuls run in FP8, 'cost' (roofline model) or 'all' eligible ones."
 
 
 @dataclass

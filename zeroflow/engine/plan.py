@@ -143,7 +143,8 @@ class ZeroPlan:
     (``zeroflow.backend.Traits``); by default read from the mesh.
     ``quantize_weights``: None, or "int8" (ZeRO++'s qwZ, stage 3 only): weights are all-gathered
     as int8 blocks of ``quantize_block`` entries with one fp32 scale each and dequantized to the
-    compute dtype (``zeroflow.engine.zeropp``); gradients and the master stay exact.
+    compute dtype (``zeroflow.engine.zeropp``); gradients and the master stay exact. "fp8":
+    gathered as e4m3 with one scale per weight, the FP8 matmul's (``zeropp.fp8_gather``).
     ``hierarchical``: ZeRO++'s hpZ (stage 3, two or more hosts, no offload): the compute-dtype
     weights are kept as a secondary copy sharded over each host's devices only, so the forward
     and backward gathers stay inside the host (``zeroflow.engine.zeropp.hierarchical``); the master,

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroflow import backend
-from zeroflow.autocast import autocast
+from zeroflow.autocast import autocast, fp8
 from zeroflow.autocast.precision import Precision
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import offload, padding, update
@@ -593,8 +593,10 @@ def make_train_step(
         raise ValueError(f"plan must be a zf.ZeroPlan, got {type(plan).__name__}")
     if not isinstance(prec, Precision):
         raise ValueError(f"prec must be a zf.Precision, got {type(prec).__name__}")
+    if prec.autocast == "fp8":
+        fp8.check_mesh(plan.mesh)
     if prec.autocast != "none":  # half-precision compute for a model written in fp32
-        loss_fn = autocast(loss_fn, dtype=prec.autocast)
+        loss_fn = autocast(loss_fn, dtype=prec.autocast, policy=prec.autocast_policy())
     if prefetch is None:
         prefetch = 1 if plan.traits.overlaps_collectives else 0
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:

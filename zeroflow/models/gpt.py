@@ -660,9 +660,10 @@ class GPT(nn.Module):
             if cfg.logit_softcap:
                 raise ValueError("model.logit_softcap: the hidden states alone miss the cap")
             return x.astype(unembed.dtype), unembed
-        logits = jnp.einsum(
-            spec, x.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32
-        )
+        with jax.named_scope("lm_head"):  # a scope autocast='fp8' keeps bf16 by default
+            logits = jnp.einsum(
+                spec, x.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32
+            )
         if cfg.logit_softcap:  # Gemma 2's final_logit_softcapping
             logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
         return logits.astype(jnp.float32)

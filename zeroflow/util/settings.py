@@ -18,7 +18,11 @@ from typing import Any
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 "The compute dtypes by name (``Precision.params``, ``Precision.reduce``)."
 MASTER_DTYPES = ("fp32",)
-AUTOCAST = ("none", "bf16", "fp16")
+AUTOCAST = ("none", "bf16", "fp16", "fp8")
+FP8_SCALINGS = ("tensor", "row")
+"How autocast='fp8' scales its e4m3 operands: one scale per tensor, or per row."
+FP8_SELECT = ("cost", "all")
+"How autocast='fp8' picks its FP8 matmuls: the roofline model, or every eligible one."
 
 # --- optimizers (zeroflow.optim) -----------------------------------------------------------------
 
@@ -29,7 +33,7 @@ ADAMW_CHOICES = ("adamw", "adamw_8bit", "adamw_bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
 UPDATE_ON_CHOICES = ("device", "host")
-QUANTIZE_WEIGHTS_CHOICES = (None, "int8")
+QUANTIZE_WEIGHTS_CHOICES = (None, "int8", "fp8")
 QUANTIZE_GRADS_CHOICES = (None, "int8")
 QUANTIZE_KINDS = ("nf4", "int8")
 "How ``quantize_frozen`` stores frozen weights."
@@ -76,6 +80,8 @@ def check_precision(
     max_consecutive_skips: int,
     autocast: str,
     reduce: str,
+    fp8_scaling: str = "tensor",
+    fp8_select: str = "cost",
 ) -> str | float:
     """Raise ValueError (one line) for a precision that cannot run; return the parsed
     ``loss_scale``. ``Precision`` runs it when made, the config before jax starts; its
@@ -87,6 +93,8 @@ def check_precision(
     parsed = parse_loss_scale(loss_scale)
     _check_scaling(init_scale, growth_interval, min_scale, max_consecutive_skips)
     _check_autocast(autocast, params, scaled=parsed != "none")
+    if autocast == "fp8":
+        check_fp8(fp8_scaling, fp8_select, params)
     if not isinstance(reduce, str) or reduce not in ("fp32", params):
         raise ValueError(
             f"unknown reduce dtype {reduce!r}; gradients are summed in 'fp32' "
@@ -113,7 +121,7 @@ def _check_scaling(init_scale, growth_interval, min_scale, max_consecutive_skips
 def _check_autocast(autocast: str, params: str, *, scaled: bool) -> None:
     if not isinstance(autocast, str) or autocast not in AUTOCAST:
         raise ValueError(f"unknown autocast {autocast!r}; choose one of {list(AUTOCAST)}")
-    if autocast == "none":
+    if autocast in ("none", "fp8"):
         return
     if params not in ("fp32", autocast):
         raise ValueError(
@@ -124,4 +132,25 @@ def _check_autocast(autocast: str, params: str, *, scaled: bool) -> None:
         raise ValueError(
             "autocast='fp16' needs loss scaling (gradients below 6e-8 flush to zero "
             "in fp16); set loss_scale='dynamic' or a number"
+        )
+
+
+def check_fp8_scaling(scaling: Any, where: str = "fp8 scaling") -> str:
+    """``scaling`` if it names an FP8 scaling recipe, else ValueError naming ``where``."""
+    if scaling not in FP8_SCALINGS:
+        raise ValueError(
+            f"{where}: unknown scaling {scaling!r}; choose one of {list(FP8_SCALINGS)}"
+        )
+    return scaling
+
+
+def check_fp8(fp8_scaling: Any, fp8_select: Any, params: str) -> None:
+    """autocast='fp8''s own settings: a known scaling and selection, around fp32 or bf16."""
+    check_fp8_scaling(fp8_scaling, "fp8_scaling")
+    if fp8_select not in FP8_SELECT:
+        raise ValueError(f"unknown fp8_select {fp8_select!r}; choose one of {list(FP8_SELECT)}")
+    if params not in ("fp32", "bf16"):
+        raise ValueError(
+            f"autocast='fp8' runs around bf16, not params={params!r}; "
+            "use params='fp32' or params='bf16'"
         )

@@ -27,6 +27,7 @@ from zeroflow.engine.grads.collectives import (
 )
 from zeroflow.engine.hosts import HostSplit
 from zeroflow.engine.plan import ZeroPlan
+from zeroflow.engine.zeropp.fp8_gather import fp8_all_gather
 from zeroflow.engine.zeropp.gather import quantized_all_gather
 from zeroflow.engine.zeropp.reduce import quantized_reduce_scatter
 
@@ -71,7 +72,8 @@ class Stage3Collectives:
     - hpZ, ``groups``: each weight is gathered within a group of devices that holds a whole
       copy between them (each host's; the copy is ``zeroflow.engine.zeropp.hierarchical``'s);
     - qwZ, ``weight_block``: gathered as int8 blocks of that many entries
-      (``zeroflow.engine.zeropp.gather``);
+      (``zeroflow.engine.zeropp.gather``), or with ``weight_format="fp8"`` as e4m3 with one
+      scale per weight (``zeroflow.engine.zeropp.fp8_gather``);
     - qgZ, ``grad_hosts``: gradients reduce-scattered as int8 blocks of ``grad_block``
       entries, within and then across these hosts (``zeroflow.engine.zeropp.reduce``).
     The gradient always reaches the 1/N shard of the master over all devices."""
@@ -82,6 +84,8 @@ class Stage3Collectives:
     grad_block: int = 256
     reduce_dtype: Any = jnp.float32
     "What gradients are summed over devices in (``Precision.reduce``), exact reductions only."
+    weight_format: str = "int8"
+    "What quantized weight gathers move: 'int8' blocks (qwZ) or 'fp8' (e4m3, one scale)."
 
     @classmethod
     def of(cls, plan: ZeroPlan, reduce_dtype) -> Stage3Collectives:
@@ -92,6 +96,7 @@ class Stage3Collectives:
             plan.host_split if plan.quantize_grads else None,
             plan.quantize_block,
             reduce_dtype,
+            plan.quantize_weights or "int8",
         )
 
     @property
@@ -107,6 +112,8 @@ class Stage3Collectives:
 
     def gather(self, shard, dim: int, dtype, size: int | None = None, *, sliced: bool = False):
         """The whole weight in ``dtype`` from this device's ``shard`` (see ``all_gather``)."""
+        if self.weight_block is not None and self.weight_format == "fp8":
+            return fp8_all_gather(shard, dim, dtype, size, self.groups, sliced=sliced)
         if self.weight_block is not None:
             return quantized_all_gather(shard, dim, dtype, self.weight_block, size, self.groups)
         return all_gather(shard, dim, dtype, size, self.groups, sliced=sliced)

@@ -1,0 +1,209 @@
+"""bf16 against FP8 for a Llama-shaped step at ZeRO stage 3, compiled for 8 x H100 by XLA:GPU
+on a machine without them (``zf.target_mesh``).
+
+The loss is ``experiments/llama_shapes.py``'s plain-JAX Llama (bf16 compute written into the
+model, layers scanned under remat), the same as ``experiments/vs_gspmd.py``'s zeroflow rows.
+Rows: bf16 (``Precision(params="bf16")``), FP8 matmuls (``autocast="fp8"``: the roofline of
+``zeroflow.autocast.cost`` picks the matmuls), and FP8 matmuls with FP8 weight gathers
+(``ZeroPlan(quantize_weights="fp8")``). Per row: XLA:GPU's peak per device, its *estimated*
+step (the latency-hiding scheduler's cost model, ``zeroflow.memory.schedule``; not a
+measurement), the GEMMs whose operands are float8 and the flops and bytes of the GEMMs by
+kind (``zeroflow.autocast.fp8_hlo``; XLA's ``cost_analysis`` gives nothing for these
+deviceless compiles). Then the tiny trainer config trained
+300 steps in bf16 and in FP8 (every eligible matmul), the final losses side by side.
+
+    python experiments/fp8.py                       # 8B shape, writes experiments/results/fp8.md
+    python experiments/fp8.py --layers 4 --skip-train --remat full   # 4 8B-shaped layers
+
+Each compile runs in its own process, started with the scheduler's logging on.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "fp8.md"
+SEQ = 2048
+PER_DEVICE = {"1b": 2, "8b": 1}
+VARIANTS = {
+    "bf16": dict(autocast="none", quantize_weights=None),
+    "fp8": dict(autocast="fp8", quantize_weights=None),
+    "fp8 + fp8 gathers": dict(autocast="fp8", quantize_weights="fp8"),
+}
+
+
+def _child_env() -> dict:
+    from zeroflow.memory import schedule
+
+    env = schedule.enable(dict(os.environ))
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(HERE.parent),
+                                                      env.get("PYTHONPATH")]))
+    return env
+
+
+def compile_row(row: dict) -> dict:
+    """One row, in this process (started with the logging on): compile and read."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zeroflow as zf
+    from llama_shapes import SHAPES, abstract_params, make_loss, num_params
+    from zeroflow.autocast.fp8_hlo import count_gemms
+    from zeroflow.memory import schedule
+    from zeroflow.memory.measure import analysed
+
+    shape = dict(SHAPES[row["shape"]], layers=row["layers"])
+    mesh = zf.target_mesh("h100", data=row["devices"])
+    params = abstract_params(shape)
+    tokens = row["devices"] * PER_DEVICE[row["shape"]]
+    batch = {"tokens": jax.ShapeDtypeStruct((tokens, SEQ + 1), jnp.int32)}
+    loss = make_loss(shape, row["remat"])
+    variant = VARIANTS[row["variant"]]
+    plan = zf.ZeroPlan(mesh, stage=3, quantize_weights=variant["quantize_weights"])
+    prec = zf.Precision(params="bf16", autocast=variant["autocast"])
+    start = time.time()
+    compiled, est = schedule.timed(
+        lambda: zf.memory.compile_step(loss, params, batch, optax.adamw(1e-4), plan, prec)[0],
+        peak_flops=989e12)
+    gemms = count_gemms(compiled.as_text())
+    return {**row, "compile_s": round(time.time() - start, 1), "params": num_params(shape),
+            "peak_bytes": analysed(compiled).total_bytes, "step_ms": est.step_ms,
+            "fp8_gemms": gemms.fp8, "other_gemms": gemms.other,
+            "fp8_flops": gemms.fp8_flops, "other_flops": gemms.other_flops,
+            "fp8_bytes": gemms.fp8_bytes, "other_bytes": gemms.other_bytes,
+            "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
+            "gather_types": _gather_types(compiled.as_text())}
+
+
+def _gather_types(text: str) -> list[str]:
+    """Element types the compiled program's all-gathers return (the token ids included)."""
+    found = set()
+    for line in text.splitlines():
+        op = re.search(r"=\s*(.*?)\s+all-gather(?:-done)?\(", line)
+        if op:
+            found.update(re.findall(r"(\w+)\[", op[1]))
+    return sorted(found)
+
+
+def run_child(payload: dict, timeout: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(payload)]
+    try:
+        out = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**payload, "note": f"compile over {timeout:.0f} s"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    errors = [ln for ln in out.stderr.splitlines() if "Error" in ln or "error" in ln]
+    return {**payload, "note": (errors[-1] if errors else f"exit {out.returncode}").strip()[:200]}
+
+
+def train_tiny(steps: int) -> dict:
+    """The tiny config ``steps`` steps in bf16 and in FP8 (every eligible matmul): the mean
+    training loss over the last 20 logged steps and the last held-out loss of each."""
+    out = {}
+    for autocast in ("bf16", "fp8"):
+        run_dir = Path(f"/tmp/zeroflow-fp8-tiny-{autocast}")
+        cmd = [sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml",
+               f"precision.autocast={autocast}", "precision.fp8_select=all",
+               f"train.steps={steps}", "train.log_every=1", f"run.dir={run_dir}",
+               "run.tensorboard=false"]
+        start = time.time()
+        subprocess.run(cmd, cwd=HERE.parent, check=True, capture_output=True)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        train = [r["loss"] for r in rows if "loss" in r]
+        evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+        out[autocast] = {"final": sum(train[-20:]) / len(train[-20:]),
+                         "last": train[-1], "val": evals[-1] if evals else None,
+                         "wall_s": round(time.time() - start)}
+    return out
+
+
+def _exposed(row: dict) -> str:
+    return ", ".join(f"{k} {v:.1f} ms" for k, v in row["exposed_ms"].items()) or "none"
+
+
+def write_report(rows: list[dict], tiny: dict | None, command: str) -> None:
+    lines = ["# FP8 against bf16: Llama-shaped step at ZeRO stage 3 on 8 x H100 (XLA:GPU, compiled "
+             "without the GPUs)", "",
+             f"Machine: {platform.node() or 'development container'} ({platform.machine()}), "
+             f"CPU-only, compiling for abstract H100s; date {datetime.date.today()}; "
+             f"command: `{command}`.", "",
+             "| shape | layers | remat | variant | peak / device | est. step | exposed collectives "
+             "| FP8 GEMMs (flops, bytes) | other GEMMs (flops, bytes) | all-gathered types "
+             "| compile |",
+             "|---|---:|---|---|---:|---:|---|---|---|---|---:|"]
+    for r in rows:
+        if "note" in r:
+            lines.append(f"| {r['shape']} | {r['layers']} | {r['remat']} | {r['variant']} | "
+                         f"{r['note']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['layers']} | {r['remat']} | {r['variant']} | "
+            f"{r['peak_bytes'] / 1e9:.2f} GB | {r['step_ms']:.1f} ms | {_exposed(r)} | "
+            f"{r['fp8_gemms']} ({r['fp8_flops'] / 1e12:.2f} TF, {r['fp8_bytes'] / 1e9:.2f} GB) | "
+            f"{r['other_gemms']} ({r['other_flops'] / 1e12:.2f} TF, "
+            f"{r['other_bytes'] / 1e9:.2f} GB) | {', '.join(r['gather_types'])} | "
+            f"{r['compile_s']:.0f} s |")
+    if tiny:
+        b, f = tiny["bf16"], tiny["fp8"]
+        gap = abs(f["final"] - b["final"]) / b["final"]
+        lines += ["", "## Tiny config trained in bf16 and FP8", "",
+                  "| run | mean loss, last 20 logged steps | last step | held-out | wall |",
+                  "|---|---:|---:|---:|---:|"]
+        for name, t in tiny.items():
+            val = "-" if t["val"] is None else f"{t['val']:.4f}"
+            lines.append(f"| {name} | {t['final']:.4f} | {t['last']:.4f} | {val} | "
+                         f"{t['wall_s']} s |")
+        lines += ["", f"FP8's final loss is {gap:.2%} from bf16's."]
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="8b", choices=sorted(PER_DEVICE))
+    parser.add_argument("--layers", type=int, default=0, help="layers (0: the shape's own)")
+    parser.add_argument("--remat", default="full,dots", help="comma-separated: full, dots")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--train-steps", type=int, default=300)
+    args = parser.parse_args(argv)
+    if args.row:
+        print(json.dumps(compile_row(json.loads(args.row))))
+        return 0
+    from llama_shapes import SHAPES
+
+    layers = args.layers or SHAPES[args.shape]["layers"]
+    rows = []
+    for remat in args.remat.split(","):
+        for variant in args.variants.split(","):
+            payload = dict(shape=args.shape, layers=layers, remat=remat, variant=variant,
+                           devices=8)
+            rows.append(run_child(payload, args.timeout))
+            print(json.dumps(rows[-1]), flush=True)
+    tiny = None if args.skip_train else train_tiny(args.train_steps)
+    write_report(rows, tiny, "python experiments/fp8.py " + shlex.join(argv or sys.argv[1:]))
+    print(RESULTS.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())

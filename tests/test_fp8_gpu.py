@@ -1,0 +1,61 @@
+"""FP8 on XLA:GPU targets compiled without the GPU (``zf.target_mesh``): the matmuls of a
+training step reach the GEMMs with float8 operands on an H100 (forward e4m3 x e4m3, both
+backward products e5m2 x e4m3), and FP8 is refused on a GPU without FP8 tensor cores."""
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import require_cuda_plugin
+
+require_cuda_plugin()
+
+import zeroflow as zf  # noqa: E402
+from zeroflow.autocast.fp8_hlo import count_gemms  # noqa: E402
+
+D, F, V, LAYERS = 256, 512, 1024, 2
+BATCH = {"tokens": jax.ShapeDtypeStruct((8, 129), jnp.int32)}
+
+
+def _params():
+    p = {"embed": jnp.zeros((V, D)), "head": jnp.zeros((D, V))}
+    for i in range(LAYERS):
+        p[f"up{i}"], p[f"down{i}"] = jnp.zeros((D, F)), jnp.zeros((F, D))
+    return jax.eval_shape(lambda: p)
+
+
+def loss_fn(p, b):
+    """A plain-JAX residual MLP language model with no thought of precision."""
+    x = p["embed"][b["tokens"][:, :-1]]
+    for i in range(LAYERS):
+        x = x + jax.nn.gelu(x @ p[f"up{i}"]) @ p[f"down{i}"]
+    logits = (x @ p["head"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["tokens"][:, 1:]).mean()
+
+
+@pytest.mark.fast
+def test_fp8_is_refused_without_fp8_tensor_cores_and_accepted_on_ada_and_hopper():
+    prec = zf.Precision(autocast="fp8")
+    tx = optax.adamw(1e-3)
+    with pytest.raises(ValueError, match=r"needs FP8 tensor cores .* is sm_80; use autocast='bf16'") as e:
+        zf.make_train_step(loss_fn, tx, zf.ZeroPlan(zf.target_mesh("a100", data=2), stage=3), prec)
+    assert "\n" not in str(e.value) and "A100" in str(e.value)
+    for gpu in ("l4", "h100"):  # sm_89 and sm_90
+        zf.make_train_step(loss_fn, tx, zf.ZeroPlan(zf.target_mesh(gpu, data=2), stage=3), prec)
+
+
+@pytest.mark.slow
+def test_every_matmul_of_the_step_is_an_fp8_gemm_on_h100():
+    plan = zf.ZeroPlan(zf.target_mesh("h100", data=2), stage=3)
+    prec = zf.Precision(params="bf16", autocast="fp8", fp8_select="all")
+    compiled, _ = zf.memory.compile_step(loss_fn, _params(), BATCH, optax.adamw(1e-3), plan, prec)
+    gemms = count_gemms(compiled.as_text())
+    matmuls = 2 * LAYERS + 1  # up, down per layer, and the head
+    assert gemms.fp8 == 3 * matmuls and gemms.other == 0
+    kinds = sorted(gemms.fp8_operand_types)
+    assert kinds.count(("f8e4m3fn", "f8e4m3fn")) == matmuls  # the forward products
+    assert all("f8e5m2" in k for k in kinds if k != ("f8e4m3fn", "f8e4m3fn"))
+    # and in bf16 the same step has as many GEMMs, none of them FP8
+    compiled, _ = zf.memory.compile_step(loss_fn, _params(), BATCH, optax.adamw(1e-3), plan,
+                                         zf.Precision(params="bf16"))
+    bf16 = count_gemms(compiled.as_text())
+    assert bf16.fp8 == 0 and bf16.other == 3 * matmuls
