@@ -380,6 +380,12 @@ def _model_problems(m) -> list[str]:
             (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0 = the plain loss)"),
             (m.loss_vocab_chunk > 0, "model.loss_vocab_chunk must be positive"),
             (m.mlp_chunk >= 0, "model.mlp_chunk must be >= 0 (0 = untiled)"),
+            (m.attn_softcap >= 0, "model.attn_softcap must be >= 0 (0 = off)"),
+            (m.logit_softcap >= 0, "model.logit_softcap must be >= 0 (0 = off)"),
+            (m.query_pre_attn_scalar >= 0, "model.query_pre_attn_scalar must be >= 0 (0 = off)"),
+            (m.local_rope_base >= 0, "model.local_rope_base must be >= 0 (0 = rope_base)"),
+            (m.global_every >= 0, "model.global_every must be >= 0 (0 = the window everywhere)"),
+            (0 <= m.norm_offset <= 1, f"model.norm_offset must be in [0, 1]; got {m.norm_offset}"),
             (
                 m.rope_scaling_factor > 0
                 and m.rope_original_max_positions > 0

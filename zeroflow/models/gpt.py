@@ -119,8 +119,14 @@ def _check_layer_options(cfg: ModelConfig) -> None:
             f"model.logit_softcap={cfg.logit_softcap} needs model.loss_chunk=0 "
             "(the chunked cross-entropy projects the logits itself, without the cap)"
         )
-    if min(cfg.attn_softcap, cfg.logit_softcap, cfg.query_pre_attn_scalar) < 0:
-        raise ValueError("model.attn_softcap, logit_softcap and query_pre_attn_scalar must be >= 0")
+    for name in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar", "local_rope_base"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"model.{name}={getattr(cfg, name)} must be >= 0 (0 = off)")
+    if not 0 <= cfg.norm_offset <= 1:
+        raise ValueError(
+            f"model.norm_offset={cfg.norm_offset} must be between 0 and 1 (Gemma's 1: the norm's "
+            "scale starts at 1 - norm_offset)"
+        )
 
 
 def _param(module: nn.Module, name: str, init, shape, names):
