@@ -1,6 +1,7 @@
 """Faults and mistakes around a run folder: kill -9 at random points, damaged checkpoints, a
 config for another model, bad inputs. Each ends with nothing lost and, where the user must act,
 one line saying what to do (docs/runs.md)."""
+import errno
 import json
 import os
 import random
@@ -241,11 +242,16 @@ def test_export_and_sample_name_their_step_and_fall_back_from_an_unreadable_late
     assert "[step 2]" in capsys.readouterr().err
     assert snapshot(run_copy) == before  # readers change nothing
 
+    # An existing output is refused before any work: nothing is overwritten.
+    assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "2"]) == 2
+    assert "already exists" in one_line(capsys.readouterr().err)
+    out.unlink()
     assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "2"]) == 0
     assert "from step 2 to" in capsys.readouterr().out
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # 0644 under the usual umask, not 0600
+    out.unlink()
     assert sample.main(["--run", str(run_copy), "--tokens", "2", "--step", "2", "--temperature", "0"]) == 0
     assert "[step 2]" in capsys.readouterr().err
     assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "3"]) == 2
@@ -437,12 +443,36 @@ def test_run_dir_that_is_a_file_stops_before_any_work(tmp_path, capsys):
     assert run_file.read_text() == "not a folder"
 
 
-def test_a_run_that_fails_before_its_first_step_leaves_no_files(tmp_path, capsys):
+def test_fp16_on_cpu_is_refused_before_any_work_naming_the_key(tmp_path, capsys):
     run_dir = tmp_path / "new" / "run"
-    # XLA:CPU has no fp16 matmuls: the step fails as it compiles, after every check passed.
-    assert train_cli.main(cli_args(run_dir, "train.steps=2", "precision.params=fp16")) != 0
-    assert "not supported" in one_line(capsys.readouterr().err)
+    # XLA:CPU has no fp16 matmul with fp32 accumulation for the step's batched products: the
+    # step would fail as it compiles; the config is refused before anything is built.
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", "precision.params=fp16")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "precision.params=fp16" in line and "precision.params=bf16" in line, line
     assert not (tmp_path / "new").exists()
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_folder_nor_lock(
+        tmp_path, capsys, monkeypatch):
+    """A failure found late (after steps ran, at the first save: a full disk, say) leaves
+    nothing to resume from: the folder is removed, the lock with it; in an existing folder the
+    files the run added are removed and the ones it rewrote put back."""
+    def no_room(self, step, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunCheckpoints, "save", no_room)
+    run_dir = tmp_path / "new" / "run"
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", "checkpoint.every=2")) == 1
+    assert "No space left on device" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    before = snapshot(existing)
+    assert train_cli.main(cli_args(existing, "train.steps=2", "checkpoint.every=2")) == 1
+    capsys.readouterr()
+    assert snapshot(existing) == before  # no config.yaml, metrics.jsonl, tb/ nor trainer.lock
 
 
 def test_a_final_evaluation_lost_to_a_kill_is_run_on_resume(run_copy, capsys):

@@ -112,8 +112,15 @@ def test_readers_of_a_sound_run_print_no_warnings(finished_run, tmp_path, reader
     assert reader == "sample" or "from step 4 to" in proc.stdout
 
 
-def test_steps_saved_without_digests_load_unverified_and_a_lost_manifest_is_caught(run_copy,
-                                                                                    caplog):
+def _strip_digests(step_dir: Path) -> None:
+    """The step as saved before checkpoints had digests: no manifest, no mark in its meta."""
+    (step_dir / checkpoint_digests.MANIFEST).unlink(missing_ok=True)
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    del meta["digests"]
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def test_a_step_without_digests_loads_only_in_a_run_without_any(run_copy, caplog):
     step_dir = run_copy / "checkpoints" / "4"
     like = build_run(config(run_copy, "train.steps=4")).abstract_state()
     checkpoints = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True)
@@ -121,14 +128,41 @@ def test_steps_saved_without_digests_load_unverified_and_a_lost_manifest_is_caug
     with pytest.raises(UnreadableCheckpoint, match="zeroflow_manifest.json is missing "
                                                    r"\(the save did not finish\)"):
         checkpoints.restore(4, like)
-    meta = json.loads((step_dir / "meta" / "metadata").read_text())
-    del meta["digests"]  # as saved before checkpoints had digests
-    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+    _strip_digests(step_dir)
+    # Step 2 has its digests: step 4 lost them (or is not this run's), so it is not trusted.
+    with pytest.raises(UnreadableCheckpoint, match="has no digests while other steps of this "
+                       "run have them .*checkpoint.allow_unverified=true"):
+        checkpoints.restore(4, like)
+    allowing = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True, allow_unverified=True)
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert int(allowing.restore(4, like)[0].step) == 4
+    assert [r.getMessage() for r in caplog.records if r.name == "zeroflow"] == [
+        f"checkpoint step 4 in {run_copy / 'checkpoints'} has no digests "
+        "(checkpoint.allow_unverified=true): loaded unverified"]
+    caplog.clear()
+    _strip_digests(run_copy / "checkpoints" / "2")  # a run from before digests: none has them
     with caplog.at_level("WARNING", logger="zeroflow"):
         assert int(checkpoints.restore(4, like)[0].step) == 4
     assert [r.getMessage() for r in caplog.records if r.name == "zeroflow"] == [
         f"checkpoint step 4 in {run_copy / 'checkpoints'} has no digests (saved before zeroflow "
         "recorded them): loaded unverified"]
+
+
+def test_a_damaged_step_stripped_of_its_digests_is_not_loaded_by_export_or_resume(
+        run_copy, tmp_path, capsys, caplog):
+    step_dir = run_copy / "checkpoints" / "4"
+    _strip_digests(step_dir)
+    flip_one_bit(max(files_of(step_dir / "state"), key=lambda p: p.stat().st_size),
+                 random.Random(0))
+    out = tmp_path / "w.npz"
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert export.main(["--run", str(run_copy), "--out", str(out)]) == 0
+    assert "from step 2 to" in capsys.readouterr().out
+    assert "has no digests while other steps" in caplog.text
+    # The resume moves it aside and trains from step 2, as for any damaged step.
+    assert train_cli.main(cli_args(run_copy, "train.steps=4", "checkpoint.every=2")) == 0
+    assert (run_copy / "checkpoints" / "4.corrupt").is_dir()
+    assert "resumed from step 2" in capsys.readouterr().out
 
 
 def test_engine_checkpoints_carry_digests_too(tmp_path):

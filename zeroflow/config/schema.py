@@ -280,6 +280,8 @@ class CheckpointConfig:
     "Steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)."
     keep: int = 3
     "How many recent checkpoints to keep."
+    allow_unverified: bool = False
+    "Load a step that has no digests even where the run has digested steps (a step without them is otherwise treated as damaged: moved aside, the older verified step used)."
 
 
 @dataclass

@@ -101,10 +101,13 @@ class RunCheckpoints:
         *,
         with_loader: bool = False,
         read_only: bool = False,
+        allow_unverified: bool = False,
     ):
-        """``read_only``: for readers of a run (export, sample): nothing is created or moved."""
+        """``read_only``: for readers of a run (export, sample): nothing is created or moved.
+        ``allow_unverified`` (``checkpoint.allow_unverified``): load a step without digests even
+        where other steps of the run have them."""
         self.directory = Path(directory).absolute()
-        self.read_only = read_only
+        self.read_only, self.allow_unverified = read_only, allow_unverified
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max(keep, 1),
             create=False,
@@ -211,9 +214,26 @@ class RunCheckpoints:
                 f"(steps: {', '.join(map(str, self.steps())) or 'none'})"
             )
         step_dir = self.directory / str(step)
+        try:
+            return self._restore(step, step_dir, like, loader)
+        except OSError as e:  # a file this user may not read (or the disk failing under it)
+            where = damage.shown(Path(e.filename), self.directory) if e.filename else step_dir
+            raise UnreadableCheckpoint(
+                step, f"{where} cannot be read ({e.strerror or e}): check its permissions"
+            ) from None
+
+    def _restore(self, step: int, step_dir: Path, like: TrainState, loader):
         if problem := damage.missing_or_damaged(step_dir, self.directory):
             raise UnreadableCheckpoint(step, problem)
         verified = self._verify(step, step_dir)
+        if not verified and not self.allow_unverified and self.has_digested_steps():
+            raise UnreadableCheckpoint(
+                step,
+                f"{damage.shown(step_dir, self.directory)} has no digests while other steps of "
+                "this run have them (its manifest was removed, or it was copied in from "
+                "elsewhere), so its files cannot be checked; set checkpoint.allow_unverified=true "
+                "to load it anyway",
+            )
         damage.quiet_closed_loops()
         try:
             meta_tree = self.manager.item_metadata(step)["state"]
@@ -238,12 +258,30 @@ class RunCheckpoints:
             raise UnreadableCheckpoint(step, damage.describe(e, step_dir, self.directory)) from None
         if not verified:
             log.warning(
-                "checkpoint step %d in %s has no digests (saved before zeroflow recorded "
-                "them): loaded unverified",
+                "checkpoint step %d in %s has no digests (%s): loaded unverified",
                 step,
                 self.directory,
+                "checkpoint.allow_unverified=true"
+                if self.allow_unverified and self.has_digested_steps()
+                else "saved before zeroflow recorded them",
             )
         return rebuild_state(restored["state"], like), dict(restored["meta"])
+
+    def has_digested_steps(self) -> bool:
+        """Whether any step of the run, kept or moved aside, was saved with digests: then a
+        step without them lost them (or never was this run's) and is not loaded unverified."""
+        for entry in self.directory.iterdir():
+            if not entry.name.split(".")[0].split("-")[0].isdigit() or not entry.is_dir():
+                continue
+            if (entry / checkpoint_digests.MANIFEST).is_file():
+                return True
+            try:
+                meta = json.loads((entry / "meta" / "metadata").read_text("utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(meta, dict) and DIGESTS in meta:
+                return True
+        return False
 
     def _verify(self, step: int, step_dir: Path) -> bool:
         """Whether the step's files were checked against its digests (False: it has none, as
@@ -271,11 +309,10 @@ class RunCheckpoints:
                 bad.append(e)
                 continue
             for unreadable in bad:
-                moved = self.move_aside(unreadable.step)
                 log.warning(
-                    "%s; moved it to %s, resuming from step %d",
+                    "%s; %s, resuming from step %d",
                     unreadable,
-                    damage.shown(moved, self.directory),
+                    self._set_aside(unreadable.step),
                     step,
                 )
             return restored
@@ -335,6 +372,17 @@ class RunCheckpoints:
         return f"no readable checkpoint in {self.directory}: " + "; ".join(
             f"step {e.step}: {e.reason}" for e in sorted(bad, key=lambda e: e.step)
         )
+
+    def _set_aside(self, step: int) -> str:
+        """Move an unreadable step aside; where the folder cannot be changed (a read-only
+        ``checkpoints/``), leave it and say so: the older step is used either way."""
+        try:
+            return f"moved it to {damage.shown(self.move_aside(step), self.directory)}"
+        except OSError as e:
+            return (
+                f"could not move it aside ({e.strerror or e}: {damage.shown(self.directory, self.directory)} "
+                "is not writable), so it stays; make the folder writable to let the run save there"
+            )
 
     def move_aside(self, step: int, suffix: str = CORRUPT) -> Path:
         """Rename a step that must not be used (unreadable: ``<step>.corrupt``; diverged:

@@ -18,7 +18,7 @@ from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import quantized
 from zeroflow.engine.distributed import InLockstep, StopVote
 from zeroflow.models import flops_per_token
-from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder
+from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder, sizes
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.divergence import Diverged, Divergence, Health, Monitor, TrainingDiverged
 from zeroflow.trainer.evaluate_only import evaluate_only
@@ -77,6 +77,8 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     folder is held by this trainer alone for the run's life (``run_folder.claim``); a run that
     fails before its first step leaves the folder as it found it."""
     loggers.check_installed(cfg)
+    sizes.check_fits(cfg)
+    sizes.check_backend(cfg)
     if cfg.train.eval_only:  # reads the run folder like sample does: no claim, nothing written
         return evaluate_only(cfg)
     run_dir = Path(cfg.run.dir)
@@ -117,8 +119,10 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     # Checked: from here on the folder is written to.
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        save_config(cfg, run_dir / run_folder.CONFIG_FILE)
-    reporter = _reporter(run, start, progress, resumed=resumed, rollbacks=health.rollbacks)
+        with run_folder.writing(run_dir / run_folder.CONFIG_FILE):
+            save_config(cfg, run_dir / run_folder.CONFIG_FILE)
+    with run_folder.writing(run_dir / "metrics.jsonl"):
+        reporter = _reporter(run, start, progress, resumed=resumed, rollbacks=health.rollbacks)
     if resumed:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(_banner(run, state))
@@ -138,6 +142,10 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
                 started=held.started if held is not None else lambda: None,
             )
             failing = False
+        except TrainingDiverged:
+            if held is not None:  # its metrics say what diverged: kept, even without a checkpoint
+                held.started()
+            raise
         finally:
             reporter.close(failing=failing)
             checkpoints.close()
@@ -281,7 +289,8 @@ def _train_steps(
     """Steps from the position's step to ``train.steps``, with evaluations and checkpoints on
     their schedules; a caught signal saves and stops at the same step on every process; a
     diverging step stops the run or rolls it back (``zeroflow.trainer.recovery``).
-    ``started()`` is called once the first step ran (compiled and dispatched). Returns
+    ``started()`` is called once a checkpoint is saved: a run that fails before it has nothing
+    to resume from, and its folder is put back as it was (``run_folder.claim``). Returns
     ``(state, losses, last evaluation, name of the stopping signal or None)``."""
     first = position.run
     evaluate, stop_vote = make_eval(first), StopVote(first.plan.mesh)
@@ -342,7 +351,6 @@ class _Segment:
         t_last = time.perf_counter()
         for step in range(int(state.step), tcfg.steps):
             state, metrics = self.step_fn(state, batch_for(step))
-            started()
             # Fetch the previous step's metrics while this one runs: one step in flight.
             if pending is not None:
                 finish_step(*pending)
@@ -364,6 +372,7 @@ class _Segment:
                 reporter.print(f"step {done}: {eval_text(last_eval)}")
             if is_ckpt or stop:
                 checkpoints.save(done, state, meta(done), loader)
+                started()
             if stop:
                 stopped_by = signal.Signals(stop).name
                 reporter.print(
@@ -374,6 +383,7 @@ class _Segment:
             finish_step(*pending)
         end = int(state.step)
         checkpoints.save(end, state, meta(end), loader)
+        started()
         last_eval = self.evaluate(state)
         if last_eval:
             reporter.write(end, last_eval)
