@@ -584,3 +584,42 @@ def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_leaves_nothing_ha
                            f"{run_dir / 'checkpoints'}: it needs about "), line
     assert "raise the file-size limit" in line and "resume from step 2" in line
     assert snapshot(run_dir / "checkpoints") == before  # step 4 gone whole, step 2 untouched
+
+
+def _as_a_user(args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m zeroflow.<args>`` without the power to bypass file permissions: root runs
+    it in a user namespace of its own (no capabilities over this machine's files)."""
+    prefix = ["unshare", "-U"] if os.geteuid() == 0 else []
+    env = _cached_env()
+    env.pop("ZEROFLOW_TRACEBACK", None)
+    return subprocess.run([*prefix, sys.executable, "-m", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and subprocess.run(
+    ["unshare", "-U", "true"], capture_output=True).returncode != 0,
+    reason="root without user namespaces (unshare -U) cannot be refused a file")
+def test_a_step_that_cannot_be_read_for_permissions_falls_back(run_copy, tmp_path):
+    state = run_copy / "checkpoints" / "4" / "state"
+    state.chmod(0)
+    try:
+        out = tmp_path / "w.npz"
+        done = _as_a_user(["zeroflow.export", "--run", str(run_copy), "--out", str(out)])
+        assert done.returncode == 0 and "from step 2 to" in done.stdout, done.stderr
+        warning = one_line(done.stderr)
+        assert "checkpoints/4/state" in warning and "Permission denied" in warning
+        # A checkpoints/ that cannot be changed: the damaged step stays, and the trainer, which
+        # could not save there, says so before training.
+        (run_copy / "checkpoints").chmod(0o555)
+        done = _as_a_user(["zeroflow.train", *cli_args(run_copy, "train.steps=6",
+                                                        "checkpoint.every=2")])
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 2, done.stderr
+        assert "could not move it aside" in lines[0] and "resuming from step 2" in lines[0]
+        assert lines[1] == (f"zeroflow.train: error: {run_copy / 'checkpoints'} is not writable "
+                            "(Permission denied): the run cannot save there; make it writable "
+                            "and run the same command to resume from its newest readable step")
+    finally:
+        (run_copy / "checkpoints").chmod(0o755)
+        state.chmod(0o755)
+    assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["2", "4"]

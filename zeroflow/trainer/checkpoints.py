@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ DIGESTS = "digests"
 class DiskFull(OSError):
     """No space left for a checkpoint; the message says how much it needs and how much is free."""
 
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+"A folder the process may not write to: read-only, or another user's."
 
 READ_ATTEMPTS = 3
 "How often a reader lists the steps again when the ones it listed were deleted under it."
@@ -158,14 +162,38 @@ class RunCheckpoints:
                 checkpoint_digests.write_manifest(self.directory / str(step))
         except Exception as e:
             code = _out_of_room(e)
-            if code is None:
-                raise
-            raise self._disk_full(step, _nbytes(saved), code) from None
+            if code is not None:
+                raise self._disk_full(step, _nbytes(saved), code) from None
+            if isinstance(e, OSError) and e.errno in NOT_WRITABLE:
+                self._remove_half_written(step, quiet_s=0.2)
+                raise self.not_writable(e.strerror or str(e), step) from None
+            raise
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"zeroflow: step {step} saved with its digests")
         self._written.add(step)
+
+    def check_writable(self) -> None:
+        """Before training: a ``checkpoints/`` the run cannot write to (read-only, another
+        user's) is one line now, not a failed save after the steps it trained."""
+        if self.read_only or not self.directory.is_dir() or jax.process_index() != 0:
+            return
+        probe = self.directory / f".zeroflow-write-test-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+        except OSError as e:
+            if e.errno not in NOT_WRITABLE:
+                raise
+            raise self.not_writable(e.strerror or str(e)) from None
+
+    def not_writable(self, why: str, step: int | None = None) -> PermissionError:
+        what = f"cannot save checkpoint step {step}" if step is not None else "cannot save"
+        return PermissionError(
+            f"{self.directory} is not writable ({why}): the run {what} there; make it "
+            "writable and run the same command to resume from its newest readable step"
+        )
 
     def _disk_full(self, step: int, needed: int, code: int) -> DiskFull:
         """The error for a save that ran out of room (``code``: ENOSPC or EFBIG), after removing

@@ -97,6 +97,7 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
         checkpoints_dir, cfg.checkpoint.keep, with_loader=loader is not None
     )
     state, meta = _restored_or_fresh(run, checkpoints, loader)
+    checkpoints.check_writable()
     resumed = meta is not None
     health = Health.from_meta(meta) if resumed else Health()
     start = int(state.step)
