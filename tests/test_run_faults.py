@@ -21,6 +21,7 @@ import pytest
 from zeroflow.cli import export, sample
 from zeroflow.cli import train as train_cli
 from zeroflow.config.io import load_config
+from zeroflow.engine import checkpoint_digests
 from zeroflow.trainer import build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from zeroflow.trainer.reporting import trim_metrics
@@ -623,3 +624,65 @@ def test_a_step_that_cannot_be_read_for_permissions_falls_back(run_copy, tmp_pat
         (run_copy / "checkpoints").chmod(0o755)
         state.chmod(0o755)
     assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["2", "4"]
+
+
+# --- faults while an asynchronous save is in flight ----------------------------------------
+
+def _spawn_held(step: int, tmp_path: Path, args: list[str]):
+    marker, release = tmp_path / "held", tmp_path / "release"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "hold_in_save.py"), str(step),
+                             str(marker), str(release), *args], cwd=REPO, env=_cached_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, marker, release
+
+
+def _wait_for(condition, proc, timeout_s=600.0):
+    """Until ``condition()``; a run that ends first, or never gets there, fails the test (and
+    is not left held)."""
+    start = time.monotonic()
+    while not condition():
+        if proc.poll() is not None or time.monotonic() - start > timeout_s:
+            proc.kill()
+            pytest.fail(f"the held run did not get there: {proc.communicate()}")
+        time.sleep(0.01)
+
+
+def test_kill_9_while_an_async_save_is_in_flight_resumes_bit_identically(tmp_path):
+    """The save of step 3 holds (its files written, its digests not yet) while the run trains
+    step 4, which only an asynchronous save allows; kill -9 then. The resume never loads the
+    half-finished step 3: it goes back to step 2 and ends where an uninterrupted run ends."""
+    common = [*EVERY_STEP_SAVED, "checkpoint.keep=2"]
+    straight = _spawn(cli_args(tmp_path / "straight", *common))
+    assert straight.wait(timeout=600) == 0, straight.communicate()[1]
+    run_dir = tmp_path / "faulty"
+    proc, marker, _ = _spawn_held(3, tmp_path, cli_args(run_dir, *common))
+    _wait_for(lambda: marker.exists() and _logged_steps(run_dir) >= 4, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=600)
+    resumed = _spawn(cli_args(run_dir, *common))
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    assert "resumed from step 2" in out and "checkpoints/3/zeroflow_manifest.json is missing" in err
+    for want, got in zip(stored_arrays(tmp_path / "straight" / "checkpoints" / "8"),
+                         stored_arrays(run_dir / "checkpoints" / "8"), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert [r["step"] for r in metric_rows(run_dir) if "loss" in r] == list(range(1, 9))
+
+
+def test_sigterm_while_an_async_save_is_in_flight_completes_it_and_saves_again(tmp_path):
+    """SIGTERM lands while step 3's save is in flight: the run waits for it, saves the step it
+    stopped at, and ends in one line; every step it left is complete with its digests."""
+    run_dir = tmp_path / "run"
+    proc, marker, release = _spawn_held(3, tmp_path, cli_args(run_dir, *EVERY_STEP_SAVED))
+    _wait_for(lambda: marker.exists() and _logged_steps(run_dir) >= 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    release.touch()
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    [last] = [line for line in out.splitlines() if line.startswith("SIGTERM")]
+    stopped_at = int(last.split("checkpoint at step ")[1].split(";")[0])
+    assert stopped_at >= 4 and "Traceback" not in err
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == stopped_at and 3 in steps
+    for step in steps:
+        assert checkpoint_digests.verify(run_dir / "checkpoints" / str(step), expected=True)

@@ -104,7 +104,7 @@ def load_run_params(
 
     from zeroflow.config.io import load_config
     from zeroflow.trainer import build_run
-    from zeroflow.trainer.checkpoints import RunCheckpoints
+    from zeroflow.trainer.checkpoints import RunCheckpoints, checkpoints_dir
     from zeroflow.trainer.sizes import check_fits
 
     if not (run_dir / "config.yaml").exists():
@@ -127,7 +127,7 @@ def load_run_params(
     if before_reading is not None:
         before_reading(run.model_cfg)
     checkpoints = RunCheckpoints(
-        run_dir / "checkpoints",
+        checkpoints_dir(cfg, run_dir),
         cfg.checkpoint.keep,
         read_only=True,
         allow_unverified=cfg.checkpoint.allow_unverified,

@@ -595,7 +595,16 @@ def _checkpoint_problems(c) -> list[str]:
     return _failed(
         [
             (c.every >= 0, "checkpoint.every must be >= 0"),
-            (c.keep > 0, "checkpoint.keep must be positive"),
+            (c.keep > 0, f"checkpoint.keep must be at least 1; got {c.keep}"),
+            (
+                c.keep_every >= 0,
+                f"checkpoint.keep_every must be >= 0 (0 = off); got {c.keep_every}",
+            ),
+            (
+                c.keep_every <= 0 or (c.every > 0 and c.keep_every % c.every == 0),
+                f"checkpoint.keep_every ({c.keep_every}) must be a multiple of checkpoint.every "
+                f"({c.every}): only the steps that are saved can be kept",
+            ),
         ]
     )
 

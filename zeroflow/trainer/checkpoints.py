@@ -22,12 +22,14 @@ Grain's own Orbax handler: one small JSON file per process), and restore it with
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,8 @@ import orbax.checkpoint as ocp
 from zeroflow.engine import checkpoint_digests
 from zeroflow.engine.checkpoint import CheckpointError, checked_target, portable, rebuild_state
 from zeroflow.engine.state import TrainState
-from zeroflow.trainer import damage
+from zeroflow.trainer import damage, retention
+from zeroflow.trainer.pending_save import PendingSave
 
 log = logging.getLogger("zeroflow")
 
@@ -52,12 +55,20 @@ DIGESTS = "digests"
 "Key of a step's meta naming its manifest: a step saved with digests must have them."
 
 
+def checkpoints_dir(cfg, run_dir: Path) -> Path:
+    """Where a run's checkpoints are: ``checkpoint.dir``, or ``run.dir/checkpoints``."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
 class DiskFull(OSError):
     """No space left for a checkpoint; the message says how much it needs and how much is free."""
 
 
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 "A folder the process may not write to: read-only, or another user's."
+
+SLOW_WAIT_S = 1.0
+"A save that waits this long for the one before it is said in a warning (else at INFO)."
 
 READ_ATTEMPTS = 3
 "How often a reader lists the steps again when the ones it listed were deleted under it."
@@ -106,20 +117,32 @@ class RunCheckpoints:
         with_loader: bool = False,
         read_only: bool = False,
         allow_unverified: bool = False,
+        keep_every: int = 0,
+        async_save: bool = False,
     ):
         """``read_only``: for readers of a run (export, sample): nothing is created or moved.
         ``allow_unverified`` (``checkpoint.allow_unverified``): load a step without digests even
-        where other steps of the run have them."""
+        where other steps of the run have them. ``keep``, ``keep_every``: which steps are kept
+        (``zeroflow.trainer.retention``). ``async_save``: ``save`` returns once the state is in
+        host memory, the files and digests are written in the background
+        (``zeroflow.trainer.pending_save``)."""
         self.directory = Path(directory).absolute()
         self.read_only, self.allow_unverified = read_only, allow_unverified
+        self.keep, self.keep_every, self.async_save = max(keep, 1), keep_every, async_save
+        self.pending: PendingSave | None = None
+        self.save_failed = False
+        self.when_complete: Callable[[], None] | None = None
+        "Called (on the training thread) once a save is complete with its digests."
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max(keep, 1),
+            max_to_keep=None,  # retention is ours, applied once the newest step is verified
             create=False,
             read_only=read_only,
             save_interval_steps=0 if read_only else 1,
             cleanup_tmp_directories=not read_only,
-            enable_async_checkpointing=False,
+            enable_async_checkpointing=async_save and not read_only,
         )
+        if not read_only and jax.process_index() == 0:
+            retention.remove_leftovers(self.directory)
         if read_only:
             damage.quiet_read_only_notes()
         # Handlers named up front, so a fresh process can read item metadata before restoring.
@@ -134,14 +157,19 @@ class RunCheckpoints:
         self._written: set[int] = set()
 
     def steps(self) -> list[int]:
+        """The numbered steps, once the save in flight (if any) is complete."""
+        self.finish()
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any], loader=None) -> None:
         """``loader``: a Grain iterator whose position is saved with the state. A step this
         object already wrote is not written twice; one left by an earlier process is replaced
-        (this run's state at that step is the one it resumed towards)."""
+        (this run's state at that step is the one it resumed towards). With ``async_save`` it
+        returns once the state is in host memory; a save still in flight is waited for first
+        (the wait is logged with its seconds)."""
         if step in self._written:
             return
+        self.finish(next_step=step)
         if step in self.manager.all_steps():
             log.warning("replacing checkpoint step %d in %s with this run's", step, self.directory)
             self.manager.delete(step)
@@ -155,24 +183,68 @@ class RunCheckpoints:
 
             items[LOADER] = grain.checkpoint.CheckpointSave(loader)
         damage.quiet_writer_threads()
+        nbytes = _nbytes(saved)
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-            self.manager.wait_until_finished()
-            if jax.process_index() == 0:  # last, once the step's folder is complete
-                checkpoint_digests.write_manifest(self.directory / str(step))
         except Exception as e:
-            code = _out_of_room(e)
-            if code is not None:
-                raise self._disk_full(step, _nbytes(saved), code) from None
-            if isinstance(e, OSError) and e.errno in NOT_WRITABLE:
-                self._remove_half_written(step, quiet_s=0.2)
-                raise self.not_writable(e.strerror or str(e), step) from None
-            raise
+            raise self._save_failed(step, nbytes, e) from None
+        self._written.add(step)
+        self.pending = PendingSave(step, nbytes, lambda: self._complete(step))
+        if not self.async_save:
+            self.finish()
+
+    def _complete(self, step: int) -> None:
+        """Off the training thread: the step's files written, then its digests (process 0
+        hashes them, last, once the folder is complete), then the retention rules applied."""
+        self.manager.wait_until_finished()
+        if jax.process_index() != 0:
+            return
+        checkpoint_digests.write_manifest(self.directory / str(step))
+        present = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+        retention.delete_steps(
+            self.directory, retention.to_delete(present, step, self.keep, self.keep_every)
+        )
+
+    def finish(self, next_step: int | None = None) -> None:
+        """Wait for the save in flight, if any; raise its error in one line (a full disk: the
+        half-written step removed). ``next_step``: the save that waits, for the log."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        waited = pending.wait()
+        if next_step is not None and waited > 0:
+            level = logging.WARNING if waited >= SLOW_WAIT_S else logging.INFO
+            log.log(
+                level,
+                "checkpoint step %d waited %.1f s for step %d's save to finish writing%s",
+                next_step,
+                waited,
+                pending.step,
+                " (saves come faster than the disk takes them: raise checkpoint.every)"
+                if level == logging.WARNING
+                else "",
+            )
+        if pending.error is not None:
+            self._written.discard(pending.step)
+            raise self._save_failed(pending.step, pending.nbytes, pending.error) from None
+        self.manager.reload()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"zeroflow: step {step} saved with its digests")
-        self._written.add(step)
+            multihost_utils.sync_global_devices(f"zeroflow: step {pending.step} saved, digested")
+        if self.when_complete is not None:
+            self.when_complete()
+
+    def _save_failed(self, step: int, nbytes: int, error: BaseException) -> BaseException:
+        """The one-line error for a failed save (the half-written step removed), or ``error``."""
+        self.save_failed = True
+        code = _out_of_room(error)
+        if code is not None:
+            return self._disk_full(step, nbytes, code)
+        if isinstance(error, OSError) and error.errno in NOT_WRITABLE:
+            self._remove_half_written(step, quiet_s=0.2)
+            return self.not_writable(error.strerror or str(error), step)
+        return error
 
     def check_writable(self) -> None:
         """Before training: a ``checkpoints/`` the run cannot write to (read-only, another
@@ -205,7 +277,7 @@ class RunCheckpoints:
             f"{what} for checkpoint step {step} in "
             f"{self.directory}: it needs about {needed:,} bytes, {free:,} bytes are "
             f"free; {remedy} (or lower checkpoint.keep) and run the same "
-            f"command to resume from step {max(self.steps(), default=0)}"
+            f"command to resume from step {max(self.manager.all_steps(), default=0)}"
         )
         error.errno = code
         return error
@@ -236,6 +308,7 @@ class RunCheckpoints:
     ) -> tuple[TrainState, dict[str, Any]]:
         """Step ``step`` on ``like``'s layout. ``UnreadableCheckpoint`` when its files are
         missing or damaged; ``CheckpointError`` when it is readable but for another model."""
+        self.finish()
         if step not in self.manager.all_steps():
             raise CheckpointError(
                 f"no checkpoint at step {step} in {self.directory} "
@@ -416,6 +489,7 @@ class RunCheckpoints:
         """Rename a step that must not be used (unreadable: ``<step>.corrupt``; diverged:
         ``<step>.diverged``; ``-2``, ... added if taken). Orbax lists numbered folders only,
         so the step is gone for every later restore, and a save at that step writes it anew."""
+        self.finish()
         target = self.directory / f"{step}{suffix}"
         n = 1
         while target.exists():
@@ -432,4 +506,15 @@ class RunCheckpoints:
         return target
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the save in flight (its error raised here), then close."""
+        try:
+            self.finish()
+        except BaseException:
+            self.save_failed = True
+            raise
+        finally:
+            if self.save_failed:  # reported already: Orbax would raise the same failure again
+                with contextlib.suppress(Exception):
+                    self.manager.close()
+            else:
+                self.manager.close()

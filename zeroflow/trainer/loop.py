@@ -20,6 +20,7 @@ from zeroflow.engine.distributed import InLockstep, StopVote
 from zeroflow.models import flops_per_token
 from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder, sizes
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.checkpoints import checkpoints_dir as checkpoint_folder
 from zeroflow.trainer.divergence import Diverged, Divergence, Health, Monitor, TrainingDiverged
 from zeroflow.trainer.evaluate_only import evaluate_only
 from zeroflow.trainer.evaluation import TrainResult, eval_text, make_eval
@@ -88,14 +89,21 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
 
 def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     previous = run_folder.previous_config(run_dir)
-    checkpoints_dir = run_dir / "checkpoints"
+    checkpoints_dir = checkpoint_folder(cfg, run_dir)
     if checkpoints_dir.is_dir() and any(p.name.isdigit() for p in checkpoints_dir.iterdir()):
         run_folder.check_same_model(run_dir, previous, cfg)
     run = build_run(cfg)
     loader = _train_loader(run)
     checkpoints = RunCheckpoints(
-        checkpoints_dir, cfg.checkpoint.keep, with_loader=loader is not None
+        checkpoints_dir,
+        cfg.checkpoint.keep,
+        with_loader=loader is not None,
+        allow_unverified=cfg.checkpoint.allow_unverified,
+        keep_every=cfg.checkpoint.keep_every,
+        async_save=cfg.checkpoint.async_save,
     )
+    if held is not None:  # a run that fails before a complete checkpoint is undone
+        checkpoints.when_complete = held.started
     state, meta = _restored_or_fresh(run, checkpoints, loader)
     checkpoints.check_writable()
     resumed = meta is not None
@@ -140,7 +148,6 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
                 checkpoints,
                 reporter,
                 caught,
-                started=held.started if held is not None else lambda: None,
             )
             failing = False
         except TrainingDiverged:
@@ -285,13 +292,11 @@ def _train_steps(
     checkpoints: RunCheckpoints,
     reporter: Reporter,
     caught,
-    started=lambda: None,
 ):
     """Steps from the position's step to ``train.steps``, with evaluations and checkpoints on
     their schedules; a caught signal saves and stops at the same step on every process; a
     diverging step stops the run or rolls it back (``zeroflow.trainer.recovery``).
-    ``started()`` is called once a checkpoint is saved: a run that fails before it has nothing
-    to resume from, and its folder is put back as it was (``run_folder.claim``). Returns
+    Returns
     ``(state, losses, last evaluation, name of the stopping signal or None)``."""
     first = position.run
     evaluate, stop_vote = make_eval(first), StopVote(first.plan.mesh)
@@ -304,7 +309,7 @@ def _train_steps(
         segment = _Segment(
             run, step_fns[run.lr_factor], evaluate, checkpoints, reporter, stop_vote, losses
         )
-        outcome = segment.train(position, caught, started)
+        outcome = segment.train(position, caught)
         if not isinstance(outcome, Divergence):
             return outcome
         position = recovery.recover(
@@ -325,16 +330,16 @@ class _Segment:
         self.checkpoints, self.reporter, self.stop_vote = checkpoints, reporter, stop_vote
         self.losses = losses
 
-    def train(self, position: Position, caught, started):
+    def train(self, position: Position, caught):
         """``(state, losses, last evaluation, stopping signal)``, or the ``Divergence`` that
         ended it (the segment's state is dropped with it; ``position.state`` is set to None)."""
         monitor = Monitor(position.health, self.run.cfg.train, self.run.prec)
         try:
-            return self._steps(position, monitor, caught, started)
+            return self._steps(position, monitor, caught)
         except Diverged as e:
             return e.divergence
 
-    def _steps(self, position: Position, monitor: Monitor, caught, started):
+    def _steps(self, position: Position, monitor: Monitor, caught):
         state, position.state = position.state, None  # the loop holds the only reference
         if state is None:
             raise ValueError("a training segment needs a position with a state")
@@ -373,7 +378,6 @@ class _Segment:
                 reporter.print(f"step {done}: {eval_text(last_eval)}")
             if is_ckpt or stop:
                 checkpoints.save(done, state, meta(done), loader)
-                started()
             if stop:
                 stopped_by = signal.Signals(stop).name
                 reporter.print(
@@ -384,7 +388,6 @@ class _Segment:
             finish_step(*pending)
         end = int(state.step)
         checkpoints.save(end, state, meta(end), loader)
-        started()
         last_eval = self.evaluate(state)
         if last_eval:
             reporter.write(end, last_eval)
