@@ -22,7 +22,7 @@ from zeroflow.engine.checkpoint import CheckpointError
 from zeroflow.trainer import build_run, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from fixtures import init_params
-from test_run_faults import (LEAKS, REPO, _logged_steps, _spawn, cli_args, config,  # noqa: F401
+from test_run_faults import (LEAKS, REPO, SMALL, _logged_steps, _spawn, cli_args, config,  # noqa: F401
                              finished_run, metric_rows, run_copy, stored_arrays)
 
 
@@ -246,3 +246,53 @@ def test_a_reader_lists_again_when_a_running_trainer_deletes_the_step_it_chose(r
     monkeypatch.setattr(RunCheckpoints, "restore", trainer_moves_on)
     _, _, step = load_run_params(run_copy)
     assert step == 4 and not held.exists()
+
+
+@pytest.mark.fast
+def test_each_process_hashes_the_files_it_wrote_and_process_0_merges_the_parts(tmp_path):
+    import hashlib
+    files = {"state/_METADATA": b"meta", "state/ocdbt.process_0/d/a": b"zero" * 100,
+             "state/ocdbt.process_1/d/b": b"one" * 100, "state/array_metadatas/process_1": b"m1",
+             "meta/metadata": b"{}"}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    part = checkpoint_digests.write_part(tmp_path, 1, 2)
+    assert sorted(json.loads(part.read_text())) == ["state/array_metadatas/process_1",
+                                                     "state/ocdbt.process_1/d/b"]
+    checkpoint_digests.write_manifest(tmp_path, 2)
+    entries = json.loads((tmp_path / checkpoint_digests.MANIFEST).read_text())["files"]
+    assert {k: v["sha256"] for k, v in entries.items()} == {
+        k: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+    assert not part.exists()
+    # Each process checks its own files; a change in process 1's is found by process 1 alone.
+    (tmp_path / "state/ocdbt.process_1/d/b").write_bytes(b"onf" + b"one" * 99)
+    assert checkpoint_digests.verify(tmp_path, expected=True, process=0, process_count=2)
+    with pytest.raises(checkpoint_digests.DigestMismatch, match="ocdbt.process_1/d/b"):
+        checkpoint_digests.verify(tmp_path, expected=True, process=1, process_count=2)
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_another_process_s_files_is_found_by_a_two_process_resume(tmp_path):
+    """2 processes: process 1's arrays are hashed by process 1 (its part of the manifest); on
+    resume each process checks its own files, and a flipped bit in process 1's makes both
+    processes treat the step as damaged and resume from the step before."""
+    args = ["-m", "zeroflow.launch", "--processes", "2", "--cpu-devices", "2", "--",
+            sys.executable, "-m", "zeroflow.train", "--config", str(REPO / "configs/tiny.yaml"),
+            *SMALL, "parallel.zero_stage=3", "checkpoint.every=2", f"run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    first = subprocess.run([sys.executable, *args, "train.steps=4"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    step4 = tmp_path / "run" / "checkpoints" / "4"
+    assert not list(step4.glob(checkpoint_digests.PART + "*"))  # merged into the manifest
+    flip_one_bit(sorted((step4 / "state" / "ocdbt.process_1" / "d").iterdir())[0],
+                 random.Random(1))
+    resumed = subprocess.run([sys.executable, *args, "train.steps=6"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    text = resumed.stdout + resumed.stderr
+    assert "checkpoint step 4 is unreadable: checkpoints/4/state/ocdbt.process_1/d/" in text
+    assert "does not match its sha256 digest" in text and "resuming from step 2" in text
+    assert (tmp_path / "run" / "checkpoints" / "4.corrupt").is_dir()
+    assert checkpoint_digests.verify(tmp_path / "run" / "checkpoints" / "6", expected=True)

@@ -100,6 +100,25 @@ def _nbytes(tree) -> int:
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
 
 
+FAULT_BYTES = 1024
+"Room for one process's digest fault when the processes compare their checks."
+
+
+def _first_of_all(fault: str) -> str:
+    """The first non-empty ``fault`` among every process's (each checked its own files): all
+    processes then treat the step alike."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros(FAULT_BYTES, np.uint8)
+    encoded = fault.encode()[:FAULT_BYTES]
+    mine[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    for row in np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, FAULT_BYTES):
+        if row.any():
+            return bytes(row).rstrip(b"\0").decode(errors="replace")
+    return ""
+
+
 class UnreadableCheckpoint(CheckpointError):
     """A step whose files are missing or damaged; ``reason`` names the file and the fault."""
 
@@ -197,9 +216,11 @@ class RunCheckpoints:
         """Off the training thread: the step's files written, then its digests (process 0
         hashes them, last, once the folder is complete), then the retention rules applied."""
         self.manager.wait_until_finished()
-        if jax.process_index() != 0:
+        process, count = jax.process_index(), jax.process_count()
+        if process != 0:  # each process hashes the files it wrote; process 0 merges the parts
+            checkpoint_digests.write_part(self.directory / str(step), process, count)
             return
-        checkpoint_digests.write_manifest(self.directory / str(step))
+        checkpoint_digests.write_manifest(self.directory / str(step), count)
         present = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
         retention.delete_steps(
             self.directory, retention.to_delete(present, step, self.keep, self.keep_every)
@@ -388,12 +409,22 @@ class RunCheckpoints:
         """Whether the step's files were checked against its digests (False: it has none, as
         steps saved before digests existed); ``UnreadableCheckpoint`` when one differs."""
         expected = DIGESTS in json.loads((step_dir / "meta" / "metadata").read_text("utf-8"))
-        try:
-            return checkpoint_digests.verify(step_dir, expected=expected)
+        count = 1 if self.read_only else jax.process_count()
+        fault = ""
+        try:  # with several processes each checks the files it wrote, all at once
+            verified = checkpoint_digests.verify(
+                step_dir,
+                expected=expected,
+                process=jax.process_index() if count > 1 else None,
+                process_count=count,
+            )
         except checkpoint_digests.DigestMismatch as e:
-            raise UnreadableCheckpoint(
-                step, f"{damage.shown(e.path, self.directory)} {e.fault}"
-            ) from None
+            verified, fault = True, f"{damage.shown(e.path, self.directory)} {e.fault}"
+        if count > 1:
+            fault = _first_of_all(fault)
+        if fault:
+            raise UnreadableCheckpoint(step, fault)
+        return verified
 
     def restore_latest(
         self, like: TrainState, loader=None
