@@ -296,3 +296,17 @@ def test_a_flipped_bit_in_another_process_s_files_is_found_by_a_two_process_resu
     assert "does not match its sha256 digest" in text and "resuming from step 2" in text
     assert (tmp_path / "run" / "checkpoints" / "4.corrupt").is_dir()
     assert checkpoint_digests.verify(tmp_path / "run" / "checkpoints" / "6", expected=True)
+
+
+@pytest.mark.slow
+def test_checkpoints_elsewhere_than_the_run_folder_are_found_by_resume_and_export(tmp_path,
+                                                                                 capsys):
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "shared" / "ckpt"
+    common = ("checkpoint.every=2", f"checkpoint.dir={elsewhere}")
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", *common)) == 0
+    assert not (run_dir / "checkpoints").exists()
+    assert checkpoint_digests.verify(elsewhere / "2", expected=True)
+    assert train_cli.main(cli_args(run_dir, "train.steps=4", *common)) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert export.main(["--run", str(run_dir), "--out", str(tmp_path / "w.npz")]) == 0
+    assert "from step 4 to" in capsys.readouterr().out

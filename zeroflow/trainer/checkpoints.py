@@ -270,9 +270,11 @@ class RunCheckpoints:
     def check_writable(self) -> None:
         """Before training: a ``checkpoints/`` the run cannot write to (read-only, another
         user's) is one line now, not a failed save after the steps it trained."""
-        if self.read_only or not self.directory.is_dir() or jax.process_index() != 0:
+        if self.read_only or jax.process_index() != 0:
             return
-        probe = self.directory / f".zeroflow-write-test-{os.getpid()}"
+        # A folder not made yet (checkpoint.dir elsewhere): its nearest existing parent.
+        folder = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+        probe = folder / f".zeroflow-write-test-{os.getpid()}"
         try:
             probe.mkdir()
             probe.rmdir()
