@@ -17,12 +17,12 @@ from zeroflow.engine import checkpoint_digests
 def held_write_manifest(step: int, marker: Path, release: Path):
     plain = checkpoint_digests.write_manifest
 
-    def write_manifest(folder):
+    def write_manifest(folder, *args, **kwargs):
         if Path(folder).name == str(step):
             marker.touch()
             while not release.exists():
                 time.sleep(0.01)
-        return plain(folder)
+        return plain(folder, *args, **kwargs)
 
     return write_manifest
 
