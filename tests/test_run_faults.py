@@ -1,6 +1,7 @@
 """Faults and mistakes around a run folder: kill -9 at random points, damaged checkpoints, a
 config for another model, bad inputs. Each ends with nothing lost and, where the user must act,
 one line saying what to do (docs/runs.md)."""
+import errno
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import pytest
 from zeroflow.cli import export, sample
 from zeroflow.cli import train as train_cli
 from zeroflow.config.io import load_config
+from zeroflow.engine import checkpoint_digests
 from zeroflow.trainer import build_run, train
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from zeroflow.trainer.reporting import trim_metrics
@@ -243,11 +245,16 @@ def test_export_and_sample_name_their_step_and_fall_back_from_an_unreadable_late
     assert "[step 2]" in capsys.readouterr().err
     assert snapshot(run_copy) == before  # readers change nothing
 
+    # An existing output is refused before any work: nothing is overwritten.
+    assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "2"]) == 2
+    assert "already exists" in one_line(capsys.readouterr().err)
+    out.unlink()
     assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "2"]) == 0
     assert "from step 2 to" in capsys.readouterr().out
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # 0644 under the usual umask, not 0600
+    out.unlink()
     assert sample.main(["--run", str(run_copy), "--tokens", "2", "--step", "2", "--temperature", "0"]) == 0
     assert "[step 2]" in capsys.readouterr().err
     assert export.main(["--run", str(run_copy), "--out", str(out), "--step", "3"]) == 2
@@ -441,12 +448,36 @@ def test_run_dir_that_is_a_file_stops_before_any_work(tmp_path, capsys):
     assert run_file.read_text() == "not a folder"
 
 
-def test_a_run_that_fails_before_its_first_step_leaves_no_files(tmp_path, capsys):
+def test_fp16_on_cpu_is_refused_before_any_work_naming_the_key(tmp_path, capsys):
     run_dir = tmp_path / "new" / "run"
-    # XLA:CPU has no fp16 matmuls: the step fails as it compiles, after every check passed.
-    assert train_cli.main(cli_args(run_dir, "train.steps=2", "precision.params=fp16")) != 0
-    assert "not supported" in one_line(capsys.readouterr().err)
+    # XLA:CPU has no fp16 matmul with fp32 accumulation for the step's batched products: the
+    # step would fail as it compiles; the config is refused before anything is built.
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", "precision.params=fp16")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "precision.params=fp16" in line and "precision.params=bf16" in line, line
     assert not (tmp_path / "new").exists()
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_folder_nor_lock(
+        tmp_path, capsys, monkeypatch):
+    """A failure found late (after steps ran, at the first save: a full disk, say) leaves
+    nothing to resume from: the folder is removed, the lock with it; in an existing folder the
+    files the run added are removed and the ones it rewrote put back."""
+    def no_room(self, step, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunCheckpoints, "save", no_room)
+    run_dir = tmp_path / "new" / "run"
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", "checkpoint.every=2")) == 1
+    assert "No space left on device" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    before = snapshot(existing)
+    assert train_cli.main(cli_args(existing, "train.steps=2", "checkpoint.every=2")) == 1
+    capsys.readouterr()
+    assert snapshot(existing) == before  # no config.yaml, metrics.jsonl, tb/ nor trainer.lock
 
 
 def test_a_final_evaluation_lost_to_a_kill_is_run_on_resume(run_copy, capsys):
@@ -558,3 +589,104 @@ def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_leaves_nothing_ha
                            f"{run_dir / 'checkpoints'}: it needs about "), line
     assert "raise the file-size limit" in line and "resume from step 2" in line
     assert snapshot(run_dir / "checkpoints") == before  # step 4 gone whole, step 2 untouched
+
+
+def _as_a_user(args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m zeroflow.<args>`` without the power to bypass file permissions: root runs
+    it in a user namespace of its own (no capabilities over this machine's files)."""
+    prefix = ["unshare", "-U"] if os.geteuid() == 0 else []
+    env = _cached_env()
+    env.pop("ZEROFLOW_TRACEBACK", None)
+    return subprocess.run([*prefix, sys.executable, "-m", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and subprocess.run(
+    ["unshare", "-U", "true"], capture_output=True).returncode != 0,
+    reason="root without user namespaces (unshare -U) cannot be refused a file")
+def test_a_step_that_cannot_be_read_for_permissions_falls_back(run_copy, tmp_path):
+    state = run_copy / "checkpoints" / "4" / "state"
+    state.chmod(0)
+    try:
+        out = tmp_path / "w.npz"
+        done = _as_a_user(["zeroflow.export", "--run", str(run_copy), "--out", str(out)])
+        assert done.returncode == 0 and "from step 2 to" in done.stdout, done.stderr
+        warning = one_line(done.stderr)
+        assert "checkpoints/4/state" in warning and "Permission denied" in warning
+        # A checkpoints/ that cannot be changed: the damaged step stays, and the trainer, which
+        # could not save there, says so before training.
+        (run_copy / "checkpoints").chmod(0o555)
+        done = _as_a_user(["zeroflow.train", *cli_args(run_copy, "train.steps=6",
+                                                        "checkpoint.every=2")])
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 2, done.stderr
+        assert "could not move it aside" in lines[0] and "resuming from step 2" in lines[0]
+        assert lines[1] == (f"zeroflow.train: error: {run_copy / 'checkpoints'} is not writable "
+                            "(Permission denied): the run cannot save there; make it writable "
+                            "and run the same command to resume from its newest readable step")
+    finally:
+        (run_copy / "checkpoints").chmod(0o755)
+        state.chmod(0o755)
+    assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["2", "4"]
+
+
+# --- faults while an asynchronous save is in flight ----------------------------------------
+
+def _spawn_held(step: int, tmp_path: Path, args: list[str]):
+    marker, release = tmp_path / "held", tmp_path / "release"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "hold_in_save.py"), str(step),
+                             str(marker), str(release), *args], cwd=REPO, env=_cached_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, marker, release
+
+
+def _wait_for(condition, proc, timeout_s=600.0):
+    """Until ``condition()``; a run that ends first, or never gets there, fails the test (and
+    is not left held)."""
+    start = time.monotonic()
+    while not condition():
+        if proc.poll() is not None or time.monotonic() - start > timeout_s:
+            proc.kill()
+            pytest.fail(f"the held run did not get there: {proc.communicate()}")
+        time.sleep(0.01)
+
+
+def test_kill_9_while_an_async_save_is_in_flight_resumes_bit_identically(tmp_path):
+    """The save of step 3 holds (its files written, its digests not yet) while the run trains
+    step 4, which only an asynchronous save allows; kill -9 then. The resume never loads the
+    half-finished step 3: it goes back to step 2 and ends where an uninterrupted run ends."""
+    common = [*EVERY_STEP_SAVED, "checkpoint.keep=2"]
+    straight = _spawn(cli_args(tmp_path / "straight", *common))
+    assert straight.wait(timeout=600) == 0, straight.communicate()[1]
+    run_dir = tmp_path / "faulty"
+    proc, marker, _ = _spawn_held(3, tmp_path, cli_args(run_dir, *common))
+    _wait_for(lambda: marker.exists() and _logged_steps(run_dir) >= 4, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=600)
+    resumed = _spawn(cli_args(run_dir, *common))
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    assert "resumed from step 2" in out and "checkpoints/3/zeroflow_manifest.json is missing" in err
+    for want, got in zip(stored_arrays(tmp_path / "straight" / "checkpoints" / "8"),
+                         stored_arrays(run_dir / "checkpoints" / "8"), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert [r["step"] for r in metric_rows(run_dir) if "loss" in r] == list(range(1, 9))
+
+
+def test_sigterm_while_an_async_save_is_in_flight_completes_it_and_saves_again(tmp_path):
+    """SIGTERM lands while step 3's save is in flight: the run waits for it, saves the step it
+    stopped at, and ends in one line; every step it left is complete with its digests."""
+    run_dir = tmp_path / "run"
+    proc, marker, release = _spawn_held(3, tmp_path, cli_args(run_dir, *EVERY_STEP_SAVED))
+    _wait_for(lambda: marker.exists() and _logged_steps(run_dir) >= 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    release.touch()
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    [last] = [line for line in out.splitlines() if line.startswith("SIGTERM")]
+    stopped_at = int(last.split("checkpoint at step ")[1].split(";")[0])
+    assert stopped_at >= 4 and "Traceback" not in err
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == stopped_at and 3 in steps
+    for step in steps:
+        assert checkpoint_digests.verify(run_dir / "checkpoints" / str(step), expected=True)

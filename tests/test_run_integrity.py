@@ -22,7 +22,7 @@ from zeroflow.engine.checkpoint import CheckpointError
 from zeroflow.trainer import build_run, run_folder
 from zeroflow.trainer.checkpoints import RunCheckpoints, UnreadableCheckpoint
 from fixtures import init_params
-from test_run_faults import (LEAKS, REPO, _logged_steps, _spawn, cli_args, config,  # noqa: F401
+from test_run_faults import (LEAKS, REPO, SMALL, _logged_steps, _spawn, cli_args, config,  # noqa: F401
                              finished_run, metric_rows, run_copy, stored_arrays)
 
 pytestmark = pytest.mark.slow
@@ -114,8 +114,15 @@ def test_readers_of_a_sound_run_print_no_warnings(finished_run, tmp_path, reader
     assert reader == "sample" or "from step 4 to" in proc.stdout
 
 
-def test_steps_saved_without_digests_load_unverified_and_a_lost_manifest_is_caught(run_copy,
-                                                                                    caplog):
+def _strip_digests(step_dir: Path) -> None:
+    """The step as saved before checkpoints had digests: no manifest, no mark in its meta."""
+    (step_dir / checkpoint_digests.MANIFEST).unlink(missing_ok=True)
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    del meta["digests"]
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def test_a_step_without_digests_loads_only_in_a_run_without_any(run_copy, caplog):
     step_dir = run_copy / "checkpoints" / "4"
     like = build_run(config(run_copy, "train.steps=4")).abstract_state()
     checkpoints = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True)
@@ -123,14 +130,41 @@ def test_steps_saved_without_digests_load_unverified_and_a_lost_manifest_is_caug
     with pytest.raises(UnreadableCheckpoint, match="zeroflow_manifest.json is missing "
                                                    r"\(the save did not finish\)"):
         checkpoints.restore(4, like)
-    meta = json.loads((step_dir / "meta" / "metadata").read_text())
-    del meta["digests"]  # as saved before checkpoints had digests
-    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+    _strip_digests(step_dir)
+    # Step 2 has its digests: step 4 lost them (or is not this run's), so it is not trusted.
+    with pytest.raises(UnreadableCheckpoint, match="has no digests while other steps of this "
+                       "run have them .*checkpoint.allow_unverified=true"):
+        checkpoints.restore(4, like)
+    allowing = RunCheckpoints(run_copy / "checkpoints", 3, read_only=True, allow_unverified=True)
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert int(allowing.restore(4, like)[0].step) == 4
+    assert [r.getMessage() for r in caplog.records if r.name == "zeroflow"] == [
+        f"checkpoint step 4 in {run_copy / 'checkpoints'} has no digests "
+        "(checkpoint.allow_unverified=true): loaded unverified"]
+    caplog.clear()
+    _strip_digests(run_copy / "checkpoints" / "2")  # a run from before digests: none has them
     with caplog.at_level("WARNING", logger="zeroflow"):
         assert int(checkpoints.restore(4, like)[0].step) == 4
     assert [r.getMessage() for r in caplog.records if r.name == "zeroflow"] == [
         f"checkpoint step 4 in {run_copy / 'checkpoints'} has no digests (saved before zeroflow "
         "recorded them): loaded unverified"]
+
+
+def test_a_damaged_step_stripped_of_its_digests_is_not_loaded_by_export_or_resume(
+        run_copy, tmp_path, capsys, caplog):
+    step_dir = run_copy / "checkpoints" / "4"
+    _strip_digests(step_dir)
+    flip_one_bit(max(files_of(step_dir / "state"), key=lambda p: p.stat().st_size),
+                 random.Random(0))
+    out = tmp_path / "w.npz"
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert export.main(["--run", str(run_copy), "--out", str(out)]) == 0
+    assert "from step 2 to" in capsys.readouterr().out
+    assert "has no digests while other steps" in caplog.text
+    # The resume moves it aside and trains from step 2, as for any damaged step.
+    assert train_cli.main(cli_args(run_copy, "train.steps=4", "checkpoint.every=2")) == 0
+    assert (run_copy / "checkpoints" / "4.corrupt").is_dir()
+    assert "resumed from step 2" in capsys.readouterr().out
 
 
 def test_engine_checkpoints_carry_digests_too(tmp_path):
@@ -214,3 +248,67 @@ def test_a_reader_lists_again_when_a_running_trainer_deletes_the_step_it_chose(r
     monkeypatch.setattr(RunCheckpoints, "restore", trainer_moves_on)
     _, _, step = load_run_params(run_copy)
     assert step == 4 and not held.exists()
+
+
+@pytest.mark.fast
+def test_each_process_hashes_the_files_it_wrote_and_process_0_merges_the_parts(tmp_path):
+    import hashlib
+    files = {"state/_METADATA": b"meta", "state/ocdbt.process_0/d/a": b"zero" * 100,
+             "state/ocdbt.process_1/d/b": b"one" * 100, "state/array_metadatas/process_1": b"m1",
+             "meta/metadata": b"{}"}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    part = checkpoint_digests.write_part(tmp_path, 1, 2)
+    assert sorted(json.loads(part.read_text())) == ["state/array_metadatas/process_1",
+                                                     "state/ocdbt.process_1/d/b"]
+    checkpoint_digests.write_manifest(tmp_path, 2)
+    entries = json.loads((tmp_path / checkpoint_digests.MANIFEST).read_text())["files"]
+    assert {k: v["sha256"] for k, v in entries.items()} == {
+        k: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+    assert not part.exists()
+    # Each process checks its own files; a change in process 1's is found by process 1 alone.
+    (tmp_path / "state/ocdbt.process_1/d/b").write_bytes(b"onf" + b"one" * 99)
+    assert checkpoint_digests.verify(tmp_path, expected=True, process=0, process_count=2)
+    with pytest.raises(checkpoint_digests.DigestMismatch, match="ocdbt.process_1/d/b"):
+        checkpoint_digests.verify(tmp_path, expected=True, process=1, process_count=2)
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_another_process_s_files_is_found_by_a_two_process_resume(tmp_path):
+    """2 processes: process 1's arrays are hashed by process 1 (its part of the manifest); on
+    resume each process checks its own files, and a flipped bit in process 1's makes both
+    processes treat the step as damaged and resume from the step before."""
+    args = ["-m", "zeroflow.launch", "--processes", "2", "--cpu-devices", "2", "--",
+            sys.executable, "-m", "zeroflow.train", "--config", str(REPO / "configs/tiny.yaml"),
+            *SMALL, "parallel.zero_stage=3", "checkpoint.every=2", f"run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    first = subprocess.run([sys.executable, *args, "train.steps=4"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    step4 = tmp_path / "run" / "checkpoints" / "4"
+    assert not list(step4.glob(checkpoint_digests.PART + "*"))  # merged into the manifest
+    flip_one_bit(sorted((step4 / "state" / "ocdbt.process_1" / "d").iterdir())[0],
+                 random.Random(1))
+    resumed = subprocess.run([sys.executable, *args, "train.steps=6"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    text = resumed.stdout + resumed.stderr
+    assert "checkpoint step 4 is unreadable: checkpoints/4/state/ocdbt.process_1/d/" in text
+    assert "does not match its sha256 digest" in text and "resuming from step 2" in text
+    assert (tmp_path / "run" / "checkpoints" / "4.corrupt").is_dir()
+    assert checkpoint_digests.verify(tmp_path / "run" / "checkpoints" / "6", expected=True)
+
+
+@pytest.mark.slow
+def test_checkpoints_elsewhere_than_the_run_folder_are_found_by_resume_and_export(tmp_path,
+                                                                                 capsys):
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "shared" / "ckpt"
+    common = ("checkpoint.every=2", f"checkpoint.dir={elsewhere}")
+    assert train_cli.main(cli_args(run_dir, "train.steps=2", *common)) == 0
+    assert not (run_dir / "checkpoints").exists()
+    assert checkpoint_digests.verify(elsewhere / "2", expected=True)
+    assert train_cli.main(cli_args(run_dir, "train.steps=4", *common)) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert export.main(["--run", str(run_dir), "--out", str(tmp_path / "w.npz")]) == 0
+    assert "from step 4 to" in capsys.readouterr().out

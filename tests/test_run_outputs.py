@@ -125,7 +125,7 @@ def test_sample_interactive_loads_once_and_answers_each_line(trained, monkeypatc
         alone.append(capsys.readouterr().out)
     loads = []
     real = sample.load_params
-    monkeypatch.setattr(sample, "load_params", lambda *a: loads.append(a) or real(*a))
+    monkeypatch.setattr(sample, "load_params", lambda *a, **k: loads.append(a) or real(*a, **k))
     monkeypatch.setattr(sys, "stdin", io.StringIO("def \nclass \n\nnot read\n"))
     assert sample.main(args + ["--interactive"]) == 0
     assert len(loads) == 1

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zeroflow.cli.common import ArgumentParser, at_least, run_cli
+from zeroflow.cli.common import ArgumentParser, run_cli
+from zeroflow.cli.inputs import STEP_MAX, check_new_output, check_path, int_between, non_empty
 from zeroflow.cli.sample import check_run_folder
 from zeroflow.util.settings import DTYPE_NAMES
 
@@ -74,10 +75,16 @@ def readable_by_all(*paths: Path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
+    p.add_argument(
+        "--run",
+        required=True,
+        type=non_empty,
+        help="run folder (holds config.yaml and checkpoints/)",
+    )
     p.add_argument(
         "--out",
         required=True,
+        type=non_empty,
         help="output file (.safetensors or .npz), or folder with --format hf or peft",
     )
     p.add_argument(
@@ -96,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--step",
-        type=at_least(0),
+        type=int_between(0, STEP_MAX, "the step counter is a 32-bit integer"),
         default=None,
         help="checkpoint step to export (default: the newest readable one; an unreadable newest "
         "checkpoint is reported and the one before it used)",
@@ -184,6 +191,8 @@ def _check_out(out: Path, folder: bool) -> None:
 
 def main_args(args) -> int:
     out = Path(args.out)
+    check_path("--run", Path(args.run))
+    check_path("--out", out)
     _check_out(out, folder=args.format in (HF_FORMAT, PEFT_FORMAT))
     if args.format == "file" and out.suffix not in FORMATS:
         raise ValueError(
@@ -191,6 +200,7 @@ def main_args(args) -> int:
             "(or use --format hf for a Hugging Face folder)"
         )
     check_run_folder(Path(args.run))  # the flags and --run checked, before jax is imported
+    check_new_output("--out", out)
     if args.format == HF_FORMAT:
         print(export_hf(Path(args.run), out, args.dtype, args.step))
         return 0

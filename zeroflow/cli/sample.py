@@ -15,23 +15,35 @@ import sys
 from pathlib import Path
 
 from zeroflow.cli.common import ArgumentParser, at_least, error_line, non_negative_float, run_cli
+from zeroflow.cli.inputs import STEP_MAX, check_path, int_between, non_empty, seed_type
 
 PROG = "zeroflow.sample"
 
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__)
-    p.add_argument("--run", required=True, help="run folder (holds config.yaml and checkpoints/)")
+    p.add_argument(
+        "--run",
+        required=True,
+        type=non_empty,
+        help="run folder (holds config.yaml and checkpoints/)",
+    )
     p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--tokens", type=at_least(1), default=200, help="how many tokens to generate")
+    p.add_argument(
+        "--tokens",
+        type=at_least(1),
+        default=None,
+        help="how many tokens to generate, at most the model's context (model.seq_len); "
+        "default: 200, or the context when shorter",
+    )
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy")
     p.add_argument(
         "--top-k", type=at_least(0), default=40, help="sample among the k likeliest (0 = all)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type(), default=0, help="sampling seed (0 to 2**32 - 1)")
     p.add_argument(
         "--step",
-        type=at_least(0),
+        type=int_between(0, STEP_MAX, "the step counter is a 32-bit integer"),
         default=None,
         help="checkpoint step to sample from (default: the newest readable one; an unreadable "
         "newest checkpoint is reported and the one before it used)",
@@ -77,17 +89,20 @@ def check_run_folder(run_dir: Path) -> None:
         raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a zeroflow run folder?")
 
 
-def load_params(run_dir: Path, step: int | None = None):
+def load_params(run_dir: Path, step: int | None = None, *, before_reading=None):
     """(model config, tokenizer, fp32 params, step) of checkpoint ``step`` (default: the
     latest, which must be readable), on one device; a LoRA run's adapters folded into its
-    base weights. Nothing in the run folder is changed."""
+    base weights. Nothing in the run folder is changed. ``before_reading(model_cfg)``: checks
+    of the caller's own inputs against the model, before the checkpoint is read."""
     from zeroflow.trainer.adapters import merged
 
-    run, params, step = load_run_params(run_dir, step)
+    run, params, step = load_run_params(run_dir, step, before_reading=before_reading)
     return run.model_cfg, run.data.tokenizer, merged(run.lora, params), step
 
 
-def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool = True):
+def load_run_params(
+    run_dir: Path, step: int | None = None, *, with_data: bool = True, before_reading=None
+):
     """(the run as ``build_run`` makes it, its fp32 params as trained, step) of checkpoint
     ``step`` on one device: a LoRA run's are ``{"base", "lora"}``. ``with_data=False``: the
     run has no data (nor tokenizer)."""
@@ -95,7 +110,8 @@ def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool =
 
     from zeroflow.config.io import load_config
     from zeroflow.trainer import build_run
-    from zeroflow.trainer.checkpoints import RunCheckpoints
+    from zeroflow.trainer.checkpoints import RunCheckpoints, checkpoints_dir
+    from zeroflow.trainer.sizes import check_fits
 
     check_run_folder(run_dir)
     cfg = load_config(run_dir / "config.yaml")
@@ -111,13 +127,43 @@ def load_run_params(run_dir: Path, step: int | None = None, *, with_data: bool =
     cfg = dataclasses.replace(
         cfg, parallel=single, precision=dataclasses.replace(cfg.precision, params="fp32")
     )
+    check_fits(cfg)
     run = build_run(cfg, devices=jax.devices()[:1], with_data=with_data)
-    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep, read_only=True)
+    if before_reading is not None:
+        before_reading(run.model_cfg)
+    checkpoints = RunCheckpoints(
+        checkpoints_dir(cfg, run_dir),
+        cfg.checkpoint.keep,
+        read_only=True,
+        allow_unverified=cfg.checkpoint.allow_unverified,
+    )
     try:
         state, meta = checkpoints.read(run.abstract_state(), step)
     finally:
         checkpoints.close()
     return run, state.params, meta["step"]
+
+
+DEFAULT_TOKENS = 200
+
+
+def _check_against_model(args, model_cfg) -> None:
+    """The flags bounded by the run's model, checked before its weights are read: --tokens by
+    its context (the longest window it was trained on), --top-k by its vocabulary."""
+    context = model_cfg.seq_len
+    if args.tokens is None:
+        args.tokens = min(DEFAULT_TOKENS, context)
+    if args.tokens > context:
+        raise ValueError(
+            f"--tokens {args.tokens} is more than the model's context of {context} tokens "
+            "(model.seq_len of the run: the longest window it was trained on); give at most "
+            f"{context}"
+        )
+    if args.top_k > model_cfg.vocab_size:
+        raise ValueError(
+            f"--top-k {args.top_k} is more than the model's vocabulary of "
+            f"{model_cfg.vocab_size} tokens; give at most {model_cfg.vocab_size} (0 = all)"
+        )
 
 
 def main_args(args) -> int:
@@ -126,9 +172,12 @@ def main_args(args) -> int:
 
     from zeroflow.models import generate
 
-    if args.tokens < 1:
-        raise ValueError("--tokens must be at least 1")
-    model_cfg, tokenizer, params, step = load_params(Path(args.run), args.step)
+    check_path("--run", Path(args.run))
+    if not args.interactive and not args.prompt:
+        raise ValueError("--prompt must not be empty: give the text to continue")
+    model_cfg, tokenizer, params, step = load_params(
+        Path(args.run), args.step, before_reading=lambda cfg: _check_against_model(args, cfg)
+    )
     print(f"[step {step}]", file=sys.stderr)
 
     def answer(text: str, seed: int) -> str:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from zeroflow.cli.common import ArgumentParser, at_least, run_cli, set_cpu_devices
+from zeroflow.cli.common import ArgumentParser, run_cli, set_cpu_devices
+from zeroflow.cli.inputs import CPU_DEVICES_MAX, check_path, int_between
 from zeroflow.config.io import add_config_arguments, config_from_args
 
 PROG = "zeroflow.train"
@@ -23,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--cpu-devices",
-        type=at_least(1),
+        type=int_between(1, CPU_DEVICES_MAX, "more than any mesh needs; each costs host memory"),
         default=None,
         metavar="N",
         help="emulate N CPU devices (testing data/model parallelism without a GPU)",
@@ -32,7 +34,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main_args(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)  # ConfigError is a ValueError: one line, exit 2 (before jax)
+    if args.config is not None:
+        if not args.config.strip():
+            raise ValueError("--config must not be empty: give a YAML file, or leave the flag out")
+        check_path("--config", Path(args.config))
+    cfg = config_from_args(args)  # ConfigError is a ValueError: one line, exit 2
     from zeroflow.engine.distributed import initialize_from_env
 
     set_cpu_devices(args.cpu_devices)

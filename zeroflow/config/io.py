@@ -39,6 +39,7 @@ from zeroflow.engine.plan_rules import (
     plan_problems,
     sequence_split_problem,
 )
+from zeroflow.util.limits import INT_LIMIT, SEED_MAX, STEP_MAX
 from zeroflow.util.settings import check_precision, parse_loss_scale
 
 _TRUE = ("true", "1", "yes", "on")
@@ -153,14 +154,22 @@ def _coerce(key: str, value: Any, typ: type, where: str) -> Any:
             return value.strip().lower() in _TRUE
         raise bad()
     if typ is int:
+        whole = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
+            whole = value
+        elif isinstance(value, str):
             try:
-                return int(value.strip(), 10)
+                whole = int(value.strip(), 10)
             except ValueError:
                 pass
-        raise bad()
+        if whole is None:
+            raise bad()
+        if not -INT_LIMIT <= whole < INT_LIMIT:
+            raise ConfigError(
+                f"{key}: {whole} is out of range: integers are 64-bit (at most "
+                f"{INT_LIMIT - 1:,}){where}"
+            )
+        return whole
     if typ is float:
         if isinstance(value, bool):
             raise bad()
@@ -334,6 +343,7 @@ def validate_config(cfg: Config) -> Config:
         + _precision_problems(cfg.precision)
         + _checkpoint_problems(cfg.checkpoint)
         + _fusemix_problems(cfg.fusemix)
+        + _run_problems(cfg.run)
     )
     if problems:
         raise ConfigError("; ".join(problems))
@@ -437,6 +447,11 @@ def _train_problems(t) -> list[str]:
     problems = _failed(
         [
             (t.steps > 0, f"train.steps must be positive; got {t.steps}"),
+            (
+                t.steps <= STEP_MAX,
+                f"train.steps must be at most {STEP_MAX:,} (the step counter is a 32-bit "
+                f"integer); got {t.steps}",
+            ),
             (t.batch_size > 0, f"train.batch_size must be positive; got {t.batch_size}"),
             (t.lr >= 0, "train.lr must be >= 0"),
             (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
@@ -444,7 +459,11 @@ def _train_problems(t) -> list[str]:
             (t.weight_decay >= 0, "train.weight_decay must be >= 0"),
             (0 <= t.b1 < 1 and 0 <= t.b2 < 1, "train.b1 and train.b2 must be in [0, 1)"),
             (t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables it)"),
-            (t.seed >= 0, "train.seed must be >= 0"),
+            (
+                0 <= t.seed <= SEED_MAX,
+                f"train.seed must be in [0, {SEED_MAX}] (a JAX key holds 32 bits of it: a larger "
+                f"seed would repeat a smaller one's draws); got {t.seed}",
+            ),
             (t.log_every > 0, "train.log_every must be positive"),
             (t.eval_every >= 0, "train.eval_every must be >= 0 (0 = only at the end)"),
             (t.eval_batches >= 0, "train.eval_batches must be >= 0"),
@@ -566,11 +585,32 @@ def _fusemix_problems(f) -> list[str]:
     )
 
 
+def _run_problems(r) -> list[str]:
+    return _failed(
+        [
+            (
+                bool(r.dir.strip()),
+                "run.dir must not be empty: give the run its own folder (e.g. runs/tiny; it is "
+                "created when missing)",
+            ),
+        ]
+    )
+
+
 def _checkpoint_problems(c) -> list[str]:
     return _failed(
         [
             (c.every >= 0, "checkpoint.every must be >= 0"),
-            (c.keep > 0, "checkpoint.keep must be positive"),
+            (c.keep > 0, f"checkpoint.keep must be at least 1; got {c.keep}"),
+            (
+                c.keep_every >= 0,
+                f"checkpoint.keep_every must be >= 0 (0 = off); got {c.keep_every}",
+            ),
+            (
+                c.keep_every <= 0 or (c.every > 0 and c.keep_every % c.every == 0),
+                f"checkpoint.keep_every ({c.keep_every}) must be a multiple of checkpoint.every "
+                f"({c.every}): only the steps that are saved can be kept",
+            ),
         ]
     )
 

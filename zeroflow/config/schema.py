@@ -307,6 +307,14 @@ class CheckpointConfig:
     "Steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)."
     keep: int = 3
     "How many recent checkpoints to keep."
+    keep_every: int = 0
+    "Also keep every step that is a multiple of this (0 = none beyond checkpoint.keep); a multiple of checkpoint.every. The newest verified step is never deleted."
+    async_save: bool = True
+    "Write checkpoints in the background: training waits only for the copy of the state to host memory; the files and their digests are written while it goes on (one save in flight at a time)."
+    dir: str = ""
+    "Folder of the checkpoints ('' = run.dir/checkpoints), e.g. on a shared file system; sample and export read it from the run's config.yaml."
+    allow_unverified: bool = False
+    "Load a step that has no digests even where the run has digested steps (a step without them is otherwise treated as damaged: moved aside, the older verified step used)."
 
 
 @dataclass

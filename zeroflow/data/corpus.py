@@ -141,6 +141,16 @@ def read_text(file: SourceFile) -> str | None:
     return text
 
 
+def _why_unreadable(path: Path) -> str:
+    """Why ``read_text`` gave nothing: the OS refused the file, or it is not UTF-8."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e}): check its permissions (data.source)"
+    return "is not readable UTF-8 text"
+
+
 def _tail_split(text: str, val_fraction: float) -> tuple[str, str]:
     if val_fraction <= 0:
         return text, ""
@@ -165,7 +175,7 @@ def iter_documents(
     if len(files) == 1:
         text = read_text(files[0])
         if text is None:  # in a folder an unreadable file is skipped; alone it is the data
-            raise ValueError(f"data file {files[0].path} is not readable UTF-8 text")
+            raise ValueError(f"data file {files[0].path} {_why_unreadable(files[0].path)}")
         train, val = _tail_split(text, val_fraction)
         yield Document("train", files[0].name, train)
         if val:

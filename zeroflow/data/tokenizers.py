@@ -106,7 +106,14 @@ class SentencePieceTokenizer:
         import sentencepiece as spm  # optional dependency: pip install sentencepiece
 
         self.name = os.fspath(model_path)
-        self._sp = spm.SentencePieceProcessor(model_file=self.name)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.name)
+        except RuntimeError as e:  # "Internal: could not parse ModelProto from ..."
+            raise ValueError(
+                f"data.tokenizer {self.name} is not a SentencePiece model ({e}); give a "
+                "SentencePiece .model file, a Hugging Face tokenizer.json (or its folder) or "
+                "'byte'"
+            ) from None
         self.vocab_size = int(self._sp.get_piece_size())
         self._dtype = token_dtype(self.vocab_size)
 

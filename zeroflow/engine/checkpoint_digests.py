@@ -18,9 +18,14 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 MANIFEST = "zeroflow_manifest.json"
+PART = f"{MANIFEST}.part-"
+"A process's part of a multi-process step's manifest, merged into it by process 0."
+PROCESS_NAMES = ("ocdbt.process_", "process_")
+"How Orbax names what one process writes: its arrays' folder, its array metadata file."
 ALGORITHM = "sha256"
 FORMAT = 1
 
@@ -60,23 +65,70 @@ def _canonical(entries: dict) -> bytes:
     return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
 
 
-def write_manifest(folder: str | os.PathLike) -> Path:
-    """Record every file under ``folder`` (its size and digest); returns the manifest's path."""
-    folder = Path(folder)
-    files = _files(folder)
-    entries = {
+def owner(name: str, process_count: int) -> int:
+    """The process that wrote the file ``name`` (relative to the step's folder): Orbax writes
+    each process's arrays under ``ocdbt.process_<i>/`` and their metadata to
+    ``array_metadatas/process_<i>``; everything else is process 0's."""
+    for piece in name.split("/"):
+        for prefix in PROCESS_NAMES:
+            index = piece[len(prefix) :] if piece.startswith(prefix) else ""
+            if index.isdigit() and int(index) < process_count:
+                return int(index)
+    return 0
+
+
+def _entries(folder: Path, process: int = 0, process_count: int = 1) -> dict:
+    """Size and digest of the files under ``folder`` that ``process`` wrote."""
+    files = [
+        p
+        for p in _files(folder)
+        if owner(p.relative_to(folder).as_posix(), process_count) == process
+    ]
+    return {
         p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, ALGORITHM: d}
         for p, d in zip(files, _digests(files))
     }
-    target = folder / MANIFEST
-    tmp = folder / f"{MANIFEST}.tmp-{os.getpid()}"
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(_canonical(entries))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
-    _fsync_dir(folder)
+    _fsync_dir(target.parent)
+
+
+def write_part(folder: str | os.PathLike, process: int, process_count: int) -> Path:
+    """Process ``process`` (not 0) of a multi-process save records the files it wrote, in its
+    part of the manifest (``zeroflow_manifest.json.part-<i>``); no process reads another's."""
+    folder = Path(folder)
+    target = folder / f"{PART}{process}"
+    _write_atomically(target, json.dumps(_entries(folder, process, process_count)).encode())
     return target
+
+
+def write_manifest(
+    folder: str | os.PathLike, process_count: int = 1, wait_s: float = 600.0
+) -> Path:
+    """Record every file under ``folder`` (its size and digest); returns the manifest's path.
+    With ``process_count > 1`` (process 0 calls it) process 0 hashes only its own files and
+    takes the others' entries from their parts (``write_part``), waiting ``wait_s`` at most."""
+    folder = Path(folder)
+    entries = _entries(folder, 0, process_count)
+    for process in range(1, process_count):
+        part = folder / f"{PART}{process}"
+        deadline = time.monotonic() + wait_s
+        while not part.is_file():
+            if time.monotonic() > deadline:
+                raise DigestMismatch(part, f"was not written within {wait_s:.0f} s")
+            time.sleep(0.05)
+        entries.update(json.loads(part.read_text("utf-8")))
+    _write_atomically(folder / MANIFEST, _canonical(entries))
+    for process in range(1, process_count):
+        (folder / f"{PART}{process}").unlink(missing_ok=True)
+    return folder / MANIFEST
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -105,9 +157,17 @@ def _read_manifest(path: Path) -> dict:
     return entries
 
 
-def verify(folder: str | os.PathLike, *, expected: bool = False) -> bool:
+def verify(
+    folder: str | os.PathLike,
+    *,
+    expected: bool = False,
+    process: int | None = None,
+    process_count: int = 1,
+) -> bool:
     """True when every file ``folder``'s manifest lists is as saved; False when there is no
-    manifest and ``expected`` is False (an older checkpoint). Raises ``DigestMismatch``."""
+    manifest and ``expected`` is False (an older checkpoint). Raises ``DigestMismatch``.
+    ``process``: check only the files that process wrote (each process of a multi-process
+    restore checks its own, at once; the caller combines their verdicts)."""
     folder = Path(folder)
     manifest = folder / MANIFEST
     if not manifest.is_file():
@@ -115,6 +175,8 @@ def verify(folder: str | os.PathLike, *, expected: bool = False) -> bool:
             raise DigestMismatch(manifest, "is missing (the save did not finish)")
         return False
     entries = _read_manifest(manifest)
+    if process is not None:
+        entries = {k: v for k, v in entries.items() if owner(k, process_count) == process}
     paths = []
     for name, entry in sorted(entries.items()):
         path = folder / name

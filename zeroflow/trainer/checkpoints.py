@@ -22,11 +22,14 @@ Grain's own Orbax handler: one small JSON file per process), and restore it with
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
+import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,8 @@ import orbax.checkpoint as ocp
 from zeroflow.engine import checkpoint_digests
 from zeroflow.engine.checkpoint import CheckpointError, checked_target, portable, rebuild_state
 from zeroflow.engine.state import TrainState
-from zeroflow.trainer import damage
+from zeroflow.trainer import damage, retention
+from zeroflow.trainer.pending_save import PendingSave
 
 log = logging.getLogger("zeroflow")
 
@@ -51,9 +55,20 @@ DIGESTS = "digests"
 "Key of a step's meta naming its manifest: a step saved with digests must have them."
 
 
+def checkpoints_dir(cfg, run_dir: Path) -> Path:
+    """Where a run's checkpoints are: ``checkpoint.dir``, or ``run.dir/checkpoints``."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
 class DiskFull(OSError):
     """No space left for a checkpoint; the message says how much it needs and how much is free."""
 
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+"A folder the process may not write to: read-only, or another user's."
+
+SLOW_WAIT_S = 1.0
+"A save that waits this long for the one before it is said in a warning (else at INFO)."
 
 READ_ATTEMPTS = 3
 "How often a reader lists the steps again when the ones it listed were deleted under it."
@@ -85,6 +100,25 @@ def _nbytes(tree) -> int:
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
 
 
+FAULT_BYTES = 1024
+"Room for one process's digest fault when the processes compare their checks."
+
+
+def _first_of_all(fault: str) -> str:
+    """The first non-empty ``fault`` among every process's (each checked its own files): all
+    processes then treat the step alike."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros(FAULT_BYTES, np.uint8)
+    encoded = fault.encode()[:FAULT_BYTES]
+    mine[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    for row in np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, FAULT_BYTES):
+        if row.any():
+            return bytes(row).rstrip(b"\0").decode(errors="replace")
+    return ""
+
+
 class UnreadableCheckpoint(CheckpointError):
     """A step whose files are missing or damaged; ``reason`` names the file and the fault."""
 
@@ -101,18 +135,33 @@ class RunCheckpoints:
         *,
         with_loader: bool = False,
         read_only: bool = False,
+        allow_unverified: bool = False,
+        keep_every: int = 0,
+        async_save: bool = False,
     ):
-        """``read_only``: for readers of a run (export, sample): nothing is created or moved."""
+        """``read_only``: for readers of a run (export, sample): nothing is created or moved.
+        ``allow_unverified`` (``checkpoint.allow_unverified``): load a step without digests even
+        where other steps of the run have them. ``keep``, ``keep_every``: which steps are kept
+        (``zeroflow.trainer.retention``). ``async_save``: ``save`` returns once the state is in
+        host memory, the files and digests are written in the background
+        (``zeroflow.trainer.pending_save``)."""
         self.directory = Path(directory).absolute()
-        self.read_only = read_only
+        self.read_only, self.allow_unverified = read_only, allow_unverified
+        self.keep, self.keep_every, self.async_save = max(keep, 1), keep_every, async_save
+        self.pending: PendingSave | None = None
+        self.save_failed = False
+        self.when_complete: Callable[[], None] | None = None
+        "Called (on the training thread) once a save is complete with its digests."
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max(keep, 1),
+            max_to_keep=None,  # retention is ours, applied once the newest step is verified
             create=False,
             read_only=read_only,
             save_interval_steps=0 if read_only else 1,
             cleanup_tmp_directories=not read_only,
-            enable_async_checkpointing=False,
+            enable_async_checkpointing=async_save and not read_only,
         )
+        if not read_only and jax.process_index() == 0:
+            retention.remove_leftovers(self.directory)
         if read_only:
             damage.quiet_read_only_notes()
         # Handlers named up front, so a fresh process can read item metadata before restoring.
@@ -127,14 +176,19 @@ class RunCheckpoints:
         self._written: set[int] = set()
 
     def steps(self) -> list[int]:
+        """The numbered steps, once the save in flight (if any) is complete."""
+        self.finish()
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any], loader=None) -> None:
         """``loader``: a Grain iterator whose position is saved with the state. A step this
         object already wrote is not written twice; one left by an earlier process is replaced
-        (this run's state at that step is the one it resumed towards)."""
+        (this run's state at that step is the one it resumed towards). With ``async_save`` it
+        returns once the state is in host memory; a save still in flight is waited for first
+        (the wait is logged with its seconds)."""
         if step in self._written:
             return
+        self.finish(next_step=step)
         if step in self.manager.all_steps():
             log.warning("replacing checkpoint step %d in %s with this run's", step, self.directory)
             self.manager.delete(step)
@@ -148,21 +202,93 @@ class RunCheckpoints:
 
             items[LOADER] = grain.checkpoint.CheckpointSave(loader)
         damage.quiet_writer_threads()
+        nbytes = _nbytes(saved)
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-            self.manager.wait_until_finished()
-            if jax.process_index() == 0:  # last, once the step's folder is complete
-                checkpoint_digests.write_manifest(self.directory / str(step))
         except Exception as e:
-            code = _out_of_room(e)
-            if code is None:
-                raise
-            raise self._disk_full(step, _nbytes(saved), code) from None
+            raise self._save_failed(step, nbytes, e) from None
+        self._written.add(step)
+        self.pending = PendingSave(step, nbytes, lambda: self._complete(step))
+        if not self.async_save:
+            self.finish()
+
+    def _complete(self, step: int) -> None:
+        """Off the training thread: the step's files written, then its digests (process 0
+        hashes them, last, once the folder is complete), then the retention rules applied."""
+        self.manager.wait_until_finished()
+        process, count = jax.process_index(), jax.process_count()
+        if process != 0:  # each process hashes the files it wrote; process 0 merges the parts
+            checkpoint_digests.write_part(self.directory / str(step), process, count)
+            return
+        checkpoint_digests.write_manifest(self.directory / str(step), count)
+        present = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+        retention.delete_steps(
+            self.directory, retention.to_delete(present, step, self.keep, self.keep_every)
+        )
+
+    def finish(self, next_step: int | None = None) -> None:
+        """Wait for the save in flight, if any; raise its error in one line (a full disk: the
+        half-written step removed). ``next_step``: the save that waits, for the log."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        waited = pending.wait()
+        if next_step is not None and waited > 0:
+            level = logging.WARNING if waited >= SLOW_WAIT_S else logging.INFO
+            log.log(
+                level,
+                "checkpoint step %d waited %.1f s for step %d's save to finish writing%s",
+                next_step,
+                waited,
+                pending.step,
+                " (saves come faster than the disk takes them: raise checkpoint.every)"
+                if level == logging.WARNING
+                else "",
+            )
+        if pending.error is not None:
+            self._written.discard(pending.step)
+            raise self._save_failed(pending.step, pending.nbytes, pending.error) from None
+        self.manager.reload()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"zeroflow: step {step} saved with its digests")
-        self._written.add(step)
+            multihost_utils.sync_global_devices(f"zeroflow: step {pending.step} saved, digested")
+        if self.when_complete is not None:
+            self.when_complete()
+
+    def _save_failed(self, step: int, nbytes: int, error: BaseException) -> BaseException:
+        """The one-line error for a failed save (the half-written step removed), or ``error``."""
+        self.save_failed = True
+        code = _out_of_room(error)
+        if code is not None:
+            return self._disk_full(step, nbytes, code)
+        if isinstance(error, OSError) and error.errno in NOT_WRITABLE:
+            self._remove_half_written(step, quiet_s=0.2)
+            return self.not_writable(error.strerror or str(error), step)
+        return error
+
+    def check_writable(self) -> None:
+        """Before training: a ``checkpoints/`` the run cannot write to (read-only, another
+        user's) is one line now, not a failed save after the steps it trained."""
+        if self.read_only or jax.process_index() != 0:
+            return
+        # A folder not made yet (checkpoint.dir elsewhere): its nearest existing parent.
+        folder = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+        probe = folder / f".zeroflow-write-test-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+        except OSError as e:
+            if e.errno not in NOT_WRITABLE:
+                raise
+            raise self.not_writable(e.strerror or str(e)) from None
+
+    def not_writable(self, why: str, step: int | None = None) -> PermissionError:
+        what = f"cannot save checkpoint step {step}" if step is not None else "cannot save"
+        return PermissionError(
+            f"{self.directory} is not writable ({why}): the run {what} there; make it "
+            "writable and run the same command to resume from its newest readable step"
+        )
 
     def _disk_full(self, step: int, needed: int, code: int) -> DiskFull:
         """The error for a save that ran out of room (``code``: ENOSPC or EFBIG), after removing
@@ -174,7 +300,7 @@ class RunCheckpoints:
             f"{what} for checkpoint step {step} in "
             f"{self.directory}: it needs about {needed:,} bytes, {free:,} bytes are "
             f"free; {remedy} (or lower checkpoint.keep) and run the same "
-            f"command to resume from step {max(self.steps(), default=0)}"
+            f"command to resume from step {max(self.manager.all_steps(), default=0)}"
         )
         error.errno = code
         return error
@@ -205,15 +331,33 @@ class RunCheckpoints:
     ) -> tuple[TrainState, dict[str, Any]]:
         """Step ``step`` on ``like``'s layout. ``UnreadableCheckpoint`` when its files are
         missing or damaged; ``CheckpointError`` when it is readable but for another model."""
+        self.finish()
         if step not in self.manager.all_steps():
             raise CheckpointError(
                 f"no checkpoint at step {step} in {self.directory} "
                 f"(steps: {', '.join(map(str, self.steps())) or 'none'})"
             )
         step_dir = self.directory / str(step)
+        try:
+            return self._restore(step, step_dir, like, loader)
+        except OSError as e:  # a file this user may not read (or the disk failing under it)
+            where = damage.shown(Path(e.filename), self.directory) if e.filename else step_dir
+            raise UnreadableCheckpoint(
+                step, f"{where} cannot be read ({e.strerror or e}): check its permissions"
+            ) from None
+
+    def _restore(self, step: int, step_dir: Path, like: TrainState, loader):
         if problem := damage.missing_or_damaged(step_dir, self.directory):
             raise UnreadableCheckpoint(step, problem)
         verified = self._verify(step, step_dir)
+        if not verified and not self.allow_unverified and self.has_digested_steps():
+            raise UnreadableCheckpoint(
+                step,
+                f"{damage.shown(step_dir, self.directory)} has no digests while other steps of "
+                "this run have them (its manifest was removed, or it was copied in from "
+                "elsewhere), so its files cannot be checked; set checkpoint.allow_unverified=true "
+                "to load it anyway",
+            )
         damage.quiet_closed_loops()
         try:
             meta_tree = self.manager.item_metadata(step)["state"]
@@ -238,23 +382,51 @@ class RunCheckpoints:
             raise UnreadableCheckpoint(step, damage.describe(e, step_dir, self.directory)) from None
         if not verified:
             log.warning(
-                "checkpoint step %d in %s has no digests (saved before zeroflow recorded "
-                "them): loaded unverified",
+                "checkpoint step %d in %s has no digests (%s): loaded unverified",
                 step,
                 self.directory,
+                "checkpoint.allow_unverified=true"
+                if self.allow_unverified and self.has_digested_steps()
+                else "saved before zeroflow recorded them",
             )
         return rebuild_state(restored["state"], like), dict(restored["meta"])
+
+    def has_digested_steps(self) -> bool:
+        """Whether any step of the run, kept or moved aside, was saved with digests: then a
+        step without them lost them (or never was this run's) and is not loaded unverified."""
+        for entry in self.directory.iterdir():
+            if not entry.name.split(".")[0].split("-")[0].isdigit() or not entry.is_dir():
+                continue
+            if (entry / checkpoint_digests.MANIFEST).is_file():
+                return True
+            try:
+                meta = json.loads((entry / "meta" / "metadata").read_text("utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(meta, dict) and DIGESTS in meta:
+                return True
+        return False
 
     def _verify(self, step: int, step_dir: Path) -> bool:
         """Whether the step's files were checked against its digests (False: it has none, as
         steps saved before digests existed); ``UnreadableCheckpoint`` when one differs."""
         expected = DIGESTS in json.loads((step_dir / "meta" / "metadata").read_text("utf-8"))
-        try:
-            return checkpoint_digests.verify(step_dir, expected=expected)
+        count = 1 if self.read_only else jax.process_count()
+        fault = ""
+        try:  # with several processes each checks the files it wrote, all at once
+            verified = checkpoint_digests.verify(
+                step_dir,
+                expected=expected,
+                process=jax.process_index() if count > 1 else None,
+                process_count=count,
+            )
         except checkpoint_digests.DigestMismatch as e:
-            raise UnreadableCheckpoint(
-                step, f"{damage.shown(e.path, self.directory)} {e.fault}"
-            ) from None
+            verified, fault = True, f"{damage.shown(e.path, self.directory)} {e.fault}"
+        if count > 1:
+            fault = _first_of_all(fault)
+        if fault:
+            raise UnreadableCheckpoint(step, fault)
+        return verified
 
     def restore_latest(
         self, like: TrainState, loader=None
@@ -271,11 +443,10 @@ class RunCheckpoints:
                 bad.append(e)
                 continue
             for unreadable in bad:
-                moved = self.move_aside(unreadable.step)
                 log.warning(
-                    "%s; moved it to %s, resuming from step %d",
+                    "%s; %s, resuming from step %d",
                     unreadable,
-                    damage.shown(moved, self.directory),
+                    self._set_aside(unreadable.step),
                     step,
                 )
             return restored
@@ -336,10 +507,22 @@ class RunCheckpoints:
             f"step {e.step}: {e.reason}" for e in sorted(bad, key=lambda e: e.step)
         )
 
+    def _set_aside(self, step: int) -> str:
+        """Move an unreadable step aside; where the folder cannot be changed (a read-only
+        ``checkpoints/``), leave it and say so: the older step is used either way."""
+        try:
+            return f"moved it to {damage.shown(self.move_aside(step), self.directory)}"
+        except OSError as e:
+            return (
+                f"could not move it aside ({e.strerror or e}: {damage.shown(self.directory, self.directory)} "
+                "is not writable), so it stays; make the folder writable to let the run save there"
+            )
+
     def move_aside(self, step: int, suffix: str = CORRUPT) -> Path:
         """Rename a step that must not be used (unreadable: ``<step>.corrupt``; diverged:
         ``<step>.diverged``; ``-2``, ... added if taken). Orbax lists numbered folders only,
         so the step is gone for every later restore, and a save at that step writes it anew."""
+        self.finish()
         target = self.directory / f"{step}{suffix}"
         n = 1
         while target.exists():
@@ -356,4 +539,15 @@ class RunCheckpoints:
         return target
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the save in flight (its error raised here), then close."""
+        try:
+            self.finish()
+        except BaseException:
+            self.save_failed = True
+            raise
+        finally:
+            if self.save_failed:  # reported already: Orbax would raise the same failure again
+                with contextlib.suppress(Exception):
+                    self.manager.close()
+            else:
+                self.manager.close()

@@ -129,12 +129,21 @@ def quiet_closed_loops() -> None:
     logging.getLogger("asyncio").addFilter(_DropTensorStoreLeftovers())
 
 
+_RERAISED = (
+    "_SignalingThread.run() raised an exception",
+    "in background save thread",  # async saves: raised again by wait_until_finished
+    "Save Finalize thread (save_finalize) failed",
+)
+
+
 class _DropReraisedThreadErrors(logging.Filter):
-    """Orbax logs the traceback of an error in one of its writer threads, then raises the same
-    error in the thread that saved; the raised one is reported (in one line)."""
+    """Orbax logs the traceback of an error in one of its writer threads (or, for an async
+    save, its background thread), then raises the same error in the thread that waits for the
+    save; the raised one is reported (in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "_SignalingThread.run() raised an exception" not in str(record.msg)
+        text = record.getMessage()
+        return not any(mark in text for mark in _RERAISED)
 
 
 def quiet_writer_threads() -> None:

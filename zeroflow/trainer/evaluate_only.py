@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 
 from zeroflow.config.schema import Config
-from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.checkpoints import RunCheckpoints, checkpoints_dir
 from zeroflow.trainer.evaluation import TrainResult, eval_text, make_eval
 from zeroflow.trainer.setup import build_run
 
@@ -32,9 +32,14 @@ def evaluate_only(cfg: Config):
         raise ValueError("train.eval_only needs train.eval_batches > 0")
     run_dir = Path(cfg.run.dir)
     run = build_run(cfg)
-    directory = run_dir / "checkpoints"
+    directory = checkpoints_dir(cfg, run_dir)
     if _has_checkpoints(directory):
-        checkpoints = RunCheckpoints(directory, cfg.checkpoint.keep, read_only=True)
+        checkpoints = RunCheckpoints(
+            directory,
+            cfg.checkpoint.keep,
+            read_only=True,
+            allow_unverified=cfg.checkpoint.allow_unverified,
+        )
         try:
             state, meta = checkpoints.read(run.abstract_state())
         finally:

@@ -18,8 +18,9 @@ from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import quantized
 from zeroflow.engine.distributed import InLockstep, StopVote
 from zeroflow.models import flops_per_token
-from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder
+from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder, sizes
 from zeroflow.trainer.checkpoints import RunCheckpoints
+from zeroflow.trainer.checkpoints import checkpoints_dir as checkpoint_folder
 from zeroflow.trainer.divergence import Diverged, Divergence, Health, Monitor, TrainingDiverged
 from zeroflow.trainer.evaluate_only import evaluate_only
 from zeroflow.trainer.evaluation import TrainResult, eval_text, make_eval
@@ -77,6 +78,8 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
     folder is held by this trainer alone for the run's life (``run_folder.claim``); a run that
     fails before its first step leaves the folder as it found it."""
     loggers.check_installed(cfg)
+    sizes.check_fits(cfg)
+    sizes.check_backend(cfg)
     if cfg.train.eval_only:  # reads the run folder like sample does: no claim, nothing written
         return evaluate_only(cfg)
     run_dir = Path(cfg.run.dir)
@@ -86,15 +89,23 @@ def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
 
 def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     previous = run_folder.previous_config(run_dir)
-    checkpoints_dir = run_dir / "checkpoints"
+    checkpoints_dir = checkpoint_folder(cfg, run_dir)
     if checkpoints_dir.is_dir() and any(p.name.isdigit() for p in checkpoints_dir.iterdir()):
         run_folder.check_same_model(run_dir, previous, cfg)
     run = build_run(cfg)
     loader = _train_loader(run)
     checkpoints = RunCheckpoints(
-        checkpoints_dir, cfg.checkpoint.keep, with_loader=loader is not None
+        checkpoints_dir,
+        cfg.checkpoint.keep,
+        with_loader=loader is not None,
+        allow_unverified=cfg.checkpoint.allow_unverified,
+        keep_every=cfg.checkpoint.keep_every,
+        async_save=cfg.checkpoint.async_save,
     )
+    if held is not None:  # a run that fails before a complete checkpoint is undone
+        checkpoints.when_complete = held.started
     state, meta = _restored_or_fresh(run, checkpoints, loader)
+    checkpoints.check_writable()
     resumed = meta is not None
     health = Health.from_meta(meta) if resumed else Health()
     start = int(state.step)
@@ -117,8 +128,10 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
     # Checked: from here on the folder is written to.
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        save_config(cfg, run_dir / run_folder.CONFIG_FILE)
-    reporter = _reporter(run, start, progress, resumed=resumed, rollbacks=health.rollbacks)
+        with run_folder.writing(run_dir / run_folder.CONFIG_FILE):
+            save_config(cfg, run_dir / run_folder.CONFIG_FILE)
+    with run_folder.writing(run_dir / "metrics.jsonl"):
+        reporter = _reporter(run, start, progress, resumed=resumed, rollbacks=health.rollbacks)
     if resumed:
         reporter.print(f"resumed from step {start} ({checkpoints.directory})")
     reporter.print(_banner(run, state))
@@ -135,9 +148,12 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
                 checkpoints,
                 reporter,
                 caught,
-                started=held.started if held is not None else lambda: None,
             )
             failing = False
+        except TrainingDiverged:
+            if held is not None:  # its metrics say what diverged: kept, even without a checkpoint
+                held.started()
+            raise
         finally:
             reporter.close(failing=failing)
             checkpoints.close()
@@ -276,12 +292,11 @@ def _train_steps(
     checkpoints: RunCheckpoints,
     reporter: Reporter,
     caught,
-    started=lambda: None,
 ):
     """Steps from the position's step to ``train.steps``, with evaluations and checkpoints on
     their schedules; a caught signal saves and stops at the same step on every process; a
     diverging step stops the run or rolls it back (``zeroflow.trainer.recovery``).
-    ``started()`` is called once the first step ran (compiled and dispatched). Returns
+    Returns
     ``(state, losses, last evaluation, name of the stopping signal or None)``."""
     first = position.run
     evaluate, stop_vote = make_eval(first), StopVote(first.plan.mesh)
@@ -294,7 +309,7 @@ def _train_steps(
         segment = _Segment(
             run, step_fns[run.lr_factor], evaluate, checkpoints, reporter, stop_vote, losses
         )
-        outcome = segment.train(position, caught, started)
+        outcome = segment.train(position, caught)
         if not isinstance(outcome, Divergence):
             return outcome
         position = recovery.recover(
@@ -315,16 +330,16 @@ class _Segment:
         self.checkpoints, self.reporter, self.stop_vote = checkpoints, reporter, stop_vote
         self.losses = losses
 
-    def train(self, position: Position, caught, started):
+    def train(self, position: Position, caught):
         """``(state, losses, last evaluation, stopping signal)``, or the ``Divergence`` that
         ended it (the segment's state is dropped with it; ``position.state`` is set to None)."""
         monitor = Monitor(position.health, self.run.cfg.train, self.run.prec)
         try:
-            return self._steps(position, monitor, caught, started)
+            return self._steps(position, monitor, caught)
         except Diverged as e:
             return e.divergence
 
-    def _steps(self, position: Position, monitor: Monitor, caught, started):
+    def _steps(self, position: Position, monitor: Monitor, caught):
         state, position.state = position.state, None  # the loop holds the only reference
         if state is None:
             raise ValueError("a training segment needs a position with a state")
@@ -342,7 +357,6 @@ class _Segment:
         t_last = time.perf_counter()
         for step in range(int(state.step), tcfg.steps):
             state, metrics = self.step_fn(state, batch_for(step))
-            started()
             # Fetch the previous step's metrics while this one runs: one step in flight.
             if pending is not None:
                 finish_step(*pending)

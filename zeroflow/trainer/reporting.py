@@ -35,6 +35,7 @@ from zeroflow.backend.accelerators import peak_flops
 from zeroflow.config.schema import Config
 from zeroflow.trainer import loggers
 from zeroflow.trainer.plot import write_plot
+from zeroflow.trainer.run_folder import writing
 from zeroflow.util import lines
 
 log = logging.getLogger("zeroflow")
@@ -233,8 +234,9 @@ class Reporter:
     def _row(self, row: dict[str, Any]) -> None:
         if self.jsonl is None:  # only the main process writes metrics.jsonl
             return
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        with writing(self.run_dir / METRICS):
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
         self.rows_since_draw += 1
 
     def print(self, message: str) -> None:
@@ -255,11 +257,20 @@ class Reporter:
         if self.progress is not None:
             self.progress.stop()
         if self.jsonl:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError:  # the write that failed first is the error reported
+                if not failing:
+                    raise
             if self.rows_since_draw or self.drawn_at is None:  # else the picture is current
                 self.draw(report=not failing)
         for sink in self.sinks:
-            sink.close()
+            try:
+                with writing(Path(getattr(sink, "folder", self.run_dir))):
+                    sink.close()
+            except OSError:  # as above: a full disk fails every sink, the first is reported
+                if not failing:
+                    raise
 
 
 def step_line(step: int, total: int, m: dict[str, Any]) -> str:

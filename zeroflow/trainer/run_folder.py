@@ -10,7 +10,7 @@ One trainer at a time: ``claim(run_dir)`` holds an OS lock (``fcntl.flock`` on
 ``trainer.lock``) for the run's life. The kernel releases it when the process ends however it
 ends (kill -9 included), so a lock is never stale; a second trainer refuses in one line naming
 the first's pid. Readers (``sample``, ``export``) take no lock. Until the run has started (its
-first step ran), a failure undoes what the run wrote: a folder it created is removed, and in an
+first checkpoint is saved), a failure undoes what the run wrote: a folder it created is removed, and in an
 existing folder the files it added are removed and ``config.yaml`` / ``metrics.jsonl`` put back.
 """
 
@@ -28,8 +28,10 @@ from pathlib import Path
 
 from zeroflow.config.io import ConfigError, load_config
 from zeroflow.config.schema import Config
+from zeroflow.trainer.checkpoints import OUT_OF_ROOM
 from zeroflow.trainer.optim import lr_schedule
 from zeroflow.util import interrupts
+from zeroflow.util.paths import path_problem
 
 log = logging.getLogger("zeroflow")
 
@@ -125,6 +127,8 @@ class RunFolderInUse(ValueError):
 
 def check_is_folder(run_dir: Path) -> None:
     """``run.dir`` must be a folder, or not exist yet (checked before any work)."""
+    if (problem := path_problem(run_dir)) and "too long" in problem:
+        raise ValueError(f"run.dir {str(run_dir)[:120]}...: {problem}; give a shorter path")
     for path in (run_dir, *run_dir.parents):
         if path.exists() and not path.is_dir():
             where = "is" if path == run_dir else f"is inside {path}, which is"
@@ -154,6 +158,26 @@ def _make_folder(run_dir: Path) -> list[Path]:
             raise _not_writable(run_dir, e) from None
         raise
     return missing
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """A write to ``path`` that fails for want of room (a full disk, the file-size limit) ends
+    in one line naming the file and what to do, instead of the OS's bare ``[Errno 28]``."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in OUT_OF_ROOM:
+            raise
+        _, what, remedy = OUT_OF_ROOM[e.errno]
+        path = Path(e.filename) if e.filename else path
+        try:
+            free = f"; {shutil.disk_usage(path.parent).free:,} bytes are free there"
+        except OSError:
+            free = ""
+        error = OSError(f"{what} writing {path}{free}; {remedy} and run the same command")
+        error.errno = e.errno
+        raise error from None
 
 
 def _holder(lock: Path) -> str:
@@ -188,14 +212,22 @@ def _lock(run_dir: Path) -> int:
         except FileNotFoundError:
             same = False
         if same:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            try:
+                with writing(path):
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"{os.getpid()}\n".encode())
+            except BaseException:  # no lock left behind by a run that never started
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                os.close(fd)
+                raise
             return fd
         os.close(fd)
 
 
 class Claim:
-    """A run folder held by this trainer (``claim``); ``started()`` once the first step ran."""
+    """A run folder held by this trainer (``claim``); ``started()`` once its first checkpoint is
+    saved (before that a failed run has nothing to resume from, and is undone)."""
 
     def __init__(self, run_dir: Path, created: list[Path]):
         self.run_dir, self.created, self.armed = run_dir, created, True

@@ -249,13 +249,26 @@ def run_model_config(cfg: Config) -> ModelConfig:
     return dataclasses.replace(architecture, lora=cfg.model.lora)
 
 
+def _load_data(cfg: Config):
+    """The run's data; a file or folder the OS refuses (another user's) named with what to do."""
+    try:
+        return load_data(cfg.data, cfg.model.seq_len)
+    except PermissionError as e:
+        if not e.filename:
+            raise
+        raise PermissionError(
+            f"data.source {cfg.data.source}: {e.filename} cannot be read ({e.strerror}); "
+            "check its permissions, or copy the data somewhere this user can read"
+        ) from None
+
+
 def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, traits=None) -> Run:
     """``devices``: the devices the mesh spans (default: all); ``mesh``: a mesh to plan on
     instead (``zf.planning_mesh`` for memory estimates, ``zf.target_mesh`` to compile for GPUs
     this machine has not); ``traits``: the backend the plan shapes the step for, when not the
     mesh's own (``zeroflow.memory.on_target``)."""
     model_cfg = run_model_config(cfg)
-    data = load_data(cfg.data, cfg.model.seq_len) if with_data else None
+    data = _load_data(cfg) if with_data else None
     if data is not None and model_cfg.init_from and data.vocab_size > model_cfg.vocab_size:
         raise ValueError(
             f"data.tokenizer has {data.vocab_size} tokens but {model_cfg.init_from} "
