@@ -99,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
     # A module-scoped fixture (a trained run, a compiled reference) is built once per xdist
     # worker that runs a test using it: the tests that share one go to the same worker
     # (``--dist loadgroup``), the rest are spread as they come.
-    _check_tiers(items)
+    _check_tiers(config, items)
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         module = getattr(item, "module", None)
@@ -117,7 +117,7 @@ def _tier_of(item) -> list[str]:
     return sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
 
 
-def _check_tiers(items) -> None:
+def _check_tiers(config, items) -> None:
     # The README's command runs the fast tier (pyproject's addopts: -m "not slow"), CI runs
     # both. Every test says which it is, so that a new test cannot land in neither or both and
     # the split cannot drift: a test without exactly one tier stops the collection.
@@ -126,9 +126,22 @@ def _check_tiers(items) -> None:
         tiers = _tier_of(item)
         if len(tiers) != 1:
             wrong[item.nodeid] = "both tiers" if tiers else "no tier"
-    if wrong:
+    if not wrong:
+        return
+    rule = ("each needs exactly one of pytest.mark.fast / pytest.mark.slow, on the test or as "
+            "the file's pytestmark")
+    if not hasattr(config, "workerinput"):
         shown = "; ".join(f"{nodeid}: {why}" for nodeid, why in list(wrong.items())[:5])
-        raise pytest.UsageError(
-            f"{len(wrong)} tests declare no tier or both (each needs exactly one of "
-            f"pytest.mark.fast / pytest.mark.slow, on the test or as the file's pytestmark): "
-            f"{shown}")
+        raise pytest.UsageError(f"{len(wrong)} tests declare no tier or both ({rule}): {shown}")
+    # In an xdist worker a UsageError ends the worker and its message never reaches the
+    # terminal: each such test fails instead, in whichever tier selects it, naming the rule.
+    for item in items:
+        if item.nodeid in wrong:
+            item.runtest = _refusal(f"{item.nodeid} declares {wrong[item.nodeid]} ({rule})")
+
+
+def _refusal(message: str):
+    def runtest():
+        pytest.fail(message, pytrace=False)
+
+    return runtest

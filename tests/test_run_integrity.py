@@ -25,7 +25,6 @@ from fixtures import init_params
 from test_run_faults import (LEAKS, REPO, SMALL, _logged_steps, _spawn, cli_args, config,  # noqa: F401
                              finished_run, metric_rows, run_copy, stored_arrays)
 
-pytestmark = pytest.mark.slow
 
 
 def flip_one_bit(path: Path, rng: random.Random) -> None:
@@ -45,6 +44,7 @@ def stderr_lines(err: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_one_flipped_bit_in_any_file_of_a_checkpoint_is_detected(run_copy):
     step_dir = run_copy / "checkpoints" / "4"
     files = files_of(step_dir)
@@ -64,6 +64,7 @@ def test_one_flipped_bit_in_any_file_of_a_checkpoint_is_detected(run_copy):
     assert int(checkpoints.restore(4, like)[0].step) == 4  # all put back: it reads again
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_makes_export_and_resume_fall_back_and_the_run_ends_bit_identical(
         run_copy, tmp_path, caplog, capsys):
     uninterrupted = stored_arrays(run_copy / "checkpoints" / "4")
@@ -97,6 +98,7 @@ def test_a_flipped_bit_makes_export_and_resume_fall_back_and_the_run_ends_bit_id
     assert logged == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", ["sample", "export"])
 def test_readers_of_a_sound_run_print_no_warnings(finished_run, tmp_path, reader):
     """Fresh processes, as a user runs them: Orbax's read-only manager notes 'Given directory is
@@ -122,6 +124,7 @@ def _strip_digests(step_dir: Path) -> None:
     (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
 
 
+@pytest.mark.slow
 def test_a_step_without_digests_loads_only_in_a_run_without_any(run_copy, caplog):
     step_dir = run_copy / "checkpoints" / "4"
     like = build_run(config(run_copy, "train.steps=4")).abstract_state()
@@ -150,6 +153,7 @@ def test_a_step_without_digests_loads_only_in_a_run_without_any(run_copy, caplog
         "recorded them): loaded unverified"]
 
 
+@pytest.mark.slow
 def test_a_damaged_step_stripped_of_its_digests_is_not_loaded_by_export_or_resume(
         run_copy, tmp_path, capsys, caplog):
     step_dir = run_copy / "checkpoints" / "4"
@@ -167,6 +171,7 @@ def test_a_damaged_step_stripped_of_its_digests_is_not_loaded_by_export_or_resum
     assert "resumed from step 2" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_engine_checkpoints_carry_digests_too(tmp_path):
     plan = zf.ZeroPlan(zf.make_mesh(data=-1, model=1), stage=2)
     state = zf.init_train_state(init_params(), optax.adam(1e-3), plan, zf.Precision(params="fp32"))
@@ -189,6 +194,7 @@ def jax_leaves(tree):
 
 # --- one trainer per run folder -----------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_trainer_refuses_in_one_line_while_export_reads_the_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     first = _spawn(cli_args(run_dir, "train.steps=100000", "checkpoint.every=2",
@@ -213,6 +219,7 @@ def test_a_second_trainer_refuses_in_one_line_while_export_reads_the_run(tmp_pat
     assert not (run_dir / run_folder.LOCK_FILE).exists()  # removed when the run ends
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_trainer_is_never_stale(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.run(
@@ -229,6 +236,7 @@ def test_the_lock_of_a_killed_trainer_is_never_stale(tmp_path):
                 pass
 
 
+@pytest.mark.slow
 def test_a_reader_lists_again_when_a_running_trainer_deletes_the_step_it_chose(run_copy,
                                                                                monkeypatch):
     # What a reader of a live run meets: it lists steps [2], the trainer saves 4 and deletes 2

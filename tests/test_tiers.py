@@ -63,3 +63,13 @@ def test_a_test_without_exactly_one_tier_stops_the_collection(tmp_path, text, wh
     done = _collect(_suite(tmp_path, {"test_bad.py": text}))
     assert done.returncode != 0
     assert f"test_bad.py::test_undeclared: {why}" in done.stdout + done.stderr
+
+
+def test_with_workers_a_test_without_a_tier_fails_naming_the_rule(tmp_path):
+    # xdist's workers collect; a collection error there would end a worker without a word.
+    root = _suite(tmp_path, {"test_bad.py": "def test_undeclared():\n    pass\n"})
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider"],
+                          cwd=root, capture_output=True, text=True, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "test_bad.py::test_undeclared declares no tier" in done.stdout
+    assert "2 passed" in done.stdout  # the fast tier's other tests ran
