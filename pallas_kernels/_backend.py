@@ -19,14 +19,8 @@ from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 BACKENDS = ("triton",)
-
-# jax renamed `TritonCompilerParams` to `CompilerParams`; take whichever this jax offers.
-_TritonCompilerParams = getattr(pl_triton, "CompilerParams", None) or getattr(
-    pl_triton, "TritonCompilerParams"
-)
 
 # tl.dot wants every matrix dimension >= 16; blocks are never shrunk below this.
 MIN_TRITON_DOT_DIM = 16
@@ -84,8 +78,18 @@ def pallas_call_options(interpret: bool, *, num_warps: int, num_stages: int) -> 
         raise NotImplementedError(f"backend {backend!r}; known: {BACKENDS}")
     return dict(
         interpret=interpret,
-        compiler_params=_TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=_triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
     )
+
+
+def _triton_compiler_params(**params):
+    """Triton's compiler parameters, importing the Triton module only now: jax deprecated it
+    (0.11), and a step without a Triton kernel must not need it."""
+    from jax.experimental.pallas import triton as pl_triton
+
+    # jax renamed `TritonCompilerParams` to `CompilerParams`; take whichever this jax offers.
+    params_type = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
+    return params_type(**params)
 
 
 def traced_bounds(*bounds):
