@@ -1,20 +1,22 @@
 """Pallas kernels: fused flash attention and block-sparse layers (importable without zeroflow).
 
-On a GPU the kernels compile with the Pallas Triton backend; elsewhere they run in the Pallas
-interpreter (see `pallas_kernels._backend`).
+On a GPU flash attention compiles with the Pallas Triton backend and the block-sparse matmul with
+the Mosaic GPU backend (Hopper); elsewhere they run in Pallas' interpreters (see
+`pallas_kernels._backend`). jax's Triton module is imported only when a Triton kernel is built.
 """
-from pallas_kernels.block_sparse import (
-    block_sparse_matmul,
-    from_dense,
-    reference_block_sparse_matmul,
-    to_dense,
-)
+
 from pallas_kernels.attention import (
     BlockSizes,
     flash_attention,
     flash_attention_backward,
     flash_attention_forward,
     reference_attention,
+)
+from pallas_kernels.block_sparse import (
+    block_sparse_matmul,
+    from_dense,
+    reference_block_sparse_matmul,
+    to_dense,
 )
 from pallas_kernels.layers import BlockSparseDense
 from pallas_kernels.layouts import (

@@ -3,8 +3,9 @@
 ``zeroflow.backend.target_mesh`` gives abstract "NVIDIA H100 80GB HBM3" devices from the CUDA
 plugin; arguments sharded over such a mesh make ``jax.jit(...).trace(...).lower().compile()`` a
 real XLA:GPU compile on a CPU-only machine. Pallas kernels then appear in the optimized HLO as
-Triton custom calls, which XLA compiles with the rest of the program: a Triton lowering error
-or a tile over the H100's shared memory fails here. Autotuning, numerics and speed are left
+Triton custom calls (flash attention), which XLA compiles with the rest of the program, or as
+Mosaic GPU custom calls (block-sparse matmul), compiled for sm_90 while lowering: a lowering
+error or a tile over the H100's shared memory fails here. Autotuning, numerics and speed are left
 to a real GPU (the interpret-mode tests check the numerics).
 
 Shapes are small and the cases cover each property once (dtype, head size, GQA/MQA, causal,
@@ -30,6 +31,7 @@ from pallas_kernels import (  # noqa: E402
     random_layout,
 )
 from pallas_kernels._backend import compiling_for  # noqa: E402
+from pallas_kernels._mosaic import kernel_names  # noqa: E402
 from zeroflow.backend import target_mesh  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.trainer.setup import build_run  # noqa: E402
@@ -48,6 +50,11 @@ def triton_kernels(compiled) -> list[str]:
     names = sorted(m.group(1) for line in hlo.splitlines() if (m := _TRITON_KERNEL.search(line)))
     assert len(names) == hlo.count(f'custom_call_target="{TRITON_CALL}"'), "unnamed Triton call"
     return names
+
+
+def mosaic_kernels(compiled) -> list[str]:
+    """Sorted names of the Mosaic GPU kernels the optimized HLO calls (one per call site)."""
+    return kernel_names(compiled.as_text())
 
 
 def compile_for_gpu(fn, *args):
@@ -118,20 +125,44 @@ def test_flash_attention_inside_shard_map_over_eight_h100s_needs_no_context():
     assert triton_kernels(compiled) == FLASH_FWD_BWD
 
 
-@pytest.mark.parametrize("dtype,block_size", [(jnp.bfloat16, 64), (jnp.float16, 32)])
-def test_block_sparse_matmul_compiles_for_h100(dtype, block_size):
-    """A layout with an empty block row and column, and 300 rows (not a multiple of the tile)."""
+BLOCK_SPARSE_KERNELS = ["block_sparse_dblocks", "block_sparse_dx", "block_sparse_matmul"]
+
+
+@pytest.mark.parametrize("gpu,dtype,block_size", [
+    ("h100", jnp.bfloat16, 64), ("h100", jnp.float16, 32), ("h200", jnp.bfloat16, 128),
+    ("h100", jnp.float32, 32)])
+def test_block_sparse_matmul_compiles_for_hopper(gpu, dtype, block_size):
+    """Mosaic GPU kernels (sm_90), forward alone, then forward with dx and dblocks. A layout
+    with an empty block row and column, and 300 rows (not a multiple of the row tile); fp32
+    multiplies as TF32, its right operand stored transposed."""
     layout = random_layout(5, 6, 0.5, seed=3)
     layout[2, :] = False
     layout[:, 4] = False
-    x = on_one_h100((300, layout.shape[0] * block_size), dtype)
-    blocks = on_one_h100((int(layout.sum()), block_size, block_size), dtype)
+    mesh = target_mesh(gpu, data=1)
+    on_gpu = lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    x = on_gpu((300, layout.shape[0] * block_size))
+    blocks = on_gpu((int(layout.sum()), block_size, block_size))
     matmul = functools.partial(block_sparse_matmul, layout=layout, block_size=block_size)
 
-    assert triton_kernels(compile_for_gpu(matmul, x, blocks)) == ["block_sparse_matmul"]
+    assert mosaic_kernels(compile_for_gpu(matmul, x, blocks)) == ["block_sparse_matmul"]
     both = compile_for_gpu(fwd_and_grads(matmul), x, blocks)
-    assert triton_kernels(both) == ["block_sparse_dblocks", "block_sparse_dx",
-                                    "block_sparse_matmul"]
+    assert mosaic_kernels(both) == BLOCK_SPARSE_KERNELS
+
+
+def test_block_sparse_inside_shard_map_over_eight_h100s():
+    """As in a data-parallel step: rows sharded, blocks replicated (check_vma), so the kernels'
+    outputs must vary over "data" and the blocks' gradient comes back summed over it."""
+    mesh = target_mesh("h100", data=8)
+    layout = random_layout(4, 4, 0.5, seed=1)
+    x = jax.ShapeDtypeStruct((8 * 64, 4 * 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    blocks = jax.ShapeDtypeStruct((int(layout.sum()), 64, 64), jnp.bfloat16,
+                                  sharding=NamedSharding(mesh, P()))
+    matmul = functools.partial(block_sparse_matmul, layout=layout, block_size=64)
+    per_device = jax.shard_map(fwd_and_grads(matmul), mesh=mesh, in_specs=(P("data"), P()),
+                               out_specs=(P("data"), (P("data"), P())))
+    compiled = jax.jit(per_device).trace(x, blocks).lower().compile()
+    assert mosaic_kernels(compiled) == BLOCK_SPARSE_KERNELS
+    assert "all-reduce" in compiled.as_text()  # the replicated blocks' gradient, summed
 
 
 # ----------------------------------------------------------------- the trainer's GPT step

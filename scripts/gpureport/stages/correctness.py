@@ -26,15 +26,15 @@ def _cell(err: dict) -> str:
 def render(records: list[dict]) -> list[str]:
     lines = ["Each cell: max |error| vs the fp32 reference of the kernel / of XLA in the same "
              "dtype. A case passes when every kernel error is at most twice XLA's (+1e-3 of "
-             "the output scale). Triton calls: kernels compiled into the step (0 means the "
-             "interpreter ran them).", ""]
+             "the output scale). Compiled calls: Triton or Mosaic GPU kernels compiled into "
+             "the step (0 means the interpreter ran them).", ""]
     for kernel, outputs in _OUTPUTS.items():
         rows = []
         for r in good([r for r in of_stage(records, "correctness") if r["item"] == kernel]):
             res = r["result"]
             rows.append([r["case"], *(_cell(res["errors"][o]) for o in outputs),
-                         res.get("triton_calls", "-"), "pass" if res["passed"] else "**FAIL**"])
+                         res.get("compiled_calls", res.get("triton_calls", "-")), "pass" if res["passed"] else "**FAIL**"])
         if rows:
-            headers = ["case", *outputs, "Triton calls", "result"]
+            headers = ["case", *outputs, "compiled calls", "result"]
             lines += [f"**{kernel}**", ""] + table(headers, rows) + [""]
     return lines
