@@ -335,7 +335,9 @@ def block_sparse_matmul(
       layout: static boolean numpy array `[K // bs, N // bs]`.
       block_size: bs, one of `BLOCK_SIZES` (32, 64, 128).
       block_m: rows per program, one of `ROW_TILES` (64, 128).
-      interpret: None runs compiled on GPU and in jax's GPU interpreter elsewhere.
+      interpret: None: the Mosaic GPU kernels on a GPU, XLA's dense product elsewhere. True:
+        the kernels in jax's GPU interpreter on the CPU (for tests; not inside a multi-device
+        shard_map, nor, from jax 0.11, inside flax's nn.scan). False: compiled.
 
     Returns:
       `[..., N]` in the promoted dtype of x and blocks, accumulated in fp32 (fp32 inputs
@@ -361,21 +363,28 @@ def block_sparse_matmul(
     x2 = x.reshape(-1, k).astype(dtype)
     if plan.nnz == 0:
         return jnp.zeros((*lead, n), dtype)
-    rows = x2.shape[0]
-    padded = _backend.round_up(max(rows, 1), block_m)
-    if padded != rows:
-        x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
-    interpret = _backend.resolve_interpret(interpret)
-    if interpret and _manual_devices() > 1:
+    if interpret is None and _backend.target_platform() != "gpu":
+        # Not on a GPU: XLA's product with the dense matrix (jax's GPU interpreter is for tests:
+        # it is slow, its ordered callbacks break flax's nn.scan from jax 0.11, and see below).
         y = jnp.matmul(
             x2,
             to_dense(blocks.astype(dtype), layout, block_size),
             preferred_element_type=jnp.float32,
         )
-        return y[:rows].astype(dtype).reshape(*lead, n)
+        return y.astype(dtype).reshape(*lead, n)
+    if interpret and _manual_devices() > 1:
+        raise ValueError(
+            f"block_sparse_matmul(interpret=True) cannot run inside a shard_map over "
+            f"{_manual_devices()} devices (jax's GPU interpreter makes their kernels "
+            "wait for each other); use interpret=None"
+        )
+    rows = x2.shape[0]
+    padded = _backend.round_up(max(rows, 1), block_m)
+    if padded != rows:
+        x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
     cfg = _Config(
         block_m=block_m,
-        interpret=interpret,
+        interpret=bool(interpret),
         right_transposed=not interpret and jnp.dtype(dtype).itemsize == 4,
     )
     y = _block_sparse_matmul(x2, blocks.astype(dtype), plan, cfg)
@@ -387,8 +396,7 @@ def _manual_devices() -> int:
 
     Interpreted, the kernel of every device meets the others' at one process-wide barrier
     (jax's GPU interpreter simulates the devices of one program together); XLA:CPU may run the
-    devices' kernels one after the other, the first waiting forever (seen on 2 cores). So on a
-    CPU inside a multi-device shard_map the product is XLA's, from the dense matrix.
+    devices' kernels one after the other, the first waiting forever (seen on 2 cores).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:

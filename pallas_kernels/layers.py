@@ -30,6 +30,7 @@ class BlockSparseDense(nn.Module):
     dtype: Any = None  # compute dtype; None: the params' dtype (fp32 accumulation regardless)
     param_dtype: Any = jnp.float32
     stddev: float | None = None  # init std of the blocks; None: 1/sqrt(expected fan-in)
+    interpret: bool | None = None  # block_sparse_matmul's: None compiles on a GPU
 
     def layout(self, in_features: int) -> np.ndarray:
         bs = self.block_size
@@ -62,7 +63,9 @@ class BlockSparseDense(nn.Module):
             ),
         )
         dtype = self.dtype or blocks.dtype
-        y = block_sparse_matmul(x.astype(dtype), blocks.astype(dtype), layout, bs)
+        y = block_sparse_matmul(
+            x.astype(dtype), blocks.astype(dtype), layout, bs, interpret=self.interpret
+        )
         if self.use_bias:
             bias = cast(
                 jax.Array,

@@ -52,7 +52,8 @@ def test_product_and_gradients_match_dense(layout):
     dy = _random((3, 7, n), seed=2)
 
     def sparse_and_dense(x, blocks, dy):
-        y, vjp = jax.vjp(lambda x, b: block_sparse_matmul(x, b, layout, BS, block_m=64), x, blocks)
+        y, vjp = jax.vjp(lambda x, b: block_sparse_matmul(x, b, layout, BS, interpret=True), x,
+                         blocks)
         w = to_dense(blocks, layout, BS)
         ref_y, ref_vjp = jax.vjp(lambda x, w: jnp.matmul(x, w, precision="highest"), x, w)
         return (y, *vjp(dy)), (ref_y, *ref_vjp(dy))
@@ -80,7 +81,7 @@ def test_16_bit_product_and_gradients_per_block_size(dtype, block_size):
     k, n = 3 * block_size, 4 * block_size
     x, dy = _random((70, k), dtype), _random((70, n), dtype, seed=2)
     blocks = _random((int(layout.sum()), block_size, block_size), dtype, seed=1)
-    sparse = lambda x, b: block_sparse_matmul(x, b, layout, block_size)
+    sparse = lambda x, b: block_sparse_matmul(x, b, layout, block_size, interpret=True)
     y, dx, dblocks = _run(lambda x, b, dy: (lambda y, vjp: (y, *vjp(dy)))(
         *jax.vjp(sparse, x, blocks)), x, blocks, dy)
     assert y.dtype == dx.dtype == dblocks.dtype == dtype
@@ -99,8 +100,8 @@ def test_16_bit_product_and_gradients_per_block_size(dtype, block_size):
 def test_inside_shard_map_with_replicated_blocks():
     """As in zeroflow's train step: jax.shard_map (check_vma=True) over rows with replicated
     weights, whose gradient must come back summed over the devices. (On two CPU devices the
-    product is XLA's, see block_sparse._manual_devices; the kernels inside shard_map are
-    compiled for eight H100s in test_gpu_compile_kernels.py.)"""
+    product is XLA's, interpret=None; the kernels inside shard_map are compiled for eight H100s
+    in test_gpu_compile_kernels.py.)"""
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:2])
     layout = _layout_with_holes()
@@ -127,7 +128,7 @@ def test_bfloat16_accumulates_in_fp32():
     layout = strided_layout(4, 4, 2)
     x = _random((32, 4 * BS), jnp.bfloat16)
     blocks = _random((int(layout.sum()), BS, BS), jnp.bfloat16, seed=1)
-    y = _run(lambda x, b: block_sparse_matmul(x, b, layout, BS), x, blocks)
+    y = _run(lambda x, b: block_sparse_matmul(x, b, layout, BS, interpret=True), x, blocks)
     assert y.dtype == jnp.bfloat16
     want = reference_block_sparse_matmul(x, blocks, layout, BS)
     # fp32 accumulation: only the final rounding to bf16 (relative 2^-8) remains.
@@ -153,7 +154,7 @@ def test_layouts_and_dense_round_trip():
 
 def test_block_sparse_dense_layer_matches_dense_and_accepts_bf16_params():
     layer = BlockSparseDense(features=4 * BS, block_size=BS, density=0.5, layout_seed=1,
-                             use_bias=True)
+                             use_bias=True, interpret=True)
     x = _random((2, 5, 3 * BS))
     variables = _run(layer.init, jax.random.key(0), x)
     boxed = variables["params"]["blocks"]
@@ -196,6 +197,17 @@ def test_block_sparse_dense_rejects_sizes_not_multiple_of_block(features, in_fea
     with pytest.raises(ValueError, match="multiple of block_size"):
         BlockSparseDense(features, block_size=BS).init(jax.random.key(0),
                                                        jnp.ones((1, in_features)))
+
+
+def test_interpreting_inside_a_multi_device_shard_map_is_refused():
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    layout = np.ones((1, 1), bool)
+    sparse = lambda x, b: block_sparse_matmul(x, b, layout, BS, interpret=True)
+    spec = jax.sharding.PartitionSpec
+    with pytest.raises(ValueError, match="inside a shard_map over 2 devices"):
+        jax.shard_map(sparse, mesh=mesh, in_specs=(spec("data"), spec()),
+                      out_specs=spec("data"))(jnp.ones((4, BS)), jnp.ones((1, BS, BS)))
 
 
 def test_bad_arguments_raise():
