@@ -133,7 +133,13 @@ def lower_for_cuda(fn, *args) -> list[str]:
     """
     from jax._src.lib.mlir import ir  # private: the MLIR bindings bundled with jaxlib
 
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    # From jax 0.12 Pallas-Triton reads the GPU's architecture from the abstract mesh's device
+    # when this machine has none; an H100 (sm_90), as the GPUs the kernels are tuned for.
+    h100 = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     kernels: list[tuple[str, bytes | None]] = []
 
     def visit(op):
