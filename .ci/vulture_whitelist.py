@@ -48,3 +48,4 @@ _.pytest_collection_finish
 _.pytest_report_teststatus
 _.pytest_runtest_logreport
 _.pytest_xdist_auto_num_workers
+pytestmark  # pytest reads a test module's marks (its tier) from this name
