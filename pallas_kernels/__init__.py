@@ -1,15 +1,10 @@
 """Pallas kernels: fused flash attention and block-sparse layers (importable without zeroflow).
 
-Flash attention is written for Pallas's Mosaic GPU backend (sm_90: H100/H200) and runs in the
-Mosaic GPU interpreter elsewhere (`pallas_kernels.attention_mgpu`); the block-sparse kernels
-compile with the Pallas Triton backend (see `pallas_kernels._backend`).
+Flash attention and the block-sparse matmul are written for Pallas's Mosaic GPU backend (sm_90:
+H100/H200) and run in Pallas's Mosaic GPU interpreter elsewhere (`pallas_kernels.attention_mgpu`,
+`pallas_kernels.block_sparse`); jax's Triton module is never imported by them.
 """
-from pallas_kernels.block_sparse import (
-    block_sparse_matmul,
-    from_dense,
-    reference_block_sparse_matmul,
-    to_dense,
-)
+
 from pallas_kernels.attention_mgpu import (
     TuningConfig,
     flash_attention,
@@ -18,6 +13,12 @@ from pallas_kernels.attention_mgpu import (
     mosaic_gpu_problem,
 )
 from pallas_kernels.attention_xla import reference_attention
+from pallas_kernels.block_sparse import (
+    block_sparse_matmul,
+    from_dense,
+    reference_block_sparse_matmul,
+    to_dense,
+)
 from pallas_kernels.layers import BlockSparseDense
 from pallas_kernels.layouts import (
     banded_layout,

@@ -1,4 +1,5 @@
 """Flax linen layers built on the kernels."""
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ class BlockSparseDense(nn.Module):
     """
 
     features: int  # output width N, a multiple of block_size
-    block_size: int = 32  # side of a weight block (power of two, >= 16 on GPU)
+    block_size: int = 32  # side of a weight block: 32, 64 or 128 (block_sparse.BLOCK_SIZES)
     density: float = 0.25  # fraction of the [K/bs, N/bs] blocks that exist
     layout_seed: int = 0  # seed of the random layout (different per projection)
     kernel_axes: tuple = ("embed", "mlp")  # logical names of W's (in, out); the bias uses out
@@ -29,15 +30,18 @@ class BlockSparseDense(nn.Module):
     dtype: Any = None  # compute dtype; None: the params' dtype (fp32 accumulation regardless)
     param_dtype: Any = jnp.float32
     stddev: float | None = None  # init std of the blocks; None: 1/sqrt(expected fan-in)
+    interpret: bool | None = None  # block_sparse_matmul's: None compiles on a GPU
 
     def layout(self, in_features: int) -> np.ndarray:
         bs = self.block_size
         for name, size in (("input features", in_features), ("features", self.features)):
             if size % bs:
-                raise ValueError(f"BlockSparseDense: {name}={size} is not a multiple of "
-                                 f"block_size={bs}")
-        return layouts.random_layout(in_features // bs, self.features // bs, self.density,
-                                     seed=self.layout_seed)
+                raise ValueError(
+                    f"BlockSparseDense: {name}={size} is not a multiple of block_size={bs}"
+                )
+        return layouts.random_layout(
+            in_features // bs, self.features // bs, self.density, seed=self.layout_seed
+        )
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -49,15 +53,28 @@ class BlockSparseDense(nn.Module):
         std = self.stddev if self.stddev is not None else 1.0 / math.sqrt(fan_in)
         # Module.param unboxes the LogicallyPartitioned its initializer returns (unbox=True),
         # but flax types it as the initializer's return.
-        blocks = cast(jax.Array, self.param(
-            "blocks",
-            nn.with_logical_partitioning(nn.initializers.normal(std), (None, None, None)),
-            (nnz, bs, bs), self.param_dtype))
+        blocks = cast(
+            jax.Array,
+            self.param(
+                "blocks",
+                nn.with_logical_partitioning(nn.initializers.normal(std), (None, None, None)),
+                (nnz, bs, bs),
+                self.param_dtype,
+            ),
+        )
         dtype = self.dtype or blocks.dtype
-        y = block_sparse_matmul(x.astype(dtype), blocks.astype(dtype), layout, bs)
+        y = block_sparse_matmul(
+            x.astype(dtype), blocks.astype(dtype), layout, bs, interpret=self.interpret
+        )
         if self.use_bias:
-            bias = cast(jax.Array, self.param(
-                "bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.kernel_axes[1],)),
-                (self.features,), self.param_dtype))
+            bias = cast(
+                jax.Array,
+                self.param(
+                    "bias",
+                    nn.with_logical_partitioning(nn.initializers.zeros, (self.kernel_axes[1],)),
+                    (self.features,),
+                    self.param_dtype,
+                ),
+            )
             y = y + bias.astype(dtype)
         return y

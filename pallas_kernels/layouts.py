@@ -3,6 +3,7 @@
 `layout[i, j]` says whether the weight block mapping input block row i to output block column j
 exists. Layouts are static (numpy), so the kernels can turn them into index tables at trace time.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -30,7 +30,7 @@ def test_ruff_format_leaves_every_file_as_it_is():
 
 @pytest.mark.fast
 def test_no_dead_code():
-    done = _run("vulture", "zeroflow", "tests", "scripts", "experiments",
+    done = _run("vulture", "zeroflow", "pallas_kernels", "tests", "scripts", "experiments",
                 ".ci/vulture_whitelist.py", "--min-confidence", "60")
     assert done.returncode == 0, "unused code (remove it, or say in .ci/vulture_whitelist.py " \
         "how it is used):\n" + done.stdout + done.stderr

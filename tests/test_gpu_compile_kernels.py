@@ -3,10 +3,9 @@
 ``zeroflow.backend.target_mesh`` gives abstract "NVIDIA H100 80GB HBM3" devices from the CUDA
 plugin; arguments sharded over such a mesh make ``jax.jit(...).trace(...).lower().compile()`` a
 real XLA:GPU compile on a CPU-only machine. Pallas kernels then appear in the optimized HLO as
-custom calls (Mosaic GPU's for flash attention, Triton's for block-sparse), which XLA compiles
-with the rest of the program: a lowering error or a tile over the GPU's shared memory fails
-here. Autotuning, numerics and speed are left to a real GPU (the interpret-mode tests check
-the numerics).
+custom calls of Mosaic GPU (flash attention and the block-sparse matmul), compiled for sm_90
+while lowering: a lowering error or a tile over the GPU's shared memory fails here. Autotuning,
+numerics and speed are left to a real GPU (the interpret-mode tests check the numerics).
 
 Shapes are small and the cases cover each property once (dtype, head size, GQA/MQA, causal,
 window, segments) rather than their product: each kernel compile takes seconds.
@@ -33,6 +32,7 @@ from pallas_kernels import (  # noqa: E402
     random_layout,
 )
 from pallas_kernels._backend import compiling_for  # noqa: E402
+from pallas_kernels._mosaic import kernel_names  # noqa: E402
 from zeroflow.backend import target_mesh  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.memory.measure import from_memory_analysis  # noqa: E402
@@ -40,23 +40,19 @@ from zeroflow.trainer.setup import build_run  # noqa: E402
 
 from helpers import REPO  # noqa: E402
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = 'custom_call_target="mosaic_gpu'
 _TRITON_KERNEL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?\bname = "([^"]+)"')
 
 
-def triton_kernels(compiled) -> list[str]:
-    """Sorted names of the Triton kernels the optimized HLO calls (one per call site)."""
-    hlo = compiled.as_text()
-    names = sorted(m.group(1) for line in hlo.splitlines() if (m := _TRITON_KERNEL.search(line)))
-    assert len(names) == hlo.count(f'custom_call_target="{TRITON_CALL}"'), "unnamed Triton call"
-    return names
-
-
-def mosaic_kernels(compiled) -> int:
+def mosaic_calls(compiled) -> int:
     """How many Mosaic GPU kernel calls the optimized HLO makes (flash attention: the forward,
     then dQ and dK/dV)."""
     return compiled.as_text().count(MOSAIC_CALL)
+
+
+def mosaic_kernels(compiled) -> list[str]:
+    """Sorted names of the Mosaic GPU kernels the optimized HLO calls (one per call site)."""
+    return kernel_names(compiled.as_text())
 
 
 def compile_for_gpu(fn, *args):
@@ -80,8 +76,6 @@ def on_one_gpu(shape, dtype, gpu: str = "h100"):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(one_gpu(gpu), P()))
 
 
-def on_one_h100(shape, dtype):
-    return on_one_gpu(shape, dtype, "h100")
 
 
 def fwd_and_grads(fn):
@@ -120,10 +114,10 @@ def test_flash_attention_compiles_for_hopper(gpu, dtype, batch, seq, heads, kv_h
         return flash_attention(q, k, v, causal=causal, window=window,
                                segment_ids=ids if segments else None)
 
-    assert mosaic_kernels(compile_for_gpu(attention, q, kv, kv, ids)) == 1
+    assert mosaic_calls(compile_for_gpu(attention, q, kv, kv, ids)) == 1
     both = compile_for_gpu(lambda q, k, v, ids: fwd_and_grads(
         lambda q, k, v: attention(q, k, v, ids))(q, k, v), q, kv, kv, ids)
-    assert mosaic_kernels(both) == 3
+    assert mosaic_calls(both) == 3
 
 
 def test_flash_attention_inside_shard_map_over_eight_h100s_needs_no_context():
@@ -137,23 +131,47 @@ def test_flash_attention_inside_shard_map_over_eight_h100s_needs_no_context():
                                in_specs=P("data"), out_specs=P("data"))
     compiled = jax.jit(per_device).trace(q, q, q).lower().compile()
     assert compiled.memory_analysis() is not None
-    assert mosaic_kernels(compiled) == 3
+    assert mosaic_calls(compiled) == 3
 
 
-@pytest.mark.parametrize("dtype,block_size", [(jnp.bfloat16, 64), (jnp.float16, 32)])
-def test_block_sparse_matmul_compiles_for_h100(dtype, block_size):
-    """A layout with an empty block row and column, and 300 rows (not a multiple of the tile)."""
+BLOCK_SPARSE_KERNELS = ["block_sparse_dblocks", "block_sparse_dx", "block_sparse_matmul"]
+
+
+@pytest.mark.parametrize("gpu,dtype,block_size", [
+    ("h100", jnp.bfloat16, 64), ("h100", jnp.float16, 32), ("h200", jnp.bfloat16, 128),
+    ("h100", jnp.float32, 32)])
+def test_block_sparse_matmul_compiles_for_hopper(gpu, dtype, block_size):
+    """Mosaic GPU kernels (sm_90), forward alone, then forward with dx and dblocks. A layout
+    with an empty block row and column, and 300 rows (not a multiple of the row tile); fp32
+    multiplies as TF32, its right operand stored transposed."""
     layout = random_layout(5, 6, 0.5, seed=3)
     layout[2, :] = False
     layout[:, 4] = False
-    x = on_one_h100((300, layout.shape[0] * block_size), dtype)
-    blocks = on_one_h100((int(layout.sum()), block_size, block_size), dtype)
+    mesh = target_mesh(gpu, data=1)
+    on_gpu = lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    x = on_gpu((300, layout.shape[0] * block_size))
+    blocks = on_gpu((int(layout.sum()), block_size, block_size))
     matmul = functools.partial(block_sparse_matmul, layout=layout, block_size=block_size)
 
-    assert triton_kernels(compile_for_gpu(matmul, x, blocks)) == ["block_sparse_matmul"]
+    assert mosaic_kernels(compile_for_gpu(matmul, x, blocks)) == ["block_sparse_matmul"]
     both = compile_for_gpu(fwd_and_grads(matmul), x, blocks)
-    assert triton_kernels(both) == ["block_sparse_dblocks", "block_sparse_dx",
-                                    "block_sparse_matmul"]
+    assert mosaic_kernels(both) == BLOCK_SPARSE_KERNELS
+
+
+def test_block_sparse_inside_shard_map_over_eight_h100s():
+    """As in a data-parallel step: rows sharded, blocks replicated (check_vma), so the kernels'
+    outputs must vary over "data" and the blocks' gradient comes back summed over it."""
+    mesh = target_mesh("h100", data=8)
+    layout = random_layout(4, 4, 0.5, seed=1)
+    x = jax.ShapeDtypeStruct((8 * 64, 4 * 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    blocks = jax.ShapeDtypeStruct((int(layout.sum()), 64, 64), jnp.bfloat16,
+                                  sharding=NamedSharding(mesh, P()))
+    matmul = functools.partial(block_sparse_matmul, layout=layout, block_size=64)
+    per_device = jax.shard_map(fwd_and_grads(matmul), mesh=mesh, in_specs=(P("data"), P()),
+                               out_specs=(P("data"), (P("data"), P())))
+    compiled = jax.jit(per_device).trace(x, blocks).lower().compile()
+    assert mosaic_kernels(compiled) == BLOCK_SPARSE_KERNELS
+    assert "all-reduce" in compiled.as_text()  # the replicated blocks' gradient, summed
 
 
 # ----------------------------------------------------------------- the trainer's GPT step
@@ -189,7 +207,7 @@ def test_gpt_step_with_pallas_attention_compiles_for_eight_h100s():
     """The step traces its kernels for the mesh's GPUs: Mosaic GPU calls, no interpreter (and
     no dense stand-in): the forward, and the forward again (rematerialised) with dQ and dK/dV."""
     compiled = compile_gpt_step("pallas", data=8)
-    assert mosaic_kernels(compiled) >= 3
+    assert mosaic_calls(compiled) >= 3
     assert "io_callback" not in compiled.as_text() and "xla_python_cpu_callback" not in (
         compiled.as_text())
 
@@ -199,7 +217,7 @@ def test_gpt_step_with_the_context_ring_on_pallas_compiles_for_two_h100s():
     given the whole attention's lse, all compiled Mosaic GPU calls."""
     compiled = compile_gpt_step("pallas", data=1, context=2,
                                 extra=("model.context_attention=ring",))
-    assert mosaic_kernels(compiled) >= 3
+    assert mosaic_calls(compiled) >= 3
     assert "xla_python_cpu_callback" not in compiled.as_text()
 
 

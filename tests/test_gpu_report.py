@@ -120,7 +120,7 @@ def test_quick_kernels_were_checked_against_the_references(quick):
     assert {r["item"] for r in checks} == {"flash attention", "block-sparse matmul"}
     for r in checks:
         assert r["result"]["passed"]
-        calls = r["result"].get("kernel_calls", r["result"].get("triton_calls"))
+        calls = r["result"].get("kernel_calls", r["result"].get("compiled_calls"))
         assert calls == 0  # interpreted on the CPU
         for err in r["result"]["errors"].values():
             # bf16 against fp32: a real comparison has a small, nonzero error on both sides.
@@ -433,16 +433,13 @@ def test_targets_from_records():
 
 # --------------------------------------------------------------------------- before a GPU visit
 def _kernel_inputs_of_the_gpu_profile():
-    """(name, fn, abstract args) of every kernel shape the full profile compiles."""
-    import functools
-
+    """(name, kind, fn, abstract args) of every attention shape the full profile compiles."""
     import jax
     import jax.numpy as jnp
 
     from benchlib.attention import DTYPES, attention_fn
     from benchlib.timing import forward_and_backward
     from gpureport.profiles import FULL
-    from pallas_kernels import block_sparse_matmul, random_layout
     sds = jax.ShapeDtypeStruct
     for spec in FULL.attention_checks:
         q = sds((spec["batch"], spec["q_len"], spec["heads"], spec["head_dim"]), DTYPES[spec["dtype"]])
@@ -460,6 +457,19 @@ def _kernel_inputs_of_the_gpu_profile():
         for blocks in [None] + (tiles["candidates"] if config in tiles["configs"] else []):
             fn = attention_fn("pallas", causal=config["causal"], tuning=blocks, interpret=False)
             yield f"{config} {blocks}", "mosaic", forward_and_backward(fn), (q, q, q, q)
+
+
+def _block_sparse_inputs_of_the_gpu_profile():
+    """(name, fn, abstract args) of every block-sparse shape the full profile compiles."""
+    import functools
+
+    import jax
+
+    from benchlib.attention import DTYPES
+    from benchlib.timing import forward_and_backward
+    from gpureport.profiles import FULL
+    from pallas_kernels import block_sparse_matmul, random_layout
+    sds = jax.ShapeDtypeStruct
     timing = FULL.block_sparse_timing
     checks = [dict(c) for c in FULL.block_sparse_checks] + [
         dict(m=timing["m"], k=timing["k"], n=timing["n"], block=b, density=1 - s, dtype="bf16", block_m=64)
@@ -472,30 +482,43 @@ def _kernel_inputs_of_the_gpu_profile():
         dtype = DTYPES[spec["dtype"]]
         args = (sds((spec["m"], spec["k"]), dtype), sds((int(layout.sum()), block, block), dtype),
                 sds((spec["m"], spec["n"]), dtype))
-        yield str(spec), "triton", forward_and_backward(fn), args
+        yield str(spec), forward_and_backward(fn), args
 
 
-def test_every_kernel_shape_of_the_gpu_profile_lowers_for_cuda():
-    """What can be checked without a GPU: each shape the report will compile lowers for CUDA
-    (attention: Mosaic GPU; block-sparse: Triton, whose IR is verified); ptxas, shared memory
+def test_every_attention_shape_of_the_gpu_profile_lowers_for_cuda():
+    """What can be checked without a GPU: each attention shape the report will compile lowers
+    for CUDA to three Mosaic GPU kernels (forward, dQ, dK/dV); ptxas, shared memory at run time
     and speed are only checked on the GPU."""
     from pallas_kernels import _mgpu
-    from pallas_kernels._backend import lower_for_cuda
     count = 0
     for name, kind, fn, args in _kernel_inputs_of_the_gpu_profile():
-        if kind == "mosaic":
-            assert _mgpu.lower_for_cuda(fn, *args) == 3, name  # forward + two backward kernels
-            count += 1
-            continue
-        try:
-            kernels = lower_for_cuda(fn, *args)
-        except RuntimeError as err:  # jax >= 0.11 asks the default device for the GPU's arch
-            if "No supported GPU devices found" in str(err):
-                pytest.skip("this jax lowers Pallas-Triton only with a GPU or an abstract GPU device")
-            raise
-        assert len(kernels) == 3, name  # forward + two backward kernels
+        assert kind == "mosaic", name
+        assert _mgpu.lower_for_cuda(fn, *args) == 3, name  # forward + two backward kernels
         count += 1
-    assert count > 25
+    assert count > 10
+
+
+def test_every_block_sparse_shape_of_the_gpu_profile_compiles_for_h100():
+    """Each block-sparse shape the report will run, compiled for an abstract H100: three Mosaic
+    GPU kernels (forward, dx, dblocks) within the H100's shared memory."""
+    from helpers import require_cuda_plugin
+    require_cuda_plugin()
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pallas_kernels._mosaic import kernel_names
+    from zeroflow.backend import target_mesh
+
+    on_h100 = NamedSharding(target_mesh("h100", data=1), PartitionSpec())
+    count = 0
+    for name, fn, args in _block_sparse_inputs_of_the_gpu_profile():
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_h100) for a in args]
+        with jax.sharding.use_abstract_mesh(on_h100.mesh.abstract_mesh):
+            hlo = jax.jit(fn).trace(*args).lower().compile().as_text()
+        assert kernel_names(hlo) == ["block_sparse_dblocks", "block_sparse_dx",
+                                     "block_sparse_matmul"], name
+        count += 1
+    assert count == 10
 
 
 def test_next_command_names_the_skipped_items_and_shares_the_time_limit():

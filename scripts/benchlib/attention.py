@@ -59,13 +59,6 @@ def _max_error(got, want) -> float:
     return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
 
 
-def triton_calls(fn, *args) -> int:
-    """How many Triton kernels the compiled HLO calls: >0 means the kernel was really compiled
-    (0 in the CPU interpreter)."""
-    text = jax.jit(fn).lower(*args).as_text()
-    return text.count("xla.gpu.triton") + text.count("triton_kernel_call")
-
-
 def mosaic_calls(fn, *args) -> int:
     """How many Mosaic GPU kernels the lowered program calls: 3 for flash attention's forward
     and backward when compiled, 0 in the CPU interpreter."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchlib.attention import DTYPES, triton_calls
+from benchlib.attention import DTYPES
 from benchlib.isolate import Case
 from benchlib.timing import forward_and_backward, median_seconds
 from pallas_kernels import block_sparse_matmul, random_layout, reference_block_sparse_matmul, to_dense
@@ -60,7 +60,13 @@ def check_block_sparse(spec: dict) -> dict:
         errors[output] = {"kernel": err_kernel, "naive": err_naive, "scale": scale, "ok": ok}
     return {"spec": spec, "errors": errors, "passed": bool(passed),
             "kept_blocks": int(layout.sum()), "total_blocks": int(layout.size),
-            "triton_calls": triton_calls(forward_and_backward(kernel), x, blocks, dy)}
+            "compiled_calls": mosaic_calls(forward_and_backward(kernel), x, blocks, dy)}
+
+
+def mosaic_calls(fn, *args) -> int:
+    """How many Mosaic GPU kernels the lowered program calls: >0 means the kernels were really
+    compiled (0 in the CPU interpreter)."""
+    return jax.jit(fn).lower(*args).as_text().count("mosaic_gpu")
 
 
 def correctness_cases(checks: list[dict]) -> Iterator[Case]:

@@ -92,7 +92,7 @@ FULL = Profile(
         _sparse("bf16 block 128 density 10%", m=2048, k=2048, n=2048, block=128, density=0.1),
         _sparse("fp16 block 32 density 50% tail rows m=1000", m=1000, k=512, n=1024, block=32,
                 density=0.5, dtype="fp16"),
-        _sparse("bf16 block 16 density 25%", m=512, k=512, n=512, block=16, density=0.25),
+        _sparse("bf16 block 32 density 25%", m=512, k=512, n=512, block=32, density=0.25),
     ),
     # The Mosaic GPU kernels first (pallas), at head dim 128 from 4K to 32K tokens per row
     # (32K tokens per call: XLA's attention may run out of memory at 16K-32K, a crash record).
@@ -143,13 +143,13 @@ QUICK = Profile(
     # has no fp16 x fp16 -> fp32 dot for the comparison).
     attention_checks=(_attn("causal GQA 4q/2kv bf16 S=40 D=24", batch=1, q_len=40, heads=4, kv_heads=2,
                             head_dim=24, tuning=_TINY_TILES),),
-    block_sparse_checks=(_sparse("bf16 block 16 density 50%", m=40, k=64, n=64, block=16, density=0.5,
-                                 block_m=16),),
+    block_sparse_checks=(_sparse("bf16 block 32 density 50%", m=40, k=64, n=64, block=32, density=0.5,
+                                 block_m=64),),
     attention_timing=dict(configs=[dict(seq=32, head_dim=16, causal=True, tokens=32, width=32)],
                           impls=["pallas", "xla"], passes=["fwd", "fwd+bwd"], warmup=1, iters=1),
     attention_tiles=dict(configs=[dict(seq=32, head_dim=16, causal=True, tokens=32, width=32)],
                          candidates=[_TINY_TILES], passes=["fwd"], warmup=1, iters=1),
-    block_sparse_timing=dict(m=32, k=64, n=64, dtype="bf16", block_sizes=[16], sparsities=[0.75],
+    block_sparse_timing=dict(m=32, k=64, n=64, dtype="bf16", block_sizes=[32], sparsities=[0.75],
                              passes=["fwd", "fwd+bwd"], warmup=1, iters=1),
     training_runs=_gpt_runs([("tiny", "xla", "none", 4), ("tiny", "pallas", "none", 4)], steps=2, warmup=1),
     offload_ratio=dict(

@@ -32,13 +32,11 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax import lax
 
-from zeroflow.util.settings import FP8_SCALINGS, check_fp8_scaling
+from zeroflow.util.settings import check_fp8_scaling
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
-SCALINGS = FP8_SCALINGS
-"Names of the scaling recipes ``scaled_dot`` accepts (zeroflow.util.settings)."
-check_scaling = check_fp8_scaling
+check_scaling = check_fp8_scaling  # the scaling names scaled_dot accepts: util.settings
 
 
 def largest(fmt) -> float:

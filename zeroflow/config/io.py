@@ -382,7 +382,11 @@ def _model_problems(m) -> list[str]:
             (m.mlp_dim > 0, "model.mlp_dim must be positive"),
             (m.rope_base > 0, "model.rope_base must be positive"),
             (0 < m.mlp_density <= 1, f"model.mlp_density must be in (0, 1]; got {m.mlp_density}"),
-            (m.mlp_block_size > 0, "model.mlp_block_size must be positive"),
+            (
+                m.mlp_block_size in (32, 64, 128),  # pallas_kernels.block_sparse.BLOCK_SIZES
+                f"model.mlp_block_size must be 32, 64 or 128 (the block-sparse kernels' block "
+                f"sizes); got {m.mlp_block_size}",
+            ),
             (0 <= m.dropout < 1, f"model.dropout must be in [0, 1); got {m.dropout}"),
             (m.max_positions >= 0, "model.max_positions must be >= 0 (0 = seq_len)"),
             (m.norm_eps > 0, "model.norm_eps must be positive"),

@@ -108,7 +108,7 @@ class ModelConfig:
     mlp_density: float = 0.25
     "Fraction of weight blocks kept when mlp is 'block_sparse'."
     mlp_block_size: int = 32
-    "Block size of block-sparse MLP weights."
+    "Block size of block-sparse MLP weights: 32, 64 or 128."
     dropout: float = 0.0
     "Dropout rate (0 disables it)."
     positions: str = one_of("rope", "learned")

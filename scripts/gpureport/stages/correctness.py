@@ -26,13 +26,13 @@ def _cell(err: dict) -> str:
 def render(records: list[dict]) -> list[str]:
     lines = ["Each cell: max |error| vs the fp32 reference of the kernel / of XLA in the same "
              "dtype. A case passes when every kernel error is at most twice XLA's (+1e-3 of "
-             "the output scale). Kernel calls: Mosaic GPU (attention) or Triton (block-sparse) "
-             "kernels compiled into the step (0 means the interpreter ran them).", ""]
+             "the output scale). Kernel calls: Mosaic GPU kernels compiled into the step (0 "
+             "means the interpreter ran them).", ""]
     for kernel, outputs in _OUTPUTS.items():
         rows = []
         for r in good([r for r in of_stage(records, "correctness") if r["item"] == kernel]):
             res = r["result"]
-            calls = res.get("kernel_calls", res.get("triton_calls", "-"))
+            calls = res.get("kernel_calls", res.get("compiled_calls", res.get("triton_calls", "-")))
             rows.append([r["case"], *(_cell(res["errors"][o]) for o in outputs), calls,
                          "pass" if res["passed"] else "**FAIL**"])
         if rows:
