@@ -1,6 +1,8 @@
 """How long a checkpoint save blocks training, synchronous vs asynchronous, and how fast the
-digests are written and checked: ``python experiments/checkpoint_speed.py --gb 1 --out
-experiments/results/checkpoint_speed.md``.
+digests are written and checked:
+
+    python experiments/checkpoint_speed.py --gb 1 --out experiments/results/checkpoint_speed.md
+
 
 A ZeRO-3 train state (fp32 weights of random values, AdamW's two moments) of ``--gb`` GB is
 sharded over ``--devices`` emulated CPU devices and saved ``--saves`` times by the trainer's own
@@ -31,6 +33,9 @@ def _devices() -> int:
     return int(argv[argv.index(DEVICES_FLAG) + 1]) if DEVICES_FLAG in argv else 8
 
 
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 

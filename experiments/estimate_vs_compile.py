@@ -26,12 +26,16 @@ import pathlib
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import optax
-from jax.sharding import AxisType
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from zeroflow.cli.common import start_script  # noqa: E402
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
 from experiments.machine import cpu_name
 from zeroflow.autocast.precision import Precision
 from zeroflow.config.io import load_config

@@ -31,6 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "fp8.md"
 SEQ = 2048

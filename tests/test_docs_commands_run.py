@@ -94,6 +94,7 @@ RUN = {
         (("zeroflow.trainer.plot RUN_DIR",), []),
     ],
     "autocast (autocast.md)": [(("configs/tiny.yaml precision.autocast=bf16",), SHORT)],
+    "FP8 autocast (autocast.md)": [(("precision.autocast=fp8 precision.fp8_select=all",), SHORT)],
     "QLoRA on the tiny model (nf4.md)": [(("model.lora.quantize=nf4",), SHORT)],
     "two processes (multihost.md)": [(("zeroflow.launch --processes 2", "run.dir="), SHORT)],
     "longest sequence on the tiny config (long_context.md)": [
