@@ -106,6 +106,10 @@ class MemoryEstimate:
         return self.host.total
 
 
+GATED = ("swiglu", "geglu")
+"MLP activations with a gate: three projections (gate, up, down) instead of two."
+
+
 def _precision_name(precision: Any) -> str:
     name = getattr(precision, "params", precision)
     if name not in DTYPE_BYTES:
@@ -356,7 +360,7 @@ def activations(
     head = model.head_dim or h // heads
     kv = (model.num_kv_heads or heads) * head
     q = heads * head
-    swiglu = model.mlp_activation == "swiglu"
+    swiglu = model.mlp_activation in GATED
     tokens = b * s
     # The tiled MLP (model.mlp_chunk) holds one chunk's intermediates at a time.
     mlp_tokens = b * min(model.mlp_chunk, s) if model.mlp_chunk else tokens
@@ -421,9 +425,10 @@ def _gpt_param_counts(model) -> tuple[int, int]:
     head = model.head_dim or h // model.num_heads
     q = model.num_heads * head
     kv = (model.num_kv_heads or model.num_heads) * head
-    projections = 3 if model.mlp_activation == "swiglu" else 2
+    projections = 3 if model.mlp_activation in GATED else 2
     mlp = projections * h * f
     norms = 2 * h * (2 if model.norm == "layernorm" else 1)
+    norms += 2 * h * model.post_norms + 2 * head * model.qk_norm  # Gemma's post-norms, qk-norm
     # Biases (Qwen2's q/k/v, GPT-2's everywhere) and GPT-2's learned positions.
     biases = (q + 2 * kv) if model.attn_bias in ("qkv", "all") else 0
     biases += h if model.attn_bias == "all" else 0
@@ -454,7 +459,7 @@ def _gpt_stack_and_rest_shapes(model) -> tuple[Shapes, Shapes]:
     h, f, v, layers = model.embed_dim, model.mlp_dim, model.vocab_size, model.num_layers
     head = model.head_dim or h // model.num_heads
     heads, kv = model.num_heads, model.num_kv_heads or model.num_heads
-    projections = 3 if model.mlp_activation == "swiglu" else 2
+    projections = 3 if model.mlp_activation in GATED else 2
     norm: Shapes = [(h,)] * (2 if model.norm == "layernorm" else 1)  # scale (and bias)
     block: Shapes = [(h, heads, head), (h, kv, head), (h, kv, head), (heads, head, h)]
     block += [(h, f)] * (projections - 1) + [(f, h)] + norm * 2
