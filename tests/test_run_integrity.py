@@ -320,3 +320,30 @@ def test_checkpoints_elsewhere_than_the_run_folder_are_found_by_resume_and_expor
     assert "resumed from step 2" in capsys.readouterr().out
     assert export.main(["--run", str(run_dir), "--out", str(tmp_path / "w.npz")]) == 0
     assert "from step 4 to" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_saves_that_never_finished_start_the_run_again_damage_does_not(run_copy, caplog):
+    """A kill while the first saves were in flight leaves steps without their manifest: the run
+    never had a finished checkpoint, so a resume starts from step 0 (the unfinished steps moved
+    aside, one warning each). A finished step whose bytes differ is damage: no readable step,
+    the resume refuses and moves nothing."""
+    like = build_run(config(run_copy, "train.steps=4")).abstract_state()
+    folder = run_copy / "checkpoints"
+    steps = RunCheckpoints(folder, 3).steps()
+    damaged = run_copy.parent / "damaged"
+    shutil.copytree(run_copy, damaged)
+    for step in steps:
+        (folder / str(step) / checkpoint_digests.MANIFEST).unlink()
+    with caplog.at_level("WARNING", logger="zeroflow"):
+        assert RunCheckpoints(folder, 3).restore_latest(like) is None
+    assert RunCheckpoints(folder, 3).steps() == []
+    warned = [r.getMessage() for r in caplog.records if r.name == "zeroflow"]
+    assert len(warned) == len(steps) and all("starting from step 0" in w for w in warned)
+
+    rng = random.Random(5)
+    for step in steps:
+        flip_one_bit(files_of(damaged / "checkpoints" / str(step))[-1], rng)
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        RunCheckpoints(damaged / "checkpoints", 3).restore_latest(like)
+    assert RunCheckpoints(damaged / "checkpoints", 3).steps() == steps

@@ -30,6 +30,10 @@ ALGORITHM = "sha256"
 FORMAT = 1
 
 
+UNFINISHED = "is missing (the save did not finish)"
+"The fault of a step whose save stopped before its manifest: no finished checkpoint, not damage."
+
+
 class DigestMismatch(ValueError):
     """A checkpoint file that is not what was saved; ``path`` is the file, ``fault`` the words."""
 
@@ -172,7 +176,7 @@ def verify(
     manifest = folder / MANIFEST
     if not manifest.is_file():
         if expected:
-            raise DigestMismatch(manifest, "is missing (the save did not finish)")
+            raise DigestMismatch(manifest, UNFINISHED)
         return False
     entries = _read_manifest(manifest)
     if process is not None:

@@ -122,9 +122,9 @@ def _first_of_all(fault: str) -> str:
 class UnreadableCheckpoint(CheckpointError):
     """A step whose files are missing or damaged; ``reason`` names the file and the fault."""
 
-    def __init__(self, step: int, reason: str):
+    def __init__(self, step: int, reason: str, *, unfinished: bool = False):
         super().__init__(f"checkpoint step {step} is unreadable: {reason}")
-        self.step, self.reason = step, reason
+        self.step, self.reason, self.unfinished = step, reason, unfinished
 
 
 class RunCheckpoints:
@@ -425,7 +425,9 @@ class RunCheckpoints:
         if count > 1:
             fault = _first_of_all(fault)
         if fault:
-            raise UnreadableCheckpoint(step, fault)
+            raise UnreadableCheckpoint(
+                step, fault, unfinished=fault.endswith(checkpoint_digests.UNFINISHED)
+            )
         return verified
 
     def restore_latest(
@@ -450,6 +452,14 @@ class RunCheckpoints:
                     step,
                 )
             return restored
+        if bad and all(e.unfinished for e in bad):
+            # Only saves that were stopped before they finished (a kill while one was in
+            # flight): the run never had a finished checkpoint, so it starts again from step 0.
+            for unfinished in bad:
+                log.warning(
+                    "%s; %s, starting from step 0", unfinished, self._set_aside(unfinished.step)
+                )
+            return None
         if bad:
             raise CheckpointError(
                 self.none_readable(bad) + "; to train this run from scratch "
