@@ -72,6 +72,8 @@ class Missing(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}")
 sys.meta_path.insert(0, Missing())
 sys.argv = ["zeroflow.train", *sys.argv[1:]]
+from zeroflow.cli.common import start_command
+start_command("train")  # as python -m zeroflow.train prepares itself (run from -c here)
 runpy.run_module("zeroflow.train", run_name="__main__")
 """
 
