@@ -39,8 +39,6 @@ start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax wit
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", _devices())
-
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
@@ -169,6 +167,9 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--out", default="experiments/results/checkpoint_speed.md")
     args = p.parse_args()
+    # The emulated devices, set once the flags are read and before any array exists (a
+    # program that imported this module to read its flags has started jax already).
+    jax.config.update("jax_num_cpu_devices", _devices())
     state = make_state(args.gb)
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         sync = time_saves(state, Path(tmp) / "sync", False, args.saves)
