@@ -530,7 +530,11 @@ def test_scaled_value_and_grad_rescues_fp16_gradients():
     (loss, g), state, finite = grad_fn(state, w, x)
     assert bool(finite) and g.dtype == F32
     np.testing.assert_allclose(g, ref, rtol=2e-2)
-    np.testing.assert_allclose(loss, tiny_loss(w, x), rtol=2e-2)
+    # fp16's error is relative to the terms of the mean, not to their (cancelling) sum: with the
+    # shared RNG the data depends on which tests ran first, and a sum near 0 failed rtol alone
+    np.testing.assert_allclose(loss, tiny_loss(w, x), rtol=2e-2,
+                               atol=1e-3 * float(jnp.mean(jnp.abs(x @ w))) * 1e-4)
+    assert float(loss) != 0.0  # not flushed
     # overflow: a huge scale gives inf, the step reports it and the scale halves
     big = state.replace(scale=jnp.asarray(2.0 ** 100, jnp.float32), good_steps=jnp.asarray(1))
     _, after, finite = grad_fn(big, w * 1e30, x)
