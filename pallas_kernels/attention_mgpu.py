@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -176,13 +177,20 @@ class _Layouts:
         layout = self._layout(reduced)
         return x if layout is None else self.plgpu.layout_cast(x, layout)
 
+    def _load_whole(self, ref, layout):
+        """The whole of ``ref`` in ``layout``: jax 0.10-0.11 take the index ``()`` for it, 0.12
+        dropped the index argument."""
+        if "idx" in inspect.signature(self.plgpu.load).parameters:
+            return self.plgpu.load(ref, (), layout=layout)
+        return self.plgpu.load(ref, layout=layout)
+
     def rows_of(self, ref):
         """A [rows] shared-memory vector in the layout of a wgmma result's rows."""
-        return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self._layout(1))
+        return ref[...] if self.interpret else self._load_whole(ref, self._layout(1))
 
     def columns_of(self, ref):
         """A [cols] shared-memory vector in the layout of a wgmma result's columns."""
-        return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self._layout(0))
+        return ref[...] if self.interpret else self._load_whole(ref, self._layout(0))
 
     def operand(self, x, smem):
         """``x`` (registers) as a wgmma A operand. The GPU interpreter's wgmma reads A only from
