@@ -150,6 +150,32 @@ def time_verify_split(step_dir: Path, threads: int) -> tuple[float, float]:
     return alone, time.perf_counter() - start
 
 
+HASH_FILES = """import hashlib, sys
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        hashlib.file_digest(f, "sha256")
+"""
+"A plain Python process hashing the files it is given, one after another."
+
+
+def plain_hashing(step_dir: Path, count: int) -> tuple[float, float]:
+    """The machine's own ceiling, without jax: ``(seconds for one OS process to hash every file
+    of the step, seconds for ``count`` processes at once, each the files one process of the run
+    wrote)``."""
+    manifest = json.loads((step_dir / checkpoint_digests.MANIFEST).read_text())["files"]
+    groups: list[list[str]] = [[] for _ in range(count)]
+    for name in sorted(manifest):
+        groups[checkpoint_digests.owner(name, count)].append(str(step_dir / name))
+
+    def hashed(file_groups) -> float:
+        start = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", HASH_FILES, *g]) for g in file_groups]
+        assert all(p.wait() == 0 for p in procs)
+        return time.perf_counter() - start
+
+    return hashed([sum(groups, [])]), hashed(groups)
+
+
 def bytes_by_process(step_dir: Path, count: int) -> list[int]:
     manifest = json.loads((step_dir / checkpoint_digests.MANIFEST).read_text())["files"]
     out = [0] * count
@@ -226,13 +252,25 @@ def processes_report(args, sync: dict, asynchronous: dict, step_dir: Path) -> st
     parts = bytes_by_process(step_dir, count)
     gb = sum(parts) / 1e9
     rows = []
+    per_process = 0.0  # GB/s one process reached checking its own files, with most threads
     for threads in sorted({1, os.cpu_count() or 1}):
         time_verify_split(step_dir, threads)  # the files in the page cache for both timings
         alone, split = time_verify_split(step_dir, threads)
+        per_process = max(per_process, max(parts) / 1e9 / split)
         rows.append(
             f"| {threads} | {alone:.2f} s ({gb / alone:.2f} GB/s) | {split:.2f} s "
             f"({gb / split:.2f} GB/s) | {alone / split:.2f}x |"
         )
+    barrier("plain hashing")
+    if jax.process_index() == 0:
+        one, several = plain_hashing(step_dir, count)
+        rows.append(
+            f"| plain SHA-256, no jax (1 thread per OS process) | {one:.2f} s "
+            f"({gb / one:.2f} GB/s) | {several:.2f} s ({gb / several:.2f} GB/s) | "
+            f"{one / several:.2f}x |"
+        )
+    barrier("plain hashing done")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     sync_s, async_s = median(sync["blocked"]), median(asynchronous["blocked"])
     share = ", ".join(f"process {i}: {b / 1e9:.2f} GB" for i, b in enumerate(parts))
     lines = [
@@ -259,7 +297,22 @@ def processes_report(args, sync: dict, asynchronous: dict, step_dir: Path) -> st
         "| threads per process | one process, whole step | each process its own files | speed-up |",
         "|---|---|---|---|",
         *rows,
+        "",
+        f"Load average at the end (1, 5, 15 min): {load} on {os.cpu_count()} cores shared with "
+        "other work.",
+        "",
+        "Extrapolated by bytes (not measured): a resume's verification with one process per "
+        f"host of 8 GPUs, each checking its host's share at the {per_process:.2f} GB/s one "
+        "process reached here:",
+        "",
+        "| state | hosts (processes) | per process | verification before the first step (s) |",
+        "|---|---|---|---|",
     ]
+    for name, (params, gpus) in TARGETS.items():
+        total, hosts = params * BYTES_PER_PARAM / 1e9, max(1, gpus // 8)
+        lines.append(
+            f"| {name} | {hosts} | {total / hosts:,.0f} GB | {total / hosts / per_process:,.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
