@@ -18,6 +18,7 @@ import jax
 
 from zeroflow import backend
 from zeroflow.backend import target_mesh
+from zeroflow.backend.targets import compute_capability
 from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
@@ -145,9 +146,10 @@ def compile_config(cfg, **choice):
     ``target`` with ``model.attention: cudnn`` and no local cuDNN, cuDNN attention is lowered
     for the oldest cuDNN the CUDA plugin accepts (``compat.cudnn_for_target``); the setup is
     made under it too, as a LoRA run's setup traces the loss (its adapters' sites)."""
+    target = choice.get("target")
     cudnn = (
-        compat.cudnn_for_target()
-        if choice.get("target") and cfg.model.attention == "cudnn"
+        compat.cudnn_for_target(compute_capability(target))
+        if target and cfg.model.attention == "cudnn"
         else contextlib.nullcontext()
     )
     with cudnn:
