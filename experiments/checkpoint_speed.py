@@ -225,7 +225,7 @@ def report(args, sync: dict, asynchronous: dict, verify_s: float, manifest_s: fl
         "",
         "## Extrapolated by bytes (not measured)",
         "",
-        f"Each figure below is a measured rate of this table scaled by the bytes of a state at "
+        f"Each figure below is a measured rate of the first table scaled by the bytes of a state at "
         f"{BYTES_PER_PARAM} bytes per parameter; on GPUs the blocking part is the copy of each "
         "GPU's shard to host memory over PCIe, not the memory copy measured here, so the async "
         "column is given at this machine's rate and at an assumed 25 GB/s per GPU.",
