@@ -42,3 +42,21 @@ def test_qlora_step_lowers_with_bf16_cudnn_attention_for_h100():
     # gradient, also in the compute dtype).
     assert calls["__cudnn$fmhaSoftmax"][:3] == ["bf16"] * 3
     assert calls["__cudnn$fmhaSoftmaxBackward"][:3] == ["bf16"] * 3
+
+
+def test_the_planner_compiles_a_qlora_run_with_cudnn_attention_as_the_target_gpu_allows():
+    """``compile_config``, the planner's and ``zeroflow.memory``'s way in, on a QLoRA run with
+    cuDNN attention: the adapters' sites are traced for the target's GPUs (not this machine's
+    CPU), and jax's cuDNN rules are asked for the target's compute capability. cuDNN takes
+    head dims up to 256 on Hopper and up to 128 before it (jax's own check): Gemma 3's 256
+    compiles for an H100 and is refused for an A100."""
+    from zeroflow.trainer.planning import compile_config
+    cfg = load_config("configs/tiny.yaml", [
+        "model.seq_len=64", "model.num_layers=1", "model.num_heads=2", "model.head_dim=256",
+        "train.batch_size=1", "parallel.grad_accum=1", "precision.params=bf16",
+        "model.attention=cudnn", "model.lora.rank=4", "model.lora.quantize=nf4"])
+    choice = dict(num_devices=1, stage=0, offload="none", update_on="device", remat="none")
+    compiled, _ = compile_config(cfg, target="h100", **choice)
+    assert "__cudnn$fmhaSoftmax" in compiled.as_text()
+    with pytest.raises(NotImplementedError, match="head dim must be <= 128"):
+        compile_config(cfg, target="a100", **choice)

@@ -394,8 +394,11 @@ def test_disk_full_and_a_read_only_folder_each_end_in_one_line(tmp_path, finishe
     disk.mkdir()
     run_dir = disk / "run"
     # 700 KB: the first checkpoints fit, a later one does not.
+    # An asynchronous save (the default, named here): the disk fills while the files are
+    # written off the training thread, and the error reaches the run when it waits for that
+    # save (at the next save or the close).
     full = _in_private_mount(f"mount -t tmpfs -o size=700k tmpfs {disk}",
-                             cli_args(run_dir, *EVERY_STEP_SAVED))
+                             cli_args(run_dir, *EVERY_STEP_SAVED, "checkpoint.async_save=true"))
     assert full.returncode == 1, full.stderr
     line = one_line(full.stderr)
     assert line.startswith("zeroflow.train: error: no space left on device for checkpoint step ")
@@ -579,7 +582,7 @@ def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_leaves_nothing_ha
     done = subprocess.run(
         [sys.executable, "-m", "zeroflow.train",
          *cli_args(run_dir, "train.steps=4", "checkpoint.every=2", "run.plot=false",
-                   "run.tensorboard=false")],
+                   "run.tensorboard=false", "checkpoint.async_save=true")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
         preexec_fn=limit_file_size)
     assert done.returncode == 1, done.stderr

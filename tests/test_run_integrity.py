@@ -347,3 +347,47 @@ def test_saves_that_never_finished_start_the_run_again_damage_does_not(run_copy,
     with pytest.raises(CheckpointError, match="no readable checkpoint"):
         RunCheckpoints(damaged / "checkpoints", 3).restore_latest(like)
     assert RunCheckpoints(damaged / "checkpoints", 3).steps() == steps
+
+
+def _train_with(processes: int, run_dir: Path, *overrides) -> subprocess.CompletedProcess:
+    """``python -m zeroflow.train`` on the tiny config, in one process or launched as
+    ``processes`` local ones over gloo (2 CPU devices each)."""
+    command = (["-m", "zeroflow.train", "--cpu-devices", "2"] if processes == 1 else
+               ["-m", "zeroflow.launch", "--processes", str(processes), "--cpu-devices", "2",
+                "--", sys.executable, "-m", "zeroflow.train"])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("ZEROFLOW_TRACEBACK", None)
+    return subprocess.run([sys.executable, *command, "--config", str(REPO / "configs/tiny.yaml"),
+                           *SMALL, "parallel.zero_stage=3", "checkpoint.every=2",
+                           f"run.dir={run_dir}", *overrides],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _folder(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else b"<dir>"
+            for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_by,resumed_by", [(2, 1), (1, 2)])
+def test_a_checkpoint_saved_by_another_process_count_is_refused_in_one_line(
+        tmp_path, saved_by, resumed_by):
+    """Each process of a multi-process save wrote and digested its own part of the step: a
+    trainer with another number of processes refuses to resume it, in one line naming the step
+    and both counts (exit 2, every process alike), and leaves the run folder byte for byte as
+    it was: nothing moved aside as damaged, no config, metrics or lock written."""
+    run_dir = tmp_path / "run"
+    first = _train_with(saved_by, run_dir, "train.steps=2")
+    assert first.returncode == 0, first.stderr
+    before = _folder(run_dir)
+    assert "checkpoints/2/zeroflow_manifest.json" in before
+    resumed = _train_with(resumed_by, run_dir, "train.steps=4")
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    wanted = (f"checkpoint step 2 in {run_dir / 'checkpoints'} was saved by a run of {saved_by} "
+              f"process{'es' if saved_by > 1 else ''} and this run has {resumed_by}: ")
+    errors = [line for line in resumed.stderr.splitlines() if "error" in line]
+    assert errors and all(wanted in line for line in errors), resumed.stderr
+    assert len(errors) <= resumed_by and not any(leak in resumed.stderr for leak in LEAKS)
+    assert f"resume it with {saved_by} (python -m zeroflow.launch --processes {saved_by})" \
+        in errors[0]
+    assert _folder(run_dir) == before

@@ -141,13 +141,22 @@ def ptxas_release(path: str) -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found else None
 
 
-def _check_ptxas(gpu: str, text: str) -> None:
-    """A GPU older than CUDA 13 supports needs CUDA 12's ptxas: without one XLA:GPU's compile
-    fails late, saying ptxas is "too old" and falling back to a driver that is not there."""
+def _capability(text: str) -> tuple[int, int]:
     sm = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)[^}]*minor:\s*(\d+)", text)
     if sm is None:
         raise KeyError("cuda_compute_capability")  # as spec_field does for a missing field
-    major, minor = int(sm[1]), int(sm[2])
+    return int(sm[1]), int(sm[2])
+
+
+def compute_capability(gpu: str) -> tuple[int, int]:
+    """``(major, minor)`` CUDA compute capability of the target GPU ``gpu`` (h100: (9, 0))."""
+    return _capability(spec_text(gpu.lower()))
+
+
+def _check_ptxas(gpu: str, text: str) -> None:
+    """A GPU older than CUDA 13 supports needs CUDA 12's ptxas: without one XLA:GPU's compile
+    fails late, saying ptxas is "too old" and falling back to a driver that is not there."""
+    major, minor = _capability(text)
     oldest, last_cuda = LAST_CUDA_FOR_SM
     if (major, minor) >= oldest:
         return

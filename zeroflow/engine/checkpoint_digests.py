@@ -55,8 +55,12 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(f, ALGORITHM).hexdigest()
 
 
-def _digests(paths: list[Path]) -> list[str]:
-    workers = max(1, min(8, os.cpu_count() or 1, len(paths)))
+MAX_THREADS = 8
+"Files hashed at once by one process (at most; never more than its CPUs)."
+
+
+def _digests(paths: list[Path], threads: int = MAX_THREADS) -> list[str]:
+    workers = max(1, min(threads, os.cpu_count() or 1, len(paths)))
     if workers == 1:
         return [_digest(p) for p in paths]
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -167,11 +171,13 @@ def verify(
     expected: bool = False,
     process: int | None = None,
     process_count: int = 1,
+    threads: int = MAX_THREADS,
 ) -> bool:
     """True when every file ``folder``'s manifest lists is as saved; False when there is no
     manifest and ``expected`` is False (an older checkpoint). Raises ``DigestMismatch``.
     ``process``: check only the files that process wrote (each process of a multi-process
-    restore checks its own, at once; the caller combines their verdicts)."""
+    restore checks its own, at once; the caller combines their verdicts). ``threads``: files
+    hashed at once (at most this process's CPUs)."""
     folder = Path(folder)
     manifest = folder / MANIFEST
     if not manifest.is_file():
@@ -190,7 +196,7 @@ def verify(
         if size != entry["bytes"]:
             raise DigestMismatch(path, f"has {size} bytes, {entry['bytes']} when it was saved")
         paths.append(path)
-    for path, digest in zip(paths, _digests(paths)):
+    for path, digest in zip(paths, _digests(paths, threads)):
         if digest != entries[path.relative_to(folder).as_posix()][ALGORITHM]:
             raise DigestMismatch(
                 path, f"does not match its {ALGORITHM} digest (changed after it was saved)"

@@ -53,6 +53,8 @@ DIVERGED = ".diverged"
 "Suffix of a step folder moved aside because its weights gave a diverging step."
 DIGESTS = "digests"
 "Key of a step's meta naming its manifest: a step saved with digests must have them."
+PROCESSES = "processes"
+"Key of a step's meta: how many processes saved it (each wrote and hashed its own files)."
 
 
 def checkpoints_dir(cfg, run_dir: Path) -> Path:
@@ -195,7 +197,9 @@ class RunCheckpoints:
         saved = portable(state)
         items = dict(
             state=ocp.args.StandardSave(saved),
-            meta=ocp.args.JsonSave({**meta, DIGESTS: checkpoint_digests.MANIFEST}),
+            meta=ocp.args.JsonSave(
+                {**meta, DIGESTS: checkpoint_digests.MANIFEST, PROCESSES: jax.process_count()}
+            ),
         )
         if loader is not None:
             import grain
@@ -358,6 +362,8 @@ class RunCheckpoints:
                 "elsewhere), so its files cannot be checked; set checkpoint.allow_unverified=true "
                 "to load it anyway",
             )
+        if not self.read_only:
+            self._check_processes(step, step_dir)
         damage.quiet_closed_loops()
         try:
             meta_tree = self.manager.item_metadata(step)["state"]
@@ -390,6 +396,24 @@ class RunCheckpoints:
                 else "saved before zeroflow recorded them",
             )
         return rebuild_state(restored["state"], like), dict(restored["meta"])
+
+    def _check_processes(self, step: int, step_dir: Path) -> None:
+        """A trainer resumes only a step saved by as many processes as it has: each process
+        wrote, hashed and positioned its data for its own part (``CheckpointError``, not an
+        unreadable step: nothing is moved aside). Checked once the step is verified, so a
+        damaged meta falls back to the older step instead. Readers (export, sample) read any
+        step whole, in one process. Steps saved before the count was recorded are not checked."""
+        meta = json.loads((step_dir / "meta" / "metadata").read_text("utf-8"))
+        saved_by, here = meta.get(PROCESSES), jax.process_count()
+        if saved_by is None or saved_by == here:
+            return
+        raise CheckpointError(
+            f"checkpoint step {step} in {self.directory} was saved by a run of {saved_by} "
+            f"process{'es' if saved_by != 1 else ''} and this run has {here}: each process "
+            f"saved and digested its own part, so resume it with {saved_by} "
+            f"(python -m zeroflow.launch --processes {saved_by}), or export its weights "
+            "(python -m zeroflow.export) and start a new run from them"
+        )
 
     def has_digested_steps(self) -> bool:
         """Whether any step of the run, kept or moved aside, was saved with digests: then a

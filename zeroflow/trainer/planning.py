@@ -18,6 +18,7 @@ import jax
 
 from zeroflow import backend
 from zeroflow.backend import target_mesh
+from zeroflow.backend.targets import compute_capability
 from zeroflow.engine.padding import unpadded_shapes
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
@@ -143,14 +144,16 @@ def measure_config(cfg, **choice) -> tuple[MeasuredMemory, dict[str, int]]:
 def compile_config(cfg, **choice):
     """``(compiled step, StepSetup)`` for one choice (keywords of ``abstract_setup``). For a
     ``target`` with ``model.attention: cudnn`` and no local cuDNN, cuDNN attention is lowered
-    for the oldest cuDNN the CUDA plugin accepts (``compat.cudnn_for_target``)."""
-    setup = abstract_setup(cfg, **choice)
+    for the oldest cuDNN the CUDA plugin accepts (``compat.cudnn_for_target``); the setup is
+    made under it too, as a LoRA run's setup traces the loss (its adapters' sites)."""
+    target = choice.get("target")
     cudnn = (
-        compat.cudnn_for_target()
-        if choice.get("target") and cfg.model.attention == "cudnn"
+        compat.cudnn_for_target(compute_capability(target))
+        if target and cfg.model.attention == "cudnn"
         else contextlib.nullcontext()
     )
     with cudnn:
+        setup = abstract_setup(cfg, **choice)
         if setup.target is not None:
             return compile_for(setup.step, setup.state, setup.batch, setup.target), setup
         return setup.step.lower(setup.state, setup.batch).compile(), setup

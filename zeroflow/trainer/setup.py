@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import optax
 
+from zeroflow import backend
 from zeroflow.autocast.precision import Precision
 from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.config.schema import Config, ModelConfig
@@ -296,7 +297,10 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
         trainable = freeze_rule(cfg.train.freeze, shapes)
     else:  # train.freeze is refused with LoRA (config_io): the adapters alone train
         trainable, loss_fn = adapters.trains_adapters, lora.loss
-        sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg), prec.compute_dtype)
+        # Traced for the plan's devices (abstract GPUs in a plan for a target), as the step is:
+        # the attention's own checks (cuDNN needs a GPU) ask the traits of the devices traced for.
+        with backend.tracing_for(plan.traits):
+            sites = adapters.adapter_sites(lora, shapes, abstract_batch(cfg), prec.compute_dtype)
         if model_cfg.lora.quantize != "none":  # evaluation reads the quantized base too
             loss_fn = dequantized_on_use(loss_fn, prec.compute_dtype)
     # With frozen leaves the optimizer sees the trainable ones only: the decay mask is then

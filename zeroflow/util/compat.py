@@ -136,20 +136,26 @@ def local_cudnn_version() -> int | None:
 
 
 @contextlib.contextmanager
-def cudnn_for_target():
+def cudnn_for_target(compute_capability: tuple[int, int] | None = None):
     """Inside the block, cuDNN attention lowers for abstract GPUs even without a local cuDNN:
     jax asks the local library's version only to choose what to lower (XLA:GPU compiles the
     custom call without it; the kernel's graph and workspace are built on a GPU). Yields the
-    version lowered for and whether it was this machine's."""
+    version lowered for and whether it was this machine's. ``compute_capability``: the target
+    GPU's, which jax otherwise asks of a local GPU (none here: it would answer "older than
+    Hopper", and refuse what Hopper allows, such as head dims up to 256)."""
     local = local_cudnn_version()
     if local is not None:
         yield local, True
         return
-    from jax._src.cudnn import fused_attention_stablehlo
+    from jax._src.cudnn import fused_attention_stablehlo as fused
 
-    saved = fused_attention_stablehlo.check_cudnn_version
-    fused_attention_stablehlo.check_cudnn_version = lambda *a, **k: TARGET_CUDNN_VERSION
+    saved = fused.check_cudnn_version, fused.check_compute_capability
+    fused.check_cudnn_version = lambda *a, **k: TARGET_CUDNN_VERSION
+    if compute_capability is not None:
+        fused.check_compute_capability = lambda asked: (
+            compute_capability >= tuple(int(x) for x in asked.split("."))
+        )
     try:
         yield TARGET_CUDNN_VERSION, False
     finally:
-        fused_attention_stablehlo.check_cudnn_version = saved
+        fused.check_cudnn_version, fused.check_compute_capability = saved
