@@ -146,15 +146,20 @@ def enumerate_choices(
 
 
 def _same_as_lower_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> bool:
-    """On one device every split is whole, so stages differ only in what the engine keeps:
-    whether the state holds a compute-dtype copy of the weights."""
+    return first_equal_stage(stage, offload, update_on, compute_dtype) < stage
+
+
+def first_equal_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> int:
+    """The lowest stage whose program equals ``stage``'s on one device: every split is whole
+    there, so stages differ only in what the engine keeps (whether the state holds a
+    compute-dtype copy of the weights)."""
     dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute_dtype, jnp.float32)
 
     def keeps(s: int) -> bool:
         plan = ZeroPlan(planning_mesh(1), stage=s, offload=offload, update_on=update_on)
         return plan.keeps_compute_copy(dtype)
 
-    return any(keeps(lower) == keeps(stage) for lower in range(stage))
+    return next(s for s in range(stage + 1) if keeps(s) == keeps(stage))
 
 
 KNOWN_FAILURES = (

@@ -85,15 +85,7 @@ def candidates_for(problem, where: Where, space: Space, usable: float) -> list[C
     )
     out = []
     for choice in choices:
-        est = what_if(
-            problem.facts,
-            choice,
-            devices=where.devices,
-            hosts=where.hosts,
-            peak_flops=where.peak_flops,
-            links=where.links,
-            per_process=where.per_process,
-        )
+        est = what_if(problem.facts, choice, where)
         cand = Candidate(choice, est)
         refused = known_failure(choice, where.is_gpu)
         if est.floor_bytes > usable:
