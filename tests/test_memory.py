@@ -279,7 +279,7 @@ def test_estimate_counts_a_quantized_base_at_its_stored_bytes(kind):
     assert est.device.compute_weights == pytest.approx(stored / 4, rel=1e-12)
     assert est.device.gradients == est.device.master == est.device.optimizer == 0
     # The planner's instant what-if reads the same stored bytes.
-    from zeroflow.planner.configs import ConfigProblem
+    from zeroflow.planner.problems import ConfigProblem
     facts = ConfigProblem(cfg).facts
     assert facts.frozen_bytes_per_param * facts.frozen_params == pytest.approx(stored, rel=1e-12)
 

@@ -215,5 +215,6 @@ def failure_reason(error: Exception) -> str:
         if key in text:
             return reason
     first = text.strip().splitlines()[0] if text.strip() else ""
-    first = first if len(first) <= 160 else first[:157] + "..."  # XLA may append whole shapes
+    if len(first) > 160:  # XLA may append whole shapes: cut at the first
+        first = re.split(r"\s\(?\w+\[[\d,]*\]", first, maxsplit=1)[0][:157] + " ..."
     return f"{type(error).__name__}: {first}"

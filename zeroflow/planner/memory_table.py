@@ -320,18 +320,21 @@ STEP_MARK = {"xla": "", "xla-target": "~ ", "peak": "≥ "}
 
 
 def _timing_cells(timing: dict | None) -> list[str]:
+    """(est. step, exposed comm., est. MFU). A step shorter than the model's FLOPs at the dense
+    peak (XLA's cost model leaves custom calls such as cuDNN attention out) is shown as that
+    bound; an MFU from a step with loops XLA did not cost (``~``/``≥``), or above 100%, as
+    "-": the legend says why."""
     if timing is None:
         return ["-", "-", "-"]
-    mark = STEP_MARK[timing["costed_by"]]
+    mark, step, mfu = STEP_MARK[timing["costed_by"]], timing["step_ms"], timing["mfu"]
+    if mfu > 1:
+        mark, step = "≥ ", step * mfu
     exposed = ", ".join(
         f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
         for k, v in timing["exposed_ms"].items()
     )
-    # An MFU from a step with loops XLA did not cost (``~``/``≥``) or above the peak is no
-    # figure to print: "-", the legend says why.
-    trusted = not mark and timing["mfu"] <= 1
-    mfu = f"{100 * timing['mfu']:.0f}%" if trusted else "-"
-    return [f"{mark}{timing['step_ms']:.1f} ms", f"{exposed} ms" if exposed else "0", mfu]
+    shown = f"{step:.1f} ms" if step < 1e4 else f"{step / 1e3:,.0f} s"
+    return [mark + shown, f"{exposed} ms" if exposed else "0", "-" if mark else f"{100 * mfu:.0f}%"]
 
 
 def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
@@ -347,8 +350,9 @@ def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
             "est. step: XLA:GPU's latency-hiding scheduler's estimate for the target (its cost "
             "model; nothing ran); exposed comm.: time it waits on collectives; est. MFU: model "
             "FLOPs / est. step / dense bf16 peak, '-' where XLA left loops uncosted (~: costed "
-            "at its time per matmul flop elsewhere, ≥: at the dense peak, a lower bound) or "
-            "the figure would pass 100%"
+            "at its time per matmul flop elsewhere) or for a lower bound (≥: loops costed at the "
+            "dense peak, or the model's FLOPs at the dense peak where XLA's estimate is below "
+            "them: its cost model leaves custom calls such as cuDNN attention out)"
         )
     for note in sorted({r.note for r in rows if r.note and r.measured_bytes is not None}):
         console.print(f"measured: {note}")

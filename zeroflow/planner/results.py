@@ -46,12 +46,6 @@ class Plan:
     def summaries(self) -> list[Summary]:
         return [summarize(row, self.problem, self.compiler) for row in self.rows]
 
-    def best(self, gpu: str, devices: int) -> Summary:
-        for s in self.summaries():
-            if s.row.where.name == gpu and s.row.where.devices == devices:
-                return s
-        raise KeyError(f"no row for {devices} x {gpu}")
-
     def as_json(self) -> dict:
         return {
             "title": self.title,
