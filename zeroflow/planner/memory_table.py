@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 
 from zeroflow.backend import targets
+from zeroflow.config.io import CONFIG_KEYS
 from zeroflow.engine.plan_rules import batch_split_problem
 from zeroflow.memory.estimate import (
     OFFLOADS,
@@ -119,7 +120,7 @@ def setting(cfg, *, name: str, devices: int | None, target: str | None, device_m
     devices = devices or (
         par.data if par.data > 0 else jax.device_count() // (par.model * par.context)
     )
-    problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, devices)
+    problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, devices, CONFIG_KEYS)
     if problem:
         raise ValueError(f"{devices} data devices: {problem}; give --devices that divides it")
     where = (

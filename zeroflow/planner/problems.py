@@ -73,6 +73,8 @@ class ModelProblem:
             optimizer_bytes=_optimizer_bytes(tx, params, total),
         )
         self.title = f"{total:,} params, batch {batch_size}"
+        if gather_per_layer is None:  # loss_fn(params, batch, gather_layer): the step's alone
+            _check_traces(loss_fn, params, batch, prec.params)
 
     def compile(self, choice: Choice, where: Where, options: dict):
         plan = ZeroPlan(where.mesh(), **choice.plan_settings())
@@ -97,6 +99,26 @@ class ModelProblem:
 
     def overrides(self, choice: Choice, devices: int) -> None:
         return None
+
+
+def _check_traces(loss_fn, params, batch, compute: str) -> None:
+    """Trace ``loss_fn`` once on abstract values (the weights in the compute dtype, as the step
+    passes them): a loss that cannot trace is one error before anything is compiled, not the
+    same failure in every plan's compile."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute, jnp.float32)
+
+    def cast(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(np.shape(x), dtype if floating else x.dtype)
+
+    try:
+        jax.eval_shape(loss_fn, jax.tree.map(cast, params), batch)
+    except Exception as e:  # whatever the loss raised, said in one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"zf.plan: loss_fn(params, batch) does not trace on the abstract params and batch "
+            f"given: {type(e).__name__}: {first}"
+        ) from None
 
 
 def _frozen(params, trainable, width: int) -> tuple[int, int]:
