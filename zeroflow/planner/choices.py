@@ -134,7 +134,7 @@ def enumerate_choices(
     splits = [g for g in splits if batch_split_problem(batch_size, g, devices) is None]
     out = []
     for stage, (offload, update_on) in itertools.product(space.stages, space.offloads):
-        if devices == 1 and _same_as_lower_stage(stage, offload, update_on, compute_dtype):
+        if devices == 1 and first_equal_stage(stage, offload, update_on, compute_dtype) < stage:
             continue
         for qw, qg, hp in _zeropp_options(stage, offload, devices, hosts, space.zeropp):
             problems = plan_problems(stage, offload, update_on, qw, 256, hp, qg, hosts)
@@ -143,10 +143,6 @@ def enumerate_choices(
             for remat, attention, g in itertools.product(space.remats, space.attentions, splits):
                 out.append(Choice(stage, offload, update_on, g, remat, attention, qw, qg, hp))
     return out
-
-
-def _same_as_lower_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> bool:
-    return first_equal_stage(stage, offload, update_on, compute_dtype) < stage
 
 
 def first_equal_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> int:
