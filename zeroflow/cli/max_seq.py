@@ -154,6 +154,16 @@ def run(args, cfg, devices: int, device_memory: float, title: str, target, per_p
     total = devices * cfg.parallel.model * cfg.parallel.context
     if total != devices:
         title += f", {total} devices in all (context {cfg.parallel.context})"
-    kw = dict(device_memory=device_memory, devices_per_process=per_process)
-    print(json.dumps(as_json(search, **kw)) if args.json else report(search, title=title, **kw))
+    if args.json:
+        print(
+            json.dumps(
+                as_json(search, device_memory=device_memory, devices_per_process=per_process)
+            )
+        )
+    else:
+        print(
+            report(
+                search, device_memory=device_memory, devices_per_process=per_process, title=title
+            )
+        )
     return 0

@@ -25,7 +25,7 @@ from zeroflow.util.settings import OFFLOAD_CHOICES, REMATS, ZERO_STAGES
 PROG = "zeroflow.memory"
 
 
-def _parser():
+def _parser() -> flags.PlanParser:
     p = flags.PlanParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1])
     add = p.add_argument
     add("--devices", type=flags.count, help="data-parallel devices (default: parallel.data)")
@@ -51,7 +51,8 @@ def _parser():
     add("--seq-step", type=flags.count, default=1024, help="--max-seq tries multiples of this")
     add("--seq-limit", type=flags.count, default=1 << 24, help="--max-seq tries nothing longer")
     add("--max-compiles", type=flags.at_least(2), default=12, help="--max-seq compiles at most")
-    return add_config_arguments(p)
+    add_config_arguments(p)
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from zeroflow.cli.common import ArgumentParser
 from zeroflow.util import xla_log
@@ -30,7 +31,7 @@ class PlanParser(ArgumentParser):
     """``prog`` is how the command is typed (``python -m zeroflow.memory``); its errors read
     ``zeroflow.memory: error: ...``, the prefix every zeroflow command's errors share."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         name = self.prog.removeprefix("python -m ")
         self.exit(2, f"{name}: error: {message} (--help lists the flags)\n")
 
