@@ -120,3 +120,25 @@ def test_only_xla_notes_that_change_no_answer_are_dropped(line, dropped):
 def test_one_accelerator_table(kind, bf16, fp8):
     assert accelerators.peak_flops(kind, "bf16") == bf16
     assert accelerators.peak_flops(kind, "fp8") == fp8
+
+
+def test_the_planner_shows_no_mfu_above_100_percent():
+    """XLA's estimate of 1 ms for 1e13 model FLOPs on one H100 (989e12 dense bf16) would be an
+    MFU of 1011%: its cost model left work out. The row shows the bound 1e13 / 989e12 s
+    instead, marked, with no MFU."""
+    from types import SimpleNamespace
+
+    from zeroflow.planner import results, where
+    from zeroflow.planner.choices import Choice
+    from zeroflow.planner.compiling import Compiler, Measured
+    from zeroflow.planner.search import Candidate, Row
+    from zeroflow.planner.whatif import WhatIf
+    got = Measured(peak_bytes=1e9, host_bytes=0.0, compile_s=1.0, xla_us=1000.0, timed=True)
+    cand = Candidate(Choice(stage=0), WhatIf(0, 0, 0, 1.0), "compiled", measured=got)
+    row = Row(where.target("h100", 1), 80e9, [cand], best=cand)
+    problem = SimpleNamespace(model_flops=lambda: 1e13, overrides=lambda c, n: [],
+                              facts=SimpleNamespace(tokens_per_step=1000))
+    s = results.summarize(row, problem, Compiler("unused"))
+    assert s.mfu is None and s.step_ms == pytest.approx(1e13 / 989e12 * 1e3)
+    cells = results.cells(s)
+    assert cells[5] == f"≥ {1e13 / 989e12 * 1e3:.1f} ms" and cells[7] == "-"

@@ -25,7 +25,8 @@ class Summary:
     "Pinned host memory one process needs for its devices' offloaded state and activations."
     step_ms: float = 0.0
     step_costed_by: str = ""
-    "'xla', 'xla-target', 'peak' (see ``Measured.costed_by``), or 'what-if' (no XLA estimate)."
+    "'xla', 'xla-target', 'peak' (see ``Measured.costed_by``), 'model-flops' (XLA's estimate was"
+    " below the model's FLOPs at the dense peak: that bound), or 'what-if' (no XLA estimate)."
     tokens_per_s: float = 0.0
     mfu: float | None = None
     overrides: list[str] | None = None
@@ -69,6 +70,12 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
     costed = got.costed_by(compiler.rates, where) if step_ms is not None else "what-if"
     seconds = step_seconds(best, compiler, where)
     flops = problem.model_flops()
+    mfu = None
+    if flops is not None and costed != "what-if":
+        mfu = flops / where.devices / seconds / where.peak_flops
+    if mfu is not None and mfu > 1:  # XLA's cost model left work out (custom calls such as
+        # cuDNN attention): the model's FLOPs at the dense peak bound the step instead
+        seconds, costed, mfu = seconds * mfu, "model-flops", None
     return Summary(
         row=row,
         best=best,
@@ -79,11 +86,7 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
         step_ms=seconds * 1e3,
         step_costed_by=costed,
         tokens_per_s=problem.facts.tokens_per_step / seconds,
-        mfu=(
-            None
-            if flops is None or costed == "what-if"
-            else flops / where.devices / seconds / where.peak_flops
-        ),
+        mfu=mfu,
         overrides=problem.overrides(best.choice, where.devices),
     )
 
@@ -155,7 +158,13 @@ COLUMNS = (
     "MFU",
     "compiled",
 )
-STEP_MARK = {"xla": "", "xla-target": "~ ", "peak": "≥ ", "what-if": "what-if "}
+STEP_MARK = {
+    "xla": "",
+    "xla-target": "~ ",
+    "peak": "≥ ",
+    "model-flops": "≥ ",
+    "what-if": "what-if ",
+}
 
 
 def cells(s: Summary) -> list[str]:
@@ -214,6 +223,12 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
             "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound. "
             "MFU: the model's FLOPs per step (a config's: 6 x matmul weights + attention, as "
             "the trainer counts them; zf.plan's: 6 x params) / est. step / dense bf16 peak."
+        )
+    if "model-flops" in marks:
+        out.append(
+            "≥ without an MFU: XLA's estimate was below the model's FLOPs at the dense bf16 "
+            "peak (its cost model leaves custom calls such as cuDNN attention out); the step "
+            "shown is that bound, and tokens/s an upper bound."
         )
     if "what-if" in marks:
         out.append(
