@@ -109,7 +109,7 @@ def test_two_problems_compiled_in_the_same_plan_are_kept_apart(tmp_path):
     from zeroflow.planner import where as places
     from zeroflow.planner.choices import Choice
     from zeroflow.planner.compiling import Compiler, problem_key
-    from zeroflow.planner.configs import ConfigProblem
+    from zeroflow.planner.problems import ConfigProblem
     from zeroflow.planner.problems import ModelProblem
     params, batch = mlp()
     wide = {"layers": [jax.ShapeDtypeStruct((WIDTH, 2 * WIDTH), jnp.float32),

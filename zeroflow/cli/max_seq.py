@@ -140,8 +140,20 @@ def report(search: Search, *, device_memory: float, devices_per_process: int, ti
     return "\n".join(lines)
 
 
-def print_result(search: Search, args, *, device_memory: float, devices: int, title: str):
-    per_process = args.devices_per_process or min(devices, 8)
+def run(args, cfg, devices: int, device_memory: float, title: str, target, per_process: int):
+    """``--max-seq``: the search, then its answer, in words or (``--json``) as one object."""
+    search = search_config(
+        cfg,
+        devices=devices,
+        target=target,
+        device_memory=device_memory,
+        step=args.seq_step,
+        limit=args.seq_limit,
+        max_compiles=args.max_compiles,
+    )
+    total = devices * cfg.parallel.model * cfg.parallel.context
+    if total != devices:
+        title += f", {total} devices in all (context {cfg.parallel.context})"
     if args.json:
         print(
             json.dumps(
@@ -154,3 +166,4 @@ def print_result(search: Search, args, *, device_memory: float, devices: int, ti
                 search, device_memory=device_memory, devices_per_process=per_process, title=title
             )
         )
+    return 0

@@ -1,10 +1,10 @@
 """Where nothing fits: changes that can make a config fit, each with its predicted peak.
 
-Each is compiled in its most memory-frugal plan (the what-if's smallest prediction): LoRA
-adapters on the frozen base weights (kept in the compute dtype, and in 4-bit NormalFloat,
-``model.lora.quantize=nf4``), everything offloaded to the host, and the fewest devices on which
-the ZeRO formula expects the frugal plan of the full model to fit (the next count too where
-XLA's compile disagrees).
+Each is compiled in its most memory-frugal plain plan (the what-if's smallest prediction, no
+ZeRO++: advice should be the simplest change that works): LoRA adapters on the frozen base
+weights (kept in the compute dtype, and in 4-bit NormalFloat, ``model.lora.quantize=nf4``),
+everything offloaded to the host, and the fewest devices on which the ZeRO formula expects the
+frugal plan of the full model to fit (the next count too where XLA's compile disagrees).
 """
 
 from __future__ import annotations
@@ -16,12 +16,20 @@ from zeroflow.memory.estimate import format_bytes
 from zeroflow.planner import where as places
 from zeroflow.planner.choices import Choice, Space
 from zeroflow.planner.compiling import Compiler
-from zeroflow.planner.configs import ConfigProblem
+from zeroflow.planner.problems import ConfigProblem
 from zeroflow.planner.search import SKIPPED, Row, candidates_for
 from zeroflow.planner.whatif import what_if
 
 LORA_RANK = 16
 "Adapter rank the LoRA advice compiles with (a common choice; memory hardly depends on it)."
+LORA_ADVICE = (
+    ((f"model.lora.rank={LORA_RANK}",), "LoRA adapters"),
+    (
+        (f"model.lora.rank={LORA_RANK}", "model.lora.quantize=nf4"),
+        "LoRA adapters, base weights in 4-bit NormalFloat",
+    ),
+)
+"The LoRA advice: its config keys and what the row calls it."
 MORE_DEVICES = (2, 4, 8, 16, 32, 64, 128, 256)
 MORE_DEVICE_COMPILES = 2
 PLAIN = (("none", "device"),)
@@ -55,68 +63,38 @@ class Advice:
         }
 
 
-def _frugal(problem, where, space: Space, usable: float) -> Choice | None:
-    cands = [c for c in candidates_for(problem, where, space, usable) if c.status != SKIPPED]
-    if not cands:
-        return None
-    # On a tie the plainer remat: full moves nothing over PCIe.
-    return min(cands, key=lambda c: (c.what_if.predicted_bytes, c.choice.remat != "full")).choice
-
-
-def _compiled(problem, choice, where, compiler: Compiler, usable: float, what: str) -> Advice:
-    got = compiler.measure(problem, choice, where)
-    predicted = _predicted(problem, choice, where)
-    if isinstance(got, str):
-        return Advice(f"{what} (did not compile: {got})", [], None, predicted, False)
-    return Advice(
-        what,
-        problem.overrides(choice, where.devices),
-        got.peak_bytes,
-        predicted,
-        got.peak_bytes <= usable,
-    )
-
-
-def _predicted(problem, choice, where) -> float:
-    return what_if(
-        problem.facts,
-        choice,
-        devices=where.devices,
-        hosts=where.hosts,
-        peak_flops=where.peak_flops,
-        links=where.links,
-        per_process=where.per_process,
-    ).predicted_bytes
-
-
 def advise(problem: ConfigProblem, row: Row, space: Space, compiler: Compiler) -> list[Advice]:
-    """Plain plans only (no ZeRO++): advice should be the simplest change that works."""
     where, usable, out = row.where, row.usable_bytes, []
     space = dataclasses.replace(space, zeropp=False)
     if problem.cfg.model.lora.rank == 0:
         for keys, what in LORA_ADVICE:
-            advice = _lora(problem, keys, what, row, space, compiler)
-            if advice is not None:
-                out.append(advice)
+            out += _lora(problem, keys, what, row, space, compiler)
     offload = dataclasses.replace(space, offloads=(("optimizer+params", "host"),))
     choice = _frugal(problem, where, offload, usable)
     if choice is not None:
         out.append(_compiled(problem, choice, where, compiler, usable, "everything offloaded"))
-    out += _more_devices(problem, where, space, usable, compiler)
-    return out
+    return out + _more_devices(problem, where, space, usable, compiler)
 
 
-LORA_ADVICE = (
-    ((f"model.lora.rank={LORA_RANK}",), "LoRA adapters"),
-    (
-        (f"model.lora.rank={LORA_RANK}", "model.lora.quantize=nf4"),
-        "LoRA adapters, base weights in 4-bit NormalFloat",
-    ),
-)
-"The LoRA advice: its config keys and what the row calls it."
+def _frugal(problem, where, space: Space, usable: float) -> Choice | None:
+    cands = [c for c in candidates_for(problem, where, space, usable) if c.status != SKIPPED]
+    # On a tie the plainer remat: full moves nothing over PCIe.
+    best = min(
+        cands, key=lambda c: (c.what_if.predicted_bytes, c.choice.remat != "full"), default=None
+    )
+    return None if best is None else best.choice
 
 
-def _lora(problem, keys, what: str, row: Row, space: Space, compiler) -> Advice | None:
+def _compiled(problem, choice, where, compiler: Compiler, usable: float, what: str) -> Advice:
+    got = compiler.measure(problem, choice, where)
+    predicted = what_if(problem.facts, choice, where).predicted_bytes
+    if isinstance(got, str):
+        return Advice(f"{what} (did not compile: {got})", [], None, predicted, False)
+    overrides = problem.overrides(choice, where.devices)
+    return Advice(what, overrides, got.peak_bytes, predicted, got.peak_bytes <= usable)
+
+
+def _lora(problem, keys, what: str, row: Row, space: Space, compiler) -> list[Advice]:
     """``keys`` applied to the config, compiled in its frugal plain plan on the device."""
     lora = ConfigProblem(apply_overrides(problem.cfg, list(keys)), problem.name)
     # The adapters' own state is small: the frozen base weights decide, on the device.
@@ -126,9 +104,9 @@ def _lora(problem, keys, what: str, row: Row, space: Space, compiler) -> Advice 
     lora_space = dataclasses.replace(space, offloads=PLAIN, attentions=kernels)
     choice = _frugal(lora, row.where, lora_space, row.usable_bytes)
     if choice is None:
-        return None
+        return []
     advice = _compiled(lora, choice, row.where, compiler, row.usable_bytes, what)
-    return dataclasses.replace(advice, overrides=[*keys, *advice.overrides])
+    return [dataclasses.replace(advice, overrides=[*keys, *advice.overrides])]
 
 
 def _more_devices(problem, where, space: Space, usable: float, compiler) -> list[Advice]:
@@ -143,7 +121,7 @@ def _more_devices(problem, where, space: Space, usable: float, compiler) -> list
             continue
         wider = places.target(where.name, count, where.memory_bytes)
         choice = _frugal(problem, wider, plain, usable)
-        if choice is None or _predicted(problem, choice, wider) > usable:
+        if choice is None or what_if(problem.facts, choice, wider).predicted_bytes > usable:
             continue
         out.append(_compiled(problem, choice, wider, compiler, usable, f"{count} devices"))
         if out[-1].fits or len(out) == MORE_DEVICE_COMPILES:

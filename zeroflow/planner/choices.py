@@ -134,7 +134,7 @@ def enumerate_choices(
     splits = [g for g in splits if batch_split_problem(batch_size, g, devices) is None]
     out = []
     for stage, (offload, update_on) in itertools.product(space.stages, space.offloads):
-        if devices == 1 and _same_as_lower_stage(stage, offload, update_on, compute_dtype):
+        if devices == 1 and first_equal_stage(stage, offload, update_on, compute_dtype) < stage:
             continue
         for qw, qg, hp in _zeropp_options(stage, offload, devices, hosts, space.zeropp):
             problems = plan_problems(stage, offload, update_on, qw, 256, hp, qg, hosts)
@@ -145,16 +145,17 @@ def enumerate_choices(
     return out
 
 
-def _same_as_lower_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> bool:
-    """On one device every split is whole, so stages differ only in what the engine keeps:
-    whether the state holds a compute-dtype copy of the weights."""
+def first_equal_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> int:
+    """The lowest stage whose program equals ``stage``'s on one device: every split is whole
+    there, so stages differ only in what the engine keeps (whether the state holds a
+    compute-dtype copy of the weights)."""
     dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute_dtype, jnp.float32)
 
     def keeps(s: int) -> bool:
         plan = ZeroPlan(planning_mesh(1), stage=s, offload=offload, update_on=update_on)
         return plan.keeps_compute_copy(dtype)
 
-    return any(keeps(lower) == keeps(stage) for lower in range(stage))
+    return next(s for s in range(stage + 1) if keeps(s) == keeps(stage))
 
 
 KNOWN_FAILURES = (

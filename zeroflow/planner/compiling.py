@@ -24,6 +24,7 @@ import re
 import time
 
 from zeroflow.memory import schedule
+from zeroflow.memory.collectives import collectives, overlap
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.planner.choices import XLA_FAILURE_TEXT, Choice
 from zeroflow.planner.where import Where
@@ -54,11 +55,13 @@ class Measured:
     "Time the schedule waits on each kind of collective."
     timed: bool = False
     "Whether XLA:GPU's scheduler estimate was read (a GPU compile with its logging on)."
+    overlap: dict | None = None
+    "``zeroflow.memory.collectives.overlap`` of the compiled step, where asked for."
 
     def step_ms(self, rates: Rates, where: Where) -> float | None:
         """XLA's step estimate, the loops it did not cost at the best time per flop known."""
-        if not self.timed:
-            return None
+        if not self.timed or not (self.xla_us or self.uncosted_flops):
+            return None  # not a GPU compile, or XLA printed nothing this could cost
         per_flop, _ = self.flop_rate(rates, where)
         return (self.xla_us + self.uncosted_flops * per_flop) / 1e3
 
@@ -88,8 +91,8 @@ class Rates:
 class Compiler:
     """Compiles plans of one problem, sharing kernels and results (see the module doc)."""
 
-    def __init__(self, cache_dir: str):
-        self.cache_dir = cache_dir
+    def __init__(self, cache_dir: str, overlaps: bool = False):
+        self.cache_dir, self.overlaps = cache_dir, overlaps
         self.rates = Rates()
         self.results: dict = {}
         self.compile_seconds = 0.0
@@ -143,6 +146,7 @@ class Compiler:
             peak_bytes=float(device_peak(got, state)),
             host_bytes=float(got.host_total_bytes),
             compile_s=time.perf_counter() - start,
+            overlap=overlap(collectives(compiled)) if self.overlaps else None,
         )
         if timed:
             measured = self._with_step(measured, log.text, compiled.as_text(), where)
@@ -211,4 +215,6 @@ def failure_reason(error: Exception) -> str:
         if key in text:
             return reason
     first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"{type(error).__name__}: {first[:300]}"
+    if len(first) > 160:  # XLA may append whole shapes: cut at the first
+        first = re.split(r"\s\(?\w+\[[\d,]*\]", first, maxsplit=1)[0][:157] + " ..."
+    return f"{type(error).__name__}: {first}"

@@ -1,18 +1,23 @@
-"""``zf.plan``: the planner's search for any JAX model, and the loop over rows it shares with
-``python -m zeroflow.planner``."""
+"""The search over rows (GPU x device count), for any JAX model (``zf.plan``) and for a trainer
+config (``plan_config``, what ``python -m zeroflow.planner`` runs: the config's remat policies
+and attention kernels searched beside the engine's choices, and advice where nothing fits)."""
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable, Sequence
 
 import jax
 
 from zeroflow.autocast.precision import Precision
+from zeroflow.backend import targets
+from zeroflow.memory.estimate import REMATS
 from zeroflow.planner import where as places
+from zeroflow.planner.advice import advise
 from zeroflow.planner.choices import OFFLOAD_PAIRS, Space
 from zeroflow.planner.compiling import Compiler
-from zeroflow.planner.problems import ModelProblem
+from zeroflow.planner.problems import ConfigProblem, ModelProblem
 from zeroflow.planner.results import Plan
 from zeroflow.planner.search import search_row
 from zeroflow.planner.where import Where
@@ -66,46 +71,30 @@ def plan(
         stages=tuple(stages), offloads=tuple(offloads), grad_accums=grad_accums, zeropp=zeropp
     )
     rows = rows_of(targets, devices, device_memory)
-    return run(
-        problem,
-        rows,
-        lambda where: space,
-        margin=margin,
-        max_compiles=max_compiles,
-        min_compiles=min_compiles,
-        progress=progress,
-    )
+    return run(problem, rows, lambda where: space, margin, max_compiles, min_compiles, progress)
 
 
 def rows_of(
-    targets: Sequence[str] | None, devices: Sequence[int] | None, device_memory: int | None
+    gpus: Sequence[str] | None, devices: Sequence[int] | None, device_memory: int | None
 ) -> list[Where]:
-    """One ``Where`` per GPU x device count (this machine's devices without ``targets``)."""
-    if targets:
-        counts = list(devices or (1, 8))
-        _check_counts(counts)
-        return [places.target(g, n, device_memory) for g in targets for n in counts]
-    counts = list(devices or (jax.device_count(),))
-    _check_counts(counts)
-    return [places.local(n, device_memory) for n in counts]
-
-
-def _check_counts(counts: Sequence[int]) -> None:
+    """One ``Where`` per GPU x device count (this machine's devices without ``gpus``)."""
+    counts = list(devices or ((1, 8) if gpus else (jax.device_count(),)))
     for n in counts:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"device counts must be positive ints, got {n!r}")
+    if gpus:
+        return [places.target(g, n, device_memory) for g in gpus for n in counts]
+    return [places.local(n, device_memory) for n in counts]
 
 
 def run(
     problem,
     rows: Sequence[Where],
     space_for: Callable[[Where], Space],
-    *,
     margin: float,
     max_compiles: int,
     min_compiles: int,
     progress: Progress | None = None,
-    cache_dir: str | None = None,
 ) -> Plan:
     """Search every row. Rows with more devices go first: their programs have collectives, so
     XLA costs their loops, and a GPU's time per flop is then known for its one-device rows."""
@@ -113,12 +102,14 @@ def run(
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     if max_compiles < 1 or min_compiles < 1:
         raise ValueError("max_compiles and min_compiles must be >= 1")
+    batch = problem.facts.batch_size
+    for n in sorted({w.devices for w in rows if batch % w.devices}):
+        fits = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+        raise ValueError(f"{n} devices do not split the batch of {batch}; device counts: {fits}")
     with tempfile.TemporaryDirectory(prefix="zeroflow-planner-") as scratch:
-        compiler = Compiler(cache_dir or scratch)
-        # (a row may add one compile where nothing it compiled fits: search.py's last resort)
-        bound = max_compiles + 1
-        total, done = bound * len(rows), 0
-        found = {}
+        compiler = Compiler(scratch)
+        bound = max_compiles + 1  # a row may add one compile: search.py's last resort
+        total, done, found = bound * len(rows), 0, {}
         for where in sorted(rows, key=lambda w: -w.devices):
             start = compiler.compiles
 
@@ -139,10 +130,65 @@ def run(
             done += bound
             if progress:
                 progress(done, total, f"{where.title} done")
-    return Plan(
-        title=problem.title,
-        rows=[found[w] for w in rows],
-        margin=margin,
-        compiler=compiler,
-        problem=problem,
+        rows_found = [found[w] for w in rows]
+        plan = Plan(problem.title, rows_found, margin, compiler, problem)
+        if isinstance(problem, ConfigProblem):
+            for row in plan.rows:
+                if row.best is None:
+                    space = space_for(row.where)
+                    plan.advice[row.where.title] = advise(problem, row, space, compiler)
+    return plan
+
+
+def space_for(cfg, where: Where, *, stages, remats, attentions, zeropp, grad_accums) -> Space:
+    """The config's search space at ``where``: on GPUs the config's attention and cuDNN's
+    unless given; on XLA:CPU no cuDNN, and no activation offload (its host memory is the
+    device's, so offload_dots is save_dots there)."""
+    if where.is_gpu:
+        kernels = list(attentions or dict.fromkeys([cfg.model.attention, "cudnn"]))
+        kept = list(remats)
+    else:
+        own = "xla" if cfg.model.attention == "cudnn" else cfg.model.attention
+        kernels = [a for a in (attentions or [own]) if a != "cudnn"] or ["xla"]
+        kept = [r for r in remats if r != "offload_dots"]
+    return Space(
+        stages=tuple(stages),
+        remats=tuple(kept),
+        attentions=tuple(kernels),
+        grad_accums=grad_accums,
+        zeropp=zeropp,
     )
+
+
+def plan_config(
+    cfg,
+    *,
+    name: str,
+    gpus: Sequence[str] | None = None,
+    devices: Sequence[int] | None = None,
+    margin: float = 0.1,
+    device_memory: int | None = None,
+    max_compiles: int = 3,
+    min_compiles: int = 2,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    remats: Sequence[str] = REMATS,
+    attentions: Sequence[str] | None = None,
+    zeropp: bool = True,
+    grad_accums: Sequence[int] | None = None,
+    progress: Progress | None = None,
+) -> Plan:
+    """The plan of ``cfg`` on each GPU x device count (this machine's devices without
+    ``gpus``), with advice for the rows where nothing fits."""
+    if gpus:
+        targets.use_cpu_for_targets()
+    rows = rows_of(gpus, devices, device_memory)
+    space = functools.partial(
+        space_for,
+        cfg,
+        stages=stages,
+        remats=remats,
+        attentions=attentions,
+        zeropp=zeropp,
+        grad_accums=grad_accums,
+    )
+    return run(ConfigProblem(cfg, name), rows, space, margin, max_compiles, min_compiles, progress)

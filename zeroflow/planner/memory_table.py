@@ -15,11 +15,14 @@ memory: XLA's compiled peak where it was compiled, else the formula's.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
+import tempfile
 from collections.abc import Sequence
 
-from zeroflow.backend import accelerators
-from zeroflow.memory import schedule
-from zeroflow.memory.collectives import collectives, overlap
+from zeroflow.backend import targets
+from zeroflow.config.io import CONFIG_KEYS
+from zeroflow.engine.plan_rules import batch_split_problem
 from zeroflow.memory.estimate import (
     OFFLOADS,
     REMATS,
@@ -30,10 +33,12 @@ from zeroflow.memory.estimate import (
     format_bytes,
     offloaded_activations,
 )
-from zeroflow.memory.measure import analysed, device_peak
-from zeroflow.models import flops_per_token
-from zeroflow.planner.compiling import failure_reason
-from zeroflow.trainer.planning import attention_note, compile_config, count_frozen_params
+from zeroflow.planner import where as places
+from zeroflow.planner.choices import first_equal_stage
+from zeroflow.planner.compiling import Compiler
+from zeroflow.planner.problems import ConfigProblem
+from zeroflow.trainer.planning import attention_note, count_frozen_params
+from zeroflow.util.units import parse_bytes
 
 MEASURE_MAX_PARAMS = 50_000_000
 "'--measure auto' compiles only models up to this many parameters..."
@@ -57,7 +62,7 @@ class Row:
     note: str = ""
     overlap: dict | None = None  # zeroflow.memory.collectives.overlap of the compiled step
     measured_host_bytes: float | None = None  # XLA's host-memory buffers per device (host_*)
-    timing: dict | None = None  # XLA:GPU's estimated step: step_ms, exposed_ms, mfu (_timing)
+    timing: dict | None = None  # XLA:GPU's estimated step: step_ms, exposed_ms, mfu, costed_by
 
     @property
     def need_bytes(self) -> float:
@@ -101,72 +106,43 @@ class Row:
         return (OFFLOADS.index(self.offload), REMAT_COST[self.remat], self.stage)
 
 
-def _measured(
-    cfg, devices: int, stage: int, offload: str, remat: str, target: str | None
-) -> tuple[float, dict, float, dict | None]:
-    """XLA's device peak of one choice, the overlap of its collectives, its host-memory
-    bytes per device (offloaded state and activations, where the backend separates them) and,
-    for a target in a process started with the scheduler's logging, XLA:GPU's step estimate."""
-    update_on = cfg.parallel.update_on if offload != "none" else "device"
+def setting(cfg, *, name: str, devices: int | None, target: str | None, device_memory):
+    """``(data devices, device memory, title)`` of the table of ``cfg``: ``devices``, else
+    ``parallel.data``, else this machine's devices over the other axes; ``device_memory``,
+    else the target GPU's, else 80 GB. A batch the devices cannot split is refused here."""
+    import jax
 
-    def compile_it():
-        return compile_config(
-            cfg,
-            num_devices=devices,
-            stage=stage,
-            offload=offload,
-            update_on=update_on,
-            remat=remat,
-            target=target,
-        )
-
-    timing, kept = None, []
-
-    def compile_kept():
-        kept.append(compile_it())
-        return kept[-1]
-
-    if target is not None and schedule.enabled():
-        try:
-            _, est = schedule.timed(
-                compile_kept, text_of=lambda r: r[0].as_text(), peak_flops=_peak_flops(target)
-            )
-            timing = _timing(est, cfg, devices, target)
-        except RuntimeError:
-            if not kept:  # the compile failed, not the estimate: the row did not compile
-                raise
-    compiled, setup = kept[-1] if kept else compile_it()
-    got = analysed(compiled)
-    return (
-        float(device_peak(got, setup.state)),
-        overlap(collectives(compiled)),
-        float(got.host_total_bytes),
-        timing,
+    if target is not None:
+        targets.use_cpu_for_targets()
+        spec = targets.spec_text(target)
+        device_memory = device_memory or int(targets.spec_field(spec, "device_memory_size"))
+    par = cfg.parallel
+    devices = devices or (
+        par.data if par.data > 0 else jax.device_count() // (par.model * par.context)
     )
+    problem = batch_split_problem(cfg.train.batch_size, par.grad_accum, devices, CONFIG_KEYS)
+    if problem:
+        raise ValueError(f"{devices} data devices: {problem}; give --devices that divides it")
+    where = (
+        f"{devices} x {target} (XLA:GPU, compiled without the GPU)"
+        if target
+        else f"{devices} devices (measured: XLA:{jax.default_backend().upper()} of this machine)"
+    )
+    title = (
+        f"{name}: {count_gpt_params(cfg.model):,} params, batch {cfg.train.batch_size}, "
+        f"{cfg.precision.params}, {where}"
+    )
+    return devices, device_memory or parse_bytes("80GB"), title
 
 
-def _timing(est, cfg, devices: int, target: str) -> dict:
-    """The JSON fields of an estimated step: ms, exposed ms per collective kind, and the MFU
-    of the model's FLOPs per token (``zeroflow.models.flops_per_token``: 6 x weights + the
-    attention's) x tokens at the dense bf16 peak."""
-    tokens = cfg.train.batch_size * cfg.model.seq_len / devices
-    flops = flops_per_token(cfg.model) * tokens
-    peak = _peak_flops(target)
-    return {
-        "step_ms": round(est.step_ms, 3),
-        "exposed_ms": {k: round(v / 1e3, 3) for k, v in est.exposed_by_kind().items()},
-        "mfu": None if peak is None else round(est.mfu(flops, peak), 4),
-        "uncosted_loops": list(est.uncosted),
-        "is_estimate": True,
-        "loops_costed_by_flops": {
-            c.name: c.costed_by for c in est.computations if c.costed_by != "xla"
-        },
-    }
-
-
-def _peak_flops(target: str) -> float | None:
-    found = accelerators.named(target)
-    return None if found is None else found.bf16_flops
+def show(rows, device_memory: float, title: str, *, as_json: bool, show_all: bool, target):
+    """The table, or with ``as_json`` one JSON object per row."""
+    if not as_json:
+        render(rows, device_memory, title, show_all=show_all)
+        return
+    for row in rows:
+        fits = {"fits": row.need_bytes <= device_memory, "device_memory_bytes": device_memory}
+        print(json.dumps({**row.as_json(), **fits, **({"target": target} if target else {})}))
 
 
 def plan_rows(
@@ -181,69 +157,73 @@ def plan_rows(
     log=None,
     target: str | None = None,
 ) -> list[Row]:
-    """One Row per choice: the formula's peak, and the measured peak where compiled
-    (for ``target``'s abstract GPUs when given: XLA:GPU's peak, and its overlap; offloaded
-    choices compiled through CPU stand-ins, ``zeroflow.memory.on_target``)."""
-    num_params = count_gpt_params(cfg.model)
+    """One Row per choice: the formula's peak, and where compiled (``measure``) the planner's
+    compile of it (``zeroflow.planner.compiling``: for ``target``'s abstract GPUs XLA:GPU's
+    peak and step estimate; offloaded choices through CPU stand-ins). On one device a stage
+    that makes the engine's decisions of a lower one is that stage's compile."""
     if measure == "auto":
-        measure = (
-            "always"
-            if target is not None
-            or (
-                num_params <= MEASURE_MAX_PARAMS
-                and devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
-            )
-            else "never"
-        )
+        small = count_gpt_params(cfg.model) <= MEASURE_MAX_PARAMS
+        few = devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
+        measure = "always" if target is not None or (small and few) else "never"
     per_process = devices_per_process or min(devices, 8)
     frozen = count_frozen_params(cfg)
     micro = max(cfg.train.batch_size // (devices * cfg.parallel.grad_accum), 1)
     rows = []
-    for stage in stages:
-        for offload in offloads:
-            for remat in remats:
-                update_on = cfg.parallel.update_on if offload != "none" else "device"
-                est = estimate_config(
-                    cfg,
-                    num_devices=devices,
-                    stage=stage,
-                    offload=offload,
-                    update_on=update_on,
-                    remat=remat,
-                    devices_per_process=per_process,
-                    frozen_params=frozen,
-                )
-                host_acts = offloaded_activations(
-                    cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params
-                )
-                measured, note, overlapped, host, timing = None, "", None, None, None
-                if measure == "always":
-                    if log:
-                        log(f"compiling stage {stage}, offload {offload}, remat {remat} ...")
-                    try:
-                        measured, overlapped, host, timing = _measured(
-                            cfg, devices, stage, offload, remat, target
-                        )
-                        note = attention_note(cfg, target)
-                    except Exception as e:  # a choice that cannot compile is reported, not fatal
-                        note = failure_reason(e)
-                rows.append(
-                    Row(
-                        stage,
-                        offload,
-                        remat,
-                        update_on,
-                        est,
-                        host_acts,
-                        per_process,
-                        measured,
-                        note,
-                        overlapped,
-                        host,
-                        timing,
-                    )
-                )
-    return rows
+    for stage, offload, remat in itertools.product(stages, offloads, remats):
+        update_on = cfg.parallel.update_on if offload != "none" else "device"
+        est = estimate_config(
+            cfg,
+            num_devices=devices,
+            stage=stage,
+            offload=offload,
+            update_on=update_on,
+            remat=remat,
+            devices_per_process=per_process,
+            frozen_params=frozen,
+        )
+        host_acts = offloaded_activations(
+            cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params
+        )
+        rows.append(Row(stage, offload, remat, update_on, est, host_acts, per_process))
+    if measure != "always":
+        return rows
+    with tempfile.TemporaryDirectory(prefix="zeroflow-memory-") as scratch:
+        compiler = Compiler(scratch, overlaps=True)
+        where = places.target(target, devices) if target else places.local(devices)
+        problem, note = ConfigProblem(cfg), attention_note(cfg, target)
+        return [_measured(r, problem, compiler, where, note, log) for r in rows]
+
+
+def _measured(row: Row, problem, compiler: Compiler, where, note: str, log) -> Row:
+    """``row`` with the compile's figures, or the one-line reason it did not compile."""
+    stage = row.stage
+    if where.devices == 1:
+        stage = first_equal_stage(stage, row.offload, row.update_on, problem.cfg.precision.params)
+    choice = problem.own_choice(stage, row.offload, row.remat)
+    if log and (problem.key, where, choice) not in compiler.results:
+        log(f"compiling stage {stage}, offload {row.offload}, remat {row.remat} ...")
+    got = compiler.measure(problem, choice, where)
+    if isinstance(got, str):
+        return dataclasses.replace(row, note=got)
+    step_ms = got.step_ms(compiler.rates, where)
+    timing = None
+    if step_ms is not None:
+        mfu = problem.model_flops() / where.devices / (step_ms / 1e3) / where.peak_flops
+        timing = {
+            "step_ms": round(step_ms, 3),
+            "exposed_ms": {k: round(v / 1e3, 3) for k, v in got.exposed_us.items()},
+            "mfu": round(mfu, 4),
+            "costed_by": got.costed_by(compiler.rates, where),
+            "is_estimate": True,
+        }
+    return dataclasses.replace(
+        row,
+        measured_bytes=got.peak_bytes,
+        note=note,
+        overlap=got.overlap,
+        measured_host_bytes=got.host_bytes,
+        timing=timing,
+    )
 
 
 def cheapest_fit(rows: Sequence[Row], device_memory: float) -> Row | None:
@@ -266,36 +246,29 @@ def render(
     shown = merged if show_all else _compact(merged, best, device_memory)
     console.print(title)
     table = Table()
-    with_overlap = any(r.overlap is not None for _, r in shown)
-    with_timing = any(r.timing is not None for _, r in shown)
-    columns: tuple[str, ...] = (
-        "stage",
-        "offload",
-        "remat",
-        "formula/dev",
-        "XLA/dev",
-        "host/process",
-        "fits",
-    )
-    columns += ("overlapped collectives",) if with_overlap else ()
-    for name in columns + (TIMING_COLUMNS if with_timing else ()):
+    collectives = any(((r.overlap or {}).get("total") or {}).get("count") for _, r in shown)
+    timed = [r.timing for _, r in shown if r.timing is not None]
+    exposed = any(t["exposed_ms"] for t in timed)
+    columns = ["stage", "offload", "remat", "formula/dev", "XLA/dev", "host/process", "fits"]
+    columns += ["overlapped collectives"] * collectives + ["est. step (XLA:GPU)"] * bool(timed)
+    columns += ["exposed comm."] * exposed + ["est. MFU"] * bool(timed)
+    for name in columns:
         table.add_column(name, justify="right" if "/" in name else "left")
     for stages, r in shown:
         measured = "-" if r.measured_bytes is None else format_bytes(r.measured_bytes)
-        if r.measured_host_bytes:
-            measured += f" (+{format_bytes(r.measured_host_bytes)} host)"
         cells = [stages, r.offload, r.remat, format_bytes(r.estimate.device_bytes), measured]
         cells += [format_bytes(r.host_bytes), "yes" if r.need_bytes <= device_memory else "no"]
-        if with_overlap:
+        if collectives:
             total = (r.overlap or {}).get("total", {})
             cells.append(f"{total['overlapped']}/{total['count']}" if total else "-")
-        if with_timing:
-            cells += _timing_cells(r.timing)
+        if timed:
+            step, comm, mfu = _timing_cells(r.timing)
+            cells += [step, *[comm] * exposed, mfu]
         table.add_row(*cells, style="bold green" if r is best else None)
     console.print(table)
     if len(shown) < len(merged):
         console.print(f"{len(merged) - len(shown)} more choices: --all lists every one")
-    _render_notes(rows, with_timing, console)
+    _render_notes(rows, bool(timed), console)
     console.print(_answer(best, device_memory))
     return best
 
@@ -343,31 +316,26 @@ def _answer(best: Row | None, device_memory: float) -> str:
     )
 
 
-TIMING_COLUMNS = ("est. step (XLA:GPU)", "exposed comm.", "est. MFU")
+STEP_MARK = {"xla": "", "xla-target": "~ ", "peak": "≥ "}
+"How a step's loops were costed (``Measured.costed_by``), as the planner's table marks it."
 
 
 def _timing_cells(timing: dict | None) -> list[str]:
+    """(est. step, exposed comm., est. MFU). A step shorter than the model's FLOPs at the dense
+    peak (XLA's cost model leaves custom calls such as cuDNN attention out) is shown as that
+    bound; an MFU from a step with loops XLA did not cost (``~``/``≥``), or above 100%, as
+    "-": the legend says why."""
     if timing is None:
         return ["-", "-", "-"]
-    how = set(timing["loops_costed_by_flops"].values())
-    mark = (
-        "≥ "
-        if "peak-flops" in how or (timing["uncosted_loops"] and not how)
-        else ("~ " if how else "")
+    mark, step, mfu = STEP_MARK[timing["costed_by"]], timing["step_ms"], timing["mfu"]
+    if mfu > 1:
+        mark, step = "≥ ", step * mfu
+    exposed = ", ".join(
+        f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
+        for k, v in timing["exposed_ms"].items()
     )
-    step = mark + f"{timing['step_ms']:.1f} ms"
-    exposed = (
-        ", ".join(
-            f"{k.replace('all-', '').replace('reduce-scatter', 'RS')} {v:.1f}"
-            for k, v in timing["exposed_ms"].items()
-        )
-        or "0"
-    )
-    # An MFU from a step with loops XLA did not cost (``~``/``≥``) or above the peak is no
-    # figure to print: "-", the legend says why.
-    trusted = timing["mfu"] is not None and not mark and timing["mfu"] <= 1
-    mfu = f"{100 * timing['mfu']:.0f}%" if trusted else "-"
-    return [step, f"{exposed} ms" if exposed != "0" else "0", mfu]
+    shown = f"{step:.1f} ms" if step < 1e4 else f"{step / 1e3:,.0f} s"
+    return [mark + shown, f"{exposed} ms" if exposed else "0", "-" if mark else f"{100 * mfu:.0f}%"]
 
 
 def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
@@ -375,21 +343,24 @@ def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
     one line per reason a choice did not compile."""
     console.print(
         "formula: the ZeRO formula with the GPT's activation formula (no compile); XLA: the "
-        "compiled step's peak, which decides what fits where it was compiled"
+        "compiled step's peak, which decides what fits where it was compiled; host/process: "
+        "XLA's host buffers per device (else the formula's) x the devices of a process"
     )
     if with_timing:
         console.print(
             "est. step: XLA:GPU's latency-hiding scheduler's estimate for the target (its cost "
             "model; nothing ran); exposed comm.: time it waits on collectives; est. MFU: model "
             "FLOPs / est. step / dense bf16 peak, '-' where XLA left loops uncosted (~: costed "
-            "at its time per flop, >=: at the peak) or the figure would pass 100%"
+            "at its time per matmul flop elsewhere) or for a lower bound (≥: loops costed at the "
+            "dense peak, or the model's FLOPs at the dense peak where XLA's estimate is below "
+            "them: its cost model leaves custom calls such as cuDNN attention out)"
         )
     for note in sorted({r.note for r in rows if r.note and r.measured_bytes is not None}):
         console.print(f"measured: {note}")
     failed: dict = {}
-    for r in rows:
+    for stages, r in _merged(rows):
         if r.note and r.measured_bytes is None:
-            failed.setdefault(r.note, []).append(f"{r.stage}/{r.offload}/{r.remat}")
+            failed.setdefault(r.note, []).append(f"{stages}/{r.offload}/{r.remat}")
     for reason, which in failed.items():
         more = f" and {len(which) - 2} more" if len(which) > 2 else ""
         console.print(f"did not compile ({', '.join(which[:2])}{more}): {reason}")

@@ -1,23 +1,42 @@
-"""Any JAX model as the planner's problem: ``loss_fn``, abstract ``params`` and a global
-``batch``, an optax ``tx`` and a ``zf.Precision``, compiled with ``zf.make_train_step`` for each
-plan (``zf.memory.compile_step``). What remat and attention a model uses is its own business;
-the planner searches the engine's choices only."""
+"""What the planner plans, as a problem: one compile per plan, the facts its what-if reads and
+the model FLOPs its MFU counts.
+
+- ``ModelProblem``: any JAX model (``zf.plan``): ``loss_fn``, abstract ``params``, a global
+  ``batch``, an optax ``tx`` and a ``zf.Precision``, compiled with ``zf.make_train_step``
+  (``zf.memory.compile_step``). Remat and attention are the model's own business.
+- ``ConfigProblem``: a trainer config (``python -m zeroflow.planner`` / ``zeroflow.memory``):
+  each plan is the config with ``section.key=value`` overrides, compiled as the trainer builds
+  its step (``zeroflow.trainer.planning.compile_config``), so the overrides the planner writes
+  are the ones it compiled.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroflow.config.io import apply_overrides
 from zeroflow.engine.frozen import trainable_mask
 from zeroflow.engine.plan import ZeroPlan
-from zeroflow.memory.estimate import DTYPE_BYTES
+from zeroflow.memory.estimate import (
+    DTYPE_BYTES,
+    activations,
+    count_gpt_params,
+    offloaded_activations,
+    optimizer_bytes_per_param,
+    stored_frozen_bytes_per_param,
+)
 from zeroflow.memory.measure import compile_step, itemsize
+from zeroflow.models import flops_per_token
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where
+from zeroflow.trainer.planning import compile_config, count_frozen_params
+from zeroflow.trainer.setup import run_model_config
 
 
 class ModelProblem:
@@ -37,6 +56,7 @@ class ModelProblem:
     ):
         self.loss_fn, self.params, self.batch, self.tx, self.prec = loss_fn, params, batch, tx, prec
         self.trainable, self.gather_per_layer = trainable, gather_per_layer
+        self.tokens_per_example = tokens_per_example
         leaves = jax.tree.leaves(batch)
         if not leaves or not np.shape(leaves[0]):
             raise ValueError("zf.plan: batch must hold arrays with a leading batch dimension")
@@ -52,11 +72,9 @@ class ModelProblem:
             frozen_bytes_per_param=frozen_bytes / frozen if frozen else None,
             optimizer_bytes=_optimizer_bytes(tx, params, total),
         )
-        self.tokens_per_example = tokens_per_example
-
-    @property
-    def title(self) -> str:
-        return f"{self.facts.params:,} params, batch {self.facts.batch_size}"
+        self.title = f"{total:,} params, batch {batch_size}"
+        if gather_per_layer is None:  # loss_fn(params, batch, gather_layer): the step's alone
+            _check_traces(loss_fn, params, batch, prec.params)
 
     def compile(self, choice: Choice, where: Where, options: dict):
         plan = ZeroPlan(where.mesh(), **choice.plan_settings())
@@ -83,6 +101,26 @@ class ModelProblem:
         return None
 
 
+def _check_traces(loss_fn, params, batch, compute: str) -> None:
+    """Trace ``loss_fn`` once on abstract values (the weights in the compute dtype, as the step
+    passes them): a loss that cannot trace is one error before anything is compiled, not the
+    same failure in every plan's compile."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute, jnp.float32)
+
+    def cast(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(np.shape(x), dtype if floating else x.dtype)
+
+    try:
+        jax.eval_shape(loss_fn, jax.tree.map(cast, params), batch)
+    except Exception as e:  # whatever the loss raised, said in one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"zf.plan: loss_fn(params, batch) does not trace on the abstract params and batch "
+            f"given: {type(e).__name__}: {first}"
+        ) from None
+
+
 def _frozen(params, trainable, width: int) -> tuple[int, int]:
     """``(elements, stored bytes)`` of the frozen leaves: a floating-point one is stored in the
     compute dtype (``width`` bytes), any other (a ``zf.quantize_frozen`` leaf's packed bytes)
@@ -91,13 +129,11 @@ def _frozen(params, trainable, width: int) -> tuple[int, int]:
         return 0, 0
     flags = jax.tree.leaves(trainable_mask(trainable, params))
     frozen = [x for x, keep in zip(jax.tree.leaves(params), flags, strict=True) if not keep]
-    elements = sum(math.prod(np.shape(x)) for x in frozen)
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
     stored = sum(
-        math.prod(np.shape(x))
-        * (width if jnp.issubdtype(x.dtype, jnp.floating) else itemsize(x.dtype))
-        for x in frozen
+        math.prod(np.shape(x)) * (width if floating(x) else itemsize(x.dtype)) for x in frozen
     )
-    return elements, stored
+    return sum(math.prod(np.shape(x)) for x in frozen), stored
 
 
 def _optimizer_bytes(tx, params, total: int) -> float:
@@ -106,3 +142,95 @@ def _optimizer_bytes(tx, params, total: int) -> float:
     state = jax.eval_shape(tx.init, abstract)
     nbytes = sum(math.prod(x.shape) * itemsize(x.dtype) for x in jax.tree.leaves(state))
     return nbytes / max(total, 1)
+
+
+class ConfigProblem:
+    """The trainer's GPT step of ``cfg`` (the config as loaded; ``model.init_from``'s
+    architecture is read from its config.json)."""
+
+    def __init__(self, cfg, name: str = "config"):
+        self.cfg, self.name = cfg, name
+        self.model = run_model_config(cfg)
+        prec = cfg.precision.params
+        self.facts = ModelFacts(
+            params=count_gpt_params(self.model),
+            tokens_per_step=cfg.train.batch_size * cfg.model.seq_len,
+            batch_size=cfg.train.batch_size,
+            compute_dtype=prec,
+            frozen_params=count_frozen_params(dataclasses.replace(cfg, model=self.model)),
+            frozen_bytes_per_param=stored_frozen_bytes_per_param(self.model, prec),
+            optimizer_bytes=optimizer_bytes_per_param(self.model, cfg.train.optimizer),
+            activations=lambda c, micro: activations(
+                self._model_of(c), micro_batch=micro, precision=prec
+            ),
+            offloaded_activations=lambda c, micro: offloaded_activations(
+                self._model_of(c), micro_batch=micro, precision=prec
+            ),
+        )
+        # What keeps two problems' compiles apart: their configs (the advice compiles the same
+        # plan of a config with LoRA, and with LoRA on 4-bit weights).
+        self.key = repr(cfg)
+        self.title = (
+            f"{name}: {self.facts.params:,} params, batch {cfg.train.batch_size} x "
+            f"{cfg.model.seq_len} tokens, {prec}"
+        )
+
+    def own_choice(self, stage: int, offload: str, remat: str) -> Choice:
+        """``stage``/``offload``/``remat`` with everything else as the config says."""
+        par = self.cfg.parallel
+        return Choice(
+            stage,
+            offload,
+            par.update_on if offload != "none" else "device",
+            par.grad_accum,
+            remat,
+            None,
+            None if par.quantize_weights == "none" else par.quantize_weights,
+            None if par.quantize_grads == "none" else par.quantize_grads,
+            par.hierarchical,
+        )
+
+    def overrides(self, choice: Choice, devices: int) -> list[str]:
+        """The config keys that make ``choice`` on ``devices`` data devices."""
+        out = [
+            f"parallel.data={devices}",
+            f"parallel.zero_stage={choice.stage}",
+            f"parallel.offload={choice.offload}",
+            f"parallel.update_on={choice.update_on}",
+            f"parallel.grad_accum={choice.grad_accum}",
+            f"parallel.quantize_weights={choice.quantize_weights or 'none'}",
+            f"parallel.quantize_grads={choice.quantize_grads or 'none'}",
+            f"parallel.hierarchical={str(choice.hierarchical).lower()}",
+        ]
+        if choice.remat is not None:
+            out.append(f"model.remat={choice.remat}")
+        if choice.attention is not None:
+            out.append(f"model.attention={choice.attention}")
+        return out
+
+    def compile(self, choice: Choice, where: Where, options: dict):
+        cfg = apply_overrides(self.cfg, self.overrides(choice, where.devices))
+        compiled, setup = compile_config(
+            cfg,
+            num_devices=where.devices,
+            stage=choice.stage,
+            offload=choice.offload,
+            update_on=choice.update_on,
+            remat=cfg.model.remat,
+            target=None if where.local else where.name,
+            hosts=where.hosts,
+            compiler_options=options,
+        )
+        return compiled, setup.state
+
+    def model_flops(self) -> float:
+        """The model's FLOPs per step as the trainer's MFU counts them
+        (``zeroflow.models.flops_per_token``: 6 x matmul weights + attention's) x tokens."""
+        return flops_per_token(self.model) * self.facts.tokens_per_step
+
+    def _model_of(self, choice: Choice):
+        return dataclasses.replace(
+            self.model,
+            remat=choice.remat or self.model.remat,
+            attention=choice.attention or self.model.attention,
+        )

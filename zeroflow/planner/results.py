@@ -1,11 +1,17 @@
-"""What a search found, as figures per row (``Summary``) and as the full search in JSON."""
+"""What a search found: figures per row (``Summary``), the full search in JSON, the short table
+a person reads (one row per GPU x device count and the lines that say what its figures are),
+and the files ``python -m zeroflow.planner`` writes."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
+from zeroflow.config.io import apply_overrides, save_config
+from zeroflow.memory.estimate import format_bytes
 from zeroflow.planner.compiling import Compiler
-from zeroflow.planner.search import Candidate, Row, step_seconds
+from zeroflow.planner.search import COMPILED, FAILED, Candidate, Row, step_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +25,8 @@ class Summary:
     "Pinned host memory one process needs for its devices' offloaded state and activations."
     step_ms: float = 0.0
     step_costed_by: str = ""
-    "'xla', 'xla-target', 'peak' (see ``Measured.costed_by``), or 'what-if' (no XLA estimate)."
+    "'xla', 'xla-target', 'peak' (see ``Measured.costed_by``), 'model-flops' (XLA's estimate was"
+    " below the model's FLOPs at the dense peak: that bound), or 'what-if' (no XLA estimate)."
     tokens_per_s: float = 0.0
     mfu: float | None = None
     overrides: list[str] | None = None
@@ -39,12 +46,6 @@ class Plan:
 
     def summaries(self) -> list[Summary]:
         return [summarize(row, self.problem, self.compiler) for row in self.rows]
-
-    def best(self, gpu: str, devices: int) -> Summary:
-        for s in self.summaries():
-            if s.row.where.name == gpu and s.row.where.devices == devices:
-                return s
-        raise KeyError(f"no row for {devices} x {gpu}")
 
     def as_json(self) -> dict:
         return {
@@ -69,6 +70,12 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
     costed = got.costed_by(compiler.rates, where) if step_ms is not None else "what-if"
     seconds = step_seconds(best, compiler, where)
     flops = problem.model_flops()
+    mfu = None
+    if flops is not None and costed != "what-if":
+        mfu = flops / where.devices / seconds / where.peak_flops
+    if mfu is not None and mfu > 1:  # XLA's cost model left work out (custom calls such as
+        # cuDNN attention): the model's FLOPs at the dense peak bound the step instead
+        seconds, costed, mfu = seconds * mfu, "model-flops", None
     return Summary(
         row=row,
         best=best,
@@ -79,11 +86,7 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
         step_ms=seconds * 1e3,
         step_costed_by=costed,
         tokens_per_s=problem.facts.tokens_per_step / seconds,
-        mfu=(
-            None
-            if flops is None or costed == "what-if"
-            else flops / where.devices / seconds / where.peak_flops
-        ),
+        mfu=mfu,
         overrides=problem.overrides(best.choice, where.devices),
     )
 
@@ -142,3 +145,161 @@ def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
         "advice": [a.as_json() for a in advice],
         "candidates": [_candidate_json(c, compiler, where) for c in s.row.candidates],
     }
+
+
+COLUMNS = (
+    "GPU",
+    "devices",
+    "best plan",
+    "peak/device (XLA)",
+    "host RAM/process",
+    "est. step",
+    "tokens/s",
+    "MFU",
+    "compiled",
+)
+STEP_MARK = {
+    "xla": "",
+    "xla-target": "~ ",
+    "peak": "≥ ",
+    "model-flops": "≥ ",
+    "what-if": "what-if ",
+}
+
+
+def cells(s: Summary) -> list[str]:
+    where = s.row.where
+    tried = len(s.row.compiled()) + sum(c.status == FAILED for c in s.row.candidates)
+    compiled = f"{tried} of {len(s.row.candidates)}"
+    head = [where.name, str(where.devices)]
+    if s.best is None:
+        return head + ["nothing fits", "-", "-", "-", "-", "-", compiled]
+    return head + [
+        s.best.choice.label(),
+        format_bytes(s.peak_bytes),
+        format_bytes(s.host_bytes_per_process) if s.host_bytes_per_process else "0",
+        f"{STEP_MARK[s.step_costed_by]}{s.step_ms:.1f} ms",
+        f"{s.tokens_per_s:,.0f}",
+        "-" if s.mfu is None else f"{100 * s.mfu:.0f}%",
+        compiled,
+    ]
+
+
+def render(plan: Plan, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(Console().width, 140))
+    if plan.rows and plan.rows[0].where.local:
+        here = plan.rows[0].where
+        console.print(
+            f"No --gpus given: planning for this machine's devices ({here.name}, "
+            f"{here.device_kind}); name GPUs with --gpus h100,a100,l4"
+        )
+    table = Table(title=plan.title)
+    for name in COLUMNS:
+        table.add_column(name, justify="left" if name in ("GPU", "best plan") else "right")
+    summaries = plan.summaries()
+    for s in summaries:
+        table.add_row(*cells(s))
+    console.print(table)
+    for line in notes(plan, summaries):
+        console.print(line)
+
+
+def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
+    out = [
+        f"fits: XLA's compiled peak is at most {100 * (1 - plan.margin):.0f}% of the GPU's "
+        f"memory (--margin {plan.margin:g}: CUDA context, NCCL and cuDNN workspaces live "
+        "there too); host RAM/process: pinned host memory for the offloaded state of one "
+        "process's GPUs, to provision beyond the process's own."
+    ]
+    marks = {s.step_costed_by for s in summaries if s.best is not None}
+    if marks & {"xla", "xla-target", "peak"}:
+        out.append(
+            "est. step: XLA:GPU's latency-hiding scheduler's cost model of the compiled step "
+            "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no "
+            "collective in them, e.g. on one device) are costed at the time per matmul flop "
+            "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound. "
+            "MFU: the model's FLOPs per step (a config's: 6 x matmul weights + attention, as "
+            "the trainer counts them; zf.plan's: 6 x params) / est. step / dense bf16 peak."
+        )
+    if "model-flops" in marks:
+        out.append(
+            "≥ without an MFU: XLA's estimate was below the model's FLOPs at the dense bf16 "
+            "peak (its cost model leaves custom calls such as cuDNN attention out); the step "
+            "shown is that bound, and tokens/s an upper bound."
+        )
+    if "what-if" in marks:
+        out.append(
+            "est. step 'what-if': this backend gives no step estimate (XLA:CPU); the figure "
+            "is the planner's roofline, which only orders the plans."
+        )
+    if any(s.row.where.devices == 1 for s in summaries):
+        out.append(
+            "1 device: stages 1-2 shard over one device and equal stage 0, so they are not "
+            "listed; stage 3 differs only where it drops the compute-weight copy."
+        )
+    out += _slow_model_notes(plan)
+    for s in summaries:
+        for line in s.row.notes:
+            out.append(f"{s.row.where.title}: {line}")
+        for advice in plan.advice.get(s.row.where.title, []):
+            out.append(f"{s.row.where.title}, nothing fits; could work: {advice.line()}")
+        if s.best is None and not plan.advice.get(s.row.where.title):
+            out.append(_nothing_fits(s))
+    return out
+
+
+def _slow_model_notes(plan: Plan) -> list[str]:
+    """How fast XLA's cost model runs each GPU's layer loops, per matmul flop: the rows of
+    one GPU compare with each other; across GPUs only as far as XLA's model of each holds."""
+    parts = []
+    for name, per_flop in sorted(plan.compiler.rates.us_per_flop.items()):
+        where = next(r.where for r in plan.rows if r.where.name == name)
+        rate = 1e6 / per_flop
+        parts.append(f"{name} {rate / 1e12:.0f} TFLOP/s ({100 * rate / where.peak_flops:.0f}%)")
+    if not parts:
+        return []
+    return [
+        "XLA:GPU's cost model runs the layer loops at (matmul flops per second, share of the "
+        "dense bf16 peak): " + ", ".join(parts) + "; compare plans within a GPU's rows, and "
+        "GPUs with each other only as far as XLA's model of each holds."
+    ]
+
+
+def _nothing_fits(s: Summary) -> str:
+    compiled = [c for c in s.row.candidates if c.status == COMPILED]
+    smallest = min(compiled, key=lambda c: c.got.peak_bytes, default=None)
+    tried = (
+        f"; the smallest compiled peak was {format_bytes(smallest.got.peak_bytes)} "
+        f"({smallest.choice.label()})"
+        if smallest
+        else ""
+    )
+    return (
+        f"{s.row.where.title}: nothing fits in {format_bytes(s.row.usable_bytes)}{tried}; "
+        "add devices, offload, or shrink the batch"
+    )
+
+
+def write(plan: Plan, cfg, out: Path, config_path: str | None, seconds: float) -> None:
+    """The whole search to ``out/search.json``, each row's plan to
+    ``out/<gpu>-x<devices>.overrides`` and ``.yaml``, and how to run one."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = {**plan.as_json(), "wall_seconds": round(seconds, 1)}
+    (out / "search.json").write_text(json.dumps(data, indent=1))
+    written = []
+    for s in plan.summaries():
+        if s.best is not None and s.overrides:
+            stem = out / f"{s.row.where.name}-x{s.row.where.devices}"
+            stem.with_suffix(".overrides").write_text(" ".join(s.overrides) + "\n")
+            save_config(apply_overrides(cfg, s.overrides), stem.with_suffix(".yaml"))
+            written.append(stem)
+    print(f"wrote {out / 'search.json'} (the whole search) in {seconds:.0f} s")
+    if written:
+        config = f"--config {config_path} " if config_path else ""
+        print(
+            f"run a plan: python -m zeroflow.train {config}$(cat {written[0]}.overrides), "
+            f"or --config {written[0]}.yaml"
+        )

@@ -85,15 +85,7 @@ def candidates_for(problem, where: Where, space: Space, usable: float) -> list[C
     )
     out = []
     for choice in choices:
-        est = what_if(
-            problem.facts,
-            choice,
-            devices=where.devices,
-            hosts=where.hosts,
-            peak_flops=where.peak_flops,
-            links=where.links,
-            per_process=where.per_process,
-        )
+        est = what_if(problem.facts, choice, where)
         cand = Candidate(choice, est)
         refused = known_failure(choice, where.is_gpu)
         if est.floor_bytes > usable:
@@ -129,14 +121,10 @@ def search_row(
             break
         if _too_big_elsewhere(problem, row, nxt, compiler):
             continue
-        if on_compile:
-            on_compile(f"{where.title}: {nxt.choice.label()}")
-        got = compiler.measure(problem, nxt.choice, where)
+        got = _compile(problem, row, nxt, compiler, on_compile)
         done += 1
-        if isinstance(got, str):
-            nxt.status, nxt.reason = FAILED, got
+        if got is None:
             continue
-        nxt.status, nxt.measured = COMPILED, got
         if nxt.what_if.predicted_bytes > 0:
             scale = got.peak_bytes / nxt.what_if.predicted_bytes
         if not row.fits(nxt):
@@ -167,14 +155,19 @@ def _last_resort(problem, row: Row, compiler: Compiler, on_compile) -> None:
         fits = c.what_if.predicted_bytes <= row.usable_bytes
         return (not fits, fits and c.choice.offload != "none", extras, c.what_if.predicted_bytes)
 
-    cand = min(open_, key=plainness)
+    _compile(problem, row, min(open_, key=plainness), compiler, on_compile)
+
+
+def _compile(problem, row: Row, cand: Candidate, compiler: Compiler, on_compile):
+    """Compile ``cand``: its figures, or None where it failed (its reason kept)."""
     if on_compile:
         on_compile(f"{row.where.title}: {cand.choice.label()}")
     got = compiler.measure(problem, cand.choice, row.where)
     if isinstance(got, str):
         cand.status, cand.reason = FAILED, got
-    else:
-        cand.status, cand.measured = COMPILED, got
+        return None
+    cand.status, cand.measured = COMPILED, got
+    return got
 
 
 def _likely(row: Row, scale: float) -> list[Candidate]:

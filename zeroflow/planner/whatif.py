@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from zeroflow.backend.accelerators import ACCELERATORS, Links
 from zeroflow.memory.estimate import DTYPE_BYTES, estimate
 from zeroflow.planner.choices import Choice
 
-LINKS = {a.name: a.links for a in ACCELERATORS if a.links is not None}
-"Interconnect per GPU (``zeroflow.backend.accelerators``), by target name."
+if TYPE_CHECKING:
+    from zeroflow.planner.where import Where
+
 HOST_UPDATE_BYTES_PER_S = 20e9
 "Host memory traffic a CPU optimizer update sustains per process (ZeRO-Offload's Adam)."
 MATMUL_EFFICIENCY = 0.5
@@ -76,73 +77,49 @@ class WhatIf:
     "The roofline's step time, only to order compiles."
 
 
-def what_if(
-    facts: ModelFacts,
-    choice: Choice,
-    *,
-    devices: int,
-    hosts: int,
-    peak_flops: float,
-    links: Links,
-    per_process: int,
-) -> WhatIf:
+def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
+    """The instant figures of ``choice`` at ``where`` (see the module doc)."""
     states = estimate(
         num_params=facts.params,
-        num_devices=devices,
+        num_devices=where.devices,
         stage=choice.stage,
         offload=choice.offload,
         update_on=choice.update_on,
         precision=facts.compute_dtype,
-        devices_per_process=per_process,
+        devices_per_process=where.per_process,
         gradient_bytes=4,
         optimizer_bytes=facts.optimizer_bytes,
         frozen_params=facts.frozen_params,
         frozen_bytes_per_param=facts.frozen_bytes_per_param,
     )
-    micro = max(facts.batch_size // (devices * choice.grad_accum), 1)
+    micro = max(facts.batch_size // (where.devices * choice.grad_accum), 1)
     acts = facts.activations(choice, micro) if facts.activations else 0.0
     host_acts = facts.offloaded_activations(choice, micro) if facts.offloaded_activations else 0.0
     return WhatIf(
         floor_bytes=states.between_steps_bytes,
         predicted_bytes=max(states.device.total + acts, states.update_bytes),
-        host_bytes=states.host_bytes + host_acts * per_process,
-        prior_s=prior_seconds(
-            facts,
-            choice,
-            devices=devices,
-            hosts=hosts,
-            peak_flops=peak_flops,
-            links=links,
-            per_process=per_process,
-            host_activations=host_acts,
-        ),
+        host_bytes=states.host_bytes + host_acts * where.per_process,
+        prior_s=prior_seconds(facts, choice, where, host_acts),
     )
 
 
-def prior_seconds(
-    facts: ModelFacts,
-    choice: Choice,
-    *,
-    devices: int,
-    hosts: int,
-    peak_flops: float,
-    links: Links,
-    per_process: int,
-    host_activations: float = 0.0,
-) -> float:
+def prior_seconds(facts: ModelFacts, choice: Choice, where: Where, host_acts: float) -> float:
     """Roofline step time: matmuls at ``MATMUL_EFFICIENCY`` of the peak and each micro-batch's
-    reads of the weights, plus the collectives the compute cannot hide (and ``UNHIDDEN`` of those it can), plus the PCIe traffic of offloading and the host's update."""
-    n, m = devices, choice.grad_accum
+    reads of the weights, plus the collectives the compute cannot hide (and ``UNHIDDEN`` of
+    those it can), plus the PCIe traffic of offloading and the host's update."""
+    n, m, links = where.devices, choice.grad_accum, where.links
     trained = facts.params - facts.frozen_params
-    tokens = facts.tokens_per_step / n
     width = DTYPE_BYTES[facts.compute_dtype]
-    flops = 6 * facts.params * tokens * RECOMPUTE[choice.remat] / (MATMUL_EFFICIENCY * peak_flops)
+    tokens = facts.tokens_per_step / n
+    flops = (
+        6 * facts.params * tokens * RECOMPUTE[choice.remat] / (MATMUL_EFFICIENCY * where.peak_flops)
+    )
     compute = flops + m * WEIGHT_READS * width * facts.params / links.memory
     ring = (n - 1) / n
-    link = links.peer if hosts <= 1 else links.network
+    link = links.peer if where.hosts <= 1 else links.network
     grads = (1 if choice.quantize_grads else 4) * trained * ring / link
     weights = (1 if choice.quantize_weights else width) * facts.params * ring / link
-    if choice.hierarchical and hosts > 1:
+    if choice.hierarchical and where.hosts > 1:
         weights *= links.network / links.peer
     # Stage 0-1 reduce once per step after the backward pass (exposed); stage 1-2 then gather
     # the updated weights; stage 2 reduce-scatters each micro-batch, stage 3 also gathers
@@ -150,25 +127,22 @@ def prior_seconds(
     exposed = {0: 2 * grads, 1: 2 * grads + weights, 2: weights}.get(choice.stage, 0.0)
     hidden = {2: m * grads, 3: m * (grads + 2 * weights)}.get(choice.stage, 0.0)
     comm = exposed + max(0.0, hidden - compute) + UNHIDDEN * min(hidden, compute)
-    return (
-        compute
-        + comm
-        + _offload_seconds(facts, choice, devices, links, per_process, width, host_activations)
-    )
+    return compute + comm + _offload_seconds(facts, choice, where, width, host_acts)
 
 
-def _offload_seconds(facts, choice, devices, links, per_process, width, host_activations):
+def _offload_seconds(facts, choice, where, width, host_acts) -> float:
     """PCIe traffic of the offloaded state and activations, and the host's update."""
-    shard = (facts.params - facts.frozen_params) / (devices if choice.stage >= 1 else 1)
+    host = where.links.host
+    shard = (facts.params - facts.frozen_params) / (where.devices if choice.stage >= 1 else 1)
     state = (4 + facts.optimizer_bytes) * shard
-    seconds = 2 * host_activations * choice.grad_accum / links.host
+    seconds = 2 * host_acts * choice.grad_accum / host
     if choice.offload == "none":
         return seconds
     if choice.update_on == "device":  # the state streams in for the update and back out
-        seconds += 2 * state / links.host
+        seconds += 2 * state / host
     else:  # gradients out, new weights in, the update on the host's cores
-        seconds += (4 + width) * shard / links.host
-        seconds += 2 * state * per_process / HOST_UPDATE_BYTES_PER_S
+        seconds += (4 + width) * shard / host
+        seconds += 2 * state * where.per_process / HOST_UPDATE_BYTES_PER_S
     if choice.offload == "optimizer+params":  # the weights come in for every micro-batch
-        seconds += choice.grad_accum * width * facts.params / links.host
+        seconds += choice.grad_accum * width * facts.params / host
     return seconds

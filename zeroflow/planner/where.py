@@ -12,10 +12,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zeroflow.backend import targets
-from zeroflow.backend.accelerators import CPU_LINKS, Links
+from zeroflow.backend.accelerators import ACCELERATORS, CPU_LINKS, Links
 from zeroflow.backend.mesh import DATA, MODEL
 from zeroflow.memory.schedule import peak_bf16_flops
-from zeroflow.planner.whatif import LINKS
+
+LINKS = {a.name: a.links for a in ACCELERATORS if a.links is not None}
+"Interconnect per GPU (``zeroflow.backend.accelerators``), by target name."
 
 GPUS_PER_HOST = 8
 "Devices per host of a target: an 8-GPU server (HGX/DGX, or 8 x L4), beyond that more hosts."
