@@ -42,6 +42,20 @@ def target_platform() -> str:
     return jax.default_backend()
 
 
+def target_device_kind() -> str | None:
+    """The GPU model kernels are compiled for, where it is known: the device of the mesh in
+    context (a target mesh inside ``shard_map``), else this process's GPU when it has one and
+    the kernels are for it. None elsewhere (e.g. under ``compiling_for`` on a CPU machine)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    kind = getattr(device, "device_kind", None)
+    if kind:
+        return kind
+    if target_platform() == "gpu" and jax.default_backend() == "gpu":
+        return jax.devices()[0].device_kind
+    return None
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """`None` means: interpret everywhere except on a GPU, where the kernels are compiled."""
     if interpret is None:

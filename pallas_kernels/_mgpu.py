@@ -8,6 +8,7 @@ moved is where the GPU interpreter's parameters live, and whether the module exi
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from typing import Any
 
@@ -15,8 +16,23 @@ import jax
 import numpy as np
 
 
-class MosaicGPUUnavailable(RuntimeError):
-    """This jax has no Pallas Mosaic GPU backend (``jax.experimental.pallas.mosaic_gpu``)."""
+class MosaicGPUUnavailable(ValueError, RuntimeError):
+    """This jax has no Pallas Mosaic GPU backend (``jax.experimental.pallas.mosaic_gpu``), or
+    the GPU a kernel is compiled for is not sm_90. A ValueError: what was asked for (a kernel,
+    here) cannot be had; its message is one line."""
+
+
+SM90 = re.compile(r"\bG?H(100|200|800|20)\b")
+"Device kinds with sm_90 (Hopper): the kernels' wgmma and TMA exist there only."
+
+
+def device_problem(device_kind: str | None) -> str | None:
+    """One line if a Mosaic GPU kernel cannot be compiled for ``device_kind`` (None: unknown)."""
+    if device_kind and not SM90.search(device_kind):
+        return (
+            f"Mosaic GPU kernels are compiled for sm_90 GPUs (H100, H200), not for {device_kind!r}"
+        )
+    return None
 
 
 @functools.cache
@@ -30,6 +46,41 @@ def plgpu():
             f"{jax.__version__} does not provide ({err}); supported: jax 0.10.2, 0.11.x, 0.12.x"
         ) from None
     return mosaic_gpu
+
+
+class _OnUse:
+    """``jax.experimental.pallas.mosaic_gpu`` fetched when a kernel first uses it, so that
+    ``pallas_kernels`` imports on a jax without it and the kernel asked for says so in one
+    line (``MosaicGPUUnavailable``) instead of the package failing to import."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(plgpu(), name)
+
+
+lazy_plgpu: Any = _OnUse()
+"Stands for ``jax.experimental.pallas.mosaic_gpu`` in the kernel modules."
+
+
+def problem(device_kind: str | None = None) -> str | None:
+    """One line if this jax has no Mosaic GPU backend or ``device_kind`` is not sm_90."""
+    unfit = device_problem(device_kind)
+    if unfit:
+        return unfit
+    try:
+        plgpu()
+    except MosaicGPUUnavailable as err:
+        return str(err)
+    return None
+
+
+def require_compilable() -> None:
+    """Before a kernel is traced to be compiled: its GPU, where known, is sm_90 and this jax
+    has Mosaic GPU; one line (``MosaicGPUUnavailable``, a ValueError) otherwise."""
+    from pallas_kernels._backend import target_device_kind
+
+    why = problem(target_device_kind())
+    if why:
+        raise MosaicGPUUnavailable(why)
 
 
 def interpret_params() -> Any:

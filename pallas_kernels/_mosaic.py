@@ -13,7 +13,9 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _mgpu
+from pallas_kernels._mgpu import lazy_plgpu as plgpu
 
 WGMMA_ROWS = 64
 "Rows of one warpgroup matrix multiply: every accumulator's row count is a multiple of this."
@@ -26,11 +28,8 @@ _NAME = re.compile(r"\\00([A-Za-z]\w*?)_mosaic_gpu\\00")
 
 def interpret_params():
     """Parameters that run a `plgpu.kernel` in jax's GPU interpreter on the CPU (shared memory,
-    TMA copies, barriers and wgmma simulated). Public from jax 0.11; 0.10 has it privately."""
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:  # jax 0.10
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
+    TMA copies, barriers and wgmma simulated)."""
+    return _mgpu.interpret_params()
 
 
 def smem_transforms(dtype, minor: int) -> tuple:

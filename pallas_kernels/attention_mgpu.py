@@ -714,6 +714,8 @@ def unsupported_reason(q, k, v, interpret: bool = False) -> str | None:
         )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         return f"q and k must share batch and head_dim; got {q.shape} and {k.shape}"
+    if 0 in q.shape[:3] or 0 in k.shape[:3]:
+        return f"flash attention needs non-empty q and k, v; got {q.shape} and {k.shape}"
     if q.shape[2] % k.shape[2]:
         return f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})"
     if not 0 < q.shape[3] <= MAX_HEAD_DIM:
@@ -736,6 +738,8 @@ def _checked_config(q, k, v, causal, sm_scale, tuning, interpret, window) -> _Co
     reason = unsupported_reason(q, k, v, interpret)
     if reason is not None:
         raise ValueError(reason)
+    if not interpret:
+        _mgpu.require_compilable()
     tuning = TuningConfig() if tuning is None else tuning
     if tuning.block_k_dq > 64 and q.shape[3] > 64:
         # q, dO, and two slots of K^T, V^T and K: 233,576 bytes > an H100's 232,448.
@@ -826,6 +830,9 @@ def flash_attention_backward(
     saw) and the cotangent `d_out`: each block's share of the gradient, so that summing the
     blocks' `dq` (and each block's own `dk`, `dv`) gives the gradient of the whole."""
     cfg = _checked_config(q, k, v, causal, sm_scale, tuning, interpret, window)
+    reason = _backward_shapes_problem(q, out, lse, d_out)
+    if reason is not None:
+        raise ValueError(reason)
     g = _Geometry.of(q, k, cfg.tuning)
     # +inf: a row that sees nothing gets probabilities exp(-inf) = 0, as the forward marks it.
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32))
@@ -840,10 +847,23 @@ def flash_attention_backward(
     )
 
 
-def mosaic_gpu_problem() -> str | None:
-    """One line if this jax has no Pallas Mosaic GPU backend, else None."""
-    try:
-        _mgpu.plgpu()
-    except _mgpu.MosaicGPUUnavailable as err:
-        return str(err)
+def _backward_shapes_problem(q, out, lse, d_out) -> str | None:
+    """One line if the forward's results handed to the backward pass do not fit q."""
+    if tuple(out.shape) != q.shape or tuple(d_out.shape) != q.shape:
+        return (
+            f"flash_attention_backward: out and d_out must have q's shape {q.shape} "
+            f"[B,Sq,H,D]; got {tuple(out.shape)} and {tuple(d_out.shape)}"
+        )
+    rows = (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(lse.shape) != rows:
+        return (
+            f"flash_attention_backward: lse must be [B,H,Sq] {rows} "
+            f"(flash_attention_forward's); got {tuple(lse.shape)}"
+        )
     return None
+
+
+def mosaic_gpu_problem(device_kind: str | None = None) -> str | None:
+    """One line if this jax has no Pallas Mosaic GPU backend, or if ``device_kind`` (a GPU's
+    ``device_kind``; None: not asked) is not sm_90, else None."""
+    return _mgpu.problem(device_kind)

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _backend, _mosaic
+from pallas_kernels import _backend, _mgpu, _mosaic
+from pallas_kernels._mgpu import lazy_plgpu as plgpu
 
 BLOCK_SIZES = (32, 64, 128)
 "Block sizes the kernels take: wgmma tiles whose shared-memory rows are 64-256 bytes."
@@ -285,8 +285,9 @@ def _right_operand(blocks, cfg: _Config):
 
 
 def _right(ref, cfg: _Config):
-    """The right operand's shared-memory tile as wgmma reads it, `[K, N]`."""
-    return plgpu.transpose_ref(ref, (1, 0)) if cfg.right_transposed else ref
+    """The right operand's shared-memory tile as wgmma reads it, `[K, N]`. (The ref's own
+    transpose: what ``plgpu.transpose_ref`` does on jax 0.10-0.12, deprecated from 0.12.)"""
+    return ref.transpose((1, 0)) if cfg.right_transposed else ref
 
 
 def _forward(x, blocks, plan: _Plan, cfg: _Config):
@@ -378,6 +379,8 @@ def block_sparse_matmul(
             f"{_manual_devices()} devices (jax's GPU interpreter makes their kernels "
             "wait for each other); use interpret=None"
         )
+    if not interpret:
+        _mgpu.require_compilable()
     rows = x2.shape[0]
     padded = _backend.round_up(max(rows, 1), block_m)
     if padded != rows:

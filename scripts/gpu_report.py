@@ -4,7 +4,8 @@ down: kernel correctness, kernel speed, training MFU, memory, offload, autocast.
     PYTHONPATH=. python scripts/gpu_report.py --out $OUT                       # on a GPU, < 9 min
     PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages offload,autocast   # what a run left
     PYTHONPATH=. python scripts/gpu_report.py --quick --out /tmp/gpu_report    # CPU smoke test
-    python scripts/gpu_report.py --render run1/results.jsonl run2/results.jsonl --out merged/
+    python scripts/gpu_report.py --render run1/results.jsonl run2/results.jsonl --out merged/ \
+        --measured-doc docs/measured.md                   # merged, and into the docs
 
 Every item runs in its own process (an OOM, a compiler crash or a hang costs that item), within
 its stage's time budget and the run's time limit; each record is written to ``--out`` as soon
@@ -53,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="multiply every item's and case's time limit (e.g. 100 on a busy "
                              "machine, so that load never turns an item into a timeout)")
     parser.add_argument("--allow-cpu", action="store_true", help="run the full profile without a GPU")
+    parser.add_argument("--measured-doc", default=None, metavar="PATH",
+                        help="rewrite this markdown file's '## GPU' section with the device, the "
+                             "command, the targets and the kernel tables (default: docs/measured.md "
+                             "after a full run on a GPU, else nothing; 'none': never)")
     parser.add_argument("--render", nargs="+", type=Path, metavar="RESULTS_JSONL",
                         help="do not measure: render these results.jsonl files (merged) into --out")
     args = parser.parse_args(argv)
@@ -94,8 +99,32 @@ def run(args) -> int:
                          time_limit_s=args.time_limit, items=args.items, budgets=args.budgets,
                          require_gpu=not (args.quick or args.allow_cpu),
                          timeout_scale=args.timeout_scale)
-    run_report(profile, options)
+    records = run_report(profile, options)
+    update_measured_doc(args, records)
     return 0
+
+
+def measured_doc(args, records: list[dict]) -> Path | None:
+    """Where the GPU section goes: the path given, else docs/measured.md when these records are
+    a full measuring run on a GPU (a smoke test or a merge never touches the docs unasked)."""
+    if args.measured_doc == "none":
+        return None
+    if args.measured_doc:
+        return Path(args.measured_doc)
+    env = render.env_result(records) or {}
+    if args.render or render.is_smoke_test(records) or env.get("backend") != "gpu":
+        return None
+    return REPO / "docs" / "measured.md"
+
+
+def update_measured_doc(args, records: list[dict]) -> None:
+    path = measured_doc(args, records)
+    if path is None:
+        return
+    old = path.read_text() if path.exists() else "# Measured\n"
+    files.write_atomic(path, files.replace_section(old, render.MEASURED_HEADING,
+                                                   render.measured_section(records)))
+    print(f"updated the {render.MEASURED_HEADING!r} section of {path}")
 
 
 def rerender(args) -> int:
@@ -107,6 +136,7 @@ def rerender(args) -> int:
     files.write_atomic(args.out / files.REPORT_MD, render.render(records))
     files.write_atomic(args.out / files.REPORT_JSON, json.dumps(render.summarize(records), indent=1))
     print(f"rendered {len(records)} records from {len(args.render)} file(s) into {args.out}")
+    update_measured_doc(args, records)
     return 0
 
 

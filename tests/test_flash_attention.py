@@ -248,3 +248,42 @@ def test_a_jax_without_mosaic_gpu_is_named_in_one_line(monkeypatch):
     finally:
         _mgpu.plgpu.cache_clear()
     assert mosaic_gpu_problem() is None
+
+
+@pytest.mark.fast
+def test_backward_refuses_forward_results_that_do_not_fit_q_in_one_line():
+    """``flash_attention_backward`` takes the forward's ``out`` and ``lse`` from its caller (the
+    context ring): a wrong shape is named before any kernel is traced. Empty sequences too."""
+    from pallas_kernels import flash_attention_backward, flash_attention_forward
+
+    q, k, v, _ = _qkv(1, 16, 16, 2, 2, 16)
+    out, lse = flash_attention_forward(q, k, v)
+    cases = [((out, lse.transpose(0, 2, 1), out), r"lse must be \[B,H,Sq\] \(1, 2, 16\)"),
+             ((out[:, :8], lse, out), "out and d_out must have q's shape"),
+             ((out, lse, out[..., :8]), "out and d_out must have q's shape")]
+    for (o, l, d), message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            flash_attention_backward(q, k, v, o, l, d)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="non-empty q and k, v"):
+        flash_attention(q[:, :0], k, v)
+
+
+@pytest.mark.fast
+def test_compiled_kernels_refuse_a_gpu_without_sm_90_in_one_line(monkeypatch):
+    """Where the GPU a kernel is compiled for is known and is not Hopper (wgmma, TMA), flash
+    attention and the block-sparse matmul say so before tracing a kernel, as a ValueError."""
+    from pallas_kernels import _backend, block_sparse_matmul
+
+    monkeypatch.setattr(_backend, "target_device_kind", lambda: "NVIDIA A100-SXM4-80GB")
+    q, k, v, _ = _qkv(1, 16, 16, 2, 2, 64, jnp.bfloat16)
+    x, blocks = jnp.ones((64, 32), jnp.bfloat16), jnp.ones((1, 32, 32), jnp.bfloat16)
+    calls = [lambda: flash_attention(q, k, v, interpret=False),
+             lambda: block_sparse_matmul(x, blocks, np.ones((1, 1), bool), 32, interpret=False)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"sm_90 GPUs \(H100, H200\), not for "
+                                             r"'NVIDIA A100-SXM4-80GB'") as err:
+            call()
+        assert "\n" not in str(err.value)
+    monkeypatch.setattr(_backend, "target_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    assert flash_attention(q, k, v, interpret=True).shape == q.shape  # interpreted: any device

@@ -7,6 +7,7 @@ model states dominate, as the formula assumes; each weight is under 3% of the mo
 models of realistic depth (a model of a few huge weights pays each one's transients, see
 docs/gpu_compile.md)."""
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -153,9 +154,41 @@ def test_few_large_weights_reduce_one_gradient_at_a_time():
     assert peak <= 1.5 * zero_formula(3, psi, N), (peak / zero_formula(3, psi, N))
 
 
-def test_stage2_peak_is_the_zero_formula_on_xla_gpu():
-    _, peak, psi = _compile(2)
+ONE_PASS_DOTS = {"xla_gpu_experimental_force_split_k": 1}
+"""XLA:GPU's split-K off: every dot reduces over its whole contraction in one pass."""
+
+TOKENS_PER_DEVICE = BATCH["tokens"].shape[0] * (BATCH["tokens"].shape[1] - 1) // N
+
+
+@pytest.fixture(scope="module")
+def stage2_one_pass():
+    return _compile(2, compiler_options=ONE_PASS_DOTS)
+
+
+def test_stage2_peak_is_the_zero_formula_on_xla_gpu(stage2_one_pass):
+    """The model states of stage 2 (whole bf16 weights and gradients, sharded optimizer), with
+    the dots' tiling fixed to one pass over the contraction (1.10x on jax 0.10.2, 0.11.2 and
+    0.12.0.1). Without an autotuner (a deviceless compile) XLA:GPU splits the 64-token dots'
+    contraction 4 ways (split-K) and sums the fp32 partials in the consumer; from jax 0.12 it
+    sums them again in the backward pass instead of keeping the summed bf16 pre-activation, so
+    each layer's partials (2 MiB, 8x the 256 KiB activation) stay alive through the backward
+    pass: 1.28x. Those are activations, which the formula does not count and this model keeps
+    small on purpose; the next test accounts for them."""
+    _, peak, psi = stage2_one_pass
     assert peak <= 1.25 * zero_formula(2, psi, N), (peak, zero_formula(2, psi, N))
+
+
+def test_split_k_partials_are_all_that_xla_tiling_adds_at_stage_2(stage2_one_pass):
+    """The control, XLA:GPU's own tiling: the peak exceeds the one-pass program's by at most the
+    split-K partials of every layer's up-projection kept in place of its bf16 output (jax
+    0.12.0.1: +26.5 MB against 29.4 MB of partials; 0.10.2 and 0.11.2: +0.1 MB)."""
+    compiled, peak, _ = _compile(2)
+    one_pass_peak = stage2_one_pass[1]
+    splits = [int(k) for k in re.findall(rf"f32\[(\d+),{TOKENS_PER_DEVICE},{F}\]",
+                                         compiled.as_text())]
+    partials = LAYERS * (max(splits, default=1) * TOKENS_PER_DEVICE * F * 4
+                         - TOKENS_PER_DEVICE * F * 2)
+    assert peak - one_pass_peak <= partials, (peak - one_pass_peak, partials)
 
 
 def test_combined_gradient_reduction_breaks_the_bound():
@@ -245,7 +278,9 @@ def test_scan_model_peak_is_near_the_zero_formula_on_xla_gpu(stage, bound):
     """16 stacked 512 x 512 layers: stage 3 gathers each iteration's slice; stage 2 gathers the
     updated stack slice by slice (all at once, XLA:GPU lays the gathered rows out first and
     copies the whole stack again: 1.73x). At stage 3 the gathers and reduce-scatters inside the
-    loops overlap compute."""
+    loops overlap compute. (From jax 0.11 XLA:GPU's analytical speed-of-light latency estimator
+    leaves the backward loop's reduce-scatter synchronous, and on 0.12 the final one too: the
+    stage-3 case fails there; with that estimator off both overlap. .ci/run says more.)"""
     params = jax.eval_shape(lambda: {"w": jnp.zeros((16, D, D)), "b": jnp.zeros((16, D)),
                                      "head": jnp.zeros((D, 10))})
     batch = {"x": jax.ShapeDtypeStruct((16, D), jnp.float32),

@@ -230,6 +230,25 @@ def test_gpt_step_peak_at_8k_tokens_with_pallas_attention_is_at_most_xla_attenti
     assert peaks["pallas"].peak_bytes <= peaks["xla"].peak_bytes
 
 
+def test_kernels_in_a_shard_map_over_a100s_are_refused_in_one_line():
+    """Called directly inside ``shard_map`` over a target mesh of A100s (sm_80: no wgmma), each
+    kernel reads the mesh's device and refuses before tracing a kernel, as a ValueError."""
+    mesh = target_mesh("a100", data=1)
+    spec = NamedSharding(mesh, P())
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16, sharding=spec)
+    x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16, sharding=spec)
+    blocks = jax.ShapeDtypeStruct((2, 32, 32), jnp.bfloat16, sharding=spec)
+    layout = np.array([[True, False], [False, True]])
+    calls = [(lambda q: flash_attention(q, q, q, causal=True), q),
+             (lambda x, b: block_sparse_matmul(x, b, layout, 32), x, blocks)]
+    for fn, *args in calls:
+        on_mesh = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P())
+        with pytest.raises(ValueError, match=r"sm_90 GPUs \(H100, H200\), not for "
+                                             r"'NVIDIA A100") as err:
+            jax.jit(on_mesh).trace(*args).lower()
+        assert "\n" not in str(err.value)
+
+
 def test_gpt_step_with_pallas_attention_for_an_a100_is_refused_in_one_line():
     """The kernels use Hopper's wgmma: on an A100 target the step says so before compiling."""
     with pytest.raises(ValueError, match=r"sm_90 GPUs \(H100, H200\).*A100") as err:

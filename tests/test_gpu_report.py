@@ -135,6 +135,32 @@ def test_quick_kernels_were_checked_against_the_references(quick):
         assert res["tflops"] == pytest.approx(flops / (res["ms"] / 1e3) / 1e12, rel=1e-9)
 
 
+def test_the_gpu_section_of_the_measured_doc_is_written_from_the_records(quick, tmp_path):
+    """``--measured-doc`` rewrites the '## GPU' section of a copy of docs/measured.md from the
+    quick run's records (device, command, targets, the kernels' tables) and leaves every other
+    section as it was; without the flag, a merge of CPU records leaves the real docs alone."""
+    out, report, _ = quick
+    docs = REPO / "docs" / "measured.md"
+    original = docs.read_text()
+    doc = tmp_path / "measured.md"
+    doc.write_text(original)
+    done = _script("--render", str(out / files.RESULTS), "--out", str(tmp_path / "merged"),
+                   "--measured-doc", str(doc))
+    assert done.returncode == 0, done.stderr
+    written = doc.read_text()
+    head, gpu_and_rest = original.split("\n## GPU\n")
+    rest = gpu_and_rest[gpu_and_rest.find("\n## "):] if "\n## " in gpu_and_rest else ""
+    assert written.startswith(head + "\n## GPU\n") and written.endswith(rest)
+    section = written[len(head):len(written) - len(rest)]
+    assert f"Device: {report['env']['device_kind']} x{report['env']['device_count']}" in section
+    assert "`python scripts/gpu_report.py --quick`" in section and "Quick profile" in section
+    for line in ("### Targets", "### Kernels", "| S | D | B | H | mask | pass | pallas | cudnn | xla",
+                 "**Block-sparse matmul** vs a dense", "| block | sparsity | blocks kept"):
+        assert line in section, line
+    again = _script("--render", str(out / files.RESULTS), "--out", str(tmp_path / "merged"))
+    assert again.returncode == 0 and docs.read_text() == original
+
+
 def test_quick_training_ran_the_real_model(quick):
     _, report, _ = quick
     runs = _results(report, "training")

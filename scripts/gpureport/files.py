@@ -98,3 +98,18 @@ def progress_line(record: dict) -> str:
     tail = record.get("error") or record.get("note") or brief(record.get("result"))
     return (f"[{record['elapsed_s']:6.1f}s] {record['stage']:<11} {name} -> {record['status']}"
             f" ({record['seconds']:.1f}s) {tail}")
+
+
+def replace_section(text: str, heading: str, section: list[str]) -> str:
+    """``text`` (markdown) with the section that starts at the line ``heading`` (up to the next
+    heading of the same level, or the end) replaced by ``section``; appended if it has none."""
+    lines = text.splitlines()
+    level = heading.split(" ", 1)[0] + " "
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        return text.rstrip("\n") + "\n\n" + "\n".join(section).rstrip("\n") + "\n"
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(level)), len(lines))
+    tail = [""] + lines[end:] if end < len(lines) else []
+    return "\n".join([*lines[:start], *"\n".join(section).rstrip("\n").split("\n"), *tail]) + "\n"
+

@@ -137,3 +137,29 @@ def summarize(records: list[dict]) -> dict:
             "targets": [dataclasses.asdict(t) for t in targets.evaluate(current)],
             "remaining_stages": remaining_stages(records), "next_command": next_command(records),
             "records": [r for r in records if r["stage"] != META]}
+
+
+MEASURED_HEADING = "## GPU"
+"The section of docs/measured.md that a report on a GPU rewrites (``measured_section``)."
+
+
+def measured_section(records: list[dict]) -> list[str]:
+    """docs/measured.md's GPU section from a report's records: device, date and command of each
+    run, the targets, then the kernels' tables (our Mosaic GPU attention next to cuDNN's and
+    XLA's, block-sparse against dense); the rest stays in the report's own files."""
+    records = latest(records)
+    env = env_result(records) or {}
+    lines = [MEASURED_HEADING, ""]
+    if is_smoke_test(records):
+        lines += ["**Quick profile (tiny shapes on a CPU, kernels interpreted): these are not "
+                  "speed figures.**", ""]
+    lines += [f"Device: {env.get('device_kind', 'unknown')} x{env.get('device_count', '?')} "
+              f"(jax {env.get('jax', '?')}, backend `{env.get('backend', '?')}`).", ""]
+    lines += [f"- {meta['started'][:10]}: `{meta['command']}` (git {meta.get('git') or 'n/a'})"
+              for meta in metas(records)]
+    lines += ["", "### Targets", ""] + _targets(records)[2:]
+    kernels = STAGES["kernels"].render(records) if of_stage(records, "kernels") else []
+    lines += ["### Kernels", ""] + (kernels or ["_The kernels stage did not run._", ""])
+    return lines + ["Training MFU, memory, offload and autocast: the run's own `report.md` "
+                    "(`experiments/results/gpu/`, [docs/gpu_report.md](gpu_report.md)).", ""]
+

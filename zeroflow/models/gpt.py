@@ -85,20 +85,38 @@ def check_config(cfg: ModelConfig) -> None:
         )
     if head_dim(cfg) <= 0 or (cfg.positions == "rope" and head_dim(cfg) % 2):
         raise ValueError(f"head dim {head_dim(cfg)} must be positive and even (rotary embedding)")
-    if cfg.mlp == "block_sparse" and cfg.mlp_bias:
-        raise ValueError(
-            "model.mlp_bias needs model.mlp='dense' (block-sparse layers have no bias)"
-        )
-    if cfg.attention == "pallas" and head_dim(cfg) > PALLAS_MAX_HEAD_DIM:
-        raise ValueError(
-            f"model.attention='pallas' supports head dims up to {PALLAS_MAX_HEAD_DIM} (the "
-            f"Mosaic GPU kernel's), got {head_dim(cfg)}; use attention='xla' or 'cudnn'"
-        )
+    _check_kernel_options(cfg)
     _check_layer_options(cfg)
     if cfg.loss_chunk < 0 or cfg.mlp_chunk < 0 or cfg.loss_vocab_chunk < 1:
         raise ValueError(
             f"model.loss_chunk={cfg.loss_chunk} and model.mlp_chunk={cfg.mlp_chunk} must be >= 0 "
             f"and model.loss_vocab_chunk={cfg.loss_vocab_chunk} positive"
+        )
+
+
+def _check_kernel_options(cfg: ModelConfig) -> None:
+    """The shapes the Pallas kernels take (attention 'pallas', mlp 'block_sparse')."""
+    if cfg.attention == "pallas" and head_dim(cfg) > PALLAS_MAX_HEAD_DIM:
+        raise ValueError(
+            f"model.attention='pallas' supports head dims up to {PALLAS_MAX_HEAD_DIM} (the "
+            f"Mosaic GPU kernel's), got {head_dim(cfg)}; use attention='xla' or 'cudnn'"
+        )
+    if cfg.mlp != "block_sparse":
+        return
+    if cfg.mlp_bias:
+        raise ValueError(
+            "model.mlp_bias needs model.mlp='dense' (block-sparse layers have no bias)"
+        )
+    # The weight is a grid of mlp_block_size blocks: both of its sides must be whole blocks.
+    uneven = [
+        f"{name}={getattr(cfg, name)}"
+        for name in ("embed_dim", "mlp_dim")
+        if getattr(cfg, name) % cfg.mlp_block_size
+    ]
+    if uneven:
+        raise ValueError(
+            f"model.mlp='block_sparse' needs model.embed_dim and model.mlp_dim to be multiples "
+            f"of model.mlp_block_size={cfg.mlp_block_size}; got {', '.join(uneven)}"
         )
 
 
@@ -282,6 +300,8 @@ def check_implementation(implementation: str, dtype) -> None:
     traits = backend.current()
     if implementation == "pallas" and traits.platform == "gpu":
         _check_pallas_gpu(traits.device_kind, dtype)
+    elif implementation == "pallas":  # interpreted, by the same backend's interpreter
+        check_mosaic_gpu("attention='pallas'", "", "attention='xla'")
     if implementation == "cudnn" and not traits.has_cudnn:
         raise ValueError(
             f"model.attention='cudnn' needs a GPU (cuDNN flash attention), but the step is "
@@ -341,19 +361,25 @@ def _layer_inv_freq(cfg: ModelConfig, dim: int, local: jax.Array | bool) -> jax.
 
 def _check_pallas_gpu(device_kind: str, dtype) -> None:
     """The Pallas kernel compiled for a GPU: Mosaic GPU present, sm_90, bf16/fp16."""
-    if device_kind and not HOPPER.search(device_kind):
-        raise ValueError(
-            f"model.attention='pallas' compiles a Mosaic GPU kernel for sm_90 GPUs (H100, H200), "
-            f"but the step is compiled for {device_kind!r}; use attention='cudnn' or 'xla' there"
-        )
+    check_mosaic_gpu("attention='pallas'", device_kind, "attention='cudnn' or 'xla'")
     if dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(
             f"model.attention='pallas' on a GPU needs bf16 or fp16 params, got {dtype}; "
             "set precision.params to bf16/fp16 or use attention='xla'"
         )
-    problem = pallas_kernel("mosaic_gpu_problem", "attention='pallas'")()
+
+
+def check_mosaic_gpu(setting: str, device_kind: str, instead: str) -> None:
+    """One line where ``model.<setting>``'s Mosaic GPU kernel cannot be compiled for the step's
+    GPU: not sm_90 (wgmma and TMA are Hopper's), or this jax has no Mosaic GPU backend."""
+    if device_kind and not HOPPER.search(device_kind):
+        raise ValueError(
+            f"model.{setting} compiles a Mosaic GPU kernel for sm_90 GPUs (H100, H200), "
+            f"but the step is compiled for {device_kind!r}; use {instead} there"
+        )
+    problem = pallas_kernel("mosaic_gpu_problem", setting)()
     if problem:
-        raise ValueError(f"model.attention='pallas': {problem}")
+        raise ValueError(f"model.{setting}: {problem}")
 
 
 class Attention(nn.Module):
@@ -439,6 +465,9 @@ class Mlp(nn.Module):
 
     def _projection(self, features: int, kernel_axes, stddev: float, name: str, layout_seed: int):
         if self.cfg.mlp == "block_sparse":
+            traits = backend.current()
+            if traits.platform == "gpu":
+                check_mosaic_gpu("mlp='block_sparse'", traits.device_kind, "mlp='dense'")
             block_sparse_dense = pallas_kernel("BlockSparseDense", "mlp='block_sparse'")
             return block_sparse_dense(
                 features,
