@@ -25,6 +25,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from zeroflow import backend
+from zeroflow.autocast import fp8_saved
 from zeroflow.config.schema import ModelConfig, choices_of
 from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.models.axes import (
@@ -41,6 +42,7 @@ from zeroflow.models.axes import (
 from zeroflow.models.context import context_size, token_index
 from zeroflow.models.context_attention import context_attention
 from zeroflow.models.kernels import pallas_kernel
+from zeroflow.util.settings import FP8_REMATS
 
 INIT_STD = 0.02
 
@@ -51,6 +53,9 @@ LAYER_INPUT = "layer_input"
 "Name (``checkpoint_name``) of each block's input: what remat 'offload_input' moves to host memory."
 OFFLOADED = {"offload_dots": MATMUL_OUTPUTS, "offload_input": (LAYER_INPUT,)}
 "The names each offloading remat policy keeps in pinned host memory."
+FP8_SAVED_OUTPUTS = MATMUL_OUTPUTS[:-1]
+"The matmul outputs model.remat_dtype='fp8' rounds through e4m3: all but 'mlp_down', which the"
+" backward pass never reads (only added to the residual stream), so no remat policy saves it."
 INIT_REMAT = {"offload_dots": "save_dots", "offload_input": "full"}
 "What an offloading policy runs as while initialising (only shapes, no backend to ask)."
 
@@ -59,6 +64,16 @@ GATED = ("swiglu", "geglu")
 
 _CHOICES = choices_of(ModelConfig)
 "The allowed values of each enumerated model setting, as ModelConfig spells them."
+
+
+def saved_output(cfg: ModelConfig, x: jax.Array, name: str) -> jax.Array:
+    """A block's matmul output, named ``name`` for the remat policies; with
+    ``remat_dtype='fp8'`` rounded through e4m3 (``zeroflow.autocast.fp8_saved``), whose bytes
+    and scale are then what the policy keeps."""
+    x = checkpoint_name(x, name)
+    if cfg.remat_dtype == "fp8" and name in FP8_SAVED_OUTPUTS:
+        x = fp8_saved.saved_in_fp8(x)
+    return x
 
 
 def num_kv_heads(cfg: ModelConfig) -> int:
@@ -104,6 +119,11 @@ def check_config(cfg: ModelConfig) -> None:
 
 def _check_layer_options(cfg: ModelConfig) -> None:
     """The options of the Gemma/Qwen3 family that some paths cannot run, refused by name."""
+    if cfg.remat_dtype == "fp8" and cfg.remat not in FP8_REMATS:
+        raise ValueError(
+            f"model.remat_dtype='fp8' keeps matmul outputs: it needs model.remat "
+            f"{' or '.join(FP8_REMATS)}; got {cfg.remat!r}"
+        )
     if cfg.global_every < 0 or (cfg.global_every and not cfg.sliding_window):
         raise ValueError(
             f"model.global_every={cfg.global_every} needs model.sliding_window > 0 "
@@ -373,7 +393,7 @@ class Attention(nn.Module):
         q = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), use_bias=qkv_bias, name="query")(x)
         k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="key")(x)
         v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="value")(x)
-        q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
+        q, k, v = (saved_output(cfg, t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
         if cfg.qk_norm:  # per head, over head_dim (Qwen3, Gemma 3)
             q = self._head_norm("query_norm")(q)
             k = self._head_norm("key_norm")(k)
@@ -407,7 +427,7 @@ class Attention(nn.Module):
             use_bias=cfg.attn_bias == "all",
             name="out",
         )(out)
-        return checkpoint_name(out, "attn_out")
+        return saved_output(cfg, out, "attn_out")
 
     def _head_norm(self, name: str) -> Norm:
         cfg = self.cfg
@@ -455,10 +475,10 @@ class Mlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         up = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "up", layout_seed=0)(x)
-        up = checkpoint_name(up, "mlp_up")
+        up = saved_output(cfg, up, "mlp_up")
         if cfg.mlp_activation in GATED:
             gate = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "gate", layout_seed=1)(x)
-            gate = checkpoint_name(gate, "mlp_gate")
+            gate = saved_output(cfg, gate, "mlp_gate")
             if cfg.mlp_activation == "swiglu":
                 hidden = nn.silu(gate) * up
             else:  # geglu: Gemma's gelu_pytorch_tanh gate
@@ -468,7 +488,7 @@ class Mlp(nn.Module):
         down = self._projection(
             cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down", layout_seed=2
         )(hidden)
-        return checkpoint_name(down, "mlp_down")
+        return saved_output(cfg, down, "mlp_down")
 
 
 def _mlp_chunk(mlp: Mlp, carry, x):
@@ -532,11 +552,18 @@ class Block(nn.Module):
         return Norm(self.cfg.norm, self.cfg.norm_eps, self.cfg.norm_offset, name=name)
 
 
-def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Module]:
+def _rematted(
+    block: type[nn.Module], remat: str, fetched: bool, remat_dtype: str = "compute"
+) -> type[nn.Module]:
     """``block`` under the ``remat`` policy. ``fetched``: the engine fetches each layer's
     weights inside the block (``layer_transform``); they are then never kept for the backward
-    pass, even with remat "none" (the engine fetches them again, see ``zeroflow.engine.grads``)."""
+    pass, even with remat "none" (the engine fetches them again, see ``zeroflow.engine.grads``).
+    ``remat_dtype='fp8'`` (save_dots, offload_dots): only the e4m3 bytes and scales of the
+    matmul outputs (``saved_output``) are kept, on the device or in pinned host memory."""
     # prevent_cse=False is safe (and faster) because the block runs inside a scan.
+    if remat_dtype == "fp8":
+        traits = backend.current() if remat == "offload_dots" else None
+        return nn.remat(block, prevent_cse=False, policy=fp8_policy(traits, remat))
     if remat == "full":
         return nn.remat(block, prevent_cse=False)
     if remat == "save_dots":
@@ -553,6 +580,19 @@ def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Modu
     if fetched:
         return nn.remat(block, prevent_cse=False, policy=save_all_but_fetched)
     return block
+
+
+def fp8_policy(traits: backend.Traits | None, remat: str):
+    """The policy of ``remat_dtype='fp8'``: the FP8 matmul outputs saved ('save_dots') or in
+    pinned host memory ('offload_dots'; on the device where host memory is the device's)."""
+    offload = remat == "offload_dots" and traits is not None and traits.separate_host_memory
+    if remat == "offload_dots" and not offload:
+        warnings.warn(
+            f"model.remat={remat!r}: {traits.platform} has no separate host memory; "
+            "the FP8 matmul outputs are kept in device memory instead",
+            stacklevel=2,
+        )
+    return fp8_saved.policy(offload=offload)
 
 
 def offload_policy(traits: backend.Traits, remat: str = "offload_dots"):
@@ -642,7 +682,7 @@ class GPT(nn.Module):
         # Layers that differ (global_every) get their index as a scanned input.
         per_layer = (jnp.arange(cfg.num_layers),) if cfg.global_every else ()
         stack = nn.scan(
-            _rematted(block, remat, fetched=block is not Block),
+            _rematted(block, remat, fetched=block is not Block, remat_dtype=cfg.remat_dtype),
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast, nn.broadcast, *(0 for _ in per_layer)),

@@ -41,6 +41,10 @@ QUANTIZE_KINDS = ("nf4", "int8")
 # --- activation memory (the model's remat, which zeroflow.memory estimates) ----------------------
 
 REMATS = ("none", "full", "save_dots", "offload_dots", "offload_input")
+REMAT_DTYPES = ("compute", "fp8")
+"What a remat policy keeps its saved activations in: the compute dtype, or e4m3 with scales."
+FP8_REMATS = ("save_dots", "offload_dots")
+"The remat policies whose saved activations (matmul outputs) model.remat_dtype='fp8' keeps."
 
 
 def is_number(value: Any) -> bool:
