@@ -59,3 +59,23 @@ def test_every_matmul_of_the_step_is_an_fp8_gemm_on_h100():
                                          zf.Precision(params="bf16"))
     bf16 = count_gemms(compiled.as_text())
     assert bf16.fp8 == 0 and bf16.other == 3 * matmuls
+
+
+@pytest.mark.slow
+def test_fp8_saved_activations_need_no_fp8_tensor_cores():
+    """``model.remat_dtype: fp8`` only stores e4m3 bytes (no FP8 matmul): the GPT step compiles
+    for an A100 (sm_80), where FP8 matmuls are refused, with the bytes in the program."""
+    from zeroflow.config.schema import ModelConfig
+    from zeroflow.models.gpt import abstract_params
+    from zeroflow.models.loss import make_loss_fn
+
+    cfg = ModelConfig(vocab_size=256, seq_len=128, num_layers=2, embed_dim=128, num_heads=4,
+                      mlp_dim=256, remat="save_dots", remat_dtype="fp8")
+    params, _ = abstract_params(cfg)
+    plan = zf.ZeroPlan(zf.target_mesh("a100", data=2), stage=3)
+    batch = {"tokens": jax.ShapeDtypeStruct((4, 129), jnp.int32)}
+    loss_fn = make_loss_fn(cfg)
+    compiled, _ = zf.memory.compile_step(lambda p, b: loss_fn(p, b)[0], params, batch,
+                                         optax.adamw(1e-3), plan, zf.Precision(params="bf16"))
+    text = compiled.as_text()
+    assert "f8e4m3fn" in text and "u8[" in text

@@ -155,7 +155,7 @@ class ModelConfig:
     logit_softcap: float = 0.0
     "Output logits soft-capped to cap * tanh(logit / cap) (Gemma 2); 0 = off. Needs loss_chunk=0."
     init_from: str = ""
-    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, the loss and MLP chunks, lora)."
+    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, remat_dtype, attention, dropout, the loss and MLP chunks, lora)."
     lora: LoraConfig = field(default_factory=LoraConfig)
     "Low-rank adapters (model.lora.rank > 0): a nested section."
 
