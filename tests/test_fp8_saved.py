@@ -53,6 +53,10 @@ def test_rounding_matches_e4m3_and_the_gradient_passes_straight_through():
     assert np.abs(np.asarray(got) - x).max() <= U * np.abs(x).max()
     ct = rng.standard_normal(x.shape).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(pullback(jnp.asarray(ct))[0]), ct)
+    for dtype in (jnp.float16, jnp.bfloat16):  # a loss-scaled half gradient is never rounded
+        big = jnp.asarray(ct * 2.0**12, dtype)
+        _, half_pullback = jax.vjp(fp8_saved.saved_in_fp8, jnp.asarray(x, dtype))
+        np.testing.assert_array_equal(np.asarray(half_pullback(big)[0]), np.asarray(big))
     # an overflow is not hidden: one inf makes the rounded tensor NaN (loss scaling skips it)
     assert np.isnan(np.asarray(fp8_saved.saved_in_fp8(jnp.asarray(x).at[0, 0].set(jnp.inf)))).all()
 

@@ -48,12 +48,14 @@ def _dequantized(x, q, scale):
     return _dequantize(q, scale, x.dtype)
 
 
-@_dequantized.defjvp
 def _dequantized_jvp(primals, tangents):
     # The primal result reads only the bytes and the scale: a backward pass that needs it
     # recomputes it from them, never from x (whose producer would have to run again).
     x, q, scale = primals
     return _dequantize(q, scale, x.dtype), tangents[0]
+
+
+_dequantized.defjvp(_dequantized_jvp)
 
 
 def _dequantize(q, scale, dtype):
