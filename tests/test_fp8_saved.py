@@ -190,3 +190,14 @@ def test_fp8_remat_dtype_needs_a_policy_that_saves_matmul_outputs(remat):
 def test_unknown_remat_dtype_is_one_line_naming_the_choices():
     with pytest.raises(ConfigError, match="model.remat_dtype must be one of compute, fp8; got 'e4m3'"):
         apply_overrides(load_config(None), ["model.remat_dtype=e4m3"])
+
+
+def test_offload_dots_with_fp8_is_save_dots_with_fp8_where_host_memory_is_the_devices():
+    params = bf16_params(ModelConfig(**TINY))
+    tokens = jax.random.randint(jax.random.key(4), (2, 33), 0, 64)
+    want = gpt_grads(ModelConfig(**TINY, remat_dtype="fp8"), params, tokens)
+    offloaded = ModelConfig(**{**TINY, "remat": "offload_dots"}, remat_dtype="fp8")
+    with pytest.warns(UserWarning, match="no separate host memory; the FP8 matmul outputs"):
+        got = gpt_grads(offloaded, params, tokens)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -562,8 +562,7 @@ def _rematted(
     matmul outputs (``saved_output``) are kept, on the device or in pinned host memory."""
     # prevent_cse=False is safe (and faster) because the block runs inside a scan.
     if remat_dtype == "fp8":
-        traits = backend.current() if remat == "offload_dots" else None
-        return nn.remat(block, prevent_cse=False, policy=fp8_policy(traits, remat))
+        return nn.remat(block, prevent_cse=False, policy=fp8_policy(remat))
     if remat == "full":
         return nn.remat(block, prevent_cse=False)
     if remat == "save_dots":
@@ -582,17 +581,19 @@ def _rematted(
     return block
 
 
-def fp8_policy(traits: backend.Traits | None, remat: str):
+def fp8_policy(remat: str):
     """The policy of ``remat_dtype='fp8'``: the FP8 matmul outputs saved ('save_dots') or in
     pinned host memory ('offload_dots'; on the device where host memory is the device's)."""
-    offload = remat == "offload_dots" and traits is not None and traits.separate_host_memory
-    if remat == "offload_dots" and not offload:
+    if remat != "offload_dots":
+        return fp8_saved.policy()
+    traits = backend.current()
+    if not traits.separate_host_memory:
         warnings.warn(
             f"model.remat={remat!r}: {traits.platform} has no separate host memory; "
             "the FP8 matmul outputs are kept in device memory instead",
             stacklevel=2,
         )
-    return fp8_saved.policy(offload=offload)
+    return fp8_saved.policy(offload=traits.separate_host_memory)
 
 
 def offload_policy(traits: backend.Traits, remat: str = "offload_dots"):
