@@ -88,11 +88,13 @@ def test_fp8_saved_activations_need_no_fp8_tensor_cores():
 
 
 @pytest.mark.slow
-def test_offload_dots_with_fp8_moves_bytes_to_the_host():
-    """On an H100 (separate host memory) remat offload_dots keeps its matmul outputs in pinned
-    host memory (memory space S(5)): bf16 in the compute dtype, one byte each with fp8."""
+@pytest.mark.parametrize("remat", ["offload_dots", "offload_input"])
+def test_offloading_remats_with_fp8_move_bytes_to_the_host(remat):
+    """On an H100 (separate host memory) remat offload_dots keeps its matmul outputs and
+    offload_input its layer inputs in pinned host memory (memory space S(5)): bf16 in the
+    compute dtype, one byte each with fp8."""
     def host_types(remat_dtype):
-        text = _gpt_step_text("h100", "offload_dots", remat_dtype)
+        text = _gpt_step_text("h100", remat, remat_dtype)
         # a stacked [layers, batch, seq, ...] activation whose layout names the host space
         return set(re.findall(r"\b(u8|bf16)\[2,2,128,[\d,]*\]\{[\d,]*:S\(5\)\}", text))
     assert host_types("compute") == {"bf16"}

@@ -177,14 +177,61 @@ def test_gpt_remat_dtype_fp8_keeps_only_fp8_matmul_outputs_and_gradients_within_
     assert [ln.split()[0] for ln in layers if ln.startswith("bf16")] == ["bf16[2,2,32,64]"]
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "offload_input"])
-def test_fp8_remat_dtype_needs_a_policy_that_saves_matmul_outputs(remat):
-    expected = "model.remat_dtype='fp8' keeps matmul outputs: it needs model.remat save_dots or"
-    with pytest.raises(ConfigError, match=expected):
-        apply_overrides(load_config(None), [f"model.remat={remat}", "model.remat_dtype=fp8"])
-    cfg = ModelConfig(**{**TINY, "remat": remat}, remat_dtype="fp8")
-    with pytest.raises(ValueError, match=expected):
+def test_fp8_remat_dtype_needs_a_policy_that_saves_something():
+    expected = ("model.remat_dtype='fp8' keeps saved activations in FP8: it needs a model.remat "
+                "that saves some (save_dots, offload_dots, full, offload_input); got 'none'")
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")) as e:
+        apply_overrides(load_config(None), ["model.remat=none", "model.remat_dtype=fp8"])
+    assert "\n" not in str(e.value)
+    cfg = ModelConfig(**{**TINY, "remat": "none"}, remat_dtype="fp8")
+    with pytest.raises(ValueError, match="it needs a model.remat that saves some"):
         GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+def test_fp8_layer_inputs_keep_only_the_inputs_bytes_and_the_stream_exact():
+    """remat full with remat_dtype fp8: the branches of each block read its input rounded
+    through e4m3, the residual stream adds the exact input. Reference: the same block written
+    here with the rounding as a straight-through fake quantisation, no remat."""
+    base = ModelConfig(**{**TINY, "remat": "full"})
+    f8 = ModelConfig(**{**TINY, "remat": "full"}, remat_dtype="fp8")
+    params = bf16_params(base)
+    tokens = jax.random.randint(jax.random.key(5), (2, 33), 0, 64)
+    loss, want = gpt_grads(base, params, tokens)
+    loss8, got = gpt_grads(f8, params, tokens)
+    assert abs(float(loss8) - float(loss)) < BOUND * float(loss)
+    errors = [rel(g, b) for g, b in zip(got, want)]
+    assert 1e-3 < max(errors) < BOUND, errors
+    loss_fn = make_loss_fn(f8)
+    layers = [ln.split()[0] for ln in saved(lambda p: loss_fn(p, {"tokens": tokens})[0], params)
+              if "output of scan" in ln]
+    assert sorted(layers) == ["f32[2]", "u8[2,2,32,64]"], layers  # no bf16 layer-input stack
+
+
+def test_fp8_layer_inputs_match_a_hand_written_block():
+    """One block's output and gradients against the formula: out = x + attn(r) + mlp(norm(r +
+    attn(r))) with r = x rounded through e4m3 (straight-through), the GPT's own block run with
+    remat_dtype compute on r for the branches."""
+    x = jax.random.normal(jax.random.key(6), (2, 32, 64), jnp.bfloat16)
+    ct = jax.random.normal(jax.random.key(7), (2, 32, 64), jnp.bfloat16)
+    from zeroflow.models.gpt import Block
+
+    f8 = ModelConfig(**{**TINY, "remat": "full"}, remat_dtype="fp8")
+    plain = ModelConfig(**{**TINY, "remat": "full"})
+    variables = Block(plain).init(jax.random.key(8), x)
+    variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
+
+    def fp8_block(x):
+        return Block(f8).apply(variables, x)[0]
+
+    def reference(x):
+        r = straight_through_e4m3(x)
+        branches = Block(plain).apply(variables, r)[0] - r  # attn(r) + mlp(norm(r + attn(r)))
+        return x + branches
+
+    out, pull = jax.vjp(fp8_block, x)
+    ref_out, ref_pull = jax.vjp(reference, x)
+    assert rel(out, ref_out) < 1e-2
+    assert rel(pull(ct)[0], ref_pull(ct)[0]) < 2e-2
 
 
 def test_unknown_remat_dtype_is_one_line_naming_the_choices():

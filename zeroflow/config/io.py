@@ -396,8 +396,8 @@ def _model_problems(m) -> list[str]:
             (m.mlp_chunk >= 0, "model.mlp_chunk must be >= 0 (0 = untiled)"),
             (
                 m.remat_dtype != "fp8" or m.remat in FP8_REMATS,
-                f"model.remat_dtype='fp8' keeps matmul outputs: it needs model.remat "
-                f"{' or '.join(FP8_REMATS)}; got {m.remat!r}",
+                f"model.remat_dtype='fp8' keeps saved activations in FP8: it needs a "
+                f"model.remat that saves some ({', '.join(FP8_REMATS)}); got {m.remat!r}",
             ),
             (m.attn_softcap >= 0, "model.attn_softcap must be >= 0 (0 = off)"),
             (m.logit_softcap >= 0, "model.logit_softcap must be >= 0 (0 = off)"),

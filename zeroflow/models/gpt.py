@@ -42,7 +42,7 @@ from zeroflow.models.axes import (
 from zeroflow.models.context import context_size, token_index
 from zeroflow.models.context_attention import context_attention
 from zeroflow.models.kernels import pallas_kernel
-from zeroflow.util.settings import FP8_REMATS
+from zeroflow.util.settings import FP8_DOTS_REMATS, FP8_INPUT_REMATS, FP8_REMATS
 
 INIT_STD = 0.02
 
@@ -71,8 +71,18 @@ def saved_output(cfg: ModelConfig, x: jax.Array, name: str) -> jax.Array:
     ``remat_dtype='fp8'`` rounded through e4m3 (``zeroflow.autocast.fp8_saved``), whose bytes
     and scale are then what the policy keeps."""
     x = checkpoint_name(x, name)
-    if cfg.remat_dtype == "fp8" and name in FP8_SAVED_OUTPUTS:
+    if cfg.remat_dtype == "fp8" and cfg.remat in FP8_DOTS_REMATS and name in FP8_SAVED_OUTPUTS:
         x = fp8_saved.saved_in_fp8(x)
+    return x
+
+
+def layer_input_read(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """What a block's branches (norms, attention, MLP) read of its input ``x``: ``x``, or with
+    ``remat_dtype='fp8'`` under remat full / offload_input ``x`` rounded through e4m3, whose
+    bytes and scale are then all the policy keeps of the layer (FP8 layer inputs). The residual
+    stream itself adds the exact ``x``."""
+    if cfg.remat_dtype == "fp8" and cfg.remat in FP8_INPUT_REMATS:
+        return fp8_saved.saved_in_fp8(x)
     return x
 
 
@@ -121,8 +131,8 @@ def _check_layer_options(cfg: ModelConfig) -> None:
     """The options of the Gemma/Qwen3 family that some paths cannot run, refused by name."""
     if cfg.remat_dtype == "fp8" and cfg.remat not in FP8_REMATS:
         raise ValueError(
-            f"model.remat_dtype='fp8' keeps matmul outputs: it needs model.remat "
-            f"{' or '.join(FP8_REMATS)}; got {cfg.remat!r}"
+            f"model.remat_dtype='fp8' keeps saved activations in FP8: it needs a "
+            f"model.remat that saves some ({', '.join(FP8_REMATS)}); got {cfg.remat!r}"
         )
     if cfg.global_every < 0 or (cfg.global_every and not cfg.sliding_window):
         raise ValueError(
@@ -533,13 +543,19 @@ class Block(nn.Module):
     ) -> tuple[jax.Array, None]:
         cfg = self.cfg
         x = checkpoint_name(x, LAYER_INPUT)
+        read = layer_input_read(cfg, x)
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
-        attn_in = self._norm("attn_norm")(x)
+        attn_in = self._norm("attn_norm")(read)
         attn_out = Attention(cfg, name="attn")(attn_in, segment_ids, positions, layer)
         if cfg.post_norms:
             attn_out = self._norm("attn_post_norm")(attn_out)
-        x = x + drop(attn_out)
-        mlp, mlp_in = Mlp(cfg, name="mlp"), self._norm("mlp_norm")(x)
+        attn_out = drop(attn_out)
+        # The residual stream stays exact; with FP8 layer inputs the MLP's norm reads the
+        # rounded input too, so the backward pass needs nothing but the rounded input's bytes.
+        exact = read is x
+        x = x + attn_out
+        mlp_norm_in = x if exact else read + attn_out
+        mlp, mlp_in = Mlp(cfg, name="mlp"), self._norm("mlp_norm")(mlp_norm_in)
         if 0 < cfg.mlp_chunk < x.shape[1] and not self.is_initializing():
             mlp_out = tiled_mlp(mlp, mlp_in, cfg.mlp_chunk)
         else:
@@ -558,8 +574,8 @@ def _rematted(
     """``block`` under the ``remat`` policy. ``fetched``: the engine fetches each layer's
     weights inside the block (``layer_transform``); they are then never kept for the backward
     pass, even with remat "none" (the engine fetches them again, see ``zeroflow.engine.grads``).
-    ``remat_dtype='fp8'`` (save_dots, offload_dots): only the e4m3 bytes and scales of the
-    matmul outputs (``saved_output``) are kept, on the device or in pinned host memory."""
+    ``remat_dtype='fp8'``: only the e4m3 bytes and scales of the matmul outputs
+    (``saved_output``) or of the layer input (``layer_input_read``) are kept (``fp8_policy``)."""
     # prevent_cse=False is safe (and faster) because the block runs inside a scan.
     if remat_dtype == "fp8":
         return nn.remat(block, prevent_cse=False, policy=fp8_policy(remat))
@@ -582,15 +598,18 @@ def _rematted(
 
 
 def fp8_policy(remat: str):
-    """The policy of ``remat_dtype='fp8'``: the FP8 matmul outputs saved ('save_dots') or in
-    pinned host memory ('offload_dots'; on the device where host memory is the device's)."""
-    if remat != "offload_dots":
+    """The policy of ``remat_dtype='fp8'``: only the e4m3 bytes and scales, the matmul outputs'
+    (save_dots, offload_dots) or the layer inputs' (full, offload_input), kept in device memory
+    or, for the offloading policies, in pinned host memory (in device memory where host memory
+    is the device's)."""
+    if remat not in OFFLOADED:
         return fp8_saved.policy()
     traits = backend.current()
     if not traits.separate_host_memory:
+        what = "matmul outputs" if remat == "offload_dots" else "layer inputs"
         warnings.warn(
             f"model.remat={remat!r}: {traits.platform} has no separate host memory; "
-            "the FP8 matmul outputs are kept in device memory instead",
+            f"the FP8 {what} are kept in device memory instead",
             stacklevel=2,
         )
     return fp8_saved.policy(offload=traits.separate_host_memory)
