@@ -179,6 +179,32 @@ def train_tiny(steps: int, runs: list[str]) -> dict:
     return out
 
 
+def long_rows(seqs: list[int], search: bool) -> None:
+    """Llama-3.1-8B on one H100 (``experiments/long_context.py``'s config: stage 3, state and
+    layer inputs offloaded, remat offload_input) with the layer inputs in bf16 and in FP8
+    (``model.remat_dtype``): device peak and host memory per row length; ``search``: the
+    longest row within 80 GB with FP8 layer inputs, bisected as ``long_context.py search``."""
+    import long_context as lc
+
+    def probe(dtype):
+        return lc.probe_config(lc.config([f"model.remat_dtype={dtype}"]), devices=1,
+                               target="h100")
+
+    print("| layer inputs | sequence | device peak GB | host GB |\n|---|---:|---:|---:|")
+    for seq in seqs:
+        for dtype in ("compute", "fp8"):
+            got = probe(dtype)(seq)
+            print(f"| {'bf16' if dtype == 'compute' else 'fp8'} | {seq:,} | "
+                  f"{(got.peak_bytes or 0) / 1e9:.2f} | {(got.host_bytes or 0) / 1e9:.1f} |",
+                  flush=True)
+    if search:
+        found = lc.longest_fitting(probe("fp8"), 80e9, start=524288, granule=16384,
+                                   limit=1 << 26, max_compiles=9)
+        best, over = found.best, found.first_too_long
+        print(f"longest with FP8 layer inputs: {best.seq:,} ({best.peak_bytes / 1e9:.2f} GB); "
+              f"{over.seq:,} needs {over.peak_bytes / 1e9:.2f} GB; {len(found.probes)} compiles")
+
+
 def _variant(row: dict) -> str:
     head = row.get("head", "fp8")  # rows from before the choice had the head in FP8
     fp8 = VARIANTS[row["variant"]]["autocast"] == "fp8"
@@ -241,6 +267,11 @@ def main(argv=None) -> int:
                         help="the head's matmul in FP8 too (no lm_head scope)")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-compile", action="store_true", help="only the tiny runs")
+    parser.add_argument("--long-rows", default="",
+                        help="comma-separated row lengths: Llama-3.1-8B on one H100 with bf16 "
+                             "and FP8 layer inputs (nothing else runs)")
+    parser.add_argument("--long-search", action="store_true",
+                        help="with --long-rows: the longest row with FP8 layer inputs")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the report (default: %(default)s)")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--train-runs", default=",".join(TRAIN_RUNS),
@@ -248,6 +279,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.row:
         print(json.dumps(compile_row(json.loads(args.row))))
+        return 0
+    if args.long_rows:
+        long_rows([int(n) for n in args.long_rows.split(",")], args.long_search)
         return 0
     from llama_shapes import SHAPES
 

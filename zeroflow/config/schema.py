@@ -95,7 +95,7 @@ class ModelConfig:
     remat: str = one_of(*REMATS)
     "Rematerialisation policy for each block: 'none', 'full', 'save_dots', 'offload_dots' (save_dots's matmul outputs kept in pinned host memory) or 'offload_input' (as full, each layer's input kept in pinned host memory); both offloads keep them in device memory where host memory is the device's, as on XLA:CPU."
     remat_dtype: str = one_of(*REMAT_DTYPES)
-    "What remat 'save_dots' / 'offload_dots' keep their matmul outputs in: 'compute' (the compute dtype) or 'fp8' (float8_e4m3fn bytes with one scale per tensor, dequantized for the backward pass; the forward pass uses the rounded values too). Other remat policies take 'compute'."
+    "What the remat policy keeps its saved activations in: 'compute' (the compute dtype) or 'fp8' (float8_e4m3fn bytes with one scale per tensor, dequantized for the backward pass): save_dots / offload_dots the matmul outputs (the forward pass reads the rounded values too), full / offload_input the layer inputs (the block's branches read the rounded input, the residual stream the exact one). remat 'none' takes 'compute'."
     loss_chunk: int = 0
     "Positions per tile of the chunked cross-entropy (zeroflow.ops.chunked_cross_entropy, its own backward pass), which never holds the [tokens, vocab] logits; 0 = the plain loss on the whole logits."
     loss_vocab_chunk: int = 8192
