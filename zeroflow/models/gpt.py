@@ -129,11 +129,6 @@ def check_config(cfg: ModelConfig) -> None:
 
 def _check_layer_options(cfg: ModelConfig) -> None:
     """The options of the Gemma/Qwen3 family that some paths cannot run, refused by name."""
-    if cfg.remat_dtype == "fp8" and cfg.remat not in FP8_REMATS:
-        raise ValueError(
-            f"model.remat_dtype='fp8' keeps saved activations in FP8: it needs a "
-            f"model.remat that saves some ({', '.join(FP8_REMATS)}); got {cfg.remat!r}"
-        )
     if cfg.global_every < 0 or (cfg.global_every and not cfg.sliding_window):
         raise ValueError(
             f"model.global_every={cfg.global_every} needs model.sliding_window > 0 "
@@ -577,7 +572,9 @@ def _rematted(
     ``remat_dtype='fp8'``: only the e4m3 bytes and scales of the matmul outputs
     (``saved_output``) or of the layer input (``layer_input_read``) are kept (``fp8_policy``)."""
     # prevent_cse=False is safe (and faster) because the block runs inside a scan.
-    if remat_dtype == "fp8":
+    # remat 'none' with fp8 (refused by the config) runs as 'none': nothing is saved by a
+    # policy there, and sweeps over remat policies (zeroflow.memory) keep the model's dtype.
+    if remat_dtype == "fp8" and remat in FP8_REMATS:
         return nn.remat(block, prevent_cse=False, policy=fp8_policy(remat))
     if remat == "full":
         return nn.remat(block, prevent_cse=False)
