@@ -41,6 +41,7 @@ SEQ = 2048
 PER_DEVICE = {"1b": 2, "8b": 1}
 VARIANTS = {
     "bf16": dict(autocast="none", quantize_weights=None),
+    "bf16 autocast": dict(autocast="bf16", quantize_weights=None),
     "fp8": dict(autocast="fp8", quantize_weights=None),
     "fp8 + fp8 gathers": dict(autocast="fp8", quantize_weights="fp8"),
 }
@@ -64,7 +65,7 @@ def compile_row(row: dict) -> dict:
     import optax
 
     import zeroflow as zf
-    from llama_shapes import SHAPES, abstract_params, make_loss, num_params
+    from llama_shapes import SHAPES, abstract_params, num_params
     from zeroflow.autocast.fp8_hlo import count_gemms
     from zeroflow.memory import schedule
     from zeroflow.memory.measure import analysed
@@ -74,7 +75,7 @@ def compile_row(row: dict) -> dict:
     params = abstract_params(shape)
     tokens = row["devices"] * PER_DEVICE[row["shape"]]
     batch = {"tokens": jax.ShapeDtypeStruct((tokens, SEQ + 1), jnp.int32)}
-    loss = make_loss(shape, row["remat"])
+    loss = row_loss(shape, row["remat"], head_scope=row.get("head", "bf16") == "bf16")
     variant = VARIANTS[row["variant"]]
     plan = zf.ZeroPlan(mesh, stage=3, quantize_weights=variant["quantize_weights"])
     prec = zf.Precision(params="bf16", autocast=variant["autocast"])
@@ -90,6 +91,38 @@ def compile_row(row: dict) -> dict:
             "fp8_bytes": gemms.fp8_bytes, "other_bytes": gemms.other_bytes,
             "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
             "gather_types": _gather_types(compiled.as_text())}
+
+
+def row_loss(shape: dict, remat: str, head_scope: bool = True):
+    """``llama_shapes.make_loss``'s loss, with the head's matmul in the name scope ``lm_head``
+    (``head_scope``: as zeroflow's GPT names it, so autocast's FP8 keeps it in bf16 by default,
+    ``AutocastPolicy.fp8_keep_scopes``) and remat "fp8_dots": "dots" keeping its matmul outputs
+    in FP8 (each layer under ``zeroflow.autocast.fp8_saved.checkpoint_fp8_dots``: e4m3 bytes
+    and a per-tensor scale saved instead of the bf16 outputs)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from llama_shapes import POLICIES, _layer, _rms_norm
+    from zeroflow.autocast.fp8_saved import checkpoint_fp8_dots
+
+    def layer(x, p):
+        return _layer(shape, jnp.bfloat16, x, p)
+
+    if remat == "fp8_dots":
+        body = checkpoint_fp8_dots(layer)
+    else:
+        body = jax.checkpoint(layer, policy=POLICIES[remat])
+
+    def loss(params, batch):
+        tokens = batch["tokens"]
+        x = params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]]
+        x, _ = jax.lax.scan(body, x, params["layers"])
+        x = _rms_norm(x, params["norm"].astype(jnp.bfloat16))
+        with jax.named_scope("lm_head" if head_scope else "head"):
+            logits = (x @ params["head"].astype(jnp.bfloat16)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return loss
 
 
 def _gather_types(text: str) -> list[str]:
@@ -116,32 +149,73 @@ def run_child(payload: dict, timeout: float) -> dict:
     return {**payload, "note": (errors[-1] if errors else f"exit {out.returncode}").strip()[:200]}
 
 
-def train_tiny(steps: int) -> dict:
-    """The tiny config ``steps`` steps in bf16 and in FP8 (every eligible matmul): the mean
+TRAIN_RUNS = {
+    "bf16": ["precision.autocast=bf16"],
+    "fp8": ["precision.autocast=fp8", "precision.fp8_select=all"],
+    "bf16 + fp8 saved activations": ["precision.autocast=bf16", "model.remat=save_dots",
+                                    "model.remat_dtype=fp8"],
+}
+"The tiny config's runs: bf16 autocast, every eligible matmul in FP8, and bf16 matmuls whose"
+" saved matmul outputs (remat save_dots) are kept in FP8."
+
+
+def train_tiny(steps: int, runs: list[str]) -> dict:
+    """The tiny config ``steps`` steps for each of ``runs`` (``TRAIN_RUNS``): the mean
     training loss over the last 20 logged steps and the last held-out loss of each."""
     out = {}
-    for autocast in ("bf16", "fp8"):
-        run_dir = Path(f"/tmp/zeroflow-fp8-tiny-{autocast}")
+    for name in runs:
+        run_dir = Path("/tmp/zeroflow-fp8-tiny-" + re.sub(r"\W+", "-", name))
         cmd = [sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml",
-               f"precision.autocast={autocast}", "precision.fp8_select=all",
-               f"train.steps={steps}", "train.log_every=1", f"run.dir={run_dir}",
-               "run.tensorboard=false"]
+               *TRAIN_RUNS[name], f"train.steps={steps}", "train.log_every=1",
+               f"run.dir={run_dir}", "run.tensorboard=false"]
         start = time.time()
         subprocess.run(cmd, cwd=HERE.parent, check=True, capture_output=True)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         train = [r["loss"] for r in rows if "loss" in r]
         evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-        out[autocast] = {"final": sum(train[-20:]) / len(train[-20:]),
-                         "last": train[-1], "val": evals[-1] if evals else None,
-                         "wall_s": round(time.time() - start)}
+        out[name] = {"final": sum(train[-20:]) / len(train[-20:]),
+                     "last": train[-1], "val": evals[-1] if evals else None,
+                     "wall_s": round(time.time() - start)}
     return out
+
+
+def long_rows(seqs: list[int], search: bool) -> None:
+    """Llama-3.1-8B on one H100 (``experiments/long_context.py``'s config: stage 3, state and
+    layer inputs offloaded, remat offload_input) with the layer inputs in bf16 and in FP8
+    (``model.remat_dtype``): device peak and host memory per row length; ``search``: the
+    longest row within 80 GB with FP8 layer inputs, bisected as ``long_context.py search``."""
+    import long_context as lc
+
+    def probe(dtype):
+        return lc.probe_config(lc.config([f"model.remat_dtype={dtype}"]), devices=1,
+                               target="h100")
+
+    print("| layer inputs | sequence | device peak GB | host GB |\n|---|---:|---:|---:|")
+    for seq in seqs:
+        for dtype in ("compute", "fp8"):
+            got = probe(dtype)(seq)
+            print(f"| {'bf16' if dtype == 'compute' else 'fp8'} | {seq:,} | "
+                  f"{(got.peak_bytes or 0) / 1e9:.2f} | {(got.host_bytes or 0) / 1e9:.1f} |",
+                  flush=True)
+    if search:
+        found = lc.longest_fitting(probe("fp8"), 80e9, start=524288, granule=16384,
+                                   limit=1 << 26, max_compiles=9)
+        best, over = found.best, found.first_too_long
+        print(f"longest with FP8 layer inputs: {best.seq:,} ({best.peak_bytes / 1e9:.2f} GB); "
+              f"{over.seq:,} needs {over.peak_bytes / 1e9:.2f} GB; {len(found.probes)} compiles")
+
+
+def _variant(row: dict) -> str:
+    head = row.get("head", "fp8")  # rows from before the choice had the head in FP8
+    fp8 = VARIANTS[row["variant"]]["autocast"] == "fp8"
+    return row["variant"] + (f", head {head}" if fp8 else "")
 
 
 def _exposed(row: dict) -> str:
     return ", ".join(f"{k} {v:.1f} ms" for k, v in row["exposed_ms"].items()) or "none"
 
 
-def write_report(rows: list[dict], tiny: dict | None, command: str) -> None:
+def write_report(rows: list[dict], tiny: dict | None, command: str, out: Path = RESULTS) -> None:
     lines = ["# FP8 against bf16: Llama-shaped step at ZeRO stage 3 on 8 x H100 (XLA:GPU, compiled "
              "without the GPUs)", "",
              f"Machine: {platform.node() or 'development container'} ({platform.machine()}), "
@@ -157,15 +231,13 @@ def write_report(rows: list[dict], tiny: dict | None, command: str) -> None:
                          f"{r['note']} | | | | | | | |")
             continue
         lines.append(
-            f"| {r['shape']} | {r['layers']} | {r['remat']} | {r['variant']} | "
+            f"| {r['shape']} | {r['layers']} | {r['remat']} | {_variant(r)} | "
             f"{r['peak_bytes'] / 1e9:.2f} GB | {r['step_ms']:.1f} ms | {_exposed(r)} | "
             f"{r['fp8_gemms']} ({r['fp8_flops'] / 1e12:.2f} TF, {r['fp8_bytes'] / 1e9:.2f} GB) | "
             f"{r['other_gemms']} ({r['other_flops'] / 1e12:.2f} TF, "
             f"{r['other_bytes'] / 1e9:.2f} GB) | {', '.join(r['gather_types'])} | "
             f"{r['compile_s']:.0f} s |")
     if tiny:
-        b, f = tiny["bf16"], tiny["fp8"]
-        gap = abs(f["final"] - b["final"]) / b["final"]
         lines += ["", "## Tiny config trained in bf16 and FP8", "",
                   "| run | mean loss, last 20 logged steps | last step | held-out | wall |",
                   "|---|---:|---:|---:|---:|"]
@@ -173,9 +245,13 @@ def write_report(rows: list[dict], tiny: dict | None, command: str) -> None:
             val = "-" if t["val"] is None else f"{t['val']:.4f}"
             lines.append(f"| {name} | {t['final']:.4f} | {t['last']:.4f} | {val} | "
                          f"{t['wall_s']} s |")
-        lines += ["", f"FP8's final loss is {gap:.2%} from bf16's."]
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
+        if "bf16" in tiny:
+            base = tiny["bf16"]["final"]
+            lines.append("")
+            lines += [f"{name}: final loss {abs(t['final'] - base) / base:.2%} from bf16's."
+                      for name, t in tiny.items() if name != "bf16"]
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -183,28 +259,44 @@ def main(argv=None) -> int:
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="8b", choices=sorted(PER_DEVICE))
     parser.add_argument("--layers", type=int, default=0, help="layers (0: the shape's own)")
-    parser.add_argument("--remat", default="full,dots", help="comma-separated: full, dots")
+    parser.add_argument("--remat", default="full,dots,fp8_dots",
+                        help="comma-separated: full, dots, fp8_dots (dots kept in FP8)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--head-fp8", action="store_true",
+                        help="the head's matmul in FP8 too (no lm_head scope)")
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--skip-compile", action="store_true", help="only the tiny runs")
+    parser.add_argument("--long-rows", default="",
+                        help="comma-separated row lengths: Llama-3.1-8B on one H100 with bf16 "
+                             "and FP8 layer inputs (nothing else runs)")
+    parser.add_argument("--long-search", action="store_true",
+                        help="with --long-rows: the longest row with FP8 layer inputs")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the report (default: %(default)s)")
     parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--train-runs", default=",".join(TRAIN_RUNS),
+                        help="comma-separated, of: " + ", ".join(TRAIN_RUNS))
     args = parser.parse_args(argv)
     if args.row:
         print(json.dumps(compile_row(json.loads(args.row))))
+        return 0
+    if args.long_rows:
+        long_rows([int(n) for n in args.long_rows.split(",")], args.long_search)
         return 0
     from llama_shapes import SHAPES
 
     layers = args.layers or SHAPES[args.shape]["layers"]
     rows = []
-    for remat in args.remat.split(","):
+    for remat in [] if args.skip_compile else args.remat.split(","):
         for variant in args.variants.split(","):
             payload = dict(shape=args.shape, layers=layers, remat=remat, variant=variant,
-                           devices=8)
+                           devices=8, head="fp8" if args.head_fp8 else "bf16")
             rows.append(run_child(payload, args.timeout))
             print(json.dumps(rows[-1]), flush=True)
-    tiny = None if args.skip_train else train_tiny(args.train_steps)
-    write_report(rows, tiny, "python experiments/fp8.py " + shlex.join(argv or sys.argv[1:]))
-    print(RESULTS.read_text())
+    tiny = None if args.skip_train else train_tiny(args.train_steps, args.train_runs.split(","))
+    write_report(rows, tiny, "python experiments/fp8.py " + shlex.join(argv or sys.argv[1:]),
+                 args.out)
+    print(args.out.read_text())
     return 0
 
 

@@ -1,6 +1,8 @@
 """FP8 on XLA:GPU targets compiled without the GPU (``zf.target_mesh``): the matmuls of a
 training step reach the GEMMs with float8 operands on an H100 (forward e4m3 x e4m3, both
 backward products e5m2 x e4m3), and FP8 is refused on a GPU without FP8 tensor cores."""
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -59,3 +61,41 @@ def test_every_matmul_of_the_step_is_an_fp8_gemm_on_h100():
                                          zf.Precision(params="bf16"))
     bf16 = count_gemms(compiled.as_text())
     assert bf16.fp8 == 0 and bf16.other == 3 * matmuls
+
+
+def _gpt_step_text(gpu: str, remat: str, remat_dtype: str) -> str:
+    from zeroflow.config.schema import ModelConfig
+    from zeroflow.models.gpt import abstract_params
+    from zeroflow.models.loss import make_loss_fn
+
+    cfg = ModelConfig(vocab_size=256, seq_len=128, num_layers=2, embed_dim=128, num_heads=4,
+                      mlp_dim=256, remat=remat, remat_dtype=remat_dtype)
+    params, _ = abstract_params(cfg)
+    plan = zf.ZeroPlan(zf.target_mesh(gpu, data=2), stage=3)
+    batch = {"tokens": jax.ShapeDtypeStruct((4, 129), jnp.int32)}
+    loss_fn = make_loss_fn(cfg)
+    compiled, _ = zf.memory.compile_step(lambda p, b: loss_fn(p, b)[0], params, batch,
+                                         optax.adamw(1e-3), plan, zf.Precision(params="bf16"))
+    return compiled.as_text()
+
+
+@pytest.mark.slow
+def test_fp8_saved_activations_need_no_fp8_tensor_cores():
+    """``model.remat_dtype: fp8`` only stores e4m3 bytes (no FP8 matmul): the GPT step compiles
+    for an A100 (sm_80), where FP8 matmuls are refused, with the bytes in the program."""
+    text = _gpt_step_text("a100", "save_dots", "fp8")
+    assert "f8e4m3fn" in text and "u8[" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["offload_dots", "offload_input"])
+def test_offloading_remats_with_fp8_move_bytes_to_the_host(remat):
+    """On an H100 (separate host memory) remat offload_dots keeps its matmul outputs and
+    offload_input its layer inputs in pinned host memory (memory space S(5)): bf16 in the
+    compute dtype, one byte each with fp8."""
+    def host_types(remat_dtype):
+        text = _gpt_step_text("h100", remat, remat_dtype)
+        # a stacked [layers, batch, seq, ...] activation whose layout names the host space
+        return set(re.findall(r"\b(u8|bf16)\[2,2,128,[\d,]*\]\{[\d,]*:S\(5\)\}", text))
+    assert host_types("compute") == {"bf16"}
+    assert host_types("fp8") == {"u8"}

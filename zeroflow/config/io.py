@@ -40,7 +40,7 @@ from zeroflow.engine.plan_rules import (
     sequence_split_problem,
 )
 from zeroflow.util.limits import INT_LIMIT, SEED_MAX, STEP_MAX
-from zeroflow.util.settings import check_precision, parse_loss_scale
+from zeroflow.util.settings import FP8_REMATS, check_precision, parse_loss_scale
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -394,6 +394,11 @@ def _model_problems(m) -> list[str]:
             (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0 = the plain loss)"),
             (m.loss_vocab_chunk > 0, "model.loss_vocab_chunk must be positive"),
             (m.mlp_chunk >= 0, "model.mlp_chunk must be >= 0 (0 = untiled)"),
+            (
+                m.remat_dtype != "fp8" or m.remat in FP8_REMATS,
+                f"model.remat_dtype='fp8' keeps saved activations in FP8: it needs a "
+                f"model.remat that saves some ({', '.join(FP8_REMATS)}); got {m.remat!r}",
+            ),
             (m.attn_softcap >= 0, "model.attn_softcap must be >= 0 (0 = off)"),
             (m.logit_softcap >= 0, "model.logit_softcap must be >= 0 (0 = off)"),
             (m.query_pre_attn_scalar >= 0, "model.query_pre_attn_scalar must be >= 0 (0 = off)"),

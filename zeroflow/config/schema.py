@@ -28,6 +28,7 @@ from zeroflow.util.settings import (
     QUANTIZE_GRADS_CHOICES,
     QUANTIZE_KINDS,
     QUANTIZE_WEIGHTS_CHOICES,
+    REMAT_DTYPES,
     REMATS,
     UPDATE_ON_CHOICES,
     ZERO_STAGES,
@@ -93,6 +94,8 @@ class ModelConfig:
     "Rotary position embedding base frequency."
     remat: str = one_of(*REMATS)
     "Rematerialisation policy for each block: 'none', 'full', 'save_dots', 'offload_dots' (save_dots's matmul outputs kept in pinned host memory) or 'offload_input' (as full, each layer's input kept in pinned host memory); both offloads keep them in device memory where host memory is the device's, as on XLA:CPU."
+    remat_dtype: str = one_of(*REMAT_DTYPES)
+    "What the remat policy keeps its saved activations in: 'compute' (the compute dtype) or 'fp8' (float8_e4m3fn bytes with one scale per tensor, dequantized for the backward pass): save_dots / offload_dots the matmul outputs (the forward pass reads the rounded values too), full / offload_input the layer inputs (the block's branches read the rounded input, the residual stream the exact one). remat 'none' takes 'compute'."
     loss_chunk: int = 0
     "Positions per tile of the chunked cross-entropy (zeroflow.ops.chunked_cross_entropy, its own backward pass), which never holds the [tokens, vocab] logits; 0 = the plain loss on the whole logits."
     loss_vocab_chunk: int = 8192
@@ -152,7 +155,7 @@ class ModelConfig:
     logit_softcap: float = 0.0
     "Output logits soft-capped to cap * tanh(logit / cap) (Gemma 2); 0 = off. Needs loss_chunk=0."
     init_from: str = ""
-    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, attention, dropout, the loss and MLP chunks, lora)."
+    "A Hugging Face checkpoint folder (config.json + safetensors) to start from; its config.json then fixes the architecture fields of this section (all but seq_len, remat, remat_dtype, attention, dropout, the loss and MLP chunks, lora)."
     lora: LoraConfig = field(default_factory=LoraConfig)
     "Low-rank adapters (model.lora.rank > 0): a nested section."
 

@@ -22,6 +22,7 @@ from zeroflow.hf.tensors import TensorMap
 RUNTIME_FIELDS = (
     "seq_len",
     "remat",
+    "remat_dtype",
     "attention",
     "dropout",
     "init_from",

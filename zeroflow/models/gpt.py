@@ -25,6 +25,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from zeroflow import backend
+from zeroflow.autocast import fp8_saved
 from zeroflow.config.schema import ModelConfig, choices_of
 from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.models.axes import (
@@ -41,6 +42,7 @@ from zeroflow.models.axes import (
 from zeroflow.models.context import context_size, token_index
 from zeroflow.models.context_attention import context_attention
 from zeroflow.models.kernels import pallas_kernel
+from zeroflow.util.settings import FP8_DOTS_REMATS, FP8_INPUT_REMATS, FP8_REMATS
 
 INIT_STD = 0.02
 
@@ -51,6 +53,9 @@ LAYER_INPUT = "layer_input"
 "Name (``checkpoint_name``) of each block's input: what remat 'offload_input' moves to host memory."
 OFFLOADED = {"offload_dots": MATMUL_OUTPUTS, "offload_input": (LAYER_INPUT,)}
 "The names each offloading remat policy keeps in pinned host memory."
+FP8_SAVED_OUTPUTS = MATMUL_OUTPUTS[:-1]
+"The matmul outputs model.remat_dtype='fp8' rounds through e4m3: all but 'mlp_down', which the"
+" backward pass never reads (only added to the residual stream), so no remat policy saves it."
 INIT_REMAT = {"offload_dots": "save_dots", "offload_input": "full"}
 "What an offloading policy runs as while initialising (only shapes, no backend to ask)."
 
@@ -59,6 +64,26 @@ GATED = ("swiglu", "geglu")
 
 _CHOICES = choices_of(ModelConfig)
 "The allowed values of each enumerated model setting, as ModelConfig spells them."
+
+
+def saved_output(cfg: ModelConfig, x: jax.Array, name: str) -> jax.Array:
+    """A block's matmul output, named ``name`` for the remat policies; with
+    ``remat_dtype='fp8'`` rounded through e4m3 (``zeroflow.autocast.fp8_saved``), whose bytes
+    and scale are then what the policy keeps."""
+    x = checkpoint_name(x, name)
+    if cfg.remat_dtype == "fp8" and cfg.remat in FP8_DOTS_REMATS and name in FP8_SAVED_OUTPUTS:
+        x = fp8_saved.saved_in_fp8(x)
+    return x
+
+
+def layer_input_read(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """What a block's branches (norms, attention, MLP) read of its input ``x``: ``x``, or with
+    ``remat_dtype='fp8'`` under remat full / offload_input ``x`` rounded through e4m3, whose
+    bytes and scale are then all the policy keeps of the layer (FP8 layer inputs). The residual
+    stream itself adds the exact ``x``."""
+    if cfg.remat_dtype == "fp8" and cfg.remat in FP8_INPUT_REMATS:
+        return fp8_saved.saved_in_fp8(x)
+    return x
 
 
 def num_kv_heads(cfg: ModelConfig) -> int:
@@ -399,7 +424,7 @@ class Attention(nn.Module):
         q = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), use_bias=qkv_bias, name="query")(x)
         k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="key")(x)
         v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="value")(x)
-        q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
+        q, k, v = (saved_output(cfg, t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
         if cfg.qk_norm:  # per head, over head_dim (Qwen3, Gemma 3)
             q = self._head_norm("query_norm")(q)
             k = self._head_norm("key_norm")(k)
@@ -433,7 +458,7 @@ class Attention(nn.Module):
             use_bias=cfg.attn_bias == "all",
             name="out",
         )(out)
-        return checkpoint_name(out, "attn_out")
+        return saved_output(cfg, out, "attn_out")
 
     def _head_norm(self, name: str) -> Norm:
         cfg = self.cfg
@@ -484,10 +509,10 @@ class Mlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         up = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "up", layout_seed=0)(x)
-        up = checkpoint_name(up, "mlp_up")
+        up = saved_output(cfg, up, "mlp_up")
         if cfg.mlp_activation in GATED:
             gate = self._projection(cfg.mlp_dim, (EMBED, MLP), INIT_STD, "gate", layout_seed=1)(x)
-            gate = checkpoint_name(gate, "mlp_gate")
+            gate = saved_output(cfg, gate, "mlp_gate")
             if cfg.mlp_activation == "swiglu":
                 hidden = nn.silu(gate) * up
             else:  # geglu: Gemma's gelu_pytorch_tanh gate
@@ -497,7 +522,7 @@ class Mlp(nn.Module):
         down = self._projection(
             cfg.embed_dim, (MLP, EMBED), _output_std(cfg), "down", layout_seed=2
         )(hidden)
-        return checkpoint_name(down, "mlp_down")
+        return saved_output(cfg, down, "mlp_down")
 
 
 def _mlp_chunk(mlp: Mlp, carry, x):
@@ -542,13 +567,19 @@ class Block(nn.Module):
     ) -> tuple[jax.Array, None]:
         cfg = self.cfg
         x = checkpoint_name(x, LAYER_INPUT)
+        read = layer_input_read(cfg, x)
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
-        attn_in = self._norm("attn_norm")(x)
+        attn_in = self._norm("attn_norm")(read)
         attn_out = Attention(cfg, name="attn")(attn_in, segment_ids, positions, layer)
         if cfg.post_norms:
             attn_out = self._norm("attn_post_norm")(attn_out)
-        x = x + drop(attn_out)
-        mlp, mlp_in = Mlp(cfg, name="mlp"), self._norm("mlp_norm")(x)
+        attn_out = drop(attn_out)
+        # The residual stream stays exact; with FP8 layer inputs the MLP's norm reads the
+        # rounded input too, so the backward pass needs nothing but the rounded input's bytes.
+        exact = read is x
+        x = x + attn_out
+        mlp_norm_in = x if exact else read + attn_out
+        mlp, mlp_in = Mlp(cfg, name="mlp"), self._norm("mlp_norm")(mlp_norm_in)
         if 0 < cfg.mlp_chunk < x.shape[1] and not self.is_initializing():
             mlp_out = tiled_mlp(mlp, mlp_in, cfg.mlp_chunk)
         else:
@@ -561,11 +592,19 @@ class Block(nn.Module):
         return Norm(self.cfg.norm, self.cfg.norm_eps, self.cfg.norm_offset, name=name)
 
 
-def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Module]:
+def _rematted(
+    block: type[nn.Module], remat: str, fetched: bool, remat_dtype: str = "compute"
+) -> type[nn.Module]:
     """``block`` under the ``remat`` policy. ``fetched``: the engine fetches each layer's
     weights inside the block (``layer_transform``); they are then never kept for the backward
-    pass, even with remat "none" (the engine fetches them again, see ``zeroflow.engine.grads``)."""
+    pass, even with remat "none" (the engine fetches them again, see ``zeroflow.engine.grads``).
+    ``remat_dtype='fp8'``: only the e4m3 bytes and scales of the matmul outputs
+    (``saved_output``) or of the layer input (``layer_input_read``) are kept (``fp8_policy``)."""
     # prevent_cse=False is safe (and faster) because the block runs inside a scan.
+    # remat 'none' with fp8 (refused by the config) runs as 'none': nothing is saved by a
+    # policy there, and sweeps over remat policies (zeroflow.memory) keep the model's dtype.
+    if remat_dtype == "fp8" and remat in FP8_REMATS:
+        return nn.remat(block, prevent_cse=False, policy=fp8_policy(remat))
     if remat == "full":
         return nn.remat(block, prevent_cse=False)
     if remat == "save_dots":
@@ -582,6 +621,24 @@ def _rematted(block: type[nn.Module], remat: str, fetched: bool) -> type[nn.Modu
     if fetched:
         return nn.remat(block, prevent_cse=False, policy=save_all_but_fetched)
     return block
+
+
+def fp8_policy(remat: str):
+    """The policy of ``remat_dtype='fp8'``: only the e4m3 bytes and scales, the matmul outputs'
+    (save_dots, offload_dots) or the layer inputs' (full, offload_input), kept in device memory
+    or, for the offloading policies, in pinned host memory (in device memory where host memory
+    is the device's)."""
+    if remat not in OFFLOADED:
+        return fp8_saved.policy()
+    traits = backend.current()
+    if not traits.separate_host_memory:
+        what = "matmul outputs" if remat == "offload_dots" else "layer inputs"
+        warnings.warn(
+            f"model.remat={remat!r}: {traits.platform} has no separate host memory; "
+            f"the FP8 {what} are kept in device memory instead",
+            stacklevel=2,
+        )
+    return fp8_saved.policy(offload=traits.separate_host_memory)
 
 
 def offload_policy(traits: backend.Traits, remat: str = "offload_dots"):
@@ -671,7 +728,7 @@ class GPT(nn.Module):
         # Layers that differ (global_every) get their index as a scanned input.
         per_layer = (jnp.arange(cfg.num_layers),) if cfg.global_every else ()
         stack = nn.scan(
-            _rematted(block, remat, fetched=block is not Block),
+            _rematted(block, remat, fetched=block is not Block, remat_dtype=cfg.remat_dtype),
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast, nn.broadcast, *(0 for _ in per_layer)),

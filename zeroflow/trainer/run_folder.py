@@ -39,7 +39,7 @@ CONFIG_FILE = "config.yaml"
 LOCK_FILE = "trainer.lock"
 RESTORED_ON_FAILURE = (CONFIG_FILE, "metrics.jsonl")
 "Files a run rewrites before it starts: put back as they were when it fails before starting."
-RESUMABLE_MODEL_FIELDS = ("seq_len", "remat", "attention", "dropout", "lora.dropout")
+RESUMABLE_MODEL_FIELDS = ("seq_len", "remat", "remat_dtype", "attention", "dropout", "lora.dropout")
 "Model fields a resume may change: they do not change the parameters."
 SCHEDULE_FIELDS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
 

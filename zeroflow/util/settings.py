@@ -41,6 +41,14 @@ QUANTIZE_KINDS = ("nf4", "int8")
 # --- activation memory (the model's remat, which zeroflow.memory estimates) ----------------------
 
 REMATS = ("none", "full", "save_dots", "offload_dots", "offload_input")
+REMAT_DTYPES = ("compute", "fp8")
+"What a remat policy keeps its saved activations in: the compute dtype, or e4m3 with scales."
+FP8_DOTS_REMATS = ("save_dots", "offload_dots")
+"Remat policies whose saved matmul outputs model.remat_dtype='fp8' keeps in e4m3."
+FP8_INPUT_REMATS = ("full", "offload_input")
+"Remat policies whose saved layer inputs model.remat_dtype='fp8' keeps in e4m3."
+FP8_REMATS = FP8_DOTS_REMATS + FP8_INPUT_REMATS
+"The remat policies model.remat_dtype='fp8' applies to (all that save something)."
 
 
 def is_number(value: Any) -> bool:
