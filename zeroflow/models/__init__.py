@@ -6,11 +6,11 @@ from zeroflow.models.gpt import (
     abstract_params,
     count_params,
     decay_mask,
-    flops_per_token,
     init_params,
     logical_axes,
     param_init_fn,
 )
+from zeroflow.models.flops import flops_per_token
 from zeroflow.models.loss import cross_entropy_loss, make_layerwise_loss_fn, make_loss_fn
 from zeroflow.models.sampling import generate
 

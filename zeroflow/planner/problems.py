@@ -225,8 +225,9 @@ class ConfigProblem:
 
     def model_flops(self) -> float:
         """The model's FLOPs per step as the trainer's MFU counts them
-        (``zeroflow.models.flops_per_token``: 6 x matmul weights + attention's) x tokens."""
-        return flops_per_token(self.model) * self.facts.tokens_per_step
+        (``zeroflow.models.flops_per_token``: 6 per trained matmul weight, 4 per frozen one,
+        6 per LoRA adapter element, plus attention's) x tokens."""
+        return flops_per_token(self.model, self.cfg.train.freeze) * self.facts.tokens_per_step
 
     def _model_of(self, choice: Choice):
         return dataclasses.replace(

@@ -221,8 +221,9 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
             "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no "
             "collective in them, e.g. on one device) are costed at the time per matmul flop "
             "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound. "
-            "MFU: the model's FLOPs per step (a config's: 6 x matmul weights + attention, as "
-            "the trainer counts them; zf.plan's: 6 x params) / est. step / dense bf16 peak."
+            "MFU: the model's FLOPs per step (a config's as the trainer counts them: 6 per "
+            "trained matmul weight, 4 per frozen one, 6 per LoRA adapter element, plus "
+            "attention; zf.plan's: 6 x params) / est. step / dense bf16 peak."
         )
     if "model-flops" in marks:
         out.append(
