@@ -1,5 +1,6 @@
 """GPT model, its parameters and logical axes, loss and sampling."""
 
+from zeroflow.models.flops import flops_per_token
 from zeroflow.models.gpt import (
     GPT,
     LAYER_STACK,
@@ -10,7 +11,6 @@ from zeroflow.models.gpt import (
     logical_axes,
     param_init_fn,
 )
-from zeroflow.models.flops import flops_per_token
 from zeroflow.models.loss import cross_entropy_loss, make_layerwise_loss_fn, make_loss_fn
 from zeroflow.models.sampling import generate
 

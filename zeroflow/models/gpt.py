@@ -757,4 +757,3 @@ def decay_mask(params):
         return getattr(path[-1], "key", None) not in ("scale", "bias")
 
     return jax.tree_util.tree_map_with_path(decays, params)
-
