@@ -14,6 +14,7 @@ from zeroflow.planner.advice import Advice
 from zeroflow.planner.choices import Space
 from zeroflow.planner.compiling import Compiler, Measured, failure_reason
 from zeroflow.planner.problems import ModelProblem
+from zeroflow.planner.results import failure_lines
 from zeroflow.planner.search import COMPILED, FAILED, MAX_FAILURES, search_row
 from zeroflow.planner.whatif import what_if
 
@@ -72,6 +73,9 @@ def test_a_failing_kernel_does_not_hide_the_plans_that_fit():
     assert [c.choice.attention for c in row.candidates if c.status == FAILED] == ["cudnn"]
     assert [c.choice.attention for c in row.compiled()] == ["xla", "xla"]
     assert row.best is not None and row.best.choice.attention == "xla"
+    failed = next(c for c in row.candidates if c.status == FAILED)
+    assert failure_lines(row) == [f"{row.where.title}: did not compile ({failed.choice.label()}):"
+                                  " RuntimeError: INTERNAL: no cudnn kernel"]
 
 
 def test_a_config_that_never_compiles_stops_after_max_failures():
@@ -79,9 +83,10 @@ def test_a_config_that_never_compiles_stops_after_max_failures():
     assert row.best is None
     assert compiler.compiles == MAX_FAILURES
     assert sum(c.status == FAILED for c in row.candidates) == MAX_FAILURES
-    assert all(c.reason == "RuntimeError: INTERNAL: no cudnn kernel" or
-               c.reason == "RuntimeError: INTERNAL: no xla kernel"
-               for c in row.candidates if c.status == FAILED)
+    lines = failure_lines(row)  # one line per reason, each naming a plan and how many more
+    assert len(lines) == 2 and all("did not compile (stage" in line for line in lines)
+    assert sum(1 + int(line.split(" and ")[1].split()[0]) if " more)" in line else 1
+               for line in lines) == MAX_FAILURES
 
 
 def test_without_failures_the_budget_is_unchanged():

@@ -19,7 +19,7 @@ from zeroflow.planner.choices import OFFLOAD_PAIRS, Space
 from zeroflow.planner.compiling import Compiler
 from zeroflow.planner.problems import ConfigProblem, ModelProblem
 from zeroflow.planner.results import Plan
-from zeroflow.planner.search import search_row
+from zeroflow.planner.search import MAX_FAILURES, search_row
 from zeroflow.planner.where import Where
 
 Progress = Callable[[int, int, str], None]
@@ -108,7 +108,9 @@ def run(
         raise ValueError(f"{n} devices do not split the batch of {batch}; device counts: {fits}")
     with tempfile.TemporaryDirectory(prefix="zeroflow-planner-") as scratch:
         compiler = Compiler(scratch)
-        bound = max_compiles + 1  # a row may add one compile: search.py's last resort
+        # A row may add one compile (search.py's last resort) and failed ones, which do
+        # not count against max_compiles.
+        bound = max_compiles + 1 + MAX_FAILURES
         total, done, found = bound * len(rows), 0, {}
         for where in sorted(rows, key=lambda w: -w.devices):
             start = compiler.compiles

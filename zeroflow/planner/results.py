@@ -245,10 +245,27 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
     for s in summaries:
         for line in s.row.notes:
             out.append(f"{s.row.where.title}: {line}")
+        out += failure_lines(s.row)
         for advice in plan.advice.get(s.row.where.title, []):
             out.append(f"{s.row.where.title}, nothing fits; could work: {advice.line()}")
         if s.best is None and not plan.advice.get(s.row.where.title):
             out.append(_nothing_fits(s))
+    return out
+
+
+def failure_lines(row: Row) -> list[str]:
+    """One line per reason the row's compiles failed for, naming the first plan it failed
+    and how many more (a failed compile is not a plan that does not fit)."""
+    by_reason: dict[str, list[Candidate]] = {}
+    for cand in row.candidates:
+        if cand.status == FAILED:
+            by_reason.setdefault(cand.reason, []).append(cand)
+    out = []
+    for reason, cands in by_reason.items():
+        more = f" and {len(cands) - 1} more" if len(cands) > 1 else ""
+        out.append(
+            f"{row.where.title}: did not compile ({cands[0].choice.label()}{more}): {reason}"
+        )
     return out
 
 

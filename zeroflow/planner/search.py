@@ -32,12 +32,13 @@ from zeroflow.planner.choices import Choice, Space, enumerate_choices, known_fai
 from zeroflow.planner.compiling import Compiler, Measured
 from zeroflow.planner.whatif import WhatIf, what_if
 from zeroflow.planner.where import Where
+from zeroflow.util.settings import MAX_FAILED_COMPILES
 
 OPEN, COMPILED, FAILED = "open", "compiled", "failed"
 EXPLORE = 1.3
 "A plan of an untried stage / offload is compiled before a tried one up to this much slower"
 " by the what-if."
-MAX_FAILURES = 3
+MAX_FAILURES = MAX_FAILED_COMPILES
 "Failed compiles after which a row's search stops (they do not count against max_compiles)."
 CANNOT_FIT, SKIPPED, RULED_OUT, NOT_COMPILED = "cannot fit", "skipped", "ruled out", "not compiled"
 OTHER_GPU_SPREAD = 0.05

@@ -42,6 +42,11 @@ QUANTIZE_KINDS = ("nf4", "int8")
 
 REMATS = ("none", "full", "save_dots", "offload_dots", "offload_input")
 
+# --- the planner's search (zeroflow.planner.search) ----------------------------------------------
+
+MAX_FAILED_COMPILES = 3
+"Failed compiles after which the planner ends a row (they do not count against max_compiles)."
+
 
 def is_number(value: Any) -> bool:
     """A real number, not a bool."""
