@@ -55,6 +55,8 @@ def plan(
     ``ShapeDtypeStruct``s); ``batch``: one global batch (its leading dimension is split over
     devices and micro-batches). Peaks and step times are XLA's (see ``zeroflow.planner``);
     a plan fits when its compiled peak is at most ``1 - margin`` of the device's memory.
+    ``max_compiles`` bounds the compiles per row that give a peak: one that fails is kept with
+    its reason and not counted (``search.MAX_FAILURES`` failures end a row).
     ``tokens_per_example``: to report tokens/s and MFU (else examples/s, no MFU).
     Returns a ``Plan``: ``plan.summaries()`` per row, ``plan.as_json()`` the whole search."""
     problem = ModelProblem(
