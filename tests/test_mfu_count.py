@@ -46,3 +46,24 @@ def test_the_planner_counts_the_same(override, tmp_path):
 
     problem = ConfigProblem(_config(override, tmp_path))
     assert problem.model_flops() == pytest.approx(HAND[override] * BATCH * S, rel=1e-9)
+
+
+def test_zf_plans_count_is_6_per_trained_and_4_per_frozen_param():
+    """``zf.plan``'s problem (any JAX loss): two 8 x 8 weights, the first frozen, 4 examples of
+    3 tokens."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from zeroflow.autocast.precision import Precision
+    from zeroflow.planner.problems import ModelProblem
+
+    def loss(params, batch):
+        return jnp.mean((batch["x"] @ params["a"] @ params["b"]) ** 2)
+
+    s = jax.ShapeDtypeStruct
+    params = {"a": s((8, 8), jnp.float32), "b": s((8, 8), jnp.float32)}
+    problem = ModelProblem(loss, params, {"x": s((4, 8), jnp.float32)}, optax.adam(1e-3),
+                           Precision(), trainable=lambda path, _: path != "a",
+                           tokens_per_example=3)
+    assert problem.model_flops() == (4 * 64 + 6 * 64) * 4 * 3

@@ -92,10 +92,14 @@ class ModelProblem:
         )
 
     def model_flops(self) -> float | None:
-        """6 x parameters x tokens per step, when tokens per example are known."""
+        """(6 per trained parameter + 4 per frozen one: no weight gradient, as
+        ``zeroflow.models.flops_per_token`` counts them) x tokens per step, when tokens per
+        example are known."""
         if self.tokens_per_example is None:
             return None
-        return 6.0 * self.facts.params * self.facts.tokens_per_step
+        frozen = self.facts.frozen_params
+        per_token = 6.0 * (self.facts.params - frozen) + 4.0 * frozen
+        return per_token * self.facts.tokens_per_step
 
     def overrides(self, choice: Choice, devices: int) -> None:
         return None

@@ -231,7 +231,8 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
             "(its MFU then an upper bound, ≤). "
             "MFU: the model's FLOPs per step (a config's as the trainer counts them: 6 per "
             "trained matmul weight, 4 per frozen one, 6 per LoRA adapter element, plus "
-            "attention; zf.plan's: 6 x params) / est. step / dense bf16 peak."
+            "attention; zf.plan's: 6 per trained param, 4 per frozen one) / est. step / dense bf16 "
+            "peak."
         )
     if "model-flops" in marks:
         out.append(
