@@ -290,3 +290,58 @@ def test_abstract_params_allocate_nothing():
     # 6N (plus the logits matmul) dominates; attention adds 12 * L * H * Dh * S.
     expected = 6 * non_embedding + 6 * cfg.embed_dim * cfg.vocab_size + 12 * 48 * 6144 * 2048
     assert abs(flops_per_token(cfg) - expected) / expected < 1e-3
+
+
+# A 2-layer GQA model with an untied head, counted by hand: per layer query and out hold
+# E x H x D, key and value E x KV x D, the SwiGLU's gate, up and down E x M; the head E x V.
+E, H, KV, D, M, V, S, L = 32, 4, 2, 8, 64, 96, 16, 2
+HAND = ModelConfig(vocab_size=V, seq_len=S, num_layers=L, embed_dim=E, num_heads=H,
+                   num_kv_heads=KV, mlp_dim=M, tie_embeddings=False)
+ATTN_W = L * (2 * E * H * D + 2 * E * KV * D)
+MLP_W = L * 3 * E * M
+HEAD_W = E * V
+ATTN_FWD = 4 * L * H * D * S  # scores and weighted values, forward, per token
+
+
+def test_full_training_counts_6_per_weight():
+    expected = 6 * (ATTN_W + MLP_W + HEAD_W) + 3 * ATTN_FWD
+    assert flops_per_token(HAND) == pytest.approx(expected, rel=1e-9)
+
+
+def test_lora_counts_4_per_frozen_weight_and_6_per_adapter():
+    """The frozen base: forward 2 + its input's gradient 2 (no weight gradient); rank-r
+    adapters on a weight of in x out: r x (in + out) elements at 6 each."""
+    r = 4
+    cfg = dataclasses.replace(HAND, lora=dataclasses.replace(HAND.lora, rank=r))
+    adapters = L * r * (2 * (E + H * D) + 2 * (E + KV * D) + 3 * (E + M))
+    expected = 4 * (ATTN_W + MLP_W + HEAD_W) + 6 * adapters + 3 * ATTN_FWD
+    assert flops_per_token(cfg) == pytest.approx(expected, rel=1e-9)
+
+
+def test_lora_adapter_count_is_zf_loras():
+    """The adapters counted are those ``zf.lora`` makes on the model (rank 4, default targets)."""
+    from zeroflow.models.flops import matmul_weights
+    from zeroflow.trainer import adapters as run_adapters
+    r = 4
+    cfg = dataclasses.replace(HAND, lora=dataclasses.replace(HAND.lora, rank=r))
+    shapes, _ = abstract_params(cfg)
+    lo = run_adapters.make_lora(make_loss_fn(cfg), cfg.lora, shapes)
+    batch = {"tokens": jax.ShapeDtypeStruct((2, S + 1), jnp.int32)}
+    sites = run_adapters.adapter_sites(lo, shapes, batch, jnp.float32)
+    made = sum(math.prod(s) for site in sites.values() for s in site.factor_shapes(r))
+    counted = sum(w.layers * r * w.in_plus_out for w in matmul_weights(cfg)
+                  if w.path in sites)
+    assert made == counted == L * r * (2 * (E + H * D) + 2 * (E + KV * D) + 3 * (E + M))
+
+
+def test_train_freeze_counts_frozen_weights_at_4():
+    """train.freeze='attn/': the attention projections frozen (4), the MLP and head train (6)."""
+    expected = 4 * ATTN_W + 6 * (MLP_W + HEAD_W) + 3 * ATTN_FWD
+    assert flops_per_token(HAND, "attn/") == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_frozen_body_under_a_trained_head_costs_its_forward_only():
+    """Only the final norm and the head train: no gradient enters the layers, whose weights
+    and attention cost their forward pass alone."""
+    expected = 2 * (ATTN_W + MLP_W) + 6 * HEAD_W + ATTN_FWD
+    assert flops_per_token(HAND, "layers|embedding") == pytest.approx(expected, rel=1e-9)

@@ -142,3 +142,25 @@ def test_the_planner_shows_no_mfu_above_100_percent():
     assert s.mfu is None and s.step_ms == pytest.approx(1e13 / 989e12 * 1e3)
     cells = results.cells(s)
     assert cells[5] == f"≥ {1e13 / 989e12 * 1e3:.1f} ms" and cells[7] == "-"
+
+
+def test_an_mfu_from_a_step_costed_at_the_peak_is_shown_as_an_upper_bound():
+    """Loops XLA printed no cost for, costed at the dense peak (989e12 on an H100): 1e12
+    matmul flops take at least 1.011 ms; 5e11 model FLOPs in that bound is at most 50%."""
+    from types import SimpleNamespace
+
+    from zeroflow.planner import results, where
+    from zeroflow.planner.choices import Choice
+    from zeroflow.planner.compiling import Compiler, Measured
+    from zeroflow.planner.search import Candidate, Row
+    from zeroflow.planner.whatif import WhatIf
+    got = Measured(peak_bytes=1e9, host_bytes=0.0, compile_s=1.0, uncosted_flops=1e12,
+                   timed=True)
+    cand = Candidate(Choice(stage=0), WhatIf(0, 0, 0, 1.0), "compiled", measured=got)
+    row = Row(where.target("h100", 1), 80e9, [cand], best=cand)
+    problem = SimpleNamespace(model_flops=lambda: 5e11, overrides=lambda c, n: [],
+                              facts=SimpleNamespace(tokens_per_step=1000))
+    s = results.summarize(row, problem, Compiler("unused"))
+    assert s.step_costed_by == "peak" and s.mfu == pytest.approx(0.5)
+    cells = results.cells(s)
+    assert cells[5] == f"≥ {1e12 / 989e12 * 1e3:.1f} ms" and cells[7] == "≤ 50%"

@@ -138,7 +138,7 @@ def train_case(**spec) -> dict:
     stats = device.memory_stats() or {}
     step_s = statistics.median(times) if times else None
     tokens = spec["batch"] * cfg.model.seq_len
-    flops = flops_per_token(cfg.model)
+    flops = flops_per_token(cfg.model, cfg.train.freeze)
     peak, _ = peak_bf16_flops(device.device_kind)
     loss = float(jax.device_get(metrics["loss"]))
     return {

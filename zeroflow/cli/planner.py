@@ -26,7 +26,7 @@ from pathlib import Path
 from zeroflow.cli import plan_flags as flags
 from zeroflow.cli.common import run_cli
 from zeroflow.config.io import add_config_arguments, load_config
-from zeroflow.util.settings import REMATS, ZERO_STAGES
+from zeroflow.util.settings import MAX_FAILED_COMPILES, REMATS, ZERO_STAGES
 
 PROG = "zeroflow.planner"
 
@@ -39,7 +39,13 @@ def parser() -> argparse.ArgumentParser:
     add("--out", help="output folder (default plans/<config name>)")
     add("--margin", type=flags.fraction, default=0.1, help="memory kept free (default 0.1)")
     add("--device-memory", type=flags.memory_size, help="memory per device instead (80GB)")
-    add("--max-compiles", type=flags.count, default=3, help="compiles per row at most")
+    add(
+        "--max-compiles",
+        type=flags.count,
+        default=3,
+        help="compiles per row at most (default 3); a failed compile is reported and not "
+        f"counted, {MAX_FAILED_COMPILES} failures end a row",
+    )
     add("--min-compiles", type=flags.count, default=2, help="compiles per row at least")
     add("--stages", type=flags.stages, default=list(ZERO_STAGES))
     add("--remats", type=flags.remats, default=list(REMATS))

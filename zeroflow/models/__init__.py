@@ -1,12 +1,12 @@
 """GPT model, its parameters and logical axes, loss and sampling."""
 
+from zeroflow.models.flops import flops_per_token
 from zeroflow.models.gpt import (
     GPT,
     LAYER_STACK,
     abstract_params,
     count_params,
     decay_mask,
-    flops_per_token,
     init_params,
     logical_axes,
     param_init_fn,

@@ -843,24 +843,3 @@ def decay_mask(params):
         return getattr(path[-1], "key", None) not in ("scale", "bias")
 
     return jax.tree_util.tree_map_with_path(decays, params)
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training (forward + backward) FLOPs per token, for an MFU estimate.
-
-    ``6 * N + 12 * num_layers * num_heads * head_dim * seq_len`` (Kaplan et al. 2020; PaLM,
-    Chowdhery et al. 2022, appendix B), where N counts the matmul weights a token passes through:
-    the attention and MLP projections of every layer plus the output (logits) projection, tied or
-    not. The input embedding is a gather and the norms are negligible, so neither is counted. The
-    attention term counts the full seq x seq score matrix (causal masking is not subtracted) and
-    remat recomputation is not counted, following the usual MFU convention. Block-sparse MLP
-    weights count only their kept fraction (mlp_density).
-    """
-    heads_width = cfg.num_heads * head_dim(cfg)
-    kv_width = num_kv_heads(cfg) * head_dim(cfg)
-    attn = cfg.embed_dim * (2 * heads_width + 2 * kv_width)  # query, key, value, out
-    mlp: float = (3 if cfg.mlp_activation in GATED else 2) * cfg.embed_dim * cfg.mlp_dim
-    if cfg.mlp == "block_sparse":
-        mlp *= cfg.mlp_density
-    matmul_weights = cfg.num_layers * (attn + mlp) + cfg.embed_dim * cfg.vocab_size
-    return 6.0 * matmul_weights + 12.0 * cfg.num_layers * heads_width * cfg.seq_len

@@ -43,15 +43,20 @@ class Advice:
     "XLA's compiled peak (None: from the formula only, ``predicted_bytes``)."
     predicted_bytes: float
     fits: bool
+    failure: str = ""
+    "Why its compile failed (an error, not a peak over the memory); '' where it compiled."
 
     def line(self) -> str:
+        keys = f" ({' '.join(self.overrides)})" if self.overrides else ""
+        if self.failure:  # whether it fits is unknown: say why, not "does not fit"
+            return f"{self.what}: did not compile{keys}: {self.failure}"
         figure = (
             f"XLA peak {format_bytes(self.peak_bytes)}"
             if self.peak_bytes is not None
             else f"ZeRO formula {format_bytes(self.predicted_bytes)}"
         )
         verdict = "fits" if self.fits else "does not fit"
-        return f"{self.what}: {figure} per device, {verdict} ({' '.join(self.overrides)})"
+        return f"{self.what}: {figure} per device, {verdict}{keys}"
 
     def as_json(self) -> dict:
         return {
@@ -60,6 +65,7 @@ class Advice:
             "xla_peak_bytes": None if self.peak_bytes is None else round(self.peak_bytes),
             "predicted_bytes": round(self.predicted_bytes),
             "fits": self.fits,
+            "failure": self.failure or None,
         }
 
 
@@ -88,9 +94,9 @@ def _frugal(problem, where, space: Space, usable: float) -> Choice | None:
 def _compiled(problem, choice, where, compiler: Compiler, usable: float, what: str) -> Advice:
     got = compiler.measure(problem, choice, where)
     predicted = what_if(problem.facts, choice, where).predicted_bytes
-    if isinstance(got, str):
-        return Advice(f"{what} (did not compile: {got})", [], None, predicted, False)
     overrides = problem.overrides(choice, where.devices)
+    if isinstance(got, str):
+        return Advice(what, overrides, None, predicted, False, failure=got)
     return Advice(what, overrides, got.peak_bytes, predicted, got.peak_bytes <= usable)
 
 

@@ -19,7 +19,7 @@ from zeroflow.planner.choices import OFFLOAD_PAIRS, Space
 from zeroflow.planner.compiling import Compiler
 from zeroflow.planner.problems import ConfigProblem, ModelProblem
 from zeroflow.planner.results import Plan
-from zeroflow.planner.search import search_row
+from zeroflow.planner.search import MAX_FAILURES, search_row
 from zeroflow.planner.where import Where
 
 Progress = Callable[[int, int, str], None]
@@ -55,6 +55,8 @@ def plan(
     ``ShapeDtypeStruct``s); ``batch``: one global batch (its leading dimension is split over
     devices and micro-batches). Peaks and step times are XLA's (see ``zeroflow.planner``);
     a plan fits when its compiled peak is at most ``1 - margin`` of the device's memory.
+    ``max_compiles`` bounds the compiles per row that give a peak: one that fails is kept with
+    its reason and not counted (``search.MAX_FAILURES`` failures end a row).
     ``tokens_per_example``: to report tokens/s and MFU (else examples/s, no MFU).
     Returns a ``Plan``: ``plan.summaries()`` per row, ``plan.as_json()`` the whole search."""
     problem = ModelProblem(
@@ -108,7 +110,9 @@ def run(
         raise ValueError(f"{n} devices do not split the batch of {batch}; device counts: {fits}")
     with tempfile.TemporaryDirectory(prefix="zeroflow-planner-") as scratch:
         compiler = Compiler(scratch)
-        bound = max_compiles + 1  # a row may add one compile: search.py's last resort
+        # A row may add one compile (search.py's last resort) and failed ones, which do
+        # not count against max_compiles.
+        bound = max_compiles + 1 + MAX_FAILURES
         total, done, found = bound * len(rows), 0, {}
         for where in sorted(rows, key=lambda w: -w.devices):
             start = compiler.compiles

@@ -92,10 +92,14 @@ class ModelProblem:
         )
 
     def model_flops(self) -> float | None:
-        """6 x parameters x tokens per step, when tokens per example are known."""
+        """(6 per trained parameter + 4 per frozen one: no weight gradient, as
+        ``zeroflow.models.flops_per_token`` counts them) x tokens per step, when tokens per
+        example are known."""
         if self.tokens_per_example is None:
             return None
-        return 6.0 * self.facts.params * self.facts.tokens_per_step
+        frozen = self.facts.frozen_params
+        per_token = 6.0 * (self.facts.params - frozen) + 4.0 * frozen
+        return per_token * self.facts.tokens_per_step
 
     def overrides(self, choice: Choice, devices: int) -> None:
         return None
@@ -225,8 +229,9 @@ class ConfigProblem:
 
     def model_flops(self) -> float:
         """The model's FLOPs per step as the trainer's MFU counts them
-        (``zeroflow.models.flops_per_token``: 6 x matmul weights + attention's) x tokens."""
-        return flops_per_token(self.model) * self.facts.tokens_per_step
+        (``zeroflow.models.flops_per_token``: 6 per trained matmul weight, 4 per frozen one,
+        6 per LoRA adapter element, plus attention's) x tokens."""
+        return flops_per_token(self.model, self.cfg.train.freeze) * self.facts.tokens_per_step
 
     def _model_of(self, choice: Choice):
         return dataclasses.replace(

@@ -180,9 +180,16 @@ def cells(s: Summary) -> list[str]:
         format_bytes(s.host_bytes_per_process) if s.host_bytes_per_process else "0",
         f"{STEP_MARK[s.step_costed_by]}{s.step_ms:.1f} ms",
         f"{s.tokens_per_s:,.0f}",
-        "-" if s.mfu is None else f"{100 * s.mfu:.0f}%",
+        _mfu_cell(s),
         compiled,
     ]
+
+
+def _mfu_cell(s: Summary) -> str:
+    """The MFU; from a step costed at the dense peak (a lower bound) it is an upper bound."""
+    if s.mfu is None:
+        return "-"
+    return ("≤ " if s.step_costed_by == "peak" else "") + f"{100 * s.mfu:.0f}%"
 
 
 def render(plan: Plan, console=None) -> None:
@@ -220,9 +227,12 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
             "est. step: XLA:GPU's latency-hiding scheduler's cost model of the compiled step "
             "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no "
             "collective in them, e.g. on one device) are costed at the time per matmul flop "
-            "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound. "
-            "MFU: the model's FLOPs per step (a config's: 6 x matmul weights + attention, as "
-            "the trainer counts them; zf.plan's: 6 x params) / est. step / dense bf16 peak."
+            "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound "
+            "(its MFU then an upper bound, ≤). "
+            "MFU: the model's FLOPs per step (a config's as the trainer counts them: 6 per "
+            "trained matmul weight, 4 per frozen one, 6 per LoRA adapter element, plus "
+            "attention; zf.plan's: 6 per trained param, 4 per frozen one) / est. step / dense bf16 "
+            "peak."
         )
     if "model-flops" in marks:
         out.append(
@@ -244,10 +254,27 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
     for s in summaries:
         for line in s.row.notes:
             out.append(f"{s.row.where.title}: {line}")
+        out += failure_lines(s.row)
         for advice in plan.advice.get(s.row.where.title, []):
             out.append(f"{s.row.where.title}, nothing fits; could work: {advice.line()}")
         if s.best is None and not plan.advice.get(s.row.where.title):
             out.append(_nothing_fits(s))
+    return out
+
+
+def failure_lines(row: Row) -> list[str]:
+    """One line per reason the row's compiles failed for, naming the first plan it failed
+    and how many more (a failed compile is not a plan that does not fit)."""
+    by_reason: dict[str, list[Candidate]] = {}
+    for cand in row.candidates:
+        if cand.status == FAILED:
+            by_reason.setdefault(cand.reason, []).append(cand)
+    out = []
+    for reason, cands in by_reason.items():
+        more = f" and {len(cands) - 1} more" if len(cands) > 1 else ""
+        out.append(
+            f"{row.where.title}: did not compile ({cands[0].choice.label()}{more}): {reason}"
+        )
     return out
 
 

@@ -13,6 +13,11 @@ most promising few, pick the fastest that fits.
    beat it even at the most favourable ratio of XLA's step to the what-if's seen so far.
    Where ``max_compiles`` found nothing that fits, one more compile tries the plainest open
    plan the formula predicts to fit (else the one it predicts smallest).
+   A compile that fails (an error, not a peak over the memory) does not count against
+   ``max_compiles``: it is reported with its reason, and the next plans avoid its attention
+   kernel while plans of another are open (cuDNN failing for every plan of a model must not
+   hide the XLA plans that fit). ``max_failures`` failed compiles end the row (a config
+   that cannot compile at all ends fast), last resort included.
 4. The best plan is the fitting one with the shortest step by XLA's estimate (by the what-if
    where the backend gives none, as XLA:CPU).
 """
@@ -27,11 +32,14 @@ from zeroflow.planner.choices import Choice, Space, enumerate_choices, known_fai
 from zeroflow.planner.compiling import Compiler, Measured
 from zeroflow.planner.whatif import WhatIf, what_if
 from zeroflow.planner.where import Where
+from zeroflow.util.settings import MAX_FAILED_COMPILES
 
 OPEN, COMPILED, FAILED = "open", "compiled", "failed"
 EXPLORE = 1.3
 "A plan of an untried stage / offload is compiled before a tried one up to this much slower"
 " by the what-if."
+MAX_FAILURES = MAX_FAILED_COMPILES
+"Failed compiles after which a row's search stops (they do not count against max_compiles)."
 CANNOT_FIT, SKIPPED, RULED_OUT, NOT_COMPILED = "cannot fit", "skipped", "ruled out", "not compiled"
 OTHER_GPU_SPREAD = 0.05
 "How far one program's compiled peak may differ between GPU targets for the planner to reuse it:"
@@ -68,6 +76,9 @@ class Row:
 
     def compiled(self) -> list[Candidate]:
         return [c for c in self.candidates if c.status == COMPILED]
+
+    def failures(self) -> int:
+        return sum(c.status == FAILED for c in self.candidates)
 
     def fits(self, cand: Candidate) -> bool:
         return cand.measured is not None and cand.measured.peak_bytes <= self.usable_bytes
@@ -110,28 +121,30 @@ def search_row(
     margin: float,
     max_compiles: int,
     min_compiles: int,
+    max_failures: int = MAX_FAILURES,
     on_compile: Callable[[str], None] | None = None,
 ) -> Row:
     usable = where.memory_bytes * (1 - margin)
     row = Row(where, usable, candidates_for(problem, where, space, usable))
     scale, done = 1.0, 0
-    while done < max_compiles:
+    while done < max_compiles and row.failures() < max_failures:
         nxt = _next(row, scale, compiler)
         if nxt is None:
             break
         if _too_big_elsewhere(problem, row, nxt, compiler):
             continue
         got = _compile(problem, row, nxt, compiler, on_compile)
-        done += 1
-        if got is None:
+        if got is None:  # failed: reported, not counted (see the module doc)
             continue
+        done += 1
         if nxt.what_if.predicted_bytes > 0:
             scale = got.peak_bytes / nxt.what_if.predicted_bytes
         if not row.fits(nxt):
             _rule_out_bigger(row, nxt)
         elif done >= min_compiles and _cannot_be_beaten(row, compiler, scale):
             break
-    _last_resort(problem, row, compiler, on_compile)
+    if row.failures() < max_failures:
+        _last_resort(problem, row, compiler, on_compile)
     for cand in row.candidates:
         if cand.status == OPEN:
             cand.status = NOT_COMPILED
@@ -146,7 +159,7 @@ def _last_resort(problem, row: Row, compiler: Compiler, on_compile) -> None:
     device and no ZeRO++ first, else the one it predicts smallest. Plain plans first, as
     XLA:GPU fails on some combinations of host offload and ZeRO++ (8 x L4, Llama 3.1 8B:
     IndexError in its compile)."""
-    open_ = [c for c in row.candidates if c.status == OPEN]
+    open_ = _unfailed_kernels(row, [c for c in row.candidates if c.status == OPEN])
     if best_of(row, compiler) is not None or not open_:
         return
 
@@ -183,9 +196,11 @@ def _next(row: Row, scale: float, compiler: Compiler) -> Candidate | None:
     """The fastest open candidate the formula (scaled) predicts to fit, preferring, within
     ``EXPLORE`` of it, one whose stage and offload no compile has tried yet (the what-if's
     near-ties are for XLA to break); where none is predicted to fit and nothing compiled fits,
-    the one the formula predicts smallest."""
-    open_ = [c for c in row.candidates if c.status == OPEN]
-    likely = _likely(row, scale)
+    the one the formula predicts smallest. Plans of an attention kernel that failed to compile
+    come last."""
+    open_ = _unfailed_kernels(row, [c for c in row.candidates if c.status == OPEN])
+    kept = {id(c) for c in open_}
+    likely = [c for c in _likely(row, scale) if id(c) in kept]
     if likely:
         tried = {_family(c.choice) for c in row.candidates if c.status in (COMPILED, FAILED)}
         near = [c for c in likely if c.what_if.prior_s <= likely[0].what_if.prior_s * EXPLORE]
@@ -194,6 +209,13 @@ def _next(row: Row, scale: float, compiler: Compiler) -> Candidate | None:
     if open_ and best_of(row, compiler) is None:  # the one likeliest to fit
         return min(open_, key=lambda c: c.what_if.predicted_bytes)
     return None
+
+
+def _unfailed_kernels(row: Row, cands: list[Candidate]) -> list[Candidate]:
+    """``cands`` less those of an attention kernel a compile of this row failed with, unless
+    that leaves none."""
+    failed = {c.choice.attention for c in row.candidates if c.status == FAILED}
+    return [c for c in cands if c.choice.attention not in failed] or cands
 
 
 def _family(choice: Choice) -> tuple:

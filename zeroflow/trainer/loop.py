@@ -177,7 +177,7 @@ def _reporter(run: Run, start: int, progress, *, resumed: bool, rollbacks: int =
         start,
         progress=cfg.run.progress if progress is None else progress,
         cfg=cfg,
-        flops_per_token=flops_per_token(run.model_cfg),
+        flops_per_token=flops_per_token(run.model_cfg, cfg.train.freeze),
         num_devices=jax.device_count(),
         resumed=resumed,
         rollbacks=rollbacks,

@@ -50,6 +50,11 @@ FP8_INPUT_REMATS = ("full", "offload_input")
 FP8_REMATS = FP8_DOTS_REMATS + FP8_INPUT_REMATS
 "The remat policies model.remat_dtype='fp8' applies to (all that save something)."
 
+# --- the planner's search (zeroflow.planner.search) ----------------------------------------------
+
+MAX_FAILED_COMPILES = 3
+"Failed compiles after which the planner ends a row (they do not count against max_compiles)."
+
 
 def is_number(value: Any) -> bool:
     """A real number, not a bool."""
