@@ -225,7 +225,8 @@ def _run(parser, args) -> int:
     the environment XLA reads at start-up."""
     import jax
 
-    from zeroflow.memory.estimate import OFFLOADS, REMATS, STAGES, count_gpt_params
+    from zeroflow.memory.estimate import OFFLOADS, REMATS, STAGES
+    from zeroflow.models.spec import count_gpt_params
     from zeroflow.planner.memory_table import (
         MEASURE_MAX_DEVICES,
         plan_rows,

@@ -8,14 +8,14 @@ from __future__ import annotations
 import dataclasses
 
 from zeroflow.config.io import apply_overrides
-from zeroflow.memory.estimate import (
+from zeroflow.models import flops_per_token
+from zeroflow.models.spec import (
     activations,
     count_gpt_params,
     offloaded_activations,
     optimizer_bytes_per_param,
     stored_frozen_bytes_per_param,
 )
-from zeroflow.models import flops_per_token
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where

@@ -25,13 +25,11 @@ from zeroflow.memory.estimate import (
     REMATS,
     STAGES,
     MemoryEstimate,
-    count_gpt_params,
-    estimate_config,
     format_bytes,
-    offloaded_activations,
 )
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.models import flops_per_token
+from zeroflow.models.spec import count_gpt_params, estimate_config, offloaded_activations
 from zeroflow.planner.compiling import failure_reason
 from zeroflow.trainer.planning import attention_note, compile_config, count_frozen_params
 
