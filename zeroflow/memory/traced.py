@@ -148,8 +148,16 @@ def _inner_walks(eqn, shares: dict, local: bool, reusable: set) -> list[Walk]:
             if call and not isinstance(v, Literal) and v in reusable
         }
         inside = local or eqn.primitive.name == "shard_map"
-        walks.append(walk(inner, in_shares, local=inside, reusable=donors))
+        sliced = _scanned_slices(eqn, len(inner.invars))
+        walks.append(walk(inner, in_shares, local=inside, reusable=donors, sliced=sliced))
     return walks
+
+
+def _scanned_slices(eqn, count: int) -> range:
+    """Positions of a scan body's inputs that are one step's slice of a stacked operand."""
+    if eqn.primitive.name != "scan":
+        return range(0)
+    return range(eqn.params["num_consts"] + eqn.params["num_carry"], count)
 
 
 class _Buffer(NamedTuple):
@@ -161,39 +169,44 @@ class _Buffer(NamedTuple):
     "The position of the caller's input it is, if it is one."
 
 
-def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=()) -> Walk:
+def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=(), sliced=()) -> Walk:
     """Walk ``jaxpr`` (open) in program order, each value kept from the operation that makes
     it to its last use (an output to the end). Inputs and constants are the caller's and are
     not counted. ``local``: shapes are already one device's (inside ``shard_map``).
     ``reusable``: positions of inputs whose buffers a result may take over at their last use
     (donated, or dying at the call); such a result costs nothing, and ``Walk.reused`` says
-    which input each output took over. A fused result (``_fused``) holds no buffer of its own
-    but keeps its operands' until its consumer runs, which may write into one of them."""
+    which input each output took over. ``sliced``: positions of inputs that are one step's
+    slice of a stacked operand (a scan's): copied out of the stack where an operation other
+    than an elementwise one reads them (``_copied_slices``), from their first reader on. A
+    fused result (``_fused``) holds no buffer of its own but keeps its operands' until its
+    consumer runs, which may write into one of them; a view (``_views``) is its operand's
+    buffer."""
     shares: dict = dict(zip(jaxpr.invars, in_shares))
+    jaxpr = _scheduled(jaxpr)
     last_use = _last_uses(jaxpr)
     fused = _fused(jaxpr)
     size = lambda v: aval_bytes(v.aval) * _share(v, shares)  # noqa: E731
     live: dict = {
         v: [_Buffer(0.0, size(v), k)] for k, v in enumerate(jaxpr.invars) if k in set(reusable)
     }
+    copied = _copied_slices(jaxpr, sliced)
     best = Walk(0.0, 0.0, 0.0, [], [])
     for i, eqn in enumerate(jaxpr.eqns):
+        for v in _vars(eqn.invars):
+            if v in copied:  # the slice is copied out of its stack just before its first reader
+                copied.discard(v)
+                live[v] = [_Buffer(size(v), size(v), None)]
         dying = [v for v in _vars(eqn.invars) if last_use.get(v) == i]
         donors = {v for v in dying if any(b.size for b in live.get(v, ()))}
         inner = _inner_walks(eqn, shares, local, donors)
         _set_shares(eqn, shares, inner, local)
         pool = {v: live.pop(v) for v in dying if v in live}
-        before = sum(b.counted for bufs in [*live.values(), *pool.values()] for b in bufs)
-        made = _results(eqn, inner, pool, fused, size)
-        # Buffers taken over from dying operands are already in ``before``.
-        reused = {id(b) for bufs in pool.values() for b in bufs}
-        new = sum(
-            b.counted
-            for v, bufs in made.items()
-            if v in last_use
-            for b in bufs
-            if id(b) not in reused
-        )
+        held = {id(b): b for bufs in [*live.values(), *pool.values()] for b in bufs}
+        before = sum(b.counted for b in held.values())
+        made = _results(eqn, inner, live, pool, fused, size)
+        # Buffers taken over from operands (dying, or viewed) are already in ``before``.
+        fresh = {id(b): b for v, bufs in made.items() if v in last_use for b in bufs}
+        new = sum(b.counted for k, b in fresh.items() if k not in held)
         working = max((w.peak for w in inner), default=0.0)
         # An inner jaxpr's peak counts the results it has made by then: they are the eqn's.
         if before + max(new, working) > best.peak:
@@ -211,14 +224,53 @@ def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=())
     return best._replace(out_shares=outs, reused=taken_over)
 
 
+class _Program(NamedTuple):
+    invars: list
+    outvars: list
+    eqns: list
+
+
+def _scheduled(jaxpr) -> _Program:
+    """``jaxpr``'s operations in the order XLA's scheduler runs them as far as the walk can
+    tell: one that reads only the jaxpr's inputs (a gather of a layer's weights, a cast of
+    them) runs just before its first reader, as a scheduler that keeps memory low places it,
+    rather than where the trace put it."""
+    produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+    early, rest = [], []
+    for eqn in jaxpr.eqns:
+        if any(v in produced for v in _vars(eqn.invars)) or not eqn.outvars:
+            rest.append(eqn)
+        else:
+            early.append(eqn)
+    waiting = {id(e): e for e in early}
+    order: list = []
+
+    def place(eqn) -> None:
+        for v in _vars(eqn.invars):
+            for e in list(waiting.values()):
+                if v in e.outvars:
+                    del waiting[id(e)]
+                    place(e)
+        order.append(eqn)
+
+    for eqn in rest:
+        place(eqn)
+    order += waiting.values()  # read by nothing but the outputs: last
+    return _Program(list(jaxpr.invars), list(jaxpr.outvars), order)
+
+
 def _vars(values) -> list:
     return [v for v in values if not isinstance(v, Literal)]
 
 
-def _results(eqn, inner: list[Walk], pool: dict, fused: set, size) -> dict:
-    """``{result: its buffers}``: a fused result carries its dying operands' buffers, a result
-    written in place takes a dying operand's buffer of its size, any other is new."""
+def _results(eqn, inner: list[Walk], live: dict, pool: dict, fused: set, size) -> dict:
+    """``{result: its buffers}``: a view is its operand's buffers (none for a caller's input), a
+    fused result carries its dying operands' buffers, a result written in place takes a dying
+    operand's buffer of its size, any other is new."""
     outs = list(eqn.outvars)
+    views = _views(eqn, size)
+    if views:
+        return {out: list(live.get(v) or pool.get(v) or []) for out, v in views.items()}
     if len(outs) == 1 and outs[0] in fused:
         return {outs[0]: [b for bufs in pool.values() for b in bufs]}
     spare = [b for bufs in pool.values() for b in bufs]
@@ -243,8 +295,43 @@ def _results(eqn, inner: list[Walk], pool: dict, fused: set, size) -> dict:
     return made
 
 
+_VIEWS = frozenset("device_put sharding_constraint reshape squeeze expand_dims".split())
+"Operations whose result XLA makes a view of the operand (a bitcast) where its bytes on the "
+"device do not change: a placement where the value already is, a reshape."
+
+
+def _views(eqn, size) -> dict:
+    """``{result: the operand it views}`` for a view operation whose result has its operand's
+    bytes on the device (else empty: the result is a copy, a gather or a move)."""
+    if eqn.primitive.name not in _VIEWS:
+        return {}
+    pairs = zip(eqn.outvars, eqn.invars if eqn.primitive.name == "device_put" else eqn.invars[:1])
+    views = {out: v for out, v in pairs if not isinstance(v, Literal) and size(out) == size(v)}
+    return views if len(views) == len(eqn.outvars) else {}
+
+
+def _copied_slices(jaxpr, sliced) -> set:
+    """The ``sliced`` inputs some operation other than an elementwise one reads: XLA copies
+    such a step's slice out of its stack (a dynamic slice fused into its elementwise readers
+    costs nothing)."""
+    inputs = {jaxpr.invars[k] for k in sliced}
+    return {
+        v
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name not in _ELEMENTWISE
+        for v in _vars(eqn.invars)
+        if v in inputs
+    }
+
+
+COMBINE_BYTES = 30 * 1024 * 1024
+"XLA's all-reduce combiner's default threshold (``xla_gpu_all_reduce_combine_threshold_bytes``)."
+
+
 def _last_uses(jaxpr) -> dict:
-    """Each value's last reader's position (the jaxpr's outputs: one past the end)."""
+    """Each value's last reader's position (the jaxpr's outputs: one past the end). XLA
+    combines a run of consecutive independent ``psum``s into one all-reduce (up to
+    ``COMBINE_BYTES``), which holds all their operands until it ends."""
     last_use: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
@@ -253,7 +340,37 @@ def _last_uses(jaxpr) -> dict:
     for v in jaxpr.outvars:
         if not isinstance(v, Literal):
             last_use[v] = len(jaxpr.eqns)
+    for run in _psum_runs(jaxpr):
+        for position in run:
+            for v in _vars(jaxpr.eqns[position].invars):
+                last_use[v] = max(last_use[v], run[-1])
     return last_use
+
+
+def _psum_runs(jaxpr) -> list[list[int]]:
+    """Positions of runs of consecutive ``psum``s over the same axes, none reading another's
+    result, at most ``COMBINE_BYTES`` of operands each."""
+    runs: list[list[int]] = []
+    made: set = set()
+    total = 0.0
+    for i, eqn in enumerate(jaxpr.eqns):
+        bytes_in = sum(aval_bytes(v.aval) for v in _vars(eqn.invars))
+        joins = (
+            eqn.primitive.name == "psum"
+            and runs
+            and runs[-1][-1] == i - 1
+            and jaxpr.eqns[i - 1].params.get("axes") == eqn.params.get("axes")
+            and not made.intersection(_vars(eqn.invars))
+            and total + bytes_in <= COMBINE_BYTES
+        )
+        if joins:
+            runs[-1].append(i)
+            total += bytes_in
+        elif eqn.primitive.name == "psum":
+            runs.append([i])
+            made, total = set(), bytes_in
+        made.update(eqn.outvars)
+    return [run for run in runs if len(run) > 1]
 
 
 def _set_shares(eqn, shares: dict, inner: list[Walk], local: bool) -> None:
