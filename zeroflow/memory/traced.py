@@ -129,7 +129,7 @@ _IN_PLACE = _ELEMENTWISE | frozenset(
 "Operations whose result XLA may write into an operand's buffer where that operand dies."
 
 
-def _inner_walks(eqn, shares: dict, local: bool, reusable: set) -> list[Walk]:
+def _inner_walks(eqn, shares: dict, local: bool, reusable: set, overlap: bool) -> list[Walk]:
     """Walks of the jaxprs inside ``eqn`` (a call, a loop's body, a branch, ``shard_map``),
     their inputs' shares taken from the operands they line up with from the end; an operand
     in ``reusable`` (it dies here) may give its buffer to a result of a call's jaxpr."""
@@ -149,7 +149,9 @@ def _inner_walks(eqn, shares: dict, local: bool, reusable: set) -> list[Walk]:
         }
         inside = local or eqn.primitive.name == "shard_map"
         sliced = _scanned_slices(eqn, len(inner.invars))
-        walks.append(walk(inner, in_shares, local=inside, reusable=donors, sliced=sliced))
+        walks.append(
+            walk(inner, in_shares, local=inside, reusable=donors, sliced=sliced, overlap=overlap)
+        )
     return walks
 
 
@@ -169,7 +171,15 @@ class _Buffer(NamedTuple):
     "The position of the caller's input it is, if it is one."
 
 
-def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=(), sliced=()) -> Walk:
+def walk(
+    jaxpr,
+    in_shares: Sequence[float],
+    *,
+    local: bool = False,
+    reusable=(),
+    sliced=(),
+    overlap: bool = False,
+) -> Walk:
     """Walk ``jaxpr`` (open) in program order, each value kept from the operation that makes
     it to its last use (an output to the end). Inputs and constants are the caller's and are
     not counted. ``local``: shapes are already one device's (inside ``shard_map``).
@@ -177,28 +187,28 @@ def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=(),
     (donated, or dying at the call); such a result costs nothing, and ``Walk.reused`` says
     which input each output took over. ``sliced``: positions of inputs that are one step's
     slice of a stacked operand (a scan's): copied out of the stack where an operation other
-    than an elementwise one reads them (``_copied_slices``), from their first reader on. A
+    than an elementwise one reads them (``_copied_slices``), from their first reader on.
+    ``overlap``: collectives run asynchronously, overlapping the computation before them (XLA:GPU's
+    latency-hiding scheduler; ``_started_in_loop``). A
     fused result (``_fused``) holds no buffer of its own but keeps its operands' until its
     consumer runs, which may write into one of them; a view (``_views``) is its operand's
     buffer."""
     shares: dict = dict(zip(jaxpr.invars, in_shares))
+    runs = _psum_runs(jaxpr)  # as traced: XLA combines before it schedules
     jaxpr = _scheduled(jaxpr)
-    last_use = _last_uses(jaxpr)
+    last_use = _last_uses(jaxpr, runs)
     fused = _fused(jaxpr)
     size = lambda v: aval_bytes(v.aval) * _share(v, shares)  # noqa: E731
     live: dict = {
         v: [_Buffer(0.0, size(v), k)] for k, v in enumerate(jaxpr.invars) if k in set(reusable)
     }
-    copied = _copied_slices(jaxpr, sliced)
+    # A step's slices are copied out of their stacks as the step begins.
+    live.update((v, [_Buffer(size(v), size(v), None)]) for v in _copied_slices(jaxpr, sliced))
     best = Walk(0.0, 0.0, 0.0, [], [])
     for i, eqn in enumerate(jaxpr.eqns):
-        for v in _vars(eqn.invars):
-            if v in copied:  # the slice is copied out of its stack just before its first reader
-                copied.discard(v)
-                live[v] = [_Buffer(size(v), size(v), None)]
         dying = [v for v in _vars(eqn.invars) if last_use.get(v) == i]
         donors = {v for v in dying if any(b.size for b in live.get(v, ()))}
-        inner = _inner_walks(eqn, shares, local, donors)
+        inner = _inner_walks(eqn, shares, local, donors, overlap)
         _set_shares(eqn, shares, inner, local)
         pool = {v: live.pop(v) for v in dying if v in live}
         held = {id(b): b for bufs in [*live.values(), *pool.values()] for b in bufs}
@@ -208,6 +218,7 @@ def walk(jaxpr, in_shares: Sequence[float], *, local: bool = False, reusable=(),
         fresh = {id(b): b for v, bufs in made.items() if v in last_use for b in bufs}
         new = sum(b.counted for k, b in fresh.items() if k not in held)
         working = max((w.peak for w in inner), default=0.0)
+        working += _started_in_loop(jaxpr, i) if overlap and inner else 0.0
         # An inner jaxpr's peak counts the results it has made by then: they are the eqn's.
         if before + max(new, working) > best.peak:
             deepest = max(inner, key=lambda w: w.peak).at if working > new else ""
@@ -257,6 +268,30 @@ def _scheduled(jaxpr) -> _Program:
         place(eqn)
     order += waiting.values()  # read by nothing but the outputs: last
     return _Program(list(jaxpr.invars), list(jaxpr.outvars), order)
+
+
+_COLLECTIVES = frozenset(
+    "all_gather psum psum_invariant psum_scatter reduce_scatter all_to_all".split()
+)
+
+
+def _started_in_loop(jaxpr, i: int) -> float:
+    """Bytes of the collectives that read a result of the loop at ``i`` directly: XLA:GPU
+    peels the loop's last step and starts them inside it, overlapping the step's remaining
+    work, so their results are live at the loop's fullest (one device's shapes: inside
+    ``shard_map``, where collectives are)."""
+    eqn = jaxpr.eqns[i]
+    if eqn.primitive.name not in ("scan", "while"):
+        return 0.0
+    results = set(eqn.outvars)
+    return float(
+        sum(
+            aval_bytes(out.aval)
+            for later in jaxpr.eqns[i + 1 :]
+            if later.primitive.name in _COLLECTIVES and results.intersection(_vars(later.invars))
+            for out in later.outvars
+        )
+    )
 
 
 def _vars(values) -> list:
@@ -324,14 +359,15 @@ def _copied_slices(jaxpr, sliced) -> set:
     }
 
 
+_PSUMS = frozenset({"psum", "psum_invariant"})
 COMBINE_BYTES = 30 * 1024 * 1024
 "XLA's all-reduce combiner's default threshold (``xla_gpu_all_reduce_combine_threshold_bytes``)."
 
 
-def _last_uses(jaxpr) -> dict:
+def _last_uses(jaxpr, runs=()) -> dict:
     """Each value's last reader's position (the jaxpr's outputs: one past the end). XLA
-    combines a run of consecutive independent ``psum``s into one all-reduce (up to
-    ``COMBINE_BYTES``), which holds all their operands until it ends."""
+    combines a run of consecutive independent ``psum``s (``runs``, ``_psum_runs``) into one
+    all-reduce, which holds all their operands until it ends."""
     last_use: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
@@ -340,23 +376,25 @@ def _last_uses(jaxpr) -> dict:
     for v in jaxpr.outvars:
         if not isinstance(v, Literal):
             last_use[v] = len(jaxpr.eqns)
-    for run in _psum_runs(jaxpr):
-        for position in run:
-            for v in _vars(jaxpr.eqns[position].invars):
-                last_use[v] = max(last_use[v], run[-1])
+    position = {id(eqn): i for i, eqn in enumerate(jaxpr.eqns)}
+    for run in runs:
+        end = max(position[id(eqn)] for eqn in run)
+        for eqn in run:
+            for v in _vars(eqn.invars):
+                last_use[v] = max(last_use[v], end)
     return last_use
 
 
-def _psum_runs(jaxpr) -> list[list[int]]:
-    """Positions of runs of consecutive ``psum``s over the same axes, none reading another's
-    result, at most ``COMBINE_BYTES`` of operands each."""
+def _psum_runs(jaxpr) -> list[list]:
+    """Runs of consecutive ``psum``s over the same axes, none reading another's result, at
+    most ``COMBINE_BYTES`` of operands each."""
     runs: list[list[int]] = []
     made: set = set()
     total = 0.0
     for i, eqn in enumerate(jaxpr.eqns):
         bytes_in = sum(aval_bytes(v.aval) for v in _vars(eqn.invars))
         joins = (
-            eqn.primitive.name == "psum"
+            eqn.primitive.name in _PSUMS
             and runs
             and runs[-1][-1] == i - 1
             and jaxpr.eqns[i - 1].params.get("axes") == eqn.params.get("axes")
@@ -366,11 +404,11 @@ def _psum_runs(jaxpr) -> list[list[int]]:
         if joins:
             runs[-1].append(i)
             total += bytes_in
-        elif eqn.primitive.name == "psum":
+        elif eqn.primitive.name in _PSUMS:
             runs.append([i])
             made, total = set(), bytes_in
         made.update(eqn.outvars)
-    return [run for run in runs if len(run) > 1]
+    return [[jaxpr.eqns[i] for i in run] for run in runs if len(run) > 1]
 
 
 def _set_shares(eqn, shares: dict, inner: list[Walk], local: bool) -> None:
