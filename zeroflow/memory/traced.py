@@ -186,13 +186,12 @@ def walk(
     ``reusable``: positions of inputs whose buffers a result may take over at their last use
     (donated, or dying at the call); such a result costs nothing, and ``Walk.reused`` says
     which input each output took over. ``sliced``: positions of inputs that are one step's
-    slice of a stacked operand (a scan's): copied out of the stack where an operation other
-    than an elementwise one reads them (``_copied_slices``), from their first reader on.
-    ``overlap``: collectives run asynchronously, overlapping the computation before them (XLA:GPU's
-    latency-hiding scheduler; ``_started_in_loop``). A
-    fused result (``_fused``) holds no buffer of its own but keeps its operands' until its
-    consumer runs, which may write into one of them; a view (``_views``) is its operand's
-    buffer."""
+    slice of a stacked operand (a scan's), copied out of the stack as the step begins where
+    something other than an elementwise operation reads them (``_copied_slices``).
+    ``overlap``: collectives overlap the computation before them (XLA:GPU's scheduler,
+    ``_started_in_loop``). A fused result (``_fused``) holds no buffer of its own but keeps
+    its operands' until its consumer runs, which may write into one of them; a view
+    (``_views``) is its operand's buffer. The operations run in ``_scheduled``'s order."""
     shares: dict = dict(zip(jaxpr.invars, in_shares))
     runs = _psum_runs(jaxpr)  # as traced: XLA combines before it schedules
     jaxpr = _scheduled(jaxpr)
@@ -202,7 +201,6 @@ def walk(
     live: dict = {
         v: [_Buffer(0.0, size(v), k)] for k, v in enumerate(jaxpr.invars) if k in set(reusable)
     }
-    # A step's slices are copied out of their stacks as the step begins.
     live.update((v, [_Buffer(size(v), size(v), None)]) for v in _copied_slices(jaxpr, sliced))
     best = Walk(0.0, 0.0, 0.0, [], [])
     for i, eqn in enumerate(jaxpr.eqns):
@@ -242,31 +240,24 @@ class _Program(NamedTuple):
 
 
 def _scheduled(jaxpr) -> _Program:
-    """``jaxpr``'s operations in the order XLA's scheduler runs them as far as the walk can
-    tell: one that reads only the jaxpr's inputs (a gather of a layer's weights, a cast of
-    them) runs just before its first reader, as a scheduler that keeps memory low places it,
-    rather than where the trace put it."""
+    """``jaxpr``'s operations in the order a scheduler that keeps memory low runs them, as far
+    as the walk can tell: one reading only the jaxpr's inputs (a gather of a layer's weights)
+    runs just before its first reader rather than where the trace put it."""
     produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
-    early, rest = [], []
+    movable = {
+        id(e): e for e in jaxpr.eqns if e.outvars and not produced.intersection(_vars(e.invars))
+    }
+    maker = {v: e for e in movable.values() for v in e.outvars}
+    moved, order = set(movable), list[object]()
     for eqn in jaxpr.eqns:
-        if any(v in produced for v in _vars(eqn.invars)) or not eqn.outvars:
-            rest.append(eqn)
-        else:
-            early.append(eqn)
-    waiting = {id(e): e for e in early}
-    order: list = []
-
-    def place(eqn) -> None:
-        for v in _vars(eqn.invars):
-            for e in list(waiting.values()):
-                if v in e.outvars:
-                    del waiting[id(e)]
-                    place(e)
-        order.append(eqn)
-
-    for eqn in rest:
-        place(eqn)
-    order += waiting.values()  # read by nothing but the outputs: last
+        if id(eqn) not in moved:
+            order += [
+                movable.pop(id(e))
+                for e in map(maker.get, _vars(eqn.invars))
+                if e and id(e) in movable
+            ]
+            order.append(eqn)
+    order += movable.values()  # read by nothing but the outputs
     return _Program(list(jaxpr.invars), list(jaxpr.outvars), order)
 
 
