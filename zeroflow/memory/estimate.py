@@ -144,15 +144,16 @@ def estimate(
     devices up to 8, one process per 8-accelerator host). ``gradient_bytes``: bytes per
     gradient element; default the compute dtype's (the paper's accounting; zeroflow's engine
     reduces gradients in fp32, pass 4 for its peak). ``optimizer_bytes``: per parameter,
-    8 for Adam, 4 with bf16 moments, about 2 with 8-bit ones (``optimizer_bytes_per_param``).
-    ``activation_bytes``: per device and micro-batch, see ``activations``.
+    8 for Adam, 4 with bf16 moments, about 2 with 8-bit ones
+    (``RunSpec.optimizer_bytes_per_param``).
+    ``activation_bytes``: per device and micro-batch (``zeroflow.models.spec.activations``).
     ``resident_params``: with ``offload="optimizer+params"``, how many parameters' compute
     weights are on the device at once during forward/backward when the layer stack is
     streamed in one layer at a time (default: all, as when nothing is streamed).
     ``frozen_params``: how many of the ``num_params`` are frozen: stored once in the compute
     dtype (beside the compute weights, offloaded with them), nothing else.
     ``frozen_bytes_per_param``: bytes each frozen parameter is stored in, where not the
-    compute dtype's (a quantized base: ``stored_frozen_bytes_per_param`` of a GPT config).
+    compute dtype's (a quantized base: ``RunSpec.frozen_bytes_per_param``).
     """
     n = _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes)
     per_process = (
