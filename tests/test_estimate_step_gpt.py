@@ -1,5 +1,6 @@
 """``zf.memory.estimate_step`` on the trainer's GPT against XLA:CPU's compiled peak of the same
 step (the reference), at the stages and remat policies whose peaks hold different things."""
+import jax
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,10 @@ def test_the_trainer_gpt_estimate_is_near_its_compiled_peak(stage, remat):
     assert abs(est / xla - 1) <= TOLERANCE, (est, xla)
 
 
+@pytest.mark.xfail(
+    jax.__version__.startswith("0.11."), strict=True,
+    reason="jaxlib 0.11's XLA:GPU starts the gather after the backward loop, not inside its "
+           "last step: the estimate lands at 1.14x (0.10.2 and 0.12 overlap it, 1.005x)")
 def test_gpt2_small_on_h100s_stage_3_is_near_xla_gpus_peak():
     """GPT-2 small (configs/gpt2-small.yaml, cuDNN attention) at stage 3 with full remat on 8
     abstract H100s, against XLA:GPU's compiled peak: XLA:GPU starts the gather of the input

@@ -148,18 +148,27 @@ def _inner_walks(eqn, shares: dict, local: bool, reusable: set, overlap: bool) -
             if call and not isinstance(v, Literal) and v in reusable
         }
         inside = local or eqn.primitive.name == "shard_map"
-        sliced = _scanned_slices(eqn, len(inner.invars))
+        sliced = _scanned_slices(eqn, inner)
         walks.append(
             walk(inner, in_shares, local=inside, reusable=donors, sliced=sliced, overlap=overlap)
         )
     return walks
 
 
-def _scanned_slices(eqn, count: int) -> range:
-    """Positions of a scan body's inputs that are one step's slice of a stacked operand."""
+def _scanned_slices(eqn, inner) -> range:
+    """Positions of a scan body's inputs that are one step's slice of a stacked operand: the
+    trailing ones whose operand has the body input's shape under a leading ``length`` axis
+    (read from the shapes: how jax records the split into constants, carries and slices
+    differs between its versions)."""
     if eqn.primitive.name != "scan":
         return range(0)
-    return range(eqn.params["num_consts"] + eqn.params["num_carry"], count)
+    start = len(inner.invars)
+    for outer, body in zip(reversed(eqn.invars), reversed(inner.invars)):
+        shape, step = getattr(outer.aval, "shape", ()), getattr(body.aval, "shape", None)
+        if not shape or shape[0] != eqn.params["length"] or tuple(shape[1:]) != step:
+            break
+        start -= 1
+    return range(start, len(inner.invars))
 
 
 class _Buffer(NamedTuple):
@@ -297,8 +306,8 @@ def _results(eqn, inner: list[Walk], live: dict, pool: dict, fused: set, size) -
     views = _views(eqn, size)
     if views:
         return {out: list(live.get(v) or pool.get(v) or []) for out, v in views.items()}
-    if len(outs) == 1 and outs[0] in fused:
-        return {outs[0]: [b for bufs in pool.values() for b in bufs]}
+    if outs and all(out in fused for out in outs):  # each keeps the dying operands' buffers
+        return {out: [b for bufs in pool.values() for b in bufs] for out in outs}
     spare = [b for bufs in pool.values() for b in bufs]
     made = {}
     if eqn.primitive.name in _CALLS and inner:
@@ -344,7 +353,7 @@ def _copied_slices(jaxpr, sliced) -> set:
     return {
         v
         for eqn in jaxpr.eqns
-        if eqn.primitive.name not in _ELEMENTWISE
+        if _kind(eqn) != "elementwise"
         for v in _vars(eqn.invars)
         if v in inputs
     }
@@ -427,6 +436,19 @@ def _inner_outputs(eqn, inner: Walk) -> list[float] | None:
     return list(shares[-len(eqn.outvars) :])
 
 
+def _kind(eqn) -> str:
+    """An operation's name, "elementwise" for a call holding only elementwise operations
+    (XLA inlines it and fuses them like any other; jax versions wrap some in a ``jit``)."""
+    name = eqn.primitive.name
+    if name in _ELEMENTWISE:
+        return "elementwise"
+    if name in ("jit", "pjit", "closed_call"):
+        inner = list(jaxprs_in_params(eqn.params))
+        if inner and all(_kind(e) == "elementwise" for j in inner for e in j.eqns):
+            return "elementwise"
+    return name
+
+
 def _fused(jaxpr) -> set:
     """Results XLA never writes out (not outputs): an elementwise operation's read only by
     elementwise ones (computed inside their fused loop), a transpose's read only by matmuls
@@ -435,18 +457,23 @@ def _fused(jaxpr) -> set:
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
             if not isinstance(v, Literal):
-                readers.setdefault(v, []).append(eqn.primitive.name)
+                readers.setdefault(v, []).append(_kind(eqn))
     outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     fused: set = set()
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
+        kind = _kind(eqn)
         # A transpose read by matmuls becomes their operand layout (no copy); an elementwise
         # result is computed inside its elementwise readers' loop.
-        into = _ELEMENTWISE | {"dot_general"} if name == "transpose" else _ELEMENTWISE
-        if name in _ELEMENTWISE or name == "transpose":
+        into = {"elementwise", "dot_general"} if kind == "transpose" else {"elementwise"}
+        # Of several results, XLA fuses each into a consumer only where it has just one.
+        several = len(eqn.outvars) > 1
+        if kind in ("elementwise", "transpose"):
             fused.update(
                 v
                 for v in eqn.outvars
-                if v not in outputs and readers.get(v) and all(r in into for r in readers[v])
+                if v not in outputs
+                and readers.get(v)
+                and all(r in into for r in readers[v])
+                and not (several and len(readers[v]) > 1)
             )
     return fused
