@@ -144,8 +144,7 @@ def estimate(
     devices up to 8, one process per 8-accelerator host). ``gradient_bytes``: bytes per
     gradient element; default the compute dtype's (the paper's accounting; zeroflow's engine
     reduces gradients in fp32, pass 4 for its peak). ``optimizer_bytes``: per parameter,
-    8 for Adam, 4 with bf16 moments, about 2 with 8-bit ones
-    (``RunSpec.optimizer_bytes_per_param``).
+    8 for Adam, 4 with bf16 moments, ~2 with 8-bit ones (``RunSpec.optimizer_bytes_per_param``).
     ``activation_bytes``: per device and micro-batch (``zeroflow.models.spec.activations``).
     ``resident_params``: with ``offload="optimizer+params"``, how many parameters' compute
     weights are on the device at once during forward/backward when the layer stack is

@@ -353,7 +353,7 @@ def _copied_slices(jaxpr, sliced) -> set:
     return {
         v
         for eqn in jaxpr.eqns
-        if _kind(eqn) != "elementwise"
+        if eqn.primitive.name not in _ELEMENTWISE
         for v in _vars(eqn.invars)
         if v in inputs
     }
@@ -436,17 +436,15 @@ def _inner_outputs(eqn, inner: Walk) -> list[float] | None:
     return list(shares[-len(eqn.outvars) :])
 
 
-def _kind(eqn) -> str:
-    """An operation's name, "elementwise" for a call holding only elementwise operations
-    (XLA inlines it and fuses them like any other; jax versions wrap some in a ``jit``)."""
-    name = eqn.primitive.name
-    if name in _ELEMENTWISE:
-        return "elementwise"
-    if name in ("jit", "pjit", "closed_call"):
-        inner = list(jaxprs_in_params(eqn.params))
-        if inner and all(_kind(e) == "elementwise" for j in inner for e in j.eqns):
-            return "elementwise"
-    return name
+def _elementwise_call(eqn) -> bool:
+    """A call holding only elementwise operations (jax versions wrap some, optax's bias
+    correction among them, in a ``jit``); XLA inlines it and fuses them like any other."""
+    if eqn.primitive.name not in ("jit", "pjit", "closed_call"):
+        return False
+    inner = list(jaxprs_in_params(eqn.params))
+    return bool(inner) and all(
+        e.primitive.name in _ELEMENTWISE or _elementwise_call(e) for j in inner for e in j.eqns
+    )
 
 
 def _fused(jaxpr) -> set:
@@ -457,17 +455,17 @@ def _fused(jaxpr) -> set:
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
             if not isinstance(v, Literal):
-                readers.setdefault(v, []).append(_kind(eqn))
+                readers.setdefault(v, []).append(eqn.primitive.name)
     outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     fused: set = set()
     for eqn in jaxpr.eqns:
-        kind = _kind(eqn)
+        name = eqn.primitive.name
         # A transpose read by matmuls becomes their operand layout (no copy); an elementwise
-        # result is computed inside its elementwise readers' loop.
-        into = {"elementwise", "dot_general"} if kind == "transpose" else {"elementwise"}
-        # Of several results, XLA fuses each into a consumer only where it has just one.
+        # result is computed inside its elementwise readers' loop. Of several results (an
+        # elementwise call's), XLA fuses each into a consumer only where it has just one.
+        into = _ELEMENTWISE | {"dot_general"} if name == "transpose" else _ELEMENTWISE
         several = len(eqn.outvars) > 1
-        if kind in ("elementwise", "transpose"):
+        if name in _ELEMENTWISE or name == "transpose" or (several and _elementwise_call(eqn)):
             fused.update(
                 v
                 for v in eqn.outvars
