@@ -11,7 +11,7 @@ import zeroflow as zf
 pytestmark = pytest.mark.fast
 
 LAYERS, WIDTH, ROWS = 4, 256, 1024
-TOLERANCE = 0.2  # measured here: 0.86x-1.13x of XLA:CPU (docs/memory.md says where it misses)
+TOLERANCE = 0.11  # measured: 0.93x-1.03x of XLA:CPU on jax 0.10.2, 0.899x at worst on 0.11-0.12
 
 
 def _scanned(remat: bool, rows: int = ROWS):
@@ -43,7 +43,7 @@ def _plan(stage, devices=8):
     return zf.ZeroPlan(zf.make_mesh(data=devices, devices=jax.devices()[:devices]), stage=stage)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 3])
 @pytest.mark.parametrize("remat", [False, True])
 def test_estimate_is_near_the_compiled_peak(stage, remat):
     loss_fn, params, batch = _scanned(remat)
@@ -100,3 +100,29 @@ def test_the_walk_counts_a_buffer_written_in_place_once():
     f32 = jax.ShapeDtypeStruct((512, 512), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, w: (x @ w).T * 2)(f32, f32).jaxpr
     assert walk(jaxpr, [1.0, 1.0]).peak == 512 * 512 * 4
+
+
+def test_consecutive_psums_are_held_as_one_all_reduce():
+    """XLA combines consecutive independent all-reduces into one, which holds every operand
+    until all results are made: four 1 MiB products and four 1 MiB sums live at once. The
+    reference is XLA:CPU's own buffer assignment of the same program (results + temporaries)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zeroflow.memory.traced import walk
+
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+
+    def sums(*xs):
+        doubled = [x * 2 for x in xs]
+        return tuple(jax.lax.psum(y, "data") for y in doubled)
+
+    program = jax.jit(jax.shard_map(sums, mesh=mesh, in_specs=(P("data"),) * 4,
+                                    out_specs=(P(),) * 4, check_vma=False))
+    x = jax.ShapeDtypeStruct((8 * 256 * 1024,), jnp.float32,
+                             sharding=NamedSharding(mesh, P("data")))
+    est = walk(jax.make_jaxpr(program)(*[x] * 4).jaxpr, [1 / 8] * 4).peak
+    got = program.lower(*[x] * 4).compile().memory_analysis()
+    xla = got.temp_size_in_bytes + got.output_size_in_bytes - got.alias_size_in_bytes
+    assert est == pytest.approx(8 * 2**20) and abs(est / xla - 1) <= TOLERANCE, (est, xla)
+

@@ -241,7 +241,7 @@ def test_stored_published_configs_mean_what_transformers_reads(folder, model_cla
     from zeroflow.memory import count_gpt_params
     published = _meta_param_count(getattr(T, model_class), theirs)
     assert count_params(abstract_params(cfg)[0]) == published
-    # the memory formula's closed form too (GeGLU's three projections, post-norms, qk-norm)
+    # zf.memory's count, which the ZeRO formula reads (the model's own init, no restatement)
     assert count_gpt_params(cfg) == published
     assert (cfg.num_layers, cfg.head_dim or cfg.embed_dim // cfg.num_heads) == (
         theirs.num_hidden_layers, theirs.head_dim)

@@ -87,6 +87,28 @@ def test_no_module_imports_a_higher_layer():
     assert not upward, "imports against the layering:\n" + "\n".join(sorted(upward))
 
 
+# A package's lazy table (``zeroflow.util.lazy``) names modules by string: what it resolves at
+# first read is an import too. The one upward entry: the trainer GPT's figures named in
+# ``zf.memory`` (``memory.GPT_NAMES``) for its callers, which read the model's own init.
+NAMED_UPWARD = {("zeroflow.memory", "zeroflow.models.spec")}
+
+
+def _named_modules(name: str) -> set[str]:
+    """Modules a package's ``__init__`` names in string constants (its lazy table)."""
+    tree = ast.parse(MODULES[name].read_text())
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in MODULES} - {name}
+
+
+def _named_upward() -> set[tuple[str, str]]:
+    return {(a, b) for a, p in MODULES.items() if p.name == "__init__.py" and a not in ENTRY_POINTS
+            for b in _named_modules(a) if RANK[_layer_of(b)] > RANK[_layer_of(a)]}
+
+
+def test_lazy_tables_name_nothing_above_their_package_but_the_gpt_figures():
+    assert _named_upward() == NAMED_UPWARD
+
+
 def test_no_module_but_an_entry_point_imports_the_public_package():
     # ``import zeroflow`` runs zeroflow/__init__.py, which imports the engine and memory: from
     # inside those it is a cycle, from anywhere else a hidden dependency on everything.

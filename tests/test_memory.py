@@ -148,12 +148,32 @@ def test_activation_formula_orders_remat_policies():
         memory.activations(model, micro_batch=1, remat="some")
 
 
-def test_count_gpt_params_matches_model():
-    from zeroflow.models import abstract_params, count_params
-    for model in (_small_config().model,
-                  _small_config(mlp_activation="gelu", norm="layernorm", tie_embeddings=False,
-                                num_kv_heads=2).model):
-        assert memory.count_gpt_params(model) == count_params(abstract_params(model)[0])
+SPEC_MODELS = [{}, dict(mlp_activation="gelu", norm="layernorm", tie_embeddings=False,
+                       num_kv_heads=2, attn_bias="all", mlp_bias=True, positions="learned",
+                       qk_norm=True, post_norms=True)]
+
+
+@pytest.mark.parametrize("model", SPEC_MODELS)
+def test_run_spec_params_are_the_models_real_init(model):
+    """``run_spec``'s parameters are the GPT's: the same tree, shapes and dtypes as the arrays
+    its init allocates, and the counts the ZeRO formula reads are those arrays' sizes."""
+    from zeroflow.models import init_params
+    from zeroflow.models.spec import run_spec
+    cfg = _small_config(num_layers=3, embed_dim=32, mlp_dim=64, num_heads=4, vocab_size=64,
+                        seq_len=16, **model)
+    spec = run_spec(cfg, num_devices=1)
+    real, _ = init_params(cfg.model, jax.random.key(0))
+    described = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), spec.params)
+    assert described == jax.tree.map(lambda x: (x.shape, x.dtype), real)
+    sizes = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+    assert spec.num_params == sizes(real) == memory.count_gpt_params(cfg.model)
+    # Streamed (optimizer+params): all but the layer stack, and two of its three layers.
+    outside = sizes({k: v for k, v in real.items() if k != "layers"})
+    assert spec.resident_params == outside + 2 * sizes(real["layers"]) // 3
+    assert spec.flops_per_token > 0 and spec.target is None
+    assert run_spec(cfg, num_devices=1, target="h100").peak_flops == 989e12
+    with pytest.raises(ValueError, match="unknown target 'h1000'"):
+        run_spec(cfg, num_devices=1, target="h1000")
 
 
 # ------------------------------------------------------------------ estimate vs the real state

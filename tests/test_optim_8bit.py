@@ -371,7 +371,7 @@ def real_state_bytes_per_param(cfg) -> float:
                                         "model.num_kv_heads=2", "model.embed_dim=96"]])
 def test_estimate_config_counts_the_configs_optimizer_state(model):
     from zeroflow.config.io import apply_overrides, load_config
-    from zeroflow.memory.estimate import optimizer_bytes_per_param
+    from zeroflow.models.spec import optimizer_bytes_per_param
     base = apply_overrides(load_config(REPO / "configs" / "tiny.yaml"),
                            model + ["parallel.zero_stage=1", "parallel.data=8"])
     fp32 = zf.memory.estimate_config(base)

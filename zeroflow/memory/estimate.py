@@ -20,21 +20,19 @@ state: b is the compute dtype's width (2 for bf16), or, for a base ``zf.quantize
 stores in 4 or 8 bits, its packed bytes per parameter (``frozen_bytes_per_param``: about 0.52
 for NF4, 1.06 for int8).
 
-The activation formula for the GPT model and the meaning of each field are in docs/memory.md.
+A run's parameters as the model makes them (``zeroflow.memory.spec.RunSpec``) give these
+counts; the GPT's activation formula is ``zeroflow.models.spec.activations`` (docs/memory.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from zeroflow.autocast.precision import DTYPES
 from zeroflow.backend.mesh import planning_mesh
 from zeroflow.engine.plan import OFFLOAD_CHOICES, UPDATE_ON_CHOICES, ZERO_STAGES, ZeroPlan
 from zeroflow.engine.plan_rules import host_update_problem
-from zeroflow.engine.quantized import quantized_bytes
-from zeroflow.optim import moment_bytes
 
 # Re-exported (their home is util.units, importable without jax).
 from zeroflow.util.units import REMATS as REMATS
@@ -106,11 +104,8 @@ class MemoryEstimate:
         return self.host.total
 
 
-GATED = ("swiglu", "geglu")
-"MLP activations with a gate: three projections (gate, up, down) instead of two."
-
-
-def _precision_name(precision: Any) -> str:
+def precision_name(precision: Any) -> str:
+    """The compute dtype's name of a ``zf.Precision`` or of its params string."""
     name = getattr(precision, "params", precision)
     if name not in DTYPE_BYTES:
         raise ValueError(
@@ -149,15 +144,15 @@ def estimate(
     devices up to 8, one process per 8-accelerator host). ``gradient_bytes``: bytes per
     gradient element; default the compute dtype's (the paper's accounting; zeroflow's engine
     reduces gradients in fp32, pass 4 for its peak). ``optimizer_bytes``: per parameter,
-    8 for Adam, 4 with bf16 moments, about 2 with 8-bit ones (``optimizer_bytes_per_param``).
-    ``activation_bytes``: per device and micro-batch, see ``activations``.
+    8 for Adam, 4 with bf16 moments, ~2 with 8-bit ones (``RunSpec.optimizer_bytes_per_param``).
+    ``activation_bytes``: per device and micro-batch (``zeroflow.models.spec.activations``).
     ``resident_params``: with ``offload="optimizer+params"``, how many parameters' compute
     weights are on the device at once during forward/backward when the layer stack is
     streamed in one layer at a time (default: all, as when nothing is streamed).
     ``frozen_params``: how many of the ``num_params`` are frozen: stored once in the compute
     dtype (beside the compute weights, offloaded with them), nothing else.
     ``frozen_bytes_per_param``: bytes each frozen parameter is stored in, where not the
-    compute dtype's (a quantized base: ``stored_frozen_bytes_per_param`` of a GPT config).
+    compute dtype's (a quantized base: ``RunSpec.frozen_bytes_per_param``).
     """
     n = _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes)
     per_process = (
@@ -165,7 +160,7 @@ def estimate(
         if devices_per_process is None
         else _check_int("devices_per_process", devices_per_process, 1)
     )
-    name = _precision_name(precision)
+    name = precision_name(precision)
     grad_width = (
         DTYPE_BYTES[name]
         if gradient_bytes is None
@@ -344,236 +339,6 @@ def _memory_estimate(
     )
 
 
-# --------------------------------------------------------------------------- activations
-def activations(
-    model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16"
-) -> float:
-    """Saved activations of the GPT model per device for one micro-batch of ``micro_batch``
-    sequences, under ``remat`` (default ``model.remat``). The formula is in docs/memory.md."""
-    remat = model.remat if remat is None else remat
-    if remat not in REMATS:
-        raise ValueError(f"unknown remat policy {remat!r}; choose one of {list(REMATS)}")
-    _check_int("micro_batch", micro_batch, 1)
-    width = DTYPE_BYTES[_precision_name(precision)]
-    b, s, h, f, v = micro_batch, model.seq_len, model.embed_dim, model.mlp_dim, model.vocab_size
-    heads = model.num_heads
-    head = model.head_dim or h // heads
-    kv = (model.num_kv_heads or heads) * head
-    q = heads * head
-    swiglu = model.mlp_activation in GATED
-    tokens = b * s
-    # The tiled MLP (model.mlp_chunk) holds one chunk's intermediates at a time.
-    mlp_tokens = b * min(model.mlp_chunk, s) if model.mlp_chunk else tokens
-    # Everything one block keeps for its backward pass when nothing is recomputed:
-    # two norm inputs + two norm outputs (4h), q/k/v (q + 2kv), attention output (q),
-    # MLP up/gate/hidden (3f swiglu, 2f gelu); scores: fp32 softmax + compute-dtype probs,
-    # or with a flash kernel (cudnn, pallas) none of them, only its fp32 softmax statistics.
-    flash = getattr(model, "attention", "xla") in ("cudnn", "pallas")
-    scores = b * heads * s * (4 if flash else s * (4 + width))
-    per_layer_none = (
-        width * (tokens * (4 * h + 2 * q + 2 * kv) + mlp_tokens * (3 if swiglu else 2) * f) + scores
-    )
-    # save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus
-    # the block input; attention scores and norms are recomputed.
-    per_layer_dots = width * tokens * (h + q + 2 * kv + h + (2 if swiglu else 1) * f + h)
-    per_layer_full = width * tokens * h  # only the block input (the scan carry)
-    layers = model.num_layers
-    if remat == "none":
-        blocks = layers * per_layer_none
-    elif remat == "save_dots":
-        blocks = layers * per_layer_dots + per_layer_none  # + one block being recomputed
-    elif remat == "offload_input":  # the layer inputs are in host memory (offloaded_activations)
-        blocks = per_layer_none
-    else:  # full, and offload_dots: its matmul outputs are in host memory (offloaded_activations)
-        blocks = layers * per_layer_full + per_layer_none
-    # Embedding output, final norm in/out, and the loss: the fp32 logits and their softmax, or
-    # with the chunked cross-entropy (model.loss_chunk) one tile of each and the fp32 gradient
-    # of the output projection it accumulates.
-    if model.loss_chunk:
-        tile = b * min(model.loss_chunk, s) * min(model.loss_vocab_chunk, v)
-        loss_bytes = 2 * 4 * tile + 4 * v * h
-    else:
-        loss_bytes = 2 * 4 * tokens * v
-    return float(blocks + width * tokens * 3 * h + loss_bytes)
-
-
-def offloaded_activations(
-    model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16"
-) -> float:
-    """Activations an offloading remat keeps in pinned host memory per device for one
-    micro-batch: for 'offload_dots' save_dots's matmul outputs, the block input aside; for
-    'offload_input' each block's input (0 for other policies)."""
-    remat = model.remat if remat is None else remat
-    if remat == "offload_input":
-        return float(
-            model.num_layers
-            * DTYPE_BYTES[_precision_name(precision)]
-            * micro_batch
-            * model.seq_len
-            * model.embed_dim
-        )
-    if remat != "offload_dots":
-        return 0.0
-    saved = activations(model, micro_batch=micro_batch, remat="save_dots", precision=precision)
-    device = activations(model, micro_batch=micro_batch, remat="full", precision=precision)
-    return float(saved - device)
-
-
-def _gpt_param_counts(model) -> tuple[int, int]:
-    """``(parameters per scanned block, parameters outside the blocks)`` of the GPT model."""
-    h, f, v = model.embed_dim, model.mlp_dim, model.vocab_size
-    head = model.head_dim or h // model.num_heads
-    q = model.num_heads * head
-    kv = (model.num_kv_heads or model.num_heads) * head
-    projections = 3 if model.mlp_activation in GATED else 2
-    mlp = projections * h * f
-    norms = 2 * h * (2 if model.norm == "layernorm" else 1)
-    norms += 2 * h * model.post_norms + 2 * head * model.qk_norm  # Gemma's post-norms, qk-norm
-    # Biases (Qwen2's q/k/v, GPT-2's everywhere) and GPT-2's learned positions.
-    biases = (q + 2 * kv) if model.attn_bias in ("qkv", "all") else 0
-    biases += h if model.attn_bias == "all" else 0
-    if model.mlp_bias:
-        biases += (projections - 1) * f + h
-    block = h * (2 * q + 2 * kv) + mlp + norms + biases
-    final = h * (2 if model.norm == "layernorm" else 1)
-    head_params = 0 if model.tie_embeddings else h * v
-    positions = 0
-    if model.positions == "learned":
-        positions = (model.max_positions or model.seq_len) * h
-    return block, v * h + final + head_params + positions
-
-
-Shapes = list[tuple[int, ...]]
-
-
-def _gpt_param_shapes(model) -> Shapes:
-    """The shapes of the GPT model's parameters (the scanned blocks' with their leading layers
-    axis), the same parameters ``_gpt_param_counts`` counts: what blockwise optimizer state
-    depends on (the last axis and each tensor's size)."""
-    block, rest = _gpt_stack_and_rest_shapes(model)
-    return block + rest
-
-
-def _gpt_stack_and_rest_shapes(model) -> tuple[Shapes, Shapes]:
-    """``_gpt_param_shapes`` in two: the scanned blocks' (leading layers axis) and the rest."""
-    h, f, v, layers = model.embed_dim, model.mlp_dim, model.vocab_size, model.num_layers
-    head = model.head_dim or h // model.num_heads
-    heads, kv = model.num_heads, model.num_kv_heads or model.num_heads
-    projections = 3 if model.mlp_activation in GATED else 2
-    norm: Shapes = [(h,)] * (2 if model.norm == "layernorm" else 1)  # scale (and bias)
-    block: Shapes = [(h, heads, head), (h, kv, head), (h, kv, head), (heads, head, h)]
-    block += [(h, f)] * (projections - 1) + [(f, h)] + norm * 2
-    if model.attn_bias in ("qkv", "all"):
-        block += [(heads, head), (kv, head), (kv, head)]
-    if model.attn_bias == "all":
-        block += [(h,)]
-    if model.mlp_bias:
-        block += [(f,)] * (projections - 1) + [(h,)]
-    rest: Shapes = [(v, h)] + norm + ([] if model.tie_embeddings else [(h, v)])
-    if model.positions == "learned":
-        rest += [(model.max_positions or model.seq_len, h)]
-    return [(layers, *shape) for shape in block], rest
-
-
-def optimizer_bytes_per_param(model, optimizer: str) -> float:
-    """Optimizer-state bytes per parameter of the GPT model under ``optimizer``
-    (``train.optimizer``): 8 for fp32 AdamW, 4 for bf16 moments; for 8-bit moments counted
-    tensor by tensor with ``adamw_8bit``'s defaults (its block size along the last axis, fp32
-    moments below ``MIN_8BIT_SIZE`` entries)."""
-    shapes = _gpt_param_shapes(model)
-    total = sum(moment_bytes(optimizer, shape) for shape in shapes)
-    return total / sum(math.prod(shape) for shape in shapes)
-
-
-def stored_frozen_bytes_per_param(model, precision: str) -> float:
-    """Bytes per frozen parameter of the GPT model stored as the trainer stores it: in the
-    compute dtype ``precision``, or, with LoRA and ``model.lora.quantize`` nf4 / int8, its
-    matrices packed as ``zf.quantize_frozen`` packs them (the layer stack one layer's tensor at
-    a time), its vectors in the compute dtype. Counted tensor by tensor from the layout, since
-    each tensor's scales and padding add to its bytes."""
-    width = DTYPE_BYTES[_precision_name(precision)]
-    kind = model.lora.quantize
-    if model.lora.rank == 0 or kind == "none":
-        return float(width)
-    stack, rest = _gpt_stack_and_rest_shapes(model)
-    total = params = 0
-    for shapes, stack_axes in ((stack, 1), (rest, 0)):
-        for shape in shapes:
-            size = math.prod(shape)
-            packed = quantized_bytes(shape, kind, stack_axes)
-            total += width * size if packed is None else packed
-            params += size
-    return total / params
-
-
-def count_gpt_params(model) -> int:
-    """Parameter count of the GPT model from its config, without building it."""
-    block, rest = _gpt_param_counts(model)
-    return model.num_layers * block + rest
-
-
-LAYERS_IN_FLIGHT = 2
-"Streamed layers on the device at once: the one running and the next one being copied in."
-
-
-def estimate_config(
-    cfg,
-    *,
-    num_devices: int | None = None,
-    stage: int | None = None,
-    offload: str | None = None,
-    update_on: str | None = None,
-    remat: str | None = None,
-    devices_per_process: int | None = None,
-    frozen_params: int = 0,
-) -> MemoryEstimate:
-    """Estimate for a trainer ``zeroflow.config.Config``; keyword arguments override its
-    ``parallel.*`` / ``model.remat`` choices. Gradients are counted in fp32 (4 bytes), as
-    zeroflow's engine reduces them, activations per micro-batch are included, and the
-    optimizer state is ``train.optimizer``'s (``optimizer_bytes_per_param``).
-    ``frozen_params``: how many of the GPT's parameters ``train.freeze`` (or LoRA) freezes
-    (``zeroflow.trainer.planning.count_frozen_params``), stored as ``model.lora.quantize``
-    says (``stored_frozen_bytes_per_param``)."""
-    par = cfg.parallel
-    n = num_devices if num_devices is not None else (par.data if par.data > 0 else None)
-    if n is None:
-        raise ValueError("parallel.data is -1 (all devices); pass num_devices")
-    offload = par.offload if offload is None else offload
-    update_on = (
-        (par.update_on if update_on is None else update_on) if offload != "none" else "device"
-    )
-    micro = cfg.train.batch_size // (n * par.grad_accum)
-    if micro < 1:
-        raise ValueError(
-            f"train.batch_size {cfg.train.batch_size} is smaller than data devices "
-            f"{n} x grad_accum {par.grad_accum}"
-        )
-    remat = cfg.model.remat if remat is None else remat
-    acts = activations(cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params)
-    model_parallel = max(par.model, 1)
-    # Tensor parallelism splits the weights it covers over `model` too; treat all as split.
-    # optimizer+params streams the scanned blocks in one at a time (the trainer's train step
-    # and evaluation both do); everything outside them comes in whole.
-    block, rest = _gpt_param_counts(cfg.model)
-    resident = rest + min(LAYERS_IN_FLIGHT, cfg.model.num_layers) * block
-    return estimate(
-        num_params=math.ceil(count_gpt_params(cfg.model) / model_parallel),
-        resident_params=math.ceil(resident / model_parallel),
-        num_devices=n,
-        stage=par.zero_stage if stage is None else stage,
-        offload=offload,
-        update_on=update_on,
-        precision=cfg.precision.params,
-        devices_per_process=devices_per_process,
-        gradient_bytes=4,
-        activation_bytes=acts,
-        remat=remat,
-        optimizer_bytes=optimizer_bytes_per_param(cfg.model, cfg.train.optimizer),
-        frozen_params=math.ceil(frozen_params / model_parallel),
-        frozen_bytes_per_param=stored_frozen_bytes_per_param(cfg.model, cfg.precision.params),
-    )
-
-
 def hierarchical_copy_bytes(
     *, num_params: int, num_devices: int, hosts: int, precision: Any = "bf16"
 ) -> float:
@@ -587,5 +352,5 @@ def hierarchical_copy_bytes(
     h = _check_int("hosts", hosts, 1)
     if n % h:
         raise ValueError(f"hosts={h} must divide num_devices={n}")
-    width = DTYPE_BYTES[_precision_name(precision)]
+    width = DTYPE_BYTES[precision_name(precision)]
     return width * float(num_params) * h / n

@@ -54,7 +54,7 @@ def estimate_traced(step, state, batch) -> StepEstimate:
             f"{len(leaves)}"
         )
     shares = [sharding_share(x.sharding, x.shape) for x in leaves]
-    walked = walk(jaxpr, shares, reusable=range(len(state_leaves)))
+    walked = walk(jaxpr, shares, reusable=range(len(state_leaves)), overlap=_on_gpus(leaves))
     kinds = state_bytes(state)
     return StepEstimate(
         state_bytes=float(kinds.get("device", 0)),
@@ -69,6 +69,16 @@ def estimate_traced(step, state, batch) -> StepEstimate:
         host_bytes=float(kinds.get("pinned_host", 0)),
         at=walked.at,
     )
+
+
+def _on_gpus(leaves) -> bool:
+    """Whether the step runs on GPUs (real or a ``zf.target_mesh``'s abstract ones), whose
+    compiler overlaps collectives with computation."""
+    for x in leaves:
+        devices = getattr(getattr(x, "sharding", None), "device_set", None)
+        if devices:
+            return next(iter(devices)).platform in ("gpu", "cuda", "rocm")
+    return False
 
 
 def estimate_step(

@@ -28,11 +28,9 @@ from zeroflow.memory.estimate import (
     REMATS,
     STAGES,
     MemoryEstimate,
-    count_gpt_params,
-    estimate_config,
     format_bytes,
-    offloaded_activations,
 )
+from zeroflow.models.spec import count_gpt_params, estimate_config, offloaded_activations
 from zeroflow.planner import where as places
 from zeroflow.planner.choices import first_equal_stage
 from zeroflow.planner.compiling import Compiler

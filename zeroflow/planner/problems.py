@@ -22,16 +22,16 @@ import numpy as np
 from zeroflow.config.io import apply_overrides
 from zeroflow.engine.frozen import trainable_mask
 from zeroflow.engine.plan import ZeroPlan
-from zeroflow.memory.estimate import (
-    DTYPE_BYTES,
+from zeroflow.memory.estimate import DTYPE_BYTES
+from zeroflow.memory.measure import compile_step, itemsize
+from zeroflow.models import flops_per_token
+from zeroflow.models.spec import (
     activations,
     count_gpt_params,
     offloaded_activations,
     optimizer_bytes_per_param,
     stored_frozen_bytes_per_param,
 )
-from zeroflow.memory.measure import compile_step, itemsize
-from zeroflow.models import flops_per_token
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where
