@@ -107,11 +107,6 @@ class RunSpec:
         """The target's dense peak FLOP/s in the compute dtype (fp8 where it trains in fp8)."""
         return None if self.target is None else self.target.bf16_flops
 
-    @property
-    def step_flops(self) -> float:
-        """Model FLOPs of one step over all devices."""
-        return self.flops_per_token * self.tokens_per_step
-
     def model_states(
         self, *, activation_bytes: float = 0.0, devices_per_process: int | None = None
     ) -> MemoryEstimate:
