@@ -84,17 +84,48 @@ _LLAMA3_KEYS = {
 }
 
 
-def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """config.json's rotary settings -> ModelConfig fields (rope_base, rope_scaling, ...)."""
-    params = raw.get("rope_parameters")
-    key = "rope_parameters"
-    if params is None:
-        params, key = raw.get("rope_scaling") or {}, "rope_scaling"
+def _rope_kind(params: Any, key: str, where: str) -> str:
+    """The rope type of one rope setting, refused unless zeroflow runs it."""
     if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
         raise refuse(where, key, params, "one rope setting for all layers (a mapping of scalars)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise refuse(where, f"{key}.rope_type", kind, f"rope types {', '.join(ROPE_TYPES)}")
+    return kind
+
+
+def _scaling_of(params: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    return {
+        **{k: v for k, v in params.items() if k not in ("rope_theta", "type", "rope_type")},
+        "rope_type": kind,
+    }
+
+
+def rope_setting(raw: Mapping[str, Any], where: str) -> tuple[Mapping[str, Any], str, str]:
+    """``(settings, key, rope type)`` of config.json's rotary embedding. transformers 4 reads
+    ``rope_scaling`` and 5 reads ``rope_parameters`` but lets a ``rope_scaling`` replace it, so
+    each present one is checked, and a config.json holding both that disagree is refused
+    rather than read as one of the two versions would."""
+    present = [(raw[k], k) for k in ("rope_parameters", "rope_scaling") if raw.get(k)]
+    kinds = [_rope_kind(params, key, where) for params, key in present]
+    if len(present) == 2:
+        (params, _), (scaling, _) = present
+        if _scaling_of(params, kinds[0]) != _scaling_of(scaling, kinds[1]):
+            raise refuse(
+                where,
+                "rope_scaling",
+                dict(scaling),
+                f"rope_scaling equal to rope_parameters' scaling ({_scaling_of(params, kinds[0])})"
+                " when config.json has both (transformers 4 reads one, 5 the other); keep one",
+            )
+    if not present:
+        return {}, "rope_scaling", "default"
+    return present[0][0], present[0][1], kinds[0]
+
+
+def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """config.json's rotary settings -> ModelConfig fields (rope_base, rope_scaling, ...)."""
+    params, key, kind = rope_setting(raw, where)
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise refuse(where, "partial_rotary_factor", partial, "1.0 (rotary on the whole head)")

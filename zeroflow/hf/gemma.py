@@ -98,6 +98,14 @@ def _rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     or rope_theta / rope_local_base_freq / rope_scaling), or Gemma 2's single one."""
     params = raw.get("rope_parameters")
     if isinstance(params, Mapping) and FULL in params:
+        if raw.get("rope_scaling"):
+            raise refuse(
+                where,
+                "rope_scaling",
+                raw["rope_scaling"],
+                "no rope_scaling beside rope_parameters per kind of layer (transformers 5 lets "
+                "rope_scaling replace rope_parameters); keep one",
+            )
         fields = read_rope({"rope_parameters": params[FULL]}, f"{where} (rope_parameters.{FULL})")
         local = params.get(SLIDING) or {}
         if local.get("rope_type", "default") != "default":
