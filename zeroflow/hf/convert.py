@@ -101,12 +101,16 @@ def _scaling_of(params: Mapping[str, Any], kind: str) -> dict[str, Any]:
     }
 
 
-def rope_setting(raw: Mapping[str, Any], where: str) -> tuple[Mapping[str, Any], str, str]:
+def rope_setting(
+    raw: Mapping[str, Any], where: str, within: str = ""
+) -> tuple[Mapping[str, Any], str, str]:
     """``(settings, key, rope type)`` of config.json's rotary embedding. transformers 4 reads
     ``rope_scaling`` and 5 reads ``rope_parameters`` but lets a ``rope_scaling`` replace it, so
     each present one is checked, and a config.json holding both that disagree is refused
-    rather than read as one of the two versions would."""
-    present = [(raw[k], k) for k in ("rope_parameters", "rope_scaling") if raw.get(k)]
+    rather than read as one of the two versions would. ``within``: the key ``raw`` sits
+    under in config.json, named in errors (Gemma 3's ``rope_parameters.full_attention``)."""
+    keys = ("rope_parameters", "rope_scaling")
+    present = [(raw[k], within or k) for k in keys if raw.get(k)]
     kinds = [_rope_kind(params, key, where) for params, key in present]
     if len(present) == 2:
         (params, _), (scaling, _) = present
@@ -123,9 +127,9 @@ def rope_setting(raw: Mapping[str, Any], where: str) -> tuple[Mapping[str, Any],
     return present[0][0], present[0][1], kinds[0]
 
 
-def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+def read_rope(raw: Mapping[str, Any], where: str, within: str = "") -> dict[str, Any]:
     """config.json's rotary settings -> ModelConfig fields (rope_base, rope_scaling, ...)."""
-    params, key, kind = rope_setting(raw, where)
+    params, key, kind = rope_setting(raw, where, within)
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise refuse(where, "partial_rotary_factor", partial, "1.0 (rotary on the whole head)")

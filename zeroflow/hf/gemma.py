@@ -106,7 +106,7 @@ def _rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
                 "no rope_scaling beside rope_parameters per kind of layer (transformers 5 lets "
                 "rope_scaling replace rope_parameters); keep one",
             )
-        fields = read_rope({"rope_parameters": params[FULL]}, f"{where} (rope_parameters.{FULL})")
+        fields = read_rope({"rope_parameters": params[FULL]}, where, f"rope_parameters.{FULL}")
         local = params.get(SLIDING) or {}
         if local.get("rope_type", "default") != "default":
             raise refuse(
