@@ -141,10 +141,12 @@ class GemmaFamily(Converter):
     def text_config(self, raw: Mapping[str, Any], where: str) -> Mapping[str, Any]:
         if "text_config" not in raw:
             return raw
+        # Issued from read_config's one line (stacklevel 2), so that Python shows it once per
+        # process however many times a run reads the folder's config.json.
         warnings.warn(
             f"{where}: {raw.get('architectures', ['?'])[0]} read as its text decoder; the "
             f"vision tower is not loaded (saved back as {self.architecture})",
-            stacklevel=3,
+            stacklevel=2,
         )
         text = dict(raw["text_config"] or {})
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
