@@ -24,6 +24,9 @@ QWEN3 = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_la
 PHI3 = dict(vocab_size=83, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
+GEMMA2 = dict(vocab_size=67, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=3,
+              query_pre_attn_scalar=8)
 GEMMA3 = dict(vocab_size=71, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
               num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=3,
               query_pre_attn_scalar=8, sliding_window_pattern=2)
@@ -45,6 +48,7 @@ def folders(tmp_path_factory):
                                 max_shard_size="20KB"),
         "phi3": _saved(root, "phi3", T.Phi3ForCausalLM, T.Phi3Config, PHI3),
         "gemma3": _saved(root, "gemma3", T.Gemma3ForCausalLM, T.Gemma3TextConfig, GEMMA3),
+        "gemma2": _saved(root, "gemma2", T.Gemma2ForCausalLM, T.Gemma2Config, GEMMA2),
     }
 
 
@@ -133,6 +137,10 @@ def test_unsupported_architectures_are_one_line_naming_config_json_key(folders, 
      "rope_parameters.full_attention.rope_type", "yarn"),
     ("gemma3", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 2.0}),
      "rope_scaling", "linear"),
+    # Gemma 2 scales its one rotary embedding in every layer; the GPT scales the global
+    # layers' only (Gemma 3's way), so the windowed layers would differ: refused
+    ("gemma2", lambda c: c["rope_parameters"].update(rope_type="linear", factor=4.0),
+     "rope_parameters.rope_type", "linear"),
 ])
 def test_unknown_rope_scaling_is_one_line_naming_the_key(folders, tmp_path, name, edit, key,
                                                          kind):
