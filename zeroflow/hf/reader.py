@@ -87,17 +87,27 @@ class SafetensorsReader:
         files = set(self.weight_map.values())
         return self.folder / files.pop() if len(files) == 1 else self.folder
 
+    def _spellings(self, key: str) -> list[str]:
+        """``key`` as each of ``prefixes`` would spell it in the checkpoint."""
+        out = []
+        for prefix in self.prefixes:
+            ours, theirs = prefix if isinstance(prefix, tuple) else (prefix, "")
+            if key.startswith(ours):
+                out.append(theirs + key[len(ours) :])
+        return out
+
     def resolve(self, key: str) -> str:
         if key in self.weight_map:
             return key
-        for prefix in self.prefixes:
-            ours, theirs = prefix if isinstance(prefix, tuple) else (prefix, "")
-            if key.startswith(ours) and theirs + key[len(ours) :] in self.weight_map:
-                return theirs + key[len(ours) :]
+        spellings = self._spellings(key)
+        for spelled in spellings:
+            if spelled in self.weight_map:
+                return spelled
         sample = ", ".join(sorted(self.weight_map)[:4])
+        also = f" (nor {', '.join(map(repr, spellings))})" if spellings else ""
         raise HFCheckpointError(
-            f"{self.listing()}: no tensor {key!r}, which config.json's architecture needs "
-            f"(it lists {len(self.weight_map)} tensors, e.g. {sample})"
+            f"{self.listing()}: no tensor {key!r}{also}, which config.json's architecture "
+            f"needs (it lists {len(self.weight_map)} tensors, e.g. {sample})"
         )
 
     def _slice(self, key: str):
