@@ -153,14 +153,18 @@ def test_unknown_rope_scaling_is_one_line_naming_the_key(folders, tmp_path, name
     _one_line_naming(folder, None, "config.json", key, repr(kind))
 
 
+def _multimodal(root):
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return _saved(root, "mm", T.Gemma3ForConditionalGeneration, T.Gemma3Config, dict(
+        text_config={**GEMMA3, "vocab_size": 80}, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=79, boi_token_index=77, eoi_token_index=78))
+
+
 def test_gemma3_multimodal_is_read_as_its_text_decoder_in_one_warning_line(tmp_path):
     """Gemma3ForConditionalGeneration: the text decoder is read, the vision tower is not;
     one warning line says so, naming the file and what the model is saved as."""
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=28, patch_size=14)
-    folder = _saved(tmp_path, "mm", T.Gemma3ForConditionalGeneration, T.Gemma3Config, dict(
-        text_config={**GEMMA3, "vocab_size": 80}, vision_config=vision, mm_tokens_per_image=4,
-        image_token_index=79, boi_token_index=77, eoi_token_index=78))
+    folder = _multimodal(tmp_path)
     with pytest.warns(UserWarning) as caught:
         _, params, cfg = hf.from_pretrained(folder)
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
@@ -179,6 +183,19 @@ def test_a_missing_tensor_names_the_file_and_the_key(folders, tmp_path):
                    tensors=lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
     _one_line_naming(folder, None, "model.safetensors",
                      "no tensor 'model.layers.1.self_attn.k_norm.weight'")
+
+
+def test_a_text_tensor_missing_from_a_multimodal_checkpoint_names_its_spelling(tmp_path):
+    """The decoder's keys sit under a prefix there; the line names the one looked for."""
+    folder = _multimodal(tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    spelled = next(k for k in weights
+                   if k.startswith("language_model.") and k.endswith(".norm.weight"))
+    del weights[spelled]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="vision tower is not loaded"):
+        _one_line_naming(folder, None, "model.safetensors", "no tensor 'model.norm.weight'",
+                         repr(spelled))
 
 
 def test_a_tensor_missing_from_a_sharded_checkpoint_names_its_index(folders, tmp_path):
