@@ -161,6 +161,18 @@ def _multimodal(root):
         image_token_index=79, boi_token_index=77, eoi_token_index=78))
 
 
+def test_a_rope_scaling_beside_rope_parameters_with_another_base_is_refused(folders, tmp_path):
+    """transformers reads a rope_scaling over rope_parameters, rope_theta included: with a
+    default rope_scaling and no rope_theta beside it, its base is the class default, not the
+    500,000 rope_parameters says."""
+    folder = _copy(folders, "qwen3", tmp_path, config=lambda c: c.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        rope_scaling={"rope_type": "default"}))
+    assert T.AutoConfig.from_pretrained(folder).rope_parameters["rope_theta"] != 5e5
+    _one_line_naming(folder, None, "config.json", "rope_scaling={'rope_type': 'default'}",
+                     "'rope_theta': 500000.0")
+
+
 def test_gemma3_multimodal_is_read_as_its_text_decoder_in_one_warning_line(tmp_path):
     """Gemma3ForConditionalGeneration: the text decoder is read, the vision tower is not;
     one warning line says so, naming the file and what the model is saved as."""

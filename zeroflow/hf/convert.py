@@ -104,23 +104,30 @@ def _scaling_of(params: Mapping[str, Any], kind: str) -> dict[str, Any]:
 def rope_setting(
     raw: Mapping[str, Any], where: str, within: str = ""
 ) -> tuple[Mapping[str, Any], str, str]:
-    """``(settings, key, rope type)`` of config.json's rotary embedding. transformers 4 reads
-    ``rope_scaling`` and 5 reads ``rope_parameters`` but lets a ``rope_scaling`` replace it, so
-    each present one is checked, and a config.json holding both that disagree is refused
-    rather than read as one of the two versions would. ``within``: the key ``raw`` sits
-    under in config.json, named in errors (Gemma 3's ``rope_parameters.full_attention``)."""
+    """``(settings, key, rope type)`` of config.json's rotary embedding: ``rope_parameters``
+    (transformers 5) or ``rope_scaling`` (4, and what 5 reads instead when it is set, taking
+    ``rope_theta`` from beside it). Each present one is checked; both present must say the same
+    scaling and rotary base, else transformers' model is not the one ``rope_parameters``
+    describes. ``within``: the key ``raw`` sits under in config.json, named in errors (Gemma 3's
+    ``rope_parameters.full_attention``)."""
     keys = ("rope_parameters", "rope_scaling")
     present = [(raw[k], within or k) for k in keys if raw.get(k)]
     kinds = [_rope_kind(params, key, where) for params, key in present]
     if len(present) == 2:
         (params, _), (scaling, _) = present
-        if _scaling_of(params, kinds[0]) != _scaling_of(scaling, kinds[1]):
+        said = {**_scaling_of(params, kinds[0]), "rope_theta": params.get("rope_theta")}
+        read = {
+            **_scaling_of(scaling, kinds[1]),
+            "rope_theta": scaling.get("rope_theta", raw.get("rope_theta")),
+        }
+        if said != read:
             raise refuse(
                 where,
                 "rope_scaling",
                 dict(scaling),
-                f"rope_scaling equal to rope_parameters' scaling ({_scaling_of(params, kinds[0])})"
-                " when config.json has both (transformers 4 reads one, 5 the other); keep one",
+                f"a rope_scaling (and rope_theta) that say what rope_parameters says ({said}) "
+                "when config.json has both, as transformers reads rope_scaling over "
+                "rope_parameters; keep one",
             )
     if not present:
         return {}, "rope_scaling", "default"
