@@ -178,7 +178,8 @@ def _edit_config(folder, **changes):
 
 @pytest.mark.parametrize("spec,changes,needle", [
     (LLAMA, {"architectures": ["FalconForCausalLM"]},
-     "architecture 'FalconForCausalLM' is not supported; supported: LlamaForCausalLM, "
+     "config.json architectures[0]='FalconForCausalLM' is not supported; supported: "
+     "LlamaForCausalLM, "
      "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"),
     (LLAMA, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      "rope_parameters.rope_type='yarn' is not supported; zeroflow supports rope types "
@@ -193,7 +194,7 @@ def _edit_config(folder, **changes):
     (GPT2, {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
     (GPT2, {"activation_function": "relu"}, "activation_function='relu' is not supported"),
     (LLAMA, {"hidden_size": 48}, "has shape [99, 32], but config.json implies [99, 48]"),
-    (LLAMA, {"num_hidden_layers": 3}, "tensor 'model.layers.2.input_layernorm.weight' not found"),
+    (LLAMA, {"num_hidden_layers": 3}, "model.safetensors: no tensor 'model.layers.2.input_layernorm.weight'"),
     (LLAMA, {"num_hidden_layers": 1}, "tensors are not part of the architecture"),
     (LLAMA, {"tie_word_embeddings": True, "num_hidden_layers": "two"},
      "num_hidden_layers='two' is not supported; zeroflow supports a int"),

@@ -120,7 +120,7 @@ def test_prepare_data_tokenizes_with_the_models_tokenizer(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ("model.init_from={missing}", "no Hugging Face config at"),
-    ("model.init_from={unsupported}", "architecture 'BertForMaskedLM' is not supported"),
+    ("model.init_from={unsupported}", "architectures[0]='BertForMaskedLM' is not supported"),
 ])
 def test_bad_init_from_is_one_line(override, needle, tiny_llama, tmp_path, capsys):
     (tmp_path / "bert").mkdir()

@@ -23,6 +23,7 @@ from zeroflow.hf.encoders import ENCODERS, HFEncoder, load_encoder
 from zeroflow.hf.load import from_pretrained, load_params
 from zeroflow.hf.reader import HFCheckpointError, SafetensorsReader
 from zeroflow.hf.save import save_pretrained
+from zeroflow.hf.vocabulary import check_tokenizer
 
 
 def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
@@ -47,6 +48,7 @@ __all__ = [
     "HFTokenizer",
     "RUNTIME_FIELDS",
     "SafetensorsReader",
+    "check_tokenizer",
     "converter_for_model",
     "from_pretrained",
     "load_encoder",

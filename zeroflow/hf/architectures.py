@@ -30,6 +30,25 @@ def _supported() -> str:
     return ", ".join([*CONVERTERS, *READ_ONLY])
 
 
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+"config.json keys that only mixture-of-experts configs carry."
+
+
+def _why_not(name: str, raw: dict) -> str:
+    """What kind of model an unsupported architecture is, when it is one we know we lack."""
+    if "moe" in name.lower() or "mixtral" in name.lower() or any(k in raw for k in MOE_KEYS):
+        return (
+            ": mixture-of-experts layers are not implemented (zeroflow's GPT has one dense MLP "
+            "per layer)"
+        )
+    if "vision_config" in raw or name.endswith("ForConditionalGeneration"):
+        return (
+            ": a vision-language model (of those only Gemma3ForConditionalGeneration is read, "
+            "its text decoder)"
+        )
+    return ""
+
+
 def converter_for(raw: dict, where: str) -> Converter:
     """The converter config.json names (``architectures``, else ``model_type``)."""
     names = raw.get("architectures") or []
@@ -37,14 +56,15 @@ def converter_for(raw: dict, where: str) -> Converter:
         converter = CONVERTERS.get(names[0]) or READ_ONLY.get(names[0])
         if converter is None:
             raise HFCheckpointError(
-                f"{where}: architecture {names[0]!r} is not supported; supported: {_supported()}"
+                f"{where}: config.json architectures[0]={names[0]!r} is not supported"
+                f"{_why_not(names[0], raw)}; supported: {_supported()}"
             )
         return converter
     model_type = raw.get("model_type")
     if model_type not in _BY_MODEL_TYPE:
         raise HFCheckpointError(
-            f"{where}: config.json names no supported architecture "
-            f"(architectures={names}, model_type={model_type!r}); "
+            f"{where}: config.json names no supported architecture (architectures={names}, "
+            f"model_type={model_type!r}){_why_not(str(model_type), raw)}; "
             f"supported: {_supported()}"
         )
     return _BY_MODEL_TYPE[model_type]

@@ -85,17 +85,59 @@ _LLAMA3_KEYS = {
 }
 
 
-def read_rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """config.json's rotary settings -> ModelConfig fields (rope_base, rope_scaling, ...)."""
-    params = raw.get("rope_parameters")
-    key = "rope_parameters"
-    if params is None:
-        params, key = raw.get("rope_scaling") or {}, "rope_scaling"
+def _rope_kind(params: Any, key: str, where: str) -> str:
+    """The rope type of one rope setting, refused unless zeroflow runs it."""
     if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
         raise refuse(where, key, params, "one rope setting for all layers (a mapping of scalars)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise refuse(where, f"{key}.rope_type", kind, f"rope types {', '.join(ROPE_TYPES)}")
+    return kind
+
+
+def _scaling_of(params: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    return {
+        **{k: v for k, v in params.items() if k not in ("rope_theta", "type", "rope_type")},
+        "rope_type": kind,
+    }
+
+
+def rope_setting(
+    raw: Mapping[str, Any], where: str, within: str = ""
+) -> tuple[Mapping[str, Any], str, str]:
+    """``(settings, key, rope type)`` of config.json's rotary embedding: ``rope_parameters``
+    (transformers 5) or ``rope_scaling`` (4, and what 5 reads instead when it is set, taking
+    ``rope_theta`` from beside it). Each present one is checked; both present must say the same
+    scaling and rotary base, else transformers' model is not the one ``rope_parameters``
+    describes. ``within``: the key ``raw`` sits under in config.json, named in errors (Gemma 3's
+    ``rope_parameters.full_attention``)."""
+    keys = ("rope_parameters", "rope_scaling")
+    present = [(raw[k], within or k) for k in keys if raw.get(k)]
+    kinds = [_rope_kind(params, key, where) for params, key in present]
+    if len(present) == 2:
+        (params, _), (scaling, _) = present
+        said = {**_scaling_of(params, kinds[0]), "rope_theta": params.get("rope_theta")}
+        read = {
+            **_scaling_of(scaling, kinds[1]),
+            "rope_theta": scaling.get("rope_theta", raw.get("rope_theta")),
+        }
+        if said != read:
+            raise refuse(
+                where,
+                "rope_scaling",
+                dict(scaling),
+                f"a rope_scaling (and rope_theta) that say what rope_parameters says ({said}) "
+                "when config.json has both, as transformers reads rope_scaling over "
+                "rope_parameters; keep one",
+            )
+    if not present:
+        return {}, "rope_scaling", "default"
+    return present[0][0], present[0][1], kinds[0]
+
+
+def read_rope(raw: Mapping[str, Any], where: str, within: str = "") -> dict[str, Any]:
+    """config.json's rotary settings -> ModelConfig fields (rope_base, rope_scaling, ...)."""
+    params, key, kind = rope_setting(raw, where, within)
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise refuse(where, "partial_rotary_factor", partial, "1.0 (rotary on the whole head)")

@@ -77,19 +77,19 @@ def _check_tensors(
             used.add(key)
             if reader.shape(key) != m.hf_shape:
                 raise HFCheckpointError(
-                    f"{reader.folder}: {key} has shape "
+                    f"{reader.file_of(key)}: {key} has shape "
                     f"{list(reader.shape(key))}, but config.json implies "
                     f"{list(m.hf_shape)}"
                 )
             if reader.dtype(key) not in ("F32", "F16", "BF16", "F64"):
                 raise HFCheckpointError(
-                    f"{reader.folder}: {key} is stored as "
+                    f"{reader.file_of(key)}: {key} is stored as "
                     f"{reader.dtype(key)}; expected a float type"
                 )
     left = [k for k in reader.weight_map if k not in used and not converter.ignored.search(k)]
     if left:
         raise HFCheckpointError(
-            f"{reader.folder}: {len(left)} tensors are not part of the "
+            f"{reader.file_of(left[0])}: {len(left)} tensors are not part of the "
             f"{converter.architecture} config.json describes, e.g. {left[:3]}"
         )
 

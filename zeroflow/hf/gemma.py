@@ -22,7 +22,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from zeroflow.config.schema import ModelConfig
-from zeroflow.hf.convert import DROP, Converter, get, merged, read_rope, refuse, write_rope
+from zeroflow.hf.convert import (
+    DROP,
+    Converter,
+    get,
+    merged,
+    read_rope,
+    refuse,
+    rope_setting,
+    write_rope,
+)
 from zeroflow.hf.llama import decoder_rows
 from zeroflow.hf.tensors import TensorMap, tensor_map
 from zeroflow.models.gpt import head_dim, max_positions, num_kv_heads
@@ -98,7 +107,15 @@ def _rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     or rope_theta / rope_local_base_freq / rope_scaling), or Gemma 2's single one."""
     params = raw.get("rope_parameters")
     if isinstance(params, Mapping) and FULL in params:
-        fields = read_rope({"rope_parameters": params[FULL]}, f"{where} (rope_parameters.{FULL})")
+        if raw.get("rope_scaling"):
+            raise refuse(
+                where,
+                "rope_scaling",
+                raw["rope_scaling"],
+                "no rope_scaling beside rope_parameters per kind of layer (transformers 5 lets "
+                "rope_scaling replace rope_parameters); keep one",
+            )
+        fields = read_rope({"rope_parameters": params[FULL]}, where, f"rope_parameters.{FULL}")
         local = params.get(SLIDING) or {}
         if local.get("rope_type", "default") != "default":
             raise refuse(
@@ -133,10 +150,12 @@ class GemmaFamily(Converter):
     def text_config(self, raw: Mapping[str, Any], where: str) -> Mapping[str, Any]:
         if "text_config" not in raw:
             return raw
+        # Issued from read_config's one line (stacklevel 2), so that Python shows it once per
+        # process however many times a run reads the folder's config.json.
         warnings.warn(
             f"{where}: {raw.get('architectures', ['?'])[0]} read as its text decoder; the "
             f"vision tower is not loaded (saved back as {self.architecture})",
-            stacklevel=3,
+            stacklevel=2,
         )
         text = dict(raw["text_config"] or {})
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
@@ -180,7 +199,24 @@ class GemmaFamily(Converter):
             query_pre_attn_scalar=get(raw, "query_pre_attn_scalar", where, float),
             attn_softcap=_softcap(raw, "attn_logit_softcapping", where),
             logit_softcap=_softcap(raw, "final_logit_softcapping", where),
-            **_rope(raw, where),
+            **self._rope(raw, where),
+        )
+
+    def _rope(self, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+        """``_rope``, with Gemma 2's rope scaling refused: its one rotary embedding is scaled
+        in every layer, and the GPT scales the global layers' only (Gemma 3's way)."""
+        fields = _rope(raw, where)
+        if self.qk_norm or fields["rope_scaling"] == "none":
+            return fields
+        params = raw.get("rope_parameters")
+        nested = isinstance(params, Mapping) and FULL in params
+        key = f"rope_parameters.{FULL}" if nested else rope_setting(raw, where)[1]
+        raise refuse(
+            where,
+            f"{key}.rope_type",
+            fields["rope_scaling"],
+            "Gemma 2 without rope scaling (rope_type 'default'); zeroflow scales the rotary "
+            "embedding of the global layers only, as Gemma 3 has it",
         )
 
     def unsupported(self, cfg: ModelConfig) -> str | None:

@@ -64,12 +64,12 @@ def _check_tensors(
             shape = reader.shape(key)
             if shape != m.hf_shape:
                 raise HFCheckpointError(
-                    f"{reader.folder}: {key} has shape {list(shape)}, but "
+                    f"{reader.file_of(key)}: {key} has shape {list(shape)}, but "
                     f"config.json implies {list(m.hf_shape)}"
                 )
             if reader.dtype(key) not in _FLOAT_STORAGE:
                 raise HFCheckpointError(
-                    f"{reader.folder}: {key} is stored as "
+                    f"{reader.file_of(key)}: {key} is stored as "
                     f"{reader.dtype(key)}; expected a float type"
                 )
     left = [
@@ -82,7 +82,7 @@ def _check_tensors(
     ]
     if left:
         raise HFCheckpointError(
-            f"{reader.folder}: {len(left)} tensors are not part of the "
+            f"{reader.file_of(left[0])}: {len(left)} tensors are not part of the "
             f"architecture config.json describes, e.g. {left[:3]}"
         )
 

@@ -75,17 +75,39 @@ class SafetensorsReader:
         self.prefixes = tuple(prefixes)
         self._handles: dict[str, safe_open] = {}
 
+    def file_of(self, key: str) -> Path:
+        """The safetensors file holding ``key`` (as named in the index or a file header)."""
+        return self.folder / self.weight_map[key]
+
+    def listing(self) -> Path:
+        """The file that lists the tensors: the index, or the one safetensors file (the folder
+        when several unindexed files share the listing)."""
+        if (self.folder / INDEX_FILE).is_file():
+            return self.folder / INDEX_FILE
+        files = set(self.weight_map.values())
+        return self.folder / files.pop() if len(files) == 1 else self.folder
+
+    def _spellings(self, key: str) -> list[str]:
+        """``key`` as each of ``prefixes`` would spell it in the checkpoint."""
+        out = []
+        for prefix in self.prefixes:
+            ours, theirs = prefix if isinstance(prefix, tuple) else (prefix, "")
+            if key.startswith(ours):
+                out.append(theirs + key[len(ours) :])
+        return out
+
     def resolve(self, key: str) -> str:
         if key in self.weight_map:
             return key
-        for prefix in self.prefixes:
-            ours, theirs = prefix if isinstance(prefix, tuple) else (prefix, "")
-            if key.startswith(ours) and theirs + key[len(ours) :] in self.weight_map:
-                return theirs + key[len(ours) :]
+        spellings = self._spellings(key)
+        for spelled in spellings:
+            if spelled in self.weight_map:
+                return spelled
         sample = ", ".join(sorted(self.weight_map)[:4])
+        also = f" (nor {', '.join(map(repr, spellings))})" if spellings else ""
         raise HFCheckpointError(
-            f"{self.folder}: tensor {key!r} not found among its "
-            f"{len(self.weight_map)} tensors (e.g. {sample})"
+            f"{self.listing()}: no tensor {key!r}{also}, which config.json's architecture "
+            f"needs (it lists {len(self.weight_map)} tensors, e.g. {sample})"
         )
 
     def _slice(self, key: str):
@@ -95,7 +117,12 @@ class SafetensorsReader:
             if not path.is_file():
                 raise HFCheckpointError(f"{path} (listed in {INDEX_FILE}) is missing")
             self._handles[name] = open_safetensors(path)
-        return self._handles[name].get_slice(key)
+        try:
+            return self._handles[name].get_slice(key)
+        except Exception:  # safetensors' own error: the index names a file without the key
+            raise HFCheckpointError(
+                f"{self.folder / name}: no tensor {key!r}, though {INDEX_FILE} lists it there"
+            ) from None
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(self.resolve(key)).get_shape())

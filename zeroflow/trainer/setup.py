@@ -270,10 +270,11 @@ def build_run(cfg: Config, *, with_data: bool = True, devices=None, mesh=None, t
     mesh's own (``zeroflow.memory.on_target``)."""
     model_cfg = run_model_config(cfg)
     data = _load_data(cfg) if with_data else None
-    if data is not None and model_cfg.init_from and data.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
-            f"data.tokenizer has {data.vocab_size} tokens but {model_cfg.init_from} "
-            f"embeds {model_cfg.vocab_size}; use that model's tokenizer"
+    if data is not None and model_cfg.init_from:
+        from zeroflow import hf
+
+        hf.check_tokenizer(
+            data.tokenizer, model_cfg.vocab_size, model_cfg.init_from, "data.tokenizer"
         )
     if data is not None and data.vocab_size != model_cfg.vocab_size and not model_cfg.init_from:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=data.vocab_size)
