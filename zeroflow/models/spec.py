@@ -80,11 +80,13 @@ def estimate_config(
     remat: str | None = None,
     devices_per_process: int | None = None,
     frozen_params: int = 0,
+    remat_dtype: str | None = None,
 ) -> MemoryEstimate:
     """Estimate for a trainer ``zeroflow.config.Config`` (``run_spec``'s keywords override
     its choices): the ZeRO formula's model states of its parameters (``RunSpec.model_states``:
     gradients in fp32, ``train.optimizer``'s state counted tensor by tensor, frozen ones as
-    ``model.lora.quantize`` stores them) plus ``activations`` per micro-batch."""
+    ``model.lora.quantize`` stores them) plus ``activations`` per micro-batch (in
+    ``remat_dtype``, default ``model.remat_dtype``)."""
     spec = run_spec(
         cfg,
         num_devices=num_devices,
@@ -100,7 +102,13 @@ def estimate_config(
             f"train.batch_size {cfg.train.batch_size} is smaller than data devices "
             f"{spec.num_devices} x grad_accum {cfg.parallel.grad_accum}"
         )
-    acts = activations(cfg.model, micro_batch=micro, remat=spec.remat, precision=spec.precision)
+    acts = activations(
+        cfg.model,
+        micro_batch=micro,
+        remat=spec.remat,
+        precision=spec.precision,
+        remat_dtype=remat_dtype,
+    )
     return spec.model_states(activation_bytes=acts, devices_per_process=devices_per_process)
 
 
