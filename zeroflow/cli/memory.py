@@ -41,6 +41,12 @@ def _parser() -> flags.PlanParser:
     add("--stages", type=flags.stages, default=list(ZERO_STAGES))
     add("--offloads", type=flags.offloads, default=list(OFFLOAD_CHOICES))
     add("--remats", type=flags.remats, default=list(REMATS))
+    add(
+        "--remat-dtypes",
+        type=flags.remat_dtypes,
+        help="each remat with its saved activations in these dtypes too, e.g. compute,fp8 "
+        "(FP8 only where the policy saves something; default: model.remat_dtype alone)",
+    )
     add("--json", action="store_true", help="one JSON object per choice instead of the table")
     add("--all", action="store_true", help="list every choice (default: the cheapest fits)")
     add(
@@ -108,6 +114,7 @@ def _run(args, cfg, data: int | None, target: str | None) -> int:
         stages=args.stages,
         offloads=args.offloads,
         remats=args.remats,
+        remat_dtypes=args.remat_dtypes,
         measure=args.measure,
         devices_per_process=per_process,
         log=lambda m: print(m, file=sys.stderr),

@@ -16,7 +16,7 @@ from typing import NoReturn
 from zeroflow.cli.common import ArgumentParser
 from zeroflow.util import xla_log
 from zeroflow.util.compat import cuda_plugin_install_hint, cuda_plugin_module
-from zeroflow.util.settings import OFFLOAD_CHOICES, REMATS, ZERO_STAGES
+from zeroflow.util.settings import OFFLOAD_CHOICES, REMAT_DTYPES, REMATS, ZERO_STAGES
 from zeroflow.util.units import parse_bytes
 
 GPUS = sorted(p.stem for p in (Path(__file__).parents[1] / "backend" / "gpu_specs").glob("*.txtpb"))
@@ -93,6 +93,7 @@ def one_of(valid, name: str, cast=str):
 stages = one_of(ZERO_STAGES, "ZeRO stages", int)
 offloads = one_of(OFFLOAD_CHOICES, "offloads")
 remats = one_of(REMATS, "remat policies")
+remat_dtypes = one_of(REMAT_DTYPES, "remat dtypes")
 attentions = one_of(ATTENTIONS, "attention kernels")
 gpus = one_of(GPUS, "GPU targets")
 

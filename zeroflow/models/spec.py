@@ -23,7 +23,7 @@ from zeroflow.models.gpt import (
     head_dim,
     num_kv_heads,
 )
-from zeroflow.util.settings import REMATS
+from zeroflow.util.settings import FP8_REMATS, REMAT_DTYPES, REMATS
 
 
 def run_spec(
@@ -80,11 +80,13 @@ def estimate_config(
     remat: str | None = None,
     devices_per_process: int | None = None,
     frozen_params: int = 0,
+    remat_dtype: str | None = None,
 ) -> MemoryEstimate:
     """Estimate for a trainer ``zeroflow.config.Config`` (``run_spec``'s keywords override
     its choices): the ZeRO formula's model states of its parameters (``RunSpec.model_states``:
     gradients in fp32, ``train.optimizer``'s state counted tensor by tensor, frozen ones as
-    ``model.lora.quantize`` stores them) plus ``activations`` per micro-batch."""
+    ``model.lora.quantize`` stores them) plus ``activations`` per micro-batch (in
+    ``remat_dtype``, default ``model.remat_dtype``)."""
     spec = run_spec(
         cfg,
         num_devices=num_devices,
@@ -100,7 +102,13 @@ def estimate_config(
             f"train.batch_size {cfg.train.batch_size} is smaller than data devices "
             f"{spec.num_devices} x grad_accum {cfg.parallel.grad_accum}"
         )
-    acts = activations(cfg.model, micro_batch=micro, remat=spec.remat, precision=spec.precision)
+    acts = activations(
+        cfg.model,
+        micro_batch=micro,
+        remat=spec.remat,
+        precision=spec.precision,
+        remat_dtype=remat_dtype,
+    )
     return spec.model_states(activation_bytes=acts, devices_per_process=devices_per_process)
 
 
@@ -130,17 +138,65 @@ def _check_micro_batch(micro_batch: Any) -> None:
         raise ValueError(f"micro_batch must be an int >= 1, got {micro_batch!r}")
 
 
+FP8_SCALE_BYTES = 4
+"One fp32 scale beside each tensor kept in FP8 (``zeroflow.autocast.fp8_saved``)."
+
+
+def _fp8_remat_dtype(model, remat: str, remat_dtype: str | None) -> bool:
+    """Whether ``remat`` keeps its saved activations in FP8: ``remat_dtype`` (default
+    ``model.remat_dtype``) is 'fp8' and the policy saves something (as the model runs it:
+    remat 'none' stays in the compute dtype)."""
+    remat_dtype = getattr(model, "remat_dtype", "compute") if remat_dtype is None else remat_dtype
+    if remat_dtype not in REMAT_DTYPES:
+        raise ValueError(f"unknown remat dtype {remat_dtype!r}; choose one of {list(REMAT_DTYPES)}")
+    return remat_dtype == "fp8" and remat in FP8_REMATS
+
+
+def fp8_dots_per_token(model) -> tuple[int, int]:
+    """``(elements per token, tensors)`` of the matmul outputs ``remat_dtype='fp8'`` keeps in
+    e4m3 under the dots policies: q, k, v, the attention output, up and (gated) gate."""
+    q, kv = model.num_heads * head_dim(model), num_kv_heads(model) * head_dim(model)
+    gated = model.mlp_activation in GATED
+    return q + 2 * kv + model.embed_dim + (2 if gated else 1) * model.mlp_dim, 5 + gated
+
+
+def _saved_per_layer(model, remat: str, fp8: bool, width: int, tokens: int) -> float:
+    """What one scanned block keeps for the backward pass in device memory under ``remat``
+    ('save_dots' or 'full'; the offloading policies' host part is ``offloaded_activations``).
+    save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus the
+    block input; attention scores and norms are recomputed. With ``fp8`` the six outputs
+    ``fp8_dots_per_token`` counts are one byte each plus a scale (the block input stays at
+    ``width``); full keeps only the block input (the scan carry), with ``fp8`` one byte each."""
+    h = model.embed_dim
+    if remat == "full":
+        return tokens * h + FP8_SCALE_BYTES if fp8 else width * tokens * h
+    q, kv = model.num_heads * head_dim(model), num_kv_heads(model) * head_dim(model)
+    gated = model.mlp_activation in GATED
+    dots = width * tokens * (h + q + 2 * kv + h + (2 if gated else 1) * model.mlp_dim + h)
+    if not fp8:
+        return dots
+    elements, tensors = fp8_dots_per_token(model)
+    return dots - (width - 1) * tokens * elements + tensors * FP8_SCALE_BYTES
+
+
 def activations(
-    model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16"
+    model,
+    *,
+    micro_batch: int,
+    remat: str | None = None,
+    precision: Any = "bf16",
+    remat_dtype: str | None = None,
 ) -> float:
     """Saved activations of the GPT model per device for one micro-batch of ``micro_batch``
-    sequences, under ``remat`` (default ``model.remat``). The formula is in docs/memory.md."""
+    sequences, under ``remat`` (default ``model.remat``) in ``remat_dtype`` (default
+    ``model.remat_dtype``). The formula is in docs/memory.md."""
     remat = model.remat if remat is None else remat
     if remat not in REMATS:
         raise ValueError(f"unknown remat policy {remat!r}; choose one of {list(REMATS)}")
     _check_micro_batch(micro_batch)
+    fp8 = _fp8_remat_dtype(model, remat, remat_dtype)
     width = DTYPE_BYTES[precision_name(precision)]
-    b, s, h, f, v = micro_batch, model.seq_len, model.embed_dim, model.mlp_dim, model.vocab_size
+    b, s, h, f = micro_batch, model.seq_len, model.embed_dim, model.mlp_dim
     heads = model.num_heads
     q, kv = heads * head_dim(model), num_kv_heads(model) * head_dim(model)
     gated = model.mlp_activation in GATED
@@ -156,42 +212,50 @@ def activations(
     per_layer_none = (
         width * (tokens * (4 * h + 2 * q + 2 * kv) + mlp_tokens * (3 if gated else 2) * f) + scores
     )
-    # save_dots keeps the outputs of the weight matmuls (q, k, v, out, up, gate, down) plus
-    # the block input; attention scores and norms are recomputed.
-    per_layer_dots = width * tokens * (h + q + 2 * kv + h + (2 if gated else 1) * f + h)
-    per_layer_full = width * tokens * h  # only the block input (the scan carry)
     layers = model.num_layers
     if remat == "none":
         blocks = layers * per_layer_none
-    elif remat == "save_dots":
-        blocks = layers * per_layer_dots + per_layer_none  # + one block being recomputed
+    elif remat in ("save_dots", "full"):  # + one block being recomputed
+        blocks = layers * _saved_per_layer(model, remat, fp8, width, tokens) + per_layer_none
     elif remat == "offload_input":  # the layer inputs are in host memory (offloaded_activations)
         blocks = per_layer_none
-    else:  # full, and offload_dots: its matmul outputs are in host memory (offloaded_activations)
-        blocks = layers * per_layer_full + per_layer_none
-    # Embedding output, final norm in/out, and the loss: the fp32 logits and their softmax, or
-    # with the chunked cross-entropy (model.loss_chunk) one tile of each and the fp32 gradient
-    # of the output projection it accumulates.
+    else:  # offload_dots: its matmul outputs are in host memory (offloaded_activations), the
+        # block input (at its width, FP8 or not) on the device as full's
+        blocks = layers * _saved_per_layer(model, "full", False, width, tokens) + per_layer_none
+    return float(blocks + width * tokens * 3 * h + _loss_bytes(model, b, s))
+
+
+def _loss_bytes(model, b: int, s: int) -> float:
+    """Embedding output, final norm in/out aside: the loss's fp32 logits and their softmax, or
+    with the chunked cross-entropy (model.loss_chunk) one tile of each and the fp32 gradient of
+    the output projection it accumulates."""
+    v, h = model.vocab_size, model.embed_dim
     if model.loss_chunk:
         tile = b * min(model.loss_chunk, s) * min(model.loss_vocab_chunk, v)
-        loss_bytes = 2 * 4 * tile + 4 * v * h
-    else:
-        loss_bytes = 2 * 4 * tokens * v
-    return float(blocks + width * tokens * 3 * h + loss_bytes)
+        return 2 * 4 * tile + 4 * v * h
+    return 2 * 4 * b * s * v
 
 
 def offloaded_activations(
-    model, *, micro_batch: int, remat: str | None = None, precision: Any = "bf16"
+    model,
+    *,
+    micro_batch: int,
+    remat: str | None = None,
+    precision: Any = "bf16",
+    remat_dtype: str | None = None,
 ) -> float:
     """Activations an offloading remat keeps in pinned host memory per device for one
     micro-batch: for 'offload_dots' save_dots's matmul outputs, the block input aside; for
-    'offload_input' each block's input (0 for other policies)."""
+    'offload_input' each block's input (0 for other policies); in FP8 where ``remat_dtype``
+    (default ``model.remat_dtype``) is 'fp8' (``_saved_per_layer``)."""
     remat = model.remat if remat is None else remat
+    fp8 = _fp8_remat_dtype(model, remat, remat_dtype)
+    width = DTYPE_BYTES[precision_name(precision)]
+    tokens = micro_batch * model.seq_len
     if remat == "offload_input":
-        width = DTYPE_BYTES[precision_name(precision)]
-        return float(model.num_layers * width * micro_batch * model.seq_len * model.embed_dim)
+        return float(model.num_layers * _saved_per_layer(model, "full", fp8, width, tokens))
     if remat != "offload_dots":
         return 0.0
-    saved = activations(model, micro_batch=micro_batch, remat="save_dots", precision=precision)
-    device = activations(model, micro_batch=micro_batch, remat="full", precision=precision)
-    return float(saved - device)
+    saved = _saved_per_layer(model, "save_dots", fp8, width, tokens)
+    device = _saved_per_layer(model, "full", False, width, tokens)
+    return float(model.num_layers * (saved - device))

@@ -71,7 +71,9 @@ class Advice:
 
 def advise(problem: ConfigProblem, row: Row, space: Space, compiler: Compiler) -> list[Advice]:
     where, usable, out = row.where, row.usable_bytes, []
-    space = dataclasses.replace(space, zeropp=False)
+    # The advice stays in the compute dtype: FP8 residuals are the search's last resort per
+    # plan (zeroflow.planner.search), not a change of what is computed to suggest here.
+    space = dataclasses.replace(space, zeropp=False, remat_dtypes=("compute",))
     if problem.cfg.model.lora.rank == 0:
         for keys, what in LORA_ADVICE:
             out += _lora(problem, keys, what, row, space, compiler)

@@ -1,6 +1,10 @@
 """The plans the planner searches: one ``Choice`` is a ZeRO stage, where the optimizer state
-lives and where its update runs, a remat policy, a micro-batch split, an attention kernel and
-the ZeRO++ options, for one device count.
+lives and where its update runs, a remat policy and the dtype of what it saves, a micro-batch
+split, an attention kernel and the ZeRO++ options, for one device count.
+
+FP8 residuals (``model.remat_dtype: fp8``) are listed beside each remat policy that saves
+something (``FP8_REMATS``); they round what the backward pass reads through e4m3, so the search
+tries one only where the same plan in the compute dtype does not fit (``zeroflow.planner.search``).
 
 What a choice may combine is the engine's to say (``zeroflow.engine.plan_rules``), never
 re-derived here. Two more rules prune the space before anything is compiled:
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 from zeroflow.backend.mesh import planning_mesh
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.plan_rules import batch_split_problem, plan_problems
+from zeroflow.util.settings import FP8_REMATS
 
 OFFLOAD_PAIRS = (
     ("none", "device"),
@@ -40,8 +45,9 @@ OFFLOAD_MEMORY = {("none", "device"): 2, ("optimizer", "device"): 1, ("optimizer
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One plan. ``remat`` / ``attention`` None: the model's own (a model given as a loss
-    function decides those itself)."""
+    """One plan. ``remat`` / ``attention`` / ``remat_dtype`` None: the model's own (a model
+    given as a loss function decides those itself). ``remat_dtype``: what the remat policy
+    keeps its saved activations in, 'compute' or 'fp8' (``model.remat_dtype``)."""
 
     stage: int
     offload: str = "none"
@@ -52,6 +58,14 @@ class Choice:
     quantize_weights: str | None = None
     quantize_grads: str | None = None
     hierarchical: bool = False
+    remat_dtype: str | None = None
+
+    def fp8_residuals(self) -> bool:
+        return self.remat_dtype == "fp8"
+
+    def in_compute_dtype(self) -> Choice:
+        """The same plan with its saved activations in the compute dtype."""
+        return dataclasses.replace(self, remat_dtype="compute")
 
     def label(self) -> str:
         """A short name for tables: 'stage 3, opt->host, full, 2 micro, cudnn, qwZ'."""
@@ -60,7 +74,7 @@ class Choice:
             short = {"optimizer": "opt", "optimizer+params": "opt+params"}[self.offload]
             parts.append(f"{short} on host, update on {self.update_on}")
         if self.remat is not None:
-            parts.append(f"remat {self.remat}")
+            parts.append(f"remat {self.remat}" + (" in fp8" if self.fp8_residuals() else ""))
         parts.append(f"{self.grad_accum} micro" if self.grad_accum > 1 else "1 micro")
         if self.attention is not None:
             parts.append(self.attention)
@@ -96,6 +110,9 @@ class Space:
     stages: Sequence[int] = (0, 1, 2, 3)
     offloads: Sequence[tuple[str, str]] = OFFLOAD_PAIRS
     remats: Sequence[str | None] = (None,)
+    remat_dtypes: Sequence[str] = ("compute", "fp8")
+    "What saved activations may be kept in, beside each remat policy given; 'fp8' only with a"
+    " policy that saves something (FP8_REMATS)."
     attentions: Sequence[str | None] = (None,)
     grad_accums: Sequence[int] | None = None
     "None: every split of the per-device batch into equal micro-batches."
@@ -141,8 +158,19 @@ def enumerate_choices(
             if problems or (hp and compute_dtype == "fp32"):
                 continue
             for remat, attention, g in itertools.product(space.remats, space.attentions, splits):
-                out.append(Choice(stage, offload, update_on, g, remat, attention, qw, qg, hp))
+                for dtype in remat_dtypes_of(remat, space.remat_dtypes):
+                    out.append(
+                        Choice(stage, offload, update_on, g, remat, attention, qw, qg, hp, dtype)
+                    )
     return out
+
+
+def remat_dtypes_of(remat: str | None, dtypes: Sequence[str]) -> list[str | None]:
+    """The dtypes of ``dtypes`` a plan of ``remat`` may keep its saved activations in: the
+    model's own where the remat is (None), FP8 only where the policy saves something."""
+    if remat is None:
+        return [None]
+    return [d for d in dtypes if d != "fp8" or remat in FP8_REMATS]
 
 
 def first_equal_stage(stage: int, offload: str, update_on: str, compute_dtype: str) -> int:
@@ -185,7 +213,8 @@ def needs_more(a: Choice, b: Choice) -> bool:
     """Whether ``a`` needs at least the device memory ``b`` needs, knob by knob: a plan that
     did not fit rules out every plan that needs more. Only orders that hold for every model
     are used (a lower stage, less remat, bigger micro-batches, the state on the device);
-    anything else (ZeRO++, another attention kernel) is not compared."""
+    anything else (ZeRO++, another attention kernel) is not compared. FP8 residuals need less
+    than the compute dtype's at the same remat, never more."""
     same = ("attention", "quantize_weights", "quantize_grads", "hierarchical")
     if any(getattr(a, k) != getattr(b, k) for k in same):
         return False
@@ -197,6 +226,8 @@ def needs_more(a: Choice, b: Choice) -> bool:
     ):
         return False
     if (a.remat is None) != (b.remat is None):
+        return False
+    if a.fp8_residuals() and not b.fp8_residuals():
         return False
     if (
         a.remat is not None

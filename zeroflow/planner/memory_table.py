@@ -32,7 +32,7 @@ from zeroflow.memory.estimate import (
 )
 from zeroflow.models.spec import count_gpt_params, estimate_config, offloaded_activations
 from zeroflow.planner import where as places
-from zeroflow.planner.choices import first_equal_stage
+from zeroflow.planner.choices import first_equal_stage, remat_dtypes_of
 from zeroflow.planner.compiling import Compiler
 from zeroflow.planner.problems import ConfigProblem
 from zeroflow.trainer.planning import attention_note, count_frozen_params
@@ -61,6 +61,12 @@ class Row:
     overlap: dict | None = None  # zeroflow.memory.collectives.overlap of the compiled step
     measured_host_bytes: float | None = None  # XLA's host-memory buffers per device (host_*)
     timing: dict | None = None  # XLA:GPU's estimated step: step_ms, exposed_ms, mfu, costed_by
+    remat_dtype: str | None = None  # what the remat keeps saved activations in; None: the config's
+
+    @property
+    def remat_label(self) -> str:
+        """The remat policy, with ' fp8' where asked for FP8 residuals (``--remat-dtypes``)."""
+        return self.remat + (" fp8" if self.remat_dtype == "fp8" else "")
 
     @property
     def need_bytes(self) -> float:
@@ -81,6 +87,7 @@ class Row:
             "offload": self.offload,
             "update_on": self.update_on,
             "remat": self.remat,
+            **({"remat_dtype": self.remat_dtype} if self.remat_dtype is not None else {}),
             "estimated_peak_bytes": round(self.estimate.device_bytes),
             "measured_peak_bytes": None
             if self.measured_bytes is None
@@ -101,7 +108,10 @@ class Row:
 
     @property
     def cost(self) -> tuple:
-        return (OFFLOADS.index(self.offload), REMAT_COST[self.remat], self.stage)
+        """FP8 residuals rank right after the same remat in the compute dtype: about as fast,
+        but their gradients are approximate."""
+        fp8 = self.remat_dtype == "fp8"
+        return (OFFLOADS.index(self.offload), REMAT_COST[self.remat], fp8, self.stage)
 
 
 def setting(cfg, *, name: str, devices: int | None, target: str | None, device_memory):
@@ -154,11 +164,14 @@ def plan_rows(
     devices_per_process: int | None = None,
     log=None,
     target: str | None = None,
+    remat_dtypes: Sequence[str] | None = None,
 ) -> list[Row]:
     """One Row per choice: the formula's peak, and where compiled (``measure``) the planner's
     compile of it (``zeroflow.planner.compiling``: for ``target``'s abstract GPUs XLA:GPU's
     peak and step estimate; offloaded choices through CPU stand-ins). On one device a stage
-    that makes the engine's decisions of a lower one is that stage's compile."""
+    that makes the engine's decisions of a lower one is that stage's compile. ``remat_dtypes``:
+    each remat in each of these dtypes where it applies (FP8 only where the policy saves
+    something); None: the config's ``model.remat_dtype``."""
     if measure == "auto":
         small = count_gpt_params(cfg.model) <= MEASURE_MAX_PARAMS
         few = devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
@@ -169,20 +182,28 @@ def plan_rows(
     rows = []
     for stage, offload, remat in itertools.product(stages, offloads, remats):
         update_on = cfg.parallel.update_on if offload != "none" else "device"
-        est = estimate_config(
-            cfg,
-            num_devices=devices,
-            stage=stage,
-            offload=offload,
-            update_on=update_on,
-            remat=remat,
-            devices_per_process=per_process,
-            frozen_params=frozen,
-        )
-        host_acts = offloaded_activations(
-            cfg.model, micro_batch=micro, remat=remat, precision=cfg.precision.params
-        )
-        rows.append(Row(stage, offload, remat, update_on, est, host_acts, per_process))
+        dtypes = [None] if remat_dtypes is None else remat_dtypes_of(remat, remat_dtypes)
+        for dtype in dtypes:
+            est = estimate_config(
+                cfg,
+                num_devices=devices,
+                stage=stage,
+                offload=offload,
+                update_on=update_on,
+                remat=remat,
+                devices_per_process=per_process,
+                frozen_params=frozen,
+                remat_dtype=dtype,
+            )
+            host_acts = offloaded_activations(
+                cfg.model,
+                micro_batch=micro,
+                remat=remat,
+                precision=cfg.precision.params,
+                remat_dtype=dtype,
+            )
+            row = Row(stage, offload, remat, update_on, est, host_acts, per_process)
+            rows.append(dataclasses.replace(row, remat_dtype=dtype))
     if measure != "always":
         return rows
     with tempfile.TemporaryDirectory(prefix="zeroflow-memory-") as scratch:
@@ -198,8 +219,9 @@ def _measured(row: Row, problem, compiler: Compiler, where, note: str, log) -> R
     if where.devices == 1:
         stage = first_equal_stage(stage, row.offload, row.update_on, problem.cfg.precision.params)
     choice = problem.own_choice(stage, row.offload, row.remat)
+    choice = dataclasses.replace(choice, remat_dtype=row.remat_dtype)
     if log and (problem.key, where, choice) not in compiler.results:
-        log(f"compiling stage {stage}, offload {row.offload}, remat {row.remat} ...")
+        log(f"compiling stage {stage}, offload {row.offload}, remat {row.remat_label} ...")
     got = compiler.measure(problem, choice, where)
     if isinstance(got, str):
         return dataclasses.replace(row, note=got)
@@ -254,7 +276,7 @@ def render(
         table.add_column(name, justify="right" if "/" in name else "left")
     for stages, r in shown:
         measured = "-" if r.measured_bytes is None else format_bytes(r.measured_bytes)
-        cells = [stages, r.offload, r.remat, format_bytes(r.estimate.device_bytes), measured]
+        cells = [stages, r.offload, r.remat_label, format_bytes(r.estimate.device_bytes), measured]
         cells += [format_bytes(r.host_bytes), "yes" if r.need_bytes <= device_memory else "no"]
         if collectives:
             total = (r.overlap or {}).get("total", {})
@@ -276,7 +298,7 @@ def _merged(rows: Sequence[Row]) -> list[tuple[str, Row]]:
     the same program) said once, with their stages."""
     groups: dict = {}
     for r in rows:
-        key = (r.offload, r.remat, r.need_bytes, r.host_bytes, r.note, repr(r.timing))
+        key = (r.offload, r.remat_label, r.need_bytes, r.host_bytes, r.note, repr(r.timing))
         groups.setdefault(key, []).append(r)
     out = []
     for same in groups.values():
@@ -310,7 +332,9 @@ def _answer(best: Row | None, device_memory: float) -> str:
     return (
         f"Cheapest choice that fits in {format_bytes(device_memory)}: "
         f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
-        f"model.remat={best.remat} (needs {format_bytes(best.need_bytes)} per device)"
+        f"model.remat={best.remat}"
+        + (" model.remat_dtype=fp8" if best.remat_dtype == "fp8" else "")
+        + f" (needs {format_bytes(best.need_bytes)} per device)"
     )
 
 
@@ -358,7 +382,7 @@ def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
     failed: dict = {}
     for stages, r in _merged(rows):
         if r.note and r.measured_bytes is None:
-            failed.setdefault(r.note, []).append(f"{stages}/{r.offload}/{r.remat}")
+            failed.setdefault(r.note, []).append(f"{stages}/{r.offload}/{r.remat_label}")
     for reason, which in failed.items():
         more = f" and {len(which) - 2} more" if len(which) > 2 else ""
         console.print(f"did not compile ({', '.join(which[:2])}{more}): {reason}")

@@ -195,7 +195,8 @@ class ConfigProblem:
         )
 
     def overrides(self, choice: Choice, devices: int) -> list[str]:
-        """The config keys that make ``choice`` on ``devices`` data devices."""
+        """The config keys that make ``choice`` on ``devices`` data devices
+        (``model.remat_dtype`` where it keeps FP8 residuals or the config's differs)."""
         out = [
             f"parallel.data={devices}",
             f"parallel.zero_stage={choice.stage}",
@@ -208,6 +209,8 @@ class ConfigProblem:
         ]
         if choice.remat is not None:
             out.append(f"model.remat={choice.remat}")
+        if choice.fp8_residuals() or choice.remat_dtype not in (None, self.model.remat_dtype):
+            out.append(f"model.remat_dtype={choice.remat_dtype}")
         if choice.attention is not None:
             out.append(f"model.attention={choice.attention}")
         return out
@@ -238,4 +241,5 @@ class ConfigProblem:
             self.model,
             remat=choice.remat or self.model.remat,
             attention=choice.attention or self.model.attention,
+            remat_dtype=choice.remat_dtype or self.model.remat_dtype,
         )

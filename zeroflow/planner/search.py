@@ -20,6 +20,13 @@ most promising few, pick the fastest that fits.
    that cannot compile at all ends fast), last resort included.
 4. The best plan is the fitting one with the shortest step by XLA's estimate (by the what-if
    where the backend gives none, as XLA:CPU).
+
+FP8 residuals (``model.remat_dtype: fp8``) change the numerics a little, so a plan with them
+is held back while the same plan in the compute dtype may fit: it opens once that one is
+expected not to (compiled over the memory, ruled out, its state alone too big, or predicted
+over by the formula scaled as in step 2), and it is never the best where that one compiled
+and fits. Otherwise it competes as any other plan: it is picked where it is the fastest that
+fits, e.g. remat save_dots in fp8 ahead of remat full in the compute dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ EXPLORE = 1.3
 MAX_FAILURES = MAX_FAILED_COMPILES
 "Failed compiles after which a row's search stops (they do not count against max_compiles)."
 CANNOT_FIT, SKIPPED, RULED_OUT, NOT_COMPILED = "cannot fit", "skipped", "ruled out", "not compiled"
+HELD_BACK = (
+    "FP8 residuals: tried only where the same plan in the compute dtype does not fit, which "
+    "no compile showed"
+)
 OTHER_GPU_SPREAD = 0.05
 "How far one program's compiled peak may differ between GPU targets for the planner to reuse it:"
 " XLA:GPU's buffer assignment hardly depends on the GPU (gpt-1b's plans on 8 and on 1 x H100"
@@ -73,6 +84,8 @@ class Row:
     candidates: list[Candidate]
     best: Candidate | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    scale: float = 1.0
+    "The last compile's ratio of XLA's peak to the formula's (1 before any)."
 
     def compiled(self) -> list[Candidate]:
         return [c for c in self.candidates if c.status == COMPILED]
@@ -138,17 +151,20 @@ def search_row(
             continue
         done += 1
         if nxt.what_if.predicted_bytes > 0:
-            scale = got.peak_bytes / nxt.what_if.predicted_bytes
+            scale = row.scale = got.peak_bytes / nxt.what_if.predicted_bytes
         if not row.fits(nxt):
             _rule_out_bigger(row, nxt)
         elif done >= min_compiles and _cannot_be_beaten(row, compiler, scale):
             break
     if row.failures() < max_failures:
         _last_resort(problem, row, compiler, on_compile)
+    held = _held_back(row)
     for cand in row.candidates:
         if cand.status == OPEN:
             cand.status = NOT_COMPILED
-            cand.reason = "the what-if ranks it below the plans compiled"
+            cand.reason = (
+                HELD_BACK if id(cand) in held else "the what-if ranks it below the plans compiled"
+            )
     row.best = best_of(row, compiler)
     return row
 
@@ -159,7 +175,7 @@ def _last_resort(problem, row: Row, compiler: Compiler, on_compile) -> None:
     device and no ZeRO++ first, else the one it predicts smallest. Plain plans first, as
     XLA:GPU fails on some combinations of host offload and ZeRO++ (8 x L4, Llama 3.1 8B:
     IndexError in its compile)."""
-    open_ = _unfailed_kernels(row, [c for c in row.candidates if c.status == OPEN])
+    open_ = _unfailed_kernels(row, _open(row))
     if best_of(row, compiler) is not None or not open_:
         return
 
@@ -183,13 +199,40 @@ def _compile(problem, row: Row, cand: Candidate, compiler: Compiler, on_compile)
     return got
 
 
+def _open(row: Row) -> list[Candidate]:
+    """The open candidates the search may compile now: not those held back (``_held_back``)."""
+    held = _held_back(row)
+    return [c for c in row.candidates if c.status == OPEN and id(c) not in held]
+
+
+def _held_back(row: Row) -> set[int]:
+    """The candidates (ids) with FP8 residuals whose same plan in the compute dtype, in this
+    row, may fit: compiled and fitting, or open and predicted to fit (the formula scaled by
+    the last compile's ratio), or skipped or failed (no memory said it cannot fit)."""
+    by_choice = {c.choice: c for c in row.candidates}
+    held = set()
+    for cand in row.candidates:
+        twin = (
+            by_choice.get(cand.choice.in_compute_dtype()) if cand.choice.fp8_residuals() else None
+        )
+        if twin is not None and not _over(row, twin):
+            held.add(id(cand))
+    return held
+
+
+def _over(row: Row, cand: Candidate) -> bool:
+    """Whether ``cand`` is expected not to fit: compiled over the memory, ruled out, its state
+    alone too big, or (open) predicted over by the scaled formula."""
+    if cand.status == COMPILED:
+        return not row.fits(cand)
+    if cand.status == OPEN:
+        return cand.what_if.predicted_bytes * row.scale > row.usable_bytes
+    return cand.status in (RULED_OUT, CANNOT_FIT)
+
+
 def _likely(row: Row, scale: float) -> list[Candidate]:
     """Open candidates the formula, scaled by the last compile's ratio, predicts to fit."""
-    return [
-        c
-        for c in row.candidates
-        if c.status == OPEN and c.what_if.predicted_bytes * scale <= row.usable_bytes
-    ]
+    return [c for c in _open(row) if c.what_if.predicted_bytes * scale <= row.usable_bytes]
 
 
 def _next(row: Row, scale: float, compiler: Compiler) -> Candidate | None:
@@ -198,7 +241,7 @@ def _next(row: Row, scale: float, compiler: Compiler) -> Candidate | None:
     near-ties are for XLA to break); where none is predicted to fit and nothing compiled fits,
     the one the formula predicts smallest. Plans of an attention kernel that failed to compile
     come last."""
-    open_ = _unfailed_kernels(row, [c for c in row.candidates if c.status == OPEN])
+    open_ = _unfailed_kernels(row, _open(row))
     kept = {id(c) for c in open_}
     likely = [c for c in _likely(row, scale) if id(c) in kept]
     if likely:
@@ -253,7 +296,14 @@ def step_seconds(cand: Candidate, compiler: Compiler, where: Where) -> float:
 
 
 def best_of(row: Row, compiler: Compiler) -> Candidate | None:
-    fitting = [c for c in row.compiled() if row.fits(c)]
+    """The fitting plan with the shortest step; never one with FP8 residuals whose same plan
+    in the compute dtype fits."""
+    fits = {c.choice for c in row.compiled() if row.fits(c)}
+    fitting = [
+        c
+        for c in row.compiled()
+        if row.fits(c) and not (c.choice.fp8_residuals() and c.choice.in_compute_dtype() in fits)
+    ]
     if not fitting:
         return None
     return min(
