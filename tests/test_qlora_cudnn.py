@@ -49,7 +49,7 @@ def test_the_planner_compiles_a_qlora_run_with_cudnn_attention_as_the_target_gpu
     cuDNN attention: the adapters' sites are traced for the target's GPUs (not this machine's
     CPU), and jax's cuDNN rules are asked for the target's compute capability. cuDNN takes
     head dims up to 256 on Hopper and up to 128 before it (jax's own check): Gemma 3's 256
-    compiles for an H100 and is refused for an A100."""
+    compiles for an H100 and is refused for an A100, in one line before jax's cuDNN call."""
     from zeroflow.trainer.planning import compile_config
     cfg = load_config("configs/tiny.yaml", [
         "model.seq_len=64", "model.num_layers=1", "model.num_heads=2", "model.head_dim=256",
@@ -58,5 +58,6 @@ def test_the_planner_compiles_a_qlora_run_with_cudnn_attention_as_the_target_gpu
     choice = dict(num_devices=1, stage=0, offload="none", update_on="device", remat="none")
     compiled, _ = compile_config(cfg, target="h100", **choice)
     assert "__cudnn$fmhaSoftmax" in compiled.as_text()
-    with pytest.raises(NotImplementedError, match="head dim must be <= 128"):
+    with pytest.raises(ValueError, match=r"model.attention='cudnn' cannot run head dim 256 on "
+                       r"NVIDIA A100.* \(compute capability 8\.0\)"):
         compile_config(cfg, target="a100", **choice)

@@ -52,6 +52,8 @@ class Traits:
     "Memory per device where known (a GPU's, or a target's published size)."
     compile_only: bool = False
     "Abstract devices of a GPU target (``zf.target_mesh``): programs are compiled, never run."
+    compute_capability: tuple[int, int] | None = None
+    "A CUDA GPU's (or target's) compute capability, e.g. (8, 0) for an A100; None elsewhere."
 
 
 def for_platform(platform: str, device_kind: str = "", memory_bytes: int | None = None) -> Traits:
@@ -84,7 +86,21 @@ def of(mesh) -> Traits:
     traits = for_platform(device.platform, device.device_kind, _memory_bytes(device))
     from zeroflow.backend import targets
 
-    return dataclasses.replace(traits, compile_only=targets.is_target_device(device))
+    return dataclasses.replace(
+        traits,
+        compile_only=targets.is_target_device(device),
+        compute_capability=_capability(device),
+    )
+
+
+def _capability(device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability ('8.0' on real and target devices) as (8, 0)."""
+    text = getattr(device, "compute_capability", None)
+    try:
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:  # not a CUDA device (CPU, ROCm's 'gfx90a'), or none given
+        return None
 
 
 def _memory_bytes(device) -> int | None:

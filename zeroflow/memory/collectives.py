@@ -21,6 +21,13 @@ volume, ``(group - 1) / group`` of the buffer, split by where the peer is; a rin
 algorithm routes it differently but cannot make the data a device lacks come from nearer.
 ``runs`` is how often the step runs it (a while loop's known trip count, nested loops
 multiplied), so ``traffic(colls)`` is per step.
+
+Sizes are read from the HLO types of the instructions, per HLO's semantics, not from how a jax
+version prints them: an asynchronous start (``all-gather-start``, ``reduce-scatter-start``,
+``async-start``) returns ``(operands, results, context...)``, whose operand part prints as one
+array for a single operand on jax 0.10 and as a tuple from 0.11 on; an all-reduce start returns
+its results alone; an in-line collective returns its results, and an in-line reduce-scatter's
+inputs are the types of the operands it names.
 """
 
 from __future__ import annotations
@@ -43,29 +50,6 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
     r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)"
 )
-_SHAPE = re.compile(
-    r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
-    r"\[([\d,]*)\]"
-)
-_BYTES = {
-    "pred": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "bf16": 2,
-    "f16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
 _HEADER = re.compile(r"^(ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 
 
@@ -78,7 +62,10 @@ class Collective:
     name: str
     "The HLO instruction (its start, when asynchronous)."
     bytes: int
-    "Bytes of the largest buffer it touches per device (the gathered result, the reduced input)."
+    """Bytes of one device's copy at its largest, summed over the arrays of a combined one: an
+    all-gather's gathered results, a reduce-scatter's inputs (the whole buffers before the
+    scatter), an all-reduce's, all-to-all's or collective-permute's buffers. Read from HLO's
+    types, the same on every jax: an asynchronous start's result is ``(operands, results)``."""
     asynchronous: bool
     "A start/done pair the scheduler did not mark synchronous."
     compute_between: int
@@ -110,13 +97,14 @@ def collectives(compiled, hosts: Sequence[int] | None = None) -> list[Collective
     computations = _computations(text)
     looped = _loop_bodies(computations)
     runs = _runs(computations, _entry(text))
+    types = {comp: _result_types(lines) for comp, lines in computations.items()}
 
     def make(kind, name, line, asynchronous, between, comp):
         within, cross = _host_bytes(kind, line, hosts)
         return Collective(
             kind,
             name,
-            _bytes(line),
+            _bytes(kind, line, types[comp]),
             asynchronous,
             between,
             comp in looped,
@@ -253,21 +241,8 @@ def _host_bytes(kind: str, line: str, hosts) -> tuple[int | None, int | None]:
 
 def _payload(kind: str, line: str) -> int:
     """Bytes of the collective's results on one device (all results of a combined one): the
-    gathered arrays, the reduce-scattered slices, the reduced or exchanged buffers. An
-    asynchronous start returns its operands before its results (an all-reduce's start only its
-    results); scalar context values are not data."""
-    op = _INSTRUCTION.match(line)
-    lhs = op["type"] if op else line.split("=", 1)[-1]
-    arrays = [(dtype, dims) for dtype, dims in _SHAPE.findall(lhs) if dims]
-    name = op["op"] if op else ""
-    if (name.endswith("-start") or name == "async-start") and kind != "all-reduce":
-        arrays = arrays[len(arrays) // 2 :]
-    return int(
-        sum(
-            math.prod(int(d) for d in dims.split(",")) * _BYTES.get(dtype, 1)
-            for dtype, dims in arrays
-        )
-    )
+    gathered arrays, the reduce-scattered slices, the reduced or exchanged buffers."""
+    return _size(_results(line))
 
 
 def _entry(text: str) -> str | None:
@@ -315,15 +290,88 @@ def _kind(op: str, line: str) -> str | None:
     return None
 
 
-def _bytes(line: str) -> int:
-    """The largest array shape on the instruction's left-hand side (its result type)."""
-    lhs = line.split("=", 1)[1] if "=" in line else line
-    lhs = lhs.split("(", 1)[0] if not lhs.lstrip().startswith("(") else lhs[: lhs.find(")") + 1]
-    sizes = [
-        math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 1)
-        for dtype, dims in _SHAPE.findall(lhs)
-    ]  # f8 types: one byte
-    return int(max(sizes, default=0))
+def _bytes(kind: str, line: str, types: dict[str, str]) -> int:
+    """What one device's copy of the collective holds at its largest, summed over the arrays of
+    a combined one: the results (the gathered arrays of an all-gather, the reduced buffers of an
+    all-reduce), except for a reduce-scatter its inputs (the whole gradients, not the slices).
+    ``types``: the result type of each instruction of the computation, by name (an in-line
+    reduce-scatter names its operands without their shapes)."""
+    if kind != "reduce-scatter":
+        return _size(_results(line))
+    op = _INSTRUCTION.match(line)
+    if op and _is_async_start(op["op"]):
+        return _size(_part(_type_tree(op["type"]), 0))
+    args = op["args"] if op else ""
+    if "[" in args:  # operands printed with their types
+        return _size(_type_tree(args))
+    names = re.findall(r"%([\w.\-]+)", args)
+    if names and all(n in types for n in names):
+        return _size([_type_tree(types[n]) for n in names])
+    group = max((len(g) for g in groups_of(line, 0) or ()), default=1)
+    return _size(_results(line)) * max(group, 1)  # an input is its slice times the group
+
+
+def _is_async_start(op: str) -> bool:
+    """An asynchronous start (``all-gather-start``, ``async-start``, ...), whose result is
+    ``(operands, results, context...)``; an all-reduce's start returns its results alone."""
+    return (op.endswith("-start") and op != "all-reduce-start") or op == "async-start"
+
+
+def _results(line: str) -> Any:
+    """The result arrays of the collective on ``line``, as HLO types them: an in-line
+    collective's (or an all-reduce start's) whole result, an asynchronous start's second part.
+    Read from the type tree, so that an operand printed alone (``(bf16[64,512], ...)``) or as a
+    tuple (``((bf16[64,512]), ...)``, jax 0.11 on) reads the same."""
+    op = _INSTRUCTION.match(line)
+    if op is None:
+        return []
+    tree = _type_tree(op["type"])
+    return _part(tree, 1) if _is_async_start(op["op"]) else tree
+
+
+def _part(tree: Any, index: int) -> Any:
+    """Element ``index`` of a tuple type; the whole type when it is not a tuple of that many."""
+    return tree[index] if isinstance(tree, list) and len(tree) > index else tree
+
+
+_COMMENT = re.compile(r"/\*.*?\*/")
+_TYPE_TOKEN = re.compile(
+    r"(?P<open>\()|(?P<close>\))|(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?"
+)
+
+
+def _type_tree(text: str) -> Any:
+    """An HLO type as a tree: ``(dtype, dims)`` for an array, a list for a tuple. Layouts
+    (``{1,0:T(8,128)}``) and index comments (``/*index=5*/``) are skipped."""
+    stack: list[list] = [[]]
+    for m in _TYPE_TOKEN.finditer(_COMMENT.sub("", text)):
+        if m["open"]:
+            stack.append([])
+        elif m["close"]:
+            if len(stack) > 1:
+                done = stack.pop()
+                stack[-1].append(done)
+        else:  # dynamic dims print as <=n: their bound
+            stack[-1].append((m["dtype"], tuple(int(d) for d in re.findall(r"\d+", m["dims"]))))
+    while len(stack) > 1:  # an unclosed tuple (a cut line)
+        done = stack.pop()
+        stack[-1].append(done)
+    top = stack[0]
+    return top[0] if len(top) == 1 else top
+
+
+def _size(tree: Any) -> int:
+    """Bytes of every array in a type tree (f8 one byte, s4 half a byte, token none)."""
+    if isinstance(tree, list):
+        return sum(_size(t) for t in tree)
+    dtype, dims = tree
+    bits = 8 if dtype == "pred" else int(m[1]) if (m := re.match(r"[a-z]+(\d+)", dtype)) else 0
+    return int(math.prod(dims) * bits // 8)
+
+
+def _result_types(lines: Sequence[str]) -> dict[str, str]:
+    """The result type of each instruction of a computation, by name."""
+    return {m["name"]: m["type"] for m in map(_INSTRUCTION.match, lines) if m}
 
 
 def _computations(text: str) -> dict[str, list[str]]:

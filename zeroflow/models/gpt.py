@@ -41,6 +41,7 @@ from zeroflow.models.axes import (
 )
 from zeroflow.models.context import context_size, token_index
 from zeroflow.models.context_attention import context_attention
+from zeroflow.models.cudnn_rules import cudnn_attention_problem
 from zeroflow.models.kernels import pallas_kernel
 from zeroflow.util.settings import FP8_DOTS_REMATS, FP8_INPUT_REMATS, FP8_REMATS
 
@@ -293,7 +294,7 @@ def causal_attention(
     ``window > 0`` lets each query see only the ``window`` most recent keys, itself included.
     ``segment_ids`` [B, S] (packed examples): a query sees only keys of its own segment.
     """
-    check_implementation(implementation, q.dtype)
+    check_implementation(implementation, q.dtype, q.shape[-1])
     if implementation == "pallas":
         return pallas_kernel("flash_attention", "attention='pallas'")(
             q,
@@ -320,9 +321,14 @@ HOPPER = re.compile(r"\bG?H(100|200|800|20)\b")
 "Device kinds with sm_90 (Hopper), where the Mosaic GPU kernel's wgmma exists."
 
 
-def check_implementation(implementation: str, dtype) -> None:
-    """One line where the attention implementation cannot run on the step's devices."""
+def check_implementation(implementation: str, dtype, head_dim: int = 0) -> None:
+    """One line where the attention implementation cannot run on the step's devices (for
+    cuDNN: heads of ``head_dim`` on GPUs of the traced step's compute capability)."""
     traits = backend.current()
+    if implementation == "cudnn" and head_dim and traits.has_cudnn:
+        problem = cudnn_attention_problem(head_dim, traits.compute_capability, traits.device_kind)
+        if problem:
+            raise ValueError(problem)
     if implementation == "pallas" and traits.platform == "gpu":
         _check_pallas_gpu(traits.device_kind, dtype)
     elif implementation == "pallas":  # interpreted, by the same backend's interpreter
@@ -472,7 +478,7 @@ class Attention(nn.Module):
                     f"model.attn_softcap={cfg.attn_softcap} cannot run with a context axis "
                     "(parallel.context > 1): its attention has no score soft-capping"
                 )
-            check_implementation(implementation, q.dtype)
+            check_implementation(implementation, q.dtype, q.shape[-1])
             return context_attention(
                 q, k, v, cfg.context_attention, implementation, window, segment_ids
             )
