@@ -214,11 +214,32 @@ def test_stage3_collectives_overlap_compute(stage3):
     assert summary["reduce-scatter"]["count"] >= LAYERS + 2
     assert summary["all-gather"]["fraction"] >= 0.9, summary
     assert summary["reduce-scatter"]["fraction"] >= 0.9, summary
-    gathered = {c.bytes for c in colls if c.kind == "all-gather"}
-    # one bf16 weight per gather, never several combined; the largest gathered is a layer's
-    # (the embedding is looked up where its rows are and the head, split by columns,
-    # multiplied where its columns are: neither is gathered)
+    gathered = [c.bytes for c in colls if c.kind == "all-gather"]
+    # Each gather brings whole arrays: bf16 weights (a combined gather several: its bytes a sum
+    # of weights' sizes from the parameter shapes), or, for the embedding and the head, the
+    # whole batch's activations (the embedding is looked up where its rows are, so every
+    # device gathers all the tokens; the head, split by columns, is multiplied where its
+    # columns are, so the hidden state is gathered, in the forward and the backward pass).
+    # A shard (1/8 of one) is none of these, so a parser that read any gather's operand
+    # instead of its result fails here.
+    tokens, width = BATCH["tokens"].shape[0], BATCH["tokens"].shape[1] - 1
+    activations = {tokens * width * 4, tokens * width * D * 2}  # int32 tokens, bf16 hidden
+    whole = _sums_of_whole_weights([2 * x.size for x in jax.tree.leaves(_params())])
+    shards = sorted({b for b in gathered if b not in whole | activations})
+    assert not shards, f"{len(shards)} gathers of {len(gathered)} are not whole arrays: {shards}"
+    # every layer weight gathered whole in the forward and the backward pass (one may be kept
+    # from the forward's last gather), one weight per gather, never several combined: the
+    # largest gathered is a layer's
+    assert sum(b == D * F * 2 for b in gathered) >= 2 * 2 * LAYERS - 1
     assert max(gathered) == D * F * 2
+
+
+def _sums_of_whole_weights(sizes: list[int]) -> set[int]:
+    """Every byte count a gather of one or more whole weights of ``sizes`` can have."""
+    sums = {0}
+    for size in sizes:
+        sums |= {s + size for s in sums}
+    return sums - {0}
 
 
 def test_without_prefetch_gathers_wait_for_their_own_operation():

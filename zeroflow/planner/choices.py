@@ -118,6 +118,9 @@ class Space:
     "None: every split of the per-device batch into equal micro-batches."
     zeropp: bool = True
     "Also try ZeRO++'s quantized gathers (qwZ) and reductions (qgZ), and hpZ across hosts."
+    notes: tuple[str, ...] = ()
+    "What was left out of this GPU's space before compiling and why, one line each (e.g. cuDNN"
+    " attention for a head dim the GPU's cuDNN refuses): said once per GPU under the table."
 
 
 def micro_splits(batch_size: int, devices: int) -> list[int]:

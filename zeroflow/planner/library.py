@@ -13,6 +13,8 @@ import jax
 from zeroflow.autocast.precision import Precision
 from zeroflow.backend import targets
 from zeroflow.memory.estimate import REMATS
+from zeroflow.models.cudnn_rules import HOPPER, cudnn_attention_problem, cudnn_max_head_dim
+from zeroflow.models.gpt import head_dim
 from zeroflow.planner import where as places
 from zeroflow.planner.advice import advise
 from zeroflow.planner.choices import OFFLOAD_PAIRS, Space
@@ -138,21 +140,28 @@ def run(
         plan = Plan(problem.title, rows_found, margin, compiler, problem)
         if isinstance(problem, ConfigProblem):
             for row in plan.rows:
-                if row.best is None:
+                if row.best is None and row.candidates:
                     space = space_for(row.where)
                     plan.advice[row.where.title] = advise(problem, row, space, compiler)
     return plan
 
 
-def space_for(cfg, where: Where, *, stages, remats, attentions, zeropp, grad_accums) -> Space:
-    """The config's search space at ``where``: on GPUs the config's attention and cuDNN's
-    unless given; on XLA:CPU no cuDNN, and no activation offload (its host memory is the
-    device's, so offload_dots is save_dots there)."""
+def space_for(model, where: Where, *, stages, remats, attentions, zeropp, grad_accums) -> Space:
+    """The search space of a config's GPT ``model`` at ``where``: on GPUs the model's attention
+    and cuDNN's unless given, less cuDNN where the target's GPUs cannot run its head dim (the
+    reason kept as the space's note); on XLA:CPU no cuDNN, and no activation offload (its host
+    memory is the device's, so offload_dots is save_dots there)."""
+    notes: tuple[str, ...] = ()
     if where.is_gpu:
-        kernels = list(attentions or dict.fromkeys([cfg.model.attention, "cudnn"]))
+        kernels = list(attentions or dict.fromkeys([model.attention, "cudnn"]))
         kept = list(remats)
+        refused = cudnn_refusal(head_dim(model), where) if "cudnn" in kernels else None
+        if refused:  # the model's own cuDNN gives way to XLA's; one asked for is not replaced
+            kernels = [a for a in kernels if a != "cudnn"] or ([] if attentions else ["xla"])
+            left = " and ".join(kernels)
+            notes = (f"{refused}; " + (f"planned with {left} attention" if kernels else NO_KERNEL),)
     else:
-        own = "xla" if cfg.model.attention == "cudnn" else cfg.model.attention
+        own = "xla" if model.attention == "cudnn" else model.attention
         kernels = [a for a in (attentions or [own]) if a != "cudnn"] or ["xla"]
         kept = [r for r in remats if r != "offload_dots"]
     return Space(
@@ -161,6 +170,31 @@ def space_for(cfg, where: Where, *, stages, remats, attentions, zeropp, grad_acc
         attentions=tuple(kernels),
         grad_accums=grad_accums,
         zeropp=zeropp,
+        notes=notes,
+    )
+
+
+NO_KERNEL = "nothing planned (--attentions leaves no other attention; try --attentions xla)"
+"What a row says where the only attention asked for cannot run on its GPUs."
+
+
+def cudnn_refusal(head: int, where: Where) -> str | None:
+    """Why cuDNN attention cannot run heads of ``head`` dims on ``where``'s target GPUs (jax's
+    rule, ``zeroflow.models.cudnn_rules``), in a few words; None where it can, and on this
+    machine's GPUs (the step's own trace checks those)."""
+    if where.local:
+        return None
+    capability = targets.compute_capability(where.name)
+    if cudnn_attention_problem(head, capability, where.device_kind) is None:
+        return None
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if head % 8:
+        return f"cuDNN attention needs a head dim that is a multiple of 8 (model.head_dim={head})"
+    limit, hopper = cudnn_max_head_dim(capability), f"sm_{HOPPER[0]}{HOPPER[1]}"
+    since = "before" if capability < HOPPER else "from"
+    return (
+        f"cuDNN attention needs head dim <= {limit} {since} {hopper} "
+        f"(model.head_dim={head}, {where.name} is {sm})"
     )
 
 
@@ -186,13 +220,14 @@ def plan_config(
     if gpus:
         targets.use_cpu_for_targets()
     rows = rows_of(gpus, devices, device_memory)
+    problem = ConfigProblem(cfg, name)
     space = functools.partial(
         space_for,
-        cfg,
+        problem.model,
         stages=stages,
         remats=remats,
         attentions=attentions,
         zeropp=zeropp,
         grad_accums=grad_accums,
     )
-    return run(ConfigProblem(cfg, name), rows, space, margin, max_compiles, min_compiles, progress)
+    return run(problem, rows, space, margin, max_compiles, min_compiles, progress)

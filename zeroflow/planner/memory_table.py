@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Sequence
 
 from zeroflow.backend import targets
-from zeroflow.config.io import CONFIG_KEYS
+from zeroflow.config.io import CONFIG_KEYS, apply_overrides
 from zeroflow.engine.plan_rules import batch_split_problem
 from zeroflow.memory.estimate import (
     OFFLOADS,
@@ -30,12 +30,15 @@ from zeroflow.memory.estimate import (
     MemoryEstimate,
     format_bytes,
 )
+from zeroflow.models.gpt import head_dim
 from zeroflow.models.spec import count_gpt_params, estimate_config, offloaded_activations
 from zeroflow.planner import where as places
 from zeroflow.planner.choices import first_equal_stage, remat_dtypes_of
 from zeroflow.planner.compiling import Compiler
+from zeroflow.planner.library import cudnn_refusal
 from zeroflow.planner.problems import ConfigProblem
 from zeroflow.trainer.planning import attention_note, count_frozen_params
+from zeroflow.trainer.setup import run_model_config
 from zeroflow.util.units import parse_bytes
 
 MEASURE_MAX_PARAMS = 50_000_000
@@ -62,6 +65,10 @@ class Row:
     measured_host_bytes: float | None = None  # XLA's host-memory buffers per device (host_*)
     timing: dict | None = None  # XLA:GPU's estimated step: step_ms, exposed_ms, mfu, costed_by
     remat_dtype: str | None = None  # what the remat keeps saved activations in; None: the config's
+    attention: str | None = None
+    "The attention figured in place of the config's, which the target cannot run..."
+    attention_why: str = ""
+    "... and why, one line (said once under the table)."
 
     @property
     def remat_label(self) -> str:
@@ -88,6 +95,8 @@ class Row:
             "update_on": self.update_on,
             "remat": self.remat,
             **({"remat_dtype": self.remat_dtype} if self.remat_dtype is not None else {}),
+            **({"attention": self.attention} if self.attention is not None else {}),
+            **({"attention_why": self.attention_why} if self.attention_why else {}),
             "estimated_peak_bytes": round(self.estimate.device_bytes),
             "measured_peak_bytes": None
             if self.measured_bytes is None
@@ -172,6 +181,7 @@ def plan_rows(
     that makes the engine's decisions of a lower one is that stage's compile. ``remat_dtypes``:
     each remat in each of these dtypes where it applies (FP8 only where the policy saves
     something); None: the config's ``model.remat_dtype``."""
+    cfg, replaced = runnable_attention(cfg, target)
     if measure == "auto":
         small = count_gpt_params(cfg.model) <= MEASURE_MAX_PARAMS
         few = devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
@@ -203,7 +213,7 @@ def plan_rows(
                 remat_dtype=dtype,
             )
             row = Row(stage, offload, remat, update_on, est, host_acts, per_process)
-            rows.append(dataclasses.replace(row, remat_dtype=dtype))
+            rows.append(dataclasses.replace(row, remat_dtype=dtype, **replaced))
     if measure != "always":
         return rows
     with tempfile.TemporaryDirectory(prefix="zeroflow-memory-") as scratch:
@@ -211,6 +221,22 @@ def plan_rows(
         where = places.target(target, devices) if target else places.local(devices)
         problem, note = ConfigProblem(cfg), attention_note(cfg, target)
         return [_measured(r, problem, compiler, where, note, log) for r in rows]
+
+
+def runnable_attention(cfg, target: str | None) -> tuple:
+    """``(cfg, row fields)``: where ``target``'s GPUs cannot run the config's cuDNN attention
+    at its head dim, the config with XLA's attention and the fields saying so (``attention``,
+    ``attention_why``), so the table answers with what runs; else ``cfg`` as given."""
+    if target is None or cfg.model.attention != "cudnn":
+        return cfg, {}
+    refused = cudnn_refusal(head_dim(run_model_config(cfg)), places.target(target, 1))
+    if refused is None:
+        return cfg, {}
+    note = f"{target}: {refused}; figured with model.attention=xla"
+    return apply_overrides(cfg, ["model.attention=xla"]), {
+        "attention": "xla",
+        "attention_why": note,
+    }
 
 
 def _measured(row: Row, problem, compiler: Compiler, where, note: str, log) -> Row:
@@ -334,6 +360,7 @@ def _answer(best: Row | None, device_memory: float) -> str:
         f"parallel.zero_stage={best.stage} parallel.offload={best.offload} "
         f"model.remat={best.remat}"
         + (" model.remat_dtype=fp8" if best.remat_dtype == "fp8" else "")
+        + (f" model.attention={best.attention}" if best.attention else "")
         + f" (needs {format_bytes(best.need_bytes)} per device)"
     )
 
@@ -377,6 +404,8 @@ def _render_notes(rows: Sequence[Row], with_timing: bool, console) -> None:
             "dense peak, or the model's FLOPs at the dense peak where XLA's estimate is below "
             "them: its cost model leaves custom calls such as cuDNN attention out)"
         )
+    for why in sorted({r.attention_why for r in rows if r.attention_why}):  # once, not per row
+        console.print(why)
     for note in sorted({r.note for r in rows if r.note and r.measured_bytes is not None}):
         console.print(f"measured: {note}")
     failed: dict = {}

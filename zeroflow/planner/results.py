@@ -141,7 +141,7 @@ def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
             "mfu": None if s.mfu is None else round(s.mfu, 4),
             "overrides": s.overrides,
         },
-        "notes": s.row.notes,
+        "notes": s.row.notes + list(s.row.gpu_notes),
         "advice": [a.as_json() for a in advice],
         "candidates": [_candidate_json(c, compiler, where) for c in s.row.candidates],
     }
@@ -172,6 +172,8 @@ def cells(s: Summary) -> list[str]:
     tried = len(s.row.compiled()) + sum(c.status == FAILED for c in s.row.candidates)
     compiled = f"{tried} of {len(s.row.candidates)}"
     head = [where.name, str(where.devices)]
+    if unplanned(s.row):  # every attention asked for was ruled out: the row says why
+        return head + [s.row.gpu_notes[0], "-", "-", "-", "-", "-", compiled]
     if s.best is None:
         return head + ["nothing fits", "-", "-", "-", "-", "-", compiled]
     return head + [
@@ -251,15 +253,26 @@ def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
             "listed; stage 3 differs only where it drops the compute-weight copy."
         )
     out += _slow_model_notes(plan)
+    said = set()
+    for s in summaries:  # what a GPU cannot run, once per GPU
+        for line in s.row.gpu_notes:
+            if (s.row.where.name, line) not in said:
+                said.add((s.row.where.name, line))
+                out.append(f"{s.row.where.name}: {line}")
     for s in summaries:
         for line in s.row.notes:
             out.append(f"{s.row.where.title}: {line}")
         out += failure_lines(s.row)
         for advice in plan.advice.get(s.row.where.title, []):
             out.append(f"{s.row.where.title}, nothing fits; could work: {advice.line()}")
-        if s.best is None and not plan.advice.get(s.row.where.title):
+        if s.best is None and not plan.advice.get(s.row.where.title) and not unplanned(s.row):
             out.append(_nothing_fits(s))
     return out
+
+
+def unplanned(row: Row) -> bool:
+    """Whether the row had nothing to search: its GPU cannot run any attention asked for."""
+    return not row.candidates and bool(row.gpu_notes)
 
 
 def failure_lines(row: Row) -> list[str]:

@@ -84,6 +84,8 @@ class Row:
     candidates: list[Candidate]
     best: Candidate | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    gpu_notes: tuple[str, ...] = ()
+    "The space's notes: what its GPU cannot run, left out before compiling (``Space.notes``)."
     scale: float = 1.0
     "The last compile's ratio of XLA's peak to the formula's (1 before any)."
 
@@ -138,7 +140,7 @@ def search_row(
     on_compile: Callable[[str], None] | None = None,
 ) -> Row:
     usable = where.memory_bytes * (1 - margin)
-    row = Row(where, usable, candidates_for(problem, where, space, usable))
+    row = Row(where, usable, candidates_for(problem, where, space, usable), gpu_notes=space.notes)
     scale, done = 1.0, 0
     while done < max_compiles and row.failures() < max_failures:
         nxt = _next(row, scale, compiler)
