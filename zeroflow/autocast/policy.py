@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zeroflow.autocast import fp8, lists
+from zeroflow.autocast import fp8, fp8_delayed, lists
 
 _PRIMITIVE_FIELDS = ("low", "fp32", "follow", "keep")
 
@@ -54,7 +54,7 @@ class AutocastPolicy:
     "The cost model counts the backward pass too (forward only when False)."
     fp8_scaling: str = "tensor"
     "dtype='fp8': 'tensor' or 'row' (current scaling, ``fp8.py``) or 'delayed' (``fp8_delayed.py``)."
-    fp8_history: int = 1024
+    fp8_history: int = fp8_delayed.DEFAULT_HISTORY
     "fp8_scaling='delayed': steps of amax history per tensor (Transformer Engine's default)."
     fp8_margin: int = 0
     "fp8_scaling='delayed': the scale leaves 2**margin of headroom above the history's max."

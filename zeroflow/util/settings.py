@@ -22,6 +22,9 @@ AUTOCAST = ("none", "bf16", "fp16", "fp8")
 FP8_SCALINGS = ("tensor", "row", "delayed")
 """How autocast='fp8' scales its operands: one scale per tensor or per row from the tensor being
 cast (current scaling), or per tensor from an amax history carried between steps (delayed)."""
+TRAIN_FP8_SCALINGS = ("tensor", "row")
+"""The FP8 scalings the train step (and so the config) takes: delayed scaling's state is not
+carried by the step yet (zf.autocast only; docs/autocast.md)."""
 FP8_SELECT = ("cost", "all")
 "How autocast='fp8' picks its FP8 matmuls: the roofline model, or every eligible one."
 
