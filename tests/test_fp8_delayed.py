@@ -145,6 +145,38 @@ def test_autocast_carries_one_history_per_site_and_layer_through_the_gradient():
     np.testing.assert_allclose(last_grad, np.abs(np_bf16(c)).max(), rtol=1e-6)
 
 
+def test_nested_scans_get_a_history_per_iteration_and_an_untaken_branch_starts_over():
+    """Scans in scans: one history per (outer, inner) iteration, each recording its own weight
+    slice. A ``cond`` branch not taken gets a zero "gradient", i.e. an empty history: it starts
+    over (scale 1) the next time it runs (docs/autocast.md)."""
+    def loss(w, x, flag):
+        def inner(h, wl):
+            return h @ wl, None
+
+        def outer(h, ws):
+            return jax.lax.scan(inner, h, ws)[0], None
+
+        h, _ = jax.lax.scan(outer, x, w["stack"])
+        h = jax.lax.cond(flag, lambda h: h @ w["yes"], lambda h: h @ w["no"], h)
+        return jnp.sum(h)
+
+    rng = np.random.default_rng(3)
+    w = {"stack": rng.normal(size=(2, 3, 32, 32)).astype(np.float32) * 0.2,
+         "yes": rng.normal(size=(32, 32)).astype(np.float32),
+         "no": rng.normal(size=(32, 32)).astype(np.float32)}
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    policy = zf.AutocastPolicy(fp8_scaling="delayed", fp8_history=4, fp8_cost_model=False)
+    f = zf.autocast(loss, dtype="fp8", policy=policy)
+    state = f.init(w, x, True)
+    new = jax.jit(jax.grad(f, argnums=0))(state, w, x, True)
+    stack, no, yes = (new[k] for k in sorted(new))  # scan's body first; lax.cond: False, True
+    assert stack.rhs.history.shape == (2, 3, 4)
+    want = np.abs(np_bf16(w["stack"])).max(axis=(2, 3))
+    np.testing.assert_array_equal(np.asarray(stack.rhs.history).max(axis=-1), want)
+    assert float(yes.rhs.history.max()) == np.abs(np_bf16(w["yes"])).max()
+    assert float(no.rhs.history.max()) == 0.0
+
+
 def test_a_remat_layer_stack_and_a_checkpoint_round_trip_keep_the_state_exact(tmp_path):
     """The layers under ``jax.checkpoint`` (the backward pass recomputes the forward) give the
     same state as without; the state is a plain pytree that orbax saves and restores bit for
