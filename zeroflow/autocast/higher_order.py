@@ -35,7 +35,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from zeroflow.autocast import interpret, paint
+from zeroflow.autocast import fp8_delayed, interpret, paint
 from zeroflow.autocast.interpret import Copies, Slot, const_slots, run_jaxpr
 from zeroflow.autocast.paint import Ctx, EqnPlan, Painting, Value, fresh, norm
 from zeroflow.util.compat import scan_split
@@ -235,25 +235,33 @@ def run_scan(plan: EqnPlan, slots):
         for d in dtypes:
             consts[k].copies.get(d)  # cast once, outside the loop
     x_dtypes = [s.dtype for s in xs]
+    sites = fp8_delayed.active()
+    # delayed FP8 state of the body's matmuls: one per iteration, scanned over with the xs (as
+    # a closed-over constant its cotangent, the next state, would be summed over iterations)
+    metas = sites.inner(sites.path) if sites is not None and not sites.init else {}
 
-    def body(carry, x):
+    def body(carry, x_and_metas):
+        x, step_metas = x_and_metas
         inside = [Slot(Copies(parent=s.copies), s.dtype) for s in consts]
-        outs = run_jaxpr(
-            loop.body,
-            const_slots(loop.body_consts),
-            inside + _slots(carry, loop.carry) + _slots(x, x_dtypes),
-        )
-        return _values(outs[:nk]), _values(outs[nk:])
+        with fp8_delayed.scan_body(sites, step_metas) as made:
+            outs = run_jaxpr(
+                loop.body,
+                const_slots(loop.body_consts),
+                inside + _slots(carry, loop.carry) + _slots(x, x_dtypes),
+            )
+        return _values(outs[:nk]), (_values(outs[nk:]), made)
 
-    carry, ys = lax.scan(
+    carry, (ys, made) = lax.scan(
         body,
         [s.copies.get(d) for s, d in zip(init, loop.carry)],
-        _values(xs),
+        (_values(xs), metas),
         length=p["length"],
         reverse=p.get("reverse", False),
         unroll=p.get("unroll", 1),
         _split_transpose=p.get("_split_transpose", False),
     )
+    if sites is not None and sites.init:
+        sites.metas.update(made)  # fresh state made in the body, stacked over the iterations
     return [Slot.of(x) for x in list(carry) + list(ys)]
 
 
@@ -313,7 +321,8 @@ def run_while(plan: EqnPlan, slots):
         )
         return _values(out)
 
-    out = lax.while_loop(cond_fn, body_fn, [s.copies.get(d) for s, d in zip(init, loop.carry)])
+    with fp8_delayed.in_while():
+        out = lax.while_loop(cond_fn, body_fn, [s.copies.get(d) for s, d in zip(init, loop.carry)])
     return [Slot.of(x) for x in out]
 
 
@@ -360,11 +369,11 @@ def run_cond(plan: EqnPlan, slots):
 
     def branch(k):
         def fn(*arrays):
-            return _values(
-                run_jaxpr(
+            with fp8_delayed.at(k):  # each branch's matmul sites get keys of their own
+                outs = run_jaxpr(
                     plan.sub.branches[k], const_slots(plan.sub.consts[k]), _slots(arrays, dtypes)
                 )
-            )
+            return _values(outs)
 
         return fn
 

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from zeroflow.autocast import fp8, lists, paint
+from zeroflow.autocast import fp8, fp8_delayed, lists, paint
 from zeroflow.autocast.policy import AutocastPolicy
 from zeroflow.util import jaxprs
 
@@ -110,10 +110,10 @@ def run_jaxpr(painting: paint.Painting, consts: list[Slot], ins: list[Slot]) -> 
             return Slot(Copies(np.asarray(atom.val, dtype), literal=True), dtype)
         return env[atom]
 
-    for plan in painting.eqns:
+    for index, plan in enumerate(painting.eqns):
         eqn = plan.eqn
         slots = [read(v) for v in eqn.invars]
-        with jaxprs.source_context(eqn), eqn.ctx.manager:
+        with jaxprs.source_context(eqn), eqn.ctx.manager, fp8_delayed.at(index):
             if plan.decision == "alias":
                 outs = [Slot(slots[0].copies, paint.norm(plan.outs[0].dtype))]
             elif eqn.primitive.name in RUNNERS and plan.sub is not None:
@@ -137,7 +137,9 @@ def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
         slot.value if dtype is None else slot.copies.get(dtype)
         for slot, dtype in zip(slots, plan.in_dtypes)
     ]
-    if plan.fp8 is not None:
+    if plan.fp8 == "delayed":
+        out = [_delayed_dot(args, eqn, plan.outs[0].dtype)]
+    elif plan.fp8 is not None:
         dims = fp8.as_dims(eqn.params["dimension_numbers"])
         out = [fp8.scaled_dot(*args, dims, plan.outs[0].dtype, plan.fp8)]
     else:
@@ -148,6 +150,17 @@ def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
             array = lax.convert_element_type(array, value.dtype)  # the painting: keep the plan
         result.append(Slot.of(array))
     return result
+
+
+def _delayed_dot(args, eqn, out_dtype):
+    sites = fp8_delayed.active()
+    if sites is None:
+        raise ValueError(
+            "fp8_scaling='delayed' needs its state: call the autocast function as "
+            "f(fp8_state, *args) with fp8_state = f.init(*args)"
+        )
+    dims = fp8.as_dims(eqn.params["dimension_numbers"])
+    return fp8_delayed.scaled_dot_delayed(*args, sites.take(), dims, out_dtype, sites.margin)
 
 
 # --------------------------------------------------------------------------- the transform
@@ -202,11 +215,47 @@ def autocast(fn, dtype="bf16", policy: AutocastPolicy | None = None):
     if not callable(fn):
         raise ValueError(f"autocast needs a callable, got {type(fn).__name__}")
 
-    @functools.wraps(fn)
-    def cast_fn(*args, **kwargs):
+    def run(args, kwargs):
         closed, arrays, out_tree = trace(fn, args, kwargs)
         painting = paint_closed(closed, low, policy, use_fp8)
         outs = run_jaxpr(painting, const_slots(closed.consts), [Slot.of(a) for a in arrays])
         return jax.tree.unflatten(out_tree, [slot.value for slot in outs])
 
+    if use_fp8 and policy.fp8_scaling == "delayed":
+        return _with_fp8_state(fn, run, policy)
+
+    @functools.wraps(fn)
+    def cast_fn(*args, **kwargs):
+        return run(args, kwargs)
+
+    return cast_fn
+
+
+def _with_fp8_state(fn, run, policy: AutocastPolicy):
+    """Delayed FP8 scaling: ``f(fp8_state, *args, **kwargs)`` returns ``fn``'s output; the
+    gradient with respect to ``fp8_state`` is the next step's state (``fp8_delayed.py``);
+    ``f.init(*args, **kwargs)`` is the first step's state."""
+
+    def sites(metas: dict, init: bool) -> fp8_delayed.Sites:
+        return fp8_delayed.Sites(metas, init, policy.fp8_history, policy.fp8_margin)
+
+    @functools.wraps(fn)
+    def cast_fn(fp8_state, *args, **kwargs):
+        if not fp8_delayed.is_state(fp8_state):
+            raise ValueError(
+                "fp8_scaling='delayed': the first argument must be the fp8 state dict from "
+                f"f.init(*args), got {type(fp8_state).__name__}"
+            )
+        with fp8_delayed.using(sites(dict(fp8_state), init=False)):
+            return run(args, kwargs)
+
+    def init(*args, **kwargs) -> dict:
+        def shapes(*a, **k):
+            with fp8_delayed.using(sites({}, init=True)) as found:
+                run(a, k)
+            return found.metas
+
+        return fp8_delayed.materialize(jax.eval_shape(shapes, *args, **kwargs), policy.fp8_history)
+
+    cast_fn.init = init  # type: ignore[attr-defined]
     return cast_fn

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zeroflow.autocast import fp8, lists
+from zeroflow.autocast import fp8, fp8_delayed, lists
 
 _PRIMITIVE_FIELDS = ("low", "fp32", "follow", "keep")
 
@@ -53,7 +53,11 @@ class AutocastPolicy:
     train: bool = True
     "The cost model counts the backward pass too (forward only when False)."
     fp8_scaling: str = "tensor"
-    "dtype='fp8': how operands are scaled before the cast, 'tensor' or 'row' (``fp8.py``)."
+    "dtype='fp8': 'tensor' or 'row' (current scaling, ``fp8.py``) or 'delayed' (``fp8_delayed.py``)."
+    fp8_history: int = fp8_delayed.DEFAULT_HISTORY
+    "fp8_scaling='delayed': steps of amax history per tensor (Transformer Engine's default)."
+    fp8_margin: int = 0
+    "fp8_scaling='delayed': the scale leaves 2**margin of headroom above the history's max."
     fp8_keep_scopes: tuple[str, ...] = ("lm_head",)
     "dtype='fp8': name scopes whose matmuls stay bf16 (the LM head; e.g. a first or last layer)."
     fp8_cost_model: bool = True
@@ -80,6 +84,12 @@ class AutocastPolicy:
                     )
                 seen[name] = field
         fp8.check_scaling(self.fp8_scaling, "AutocastPolicy.fp8_scaling")
+        for field, least in (("fp8_history", 1), ("fp8_margin", 0)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(
+                    f"AutocastPolicy.{field} must be an integer >= {least}, got {value!r}"
+                )
         for field in ("cost_model", "train", "fp8_cost_model"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(

@@ -21,7 +21,6 @@ from zeroflow.util.settings import (
     ADAMW_CHOICES,
     AUTOCAST,
     DTYPE_NAMES,
-    FP8_SCALINGS,
     FP8_SELECT,
     MASTER_DTYPES,
     OFFLOAD_CHOICES,
@@ -30,6 +29,7 @@ from zeroflow.util.settings import (
     QUANTIZE_WEIGHTS_CHOICES,
     REMAT_DTYPES,
     REMATS,
+    TRAIN_FP8_SCALINGS,
     UPDATE_ON_CHOICES,
     ZERO_STAGES,
 )
@@ -298,7 +298,7 @@ class PrecisionConfig:
     "A dynamic loss scale never halves below this."
     max_consecutive_skips: int = 20
     "Consecutive skipped steps (non-finite gradients) after which a dynamically scaled run stops."
-    fp8_scaling: str = one_of(*FP8_SCALINGS)
+    fp8_scaling: str = one_of(*TRAIN_FP8_SCALINGS)
     "autocast=fp8: 'tensor' or 'row' scales of the e4m3 operands (current scaling)."
     fp8_select: str = one_of(*FP8_SELECT)
     "autocast=fp8: which matmuls run in FP8, 'cost' (roofline model) or 'all' eligible ones."

@@ -19,8 +19,12 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 "The compute dtypes by name (``Precision.params``, ``Precision.reduce``)."
 MASTER_DTYPES = ("fp32",)
 AUTOCAST = ("none", "bf16", "fp16", "fp8")
-FP8_SCALINGS = ("tensor", "row")
-"How autocast='fp8' scales its e4m3 operands: one scale per tensor, or per row."
+FP8_SCALINGS = ("tensor", "row", "delayed")
+"""How autocast='fp8' scales its operands: one scale per tensor or per row from the tensor being
+cast (current scaling), or per tensor from an amax history carried between steps (delayed)."""
+TRAIN_FP8_SCALINGS = ("tensor", "row")
+"""The FP8 scalings the train step (and so the config) takes: delayed scaling's state is not
+carried by the step yet (zf.autocast only; docs/autocast.md)."""
 FP8_SELECT = ("cost", "all")
 "How autocast='fp8' picks its FP8 matmuls: the roofline model, or every eligible one."
 
@@ -160,6 +164,13 @@ def check_fp8_scaling(scaling: Any, where: str = "fp8 scaling") -> str:
 def check_fp8(fp8_scaling: Any, fp8_select: Any, params: str) -> None:
     """autocast='fp8''s own settings: a known scaling and selection, around fp32 or bf16."""
     check_fp8_scaling(fp8_scaling, "fp8_scaling")
+    if fp8_scaling == "delayed":
+        # its amax histories are state the train step does not carry yet (docs/autocast.md)
+        raise ValueError(
+            "fp8_scaling='delayed' is available in zf.autocast(fn, dtype='fp8', "
+            "policy=zf.AutocastPolicy(fp8_scaling='delayed')) only; the train step takes "
+            "fp8_scaling 'tensor' or 'row'"
+        )
     if fp8_select not in FP8_SELECT:
         raise ValueError(f"unknown fp8_select {fp8_select!r}; choose one of {list(FP8_SELECT)}")
     if params not in ("fp32", "bf16"):
