@@ -5,7 +5,6 @@ it. The run without the feature is anchored to transformers: its first loss is t
 cross-entropy on the same rows."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
