@@ -636,15 +636,20 @@ def fp8_policy(remat: str):
     is the device's)."""
     if remat not in OFFLOADED:
         return fp8_saved.policy()
-    traits = backend.current()
+    return fp8_saved.policy(offload=_host_memory_for(backend.current(), remat, "FP8 "))
+
+
+def _host_memory_for(traits: backend.Traits, remat: str, kind: str = "") -> bool:
+    """Whether ``traits``' devices have host memory of their own to offload ``remat``'s values
+    to; where they do not (XLA:CPU), a warning says they stay in device memory."""
     if not traits.separate_host_memory:
         what = "matmul outputs" if remat == "offload_dots" else "layer inputs"
         warnings.warn(
             f"model.remat={remat!r}: {traits.platform} has no separate host memory; "
-            f"the FP8 {what} are kept in device memory instead",
-            stacklevel=2,
+            f"the {kind}{what} are kept in device memory instead",
+            stacklevel=3,
         )
-    return fp8_saved.policy(offload=traits.separate_host_memory)
+    return traits.separate_host_memory
 
 
 def offload_policy(traits: backend.Traits, remat: str = "offload_dots"):
@@ -655,13 +660,7 @@ def offload_policy(traits: backend.Traits, remat: str = "offload_dots"):
     'full', whose one saved activation it is). Where host memory is the device's own (XLA:CPU)
     the copies would save nothing: the values stay in device memory ('save_dots' and 'full')."""
     names = OFFLOADED[remat]
-    if not traits.separate_host_memory:
-        what = "matmul outputs" if remat == "offload_dots" else "layer inputs"
-        warnings.warn(
-            f"model.remat={remat!r}: {traits.platform} has no separate host memory; "
-            f"the {what} are kept in device memory instead",
-            stacklevel=2,
-        )
+    if not _host_memory_for(traits, remat):
         return jax.checkpoint_policies.save_only_these_names(*names)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[],
