@@ -5,6 +5,11 @@ recipe's scales (``fp8_reference.NpTensor``) over the whole global batch, plain 
 update. The step's amax histories must be those of the *global* batch (each device sees its
 own rows: the max over devices and micro-batches), the gradient's those of the loss-scaled
 gradient the backward pass casts, and a skipped step must keep the old state."""
+import contextlib
+import dataclasses
+import io
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +17,10 @@ import optax
 import pytest
 
 import zeroflow as zf
+from zeroflow.config.io import load_config
+from zeroflow.trainer import build_run, train
+from zeroflow.trainer.checkpoints import RunCheckpoints
+from fixtures import TINY_TRAINER
 from fp8_reference import E4M3, E5M2, NpTensor, check_meta, np_bf16
 
 pytestmark = pytest.mark.fast
@@ -166,3 +175,44 @@ def test_a_skipped_step_keeps_the_old_fp8_state():
     x_history = np.asarray(state.fp8["dot_0"].lhs.history)
     assert np.max(np.abs(np_bf16(later["x"]))) in x_history  # recorded after the skipped one
     assert np.all(np.isfinite(x_history))
+
+
+# --------------------------------------------------------------------------- the trainer
+SHRUNK = TINY_TRAINER + ["data.max_bytes=200000", "train.eval_every=0"]
+FP8_DELAYED = ["precision.autocast=fp8", "precision.fp8_scaling=delayed",
+               "precision.fp8_select=all", "precision.fp8_history=4"]
+
+
+def _saved(cfg, step):
+    """The state the run saved at ``step``, read as the trainer reads it (its abstract state
+    as the target)."""
+    run = build_run(cfg, with_data=False)
+    checkpoints = RunCheckpoints(cfg.run.dir + "/checkpoints", 3, read_only=True)
+    state, _ = checkpoints.read(run.abstract_state(), step)
+    checkpoints.close()
+    return state
+
+
+def test_a_trainer_run_resumed_from_a_checkpoint_steps_as_the_uninterrupted_one(tmp_path):
+    """The tiny GPT at stage 3 (layers gathered one at a time) with delayed scaling, 4 steps,
+    a checkpoint every 2: resumed from step 2 it makes steps 3 and 4 bit for bit as the run
+    that went on, because the amax histories were saved and restored with the rest."""
+    overrides = SHRUNK + FP8_DELAYED + ["parallel.zero_stage=3", "train.steps=4",
+                                        "checkpoint.every=2", f"run.dir={tmp_path / 'run'}"]
+    cfg = load_config(None, overrides)
+    straight = train(cfg)
+    at_2 = _saved(cfg, 2).fp8
+    assert at_2 and all(np.asarray(m.lhs.history).max() > 0 for m in at_2.values())
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "run", copy)
+    shutil.rmtree(copy / "checkpoints" / "4")
+    resumed_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(copy)))
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        resumed = train(resumed_cfg)
+    assert "resumed from step 2" in shown.getvalue()
+    assert [resumed.losses[k] for k in (3, 4)] == [straight.losses[k] for k in (3, 4)]
+    want, got = _saved(cfg, 4), _saved(resumed_cfg, 4)
+    for part in ("fp8", "master", "opt_state"):
+        for a, b in zip(jax.tree.leaves(getattr(got, part)), jax.tree.leaves(getattr(want, part))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=part)
