@@ -27,21 +27,16 @@ from zeroflow.autocast import fp8_delayed
 from zeroflow.backend.mesh import zero_axes
 
 
-@jax.tree_util.register_pytree_node_class
 class SiteShapes:
     """Stands in for the state while the step is traced to find its matmul sites: a pytree
-    without leaves (it crosses ``shard_map`` and ``jax.grad`` as structure), which the loss
-    fills with ``{site key: loops' lengths}``."""
+    without leaves (it crosses ``shard_map`` and ``jax.grad`` as structure: itself is the
+    node's static data), which the loss fills with ``{site key: loops' lengths}``."""
 
     def __init__(self):
         self.found: dict[str, tuple[int, ...]] = {}
 
-    def tree_flatten(self):
-        return (), self
 
-    @classmethod
-    def tree_unflatten(cls, found_in, _children):
-        return found_in
+jax.tree_util.register_pytree_node(SiteShapes, lambda s: ((), s), lambda s, _: s)
 
 
 def loss_with_state(cast):

@@ -640,7 +640,7 @@ def make_train_step(
         prefetch = 1 if plan.traits.overlaps_collectives else 0
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
-    bound = dict(loss_fn=loss_fn, plan=plan, prec=prec, grad_accum=grad_accum)
+    bound: dict[str, Any] = dict(loss_fn=loss_fn, plan=plan, prec=prec, grad_accum=grad_accum)
     bound.update(per_layer=gather_per_layer, prefetch=prefetch)
     step = functools.partial(train_step, tx=tx, **bound)
     find_sites = None

@@ -138,9 +138,9 @@ def local_grads(
     device's batch, with the loss and aux averaged over devices, the new model state averaged
     over devices and the new FP8 state the max over them (``zeroflow.engine.fp8_state``).
     ``routes``: each leaf's ``Route`` (``step_routes``). ``extras``: a dict with
-    ``model_state``, ``rng`` (the step's key) and/or ``fp8_state`` when the state carries them. ``collective=False`` is the one-device case, run
-    without shard_map. ``prefetch``: how many units ahead a weight fetched on use may be
-    fetched (``gather_on_use.call``). ``collectives``: the plan's (``Stage3Collectives.of``):
+    ``model_state``, ``rng`` (the step's key) and/or ``fp8_state`` when the state carries
+    them. ``collective=False`` is the one-device case, run without shard_map. ``prefetch``:
+    how many units ahead a weight fetched on use may be fetched (``gather_on_use.call``). ``collectives``: the plan's (``Stage3Collectives.of``):
     how stage-3 weights and gradients travel, and what every gradient is summed over devices
     in (its ``reduce_dtype``). ``gather_dtype``: the dtype stage-3 weights stored in fp32 (no
     compute copy) are cast to as they are gathered; None: their own. ``compute_dtype``: what
@@ -208,10 +208,8 @@ def _accumulated(
     collectives: Stage3Collectives,
     compute_dtype,
 ):
-    """Gradients summed over micro-batches, with the mean loss and aux over micro-batches, the
-    model state after the last one and the FP8 state the max over them (each differentiates
-    the loss with respect to the step's old one). Micro-batch ``i`` gets the key
-    ``fold_in(rng, i)``."""
+    """Gradients summed over micro-batches, the mean loss and aux, the model state after the
+    last one, the new FP8 state their max. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
     old_fp8 = extras.get("fp8_state")
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
     dtypes, params = _used_dtypes_and_stand_ins(params, routes, plan, varying, gather_dtype)
