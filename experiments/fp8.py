@@ -152,6 +152,8 @@ def run_child(payload: dict, timeout: float) -> dict:
 TRAIN_RUNS = {
     "bf16": ["precision.autocast=bf16"],
     "fp8": ["precision.autocast=fp8", "precision.fp8_select=all"],
+    "fp8 delayed": ["precision.autocast=fp8", "precision.fp8_select=all",
+                    "precision.fp8_scaling=delayed"],
     "bf16 + fp8 saved activations": ["precision.autocast=bf16", "model.remat=save_dots",
                                     "model.remat_dtype=fp8"],
 }

@@ -70,6 +70,7 @@ RANGES = {
     "parallel.hosts": ([-1], 0),
     "precision.init_scale": ([0, -1], 1), "precision.growth_interval": ([0], 1),
     "precision.min_scale": ([0, 65536], 32768), "precision.max_consecutive_skips": ([0], 1),
+    "precision.fp8_history": ([0, -1], 1), "precision.fp8_margin": ([-1], 0),
     "checkpoint.every": ([-1], 0), "checkpoint.keep": ([0, -1], 1), "checkpoint.keep_every": ([-1], 0),
     "fusemix.max_text_len": ([0], 1), "fusemix.encode_batch": ([0], 1),
     "fusemix.val_pairs": ([0], 1), "fusemix.shared_dim": ([0], 1), "fusemix.adapter_hidden": ([0], 1),

@@ -140,7 +140,7 @@ def test_config_choices_are_the_engines_and_the_models():
                                            "master": precision.MASTER_DTYPES,
                                            "autocast": precision.AUTOCAST,
                                            "reduce": tuple(precision.DTYPES),
-                                           "fp8_scaling": ("tensor", "row"),
+                                           "fp8_scaling": ("tensor", "row", "delayed"),
                                            "fp8_select": precision.FP8_SELECT}
     assert gpt._CHOICES == choices_of(ModelConfig)
 

@@ -244,8 +244,8 @@ def test_loss_scaling_and_skipped_steps_behave_as_in_bf16():
 @pytest.mark.parametrize("make,message", [
     (lambda: zf.AutocastPolicy(fp8_scaling="block"),
      r"AutocastPolicy.fp8_scaling: unknown scaling 'block'; choose one of \['tensor', 'row', 'delayed'\]"),
-    (lambda: zf.Precision(autocast="fp8", fp8_scaling="delayed"),
-     r"fp8_scaling=.delayed. is available in zf.autocast"),
+    (lambda: zf.Precision(autocast="bf16", fp8_scaling="delayed"),
+     r"fp8_scaling='delayed' scales FP8 matmuls, and autocast='bf16' has none"),
     (lambda: zf.Precision(autocast="fp8", fp8_select="some"),
      r"unknown fp8_select 'some'; choose one of \['cost', 'all'\]"),
     (lambda: zf.Precision(autocast="fp8", params="fp16", loss_scale="dynamic"),

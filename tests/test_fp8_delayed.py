@@ -6,50 +6,17 @@ then the amax of the tensor cast enters a window of the last ``history`` amaxes.
 comes back as the gradient with respect to it, one history per scanned layer."""
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import zeroflow as zf
 from zeroflow.autocast import fp8_delayed
+from fp8_reference import E4M3, E5M2, NpTensor, check_meta, np_bf16
 
 pytestmark = pytest.mark.fast
 
-E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
-TOPS = {E4M3: 448.0, E5M2: 57344.0}
 DIMS_2D = (((1,), (0,)), ((), ()))
-
-
-class NpTensor:
-    """One tensor's delayed scaling in NumPy: the previous scale and the window of amaxes."""
-
-    def __init__(self, fmt, history, margin):
-        self.fmt, self.length, self.margin = fmt, history, margin
-        self.scale, self.window = 1.0, []
-
-    def cast(self, x):
-        """``(rounded values as float64, scale)`` of this step; records ``x``'s amax."""
-        if self.window and max(self.window) > 0:
-            self.scale = max(self.window) * 2.0**self.margin / TOPS[self.fmt]
-        top = TOPS[self.fmt]
-        q = np.clip(x.astype(np.float32) / np.float32(self.scale), -top, top).astype(self.fmt)
-        self.window = (self.window + [float(np.max(np.abs(x)))])[-self.length:]
-        return q.astype(np.float64), self.scale
-
-    def padded_window(self):
-        return sorted(self.window + [0.0] * (self.length - len(self.window)))
-
-
-def check_meta(meta, ref: NpTensor, rtol=None):
-    """Exact histories where the tensor cast is exactly the reference's; ``rtol`` where it is a
-    computed bf16 activation (the GEMM's bf16 result, scaled, rounded again: an ulp or two)."""
-    np.testing.assert_allclose(float(meta.scale), ref.scale, rtol=rtol or 1e-6)
-    got, want = np.sort(np.asarray(meta.history)), ref.padded_window()
-    if rtol is None:
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=rtol)
 
 
 def test_the_op_follows_the_recipe_over_steps_first_step_and_saturation_included():
@@ -102,10 +69,6 @@ def two_layer_loss(w, x, c):
 
     h, _ = jax.lax.scan(layer, h, w["stack"])
     return jnp.sum(h.astype(jnp.float32) * c)
-
-
-def np_bf16(x):
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def test_autocast_carries_one_history_per_site_and_layer_through_the_gradient():
@@ -223,8 +186,10 @@ def test_a_remat_layer_stack_and_a_checkpoint_round_trip_keep_the_state_exact(tm
      r"AutocastPolicy.fp8_history must be an integer >= 1, got 0"),
     (lambda: zf.AutocastPolicy(fp8_scaling="delayed", fp8_margin=-1),
      r"AutocastPolicy.fp8_margin must be an integer >= 0, got -1"),
-    (lambda: zf.Precision(autocast="fp8", fp8_scaling="delayed"),
-     r"fp8_scaling='delayed' is available in zf.autocast.* only; the train step takes "),
+    (lambda: zf.Precision(autocast="fp8", fp8_scaling="delayed", fp8_history=0),
+     r"fp8_history must be an int >= 1, got 0"),
+    (lambda: zf.Precision(autocast="none", fp8_scaling="delayed"),
+     r"fp8_scaling='delayed' scales FP8 matmuls, and autocast='none' has none"),
 ])
 def test_bad_settings_are_one_line(make, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -254,8 +219,17 @@ def test_bad_calls_are_one_line():
     assert "\n" not in str(info.value)
 
 
-def test_config_refuses_delayed_for_the_trainer_in_one_line():
+def test_config_takes_delayed_and_refuses_it_without_fp8_in_one_line():
     from zeroflow.config.io import ConfigError, load_config
-    with pytest.raises(ConfigError, match="delayed") as info:
-        load_config(None, ["precision.autocast=fp8", "precision.fp8_scaling=delayed"])
-    assert "\n" not in str(info.value)
+    cfg = load_config(None, ["precision.autocast=fp8", "precision.fp8_scaling=delayed",
+                             "precision.fp8_history=16", "precision.fp8_margin=1"])
+    policy = zf.Precision.from_config(cfg.precision).autocast_policy()
+    assert (policy.fp8_scaling, policy.fp8_history, policy.fp8_margin) == ("delayed", 16, 1)
+    for overrides, message in [
+        (["precision.fp8_scaling=delayed"], "fp8_scaling='delayed' scales FP8 matmuls"),
+        (["precision.autocast=fp8", "precision.fp8_scaling=late"], "precision.fp8_scaling"),
+        (["precision.autocast=fp8", "precision.fp8_history=0"], "precision.fp8_history must be"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as info:
+            load_config(None, overrides)
+        assert "\n" not in str(info.value)

@@ -36,8 +36,9 @@ from flax.linen import fp8_ops
 
 from zeroflow.autocast import fp8
 from zeroflow.autocast.fp8 import E4M3, E5M2
+from zeroflow.util.settings import FP8_HISTORY
 
-DEFAULT_HISTORY = 1024
+DEFAULT_HISTORY = FP8_HISTORY
 "Steps of amax history per tensor: Transformer Engine's and Flax's default."
 
 

@@ -257,5 +257,13 @@ def _with_fp8_state(fn, run, policy: AutocastPolicy):
 
         return fp8_delayed.materialize(jax.eval_shape(shapes, *args, **kwargs), policy.fp8_history)
 
+    def traced_init(*args, **kwargs):
+        """``(fn's output, {site key: loops' lengths})``, run in the trace being built (a train
+        step's, where ``fn`` meets the step's own gathers): what ``init`` finds, as shapes."""
+        with fp8_delayed.using(sites({}, init=True)) as found:
+            out = run(args, kwargs)
+        return out, {key: tuple(jnp.shape(m.lhs.scale)) for key, m in found.metas.items()}
+
     cast_fn.init = init  # type: ignore[attr-defined]
+    cast_fn.traced_init = traced_init  # type: ignore[attr-defined]
     return cast_fn

@@ -11,7 +11,7 @@ from flax import struct
 
 from zeroflow.autocast.policy import AutocastPolicy
 from zeroflow.util.settings import AUTOCAST as AUTOCAST  # re-exported: the names stay here too
-from zeroflow.util.settings import DTYPE_NAMES, check_precision
+from zeroflow.util.settings import DTYPE_NAMES, FP8_HISTORY, check_precision
 from zeroflow.util.settings import FP8_SELECT as FP8_SELECT
 from zeroflow.util.settings import MASTER_DTYPES as MASTER_DTYPES
 from zeroflow.util.settings import parse_loss_scale as parse_loss_scale
@@ -35,7 +35,7 @@ class LossScaleState:
 class Precision:
     """``params``: compute dtype of the weights the forward pass uses; ``master``: dtype of the
     weights the optimizer updates; ``loss_scale``: "none", "dynamic" or a positive float;
-    ``autocast``: "none", or "bf16" / "fp16" to run the loss under ``zf.autocast``."""
+    ``autocast``: "none", or "bf16" / "fp16" / "fp8" to run the loss under ``zf.autocast``."""
 
     params: str = "fp32"
     master: str = "fp32"
@@ -59,6 +59,10 @@ class Precision:
     "autocast='fp8': per-'tensor' or per-'row' scales of the e4m3 operands (docs/autocast.md)."
     fp8_select: str = "cost"
     "autocast='fp8': which matmuls run in FP8: 'cost' (the roofline model) or 'all' eligible."
+    fp8_history: int = FP8_HISTORY
+    "fp8_scaling='delayed': steps of amax history per tensor (the state carries them)."
+    fp8_margin: int = 0
+    "fp8_scaling='delayed': the scale leaves 2**margin of headroom above the history's max."
 
     @classmethod
     def from_config(cls, section) -> Precision:
@@ -74,8 +78,16 @@ class Precision:
     def autocast_policy(self) -> AutocastPolicy:
         """The policy ``make_train_step`` runs the loss under (the FP8 choices)."""
         return AutocastPolicy(
-            fp8_scaling=self.fp8_scaling, fp8_cost_model=self.fp8_select == "cost"
+            fp8_scaling=self.fp8_scaling,
+            fp8_cost_model=self.fp8_select == "cost",
+            fp8_history=self.fp8_history,
+            fp8_margin=self.fp8_margin,
         )
+
+    @property
+    def delayed_fp8(self) -> bool:
+        """FP8 matmuls with delayed scaling: the train state carries their amax histories."""
+        return self.autocast == "fp8" and self.fp8_scaling == "delayed"
 
     @property
     def summary(self) -> str:

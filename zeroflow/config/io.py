@@ -557,6 +557,14 @@ def _precision_problems(prec) -> list[str]:
                 prec.max_consecutive_skips > 0,
                 f"precision.max_consecutive_skips must be positive; got {prec.max_consecutive_skips}",
             ),
+            (
+                prec.fp8_history > 0,
+                f"precision.fp8_history must be positive; got {prec.fp8_history}",
+            ),
+            (
+                prec.fp8_margin >= 0,
+                f"precision.fp8_margin must be 0 or more; got {prec.fp8_margin}",
+            ),
         ]
     )
     try:

@@ -21,6 +21,8 @@ from zeroflow.util.settings import (
     ADAMW_CHOICES,
     AUTOCAST,
     DTYPE_NAMES,
+    FP8_HISTORY,
+    FP8_SCALINGS,
     FP8_SELECT,
     MASTER_DTYPES,
     OFFLOAD_CHOICES,
@@ -29,7 +31,6 @@ from zeroflow.util.settings import (
     QUANTIZE_WEIGHTS_CHOICES,
     REMAT_DTYPES,
     REMATS,
-    TRAIN_FP8_SCALINGS,
     UPDATE_ON_CHOICES,
     ZERO_STAGES,
 )
@@ -298,10 +299,14 @@ class PrecisionConfig:
     "A dynamic loss scale never halves below this."
     max_consecutive_skips: int = 20
     "Consecutive skipped steps (non-finite gradients) after which a dynamically scaled run stops."
-    fp8_scaling: str = one_of(*TRAIN_FP8_SCALINGS)
-    "autocast=fp8: 'tensor' or 'row' scales of the e4m3 operands (current scaling)."
+    fp8_scaling: str = one_of(*FP8_SCALINGS)
+    "autocast=fp8: 'tensor' or 'row' scales of the e4m3 operands (current scaling), or 'delayed' (from an amax history kept in the train state and checkpointed)."
     fp8_select: str = one_of(*FP8_SELECT)
     "autocast=fp8: which matmuls run in FP8, 'cost' (roofline model) or 'all' eligible ones."
+    fp8_history: int = FP8_HISTORY
+    "fp8_scaling=delayed: steps of amax history per tensor."
+    fp8_margin: int = 0
+    "fp8_scaling=delayed: the scale leaves 2**margin of headroom above the history's largest amax."
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Checkpoints that load onto any mesh, ZeRO stage, offload or precision.
 
 What is saved is the *portable* part of a TrainState: step, updates applied, fp32 master
-weights, optimizer state, loss scale, model state, the rng's key data and the frozen weights
+weights, optimizer state, loss scale, model state, the FP8 amax histories (delayed scaling,
+``zeroflow.engine.fp8_state``), the rng's key data and the frozen weights
 (``zeroflow.engine.frozen``, in their compute dtype), each as a global array in its own (unpadded)
 shape. A checkpoint restores only onto a state with the same trainable/frozen split. The compute-dtype copy is not saved: it is a cast of the
 master weights and is rebuilt on restore. Restoring reads every array straight into the
@@ -23,7 +24,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zeroflow.engine import checkpoint_digests, padding
+from zeroflow.engine import checkpoint_digests, fp8_state, padding
 from zeroflow.engine.state import TrainState, stored_frozen
 from zeroflow.engine.zeropp import hierarchical
 from zeroflow.util.tree import path_str
@@ -35,19 +36,22 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or does not fit the target state."""
 
 
-OPTIONAL = ("applied", "rng", "loss_scale")
-"Saved entries a restore can do without (older checkpoints, another precision or no dropout)."
+OPTIONAL = ("applied", "rng", "loss_scale", "fp8")
+"""Saved entries a restore can do without (older checkpoints, another precision or no dropout);
+without ``fp8`` a run with delayed FP8 scaling starts its amax histories afresh."""
 
 
 def _counters(state: TrainState) -> dict[str, Any]:
-    """The entries saved as the state holds them: step, updates applied, the loss scale and the
-    model state (``state`` may be abstract)."""
+    """The entries saved as the state holds them: step, updates applied, the loss scale, the
+    model state and the FP8 state (``state`` may be abstract)."""
     out: dict[str, Any] = {"step": state.step, "applied": state.applied}
     if state.loss_scale is not None:
         ls = state.loss_scale
         out["loss_scale"] = {"scale": ls.scale, "good_steps": ls.good_steps, "skips": ls.skips}
     if state.model_state is not None:
         out["model_state"] = state.model_state
+    if jax.tree.leaves(state.fp8):  # none without delayed scaling, or without FP8 matmuls
+        out["fp8"] = state.fp8
     return out
 
 
@@ -208,6 +212,7 @@ def rebuild_state(restored: dict[str, Any], like: TrainState) -> TrainState:
         else jax.tree.map(place, restored["model_state"], like.model_state),
         rng=_rng(restored, like),
         frozen=frozen,
+        fp8=_fp8(restored, like, place),
         padding=like.padding,
     )
 
@@ -224,6 +229,16 @@ def _loss_scale(restored, like: TrainState, place):
         skips=place(saved["skips"], ls.skips) if "skips" in saved else ls.skips,
         dynamic=True,
     )
+
+
+def _fp8(restored, like: TrainState, place):
+    """The saved amax histories; a checkpoint without them (saved under current scaling)
+    resumes delayed scaling from a first step's state."""
+    if like.fp8 is None or not jax.tree.leaves(like.fp8):
+        return like.fp8
+    if "fp8" not in restored:
+        return fp8_state.fresh_like(like.fp8)
+    return jax.tree.map(place, restored["fp8"], like.fp8)
 
 
 def _rng(restored, like: TrainState):
@@ -243,7 +258,7 @@ def restore_target(like: TrainState, saved_keys) -> dict[str, Any]:
     for key in OPTIONAL:
         if key not in saved_keys:
             target.pop(key, None)
-    for key in ("loss_scale", "rng"):  # saved, not wanted here: read as saved, then dropped
+    for key in ("loss_scale", "rng", "fp8"):  # saved, not wanted here: read, then dropped
         if key in saved_keys and key not in target:
             target[key] = jax.tree.map(
                 lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),

@@ -30,7 +30,9 @@ class TrainState:
     per-step keys, or None; ``frozen``: the frozen weights (``zeroflow.engine.frozen``) in the compute
     dtype, with holes (None) where the trainable leaves are, or None when every leaf trains;
     ``master``, ``compute``, ``opt_state`` then hold the trainable leaves only (holes at the
-    frozen ones). ``padding`` (static) says which stored arrays carry ZeRO padding."""
+    frozen ones). ``fp8``: the amax histories of FP8 matmuls under delayed scaling
+    (``zeroflow.engine.fp8_state``), replicated, never seen by the optimizer; None otherwise.
+    ``padding`` (static) says which stored arrays carry ZeRO padding."""
 
     step: jax.Array
     applied: jax.Array
@@ -41,6 +43,7 @@ class TrainState:
     model_state: Any = None
     rng: jax.Array | None = None
     frozen: Any = None
+    fp8: Any = None
     padding: StatePadding = struct.field(pytree_node=False, default=NO_PADDING)
 
     @property
@@ -186,10 +189,11 @@ def state_shardings_of(
     prec: Precision,
     model_state=None,
     rng=None,
+    fp8=None,
 ) -> TrainState:
     """``state_shardings`` of the parameters' ``plan.layouts``, frozen leaves included: each
     leaf goes to the master weights and optimizer state or to the frozen weights as its layout
-    says (``LeafLayout.trains``)."""
+    says (``LeafLayout.trains``). ``fp8``: the FP8 state the state carries (replicated)."""
     trained, frozen_layouts = frozen_weights.split(param_layouts, param_layouts)
     if not jax.tree.leaves(frozen_layouts, is_leaf=is_layout):  # every leaf trains
         frozen_layouts = None
@@ -226,6 +230,7 @@ def state_shardings_of(
         model_state=None if model_state is None else jax.tree.map(lambda _: scalar, model_state),
         rng=None if rng is None else scalar,
         frozen=frozen,
+        fp8=None if fp8 is None else jax.tree.map(lambda _: scalar, fp8),
         padding=state_padding(layouts, plan, prec, frozen_layouts),
     )
 

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from zeroflow import backend
 from zeroflow.autocast import autocast, fp8
 from zeroflow.autocast.precision import Precision
+from zeroflow.engine import fp8_state as fp8_states
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import offload, padding, update
 from zeroflow.engine.grads import (
@@ -104,24 +105,32 @@ def step_layout(
     model_state=None,
     rng=None,
     trainable=None,
+    fp8=None,
 ) -> StepLayout:
     """The ``StepLayout`` of a state of ``abstract_master`` (the parameters' own, unpadded
     shapes, frozen ones included) under ``plan``; the rest as for ``init_train_state``."""
     mask = frozen_weights.trainable_mask(trainable, abstract_master)
     layouts = plan.layouts(abstract_master, trainable=mask)
-    return layout_of(layouts, tx, plan, prec, model_state, rng)
+    return layout_of(layouts, tx, plan, prec, model_state, rng, fp8)
 
 
 def layout_of(
-    layouts, tx: optax.GradientTransformation, plan: ZeroPlan, prec: Precision, model_state, rng
+    layouts,
+    tx: optax.GradientTransformation,
+    plan: ZeroPlan,
+    prec: Precision,
+    model_state,
+    rng,
+    fp8=None,
 ) -> StepLayout:
     """The ``StepLayout`` of the parameters' ``layouts`` (``plan.layouts``, whether each leaf
-    trains included); ``model_state`` / ``rng``: as the state carries them (or None)."""
+    trains included); ``model_state`` / ``rng`` / ``fp8``: as the state carries them (or
+    None)."""
     path = update.update_path(plan, tx, abstract_of(frozen_weights.split(layouts, layouts)[0]))
     used = "device" if plan.offloads else None
     return StepLayout(
         layouts=layouts,
-        state=state_shardings_of(layouts, tx, plan, prec, model_state, rng),
+        state=state_shardings_of(layouts, tx, plan, prec, model_state, rng, fp8),
         compute_as_used=plan.shardings_of(layouts, plan.shards_compute, used),
         compute_as_stored=plan.shardings_of(layouts, plan.shards_compute, plan.compute_memory_kind),
         update_path=path,
@@ -155,7 +164,7 @@ def train_step(
     )
     pads = state.padding
     scale = prec.step_scale(state.loss_scale)
-    grads, loss, aux, model_state = _step_gradients(
+    grads, loss, aux, model_state, fp8 = _step_gradients(
         state,
         batch,
         scale,
@@ -184,7 +193,7 @@ def train_step(
         grad_norm,
         scale,
         aux,
-        model_state,
+        (model_state, fp8),
         (new_master, new_opt, new_compute),
         prec=prec,
         layout=layout,
@@ -204,12 +213,14 @@ def _averaged(grads, divisor, plan: ZeroPlan, grad_accum: int):
 
 
 def _next_state(
-    state: TrainState, finite, loss, grad_norm, scale, aux, model_state, updated, *, prec, layout
+    state: TrainState, finite, loss, grad_norm, scale, aux, carried, updated, *, prec, layout
 ):
-    """``(new_state, metrics)`` from the ``updated`` (master, opt state, compute) weights: a
-    skipped step (not ``finite``) changes nothing, the model state included (its statistics
-    may be NaN); the rng's base key and the frozen weights stay as they are."""
+    """``(new_state, metrics)`` from the ``updated`` (master, opt state, compute) weights and
+    the ``carried`` (model state, FP8 state) the loss left: a skipped step (not ``finite``)
+    changes nothing, those included (its statistics and amaxes may be NaN); the rng's base key
+    and the frozen weights stay as they are."""
     new_master, new_opt, new_compute = updated
+    model_state, fp8 = carried
     model_state = jax.tree.map(
         lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
     )
@@ -224,6 +235,7 @@ def _next_state(
         opt_state=new_opt,
         loss_scale=loss_scale,
         model_state=model_state,
+        fp8=fp8_states.kept_if_skipped(finite, fp8, state.fp8),
     )
     new_state = _place(new_state, layout.state)
     metrics = {
@@ -251,16 +263,17 @@ def _step_gradients(
     per_layer: str | None,
     prefetch: int,
 ):
-    """``(grads, loss, aux, model_state)`` of the loss scaled by ``scale``: each leaf routed
-    (``step_routes``) from its layout, gradients as the routes leave them."""
+    """``(grads, loss, aux, model_state, fp8_state)`` of the loss scaled by ``scale``: each leaf
+    routed (``step_routes``) from its layout, gradients as the routes leave them."""
     if per_layer is not None and per_layer not in layout.layouts:
         raise ValueError(f"gather_per_layer={per_layer!r} is not a top-level key of params")
     route_tree = step_routes(layout.layouts, plan, prec, per_layer, grad_accum)
     # What the loss gets besides weights and data: the step's key (local_grads folds in the
-    # device and micro-batch) and the model state.
+    # device and micro-batch), the model state and the FP8 state (delayed scaling).
     extras = {
         **({} if state.model_state is None else {"model_state": state.model_state}),
         **({} if state.rng is None else {"rng": jax.random.fold_in(state.rng, state.step)}),
+        **({} if state.fp8 is None else {"fp8_state": state.fp8}),
     }
     local = functools.partial(
         local_grads,
@@ -316,7 +329,7 @@ def _compute_params(state: TrainState, plan: ZeroPlan, layout: StepLayout, route
 
 def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: StepLayout, routes):
     """``local`` (``local_grads`` bound to the step) on every device's rows of ``batch``:
-    gradients as the routes leave them (sharded or whole), loss, aux and model state."""
+    gradients as the routes leave them (sharded or whole), loss, aux, model and FP8 state."""
     if plan.data_size == 1:  # one device on the data axis: no shard_map, no collectives to place
         return local(params, batch, scale, extras, collective=False)
     specs_in = jax.tree.map(
@@ -339,7 +352,7 @@ def _gradients(local, params, batch, scale, extras, *, plan: ZeroPlan, layout: S
         local,
         mesh=plan.mesh,
         in_specs=(specs_in, batch_specs, P(), P()),
-        out_specs=(specs_grad, P(), P(), P()),
+        out_specs=(specs_grad, P(), P(), P(), P()),
         axis_names=plan.manual_axes,
         check_vma=False,
     )(params, batch, scale, extras)
@@ -459,8 +472,10 @@ class TrainStep:
         donate: bool,
         compiler_options: dict | None = None,
         trainable=None,
+        find_fp8_sites=None,
     ):
         self._fn, self._tx, self._plan, self._prec = fn, tx, plan, prec
+        self._find_fp8_sites = find_fp8_sites
         self._trainable = trainable
         self.compiler_options = {
             **backend.compiler_options(plan.traits),
@@ -479,7 +494,7 @@ class TrainStep:
             if self._trainable is not None:
                 _check_same_split(self._trainable, layouts)
             self._layouts[key] = layout_of(
-                layouts, self._tx, self._plan, self._prec, state.model_state, state.rng
+                layouts, self._tx, self._plan, self._prec, state.model_state, state.rng, state.fp8
             )
         return self._layouts[key]
 
@@ -497,13 +512,35 @@ class TrainStep:
         return self._by_layout[key]
 
     def __call__(self, state: TrainState, batch):
+        state = self.with_fp8_state(state, batch)
         return self.jitted(state)(state, batch)
 
     def lower(self, state: TrainState, batch):
+        state = self.with_fp8_state(state, batch)
         return self.jitted(state).lower(state, batch)
 
     def trace(self, state: TrainState, batch):
+        state = self.with_fp8_state(state, batch)
         return self.jitted(state).trace(state, batch)
+
+    def with_fp8_state(self, state: TrainState, batch) -> TrainState:
+        """``state`` with a first step's FP8 state (scale 1, empty amax histories) for every
+        FP8 matmul of this step, under delayed scaling where ``state`` has none yet; else
+        ``state`` itself. The sites are found by tracing the step's gradient part (nothing
+        computed) on ``batch``'s shapes, so their keys are the step's own (``fp8_state``)."""
+        if self._find_fp8_sites is None or state.fp8 is not None:
+            return state
+        marker = fp8_states.SiteShapes()
+
+        def gradients(state, batch):
+            marked = dataclasses.replace(state, fp8=marker)
+            return self._find_fp8_sites(marked, batch, layout=self.layout(state))
+
+        with backend.tracing_for(self._plan.traits):
+            jax.eval_shape(gradients, state, batch)
+        history = self._prec.fp8_history
+        fresh = fp8_states.fresh_state(marker.found, history, self._plan.replicated())
+        return dataclasses.replace(state, fp8=fresh)
 
 
 def _param_layouts(state: TrainState, plan: ZeroPlan):
@@ -597,18 +634,16 @@ def make_train_step(
         fp8.check_mesh(plan.mesh)
     if prec.autocast != "none":  # half-precision compute for a model written in fp32
         loss_fn = autocast(loss_fn, dtype=prec.autocast, policy=prec.autocast_policy())
+    if prec.delayed_fp8:  # the amax histories come as the keyword fp8_state (fp8_state.py)
+        loss_fn = fp8_states.loss_with_state(loss_fn)
     if prefetch is None:
         prefetch = 1 if plan.traits.overlaps_collectives else 0
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
-    step = functools.partial(
-        train_step,
-        loss_fn=loss_fn,
-        tx=tx,
-        plan=plan,
-        prec=prec,
-        grad_accum=grad_accum,
-        per_layer=gather_per_layer,
-        prefetch=prefetch,
-    )
-    return TrainStep(step, tx, plan, prec, donate, compiler_options, trainable)
+    bound: dict[str, Any] = dict(loss_fn=loss_fn, plan=plan, prec=prec, grad_accum=grad_accum)
+    bound.update(per_layer=gather_per_layer, prefetch=prefetch)
+    step = functools.partial(train_step, tx=tx, **bound)
+    find_sites = None
+    if prec.delayed_fp8:  # the gradient part, with no loss scale, as the step runs it
+        find_sites = functools.partial(_step_gradients, scale=jnp.float32(1.0), **bound)
+    return TrainStep(step, tx, plan, prec, donate, compiler_options, trainable, find_sites)

@@ -121,7 +121,19 @@ class Run:
 
     def init_state(self) -> TrainState:
         """A fresh sharded state; parameters are created (or, with ``model.init_from``, read
-        from the Hugging Face checkpoint) directly in their shards."""
+        from the Hugging Face checkpoint) directly in their shards. Under delayed FP8 scaling
+        it carries the first step's amax histories (a restore target reads the saved ones)."""
+        return self._with_fp8(self._fresh_params_state())
+
+    def _with_fp8(self, state: TrainState) -> TrainState:
+        """``state`` with the FP8 state of this run's step (``fp8_scaling=delayed``), whose
+        sites are found by tracing the step on the batch's shapes; else ``state``."""
+        if not self.prec.delayed_fp8:
+            return state
+        batch = abstract_batch(self.cfg, self.plan.batch_sharding)
+        return self.make_step().with_fp8_state(state, batch)
+
+    def _fresh_params_state(self) -> TrainState:
         if self.model_cfg.init_from:
             params = self._read_base()
             if self.lora is not None:  # the adapters made apart: the base is not copied
@@ -168,9 +180,16 @@ class Run:
             rng=self.dropout_key(),
             trainable=self.trainable,
         )
-        return jax.tree.map(
+        state = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
         )
+        state = self._with_fp8(state)
+        if state.fp8 is None:
+            return state
+        fp8 = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.fp8
+        )
+        return dataclasses.replace(state, fp8=fp8)
 
     def make_step(self, compiler_options: dict | None = None):
         """The train step; ``compiler_options``: XLA options over the backend's own (a planner

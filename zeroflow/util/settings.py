@@ -22,9 +22,8 @@ AUTOCAST = ("none", "bf16", "fp16", "fp8")
 FP8_SCALINGS = ("tensor", "row", "delayed")
 """How autocast='fp8' scales its operands: one scale per tensor or per row from the tensor being
 cast (current scaling), or per tensor from an amax history carried between steps (delayed)."""
-TRAIN_FP8_SCALINGS = ("tensor", "row")
-"""The FP8 scalings the train step (and so the config) takes: delayed scaling's state is not
-carried by the step yet (zf.autocast only; docs/autocast.md)."""
+FP8_HISTORY = 1024
+"Steps of amax history per tensor under delayed scaling: Transformer Engine's and Flax's default."
 FP8_SELECT = ("cost", "all")
 "How autocast='fp8' picks its FP8 matmuls: the roofline model, or every eligible one."
 
@@ -99,6 +98,8 @@ def check_precision(
     reduce: str,
     fp8_scaling: str = "tensor",
     fp8_select: str = "cost",
+    fp8_history: int = FP8_HISTORY,
+    fp8_margin: int = 0,
 ) -> str | float:
     """Raise ValueError (one line) for a precision that cannot run; return the parsed
     ``loss_scale``. ``Precision`` runs it when made, the config before jax starts; its
@@ -112,6 +113,12 @@ def check_precision(
     _check_autocast(autocast, params, scaled=parsed != "none")
     if autocast == "fp8":
         check_fp8(fp8_scaling, fp8_select, params)
+    elif fp8_scaling == "delayed":
+        raise ValueError(
+            f"fp8_scaling='delayed' scales FP8 matmuls, and autocast={autocast!r} has none; "
+            "set autocast='fp8' or drop fp8_scaling"
+        )
+    check_fp8_history(fp8_history, fp8_margin)
     if not isinstance(reduce, str) or reduce not in ("fp32", params):
         raise ValueError(
             f"unknown reduce dtype {reduce!r}; gradients are summed in 'fp32' "
@@ -164,13 +171,6 @@ def check_fp8_scaling(scaling: Any, where: str = "fp8 scaling") -> str:
 def check_fp8(fp8_scaling: Any, fp8_select: Any, params: str) -> None:
     """autocast='fp8''s own settings: a known scaling and selection, around fp32 or bf16."""
     check_fp8_scaling(fp8_scaling, "fp8_scaling")
-    if fp8_scaling == "delayed":
-        # its amax histories are state the train step does not carry yet (docs/autocast.md)
-        raise ValueError(
-            "fp8_scaling='delayed' is available in zf.autocast(fn, dtype='fp8', "
-            "policy=zf.AutocastPolicy(fp8_scaling='delayed')) only; the train step takes "
-            "fp8_scaling 'tensor' or 'row'"
-        )
     if fp8_select not in FP8_SELECT:
         raise ValueError(f"unknown fp8_select {fp8_select!r}; choose one of {list(FP8_SELECT)}")
     if params not in ("fp32", "bf16"):
@@ -178,3 +178,10 @@ def check_fp8(fp8_scaling: Any, fp8_select: Any, params: str) -> None:
             f"autocast='fp8' runs around bf16, not params={params!r}; "
             "use params='fp32' or params='bf16'"
         )
+
+
+def check_fp8_history(history: Any, margin: Any, where: str = "") -> None:
+    """Delayed scaling's window (at least 1 step) and margin (a power of two, at least 0)."""
+    for name, value, least in (("fp8_history", history, 1), ("fp8_margin", margin, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{where}{name} must be an int >= {least}, got {value!r}")

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroflow.backend.mesh import zero_axes
+from zeroflow.engine import fp8_state as fp8_states
 from zeroflow.engine import offload
 from zeroflow.engine.grads import gather_on_use, sources
 from zeroflow.engine.grads.collectives import reduce_scatter, stream_in
@@ -133,12 +134,13 @@ def local_grads(
     compute_dtype,
     collective: bool = True,
 ):
-    """Gradients of the (scaled) loss on this device's batch, with the loss and aux averaged
-    over devices, and the new model state averaged over devices. ``routes``: each leaf's
-    ``Route`` (``step_routes``). ``extras``: a dict with ``model_state`` and/or ``rng`` (the
-    step's key) when the state carries them. ``collective=False`` is the one-device case, run
-    without shard_map. ``prefetch``: how many units ahead a weight fetched on use may be
-    fetched (``gather_on_use.call``). ``collectives``: the plan's (``Stage3Collectives.of``):
+    """``(grads, loss, aux, model_state, fp8_state)``: gradients of the (scaled) loss on this
+    device's batch, with the loss and aux averaged over devices, the new model state averaged
+    over devices and the new FP8 state the max over them (``zeroflow.engine.fp8_state``).
+    ``routes``: each leaf's ``Route`` (``step_routes``). ``extras``: a dict with
+    ``model_state``, ``rng`` (the step's key) and/or ``fp8_state`` when the state carries
+    them. ``collective=False`` is the one-device case, run without shard_map. ``prefetch``:
+    how many units ahead a weight fetched on use may be fetched (``gather_on_use.call``). ``collectives``: the plan's (``Stage3Collectives.of``):
     how stage-3 weights and gradients travel, and what every gradient is summed over devices
     in (its ``reduce_dtype``). ``gather_dtype``: the dtype stage-3 weights stored in fp32 (no
     compute copy) are cast to as they are gathered; None: their own. ``compute_dtype``: what
@@ -149,7 +151,7 @@ def local_grads(
         extras["rng"] = jax.random.fold_in(
             extras["rng"], jax.lax.axis_index(zero_axes()) if collective else 0
         )
-    grads, loss, aux, model_state = _accumulated(
+    grads, loss, aux, model_state, fp8_state = _accumulated(
         params,
         batch,
         scale,
@@ -166,7 +168,7 @@ def local_grads(
         compute_dtype=compute_dtype,
     )
     if not collective:
-        return grads, loss, aux, model_state
+        return grads, loss, aux, model_state, fp8_state
     reduce_dtype = collectives.reduce_dtype
     grads = jax.tree.map(
         lambda g, r: g if r.sharded_grad else _all_reduced(g, reduce_dtype), grads, trained(routes)
@@ -177,6 +179,7 @@ def local_grads(
         # A metric may be the same on every context device already (a count over whole rows).
         jax.tree.map(lambda a: jax.lax.pmean(_varying(a), zero_axes()), aux),
         jax.tree.map(_across_devices, model_state),
+        fp8_states.max_over_devices(fp8_state),
     )
 
 
@@ -205,8 +208,9 @@ def _accumulated(
     collectives: Stage3Collectives,
     compute_dtype,
 ):
-    """Gradients summed over micro-batches, with the mean loss and aux over micro-batches and
-    the model state after the last one. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
+    """Gradients summed over micro-batches, the mean loss and aux, the model state after the
+    last one, the new FP8 state their max. Micro-batch ``i`` gets the key ``fold_in(rng, i)``."""
+    old_fp8 = extras.get("fp8_state")
     stored = params  # whole / host weights are read from here; the loss differentiates stand-ins
     dtypes, params = _used_dtypes_and_stand_ins(params, routes, plan, varying, gather_dtype)
     # Nothing sums the gradients (one data device, one micro-batch): they stay as the backward
@@ -222,12 +226,13 @@ def _accumulated(
     )
 
     def grads_of(micro, model_state, key):
-        def scaled_loss(p):
+        def scaled_loss(p, fp8_state):
             # The model state's containers are rebuilt at this trace level: Flax NNX variables
             # may only be mutated inside the trace that made them.
             given = {
                 **({} if model_state is None else {"model_state": _rebuilt(model_state)}),
                 **({} if key is None else {"rng": key}),
+                **({} if fp8_state is None else {"fp8_state": fp8_state}),
             }
             # A hole of the caller's own tree (eqx.partition's None) has no route: it stays one.
             seen = jax.tree.map(
@@ -253,13 +258,16 @@ def _accumulated(
             loss, aux, new_state = split_loss(out, model_state)
             return loss * scale, (loss, aux, new_state)
 
-        (_, (loss, aux, new_state)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        # the "gradient" with respect to the FP8 state is its next value (fp8_state.py)
+        (_, (loss, aux, new_state)), (g, new_fp8) = jax.value_and_grad(
+            scaled_loss, argnums=(0, 1), has_aux=True
+        )(params, old_fp8)
         g = jax.tree.map(
             lambda x, r: _reduce_late(x if native else x.astype(jnp.float32), r, reduce_dtype),
             g,
             trained(routes),
         )
-        return g, loss, aux, new_state
+        return g, loss, aux, new_state, new_fp8
 
     return _over_micro_batches(grads_of, batch, extras, grad_accum, varying)
 
@@ -376,8 +384,8 @@ def native_gradients(plan: ZeroPlan, grad_accum: int) -> bool:
 
 def _over_micro_batches(grads_of, batch, extras, grad_accum: int, varying):
     """``grads_of`` summed over ``grad_accum`` micro-batches of ``batch`` (a scan), the loss
-    and aux averaged; the model state is threaded through them in order (it differs per
-    device)."""
+    and aux averaged, the FP8 state their max; the model state is threaded through them in
+    order (it differs per device)."""
     model_state, key = extras.get("model_state"), extras.get("rng")
 
     def micro_key(i):
@@ -387,20 +395,22 @@ def _over_micro_batches(grads_of, batch, extras, grad_accum: int, varying):
         return grads_of(batch, model_state, micro_key(0))
     micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
     first = jax.tree.map(lambda x: x[0], micro)
-    g, loss, aux, _ = jax.eval_shape(grads_of, first, model_state, micro_key(0))
-    zeros = jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)), (g, loss, aux))
+    g, loss, aux, _, fp8 = jax.eval_shape(grads_of, first, model_state, micro_key(0))
+    zeros = jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)), (g, loss, aux, fp8))
     model_state = jax.tree.map(varying, model_state)
 
     def body(carry, xs):
-        acc, state = carry
+        (*sums, amax), state = carry
         mb, i = xs
-        g, loss, aux, state = grads_of(mb, state, micro_key(i))
-        return (jax.tree.map(jnp.add, acc, (g, loss, aux)), state), None
+        g, loss, aux, state, fp8 = grads_of(mb, state, micro_key(i))
+        sums = jax.tree.map(jnp.add, tuple(sums), (g, loss, aux))
+        return ((*sums, fp8_states.max_over_micro_batches(amax, fp8)), state), None
 
-    ((grads, loss, aux), model_state), _ = jax.lax.scan(
+    ((grads, loss, aux, fp8), model_state), _ = jax.lax.scan(
         body, (zeros, model_state), (micro, jnp.arange(grad_accum))
     )
-    return grads, loss / grad_accum, jax.tree.map(lambda a: a / grad_accum, aux), model_state
+    aux = jax.tree.map(lambda a: a / grad_accum, aux)
+    return grads, loss / grad_accum, aux, model_state, fp8
 
 
 def _is_hole(x) -> bool:
