@@ -34,6 +34,7 @@ import tempfile
 import threading
 
 from zeroflow.backend import accelerators
+from zeroflow.memory import hlo
 from zeroflow.util import xla_log
 
 # Re-exported: the environment is set before jax starts (zeroflow.util.xla_log).
@@ -97,16 +98,12 @@ def loop_trips(hlo_text: str) -> tuple[dict, set]:
     in a compiled module's text."""
     trips, unknown = {}, set()
     for line in hlo_text.splitlines():
-        if " while(" not in line:
-            continue
-        body = re.search(r"body=%?([\w.\-]+)", line)
-        if body is None:
-            continue
+        body = re.search(r" while\(.*\bbody=%?([\w.\-]+)", line)
         n = re.search(r'known_trip_count"?:\{"n":"(\d+)"', line)
-        if n is None:
-            unknown.add(body.group(1))
-        else:
-            trips[body.group(1)] = int(n.group(1))
+        if body and n:
+            trips[body[1]] = int(n[1])
+        elif body:
+            unknown.add(body[1])
     return trips, unknown
 
 
@@ -118,36 +115,29 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
     flops, at the time per flop XLA's model gave the program's costed loops (the same layers'
     matmuls: a stage-2 forward loop beside its costed backward loop), or at the peak where no
     loop is costed (a lower bound); it stays listed in ``uncosted``."""
-    stats = {}
+    stats = {}  # by computation: the last block printed for it
     for block in log_text.split(_BLOCK)[1:]:
         block = block.split("Statistics before scheduling")[0]
         name = re.search(r"For computation: ([^,\s]+)", block)
-        if name is None:
-            continue
-        values = dict(_STAT.findall(block))
-        wasted = {
-            k.removeprefix("Wasted cycles for "): float(v)
-            for k, v in values.items()
-            if k.startswith("Wasted cycles for ")
-        }
-        stats[name.group(1)] = (float(values.get("Total cycles", 0.0)), wasted)
+        if name is not None:
+            values = {k: float(v) for k, v in _STAT.findall(block)}
+            prefix = "Wasted cycles for "
+            wasted = {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
+            stats[name[1]] = (values.get("Total cycles", 0.0), wasted)
+    bodies = computations_of(hlo_text)
+    runs = hlo.runs(bodies, hlo.entry(hlo_text))
+    comps = [
+        Computation(name, runs.get(name, 1), total, {k: v for k, v in wasted.items() if v})
+        for name, (total, wasted) in stats.items()
+    ]
     trips, unknown = loop_trips(hlo_text)
-    outer = _enclosing_loops(hlo_text, set(trips) | unknown)
-    comps = []
-    for comp_name, (total, wasted) in stats.items():
-        count = 1
-        for body in [comp_name, *outer.get(comp_name, ())]:
-            count *= trips.get(body, 1)
-        comps.append(Computation(comp_name, count, total, {k: v for k, v in wasted.items() if v}))
-    uncosted = tuple(sorted(b for b in set(trips) | unknown if b not in stats))
+    uncosted = tuple(sorted((set(trips) | unknown) - {c.name for c in comps}))
     if peak_flops and uncosted:
-        comps += _cost_by_flops(
-            uncosted, comps, computations_of(hlo_text), trips, outer, peak_flops
-        )
+        comps += _cost_by_flops(uncosted, comps, bodies, trips, runs, peak_flops)
     return StepTime(tuple(comps), uncosted)
 
 
-def _cost_by_flops(uncosted, costed, bodies, trips, outer, peak_flops) -> list:
+def _cost_by_flops(uncosted, costed, bodies, trips, runs, peak_flops) -> list:
     """Uncosted loops at their matmul flops, at the microseconds per flop XLA's model gave the
     costed loops of the same program (the same layers' matmuls, 'scaled-flops'), else at the
     GPU's dense peak ('peak-flops', a lower bound)."""
@@ -158,13 +148,10 @@ def _cost_by_flops(uncosted, costed, bodies, trips, outer, peak_flops) -> list:
     ]
     us, flops = sum(u for u, f in loops if f), sum(f for _, f in loops)
     per_flop, how = (us / flops, "scaled-flops") if flops else (1e6 / peak_flops, "peak-flops")
-    out = []
-    for name in uncosted:
-        count = 1
-        for body in [name, *outer.get(name, ())]:
-            count *= trips.get(body, 1)
-        out.append(Computation(name, count, gemm_flops(bodies, name) * per_flop, {}, how))
-    return out
+    return [
+        Computation(name, runs.get(name, 1), gemm_flops(bodies, name) * per_flop, {}, how)
+        for name in uncosted
+    ]
 
 
 _DEFINED = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = [\w]+\[([\d,]*)\]")
@@ -173,16 +160,7 @@ _CALLED = re.compile(r"calls=\{?([%\w.\-, ]+)\}?")
 
 def computations_of(hlo_text: str) -> dict:
     """``{computation name: its lines}`` of a module's text."""
-    out: dict[str, list[str]] = {}
-    name: str | None = None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            name = head.group(1)
-            out[name] = []
-        elif name is not None:
-            out[name].append(line)
-    return out
+    return hlo.computations(hlo_text)
 
 
 def gemm_flops(bodies: dict, name: str) -> float:
@@ -223,27 +201,6 @@ def _dot_flops(line: str, shapes: dict) -> float:
         return 0.0
     contracted = math.prod(shapes[lhs.group(1)][int(d)] for d in dims.group(1).split(",") if d)
     return 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * contracted
-
-
-def _enclosing_loops(hlo_text: str, bodies: set) -> dict:
-    """For each loop body, the loop bodies that (transitively) contain its ``while``."""
-    parent, current = {}, None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            current = head.group(1)
-        elif " while(" in line and current is not None:
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            if body is not None and current in bodies:
-                parent[body.group(1)] = current
-    out = {}
-    for body in bodies:
-        chain, seen = [], body
-        while seen in parent and parent[seen] not in chain:
-            seen = parent[seen]
-            chain.append(seen)
-        out[body] = tuple(chain)
-    return out
 
 
 @contextlib.contextmanager

@@ -47,14 +47,18 @@ class Walk(NamedTuple):
     "The operation at the peak (its path through calls and loops)."
 
 
+def itemsize(dtype) -> int:
+    """Bytes per element, also of a PRNG key array (its key data's)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return math.prod(data.shape) * data.dtype.itemsize
+    return np.dtype(dtype).itemsize
+
+
 def aval_bytes(aval) -> int:
     """Whole bytes of a value of abstract type ``aval`` (0 for tokens and the like)."""
     shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
-    if shape is None or dtype is None:
-        return 0
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return math.prod(shape) * 8  # a threefry key's two uint32 words
-    return math.prod(shape) * np.dtype(dtype).itemsize
+    return 0 if shape is None or dtype is None else math.prod(shape) * itemsize(dtype)
 
 
 def sharding_share(sharding, shape: Sequence[int]) -> float:
