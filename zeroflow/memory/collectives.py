@@ -79,46 +79,33 @@ def collectives(compiled, hosts: Sequence[int] | None = None) -> list[Collective
     }
 
     def make(kind, name, line, asynchronous, between, comp):
-        within, cross = _host_bytes(kind, line, hosts)
+        size = _bytes(kind, line, types[comp])
+        where = (comp in looped, comp, runs.get(comp, 1))
         return Collective(
-            kind,
-            name,
-            _bytes(kind, line, types[comp]),
-            asynchronous,
-            between,
-            comp in looped,
-            comp,
-            runs.get(comp, 1),
-            within,
-            cross,
+            kind, name, size, asynchronous, between, *where, *_host_bytes(kind, line, hosts)
         )
 
-    found = []
-    for comp, lines in computations.items():
-        parsed = [m for m in (_INSTRUCTION.match(line) for line in lines)]
+    found = []  # (computation's position, line's position, collective)
+    for k, (comp, lines) in enumerate(computations.items()):
         starts = {}
-        for i, m in enumerate(parsed):
-            if m is None:
+        for i, line in enumerate(lines):
+            m = _INSTRUCTION.match(line)
+            kind = m and _kind(m["op"], line)
+            if not kind:
                 continue
-            op = m["op"]
-            kind = _kind(op, lines[i])
-            if kind is None:
-                continue
-            if op.endswith("-start") or op == "async-start":
-                starts[m["name"]] = (i, kind, '"is_sync":true' in lines[i])
-            elif op.endswith("-done") or op == "async-done":
+            if m["op"].endswith("-start"):
+                starts[m["name"]] = (i, kind, '"is_sync":true' in line)
+            elif m["op"].endswith("-done"):
                 first = m["args"].split(",")[0].strip().lstrip("%")
-                if first not in starts:
-                    continue
-                j, kind, sync = starts.pop(first)
-                between = sum(1 for line in lines[j + 1 : i] if _COMPUTE.search(line))
-                found.append((j, make(kind, first, lines[j], not sync, between, comp)))
+                if first in starts:
+                    j, kind, sync = starts.pop(first)
+                    between = sum(1 for x in lines[j + 1 : i] if _COMPUTE.search(x))
+                    found.append((k, j, make(kind, first, lines[j], not sync, between, comp)))
             else:  # in line (XLA:CPU, or a GPU collective left synchronous)
-                found.append((i, make(kind, m["name"], lines[i], False, 0, comp)))
+                found.append((k, i, make(kind, m["name"], line, False, 0, comp)))
         for name, (j, kind, _) in starts.items():  # a start without a done (not expected)
-            found.append((j, make(kind, name, lines[j], False, 0, comp)))
-    order = {c: k for k, c in enumerate(computations)}
-    return [c for _, c in sorted(found, key=lambda p: (order[p[1].computation], p[0]))]
+            found.append((k, j, make(kind, name, lines[j], False, 0, comp)))
+    return [c for _, _, c in sorted(found, key=lambda f: f[:2])]
 
 
 def overlap(
@@ -192,25 +179,15 @@ def _host_bytes(kind: str, line: str, hosts) -> tuple[int | None, int | None]:
         pairs = hlo.permute_pairs(line)
         if pairs is None:
             return None, None
-        within = cross = 0
-        for src, dst in pairs:
-            if hosts[src] != hosts[dst]:
-                cross = total
-            else:
-                within = total
-        return within, cross
+        same = [hosts[src] == hosts[dst] for src, dst in pairs]
+        return (total if any(same) else 0), (total if not all(same) else 0)
     groups = hlo.groups_of(line, len(hosts))
     if groups is None:
         return None, None
     within = cross = 0
     for group in groups:
         size = len(group)
-        piece = {
-            "all-gather": total / size,
-            "reduce-scatter": total,
-            "all-reduce": 2 * total / size,
-            "all-to-all": total / size,
-        }[kind]
+        piece = {"reduce-scatter": total, "all-reduce": 2 * total / size}.get(kind, total / size)
         for d in group:
             here = sum(1 for p in group if hosts[p] == hosts[d]) - 1
             within = max(within, int(piece * here))
