@@ -1,24 +1,12 @@
 """XLA:GPU's own estimate of a step's time, read from its latency-hiding scheduler.
 
-When XLA:GPU schedules a program it models every instruction's time on the target GPU (an
-analytical cost model: no autotuning, nothing runs) and, with verbose logging of
-``latency_hiding_scheduler`` on, prints per scheduled computation ("For computation: NAME"):
-"Total cycles" (microseconds in its model) and "Wasted cycles" per collective kind (time the
-schedule waits for a collective with nothing to overlap it). A ``while`` body (a ``lax.scan``)
-is its own computation and runs its trip count times, so the step's estimate is the entry
-computation's plus each loop body's times its trip count (``known_trip_count`` in the HLO).
-
-What it is not: a measurement. It is the scheduler's model of the target (H100 figures for an
-H100 target), useful to compare two programs for the same target side by side; kernel choices
-that autotuning would make on a real GPU are not in it. A computation with no asynchronous
-collective prints no statistics: those loops (a stage 0-2 forward pass, an optimizer update
-walked slice by slice) are listed in ``uncosted``; ``parse(..., peak_flops=...)`` costs them
-from their matmul flops (see there), otherwise they are left out of ``step_us``.
-
-The logging has to be on before JAX starts (it is read when XLA's logging initialises):
-``enable()`` sets it in ``os.environ`` for a process about to start, and the memory CLI starts
-itself again with it when asked for a target. ``capture()`` then collects what one compile
-prints, keeping it off the terminal.
+With verbose logging of ``latency_hiding_scheduler`` on, XLA:GPU prints per scheduled
+computation the "Total cycles" of its cost model (microseconds; nothing runs) and the "Wasted
+cycles" per collective kind (waits with nothing to overlap them); a ``while`` body runs its trip
+count times. An estimate for comparing programs for one target, not a measurement: see
+docs/gpu_compile.md ("Estimated step time") for what it leaves out (``uncosted`` loops). The
+logging has to be on before jax starts: ``enable()`` sets it for a process about to start;
+``capture()`` collects what one compile prints, keeping it off the terminal.
 """
 
 from __future__ import annotations
@@ -26,12 +14,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
 import sys
 import tempfile
 import threading
+import types
 
 from zeroflow.backend import accelerators
 from zeroflow.memory import hlo
@@ -154,8 +144,8 @@ def _cost_by_flops(uncosted, costed, bodies, trips, runs, peak_flops) -> list:
     ]
 
 
-_DEFINED = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = [\w]+\[([\d,]*)\]")
 _CALLED = re.compile(r"calls=\{?([%\w.\-, ]+)\}?")
+_DOT = re.compile(r" dot\(%([\w.\-]+).*lhs_contracting_dims=\{([\d,]*)\}")
 
 
 def computations_of(hlo_text: str) -> dict:
@@ -166,41 +156,23 @@ def computations_of(hlo_text: str) -> dict:
 def gemm_flops(bodies: dict, name: str) -> float:
     """Matmul flops of one run of computation ``name`` and of the fusions it calls (not of
     loops inside it): 2 x output elements x contracted size per ``dot``."""
-    shapes = {}
-    for lines in bodies.values():
-        for line in lines:
-            found = _DEFINED.match(line)
-            if found:
-                shapes[found.group(1)] = [int(d) for d in found.group(2).split(",") if d]
-    memo = {}
+    lines = [m for comp in bodies.values() for m in map(hlo.INSTRUCTION.match, comp) if m]
+    dims = {m["name"]: hlo.type_tree(m["type"]) for m in lines}
+    dims = {k: t[1] for k, t in dims.items() if isinstance(t, tuple)}  # arrays' dimensions
 
-    def of(comp: str, path: tuple) -> float:
-        if comp not in memo:
-            total = 0.0
-            for line in bodies.get(comp, ()):
-                called = _CALLED.search(line)
-                if called:  # each call site runs its computation once
-                    total += sum(
-                        of(c.strip().lstrip("%"), path + (comp,))
-                        for c in called.group(1).split(",")
-                        if c.strip() not in path
-                    )
-                if " dot(" in line:
-                    total += _dot_flops(line, shapes)
-            memo[comp] = total
-        return memo[comp]
+    @functools.cache
+    def of(comp: str) -> float:
+        total = 0.0
+        for line in bodies.get(comp, ()):
+            called, dot, out = _CALLED.search(line), _DOT.search(line), hlo.INSTRUCTION.match(line)
+            if called:  # each call site runs its computation once
+                total += sum(of(c.strip().lstrip("%")) for c in called[1].split(","))
+            if dot and out and dot[1] in dims and out["name"] in dims:
+                contracted = math.prod(dims[dot[1]][int(d)] for d in dot[2].split(",") if d)
+                total += 2.0 * math.prod(dims[out["name"]]) * contracted
+        return total
 
-    return of(name, ())
-
-
-def _dot_flops(line: str, shapes: dict) -> float:
-    out = _DEFINED.match(line)
-    lhs = re.search(r" dot\(%([\w.\-]+)", line)
-    dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-    if not (out and lhs and dims) or lhs.group(1) not in shapes:
-        return 0.0
-    contracted = math.prod(shapes[lhs.group(1)][int(d)] for d in dims.group(1).split(",") if d)
-    return 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * contracted
+    return of(name)
 
 
 @contextlib.contextmanager
@@ -208,7 +180,7 @@ def capture():
     """Collect what XLA prints to the process's stderr (file descriptor 2) inside the block:
     ``with capture() as log: compiled = lowered.compile()``, then ``log.text``. Warnings and
     errors among it are printed again afterwards; XLA's informational lines are dropped."""
-    log = _Captured()
+    log = types.SimpleNamespace(text="")
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
@@ -268,10 +240,6 @@ def drop_info_lines() -> None:
         thread.join(timeout=5)
 
     atexit.register(finish)
-
-
-class _Captured:
-    text = ""
 
 
 NOT_ENABLED = (
