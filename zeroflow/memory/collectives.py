@@ -38,10 +38,7 @@ class Collective:
     name: str
     "The HLO instruction (its start, when asynchronous)."
     bytes: int
-    """Bytes of one device's copy at its largest, summed over the arrays of a combined one: an
-    all-gather's gathered results, a reduce-scatter's inputs (the whole buffers before the
-    scatter), an all-reduce's, all-to-all's or collective-permute's buffers. Read from HLO's
-    types, the same on every jax: an asynchronous start's result is ``(operands, results)``."""
+    "One device's copy at its largest, summed over a combined one's arrays (``_bytes``)."
     asynchronous: bool
     "A start/done pair the scheduler did not mark synchronous."
     compute_between: int

@@ -1,11 +1,8 @@
 """What XLA says a compiled train step needs, and what a state's arrays occupy, per device.
 
-Nothing here allocates model-sized arrays: steps are lowered and compiled ahead of time from
-abstract inputs (``jax.ShapeDtypeStruct`` with shardings), and state bytes are read from
-shardings (``shard_shape``) when the state is abstract.
-
-On the CPU backend ``memory_analysis()`` counts ``pinned_host`` arrays as ordinary arguments,
-so there its numbers do not show what offload saves; ``state_bytes`` splits by memory kind.
+Steps are compiled ahead of time from abstract inputs (``jax.ShapeDtypeStruct`` with
+shardings): nothing model-sized is allocated. XLA:CPU's ``memory_analysis()`` counts
+``pinned_host`` arrays as arguments; ``state_bytes`` splits by memory kind.
 """
 
 from __future__ import annotations
@@ -189,13 +186,6 @@ def compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options):
     return compiled, state, est
 
 
-def _shard_nbytes(leaf) -> tuple[str, int]:
-    sharding = leaf.sharding
-    shape = sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else tuple(leaf.shape)
-    kind = getattr(sharding, "memory_kind", None) or "device"
-    return kind, math.prod(shape) * itemsize(leaf.dtype)
-
-
 def state_bytes(tree) -> dict[str, int]:
     """Bytes one device holds for ``tree``, by memory kind (``{"device": .., "pinned_host": ..}``).
 
@@ -204,6 +194,8 @@ def state_bytes(tree) -> dict[str, int]:
     """
     out: dict[str, int] = defaultdict(int)
     for leaf in jax.tree.leaves(tree):
-        kind, nbytes = _shard_nbytes(leaf)
-        out[kind] += nbytes
+        sharding, shape = leaf.sharding, tuple(leaf.shape)
+        local = sharding.shard_shape(shape) if sharding is not None else shape
+        kind = getattr(sharding, "memory_kind", None) or "device"
+        out[kind] += math.prod(local) * itemsize(leaf.dtype)
     return dict(out)

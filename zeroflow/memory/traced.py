@@ -254,13 +254,7 @@ def _axes(entry) -> tuple:
     return tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
 
 
-class _Program(NamedTuple):
-    invars: list
-    outvars: list
-    eqns: list
-
-
-def _scheduled(jaxpr) -> _Program:
+def _scheduled(jaxpr):
     """``jaxpr``'s operations in the order a scheduler that keeps memory low runs them, as far
     as the walk can tell: one reading only the jaxpr's inputs (a gather of a layer's weights)
     runs just before its first reader rather than where the trace put it."""
@@ -279,7 +273,7 @@ def _scheduled(jaxpr) -> _Program:
             ]
             order.append(eqn)
     order += movable.values()  # read by nothing but the outputs
-    return _Program(list(jaxpr.invars), list(jaxpr.outvars), order)
+    return jaxpr.replace(eqns=order)
 
 
 def _started_in_loop(jaxpr, i: int) -> float:
