@@ -111,22 +111,16 @@ def overlap(
     """Per kind: how many collectives, how many overlap compute, and the share, plus the
     total over ``kinds``."""
     out: dict[str, dict[str, Any]] = {}
-    for kind in kinds:
-        of_kind = [c for c in colls if c.kind == kind]
-        done = sum(c.overlapped for c in of_kind)
+    for kind in (*kinds, "total"):
+        chosen = [c for c in colls if (c.kind in kinds if kind == "total" else c.kind == kind)]
+        done = sum(c.overlapped for c in chosen)
         out[kind] = {
-            "count": len(of_kind),
+            "count": len(chosen),
             "overlapped": done,
-            "fraction": done / len(of_kind) if of_kind else None,
-            "bytes": sum(c.bytes for c in of_kind),
+            "fraction": done / len(chosen) if chosen else None,
         }
-    total = sum(out[k]["count"] for k in kinds)
-    overlapped = sum(out[k]["overlapped"] for k in kinds)
-    out["total"] = {
-        "count": total,
-        "overlapped": overlapped,
-        "fraction": overlapped / total if total else None,
-    }
+        if kind != "total":
+            out[kind]["bytes"] = sum(c.bytes for c in chosen)
     return out
 
 
@@ -197,9 +191,7 @@ def _kind(op: str, line: str) -> str | None:
     if base in KINDS:
         return base
     if op in ("async-start", "async-done"):  # a collective wrapped in an async computation
-        for kind in KINDS:
-            if kind in line:
-                return kind
+        return next((kind for kind in KINDS if kind in line), None)
     return None
 
 
