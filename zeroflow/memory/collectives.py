@@ -87,8 +87,8 @@ def collectives(compiled, hosts: Sequence[int] | None = None) -> list[Collective
         starts = {}
         for i, line in enumerate(lines):
             m = _INSTRUCTION.match(line)
-            kind = m and _kind(m["op"], line)
-            if not kind:
+            kind = _kind(m["op"], line) if m else None
+            if m is None or kind is None:
                 continue
             if m["op"].endswith("-start"):
                 starts[m["name"]] = (i, kind, '"is_sync":true' in line)
