@@ -56,14 +56,10 @@ def estimate_traced(step, state, batch) -> StepEstimate:
     shares = [sharding_share(x.sharding, x.shape) for x in leaves]
     walked = walk(jaxpr, shares, reusable=range(len(state_leaves)), overlap=_on_gpus(leaves))
     kinds = state_bytes(state)
+    batch_shares = shares[len(state_leaves) :]
     return StepEstimate(
         state_bytes=float(kinds.get("device", 0)),
-        batch_bytes=float(
-            sum(
-                aval_bytes(x) * s
-                for x, s in zip(batch_leaves, shares[-len(batch_leaves) :] if batch_leaves else [])
-            )
-        ),
+        batch_bytes=float(sum(aval_bytes(x) * s for x, s in zip(batch_leaves, batch_shares))),
         saved_bytes=walked.saved,
         temporary_bytes=walked.temporary,
         host_bytes=float(kinds.get("pinned_host", 0)),
