@@ -4,6 +4,7 @@ Run as CI does: vulture zeroflow tests scripts experiments .ci/vulture_whitelist
 """
 # ruff: noqa
 from zeroflow.autocast.policy import AutocastPolicy
+from zeroflow.memory.collectives import Collective
 from zeroflow.memory.measure import MeasuredMemory
 
 # Fields read through getattr by name (policy.py's _PRIMITIVE_FIELDS loop over them).
@@ -12,6 +13,7 @@ AutocastPolicy.follow
 
 # Record fields: written into reports and JSON through dataclasses.asdict / NamedTuple._asdict.
 MeasuredMemory.generated_code_bytes
+Collective.computation  # which HLO computation it is scheduled in (zf.memory.collectives)
 _.log_tail  # scripts/benchlib/isolate.py: a case's result, printed by the GPU report
 
 # Attributes third-party objects read: argparse's parser, tokenizers' Tokenizer, jinja2's

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.fast
 
 # the module, not the function zeroflow.memory re-exports under the same name
 collectives = importlib.import_module("zeroflow.memory.collectives")
+hlo = importlib.import_module("zeroflow.memory.hlo")
 
 BF16, F32 = 2, 4
 WEIGHT, BIAS, HEAD = 512 * 512, 512, 512 * 10  # elements of one layer's slice, and the head's
@@ -141,4 +142,4 @@ def test_host_traffic_counts_the_slices_each_peer_needs(text):
     ("(s4[64]{0:E(4)}, f8e4m3fn[8,8]{1,0:T(8,128)}, pred[], token[])", 32 + 64 + 1),
 ])
 def test_type_sizes(type_text, size):
-    assert collectives._size(collectives._type_tree(type_text)) == size
+    assert hlo.size(hlo.type_tree(type_text)) == size

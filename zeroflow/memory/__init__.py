@@ -50,30 +50,17 @@ if TYPE_CHECKING:  # what a type checker and an editor see: the names __getattr_
     from zeroflow.memory.schedule import StepTime as StepTime
     from zeroflow.memory.spec import RunSpec as RunSpec
 
-_WHERE = {
-    "Collective": "zeroflow.memory.collectives",
-    "collectives": "zeroflow.memory.collectives",
-    "overlap": "zeroflow.memory.collectives",
-    "traffic": "zeroflow.memory.collectives",
-    "MemoryEstimate": "zeroflow.memory.estimate",
-    "ModelStates": "zeroflow.memory.estimate",
-    "estimate": "zeroflow.memory.estimate",
-    "format_bytes": "zeroflow.memory.estimate",
-    "hierarchical_copy_bytes": "zeroflow.memory.estimate",
-    "parse_bytes": "zeroflow.memory.estimate",
-    "StepEstimate": "zeroflow.memory.instant",
-    "estimate_step": "zeroflow.memory.instant",
-    "estimate_traced": "zeroflow.memory.instant",
-    "MeasuredMemory": "zeroflow.memory.measure",
-    "compile_step": "zeroflow.memory.measure",
-    "compile_step_timed": "zeroflow.memory.measure",
-    "measure": "zeroflow.memory.measure",
-    "measure_step": "zeroflow.memory.measure",
-    "state_bytes": "zeroflow.memory.measure",
-    "step_time": "zeroflow.memory.measure",
-    "StepTime": "zeroflow.memory.schedule",
-    "RunSpec": "zeroflow.memory.spec",
+_NAMES = {
+    "collectives": "Collective collectives overlap traffic",
+    "estimate": "MemoryEstimate ModelStates estimate format_bytes hierarchical_copy_bytes "
+    "parse_bytes",
+    "instant": "StepEstimate estimate_step estimate_traced",
+    "measure": "MeasuredMemory compile_step compile_step_timed measure measure_step state_bytes "
+    "step_time",
+    "schedule": "StepTime",
+    "spec": "RunSpec",
 }
+_WHERE = {name: f"zeroflow.memory.{m}" for m, names in _NAMES.items() for name in names.split()}
 "Where each public name lives (imported the first time it is read)."
 
 GPT_NAMES = {
@@ -88,36 +75,4 @@ _WHERE.update(GPT_NAMES)
 
 _lazy.install(__name__, _WHERE)
 
-__all__ = [
-    # From parameter counts, no compile
-    "MemoryEstimate",
-    "ModelStates",
-    "RunSpec",
-    "activations",
-    "count_gpt_params",
-    "estimate",
-    "estimate_config",
-    # From the traced step, no compile
-    "StepEstimate",
-    "estimate_step",
-    "estimate_traced",
-    "hierarchical_copy_bytes",
-    "offloaded_activations",
-    # From XLA's compile
-    "MeasuredMemory",
-    "StepTime",
-    "compile_step",
-    "compile_step_timed",
-    "measure",
-    "measure_step",
-    "state_bytes",
-    "step_time",
-    # Collectives in a compiled program
-    "Collective",
-    "collectives",
-    "overlap",
-    "traffic",
-    # Units
-    "format_bytes",
-    "parse_bytes",
-]
+__all__ = sorted(_WHERE)

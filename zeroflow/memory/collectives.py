@@ -1,56 +1,32 @@
 """The collectives of a compiled step, read from its scheduled HLO: what each moves, whether it
 runs asynchronously, and how much compute the scheduler placed between its start and its end.
 
-XLA:GPU turns every all-gather / reduce-scatter / all-reduce into a ``*-start`` / ``*-done``
-pair and, where nothing can run beside it, marks it ``"is_sync":true``. A collective overlaps
-compute when a kernel (a fusion, a custom call such as a GEMM or a Triton kernel) is scheduled
-between its start and its done: that is the overlap FSDP's prefetch aims for, and what
-``collectives(compiled)`` counts. XLA:CPU runs collectives in line (no pairs): there every
-collective is synchronous.
-
-Each collective also says how many bytes one device exchanges with devices of its own host and
-with devices of other hosts (``within_host``, ``cross_host``), read from its replica groups
-(``zeroflow.memory.replica_groups``) and the host of each logical device id
-(``zeroflow.engine.hosts_of``: a compiled program's ids index its mesh's ``devices.flat``).
-The count is that of a direct exchange, in which every member sends each other member the
-piece that member needs: ``bytes / group`` per peer for an all-gather (the gathered result)
-and an all-to-all, the output slice for a reduce-scatter, twice ``bytes / group`` for an
-all-reduce (a reduce-scatter and an all-gather), the whole buffer for a collective-permute
-whose target is on another host. Summed over a device's peers this is the textbook per-device
-volume, ``(group - 1) / group`` of the buffer, split by where the peer is; a ring or tree
-algorithm routes it differently but cannot make the data a device lacks come from nearer.
-``runs`` is how often the step runs it (a while loop's known trip count, nested loops
-multiplied), so ``traffic(colls)`` is per step.
-
-Sizes are read from the HLO types of the instructions, per HLO's semantics, not from how a jax
-version prints them: an asynchronous start (``all-gather-start``, ``reduce-scatter-start``,
-``async-start``) returns ``(operands, results, context...)``, whose operand part prints as one
-array for a single operand on jax 0.10 and as a tuple from 0.11 on; an all-reduce start returns
-its results alone; an in-line collective returns its results, and an in-line reduce-scatter's
-inputs are the types of the operands it names.
+XLA:GPU turns a collective into a ``*-start`` / ``*-done`` pair, marked ``"is_sync":true`` where
+nothing can run beside it; it overlaps compute when a kernel (a fusion, a custom call) is
+scheduled between the two. XLA:CPU runs collectives in line: there every one is synchronous.
+``within_host`` / ``cross_host`` count a direct exchange over the collective's device groups
+(docs/engine.md, "Bytes inside and across hosts"); ``runs`` multiplies a collective inside
+loops by their trip counts, so ``traffic`` is per step. Sizes are read from HLO's types, not
+from how a jax version prints them: an asynchronous start returns ``(operands, results,
+context...)`` (a single operand printed alone on jax 0.10, as a tuple from 0.11 on), an
+all-reduce start and an in-line collective their results.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from zeroflow.engine.hosts import hosts_of
-from zeroflow.memory.replica_groups import groups_of, permute_pairs
+from zeroflow.memory import hlo
+from zeroflow.memory.hlo import INSTRUCTION as _INSTRUCTION
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _COMPUTE = re.compile(
-    r"\s(fusion|custom-call|convolution|dot|triangular-solve|cholesky|while|"
-    r"conditional)\("
+    r"\s(fusion|custom-call|convolution|dot|triangular-solve|cholesky|while|conditional)\("
 )
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
-    r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)"
-)
-_HEADER = re.compile(r"^(ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +38,7 @@ class Collective:
     name: str
     "The HLO instruction (its start, when asynchronous)."
     bytes: int
-    """Bytes of one device's copy at its largest, summed over the arrays of a combined one: an
-    all-gather's gathered results, a reduce-scatter's inputs (the whole buffers before the
-    scatter), an all-reduce's, all-to-all's or collective-permute's buffers. Read from HLO's
-    types, the same on every jax: an asynchronous start's result is ``(operands, results)``."""
+    "One device's copy at its largest, summed over a combined one's arrays (``_bytes``)."
     asynchronous: bool
     "A start/done pair the scheduler did not mark synchronous."
     compute_between: int
@@ -94,52 +67,42 @@ def collectives(compiled, hosts: Sequence[int] | None = None) -> list[Collective
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     if hosts is None and not isinstance(compiled, str):
         hosts = _hosts_of_inputs(compiled)
-    computations = _computations(text)
-    looped = _loop_bodies(computations)
-    runs = _runs(computations, _entry(text))
-    types = {comp: _result_types(lines) for comp, lines in computations.items()}
+    computations = hlo.computations(text)
+    looped = hlo.loop_bodies(computations)
+    runs = hlo.runs(computations, hlo.entry(text))
+    types = {
+        comp: {m["name"]: m["type"] for m in map(_INSTRUCTION.match, lines) if m}
+        for comp, lines in computations.items()
+    }
 
     def make(kind, name, line, asynchronous, between, comp):
-        within, cross = _host_bytes(kind, line, hosts)
+        size = _bytes(kind, line, types[comp])
+        where = (comp in looped, comp, runs.get(comp, 1))
         return Collective(
-            kind,
-            name,
-            _bytes(kind, line, types[comp]),
-            asynchronous,
-            between,
-            comp in looped,
-            comp,
-            runs.get(comp, 1),
-            within,
-            cross,
+            kind, name, size, asynchronous, between, *where, *_host_bytes(kind, line, hosts)
         )
 
-    found = []
-    for comp, lines in computations.items():
-        parsed = [m for m in (_INSTRUCTION.match(line) for line in lines)]
+    found = []  # (computation's position, line's position, collective)
+    for k, (comp, lines) in enumerate(computations.items()):
         starts = {}
-        for i, m in enumerate(parsed):
-            if m is None:
+        for i, line in enumerate(lines):
+            m = _INSTRUCTION.match(line)
+            kind = _kind(m["op"], line) if m else None
+            if m is None or kind is None:
                 continue
-            op = m["op"]
-            kind = _kind(op, lines[i])
-            if kind is None:
-                continue
-            if op.endswith("-start") or op == "async-start":
-                starts[m["name"]] = (i, kind, '"is_sync":true' in lines[i])
-            elif op.endswith("-done") or op == "async-done":
+            if m["op"].endswith("-start"):
+                starts[m["name"]] = (i, kind, '"is_sync":true' in line)
+            elif m["op"].endswith("-done"):
                 first = m["args"].split(",")[0].strip().lstrip("%")
-                if first not in starts:
-                    continue
-                j, kind, sync = starts.pop(first)
-                between = sum(1 for line in lines[j + 1 : i] if _COMPUTE.search(line))
-                found.append((j, make(kind, first, lines[j], not sync, between, comp)))
+                if first in starts:
+                    j, kind, sync = starts.pop(first)
+                    between = sum(1 for x in lines[j + 1 : i] if _COMPUTE.search(x))
+                    found.append((k, j, make(kind, first, lines[j], not sync, between, comp)))
             else:  # in line (XLA:CPU, or a GPU collective left synchronous)
-                found.append((i, make(kind, m["name"], lines[i], False, 0, comp)))
+                found.append((k, i, make(kind, m["name"], line, False, 0, comp)))
         for name, (j, kind, _) in starts.items():  # a start without a done (not expected)
-            found.append((j, make(kind, name, lines[j], False, 0, comp)))
-    order = {c: k for k, c in enumerate(computations)}
-    return [c for _, c in sorted(found, key=lambda p: (order[p[1].computation], p[0]))]
+            found.append((k, j, make(kind, name, lines[j], False, 0, comp)))
+    return [c for _, _, c in sorted(found, key=lambda f: f[:2])]
 
 
 def overlap(
@@ -148,22 +111,16 @@ def overlap(
     """Per kind: how many collectives, how many overlap compute, and the share, plus the
     total over ``kinds``."""
     out: dict[str, dict[str, Any]] = {}
-    for kind in kinds:
-        of_kind = [c for c in colls if c.kind == kind]
-        done = sum(c.overlapped for c in of_kind)
+    for kind in (*kinds, "total"):
+        chosen = [c for c in colls if (c.kind in kinds if kind == "total" else c.kind == kind)]
+        done = sum(c.overlapped for c in chosen)
         out[kind] = {
-            "count": len(of_kind),
+            "count": len(chosen),
             "overlapped": done,
-            "fraction": done / len(of_kind) if of_kind else None,
-            "bytes": sum(c.bytes for c in of_kind),
+            "fraction": done / len(chosen) if chosen else None,
         }
-    total = sum(out[k]["count"] for k in kinds)
-    overlapped = sum(out[k]["overlapped"] for k in kinds)
-    out["total"] = {
-        "count": total,
-        "overlapped": overlapped,
-        "fraction": overlapped / total if total else None,
-    }
+        if kind != "total":
+            out[kind]["bytes"] = sum(c.bytes for c in chosen)
     return out
 
 
@@ -208,30 +165,20 @@ def _host_bytes(kind: str, line: str, hosts) -> tuple[int | None, int | None]:
     doc); ``(None, None)`` when the hosts or the groups are unknown."""
     if hosts is None:
         return None, None
-    total = _payload(kind, line)
+    total = hlo.size(_results(line))
     if kind == "collective-permute":
-        pairs = permute_pairs(line)
+        pairs = hlo.permute_pairs(line)
         if pairs is None:
             return None, None
-        within = cross = 0
-        for src, dst in pairs:
-            if hosts[src] != hosts[dst]:
-                cross = total
-            else:
-                within = total
-        return within, cross
-    groups = groups_of(line, len(hosts))
+        same = [hosts[src] == hosts[dst] for src, dst in pairs]
+        return (total if any(same) else 0), (total if not all(same) else 0)
+    groups = hlo.groups_of(line, len(hosts))
     if groups is None:
         return None, None
     within = cross = 0
     for group in groups:
         size = len(group)
-        piece = {
-            "all-gather": total / size,
-            "reduce-scatter": total,
-            "all-reduce": 2 * total / size,
-            "all-to-all": total / size,
-        }[kind]
+        piece = {"reduce-scatter": total, "all-reduce": 2 * total / size}.get(kind, total / size)
         for d in group:
             here = sum(1 for p in group if hosts[p] == hosts[d]) - 1
             within = max(within, int(piece * here))
@@ -239,54 +186,12 @@ def _host_bytes(kind: str, line: str, hosts) -> tuple[int | None, int | None]:
     return within, cross
 
 
-def _payload(kind: str, line: str) -> int:
-    """Bytes of the collective's results on one device (all results of a combined one): the
-    gathered arrays, the reduce-scattered slices, the reduced or exchanged buffers."""
-    return _size(_results(line))
-
-
-def _entry(text: str) -> str | None:
-    for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header and header[1]:
-            return header["name"]
-    return None
-
-
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _runs(computations: dict[str, list[str]], entry: str | None) -> dict[str, int]:
-    """How many times one run of ``entry`` runs each computation: a while body its loop's known
-    trip count times its caller's (1 when the count is unknown); other callees as their caller."""
-    runs: dict[str, int] = {}
-    todo = [(entry, 1)] if entry in computations else []
-    while todo:
-        name, times = todo.pop()
-        if runs.get(name, 0) >= times:
-            continue
-        runs[name] = times
-        for line in computations.get(name, ()):
-            trips = _TRIPS.search(line)
-            for callee in re.findall(r"\bbody=%([\w.\-]+)", line):
-                todo.append((callee, times * (int(trips[1]) if trips else 1)))
-            for callee in re.findall(
-                r"(?:calls|to_apply|condition|branch_computations)=\{?%"
-                r"([\w.\-]+)",
-                line,
-            ):
-                todo.append((callee, times))
-    return runs
-
-
 def _kind(op: str, line: str) -> str | None:
     base = op.removesuffix("-start").removesuffix("-done")
     if base in KINDS:
         return base
     if op in ("async-start", "async-done"):  # a collective wrapped in an async computation
-        for kind in KINDS:
-            if kind in line:
-                return kind
+        return next((kind for kind in KINDS if kind in line), None)
     return None
 
 
@@ -297,18 +202,18 @@ def _bytes(kind: str, line: str, types: dict[str, str]) -> int:
     ``types``: the result type of each instruction of the computation, by name (an in-line
     reduce-scatter names its operands without their shapes)."""
     if kind != "reduce-scatter":
-        return _size(_results(line))
+        return hlo.size(_results(line))
     op = _INSTRUCTION.match(line)
     if op and _is_async_start(op["op"]):
-        return _size(_part(_type_tree(op["type"]), 0))
+        return hlo.size(_part(hlo.type_tree(op["type"]), 0))
     args = op["args"] if op else ""
     if "[" in args:  # operands printed with their types
-        return _size(_type_tree(args))
+        return hlo.size(hlo.type_tree(args))
     names = re.findall(r"%([\w.\-]+)", args)
     if names and all(n in types for n in names):
-        return _size([_type_tree(types[n]) for n in names])
-    group = max((len(g) for g in groups_of(line, 0) or ()), default=1)
-    return _size(_results(line)) * max(group, 1)  # an input is its slice times the group
+        return hlo.size([hlo.type_tree(types[n]) for n in names])
+    group = max((len(g) for g in hlo.groups_of(line, 0) or ()), default=1)
+    return hlo.size(_results(line)) * max(group, 1)  # an input is its slice times the group
 
 
 def _is_async_start(op: str) -> bool:
@@ -325,87 +230,10 @@ def _results(line: str) -> Any:
     op = _INSTRUCTION.match(line)
     if op is None:
         return []
-    tree = _type_tree(op["type"])
+    tree = hlo.type_tree(op["type"])
     return _part(tree, 1) if _is_async_start(op["op"]) else tree
 
 
 def _part(tree: Any, index: int) -> Any:
     """Element ``index`` of a tuple type; the whole type when it is not a tuple of that many."""
     return tree[index] if isinstance(tree, list) and len(tree) > index else tree
-
-
-_COMMENT = re.compile(r"/\*.*?\*/")
-_TYPE_TOKEN = re.compile(
-    r"(?P<open>\()|(?P<close>\))|(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?"
-)
-
-
-def _type_tree(text: str) -> Any:
-    """An HLO type as a tree: ``(dtype, dims)`` for an array, a list for a tuple. Layouts
-    (``{1,0:T(8,128)}``) and index comments (``/*index=5*/``) are skipped."""
-    stack: list[list] = [[]]
-    for m in _TYPE_TOKEN.finditer(_COMMENT.sub("", text)):
-        if m["open"]:
-            stack.append([])
-        elif m["close"]:
-            if len(stack) > 1:
-                done = stack.pop()
-                stack[-1].append(done)
-        else:  # dynamic dims print as <=n: their bound
-            stack[-1].append((m["dtype"], tuple(int(d) for d in re.findall(r"\d+", m["dims"]))))
-    while len(stack) > 1:  # an unclosed tuple (a cut line)
-        done = stack.pop()
-        stack[-1].append(done)
-    top = stack[0]
-    return top[0] if len(top) == 1 else top
-
-
-def _size(tree: Any) -> int:
-    """Bytes of every array in a type tree (f8 one byte, s4 half a byte, token none)."""
-    if isinstance(tree, list):
-        return sum(_size(t) for t in tree)
-    dtype, dims = tree
-    bits = 8 if dtype == "pred" else int(m[1]) if (m := re.match(r"[a-z]+(\d+)", dtype)) else 0
-    return int(math.prod(dims) * bits // 8)
-
-
-def _result_types(lines: Sequence[str]) -> dict[str, str]:
-    """The result type of each instruction of a computation, by name."""
-    return {m["name"]: m["type"] for m in map(_INSTRUCTION.match, lines) if m}
-
-
-def _computations(text: str) -> dict[str, list[str]]:
-    comps: dict[str, list[str]] = {}
-    current: str | None = None
-    for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = header["name"]
-            comps[current] = []
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    return comps
-
-
-def _loop_bodies(computations: dict[str, list[str]]) -> set[str]:
-    """Computations run inside a while loop: loop bodies and everything they call."""
-    calls = {
-        name: set(re.findall(r"(?:body|calls|to_apply|condition)=%([\w.\-]+)", "\n".join(lines)))
-        for name, lines in computations.items()
-    }
-    bodies = {
-        b
-        for lines in computations.values()
-        for line in lines
-        for b in re.findall(r"\bbody=%([\w.\-]+)", line)
-    }
-    inside, todo = set(), list(bodies)
-    while todo:
-        name = todo.pop()
-        if name in inside:
-            continue
-        inside.add(name)
-        todo += calls.get(name, ())
-    return inside

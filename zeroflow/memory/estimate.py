@@ -1,27 +1,11 @@
 """Analytic memory per device (and per host process) for ZeRO stages, offload and remat.
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3.1): with
-mixed-precision Adam every parameter costs 2 bytes of compute weights, 2 bytes of gradients and
-K = 12 bytes of fp32 master weights + two fp32 moments. Stage 1 divides the 12 by the number of
-data-parallel devices N, stage 2 also the gradients, stage 3 also the compute weights:
-
-    stage 0: (2 + 2 + 12) P      stage 2: 2 P + (2 + 12) P / N
-    stage 1: (2 + 2) P + 12 P / N    stage 3: (2 + 2 + 12) P / N
-
-fp32 training keeps one fp32 copy of the weights, shared by compute and optimizer, so 4 + 4
-(gradients) + 8 (moments) = 16 bytes per parameter at stage 0. At stages 1 and 2 the shared
-copy is stored sharded and gathered whole for the forward/backward pass, so the gathered 4 P
-counts as compute weights and the stored 4 P / N as master; at stage 3 compute and storage
-share one sharded layout again (4 P / N).
-
-A frozen parameter (``frozen_params``; ``zf.init_train_state(trainable=...)``) costs only its
-stored bytes, b P_f at stages 0-2 and b P_f / N at stage 3, no gradient, master or optimizer
-state: b is the compute dtype's width (2 for bf16), or, for a base ``zf.quantize_frozen``
-stores in 4 or 8 bits, its packed bytes per parameter (``frozen_bytes_per_param``: about 0.52
-for NF4, 1.06 for int8).
-
-A run's parameters as the model makes them (``zeroflow.memory.spec.RunSpec``) give these
-counts; the GPT's activation formula is ``zeroflow.models.spec.activations`` (docs/memory.md).
+mixed-precision Adam every parameter costs 2 bytes of compute weights, 2 of gradients and
+K = 12 of fp32 master weights + two moments; stage 1 divides the 12 by the N data-parallel
+devices, stage 2 also the gradients, stage 3 also the compute weights. fp32 training, frozen
+parameters, quantized bases and offload are in docs/memory.md ("Model states"). A run's
+parameters as the model makes them (``zeroflow.memory.spec.RunSpec``) give these counts.
 """
 
 from __future__ import annotations
@@ -155,48 +139,34 @@ def estimate(
     compute dtype's (a quantized base: ``RunSpec.frozen_bytes_per_param``).
     """
     n = _check_inputs(num_params, num_devices, stage, offload, update_on, activation_bytes)
-    per_process = (
-        min(n, 8)
-        if devices_per_process is None
-        else _check_int("devices_per_process", devices_per_process, 1)
-    )
     name = precision_name(precision)
-    grad_width = (
-        DTYPE_BYTES[name]
-        if gradient_bytes is None
-        else _check_int("gradient_bytes", gradient_bytes, 1)
-    )
-    p = float(num_params)
-    if (
-        isinstance(frozen_params, bool)
-        or not isinstance(frozen_params, (int, float))
-        or not (0 <= frozen_params <= p)
+    p, width = float(num_params), DTYPE_BYTES[name]
+    if isinstance(frozen_params, bool) or not (
+        isinstance(frozen_params, (int, float)) and 0 <= frozen_params <= p
     ):
         raise ValueError(
             f"frozen_params must be a number in [0, num_params={num_params}], got {frozen_params!r}"
         )
-    frozen_width = float(
-        DTYPE_BYTES[name] if frozen_bytes_per_param is None else frozen_bytes_per_param
-    )
+    frozen_width = float(width if frozen_bytes_per_param is None else frozen_bytes_per_param)
     if not frozen_width > 0:
         raise ValueError(f"frozen_bytes_per_param must be > 0, got {frozen_bytes_per_param!r}")
-    # The plan's own reading of the choices (a planning mesh: nothing but the sizes is needed).
-    plan = ZeroPlan(planning_mesh(n), stage=stage, offload=offload, update_on=update_on)
-    states = _model_states(
-        plan, name, p, float(frozen_params), grad_width, optimizer_bytes, frozen_width
-    )
-    resident = (
-        p
-        if resident_params is None
-        else min(float(_check_int("resident_params", resident_params, 0)), p)
-    )
     return _memory_estimate(
-        plan,
-        states,
-        name=name,
-        params=p,
-        resident=resident,
-        per_process=per_process,
+        # The plan's own reading of the choices (a planning mesh: nothing but the sizes counts).
+        ZeroPlan(planning_mesh(n), stage=stage, offload=offload, update_on=update_on),
+        name,
+        p,
+        float(frozen_params),
+        grad_width=width
+        if gradient_bytes is None
+        else _check_int("gradient_bytes", gradient_bytes, 1),
+        optimizer_bytes=optimizer_bytes,
+        frozen_width=frozen_width,
+        resident=p
+        if resident_params is None
+        else min(float(_check_int("resident_params", resident_params, 0)), p),
+        per_process=min(n, 8)
+        if devices_per_process is None
+        else _check_int("devices_per_process", devices_per_process, 1),
         activation_bytes=float(activation_bytes),
         remat=remat,
     )
@@ -221,119 +191,70 @@ def _check_inputs(num_params, num_devices, stage, offload, update_on, activation
     return n
 
 
-@dataclasses.dataclass(frozen=True)
-class _StateBytes:
-    """Per-device bytes of each model state under one plan, wherever it is kept."""
-
-    compute: float
-    "Compute weights, frozen ones included, on the device during forward/backward."
-    frozen: float
-    "Frozen weights: stored as used, no master, gradient or moments."
-    master: float
-    grads: float
-    opt: float
-    trained_weights: float
-    "The trained weights' compute copy (0 where fp32 gathers it from the master each step)."
-    stored_weights: float
-    "Compute-dtype weights kept between steps."
-    host_compute: float
-    "Compute weights kept in host memory."
-
-
-def _model_states(
+def _memory_estimate(
     plan: ZeroPlan,
     name: str,
     p: float,
     f: float,
-    grad_width: int,
-    optimizer_bytes: float,
-    frozen_width: float,
-) -> _StateBytes:
-    """The ZeRO paper's accounting of ``p`` parameters (``f`` of them frozen, ``frozen_width``
-    bytes each) in precision ``name`` under ``plan``."""
-    n, width, trained = plan.data_size, DTYPE_BYTES[name], p - f
-
-    def split(sharded: bool) -> float:
-        return 1.0 / n if sharded else 1.0
-
-    # Stored as used (a quantized one dequantized inside the step, a layer at a time): no
-    # master, gradient or moments.
-    frozen = frozen_width * f * split(plan.shards_compute)
-    # On the device during forward/backward.
-    compute = width * trained * split(plan.shards_compute) + frozen
-    # fp32: one copy serves compute and optimizer. Where storage and compute layouts agree
-    # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
-    # gathered from the sharded master for each step and dropped after it.
-    shared = name == "fp32" and plan.shards_storage == plan.shards_compute
-    gathered = name == "fp32" and plan.gathers_whole_weights
-    master = 0.0 if shared else 4 * trained * split(plan.shards_storage)
-    trained_weights = 0.0 if gathered else compute - frozen
-    # zeroflow keeps no compute copy at stage 3 (ZeroPlan.keeps_compute_copy): each use casts
-    # the master's shard as it gathers it. The paper's accounting (``device``) keeps its copy.
-    cast_on_use = width < 4 and not plan.keeps_compute_copy(DTYPES[name])
-    with_params = plan.offloads_params
-    return _StateBytes(
-        compute=compute,
-        frozen=frozen,
-        master=master,
-        grads=grad_width * trained * split(plan.shards_grads),
-        opt=optimizer_bytes * trained * split(plan.shards_storage),
-        trained_weights=trained_weights,
-        stored_weights=(0.0 if cast_on_use else trained_weights) + frozen,  # kept between steps
-        host_compute=(
-            (trained_weights if (with_params or (shared and plan.offloads)) else 0.0)
-            + (frozen if with_params else 0.0)
-        ),
-    )
-
-
-def _memory_estimate(
-    plan: ZeroPlan,
-    states: _StateBytes,
     *,
-    name: str,
-    params: float,
+    grad_width,
+    optimizer_bytes,
+    frozen_width,
     resident: float,
     per_process: int,
     activation_bytes: float,
     remat: str | None,
 ) -> MemoryEstimate:
-    """``states`` placed on the device and the host as ``plan`` keeps them, during forward and
-    backward, during the update and between steps."""
-    s, offloaded = states, plan.offloads
+    """The ZeRO paper's accounting of ``p`` parameters (``f`` of them frozen, ``frozen_width``
+    bytes each) in precision ``name``, placed on the device and the host as ``plan`` keeps them:
+    during forward and backward, during the update and between steps."""
+    n, width, trained, offloaded = plan.data_size, DTYPE_BYTES[name], p - f, plan.offloads
+    split = lambda sharded: 1.0 / n if sharded else 1.0  # noqa: E731
+    # Frozen: stored as used (a quantized one dequantized inside the step, a layer at a time).
+    frozen = frozen_width * f * split(plan.shards_compute)
+    compute = width * trained * split(plan.shards_compute) + frozen  # during forward/backward
+    # fp32: one copy serves compute and optimizer. Where storage and compute layouts agree
+    # (stages 0 and 3) that copy is the master itself; at stages 1 and 2 the compute copy is
+    # gathered from the sharded master for each step and dropped after it.
+    shared = name == "fp32" and plan.shards_storage == plan.shards_compute
+    master = 0.0 if shared else 4 * trained * split(plan.shards_storage)
+    grads = grad_width * trained * split(plan.shards_grads)
+    opt = optimizer_bytes * trained * split(plan.shards_storage)
+    trained_weights = 0.0 if name == "fp32" and plan.gathers_whole_weights else compute - frozen
+    # zeroflow keeps no compute copy at stage 3 (ZeroPlan.keeps_compute_copy): each use casts
+    # the master's shard as it gathers it. The paper's accounting (``device``) keeps its copy.
+    cast_on_use = width < 4 and not plan.keeps_compute_copy(DTYPES[name])
+    stored = (0.0 if cast_on_use else trained_weights) + frozen  # kept between steps
+    with_params = plan.offloads_params
+    on_host = (trained_weights if (with_params or (shared and offloaded)) else 0.0) + (
+        frozen if with_params else 0.0
+    )
     # Weights kept on the host come in for forward/backward, the streamed layers one at a time.
-    streamed = plan.offloads_params and s.host_compute > 0 and params > 0
-    forward = s.compute * resident / params if streamed else s.compute
-    device = ModelStates(
-        compute_weights=forward,
-        gradients=s.grads,
-        master=0.0 if offloaded else s.master,
-        optimizer=0.0 if offloaded else s.opt,
-    )
-    if not plan.updates_on_host:
-        update = (
-            s.compute + s.grads + s.master + s.opt
-        )  # new compute weights are made on the device
-    else:
-        # The update runs on the host; compute weights stored there stay there.
-        update = s.compute - s.host_compute + s.grads
-    between = s.stored_weights - s.host_compute + (0.0 if offloaded else s.master + s.opt)
-    host = ModelStates(
-        compute_weights=s.host_compute * per_process,
-        master=(s.master if offloaded else 0.0) * per_process,
-        optimizer=(s.opt if offloaded else 0.0) * per_process,
-    )
+    streamed = with_params and on_host > 0 and p > 0
     return MemoryEstimate(
-        num_params=int(params),
-        num_devices=plan.data_size,
+        num_params=int(p),
+        num_devices=n,
         stage=plan.stage,
         offload=plan.offload,
         update_on=plan.update_on,
         precision=name,
-        device=device,
-        host=host,
-        update_bytes=update,
-        between_steps_bytes=between,
+        device=ModelStates(
+            compute * resident / p if streamed else compute,
+            grads,
+            0.0 if offloaded else master,
+            0.0 if offloaded else opt,
+        ),
+        host=ModelStates(
+            compute_weights=on_host * per_process,
+            master=(master if offloaded else 0.0) * per_process,
+            optimizer=(opt if offloaded else 0.0) * per_process,
+        ),
+        # On the device the update makes new compute weights; on the host those stored there
+        # stay there.
+        update_bytes=compute - on_host + grads
+        if plan.updates_on_host
+        else compute + grads + master + opt,
+        between_steps_bytes=stored - on_host + (0.0 if offloaded else master + opt),
         activation_bytes=activation_bytes,
         remat=remat,
     )

@@ -56,14 +56,10 @@ def estimate_traced(step, state, batch) -> StepEstimate:
     shares = [sharding_share(x.sharding, x.shape) for x in leaves]
     walked = walk(jaxpr, shares, reusable=range(len(state_leaves)), overlap=_on_gpus(leaves))
     kinds = state_bytes(state)
+    batch_shares = shares[len(state_leaves) :]
     return StepEstimate(
         state_bytes=float(kinds.get("device", 0)),
-        batch_bytes=float(
-            sum(
-                aval_bytes(x) * s
-                for x, s in zip(batch_leaves, shares[-len(batch_leaves) :] if batch_leaves else [])
-            )
-        ),
+        batch_bytes=float(sum(aval_bytes(x) * s for x, s in zip(batch_leaves, batch_shares))),
         saved_bytes=walked.saved,
         temporary_bytes=walked.temporary,
         host_bytes=float(kinds.get("pinned_host", 0)),
@@ -81,37 +77,11 @@ def _on_gpus(leaves) -> bool:
     return False
 
 
-def estimate_step(
-    loss_fn,
-    params,
-    batch,
-    tx,
-    plan,
-    prec,
-    *,
-    grad_accum: int = 1,
-    gather_per_layer: str | None = None,
-    model_state=None,
-    rng=None,
-    trainable=None,
-    **step_options,
-) -> StepEstimate:
+def estimate_step(loss_fn, params, batch, tx, plan, prec, **options) -> StepEstimate:
     """The instant answer to ``measure_step``: the same arguments (any JAX loss; abstract
     ``params`` and global ``batch``; ``model_state`` / ``rng`` / ``trainable`` as
-    ``zf.init_train_state`` takes them), the step traced rather than compiled. Its
-    ``peak_bytes`` is per device."""
-    step, state, placed, _ = abstract_step(
-        loss_fn,
-        params,
-        batch,
-        tx,
-        plan,
-        prec,
-        grad_accum=grad_accum,
-        gather_per_layer=gather_per_layer,
-        model_state=model_state,
-        rng=rng,
-        trainable=trainable,
-        **step_options,
-    )
+    ``zf.init_train_state`` takes them; ``grad_accum``, ``gather_per_layer`` and more of
+    ``make_train_step``'s keywords), the step traced rather than compiled. Its ``peak_bytes``
+    is per device."""
+    step, state, placed, _ = abstract_step(loss_fn, params, batch, tx, plan, prec, **options)
     return estimate_traced(step, state, placed)

@@ -50,15 +50,6 @@ class Search:
         return self.first_too_long.seq - self.best.seq == self.granule
 
 
-def check_search(start: int, granule: int, limit: int, max_compiles: int) -> None:
-    """One line for search settings that cannot work."""
-    if granule < 1 or start < 1 or limit < granule or max_compiles < 2:
-        raise ValueError(
-            f"--max-seq needs a positive start ({start}) and step ({granule}), a limit "
-            f"({limit}) of at least one step and at least 2 compiles ({max_compiles})"
-        )
-
-
 def longest_fitting(
     probe: Callable[[int], Probe],
     device_memory: float,
@@ -72,46 +63,35 @@ def longest_fitting(
     """The longest multiple of ``granule`` up to ``limit`` whose ``probe`` fits in
     ``device_memory``, assuming the peak grows with the length. ``log(probe, compiles left)``
     is called after each compile."""
-    check_search(start, granule, limit, max_compiles)
+    if granule < 1 or start < 1 or limit < granule or max_compiles < 2:
+        raise ValueError(
+            f"--max-seq needs a positive start ({start}) and step ({granule}), a limit "
+            f"({limit}) of at least one step and at least 2 compiles ({max_compiles})"
+        )
     probes: list[Probe] = []
-
-    def run(units: int) -> Probe:
+    low: Probe | None = None  # the longest that fitted
+    high: Probe | None = None  # the shortest that did not
+    top = limit // granule
+    units = min(max(start // granule, 1), top)
+    while len(probes) < max_compiles:
         got = probe(units * granule)
         probes.append(got)
         if log is not None:
             log(got, max_compiles - len(probes))
-        return got
-
-    top = limit // granule
-    units = min(max(start // granule, 1), top)
-    first = run(units)
-    low: Probe | None = first if first.fits(device_memory) else None
-    high: Probe | None = None if low else first
-    # Bracket: double while it fits, halve while it does not.
-    while len(probes) < max_compiles:
-        if high is None:
+        if got.fits(device_memory):
+            low = got
+        else:
+            high = got
+        if low is not None and high is not None:  # bisect between the two
+            units = (low.seq + high.seq) // (2 * granule)
+            if units * granule <= low.seq:
+                break
+        elif high is None:  # bracket: double while it fits
             if units == top:
                 break
             units = min(2 * units, top)
-        elif low is None:
+        else:  # halve while it does not
             if units == 1:
                 break
             units //= 2
-        else:
-            break
-        got = run(units)
-        if got.fits(device_memory):
-            low = got
-        else:
-            high = got
-    # Bisect between the two.
-    while low is not None and high is not None and len(probes) < max_compiles:
-        mid = (low.seq + high.seq) // (2 * granule)
-        if mid * granule <= low.seq:
-            break
-        got = run(mid)
-        if got.fits(device_memory):
-            low = got
-        else:
-            high = got
     return Search(low, high, tuple(probes), granule)

@@ -1,11 +1,8 @@
 """What XLA says a compiled train step needs, and what a state's arrays occupy, per device.
 
-Nothing here allocates model-sized arrays: steps are lowered and compiled ahead of time from
-abstract inputs (``jax.ShapeDtypeStruct`` with shardings), and state bytes are read from
-shardings (``shard_shape``) when the state is abstract.
-
-On the CPU backend ``memory_analysis()`` counts ``pinned_host`` arrays as ordinary arguments,
-so there its numbers do not show what offload saves; ``state_bytes`` splits by memory kind.
+Steps are compiled ahead of time from abstract inputs (``jax.ShapeDtypeStruct`` with
+shardings): nothing model-sized is allocated. XLA:CPU's ``memory_analysis()`` counts
+``pinned_host`` arrays as arguments; ``state_bytes`` splits by memory kind.
 """
 
 from __future__ import annotations
@@ -15,12 +12,12 @@ import math
 from collections import defaultdict
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zeroflow.engine.state import abstract_master, init_train_state, state_shardings
 from zeroflow.engine.step import make_train_step
 from zeroflow.memory import on_target, schedule
+from zeroflow.memory.traced import itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,19 +56,18 @@ class MeasuredMemory:
         )
 
 
+_XLA_NAMES = {"peak_bytes": "peak_memory_in_bytes"}
+"``memory_analysis()``'s name of each ``MeasuredMemory`` field: ``x_bytes`` is ``x_size_in_bytes``."
+
+
 def from_memory_analysis(stats) -> MeasuredMemory:
-    get = lambda name: int(getattr(stats, name, 0) or 0)  # noqa: E731  fields vary by backend
     return MeasuredMemory(
-        argument_bytes=get("argument_size_in_bytes"),
-        output_bytes=get("output_size_in_bytes"),
-        temp_bytes=get("temp_size_in_bytes"),
-        alias_bytes=get("alias_size_in_bytes"),
-        generated_code_bytes=get("generated_code_size_in_bytes"),
-        peak_bytes=get("peak_memory_in_bytes"),
-        host_argument_bytes=get("host_argument_size_in_bytes"),
-        host_output_bytes=get("host_output_size_in_bytes"),
-        host_temp_bytes=get("host_temp_size_in_bytes"),
-        host_alias_bytes=get("host_alias_size_in_bytes"),
+        **{  # fields vary by backend: a missing one is 0
+            f.name: int(
+                getattr(stats, _XLA_NAMES.get(f.name, f"{f.name[:-6]}_size_in_bytes"), 0) or 0
+            )
+            for f in dataclasses.fields(MeasuredMemory)
+        }
     )
 
 
@@ -89,44 +85,18 @@ def analysed(compiled) -> MeasuredMemory:
     return from_memory_analysis(stats)
 
 
-def measure_step(
-    loss_fn,
-    params,
-    batch,
-    tx,
-    plan,
-    prec,
-    *,
-    grad_accum: int = 1,
-    gather_per_layer: str | None = None,
-    model_state=None,
-    rng=None,
-    trainable=None,
-    **step_options,
-) -> tuple[MeasuredMemory, float]:
+def measure_step(loss_fn, params, batch, tx, plan, prec, **options) -> tuple[MeasuredMemory, float]:
     """``(memory_analysis, device peak)`` of ``make_train_step(loss_fn, tx, plan, prec, ...)``
     for abstract fp32 ``params`` and global ``batch`` (arrays or ``ShapeDtypeStruct``s):
     the state is built abstractly in the plan's shardings, nothing is allocated or run. The
     device peak leaves out the offloaded state, which XLA:CPU counts as device arguments.
-    On a ``zf.target_mesh`` this is XLA:GPU's number. ``step_options``: more keywords of
-    ``make_train_step`` (``prefetch``, ``compiler_options``); ``trainable`` as for
-    ``zf.init_train_state``. An offloaded plan on a target mesh is compiled through CPU
-    devices standing in for the GPUs (``zeroflow.memory.on_target``), so its offloaded state
-    stays in host memory as on a GPU."""
-    compiled, state = compile_step(
-        loss_fn,
-        params,
-        batch,
-        tx,
-        plan,
-        prec,
-        grad_accum=grad_accum,
-        gather_per_layer=gather_per_layer,
-        model_state=model_state,
-        rng=rng,
-        trainable=trainable,
-        **step_options,
-    )
+    On a ``zf.target_mesh`` this is XLA:GPU's number. ``options``: ``abstract_step``'s
+    keywords (``grad_accum``, ``gather_per_layer``, ``model_state`` / ``rng`` / ``trainable``
+    as ``zf.init_train_state`` takes them, and more of ``make_train_step``'s: ``prefetch``,
+    ``compiler_options``). An offloaded plan on a target mesh is compiled through CPU devices
+    standing in for the GPUs (``zeroflow.memory.on_target``), so its offloaded state stays in
+    host memory as on a GPU."""
+    compiled, state = compile_step(loss_fn, params, batch, tx, plan, prec, **options)
     got = analysed(compiled)
     return got, float(device_peak(got, state))
 
@@ -139,37 +109,10 @@ def device_peak(got: MeasuredMemory, state) -> int:
     return got.total_bytes
 
 
-def compile_step(
-    loss_fn,
-    params,
-    batch,
-    tx,
-    plan,
-    prec,
-    *,
-    grad_accum: int = 1,
-    gather_per_layer: str | None = None,
-    model_state=None,
-    rng=None,
-    trainable=None,
-    **step_options,
-):
+def compile_step(loss_fn, params, batch, tx, plan, prec, **options):
     """``(compiled step, abstract state)`` for the arguments of ``measure_step``: read the
     compiled program's collectives with ``zf.memory.collectives``."""
-    step, state, placed, target = abstract_step(
-        loss_fn,
-        params,
-        batch,
-        tx,
-        plan,
-        prec,
-        grad_accum=grad_accum,
-        gather_per_layer=gather_per_layer,
-        model_state=model_state,
-        rng=rng,
-        trainable=trainable,
-        **step_options,
-    )
+    step, state, placed, target = abstract_step(loss_fn, params, batch, tx, plan, prec, **options)
     if target is not None:
         return on_target.compile_for(step, state, placed, target), state
     return step.lower(state, placed).compile(), state
@@ -243,21 +186,6 @@ def compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options):
     return compiled, state, est
 
 
-def _shard_nbytes(leaf) -> tuple[str, int]:
-    sharding = leaf.sharding
-    shape = sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else tuple(leaf.shape)
-    kind = getattr(sharding, "memory_kind", None) or "device"
-    return kind, math.prod(shape) * itemsize(leaf.dtype)
-
-
-def itemsize(dtype) -> int:
-    """Bytes per element, also of a PRNG key array (its key data's)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
-        return math.prod(data.shape) * data.dtype.itemsize
-    return jnp.dtype(dtype).itemsize
-
-
 def state_bytes(tree) -> dict[str, int]:
     """Bytes one device holds for ``tree``, by memory kind (``{"device": .., "pinned_host": ..}``).
 
@@ -266,6 +194,8 @@ def state_bytes(tree) -> dict[str, int]:
     """
     out: dict[str, int] = defaultdict(int)
     for leaf in jax.tree.leaves(tree):
-        kind, nbytes = _shard_nbytes(leaf)
-        out[kind] += nbytes
+        sharding, shape = leaf.sharding, tuple(leaf.shape)
+        local = sharding.shard_shape(shape) if sharding is not None else shape
+        kind = getattr(sharding, "memory_kind", None) or "device"
+        out[kind] += math.prod(local) * itemsize(leaf.dtype)
     return dict(out)

@@ -1,18 +1,11 @@
 """Offloaded steps compiled for GPUs that are not there, with their state in host memory.
 
-The abstract devices of ``zf.target_mesh`` expose no memories, so jax drops a sharding's
-``pinned_host`` memory kind on them: an offloaded step lowered there keeps its offloaded state
-in device memory, which is not the program a GPU runs. Here the step is planned and traced on
-CPU devices standing in for the GPUs (they have a host memory, so the memory kinds stay), with
-the target's traits (so the program takes the GPU's shape: its compiler options, no widened
-copies, prefetched gathers), lowered for CUDA, and the module compiled by the target's
-compile-only client for as many abstract GPUs. The result is XLA:GPU's executable: its memory
-analysis separates host buffers from device ones, and its HLO is the scheduled GPU program.
-
-It leans on what jax does not document as public: a topology device's ``client`` (the
-compile-only client behind ``jax.experimental.topologies``), ``jax._src.compiler``'s compile
-options and ``xla_client.DeviceList``; it is used only where no GPU is (a real GPU compiles the
-offloaded step itself).
+``zf.target_mesh``'s abstract devices expose no memories, so jax drops a ``pinned_host`` memory
+kind on them. The step is therefore planned and traced on CPU devices standing in for the GPUs
+(with the target's traits), lowered for CUDA, and compiled by the target's compile-only client
+for as many abstract GPUs: XLA:GPU's executable, whose memory analysis separates host buffers.
+It leans on what jax does not document as public (a topology device's ``client``,
+``jax._src.compiler``'s options), used only where no GPU is.
 """
 
 from __future__ import annotations

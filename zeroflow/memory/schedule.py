@@ -1,24 +1,12 @@
 """XLA:GPU's own estimate of a step's time, read from its latency-hiding scheduler.
 
-When XLA:GPU schedules a program it models every instruction's time on the target GPU (an
-analytical cost model: no autotuning, nothing runs) and, with verbose logging of
-``latency_hiding_scheduler`` on, prints per scheduled computation ("For computation: NAME"):
-"Total cycles" (microseconds in its model) and "Wasted cycles" per collective kind (time the
-schedule waits for a collective with nothing to overlap it). A ``while`` body (a ``lax.scan``)
-is its own computation and runs its trip count times, so the step's estimate is the entry
-computation's plus each loop body's times its trip count (``known_trip_count`` in the HLO).
-
-What it is not: a measurement. It is the scheduler's model of the target (H100 figures for an
-H100 target), useful to compare two programs for the same target side by side; kernel choices
-that autotuning would make on a real GPU are not in it. A computation with no asynchronous
-collective prints no statistics: those loops (a stage 0-2 forward pass, an optimizer update
-walked slice by slice) are listed in ``uncosted``; ``parse(..., peak_flops=...)`` costs them
-from their matmul flops (see there), otherwise they are left out of ``step_us``.
-
-The logging has to be on before JAX starts (it is read when XLA's logging initialises):
-``enable()`` sets it in ``os.environ`` for a process about to start, and the memory CLI starts
-itself again with it when asked for a target. ``capture()`` then collects what one compile
-prints, keeping it off the terminal.
+With verbose logging of ``latency_hiding_scheduler`` on, XLA:GPU prints per scheduled
+computation the "Total cycles" of its cost model (microseconds; nothing runs) and the "Wasted
+cycles" per collective kind (waits with nothing to overlap them); a ``while`` body runs its trip
+count times. An estimate for comparing programs for one target, not a measurement: see
+docs/gpu_compile.md ("Estimated step time") for what it leaves out (``uncosted`` loops). The
+logging has to be on before jax starts: ``enable()`` sets it for a process about to start;
+``capture()`` collects what one compile prints, keeping it off the terminal.
 """
 
 from __future__ import annotations
@@ -26,14 +14,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
 import sys
 import tempfile
 import threading
+import types
 
 from zeroflow.backend import accelerators
+from zeroflow.memory import hlo
 from zeroflow.util import xla_log
 
 # Re-exported: the environment is set before jax starts (zeroflow.util.xla_log).
@@ -97,16 +88,12 @@ def loop_trips(hlo_text: str) -> tuple[dict, set]:
     in a compiled module's text."""
     trips, unknown = {}, set()
     for line in hlo_text.splitlines():
-        if " while(" not in line:
-            continue
-        body = re.search(r"body=%?([\w.\-]+)", line)
-        if body is None:
-            continue
+        body = re.search(r" while\(.*\bbody=%?([\w.\-]+)", line)
         n = re.search(r'known_trip_count"?:\{"n":"(\d+)"', line)
-        if n is None:
-            unknown.add(body.group(1))
-        else:
-            trips[body.group(1)] = int(n.group(1))
+        if body and n:
+            trips[body[1]] = int(n[1])
+        elif body:
+            unknown.add(body[1])
     return trips, unknown
 
 
@@ -118,36 +105,29 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
     flops, at the time per flop XLA's model gave the program's costed loops (the same layers'
     matmuls: a stage-2 forward loop beside its costed backward loop), or at the peak where no
     loop is costed (a lower bound); it stays listed in ``uncosted``."""
-    stats = {}
+    stats = {}  # by computation: the last block printed for it
     for block in log_text.split(_BLOCK)[1:]:
         block = block.split("Statistics before scheduling")[0]
         name = re.search(r"For computation: ([^,\s]+)", block)
-        if name is None:
-            continue
-        values = dict(_STAT.findall(block))
-        wasted = {
-            k.removeprefix("Wasted cycles for "): float(v)
-            for k, v in values.items()
-            if k.startswith("Wasted cycles for ")
-        }
-        stats[name.group(1)] = (float(values.get("Total cycles", 0.0)), wasted)
+        if name is not None:
+            values = {k: float(v) for k, v in _STAT.findall(block)}
+            prefix = "Wasted cycles for "
+            wasted = {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
+            stats[name[1]] = (values.get("Total cycles", 0.0), wasted)
+    bodies = computations_of(hlo_text)
+    runs = hlo.runs(bodies, hlo.entry(hlo_text))
+    comps = [
+        Computation(name, runs.get(name, 1), total, {k: v for k, v in wasted.items() if v})
+        for name, (total, wasted) in stats.items()
+    ]
     trips, unknown = loop_trips(hlo_text)
-    outer = _enclosing_loops(hlo_text, set(trips) | unknown)
-    comps = []
-    for comp_name, (total, wasted) in stats.items():
-        count = 1
-        for body in [comp_name, *outer.get(comp_name, ())]:
-            count *= trips.get(body, 1)
-        comps.append(Computation(comp_name, count, total, {k: v for k, v in wasted.items() if v}))
-    uncosted = tuple(sorted(b for b in set(trips) | unknown if b not in stats))
+    uncosted = tuple(sorted((set(trips) | unknown) - {c.name for c in comps}))
     if peak_flops and uncosted:
-        comps += _cost_by_flops(
-            uncosted, comps, computations_of(hlo_text), trips, outer, peak_flops
-        )
+        comps += _cost_by_flops(uncosted, comps, bodies, trips, runs, peak_flops)
     return StepTime(tuple(comps), uncosted)
 
 
-def _cost_by_flops(uncosted, costed, bodies, trips, outer, peak_flops) -> list:
+def _cost_by_flops(uncosted, costed, bodies, trips, runs, peak_flops) -> list:
     """Uncosted loops at their matmul flops, at the microseconds per flop XLA's model gave the
     costed loops of the same program (the same layers' matmuls, 'scaled-flops'), else at the
     GPU's dense peak ('peak-flops', a lower bound)."""
@@ -158,92 +138,41 @@ def _cost_by_flops(uncosted, costed, bodies, trips, outer, peak_flops) -> list:
     ]
     us, flops = sum(u for u, f in loops if f), sum(f for _, f in loops)
     per_flop, how = (us / flops, "scaled-flops") if flops else (1e6 / peak_flops, "peak-flops")
-    out = []
-    for name in uncosted:
-        count = 1
-        for body in [name, *outer.get(name, ())]:
-            count *= trips.get(body, 1)
-        out.append(Computation(name, count, gemm_flops(bodies, name) * per_flop, {}, how))
-    return out
+    return [
+        Computation(name, runs.get(name, 1), gemm_flops(bodies, name) * per_flop, {}, how)
+        for name in uncosted
+    ]
 
 
-_DEFINED = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = [\w]+\[([\d,]*)\]")
 _CALLED = re.compile(r"calls=\{?([%\w.\-, ]+)\}?")
+_DOT = re.compile(r" dot\(%([\w.\-]+).*lhs_contracting_dims=\{([\d,]*)\}")
 
 
 def computations_of(hlo_text: str) -> dict:
     """``{computation name: its lines}`` of a module's text."""
-    out: dict[str, list[str]] = {}
-    name: str | None = None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            name = head.group(1)
-            out[name] = []
-        elif name is not None:
-            out[name].append(line)
-    return out
+    return hlo.computations(hlo_text)
 
 
 def gemm_flops(bodies: dict, name: str) -> float:
     """Matmul flops of one run of computation ``name`` and of the fusions it calls (not of
     loops inside it): 2 x output elements x contracted size per ``dot``."""
-    shapes = {}
-    for lines in bodies.values():
-        for line in lines:
-            found = _DEFINED.match(line)
-            if found:
-                shapes[found.group(1)] = [int(d) for d in found.group(2).split(",") if d]
-    memo = {}
+    lines = [m for comp in bodies.values() for m in map(hlo.INSTRUCTION.match, comp) if m]
+    dims = {m["name"]: hlo.type_tree(m["type"]) for m in lines}
+    dims = {k: t[1] for k, t in dims.items() if isinstance(t, tuple)}  # arrays' dimensions
 
-    def of(comp: str, path: tuple) -> float:
-        if comp not in memo:
-            total = 0.0
-            for line in bodies.get(comp, ()):
-                called = _CALLED.search(line)
-                if called:  # each call site runs its computation once
-                    total += sum(
-                        of(c.strip().lstrip("%"), path + (comp,))
-                        for c in called.group(1).split(",")
-                        if c.strip() not in path
-                    )
-                if " dot(" in line:
-                    total += _dot_flops(line, shapes)
-            memo[comp] = total
-        return memo[comp]
+    @functools.cache
+    def of(comp: str) -> float:
+        total = 0.0
+        for line in bodies.get(comp, ()):
+            called, dot, out = _CALLED.search(line), _DOT.search(line), hlo.INSTRUCTION.match(line)
+            if called:  # each call site runs its computation once
+                total += sum(of(c.strip().lstrip("%")) for c in called[1].split(","))
+            if dot and out and dot[1] in dims and out["name"] in dims:
+                contracted = math.prod(dims[dot[1]][int(d)] for d in dot[2].split(",") if d)
+                total += 2.0 * math.prod(dims[out["name"]]) * contracted
+        return total
 
-    return of(name, ())
-
-
-def _dot_flops(line: str, shapes: dict) -> float:
-    out = _DEFINED.match(line)
-    lhs = re.search(r" dot\(%([\w.\-]+)", line)
-    dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-    if not (out and lhs and dims) or lhs.group(1) not in shapes:
-        return 0.0
-    contracted = math.prod(shapes[lhs.group(1)][int(d)] for d in dims.group(1).split(",") if d)
-    return 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * contracted
-
-
-def _enclosing_loops(hlo_text: str, bodies: set) -> dict:
-    """For each loop body, the loop bodies that (transitively) contain its ``while``."""
-    parent, current = {}, None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            current = head.group(1)
-        elif " while(" in line and current is not None:
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            if body is not None and current in bodies:
-                parent[body.group(1)] = current
-    out = {}
-    for body in bodies:
-        chain, seen = [], body
-        while seen in parent and parent[seen] not in chain:
-            seen = parent[seen]
-            chain.append(seen)
-        out[body] = tuple(chain)
-    return out
+    return of(name)
 
 
 @contextlib.contextmanager
@@ -251,7 +180,7 @@ def capture():
     """Collect what XLA prints to the process's stderr (file descriptor 2) inside the block:
     ``with capture() as log: compiled = lowered.compile()``, then ``log.text``. Warnings and
     errors among it are printed again afterwards; XLA's informational lines are dropped."""
-    log = _Captured()
+    log = types.SimpleNamespace(text="")
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
@@ -311,10 +240,6 @@ def drop_info_lines() -> None:
         thread.join(timeout=5)
 
     atexit.register(finish)
-
-
-class _Captured:
-    text = ""
 
 
 NOT_ENABLED = (
