@@ -69,6 +69,7 @@ def compile_row(row: dict) -> dict:
     import optax
 
     import zeroflow as zf
+    from gemm_steps import step_gemms
     from llama_shapes import SHAPES, abstract_params, num_params
     from zeroflow.autocast.fp8_hlo import count_gemms
     from zeroflow.memory import schedule
@@ -98,14 +99,15 @@ def compile_row(row: dict) -> dict:
     start = time.time()
     with _attention_lowering(attention):
         compiled, est = schedule.timed(compile_it, peak_flops=989e12)
-    gemms = count_gemms(compiled.as_text())
+    text = compiled.as_text()
+    gemms = count_gemms(text)
     return {**row, "compile_s": round(time.time() - start, 1), "params": num_params(shape),
             "peak_bytes": analysed(compiled).total_bytes, "step_ms": est.step_ms,
             "fp8_gemms": gemms.fp8, "other_gemms": gemms.other,
             "fp8_flops": gemms.fp8_flops, "other_flops": gemms.other_flops,
             "fp8_bytes": gemms.fp8_bytes, "other_bytes": gemms.other_bytes,
             "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
-            "gather_types": _gather_types(compiled.as_text())}
+            "gather_types": _gather_types(text), "step_gemms": step_gemms(text)}
 
 
 def _attention_lowering(attention: str):

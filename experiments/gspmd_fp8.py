@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MATMULS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 HISTORY = 1024
@@ -98,6 +99,7 @@ def compile_gspmd(row: dict, shape: dict, params, batch, tx, mesh):
     from llama_shapes import batch_constraint, make_loss
     from vs_gspmd import compile_plain
     from xla_option_sets import option_set
+
     from zeroflow import backend
 
     options = option_set(row["options"], backend.of(mesh))
