@@ -92,7 +92,8 @@ def compile_row(row: dict) -> dict:
                         attention=attention)
         variant = VARIANTS[row["variant"]]
         plan = zf.ZeroPlan(mesh, stage=3, quantize_weights=variant["quantize_weights"])
-        prec = zf.Precision(params="bf16", autocast=variant["autocast"])
+        prec = zf.Precision(params="bf16", autocast=variant["autocast"],
+                            reduce=row.get("reduce", "fp32"))
 
         def compile_it():
             return zf.memory.compile_step(loss, params, batch, tx, plan, prec)[0]
@@ -238,7 +239,8 @@ def _variant(row: dict) -> str:
     head = row.get("head", "fp8")  # rows from before the choice had the head in FP8
     fp8 = VARIANTS[row["variant"]]["autocast"] == "fp8"
     state = ", 8-bit AdamW state" if row.get("state") == "8bit" else ""
-    return row["variant"] + (f", head {head}" if fp8 else "") + state
+    reduce = ", bf16 reduction" if row.get("reduce") == "bf16" else ""
+    return row["variant"] + (f", head {head}" if fp8 else "") + state + reduce
 
 
 def _shape(row: dict) -> str:
@@ -319,7 +321,7 @@ def planned_rows(args, layers: int) -> list[dict]:
                     attention=args.attention)
         for remat in args.remat.split(","):
             rows += [{**base, "remat": remat, "variant": variant, "state": state,
-                      "head": "fp8" if args.head_fp8 else "bf16"}
+                      "reduce": args.reduce, "head": "fp8" if args.head_fp8 else "bf16"}
                      for variant in args.variants.split(",") for state in args.state.split(",")]
             if args.gspmd and remat in ("full", "dots"):
                 rows += [{**base, "remat": remat, "system": system, "variant": variant,
@@ -347,6 +349,9 @@ def main(argv=None) -> int:
     parser.add_argument("--state", default="fp32",
                         help="comma-separated optimizer states: fp32 (optax.adamw), 8bit "
                              "(zf.optim.adamw_8bit: blockwise 8-bit moments)")
+    parser.add_argument("--reduce", default="fp32", choices=("fp32", "bf16"),
+                        help="what zeroflow's rows sum gradients over devices in "
+                             "(zf.Precision.reduce; the GSPMD rows sum in bf16 as written)")
     parser.add_argument("--gspmd", action="store_true",
                         help="also the plain-jit GSPMD FSDP step, activations annotated, in "
                              "bf16 and with Flax's FP8 dot (remat full and dots)")
