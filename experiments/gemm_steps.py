@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import re
 
-from zeroflow.autocast.fp8_hlo import F8, _computations, _fusion_dots
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
+from zeroflow.autocast.fp8_hlo import F8, _computations, _fusion_dots  # noqa: E402
 
 H100 = {"bf16_flops": 989e12, "fp8_flops": 1979e12, "hbm_bytes": 3.35e12}
 _CALLS = re.compile(r"\b(calls|body|to_apply|condition|branch_computations)="

@@ -13,11 +13,15 @@ zeroflow's FP8 rows (``fp8_keep_scopes``).
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 MATMULS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 HISTORY = 1024
