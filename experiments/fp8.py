@@ -14,6 +14,10 @@ deviceless compiles). Then the tiny trainer config trained
 
     python experiments/fp8.py                       # 8B shape, writes experiments/results/fp8.md
     python experiments/fp8.py --layers 4 --skip-train --remat full   # 4 8B-shaped layers
+    python experiments/fp8.py --skip-train --remat dots,fp8_dots --tokens-per-device 8192 \
+        --attention cudnn --state fp32,8bit --gspmd --out /tmp/fp8_8k.md
+                 # 1 x 8192 tokens per device, cuDNN attention, 8-bit AdamW state too, and the
+                 # plain-jit GSPMD baselines (bf16, and Flax's FP8 dot: experiments/gspmd_fp8.py)
 
 Each compile runs in its own process, started with the scheduler's logging on.
 """
@@ -65,6 +69,7 @@ def compile_row(row: dict) -> dict:
     import optax
 
     import zeroflow as zf
+    from gemm_steps import step_gemms
     from llama_shapes import SHAPES, abstract_params, num_params
     from zeroflow.autocast.fp8_hlo import count_gemms
     from zeroflow.memory import schedule
@@ -73,32 +78,55 @@ def compile_row(row: dict) -> dict:
     shape = dict(SHAPES[row["shape"]], layers=row["layers"])
     mesh = zf.target_mesh("h100", data=row["devices"])
     params = abstract_params(shape)
-    tokens = row["devices"] * PER_DEVICE[row["shape"]]
-    batch = {"tokens": jax.ShapeDtypeStruct((tokens, SEQ + 1), jnp.int32)}
-    loss = row_loss(shape, row["remat"], head_scope=row.get("head", "bf16") == "bf16")
-    variant = VARIANTS[row["variant"]]
-    plan = zf.ZeroPlan(mesh, stage=3, quantize_weights=variant["quantize_weights"])
-    prec = zf.Precision(params="bf16", autocast=variant["autocast"])
+    sequences = row["devices"] * PER_DEVICE[row["shape"]]
+    batch = {"tokens": jax.ShapeDtypeStruct((sequences, row.get("seq", SEQ) + 1), jnp.int32)}
+    attention = row.get("attention", "xla")
+    tx = zf.optim.adamw_8bit(1e-4) if row.get("state") == "8bit" else optax.adamw(1e-4)
+    if row.get("system", "stage3") != "stage3":
+        from gspmd_fp8 import compile_gspmd
+
+        def compile_it():
+            return compile_gspmd(row, shape, params, batch, tx, mesh)
+    else:
+        loss = row_loss(shape, row["remat"], head_scope=row.get("head", "bf16") == "bf16",
+                        attention=attention)
+        variant = VARIANTS[row["variant"]]
+        plan = zf.ZeroPlan(mesh, stage=3, quantize_weights=variant["quantize_weights"])
+        prec = zf.Precision(params="bf16", autocast=variant["autocast"],
+                            reduce=row.get("reduce", "fp32"))
+
+        def compile_it():
+            return zf.memory.compile_step(loss, params, batch, tx, plan, prec)[0]
     start = time.time()
-    compiled, est = schedule.timed(
-        lambda: zf.memory.compile_step(loss, params, batch, optax.adamw(1e-4), plan, prec)[0],
-        peak_flops=989e12)
-    gemms = count_gemms(compiled.as_text())
+    with _attention_lowering(attention):
+        compiled, est = schedule.timed(compile_it, peak_flops=989e12)
+    text = compiled.as_text()
+    gemms = count_gemms(text)
     return {**row, "compile_s": round(time.time() - start, 1), "params": num_params(shape),
             "peak_bytes": analysed(compiled).total_bytes, "step_ms": est.step_ms,
             "fp8_gemms": gemms.fp8, "other_gemms": gemms.other,
             "fp8_flops": gemms.fp8_flops, "other_flops": gemms.other_flops,
             "fp8_bytes": gemms.fp8_bytes, "other_bytes": gemms.other_bytes,
             "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
-            "gather_types": _gather_types(compiled.as_text())}
+            "gather_types": _gather_types(text), "step_gemms": step_gemms(text)}
 
 
-def row_loss(shape: dict, remat: str, head_scope: bool = True):
+def _attention_lowering(attention: str):
+    """cuDNN attention lowers for the abstract H100 without a local cuDNN inside this block."""
+    import contextlib
+
+    from zeroflow.util.compat import cudnn_for_target
+
+    return cudnn_for_target() if attention == "cudnn" else contextlib.nullcontext()
+
+
+def row_loss(shape: dict, remat: str, head_scope: bool = True, attention: str = "xla"):
     """``llama_shapes.make_loss``'s loss, with the head's matmul in the name scope ``lm_head``
     (``head_scope``: as zeroflow's GPT names it, so autocast's FP8 keeps it in bf16 by default,
     ``AutocastPolicy.fp8_keep_scopes``) and remat "fp8_dots": "dots" keeping its matmul outputs
     in FP8 (each layer under ``zeroflow.autocast.fp8_saved.checkpoint_fp8_dots``: e4m3 bytes
-    and a per-tensor scale saved instead of the bf16 outputs)."""
+    and a per-tensor scale saved instead of the bf16 outputs). ``attention``:
+    ``jax.nn.dot_product_attention``'s implementation ("xla" or "cudnn")."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -107,7 +135,7 @@ def row_loss(shape: dict, remat: str, head_scope: bool = True):
     from zeroflow.autocast.fp8_saved import checkpoint_fp8_dots
 
     def layer(x, p):
-        return _layer(shape, jnp.bfloat16, x, p)
+        return _layer(shape, jnp.bfloat16, x, p, attention=attention)
 
     if remat == "fp8_dots":
         body = checkpoint_fp8_dots(layer)
@@ -208,9 +236,21 @@ def long_rows(seqs: list[int], search: bool) -> None:
 
 
 def _variant(row: dict) -> str:
+    if row.get("system", "stage3") != "stage3":
+        return f"GSPMD FSDP annotated ({row['options']}), {row['variant']}"
     head = row.get("head", "fp8")  # rows from before the choice had the head in FP8
     fp8 = VARIANTS[row["variant"]]["autocast"] == "fp8"
-    return row["variant"] + (f", head {head}" if fp8 else "")
+    state = ", 8-bit AdamW state" if row.get("state") == "8bit" else ""
+    reduce = ", bf16 reduction" if row.get("reduce") == "bf16" else ""
+    return row["variant"] + (f", head {head}" if fp8 else "") + state + reduce
+
+
+def _shape(row: dict) -> str:
+    """The shape, with the tokens per device and the attention where not the defaults."""
+    seq, attention = row.get("seq", SEQ), row.get("attention", "xla")
+    if seq == SEQ and attention == "xla":
+        return row["shape"]
+    return f"{row['shape']}, {PER_DEVICE[row['shape']]} x {seq} tokens, {attention} attention"
 
 
 def _exposed(row: dict) -> str:
@@ -229,11 +269,11 @@ def write_report(rows: list[dict], tiny: dict | None, command: str, out: Path = 
              "|---|---:|---|---|---:|---:|---|---|---|---|---:|"]
     for r in rows:
         if "note" in r:
-            lines.append(f"| {r['shape']} | {r['layers']} | {r['remat']} | {r['variant']} | "
+            lines.append(f"| {_shape(r)} | {r['layers']} | {r['remat']} | {_variant(r)} | "
                          f"{r['note']} | | | | | | | |")
             continue
         lines.append(
-            f"| {r['shape']} | {r['layers']} | {r['remat']} | {_variant(r)} | "
+            f"| {_shape(r)} | {r['layers']} | {r['remat']} | {_variant(r)} | "
             f"{r['peak_bytes'] / 1e9:.2f} GB | {r['step_ms']:.1f} ms | {_exposed(r)} | "
             f"{r['fp8_gemms']} ({r['fp8_flops'] / 1e12:.2f} TF, {r['fp8_bytes'] / 1e9:.2f} GB) | "
             f"{r['other_gemms']} ({r['other_flops'] / 1e12:.2f} TF, "
@@ -256,6 +296,42 @@ def write_report(rows: list[dict], tiny: dict | None, command: str, out: Path = 
     out.write_text("\n".join(lines) + "\n")
 
 
+def _bad_input(args) -> str | None:
+    """One line naming a setting the compile rows cannot take, or None."""
+    for name, given, allowed in (("--remat", args.remat, ("full", "dots", "fp8_dots")),
+                                 ("--variants", args.variants, tuple(VARIANTS)),
+                                 ("--state", args.state, ("fp32", "8bit"))):
+        unknown = [x for x in given.split(",") if x not in allowed]
+        if unknown:
+            return f"{name}: unknown {', '.join(unknown)}; accepted: {', '.join(allowed)}"
+    tokens = args.tokens_per_device.split(",")
+    if not all(t.isdigit() and int(t) % PER_DEVICE[args.shape] == 0 and int(t) > 0
+               for t in tokens):
+        return (f"--tokens-per-device: {args.tokens_per_device!r}; accepted: positive whole "
+                f"numbers divisible by {PER_DEVICE[args.shape]} (sequences per device)")
+    return None
+
+
+def planned_rows(args, layers: int) -> list[dict]:
+    """The compile rows the arguments ask for: per tokens per device, remat, variant and
+    optimizer state, zeroflow stage 3; with ``--gspmd`` the plain-jit GSPMD FSDP rows too
+    (activations annotated, bf16 and Flax's FP8 dot; remat full and dots only)."""
+    rows = []
+    for tokens in (int(t) for t in args.tokens_per_device.split(",")):
+        seq = tokens // PER_DEVICE[args.shape]
+        base = dict(shape=args.shape, layers=layers, devices=8, seq=seq,
+                    attention=args.attention)
+        for remat in args.remat.split(","):
+            rows += [{**base, "remat": remat, "variant": variant, "state": state,
+                      "reduce": args.reduce, "head": "fp8" if args.head_fp8 else "bf16"}
+                     for variant in args.variants.split(",") for state in args.state.split(",")]
+            if args.gspmd and remat in ("full", "dots"):
+                rows += [{**base, "remat": remat, "system": system, "variant": variant,
+                          "options": args.gspmd_options}
+                         for system, variant in (("gspmd", "bf16"), ("gspmd", "flax fp8"))]
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", help=argparse.SUPPRESS)
@@ -267,6 +343,23 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--head-fp8", action="store_true",
                         help="the head's matmul in FP8 too (no lm_head scope)")
+    parser.add_argument("--tokens-per-device", default=str(SEQ),
+                        help="comma-separated tokens per device and step (the 8B shape: one "
+                             "sequence of this length per device; default %(default)s)")
+    parser.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
+                        help="jax.nn.dot_product_attention's implementation")
+    parser.add_argument("--state", default="fp32",
+                        help="comma-separated optimizer states: fp32 (optax.adamw), 8bit "
+                             "(zf.optim.adamw_8bit: blockwise 8-bit moments)")
+    parser.add_argument("--reduce", default="fp32", choices=("fp32", "bf16"),
+                        help="what zeroflow's rows sum gradients over devices in "
+                             "(zf.Precision.reduce; the GSPMD rows sum in bf16 as written)")
+    parser.add_argument("--gspmd", action="store_true",
+                        help="also the plain-jit GSPMD FSDP step, activations annotated, in "
+                             "bf16 and with Flax's FP8 dot (remat full and dots)")
+    parser.add_argument("--gspmd-options", default="recipe-triton+2",
+                        help="the XLA option set of the GSPMD rows "
+                             "(experiments/xla_option_sets.py; default %(default)s)")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-compile", action="store_true", help="only the tiny runs")
     parser.add_argument("--long-rows", default="",
@@ -282,6 +375,10 @@ def main(argv=None) -> int:
     if args.row:
         print(json.dumps(compile_row(json.loads(args.row))))
         return 0
+    problem = _bad_input(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if args.long_rows:
         long_rows([int(n) for n in args.long_rows.split(",")], args.long_search)
         return 0
@@ -289,12 +386,9 @@ def main(argv=None) -> int:
 
     layers = args.layers or SHAPES[args.shape]["layers"]
     rows = []
-    for remat in [] if args.skip_compile else args.remat.split(","):
-        for variant in args.variants.split(","):
-            payload = dict(shape=args.shape, layers=layers, remat=remat, variant=variant,
-                           devices=8, head="fp8" if args.head_fp8 else "bf16")
-            rows.append(run_child(payload, args.timeout))
-            print(json.dumps(rows[-1]), flush=True)
+    for payload in [] if args.skip_compile else planned_rows(args, layers):
+        rows.append(run_child(payload, args.timeout))
+        print(json.dumps(rows[-1]), flush=True)
     tiny = None if args.skip_train else train_tiny(args.train_steps, args.train_runs.split(","))
     write_report(rows, tiny, "python experiments/fp8.py " + shlex.join(argv or sys.argv[1:]),
                  args.out)

@@ -75,23 +75,31 @@ def _rotary(x):
     return jnp.concatenate([even * cos - odd * sin, even * sin + odd * cos], -1).astype(x.dtype)
 
 
-def _layer(shape, dtype, x, p, constrain=lambda a: a, attention="xla"):
+def _matmul(x, w, name):
+    """A layer's weight matmul (``name``: the weight's key, for callers that swap it)."""
+    del name
+    return x @ w
+
+
+def _layer(shape, dtype, x, p, constrain=lambda a: a, attention="xla", matmul=_matmul):
     """One decoder layer; ``constrain`` is applied to every activation (the identity unless a
-    caller pins the activations' sharding, as MaxText's logical axis rules do)."""
+    caller pins the activations' sharding, as MaxText's logical axis rules do); ``matmul(x, w,
+    name)`` runs each weight matmul (``x @ w``; experiments/gspmd_fp8.py puts Flax's FP8 dot
+    there)."""
     heads, kv = shape["heads"], shape["kv"]
     batch, time, d = x.shape
     head_dim = d // heads
     w = jax.tree.map(lambda a: a.astype(dtype), p)
     x = constrain(x)
     y = constrain(_rms_norm(x, w["attn_norm"]))
-    q = constrain(_rotary((y @ w["wq"]).reshape(batch, time, heads, head_dim)))
-    k = constrain(_rotary((y @ w["wk"]).reshape(batch, time, kv, head_dim)))
-    v = constrain((y @ w["wv"]).reshape(batch, time, kv, head_dim))
+    q = constrain(_rotary((matmul(y, w["wq"], "wq")).reshape(batch, time, heads, head_dim)))
+    k = constrain(_rotary((matmul(y, w["wk"], "wk")).reshape(batch, time, kv, head_dim)))
+    v = constrain((matmul(y, w["wv"], "wv")).reshape(batch, time, kv, head_dim))
     o = constrain(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention))
-    x = constrain(x + o.reshape(batch, time, d) @ w["wo"])
+    x = constrain(x + matmul(o.reshape(batch, time, d), w["wo"], "wo"))
     y = constrain(_rms_norm(x, w["mlp_norm"]))
-    h = constrain(jax.nn.silu(y @ w["w1"]) * (y @ w["w3"]))
-    return constrain(x + h @ w["w2"]), None
+    h = constrain(jax.nn.silu(matmul(y, w["w1"], "w1")) * matmul(y, w["w3"], "w3"))
+    return constrain(x + matmul(h, w["w2"], "w2")), None
 
 
 def make_loss(shape: dict, remat: str = "full", dtype=jnp.bfloat16, constrain=None,
