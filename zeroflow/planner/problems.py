@@ -24,14 +24,7 @@ from zeroflow.engine.frozen import trainable_mask
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.memory.estimate import DTYPE_BYTES
 from zeroflow.memory.measure import compile_step, itemsize
-from zeroflow.models import flops_per_token
-from zeroflow.models.spec import (
-    activations,
-    count_gpt_params,
-    offloaded_activations,
-    optimizer_bytes_per_param,
-    stored_frozen_bytes_per_param,
-)
+from zeroflow.models.spec import activations, offloaded_activations, run_spec
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where
@@ -150,20 +143,26 @@ def _optimizer_bytes(tx, params, total: int) -> float:
 
 class ConfigProblem:
     """The trainer's GPT step of ``cfg`` (the config as loaded; ``model.init_from``'s
-    architecture is read from its config.json)."""
+    architecture is read from its config.json). Its sizes and FLOPs are the config's
+    ``RunSpec`` (``zeroflow.models.spec.run_spec``), split over ``parallel.model`` as
+    ``RunSpec.model_states`` splits them."""
 
     def __init__(self, cfg, name: str = "config"):
         self.cfg, self.name = cfg, name
         self.model = run_model_config(cfg)
-        prec = cfg.precision.params
+        own = dataclasses.replace(cfg, model=self.model)
+        self.spec = run_spec(own, num_devices=1, frozen_params=count_frozen_params(own))
+        split = lambda n: math.ceil(n / self.spec.model_parallel)  # noqa: E731
+        prec = self.spec.precision
         self.facts = ModelFacts(
-            params=count_gpt_params(self.model),
-            tokens_per_step=cfg.train.batch_size * cfg.model.seq_len,
+            params=split(self.spec.num_params),
+            resident_params=split(self.spec.resident_params),
+            tokens_per_step=self.spec.tokens_per_step,
             batch_size=cfg.train.batch_size,
             compute_dtype=prec,
-            frozen_params=count_frozen_params(dataclasses.replace(cfg, model=self.model)),
-            frozen_bytes_per_param=stored_frozen_bytes_per_param(self.model, prec),
-            optimizer_bytes=optimizer_bytes_per_param(self.model, cfg.train.optimizer),
+            frozen_params=split(self.spec.frozen_params),
+            frozen_bytes_per_param=self.spec.frozen_bytes_per_param,
+            optimizer_bytes=self.spec.optimizer_bytes_per_param,
             activations=lambda c, micro: activations(
                 self._model_of(c), micro_batch=micro, precision=prec
             ),
@@ -175,7 +174,7 @@ class ConfigProblem:
         # plan of a config with LoRA, and with LoRA on 4-bit weights).
         self.key = repr(cfg)
         self.title = (
-            f"{name}: {self.facts.params:,} params, batch {cfg.train.batch_size} x "
+            f"{name}: {self.spec.num_params:,} params, batch {cfg.train.batch_size} x "
             f"{cfg.model.seq_len} tokens, {prec}"
         )
 
@@ -231,10 +230,8 @@ class ConfigProblem:
         return compiled, setup.state
 
     def model_flops(self) -> float:
-        """The model's FLOPs per step as the trainer's MFU counts them
-        (``zeroflow.models.flops_per_token``: 6 per trained matmul weight, 4 per frozen one,
-        6 per LoRA adapter element, plus attention's) x tokens."""
-        return flops_per_token(self.model, self.cfg.train.freeze) * self.facts.tokens_per_step
+        """The model's FLOPs per step, the RunSpec's (as the trainer's MFU counts them)."""
+        return self.spec.flops_per_token * self.spec.tokens_per_step
 
     def _model_of(self, choice: Choice):
         return dataclasses.replace(

@@ -59,6 +59,8 @@ class ModelFacts:
     frozen_bytes_per_param: float | None = None
     "Stored bytes per frozen parameter; None: the compute dtype's (4-bit ones: a quantized base)."
     optimizer_bytes: float = 8.0
+    resident_params: int | None = None
+    "Parameters on the device at once when offload streams the layers in (None: all)."
     activations: Callable[[Choice, int], float] | None = None
     "(choice, micro-batch per device) -> activation bytes per device; None: unknown."
     offloaded_activations: Callable[[Choice, int], float] | None = None
@@ -91,6 +93,7 @@ def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
         optimizer_bytes=facts.optimizer_bytes,
         frozen_params=facts.frozen_params,
         frozen_bytes_per_param=facts.frozen_bytes_per_param,
+        resident_params=facts.resident_params,
     )
     micro = max(facts.batch_size // (where.devices * choice.grad_accum), 1)
     acts = facts.activations(choice, micro) if facts.activations else 0.0
