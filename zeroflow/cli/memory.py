@@ -108,9 +108,11 @@ def _run(args, cfg, data: int | None, target: str | None) -> int:
         from zeroflow.cli import max_seq
 
         return max_seq.run(args, cfg, devices, memory, title, target, per_process)
-    rows = memory_table.plan_rows(
+    table = memory_table.build(
         cfg,
         devices=devices,
+        device_memory=memory,
+        title=title,
         stages=args.stages,
         offloads=args.offloads,
         remats=args.remats,
@@ -120,5 +122,5 @@ def _run(args, cfg, data: int | None, target: str | None) -> int:
         log=lambda m: print(m, file=sys.stderr),
         target=target,
     )
-    memory_table.show(rows, memory, title, as_json=args.json, show_all=args.all, target=target)
+    memory_table.show(table, as_json=args.json, show_all=args.all)
     return 0

@@ -65,6 +65,19 @@ class Measured:
         per_flop, _ = self.flop_rate(rates, where)
         return (self.xla_us + self.uncosted_flops * per_flop) / 1e3
 
+    def step(self, rates: Rates, where: Where, flops: float | None) -> tuple:
+        """``(ms, costed by, MFU)`` of XLA's estimate, ``(None, 'what-if', None)`` without one.
+        An MFU over 1 says XLA's cost model left work out (custom calls such as cuDNN
+        attention): the model's ``flops`` at the dense peak bound the step instead, costed by
+        'model-flops', with no MFU."""
+        ms = self.step_ms(rates, where)
+        if ms is None:
+            return None, "what-if", None
+        mfu = None if flops is None else flops / where.devices / (ms / 1e3) / where.peak_flops
+        if mfu is not None and mfu > 1:
+            return ms * mfu, "model-flops", None
+        return ms, self.costed_by(rates, where), mfu
+
     def flop_rate(self, rates: Rates, where: Where) -> tuple[float, str]:
         """(microseconds per flop, how): this program's, the target's, or its peak's."""
         if self.own_us_per_flop is not None:

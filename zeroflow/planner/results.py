@@ -11,7 +11,7 @@ from pathlib import Path
 from zeroflow.config.io import apply_overrides, save_config
 from zeroflow.memory.estimate import format_bytes
 from zeroflow.planner.compiling import Compiler
-from zeroflow.planner.search import COMPILED, FAILED, Candidate, Row, step_seconds
+from zeroflow.planner.search import COMPILED, FAILED, Candidate, Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +66,8 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
     if best is None:
         return Summary(row, None)
     where, got = row.where, best.got
-    step_ms = got.step_ms(compiler.rates, where)
-    costed = got.costed_by(compiler.rates, where) if step_ms is not None else "what-if"
-    seconds = step_seconds(best, compiler, where)
-    flops = problem.model_flops()
-    mfu = None
-    if flops is not None and costed != "what-if":
-        mfu = flops / where.devices / seconds / where.peak_flops
-    if mfu is not None and mfu > 1:  # XLA's cost model left work out (custom calls such as
-        # cuDNN attention): the model's FLOPs at the dense peak bound the step instead
-        seconds, costed, mfu = seconds * mfu, "model-flops", None
+    ms, costed, mfu = got.step(compiler.rates, where, problem.model_flops())
+    seconds = best.what_if.prior_s if ms is None else ms / 1e3
     return Summary(
         row=row,
         best=best,
@@ -278,16 +270,23 @@ def unplanned(row: Row) -> bool:
 def failure_lines(row: Row) -> list[str]:
     """One line per reason the row's compiles failed for, naming the first plan it failed
     and how many more (a failed compile is not a plan that does not fit)."""
-    by_reason: dict[str, list[Candidate]] = {}
-    for cand in row.candidates:
-        if cand.status == FAILED:
-            by_reason.setdefault(cand.reason, []).append(cand)
+    failed = [(c.reason, c.choice.label()) for c in row.candidates if c.status == FAILED]
+    return [
+        f"{row.where.title}: did not compile ({which}): {why}"
+        for why, which in grouped_failures(failed, 1)
+    ]
+
+
+def grouped_failures(failed: list[tuple[str, str]], named: int) -> list[tuple[str, str]]:
+    """``(reason, which)`` per reason of ``(reason, what failed)`` pairs, ``which`` naming the
+    first ``named`` and how many more."""
+    by_reason: dict[str, list[str]] = {}
+    for reason, what in failed:
+        by_reason.setdefault(reason, []).append(what)
     out = []
-    for reason, cands in by_reason.items():
-        more = f" and {len(cands) - 1} more" if len(cands) > 1 else ""
-        out.append(
-            f"{row.where.title}: did not compile ({cands[0].choice.label()}{more}): {reason}"
-        )
+    for reason, whats in by_reason.items():
+        more = f" and {len(whats) - named} more" if len(whats) > named else ""
+        out.append((reason, ", ".join(whats[:named]) + more))
     return out
 
 

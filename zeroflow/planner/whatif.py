@@ -77,10 +77,17 @@ class WhatIf:
     "Pinned host memory per process: offloaded state and activations."
     prior_s: float
     "The roofline's step time, only to order compiles."
+    model_states: float = 0.0
+    "The formula's parts of ``predicted_bytes``: model states at their largest, ..."
+    activations: float = 0.0
+    "... activations per micro-batch, and the update's peak."
+    update_bytes: float = 0.0
 
 
-def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
-    """The instant figures of ``choice`` at ``where`` (see the module doc)."""
+def what_if(facts: ModelFacts, choice: Choice, where: Where, per_process=None) -> WhatIf:
+    """The instant figures of ``choice`` at ``where`` (see the module doc); ``per_process``:
+    devices sharing a host process, else ``where``'s."""
+    per_process = per_process or where.per_process
     states = estimate(
         num_params=facts.params,
         num_devices=where.devices,
@@ -88,7 +95,7 @@ def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
         offload=choice.offload,
         update_on=choice.update_on,
         precision=facts.compute_dtype,
-        devices_per_process=where.per_process,
+        devices_per_process=per_process,
         gradient_bytes=4,
         optimizer_bytes=facts.optimizer_bytes,
         frozen_params=facts.frozen_params,
@@ -101,8 +108,11 @@ def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
     return WhatIf(
         floor_bytes=states.between_steps_bytes,
         predicted_bytes=max(states.device.total + acts, states.update_bytes),
-        host_bytes=states.host_bytes + host_acts * where.per_process,
+        host_bytes=states.host_bytes + host_acts * per_process,
         prior_s=prior_seconds(facts, choice, where, host_acts),
+        model_states=states.device.total,
+        activations=acts,
+        update_bytes=states.update_bytes,
     )
 
 
