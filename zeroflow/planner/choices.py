@@ -1,19 +1,8 @@
-"""The plans the planner searches: one ``Choice`` is a ZeRO stage, where the optimizer state
-lives and where its update runs, a remat policy and the dtype of what it saves, a micro-batch
-split, an attention kernel and the ZeRO++ options, for one device count.
-
-FP8 residuals (``model.remat_dtype: fp8``) are listed beside each remat policy that saves
-something (``FP8_REMATS``); they round what the backward pass reads through e4m3, so the search
-tries one only where the same plan in the compute dtype does not fit (``zeroflow.planner.search``).
-
-What a choice may combine is the engine's to say (``zeroflow.engine.plan_rules``), never
-re-derived here. Two more rules prune the space before anything is compiled:
-
-- on one device, stages that cannot differ are listed once: a stage is dropped when a lower
-  one makes the same decision the engine makes on one device (whether the state keeps a
-  compute-dtype copy of the weights, ``ZeroPlan.keeps_compute_copy``);
-- plans XLA is known to refuse are skipped with XLA's own reason (``known_failure``).
-"""
+"""The plans the planner searches: a ``Choice`` is a ZeRO stage, where the optimizer state lives
+and its update runs, a remat policy and the dtype of what it saves, a micro-batch split, an
+attention kernel and the ZeRO++ options. What may combine is the engine's rule
+(``zeroflow.engine.plan_rules``), never re-derived here; on one device a stage whose program
+equals a lower one's is dropped, and plans XLA is known to refuse are skipped with its reason."""
 
 from __future__ import annotations
 
@@ -146,7 +135,7 @@ def _zeropp_options(
 
 
 def enumerate_choices(
-    space: Space, *, devices: int, batch_size: int, hosts: int, compute_dtype: str
+    space: Space, devices: int, batch_size: int, hosts: int, compute_dtype: str
 ) -> list[Choice]:
     """Every choice of ``space`` the engine accepts for ``devices`` data devices on ``hosts``
     hosts, the batch split evenly; on one device, one stage per distinct decision."""

@@ -1,20 +1,9 @@
-"""One plan compiled by XLA for where it runs: its device peak and host memory from XLA's memory
-analysis, and on GPUs XLA:GPU's own step-time estimate (its latency-hiding scheduler's cost
-model, ``zeroflow.memory.schedule``).
-
-Compiles are shared. Every compile for one GPU target reads and extends one XLA kernel cache
-(``xla_gpu_kernel_cache_file``): two plans of one model share most of their kernels, and
-generating them (LLVM, then ptxas) is most of an XLA:GPU compile, so after a row's first
-compile the others cost a fraction. The options that only change how kernels are generated
-(``CODEGEN_OPTIONS``) make it cheaper still; neither touches the HLO, its schedule or its
-buffers. Results are remembered per (where, plan), and XLA's time per matmul flop is
-remembered per target (``Rates``).
-
-XLA:GPU prints no schedule statistics for a computation without an asynchronous collective:
-a one-device program, or a stage 0-2 forward pass. Those loops are costed at their matmul
-flops, at the time per flop XLA's model gave this program's costed loops, else another
-program's for the same GPU, else the GPU's dense peak (a lower bound, marked).
-"""
+"""One plan compiled by XLA for where it runs: its device peak and host memory (XLA's memory
+analysis) and on GPUs XLA:GPU's step estimate (``zeroflow.memory.schedule``). Compiles share one
+kernel cache per GPU target and cheap kernel code generation, which change no HLO, schedule or
+buffer (docs/planner.md, "Compiles are shared"). XLA:GPU costs no computation without an
+asynchronous collective: those loops are costed at their matmul flops at XLA's time per flop
+for the program, else for the GPU (``Rates``), else at the dense peak (a lower bound)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""What the planner plans, as a problem: one compile per plan, the facts its what-if reads and
-the model FLOPs its MFU counts.
-
-- ``ModelProblem``: any JAX model (``zf.plan``): ``loss_fn``, abstract ``params``, a global
-  ``batch``, an optax ``tx`` and a ``zf.Precision``, compiled with ``zf.make_train_step``
-  (``zf.memory.compile_step``). Remat and attention are the model's own business.
-- ``ConfigProblem``: a trainer config (``python -m zeroflow.planner`` / ``zeroflow.memory``):
-  each plan is the config with ``section.key=value`` overrides, compiled as the trainer builds
-  its step (``zeroflow.trainer.planning.compile_config``), so the overrides the planner writes
-  are the ones it compiled.
-"""
+"""What the planner plans: ``ModelProblem`` (``zf.plan``: any JAX loss, compiled with
+``zf.make_train_step``) and ``ConfigProblem`` (a trainer config: each plan is the config with
+``section.key=value`` overrides, compiled as the trainer builds its step, so the overrides the
+planner writes are the ones it compiled). Each gives its compile, the what-if's facts and the
+model FLOPs its MFU counts."""
 
 from __future__ import annotations
 

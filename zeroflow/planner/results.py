@@ -139,17 +139,7 @@ def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
     }
 
 
-COLUMNS = (
-    "GPU",
-    "devices",
-    "best plan",
-    "peak/device (XLA)",
-    "host RAM/process",
-    "est. step",
-    "tokens/s",
-    "MFU",
-    "compiled",
-)
+COLUMNS = "GPU|devices|best plan|peak/device (XLA)|host RAM/process|est. step|tokens/s|MFU|compiled"
 STEP_MARK = {
     "xla": "",
     "xla-target": "~ ",
@@ -157,33 +147,32 @@ STEP_MARK = {
     "model-flops": "≥ ",
     "what-if": "what-if ",
 }
+"How a step's loops were costed (``Measured.step``), as the tables mark it."
 
 
 def cells(s: Summary) -> list[str]:
-    where = s.row.where
-    tried = len(s.row.compiled()) + sum(c.status == FAILED for c in s.row.candidates)
-    compiled = f"{tried} of {len(s.row.candidates)}"
-    head = [where.name, str(where.devices)]
-    if unplanned(s.row):  # every attention asked for was ruled out: the row says why
-        return head + [s.row.gpu_notes[0], "-", "-", "-", "-", "-", compiled]
-    if s.best is None:
-        return head + ["nothing fits", "-", "-", "-", "-", "-", compiled]
-    return head + [
-        s.best.choice.label(),
-        format_bytes(s.peak_bytes),
-        format_bytes(s.host_bytes_per_process) if s.host_bytes_per_process else "0",
-        f"{STEP_MARK[s.step_costed_by]}{s.step_ms:.1f} ms",
-        f"{s.tokens_per_s:,.0f}",
-        _mfu_cell(s),
-        compiled,
-    ]
-
-
-def _mfu_cell(s: Summary) -> str:
-    """The MFU; from a step costed at the dense peak (a lower bound) it is an upper bound."""
-    if s.mfu is None:
-        return "-"
-    return ("≤ " if s.step_costed_by == "peak" else "") + f"{100 * s.mfu:.0f}%"
+    where, row = s.row.where, s.row
+    tried = len(row.compiled()) + row.failures()
+    head, tail = [where.name, str(where.devices)], [f"{tried} of {len(row.candidates)}"]
+    if unplanned(row) or s.best is None:  # no attention to plan with: the row says why
+        return head + [row.gpu_notes[0] if unplanned(row) else "nothing fits"] + ["-"] * 5 + tail
+    mfu = (
+        "-"
+        if s.mfu is None
+        else ("≤ " if s.step_costed_by == "peak" else "") + f"{100 * s.mfu:.0f}%"
+    )
+    return (
+        head
+        + [
+            s.best.choice.label(),
+            format_bytes(s.peak_bytes),
+            format_bytes(s.host_bytes_per_process) if s.host_bytes_per_process else "0",
+            f"{STEP_MARK[s.step_costed_by]}{s.step_ms:.1f} ms",
+            f"{s.tokens_per_s:,.0f}",
+            mfu,
+        ]
+        + tail
+    )
 
 
 def render(plan: Plan, console=None) -> None:
@@ -198,7 +187,7 @@ def render(plan: Plan, console=None) -> None:
             f"{here.device_kind}); name GPUs with --gpus h100,a100,l4"
         )
     table = Table(title=plan.title)
-    for name in COLUMNS:
+    for name in COLUMNS.split("|"):
         table.add_column(name, justify="left" if name in ("GPU", "best plan") else "right")
     summaries = plan.summaries()
     for s in summaries:
@@ -208,56 +197,43 @@ def render(plan: Plan, console=None) -> None:
         console.print(line)
 
 
+NOTES = {
+    "fits": "fits: XLA's compiled peak is at most {usable:.0f}% of the GPU's memory (--margin "
+    "{margin:g}: CUDA context, NCCL and cuDNN workspaces live there too); host RAM/process: pinned "
+    "host memory for the offloaded state of one process's GPUs, to provision beyond the "
+    "process's own.",
+    "xla": "est. step: XLA:GPU's latency-hiding scheduler's cost model of the compiled step "
+    "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no collective in them, "
+    "e.g. on one device) are costed at the time per matmul flop XLA gave this GPU's other "
+    "programs; ≥: at the dense bf16 peak, a lower bound (its MFU then an upper bound, ≤). MFU: "
+    "the model's FLOPs per step (a config's as the trainer counts them: 6 per trained matmul "
+    "weight, 4 per frozen one, 6 per LoRA adapter element, plus attention; zf.plan's: 6 per "
+    "trained param, 4 per frozen one) / est. step / dense bf16 peak.",
+    "model-flops": "≥ without an MFU: XLA's estimate was below the model's FLOPs at the dense "
+    "bf16 peak (its cost model leaves custom calls such as cuDNN attention out); the step shown "
+    "is that bound, and tokens/s an upper bound.",
+    "what-if": "est. step 'what-if': this backend gives no step estimate (XLA:CPU); the figure "
+    "is the planner's roofline, which only orders the plans.",
+    "one device": "1 device: stages 1-2 shard over one device and equal stage 0, so they are "
+    "not listed; stage 3 differs only where it drops the compute-weight copy.",
+}
+"The lines under the planner's table, each where its case is in it."
+
+
 def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
-    out = [
-        f"fits: XLA's compiled peak is at most {100 * (1 - plan.margin):.0f}% of the GPU's "
-        f"memory (--margin {plan.margin:g}: CUDA context, NCCL and cuDNN workspaces live "
-        "there too); host RAM/process: pinned host memory for the offloaded state of one "
-        "process's GPUs, to provision beyond the process's own."
-    ]
     marks = {s.step_costed_by for s in summaries if s.best is not None}
-    if marks & {"xla", "xla-target", "peak"}:
-        out.append(
-            "est. step: XLA:GPU's latency-hiding scheduler's cost model of the compiled step "
-            "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no "
-            "collective in them, e.g. on one device) are costed at the time per matmul flop "
-            "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound "
-            "(its MFU then an upper bound, ≤). "
-            "MFU: the model's FLOPs per step (a config's as the trainer counts them: 6 per "
-            "trained matmul weight, 4 per frozen one, 6 per LoRA adapter element, plus "
-            "attention; zf.plan's: 6 per trained param, 4 per frozen one) / est. step / dense bf16 "
-            "peak."
-        )
-    if "model-flops" in marks:
-        out.append(
-            "≥ without an MFU: XLA's estimate was below the model's FLOPs at the dense bf16 "
-            "peak (its cost model leaves custom calls such as cuDNN attention out); the step "
-            "shown is that bound, and tokens/s an upper bound."
-        )
-    if "what-if" in marks:
-        out.append(
-            "est. step 'what-if': this backend gives no step estimate (XLA:CPU); the figure "
-            "is the planner's roofline, which only orders the plans."
-        )
-    if any(s.row.where.devices == 1 for s in summaries):
-        out.append(
-            "1 device: stages 1-2 shard over one device and equal stage 0, so they are not "
-            "listed; stage 3 differs only where it drops the compute-weight copy."
-        )
+    out = [NOTES["fits"].format(usable=100 * (1 - plan.margin), margin=plan.margin)]
+    out += [NOTES["xla"]] if marks & {"xla", "xla-target", "peak"} else []
+    out += [NOTES[mark] for mark in ("model-flops", "what-if") if mark in marks]
+    out += [NOTES["one device"]] if any(s.row.where.devices == 1 for s in summaries) else []
     out += _slow_model_notes(plan)
-    said = set()
-    for s in summaries:  # what a GPU cannot run, once per GPU
-        for line in s.row.gpu_notes:
-            if (s.row.where.name, line) not in said:
-                said.add((s.row.where.name, line))
-                out.append(f"{s.row.where.name}: {line}")
+    gpu_notes = (f"{s.row.where.name}: {line}" for s in summaries for line in s.row.gpu_notes)
+    out += list(dict.fromkeys(gpu_notes))  # what a GPU cannot run, once per GPU
     for s in summaries:
-        for line in s.row.notes:
-            out.append(f"{s.row.where.title}: {line}")
-        out += failure_lines(s.row)
-        for advice in plan.advice.get(s.row.where.title, []):
-            out.append(f"{s.row.where.title}, nothing fits; could work: {advice.line()}")
-        if s.best is None and not plan.advice.get(s.row.where.title) and not unplanned(s.row):
+        title, advice = s.row.where.title, plan.advice.get(s.row.where.title, [])
+        out += [f"{title}: {line}" for line in s.row.notes] + failure_lines(s.row)
+        out += [f"{title}, nothing fits; could work: {a.line()}" for a in advice]
+        if s.best is None and not advice and not unplanned(s.row):
             out.append(_nothing_fits(s))
     return out
 

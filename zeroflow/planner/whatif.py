@@ -1,15 +1,7 @@
-"""The instant what-if: what a plan needs and roughly how fast it runs, from the ZeRO paper's
-formula and a roofline, before anything is compiled.
-
-Nothing here is a figure the planner reports as a plan's peak or step time: those come from
-XLA's compiles. The what-if does two things only:
-
-- proves a plan cannot fit (``floor_bytes``: the state the plan keeps on each device between
-  steps, by the ZeRO formula; a compiled peak is never below it), so it is never compiled;
-- orders the rest, fastest first (``prior_s``: a roofline of the model's matmul flops, the
-  bytes each stage moves between devices and over PCIe, and the recompute of each remat
-  policy), so that the few compiles the search affords go to the plans most likely to win.
-"""
+"""The instant what-if: the ZeRO formula and a roofline, before anything is compiled. It never
+gives a reported figure (XLA's compiles do); it proves a plan cannot fit (``floor_bytes``, the
+state kept between steps: no compiled peak is below it) and orders the rest fastest first
+(``prior_s``), so that the few compiles a row affords go to the likeliest winners."""
 
 from __future__ import annotations
 
