@@ -29,53 +29,30 @@ from zeroflow.trainer.setup import run_model_config
 class ModelProblem:
     """``zf.plan``'s problem (see ``zeroflow.planner.library.plan``)."""
 
-    def __init__(
-        self,
-        loss_fn,
-        params,
-        batch,
-        tx,
-        prec,
-        *,
-        trainable=None,
-        gather_per_layer: str | None = None,
-        tokens_per_example: int | None = None,
-    ):
+    def __init__(self, loss_fn, params, batch, tx, prec, *, tokens_per_example=None, **step):
+        """``step``: ``compile_step``'s ``trainable`` and ``gather_per_layer``."""
         self.loss_fn, self.params, self.batch, self.tx, self.prec = loss_fn, params, batch, tx, prec
-        self.trainable, self.gather_per_layer = trainable, gather_per_layer
-        self.tokens_per_example = tokens_per_example
+        self.step, self.tokens_per_example = step, tokens_per_example
+        trainable = step.get("trainable")
         leaves = jax.tree.leaves(batch)
         if not leaves or not np.shape(leaves[0]):
             raise ValueError("zf.plan: batch must hold arrays with a leading batch dimension")
         batch_size = int(np.shape(leaves[0])[0])
         total = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
         frozen, frozen_bytes = _frozen(params, trainable, DTYPE_BYTES[prec.params])
-        self.facts = ModelFacts(
-            params=total,
-            tokens_per_step=batch_size * (tokens_per_example or 1),
-            batch_size=batch_size,
-            compute_dtype=prec.params,
-            frozen_params=frozen,
-            frozen_bytes_per_param=frozen_bytes / frozen if frozen else None,
-            optimizer_bytes=_optimizer_bytes(tx, params, total),
-        )
+        tokens = batch_size * (tokens_per_example or 1)
+        self.facts = ModelFacts(total, tokens, batch_size, prec.params, frozen)
+        self.facts.frozen_bytes_per_param = frozen_bytes / frozen if frozen else None
+        self.facts.optimizer_bytes = _optimizer_bytes(tx, params, total)
         self.title = f"{total:,} params, batch {batch_size}"
-        if gather_per_layer is None:  # loss_fn(params, batch, gather_layer): the step's alone
+        if step.get("gather_per_layer") is None:  # else loss_fn(params, batch, gather_layer)
             _check_traces(loss_fn, params, batch, prec.params)
 
     def compile(self, choice: Choice, where: Where, options: dict):
         plan = ZeroPlan(where.mesh(), **choice.plan_settings())
+        args = (self.loss_fn, self.params, self.batch, self.tx, plan, self.prec)
         return compile_step(
-            self.loss_fn,
-            self.params,
-            self.batch,
-            self.tx,
-            plan,
-            self.prec,
-            grad_accum=choice.grad_accum,
-            gather_per_layer=self.gather_per_layer,
-            trainable=self.trainable,
-            compiler_options=options,
+            *args, grad_accum=choice.grad_accum, compiler_options=options, **self.step
         )
 
     def model_flops(self) -> float | None:
@@ -175,16 +152,10 @@ class ConfigProblem:
     def own_choice(self, stage: int, offload: str, remat: str) -> Choice:
         """``stage``/``offload``/``remat`` with everything else as the config says."""
         par = self.cfg.parallel
+        update_on = par.update_on if offload != "none" else "device"
+        quantized = [None if q == "none" else q for q in (par.quantize_weights, par.quantize_grads)]
         return Choice(
-            stage,
-            offload,
-            par.update_on if offload != "none" else "device",
-            par.grad_accum,
-            remat,
-            None,
-            None if par.quantize_weights == "none" else par.quantize_weights,
-            None if par.quantize_grads == "none" else par.quantize_grads,
-            par.hierarchical,
+            stage, offload, update_on, par.grad_accum, remat, None, *quantized, par.hierarchical
         )
 
     def overrides(self, choice: Choice, devices: int) -> list[str]:
@@ -210,15 +181,14 @@ class ConfigProblem:
 
     def compile(self, choice: Choice, where: Where, options: dict):
         cfg = apply_overrides(self.cfg, self.overrides(choice, where.devices))
+        plan = dict(stage=choice.stage, offload=choice.offload, update_on=choice.update_on)
+        target = dict(target=None if where.local else where.name, hosts=where.hosts)
         compiled, setup = compile_config(
             cfg,
             num_devices=where.devices,
-            stage=choice.stage,
-            offload=choice.offload,
-            update_on=choice.update_on,
             remat=cfg.model.remat,
-            target=None if where.local else where.name,
-            hosts=where.hosts,
+            **plan,
+            **target,
             compiler_options=options,
         )
         return compiled, setup.state
@@ -228,9 +198,7 @@ class ConfigProblem:
         return self.spec.flops_per_token * self.spec.tokens_per_step
 
     def _model_of(self, choice: Choice):
+        keys = ("remat", "attention", "remat_dtype")
         return dataclasses.replace(
-            self.model,
-            remat=choice.remat or self.model.remat,
-            attention=choice.attention or self.model.attention,
-            remat_dtype=choice.remat_dtype or self.model.remat_dtype,
+            self.model, **{k: getattr(choice, k) or getattr(self.model, k) for k in keys}
         )

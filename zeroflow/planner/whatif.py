@@ -37,7 +37,7 @@ RECOMPUTE = {
 " only what lies between matmuls."
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class ModelFacts:
     """What the what-if knows of a model: its parameter counts, the tokens (or examples) in
     one optimizer step, its precision and, where a formula exists (the trainer's GPT), its
