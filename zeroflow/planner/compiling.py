@@ -7,6 +7,7 @@ for the program, else for the GPU (``Rates``), else at the dense peak (a lower b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -109,17 +110,16 @@ class Compiler:
     def peak_elsewhere(self, problem, choice: Choice, where: Where) -> tuple[float, str] | None:
         """The smallest peak XLA compiled for ``problem``'s ``choice`` on the same device count
         and hosts of another GPU, with that GPU's name; None where there is none."""
-        mine = problem_key(problem)
+        mine, same = problem_key(problem), (where.devices, where.hosts, False)
         seen = [
             (got.peak_bytes, other.name)
             for (key, other, c), got in self.results.items()
-            if key == mine
-            and c == choice
+            if (key, c) == (mine, choice)
             and isinstance(got, Measured)
             and other.name != where.name
-            and (other.devices, other.hosts, other.local) == (where.devices, where.hosts, False)
+            and (other.devices, other.hosts, other.local) == same
         ]
-        return min(seen) if seen else None
+        return min(seen, default=None)
 
     def measure(self, problem, choice: Choice, where: Where) -> Measured | str:
         """XLA's figures for ``choice`` at ``where``, or the one-line reason it did not
@@ -133,10 +133,7 @@ class Compiler:
         start = time.perf_counter()
         timed = where.is_gpu and schedule.enabled()
         try:
-            if timed:
-                with schedule.capture() as log:
-                    compiled, state = problem.compile(choice, where, self.options(where))
-            else:
+            with schedule.capture() if timed else contextlib.nullcontext() as log:
                 compiled, state = problem.compile(choice, where, self.options(where))
             got = analysed(compiled)
         except Exception as e:  # a plan that cannot compile is a row with its reason
@@ -150,29 +147,25 @@ class Compiler:
             compile_s=time.perf_counter() - start,
             overlap=overlap(collectives(compiled)) if self.overlaps else None,
         )
-        if timed:
-            measured = self._with_step(measured, log.text, compiled.as_text(), where)
-            on_device = choice.offload == "none" and choice.remat != "offload_dots"
-            if measured.own_us_per_flop is not None and on_device:
-                self._remember_rate(where, measured.own_us_per_flop)
-        return measured
-
-    def _remember_rate(self, where: Where, us_per_flop: float) -> None:
-        """XLA's time per flop for a GPU, from programs whose loops wait on no host copy; the
-        fastest seen."""
-        known = self.rates.us_per_flop.get(where.name, us_per_flop)
-        self.rates.us_per_flop[where.name] = min(known, us_per_flop)
-
-    def _with_step(self, measured: Measured, log_text: str, hlo: str, where: Where) -> Measured:
-        xla_us, uncosted_flops, own = step_parts(log_text, hlo, where.peak_flops)
-        return dataclasses.replace(
+        if not timed:
+            return measured
+        hlo = compiled.as_text()
+        xla_us, uncosted, own = step_parts(log.text, hlo, where.peak_flops)
+        exposed = schedule.parse(log.text, hlo).exposed_by_kind()
+        measured = dataclasses.replace(
             measured,
             xla_us=xla_us,
-            uncosted_flops=uncosted_flops,
+            uncosted_flops=uncosted,
             own_us_per_flop=own,
-            exposed_us=schedule.parse(log_text, hlo).exposed_by_kind(),
+            exposed_us=exposed,
             timed=True,
         )
+        # XLA's time per flop for a GPU: the fastest of programs whose loops wait on no host copy
+        if own is not None and choice.offload == "none" and choice.remat != "offload_dots":
+            self.rates.us_per_flop[where.name] = min(
+                self.rates.us_per_flop.get(where.name, own), own
+            )
+        return measured
 
 
 def problem_key(problem) -> object:

@@ -92,45 +92,39 @@ class Table:
     def as_json(self, c: Candidate) -> dict:
         ch, w, got = c.choice, c.what_if, c.measured
         ms, costed, mfu = self.step(c)
-        timing = ms is not None and {
-            "step_ms": round(ms, 3),
-            "exposed_ms": {k: round(v / 1e3, 3) for k, v in got.exposed_us.items()},
-            "mfu": None if mfu is None else round(mfu, 4),
-            "costed_by": costed,
-            "is_estimate": True,
-        }
-        out = {
-            "stage": ch.stage,
-            "offload": ch.offload,
-            "update_on": ch.update_on,
-            "remat": ch.remat,
-            "remat_dtype": ch.remat_dtype,
-            "attention": "xla" if self.attention_why else None,
-            "attention_why": self.attention_why,
+        formula = dict(
+            model_states=w.model_states, activations=w.activations, update=w.update_bytes
+        )
+        timing = (
+            got
+            and ms is not None
+            and {
+                "step_ms": round(ms, 3),
+                "exposed_ms": {k: round(v / 1e3, 3) for k, v in got.exposed_us.items()},
+                "mfu": None if mfu is None else round(mfu, 4),
+                "costed_by": costed,
+                "is_estimate": True,
+            }
+        )
+        out = {k: getattr(ch, k) for k in ("stage", "offload", "update_on", "remat", "remat_dtype")}
+        out |= {"attention": self.attention_why and "xla", "attention_why": self.attention_why}
+        out |= {
             "estimated_peak_bytes": round(w.predicted_bytes),
             "measured_peak_bytes": got and round(got.peak_bytes),
             "measured_host_bytes": got and round(got.host_bytes),
             "host_bytes_per_process": round(self.host(c)),
-            "formula": {
-                "model_states": round(w.model_states),
-                "activations": round(w.activations),
-                "update": round(w.update_bytes),
-            },
+            "formula": {k: round(v) for k, v in formula.items()},
             "overlap": got and got.overlap,
             "estimated_step": timing,
             "note": self.note(c),
         }
-        optional = (
-            "remat_dtype",
-            "attention",
-            "attention_why",
-            "overlap",
-            "estimated_step",
-            "note",
-        )
-        out = {k: v for k, v in out.items() if k not in optional or v}
+        out = {k: v for k, v in out.items() if v or k not in OPTIONAL_JSON}
         target = {"target": self.target} if self.target else {}
         return {**out, "fits": self.fits(c), "device_memory_bytes": self.device_memory, **target}
+
+
+OPTIONAL_JSON = {"remat_dtype", "attention", "attention_why", "overlap", "estimated_step", "note"}
+"Keys of a JSON row left out where they say nothing."
 
 
 def cost(c: Candidate) -> tuple:

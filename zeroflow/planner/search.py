@@ -122,7 +122,7 @@ def search_row(
         if nxt.what_if.predicted_bytes > 0:
             scale = row.scale = got.peak_bytes / nxt.what_if.predicted_bytes
         if not row.fits(nxt):
-            _rule_out_bigger(row, nxt)
+            _rule_out_bigger(row, nxt, got.peak_bytes)
         elif done >= min_compiles and _cannot_be_beaten(row, compiler, scale):
             break
     if row.failures() < max_failures:
@@ -179,14 +179,10 @@ def _held_back(row: Row) -> set[int]:
     row, may fit: compiled and fitting, or open and predicted to fit (the formula scaled by
     the last compile's ratio), or skipped or failed (no memory said it cannot fit)."""
     by_choice = {c.choice: c for c in row.candidates}
-    held = set()
-    for cand in row.candidates:
-        twin = (
-            by_choice.get(cand.choice.in_compute_dtype()) if cand.choice.fp8_residuals() else None
-        )
-        if twin is not None and not _over(row, twin):
-            held.add(id(cand))
-    return held
+    twins = [(c, by_choice.get(c.choice.in_compute_dtype())) for c in row.candidates]
+    return {
+        id(c) for c, twin in twins if c.choice.fp8_residuals() and twin and not _over(row, twin)
+    }
 
 
 def _over(row: Row, cand: Candidate) -> bool:
@@ -234,14 +230,12 @@ def _family(choice: Choice) -> tuple:
     return (choice.stage, choice.offload, choice.update_on)
 
 
-def _rule_out_bigger(row: Row, compiled: Candidate) -> None:
+def _rule_out_bigger(row: Row, than: Candidate, peak: float, on: str = "") -> None:
+    """Every open plan needing at least the memory of ``than``, whose peak was ``peak``."""
+    why = f"needs at least the {format_bytes(peak)} XLA compiled for {than.choice.label()}{on}"
     for cand in row.candidates:
-        if cand.status == OPEN and needs_more(cand.choice, compiled.choice):
-            cand.status = RULED_OUT
-            cand.reason = (
-                f"needs at least the {format_bytes(compiled.got.peak_bytes)} XLA "
-                f"compiled for {compiled.choice.label()}"
-            )
+        if cand.status == OPEN and (cand is than or needs_more(cand.choice, than.choice)):
+            cand.status, cand.reason = RULED_OUT, why
 
 
 def _too_big_elsewhere(problem, row: Row, cand: Candidate, compiler: Compiler) -> bool:
@@ -250,11 +244,7 @@ def _too_big_elsewhere(problem, row: Row, cand: Candidate, compiler: Compiler) -
     seen = compiler.peak_elsewhere(problem, cand.choice, row.where)
     if seen is None or seen[0] <= row.usable_bytes * (1 + OTHER_GPU_SPREAD):
         return False
-    peak, gpu = seen
-    why = f"needs at least the {format_bytes(peak)} XLA compiled for {cand.choice.label()} on {gpu}"
-    for other in row.candidates:
-        if other.status == OPEN and (other is cand or needs_more(other.choice, cand.choice)):
-            other.status, other.reason = RULED_OUT, why
+    _rule_out_bigger(row, cand, seen[0], f" on {seen[1]}")
     return True
 
 
@@ -267,18 +257,14 @@ def step_seconds(cand: Candidate, compiler: Compiler, where: Where) -> float:
 def best_of(row: Row, compiler: Compiler) -> Candidate | None:
     """The fitting plan with the shortest step; never one with FP8 residuals whose same plan
     in the compute dtype fits."""
-    fits = {c.choice for c in row.compiled() if row.fits(c)}
+    fits = {c.choice: c for c in row.compiled() if row.fits(c)}
     fitting = [
         c
-        for c in row.compiled()
-        if row.fits(c) and not (c.choice.fp8_residuals() and c.choice.in_compute_dtype() in fits)
+        for c in fits.values()
+        if c.choice.in_compute_dtype() not in fits or not c.choice.fp8_residuals()
     ]
-    if not fitting:
-        return None
-    return min(
-        fitting,
-        key=lambda c: (step_seconds(c, compiler, row.where), c.got.peak_bytes),
-    )
+    key = lambda c: (step_seconds(c, compiler, row.where), c.got.peak_bytes)  # noqa: E731
+    return min(fitting, key=key, default=None)
 
 
 def _cannot_be_beaten(row: Row, compiler: Compiler, scale: float) -> bool:
@@ -288,11 +274,9 @@ def _cannot_be_beaten(row: Row, compiler: Compiler, scale: float) -> bool:
     open_ = _likely(row, scale)
     if best is None or not open_:
         return best is not None
-    ratios = [
-        step_seconds(c, compiler, row.where) / c.what_if.prior_s
-        for c in row.compiled()
-        if c.what_if.prior_s > 0
-    ]
-    ratio = min(ratios) if ratios else 1.0
-    fastest = min(c.what_if.prior_s for c in open_)
-    return fastest * ratio >= step_seconds(best, compiler, row.where)
+    seconds = lambda c: step_seconds(c, compiler, row.where)  # noqa: E731
+    ratio = min(
+        (seconds(c) / c.what_if.prior_s for c in row.compiled() if c.what_if.prior_s > 0),
+        default=1.0,
+    )
+    return min(c.what_if.prior_s for c in open_) * ratio >= seconds(best)
