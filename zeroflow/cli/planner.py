@@ -82,18 +82,11 @@ def _progress():
     if not sys.stderr.isatty():
         yield _progress_lines(time.perf_counter())
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich import progress as rp
 
-    columns = (TextColumn("compiles"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    columns += (TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"))
-    with Progress(*columns, transient=True) as bar:
+    columns = (rp.TextColumn("compiles"), rp.BarColumn(), rp.MofNCompleteColumn())
+    columns += (rp.TimeElapsedColumn(), rp.TextColumn("left"), rp.TimeRemainingColumn())
+    with rp.Progress(*columns, rp.TextColumn("{task.description}"), transient=True) as bar:
         task = bar.add_task("", total=None)
         yield lambda done, total, what: bar.update(
             task, completed=done, total=total, description=what

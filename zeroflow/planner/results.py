@@ -84,19 +84,15 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
 
 
 def _candidate_json(cand: Candidate, compiler: Compiler, where) -> dict:
-    out = {
-        "choice": cand.choice.as_json(),
-        "status": cand.status,
-        "what_if": {
-            "floor_bytes": round(cand.what_if.floor_bytes),
-            "predicted_bytes": round(cand.what_if.predicted_bytes),
-            "host_bytes_per_process": round(cand.what_if.host_bytes),
-            "prior_ms": round(cand.what_if.prior_s * 1e3, 3),
-        },
+    w, got = cand.what_if, cand.measured
+    out = {"choice": cand.choice.as_json(), "status": cand.status}
+    out["what_if"] = {
+        "floor_bytes": round(w.floor_bytes),
+        "predicted_bytes": round(w.predicted_bytes),
+        "host_bytes_per_process": round(w.host_bytes),
+        "prior_ms": round(w.prior_s * 1e3, 3),
     }
-    if cand.reason:
-        out["reason"] = cand.reason
-    got = cand.measured
+    out |= {"reason": cand.reason} if cand.reason else {}
     if got is not None:
         step = got.step_ms(compiler.rates, where)
         out["xla"] = {
@@ -111,7 +107,7 @@ def _candidate_json(cand: Candidate, compiler: Compiler, where) -> dict:
 
 
 def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
-    where = s.row.where
+    where, best = s.row.where, s.best
     return {
         "gpu": where.name,
         "device_kind": where.device_kind,
@@ -120,11 +116,10 @@ def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
         "compiled_for": "this machine" if where.local else "target (XLA:GPU, no GPU)",
         "device_memory_bytes": where.memory_bytes,
         "usable_bytes": round(s.row.usable_bytes),
-        "best": None
-        if s.best is None
-        else {
-            "choice": s.best.choice.as_json(),
-            "label": s.best.choice.label(),
+        "best": best
+        and {
+            "choice": best.choice.as_json(),
+            "label": best.choice.label(),
             "peak_bytes": round(s.peak_bytes),
             "host_bytes_per_process": round(s.host_bytes_per_process),
             "step_ms": round(s.step_ms, 3),

@@ -24,14 +24,8 @@ WEIGHT_READS = 3
 UNHIDDEN = 0.1
 "Share of an overlapped collective's time the roofline still charges: overlapped transfers"
 " compete with the compute for memory bandwidth and SMs, so moving fewer bytes stays better."
-RECOMPUTE = {
-    None: 1.0,
-    "none": 1.0,
-    "save_dots": 1.05,
-    "offload_dots": 1.05,
-    "full": 4 / 3,
-    "offload_input": 4 / 3,
-}
+RECOMPUTE = {None: 1, "none": 1, "save_dots": 1.05, "offload_dots": 1.05, "full": 4 / 3}
+RECOMPUTE["offload_input"] = RECOMPUTE["full"]
 "Step flops relative to no remat: full remat (and offload_input, which recomputes as much) runs"
 " the forward pass twice (8 instead of 6 flops per parameter and token); save_dots recomputes"
 " only what lies between matmuls."
