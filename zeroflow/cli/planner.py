@@ -60,8 +60,8 @@ def main_args(args: argparse.Namespace) -> int:
         args.out or os.path.join("plans", Path(args.config).stem if args.config else "default")
     )
     started = time.perf_counter()
-    keys = ("gpus", "devices", "margin", "device_memory", "max_compiles", "min_compiles")
-    keys += ("stages", "remats", "attentions", "grad_accums")
+    keys = ["gpus", "devices", "margin", "device_memory", "max_compiles", "min_compiles"]
+    keys += ["stages", "remats", "attentions", "grad_accums"]
     with _progress() as tick:
         plan = plan_config(
             cfg,

@@ -193,6 +193,10 @@ def needs_more(a: Choice, b: Choice) -> bool:
         return False
     if a.fp8_residuals() and not b.fp8_residuals():
         return False
-    if a.remat is not None and REMAT_MEMORY[a.remat] < REMAT_MEMORY[b.remat]:
+    if (
+        a.remat is not None
+        and b.remat is not None
+        and REMAT_MEMORY[a.remat] < REMAT_MEMORY[b.remat]
+    ):
         return False
     return a.stage <= b.stage and a.grad_accum <= b.grad_accum

@@ -147,7 +147,7 @@ class Compiler:
             compile_s=time.perf_counter() - start,
             overlap=overlap(collectives(compiled)) if self.overlaps else None,
         )
-        if not timed:
+        if not timed or log is None:
             return measured
         hlo = compiled.as_text()
         xla_us, uncosted, own = step_parts(log.text, hlo, where.peak_flops)

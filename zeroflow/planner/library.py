@@ -109,7 +109,7 @@ def run(
         # not count against max_compiles.
         bound = max_compiles + 1 + MAX_FAILURES
         total, done, found = bound * len(rows), 0, {}
-        limits = dict(margin=margin, max_compiles=max_compiles, min_compiles=min_compiles)
+        limits: dict = dict(margin=margin, max_compiles=max_compiles, min_compiles=min_compiles)
         for where in sorted(rows, key=lambda w: -w.devices):
             start = compiler.compiles
 
@@ -155,9 +155,8 @@ def space_for(
         own = "xla" if model.attention == "cudnn" else model.attention
         kernels = [a for a in (attentions or [own]) if a != "cudnn"] or ["xla"]
         kept = [r for r in remats if r != "offload_dots"]
-    kept, kernels = tuple(kept), tuple(kernels)
-    space = dict(remats=kept, attentions=kernels, grad_accums=grad_accums, zeropp=zeropp)
-    return Space(tuple(stages), **space, notes=notes)
+    space = dict(remats=tuple(kept), attentions=tuple(kernels), notes=notes)
+    return Space(tuple(stages), grad_accums=grad_accums, zeropp=zeropp, **space)
 
 
 NO_KERNEL = "nothing planned (--attentions leaves no other attention; try --attentions xla)"

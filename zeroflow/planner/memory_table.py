@@ -131,11 +131,11 @@ def cost(c: Candidate) -> tuple:
     """FP8 residuals rank right after the same remat in the compute dtype: about as fast, but
     their gradients are approximate."""
     ch = c.choice
-    return (OFFLOADS.index(ch.offload), REMAT_COST[ch.remat], ch.fp8_residuals(), ch.stage)
+    return (OFFLOADS.index(ch.offload), REMAT_COST[str(ch.remat)], ch.fp8_residuals(), ch.stage)
 
 
 def remat_label(c: Candidate) -> str:
-    return c.choice.remat + (" fp8" if c.choice.fp8_residuals() else "")
+    return f"{c.choice.remat}{' fp8' if c.choice.fp8_residuals() else ''}"
 
 
 def setting(cfg, *, name: str, devices: int | None, target: str | None, device_memory):
@@ -192,7 +192,11 @@ def build(
         small = problem.spec.num_params <= MEASURE_MAX_PARAMS
         few = devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
         measure = "always" if target is not None or (small and few) else "never"
-    where = places.target(target, devices) if target else places.local(devices, device_memory)
+    where = (
+        places.target(target, devices)
+        if target
+        else places.local(devices, int(device_memory) if device_memory else None)
+    )
     per_process = devices_per_process or min(devices, 8)
     table = Table(title, device_memory or where.memory_bytes, problem, where, per_process)
     table.attention_why = why
@@ -267,7 +271,7 @@ def render(table: Table, console=None, show_all: bool = False) -> Candidate | No
     overlaps = [((c.measured.overlap or {}).get("total") or {}) for _, c in shown if c.measured]
     collectives = any(total.get("count") for total in overlaps)
     timed = [c for _, c in shown if table.step(c)[0] is not None]
-    exposed = any(c.measured.exposed_us for c in timed)
+    exposed = any(c.measured and c.measured.exposed_us for c in timed)
     columns = ["stage", "offload", "remat", "formula/dev", "XLA/dev", "host/process", "fits"]
     columns += ["overlapped collectives"] * collectives + ["est. step (XLA:GPU)"] * bool(timed)
     columns += ["exposed comm."] * exposed + ["est. MFU"] * bool(timed)

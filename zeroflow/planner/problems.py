@@ -153,9 +153,9 @@ class ConfigProblem:
         """``stage``/``offload``/``remat`` with everything else as the config says."""
         par = self.cfg.parallel
         update_on = par.update_on if offload != "none" else "device"
-        quantized = [None if q == "none" else q for q in (par.quantize_weights, par.quantize_grads)]
+        qw, qg = (None if q == "none" else q for q in (par.quantize_weights, par.quantize_grads))
         return Choice(
-            stage, offload, update_on, par.grad_accum, remat, None, *quantized, par.hierarchical
+            stage, offload, update_on, par.grad_accum, remat, None, qw, qg, par.hierarchical
         )
 
     def overrides(self, choice: Choice, devices: int) -> list[str]:

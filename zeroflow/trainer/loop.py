@@ -177,7 +177,7 @@ def _reporter(run: Run, start: int, progress, *, resumed: bool, rollbacks: int =
     spec = run_spec(
         dataclasses.replace(cfg, model=run.model_cfg),
         num_devices=max(jax.device_count() // (par.model * par.context), 1),
-        target=device and device.name,
+        target=device.name if device else None,
     )
     return Reporter(
         Path(cfg.run.dir),
