@@ -31,7 +31,7 @@ import jax  # noqa: E402
 
 from zeroflow.backend import targets  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
-from zeroflow.planner.memory_table import plan_rows  # noqa: E402
+from zeroflow.planner import memory_table  # noqa: E402
 from zeroflow.trainer.setup import run_model_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fit_table.md"
@@ -111,13 +111,13 @@ def measure(label, config, overrides, gpu, devices, stage, offload, remat):
     start = time.perf_counter()
     update_on = cfg.parallel.update_on if offload != "none" else "device"
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, update_on=update_on))
-    (r,) = plan_rows(cfg, devices=devices, stages=[stage], offloads=[offload], remats=[remat],
-                     measure="always", target=gpu)
-    if r.measured_bytes is None:
-        raise RuntimeError(f"{label}: {r.note}")
+    (r,) = memory_table.build(cfg, devices=devices, stages=[stage], offloads=[offload],
+                              remats=[remat], measure="always", target=gpu).rows
+    if r.measured is None:
+        raise RuntimeError(f"{label}: {r.reason}")
     memory = _card_memory(gpu)
     row = {"label": label, "where": f"{devices} x {gpu}", "stage": stage, "offload": offload,
-           "remat": remat, "peak": r.measured_bytes, "host": r.measured_host_bytes, "memory": memory,
+           "remat": remat, "peak": r.measured.peak_bytes, "host": r.measured.host_bytes, "memory": memory,
            "seconds": time.perf_counter() - start}
     print(_line(row), file=sys.stderr, flush=True)
     return row

@@ -104,7 +104,7 @@ def measure_row(name, loss, params, batch, mesh, stage, where):
 
 def config_row(config, target, devices, stage, remat, overrides=(), label=""):
     from zeroflow.config.io import load_config
-    from zeroflow.planner.memory_table import plan_rows
+    from zeroflow.planner import memory_table
     cfg = load_config(config, ["model.attention=xla", *overrides])
     if cfg.model.init_from:
         import dataclasses
@@ -112,15 +112,15 @@ def config_row(config, target, devices, stage, remat, overrides=(), label=""):
         from zeroflow.trainer.setup import run_model_config
         cfg = dataclasses.replace(cfg, model=run_model_config(cfg))
     start = time.perf_counter()
-    (r,) = plan_rows(cfg, devices=devices, stages=[stage], offloads=["none"], remats=[remat],
-                     measure="always", target=target)
-    if r.measured_bytes is None:
-        raise RuntimeError(f"{config}: {r.note}")
+    (r,) = memory_table.build(cfg, devices=devices, stages=[stage], offloads=["none"],
+                              remats=[remat], measure="always", target=target).rows
+    if r.measured is None:
+        raise RuntimeError(f"{config}: {r.reason}")
     psi = zf.memory.count_gpt_params(cfg.model)
     row = {"model": f"{Path(config).stem} (remat {remat}{', ' + label if label else ''})",
            "where": f"{devices} x {target}",
-           "stage": stage, "psi": psi, "peak": r.measured_bytes,
-           "ratio": r.measured_bytes / formula(stage, psi, devices), "overlap": r.overlap,
+           "stage": stage, "psi": psi, "peak": r.measured.peak_bytes,
+           "ratio": r.measured.peak_bytes / formula(stage, psi, devices), "overlap": r.measured.overlap,
            "seconds": time.perf_counter() - start}
     print(_line(row), file=sys.stderr, flush=True)
     return row

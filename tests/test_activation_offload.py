@@ -67,15 +67,20 @@ def test_the_formula_and_the_memory_table_know_offloaded_activations(h100):
     only feeds the residual sum and is kept by neither, so it stays over by up to 15%. The
     memory table's host column where compiled is XLA's host bytes per device times a
     process's 8 devices."""
-    from zeroflow.planner.memory_table import Row
+    from zeroflow.planner import memory_table
+    from zeroflow.planner.compiling import Measured
     host = analysed(h100["offload_dots"][0]).host_temp_bytes
     formula = zf.memory.offloaded_activations(CFG.model, micro_batch=BATCH // N,
                                               remat="offload_dots")
     assert host <= formula <= 1.15 * host, (formula, host)
-    est = zf.memory.estimate_config(CFG, num_devices=N, stage=3, remat="offload_dots")
-    row = Row(3, "none", "offload_dots", "device", est, formula, 8, measured_bytes=1.0,
-              measured_host_bytes=float(host))
-    assert row.host_bytes == 8 * host
+    table = memory_table.build(CFG, devices=N, stages=[3], offloads=["none"],
+                               remats=["offload_dots"], measure="never", devices_per_process=8)
+    [row] = table.rows
+    est = zf.memory.estimate_config(CFG, num_devices=N, stage=3, remat="offload_dots",
+                                    devices_per_process=8)
+    assert table.host(row) == est.host_bytes + 8 * formula  # uncompiled: the formula's
+    row.measured = Measured(peak_bytes=1.0, host_bytes=float(host), compile_s=0.0)
+    assert table.host(row) == 8 * host
 
 
 def test_cpu_says_it_keeps_the_activations_in_device_memory():

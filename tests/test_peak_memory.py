@@ -112,17 +112,24 @@ def test_memory_cli_fits_by_xla_where_it_compiles():
     """``python -m zeroflow.memory``'s rows: the measured column is XLA's compiled peak of the
     trainer's step (its ``memory_analysis``), and a memory between the formula's figure and
     XLA's decides by XLA's."""
-    from zeroflow.planner.memory_table import cheapest_fit, plan_rows
+    from zeroflow.planner import memory_table
     from zeroflow.config.io import load_config
     from zeroflow.trainer.planning import measure_config
     cfg = load_config("configs/tiny.yaml", GPT_OVERRIDES)
-    [row] = plan_rows(cfg, devices=8, stages=[3], offloads=["none"], remats=["none"],
-                      measure="always")
+    table = memory_table.build(cfg, devices=8, stages=[3], offloads=["none"], remats=["none"],
+                               measure="always")
+    [row] = table.rows
     got, _ = measure_config(cfg, num_devices=8, stage=3, offload="none", update_on="device",
                             remat="none")
-    assert row.measured_bytes == got.total_bytes  # (no offloaded state to leave out)
-    formula, xla = row.estimate.device_bytes, row.measured_bytes
-    assert formula != xla
+    assert row.measured.peak_bytes == got.total_bytes  # (no offloaded state to leave out)
+    formula = zf.memory.estimate_config(cfg, num_devices=8, stage=3, remat="none").device_bytes
+    xla = row.measured.peak_bytes
+    assert formula == row.what_if.predicted_bytes and formula != xla
+
+    def cheapest(memory_bytes):
+        table.device_memory = memory_bytes
+        return table.cheapest()
+
     between = (formula + xla) / 2
-    assert (cheapest_fit([row], between) is row) == (xla <= between)
-    assert (cheapest_fit([row], xla) is row) and cheapest_fit([row], 0.99 * xla) is None
+    assert (cheapest(between) is row) == (xla <= between)
+    assert (cheapest(xla) is row) and cheapest(0.99 * xla) is None

@@ -33,23 +33,55 @@ def test_rows_that_differ_only_in_stage_are_said_once(capsys):
     assert len(rows) == 1 and re.search(r"\b0-3\b", rows[0]), rows
 
 
-def _row(stage, need, note=""):
-    from zeroflow.memory.estimate import estimate
-    est = estimate(num_params=1000, num_devices=1, stage=stage)
-    return memory_table.Row(stage, "none", "full", "device", est, 0.0, 1,
-                          measured_bytes=need, note=note)
+def _table(*rows):
+    """A memory table of the tiny config on one H100 whose rows are ``(stage, compiled peak,
+    failure reason)``, and ``step`` XLA:GPU's estimate of the compiled ones."""
+    import dataclasses
+
+    from zeroflow.config.io import load_config
+    from zeroflow.planner import search
+    from zeroflow.planner.compiling import Measured
+    table = memory_table.build(load_config("configs/tiny.yaml", ["precision.params=bf16"]), devices=1,
+                               device_memory=1e9, title="t", stages=[r[0] for r in rows],
+                               offloads=["none"], remats=["full"], measure="never")
+    for c, (_, peak, reason) in zip(table.rows, rows, strict=True):
+        c.reason = reason
+        c.status = search.FAILED if reason else search.COMPILED
+        c.measured = None if peak is None else Measured(peak_bytes=peak, host_bytes=0.0,
+                                                        compile_s=1.0)
+    return table, lambda c, **step: dataclasses.replace(c.measured, timed=True, **step)
 
 
 def test_a_failed_compile_is_one_line_under_the_table(capsys):
     from rich.console import Console
-    rows = [_row(0, None, "RuntimeError: XLA ran out of words"), _row(1, None,
-            "RuntimeError: XLA ran out of words"), _row(3, 5e3)]
-    memory_table.render(rows, 1e9, "t", console=Console(width=150), show_all=True)
+    table, _ = _table((0, None, "RuntimeError: XLA ran out of words"),
+                      (1, None, "RuntimeError: XLA ran out of words"), (3, 5e3, ""))
+    memory_table.render(table, console=Console(width=150), show_all=True)
     out = capsys.readouterr().out.splitlines()
     failed = [line for line in out if "did not compile" in line]
     assert failed == ["did not compile (0,1/none/full): "
                       "RuntimeError: XLA ran out of words"]
     assert not any("out of words" in line for line in out if line not in failed)
+
+
+def _timing_cells(mfu, costed_by="xla"):
+    """The memory table's step cells of a compiled row on one H100 (989e12 dense bf16) whose
+    XLA:GPU estimate is 10 ms and whose model FLOPs make ``mfu`` of it; ``costed_by``: how its
+    loops were costed (by XLA, or uncosted ones at the rate XLA gave the target's other
+    programs, or at the dense peak)."""
+    from zeroflow.planner import where
+    from zeroflow.planner.compiling import Compiler
+    table, timed = _table((0, 5e3, ""))
+    [c] = table.rows
+    table.where, table.compiler = where.target("h100", 1), Compiler("unused")
+    table.problem.model_flops = lambda: mfu * 989e12 * 10e-3
+    if costed_by == "xla-target":
+        table.compiler.rates.us_per_flop["h100"] = 1e-8  # 1e12 flops: 1e4 us
+    per_flop = {"xla-target": 1e-8, "peak": 1e6 / 989e12}.get(costed_by)
+    c.measured = (timed(c, xla_us=10e3) if per_flop is None
+                  else timed(c, uncosted_flops=10e3 / per_flop))
+    assert table.step(c)[1] == costed_by or mfu > 1
+    return memory_table._timing_cells(table, c)
 
 
 @pytest.mark.parametrize("mfu, costed_by, shown", [
@@ -59,15 +91,13 @@ def test_a_failed_compile_is_one_line_under_the_table(capsys):
     (0.42, "peak", "-"),  # ... at the dense peak
 ])
 def test_an_estimated_mfu_is_never_above_100_percent(mfu, costed_by, shown):
-    timing = {"step_ms": 10.0, "exposed_ms": {}, "mfu": mfu, "costed_by": costed_by}
-    assert memory_table._timing_cells(timing)[2] == shown
+    assert _timing_cells(mfu, costed_by)[2] == shown
 
 
 def test_a_step_below_the_model_flops_at_the_peak_shows_that_bound():
     """An MFU of 5.75 says the model's FLOPs at the dense peak take 5.75 x XLA's 10 ms: XLA's
     cost model left work out (a custom call), and 57.5 ms is the step's lower bound."""
-    timing = {"step_ms": 10.0, "exposed_ms": {}, "mfu": 5.75, "costed_by": "xla"}
-    assert memory_table._timing_cells(timing) == ["≥ 57.5 ms", "0", "-"]
+    assert _timing_cells(5.75) == ["≥ 57.5 ms", "0", "-"]
 
 
 def test_a_gpu_target_without_the_cuda_plugin_is_one_line_with_the_pip_command(

@@ -101,19 +101,21 @@ def test_cudnn_asked_for_alone_the_row_says_why_instead_of_nothing_fits(monkeypa
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
 def test_the_memory_table_figures_xla_where_the_target_refuses_cudnn_and_says_why_once(gpu):
     from zeroflow.planner import memory_table
-    rows = memory_table.plan_rows(tiny(256), devices=1, measure="never", target=gpu)
+    table = memory_table.build(tiny(256), devices=1, device_memory=80e9, title="tiny",
+                               measure="never", target=gpu)
+    rows = [table.as_json(c) for c in table.rows]
     console = Console(record=True, width=400)
-    memory_table.render(rows, 80e9, "tiny", console=console, show_all=True)
+    memory_table.render(table, console=console, show_all=True)
     text = console.export_text()
     answer = text.strip().splitlines()[-1]
     if cudnn_takes(256, gpu):
-        assert all(r.attention is None for r in rows) and "cuDNN attention needs" not in text
+        assert all("attention" not in r for r in rows) and "cuDNN attention needs" not in text
         assert "model.attention" not in answer
         return
     line = ("a100: cuDNN attention needs head dim <= 128 before sm_90 (model.head_dim=256, "
             "a100 is sm_80); figured with model.attention=xla")
-    assert len(rows) > 1 and {r.attention for r in rows} == {"xla"}
+    assert len(rows) > 1 and {r["attention"] for r in rows} == {"xla"}
     assert text.count(line) == 1 and text.count("cuDNN attention needs") == 1
     assert answer.startswith("Cheapest choice") and answer.split(" (needs")[0].endswith(
         "model.attention=xla")
-    assert all(r.as_json()["attention"] == "xla" for r in rows)
+    assert all(r["attention_why"] == line for r in rows)

@@ -1,16 +1,9 @@
 """``python -m zeroflow.memory --config X [--devices N --device-memory 80GB] [key=value ...]``
-Prints every ZeRO stage x offload x remat choice for the GPT model of a trainer config, with
-the ZeRO formula's bytes per device and per host process and, where the step is compiled
-(small configs, enough devices: the CPU backend emulates them; always for a --target), what
-XLA says it needs, then names the cheapest choice that fits. Nothing model-sized is allocated:
-the measured column comes from ahead-of-time compilation with abstract inputs.
 
-The rows, what "cheapest" and "fits" mean and the compiles are the planner's
-(``zeroflow.planner.memory_table``, ``zeroflow.planner.compiling``); with ``--target`` each
-compiled row also carries XLA:GPU's *estimated* step time, the communication it leaves exposed
-and the MFU it implies. ``--max-seq`` instead answers the longest sequence that fits, by
-compiling the config's own choice at one length after another (``zeroflow.cli.max_seq``).
-"""
+Every ZeRO stage x offload x remat choice of a trainer config's GPT, the formula's bytes and,
+where compiled (ahead of time, abstract inputs: nothing model-sized is allocated), XLA's, then
+the cheapest choice that fits (``zeroflow.planner.memory_table``). ``--max-seq`` instead answers
+the longest sequence the config's own choice fits (``zeroflow.cli.max_seq``)."""
 
 from __future__ import annotations
 
@@ -108,17 +101,16 @@ def _run(args, cfg, data: int | None, target: str | None) -> int:
         from zeroflow.cli import max_seq
 
         return max_seq.run(args, cfg, devices, memory, title, target, per_process)
-    rows = memory_table.plan_rows(
+    keys = ("stages", "offloads", "remats", "remat_dtypes", "measure")
+    table = memory_table.build(
         cfg,
         devices=devices,
-        stages=args.stages,
-        offloads=args.offloads,
-        remats=args.remats,
-        remat_dtypes=args.remat_dtypes,
-        measure=args.measure,
+        device_memory=memory,
+        title=title,
         devices_per_process=per_process,
         log=lambda m: print(m, file=sys.stderr),
         target=target,
+        **{k: getattr(args, k) for k in keys},
     )
-    memory_table.show(rows, memory, title, as_json=args.json, show_all=args.all, target=target)
+    memory_table.show(table, as_json=args.json, show_all=args.all)
     return 0

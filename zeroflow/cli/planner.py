@@ -7,10 +7,6 @@ compiled peak fits, with its host memory, XLA:GPU's step estimate, tokens/s and 
 search goes to DIR/search.json, each row's plan to DIR/<gpu>-x<devices>.overrides (for
 ``python -m zeroflow.train --config X $(cat FILE)``) and DIR/<gpu>-x<devices>.yaml. Without
 --gpus it plans for this machine's devices.
-
-XLA reads its logging and the number of CPU devices when it starts, so the command starts
-itself again with XLA:GPU's scheduler statistics on and as many CPU devices as the largest
-device count (offloaded plans are compiled through CPU devices standing in for the GPUs).
 """
 
 from __future__ import annotations
@@ -64,22 +60,15 @@ def main_args(args: argparse.Namespace) -> int:
         args.out or os.path.join("plans", Path(args.config).stem if args.config else "default")
     )
     started = time.perf_counter()
+    keys = ["gpus", "devices", "margin", "device_memory", "max_compiles", "min_compiles"]
+    keys += ["stages", "remats", "attentions", "grad_accums"]
     with _progress() as tick:
         plan = plan_config(
             cfg,
             name=args.config or "default config",
-            gpus=args.gpus,
-            devices=args.devices,
-            margin=args.margin,
-            device_memory=args.device_memory,
-            max_compiles=args.max_compiles,
-            min_compiles=args.min_compiles,
-            stages=args.stages,
-            remats=args.remats,
-            attentions=args.attentions,
             zeropp=not args.no_zeropp,
-            grad_accums=args.grad_accums,
             progress=tick,
+            **{k: getattr(args, k) for k in keys},
         )
     results.render(plan)
     results.write(plan, cfg, out, args.config, time.perf_counter() - started)
@@ -93,18 +82,11 @@ def _progress():
     if not sys.stderr.isatty():
         yield _progress_lines(time.perf_counter())
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich import progress as rp
 
-    columns = (TextColumn("compiles"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    columns += (TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"))
-    with Progress(*columns, transient=True) as bar:
+    columns = (rp.TextColumn("compiles"), rp.BarColumn(), rp.MofNCompleteColumn())
+    columns += (rp.TimeElapsedColumn(), rp.TextColumn("left"), rp.TimeRemainingColumn())
+    with rp.Progress(*columns, rp.TextColumn("{task.description}"), transient=True) as bar:
         task = bar.add_task("", total=None)
         yield lambda done, total, what: bar.update(
             task, completed=done, total=total, description=what

@@ -1,11 +1,6 @@
-"""Where nothing fits: changes that can make a config fit, each with its predicted peak.
-
-Each is compiled in its most memory-frugal plain plan (the what-if's smallest prediction, no
-ZeRO++: advice should be the simplest change that works): LoRA adapters on the frozen base
-weights (kept in the compute dtype, and in 4-bit NormalFloat, ``model.lora.quantize=nf4``),
-everything offloaded to the host, and the fewest devices on which the ZeRO formula expects the
-frugal plan of the full model to fit (the next count too where XLA's compile disagrees).
-"""
+"""Where nothing fits: changes that can make a config fit (docs/planner.md, "Where nothing
+fits"), each compiled in its most memory-frugal plain plan (the what-if's smallest, no ZeRO++:
+advice should be the simplest change that works)."""
 
 from __future__ import annotations
 
@@ -22,12 +17,10 @@ from zeroflow.planner.whatif import what_if
 
 LORA_RANK = 16
 "Adapter rank the LoRA advice compiles with (a common choice; memory hardly depends on it)."
+LORA = (f"model.lora.rank={LORA_RANK}",)
 LORA_ADVICE = (
-    ((f"model.lora.rank={LORA_RANK}",), "LoRA adapters"),
-    (
-        (f"model.lora.rank={LORA_RANK}", "model.lora.quantize=nf4"),
-        "LoRA adapters, base weights in 4-bit NormalFloat",
-    ),
+    (LORA, "LoRA adapters"),
+    ((*LORA, "model.lora.quantize=nf4"), "LoRA adapters, base weights in 4-bit NormalFloat"),
 )
 "The LoRA advice: its config keys and what the row calls it."
 MORE_DEVICES = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -50,11 +43,9 @@ class Advice:
         keys = f" ({' '.join(self.overrides)})" if self.overrides else ""
         if self.failure:  # whether it fits is unknown: say why, not "does not fit"
             return f"{self.what}: did not compile{keys}: {self.failure}"
-        figure = (
-            f"XLA peak {format_bytes(self.peak_bytes)}"
-            if self.peak_bytes is not None
-            else f"ZeRO formula {format_bytes(self.predicted_bytes)}"
-        )
+        figure = f"ZeRO formula {format_bytes(self.predicted_bytes)}"
+        if self.peak_bytes is not None:
+            figure = f"XLA peak {format_bytes(self.peak_bytes)}"
         verdict = "fits" if self.fits else "does not fit"
         return f"{self.what}: {figure} per device, {verdict}{keys}"
 

@@ -1,19 +1,8 @@
-"""The plans the planner searches: one ``Choice`` is a ZeRO stage, where the optimizer state
-lives and where its update runs, a remat policy and the dtype of what it saves, a micro-batch
-split, an attention kernel and the ZeRO++ options, for one device count.
-
-FP8 residuals (``model.remat_dtype: fp8``) are listed beside each remat policy that saves
-something (``FP8_REMATS``); they round what the backward pass reads through e4m3, so the search
-tries one only where the same plan in the compute dtype does not fit (``zeroflow.planner.search``).
-
-What a choice may combine is the engine's to say (``zeroflow.engine.plan_rules``), never
-re-derived here. Two more rules prune the space before anything is compiled:
-
-- on one device, stages that cannot differ are listed once: a stage is dropped when a lower
-  one makes the same decision the engine makes on one device (whether the state keeps a
-  compute-dtype copy of the weights, ``ZeroPlan.keeps_compute_copy``);
-- plans XLA is known to refuse are skipped with XLA's own reason (``known_failure``).
-"""
+"""The plans the planner searches: a ``Choice`` is a ZeRO stage, where the optimizer state lives
+and its update runs, a remat policy and the dtype of what it saves, a micro-batch split, an
+attention kernel and the ZeRO++ options. What may combine is the engine's rule
+(``zeroflow.engine.plan_rules``), never re-derived here; on one device a stage whose program
+equals a lower one's is dropped, and plans XLA is known to refuse are skipped with its reason."""
 
 from __future__ import annotations
 
@@ -28,12 +17,11 @@ from zeroflow.engine.plan import ZeroPlan
 from zeroflow.engine.plan_rules import batch_split_problem, plan_problems
 from zeroflow.util.settings import FP8_REMATS
 
+UPDATE_ON = ("device", "host")
+
 OFFLOAD_PAIRS = (
     ("none", "device"),
-    ("optimizer", "device"),
-    ("optimizer", "host"),
-    ("optimizer+params", "device"),
-    ("optimizer+params", "host"),
+    *itertools.product(("optimizer", "optimizer+params"), UPDATE_ON),
 )
 "(offload, update_on): where the fp32 state lives and where its update runs."
 REMAT_MEMORY = {"none": 4, "save_dots": 3, "offload_dots": 2, "full": 1, "offload_input": 0}
@@ -64,7 +52,6 @@ class Choice:
         return self.remat_dtype == "fp8"
 
     def in_compute_dtype(self) -> Choice:
-        """The same plan with its saved activations in the compute dtype."""
         return dataclasses.replace(self, remat_dtype="compute")
 
     def label(self) -> str:
@@ -93,14 +80,8 @@ class Choice:
 
     def plan_settings(self) -> dict:
         """The ``ZeroPlan`` keywords of this choice (its hosts are the mesh's)."""
-        return dict(
-            stage=self.stage,
-            offload=self.offload,
-            update_on=self.update_on,
-            quantize_weights=self.quantize_weights,
-            quantize_grads=self.quantize_grads,
-            hierarchical=self.hierarchical,
-        )
+        keys = ("stage", "offload", "update_on", "quantize_weights", "quantize_grads")
+        return {k: getattr(self, k) for k in (*keys, "hierarchical")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +100,14 @@ class Space:
     zeropp: bool = True
     "Also try ZeRO++'s quantized gathers (qwZ) and reductions (qgZ), and hpZ across hosts."
     notes: tuple[str, ...] = ()
-    "What was left out of this GPU's space before compiling and why, one line each (e.g. cuDNN"
-    " attention for a head dim the GPU's cuDNN refuses): said once per GPU under the table."
+    "What was left out of this GPU's space and why (cuDNN for a head dim it refuses), a line each."
 
 
 def micro_splits(batch_size: int, devices: int) -> list[int]:
     """Every ``grad_accum`` that splits ``batch_size`` into equal micro-batches over
     ``devices`` (the engine's own batch rule decides)."""
-    if batch_size < devices:
-        return []
-    per_device = batch_size // devices
-    return [
-        g for g in range(1, per_device + 1) if batch_split_problem(batch_size, g, devices) is None
-    ]
+    splits = range(1, batch_size // devices + 1)
+    return [g for g in splits if batch_split_problem(batch_size, g, devices) is None]
 
 
 def _zeropp_options(
@@ -146,7 +122,7 @@ def _zeropp_options(
 
 
 def enumerate_choices(
-    space: Space, *, devices: int, batch_size: int, hosts: int, compute_dtype: str
+    space: Space, devices: int, batch_size: int, hosts: int, compute_dtype: str
 ) -> list[Choice]:
     """Every choice of ``space`` the engine accepts for ``devices`` data devices on ``hosts``
     hosts, the batch split evenly; on one device, one stage per distinct decision."""
@@ -189,27 +165,17 @@ def first_equal_stage(stage: int, offload: str, update_on: str, compute_dtype: s
     return next(s for s in range(stage + 1) if keeps(s) == keeps(stage))
 
 
-KNOWN_FAILURES = (
-    (
-        lambda c, gpu: gpu and c.remat == "offload_dots" and c.stage <= 1,
-        "XLA:GPU's scheduler cannot schedule remat offload_dots at stages 0-1 (INTERNAL: "
-        "FindAndExtractBestNodeAvailable failed to find a node to schedule)",
-    ),
+NO_SCHEDULE = (
+    "XLA:GPU's scheduler cannot schedule remat offload_dots at stages 0-1 (INTERNAL: "
+    "FindAndExtractBestNodeAvailable failed to find a node to schedule)"
 )
-"(applies(choice, for_gpu), XLA's reason) of plans XLA is known to refuse: skipped, not compiled."
+XLA_FAILURE_TEXT = {"FindAndExtractBestNodeAvailable": NO_SCHEDULE}
+"A compile error holding the key is reported as the value."
 
 
 def known_failure(choice: Choice, gpu: bool) -> str | None:
-    for applies, reason in KNOWN_FAILURES:
-        if applies(choice, gpu):
-            return reason
-    return None
-
-
-XLA_FAILURE_TEXT = {
-    "FindAndExtractBestNodeAvailable": KNOWN_FAILURES[0][1],
-}
-"A compile error holding the key is reported as the value."
+    """XLA's reason where it is known to refuse ``choice`` (skipped, not compiled)."""
+    return NO_SCHEDULE if gpu and choice.remat == "offload_dots" and choice.stage <= 1 else None
 
 
 def needs_more(a: Choice, b: Choice) -> bool:
@@ -219,16 +185,11 @@ def needs_more(a: Choice, b: Choice) -> bool:
     anything else (ZeRO++, another attention kernel) is not compared. FP8 residuals need less
     than the compute dtype's at the same remat, never more."""
     same = ("attention", "quantize_weights", "quantize_grads", "hierarchical")
-    if any(getattr(a, k) != getattr(b, k) for k in same):
+    if any(getattr(a, k) != getattr(b, k) for k in same) or (a.remat is None) != (b.remat is None):
         return False
     pair_a, pair_b = (a.offload, a.update_on), (b.offload, b.update_on)
-    if pair_a != pair_b and not (
-        pair_a in OFFLOAD_MEMORY
-        and pair_b in OFFLOAD_MEMORY
-        and OFFLOAD_MEMORY[pair_a] > OFFLOAD_MEMORY[pair_b]
-    ):
-        return False
-    if (a.remat is None) != (b.remat is None):
+    ranked = pair_a in OFFLOAD_MEMORY and pair_b in OFFLOAD_MEMORY
+    if pair_a != pair_b and not (ranked and OFFLOAD_MEMORY[pair_a] > OFFLOAD_MEMORY[pair_b]):
         return False
     if a.fp8_residuals() and not b.fp8_residuals():
         return False

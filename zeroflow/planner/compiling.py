@@ -1,23 +1,13 @@
-"""One plan compiled by XLA for where it runs: its device peak and host memory from XLA's memory
-analysis, and on GPUs XLA:GPU's own step-time estimate (its latency-hiding scheduler's cost
-model, ``zeroflow.memory.schedule``).
-
-Compiles are shared. Every compile for one GPU target reads and extends one XLA kernel cache
-(``xla_gpu_kernel_cache_file``): two plans of one model share most of their kernels, and
-generating them (LLVM, then ptxas) is most of an XLA:GPU compile, so after a row's first
-compile the others cost a fraction. The options that only change how kernels are generated
-(``CODEGEN_OPTIONS``) make it cheaper still; neither touches the HLO, its schedule or its
-buffers. Results are remembered per (where, plan), and XLA's time per matmul flop is
-remembered per target (``Rates``).
-
-XLA:GPU prints no schedule statistics for a computation without an asynchronous collective:
-a one-device program, or a stage 0-2 forward pass. Those loops are costed at their matmul
-flops, at the time per flop XLA's model gave this program's costed loops, else another
-program's for the same GPU, else the GPU's dense peak (a lower bound, marked).
-"""
+"""One plan compiled by XLA for where it runs: its device peak and host memory (XLA's memory
+analysis) and on GPUs XLA:GPU's step estimate (``zeroflow.memory.schedule``). Compiles share one
+kernel cache per GPU target and cheap kernel code generation, which change no HLO, schedule or
+buffer (docs/planner.md, "Compiles are shared"). XLA:GPU costs no computation without an
+asynchronous collective: those loops are costed at their matmul flops at XLA's time per flop
+for the program, else for the GPU (``Rates``), else at the dense peak (a lower bound)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -65,6 +55,19 @@ class Measured:
         per_flop, _ = self.flop_rate(rates, where)
         return (self.xla_us + self.uncosted_flops * per_flop) / 1e3
 
+    def step(self, rates: Rates, where: Where, flops: float | None) -> tuple:
+        """``(ms, costed by, MFU)`` of XLA's estimate, ``(None, 'what-if', None)`` without one.
+        An MFU over 1 says XLA's cost model left work out (custom calls such as cuDNN
+        attention): the model's ``flops`` at the dense peak bound the step instead, costed by
+        'model-flops', with no MFU."""
+        ms = self.step_ms(rates, where)
+        if ms is None:
+            return None, "what-if", None
+        mfu = None if flops is None else flops / where.devices / (ms / 1e3) / where.peak_flops
+        if mfu is not None and mfu > 1:
+            return ms * mfu, "model-flops", None
+        return ms, self.costed_by(rates, where), mfu
+
     def flop_rate(self, rates: Rates, where: Where) -> tuple[float, str]:
         """(microseconds per flop, how): this program's, the target's, or its peak's."""
         if self.own_us_per_flop is not None:
@@ -107,17 +110,16 @@ class Compiler:
     def peak_elsewhere(self, problem, choice: Choice, where: Where) -> tuple[float, str] | None:
         """The smallest peak XLA compiled for ``problem``'s ``choice`` on the same device count
         and hosts of another GPU, with that GPU's name; None where there is none."""
-        mine = problem_key(problem)
+        mine, same = problem_key(problem), (where.devices, where.hosts, False)
         seen = [
             (got.peak_bytes, other.name)
             for (key, other, c), got in self.results.items()
-            if key == mine
-            and c == choice
+            if (key, c) == (mine, choice)
             and isinstance(got, Measured)
             and other.name != where.name
-            and (other.devices, other.hosts, other.local) == (where.devices, where.hosts, False)
+            and (other.devices, other.hosts, other.local) == same
         ]
-        return min(seen) if seen else None
+        return min(seen, default=None)
 
     def measure(self, problem, choice: Choice, where: Where) -> Measured | str:
         """XLA's figures for ``choice`` at ``where``, or the one-line reason it did not
@@ -131,10 +133,7 @@ class Compiler:
         start = time.perf_counter()
         timed = where.is_gpu and schedule.enabled()
         try:
-            if timed:
-                with schedule.capture() as log:
-                    compiled, state = problem.compile(choice, where, self.options(where))
-            else:
+            with schedule.capture() if timed else contextlib.nullcontext() as log:
                 compiled, state = problem.compile(choice, where, self.options(where))
             got = analysed(compiled)
         except Exception as e:  # a plan that cannot compile is a row with its reason
@@ -148,29 +147,25 @@ class Compiler:
             compile_s=time.perf_counter() - start,
             overlap=overlap(collectives(compiled)) if self.overlaps else None,
         )
-        if timed:
-            measured = self._with_step(measured, log.text, compiled.as_text(), where)
-            on_device = choice.offload == "none" and choice.remat != "offload_dots"
-            if measured.own_us_per_flop is not None and on_device:
-                self._remember_rate(where, measured.own_us_per_flop)
-        return measured
-
-    def _remember_rate(self, where: Where, us_per_flop: float) -> None:
-        """XLA's time per flop for a GPU, from programs whose loops wait on no host copy; the
-        fastest seen."""
-        known = self.rates.us_per_flop.get(where.name, us_per_flop)
-        self.rates.us_per_flop[where.name] = min(known, us_per_flop)
-
-    def _with_step(self, measured: Measured, log_text: str, hlo: str, where: Where) -> Measured:
-        xla_us, uncosted_flops, own = step_parts(log_text, hlo, where.peak_flops)
-        return dataclasses.replace(
+        if not timed or log is None:
+            return measured
+        hlo = compiled.as_text()
+        xla_us, uncosted, own = step_parts(log.text, hlo, where.peak_flops)
+        exposed = schedule.parse(log.text, hlo).exposed_by_kind()
+        measured = dataclasses.replace(
             measured,
             xla_us=xla_us,
-            uncosted_flops=uncosted_flops,
+            uncosted_flops=uncosted,
             own_us_per_flop=own,
-            exposed_us=schedule.parse(log_text, hlo).exposed_by_kind(),
+            exposed_us=exposed,
             timed=True,
         )
+        # XLA's time per flop for a GPU: the fastest of programs whose loops wait on no host copy
+        if own is not None and choice.offload == "none" and choice.remat != "offload_dots":
+            self.rates.us_per_flop[where.name] = min(
+                self.rates.us_per_flop.get(where.name, own), own
+            )
+        return measured
 
 
 def problem_key(problem) -> object:

@@ -12,7 +12,7 @@ import jax
 
 from zeroflow.autocast.precision import Precision
 from zeroflow.backend import targets
-from zeroflow.memory.estimate import REMATS
+from zeroflow.memory.estimate import REMATS, STAGES
 from zeroflow.models.cudnn_rules import HOPPER, cudnn_attention_problem, cudnn_max_head_dim
 from zeroflow.models.gpt import head_dim
 from zeroflow.planner import where as places
@@ -61,19 +61,12 @@ def plan(
     its reason and not counted (``search.MAX_FAILURES`` failures end a row).
     ``tokens_per_example``: to report tokens/s and MFU (else examples/s, no MFU).
     Returns a ``Plan``: ``plan.summaries()`` per row, ``plan.as_json()`` the whole search."""
+    options = dict(trainable=trainable, gather_per_layer=gather_per_layer)
+    prec = precision or Precision()
     problem = ModelProblem(
-        loss_fn,
-        params,
-        batch,
-        tx,
-        precision or Precision(),
-        trainable=trainable,
-        gather_per_layer=gather_per_layer,
-        tokens_per_example=tokens_per_example,
+        loss_fn, params, batch, tx, prec, **options, tokens_per_example=tokens_per_example
     )
-    space = Space(
-        stages=tuple(stages), offloads=tuple(offloads), grad_accums=grad_accums, zeropp=zeropp
-    )
+    space = Space(tuple(stages), tuple(offloads), grad_accums=grad_accums, zeropp=zeropp)
     rows = rows_of(targets, devices, device_memory)
     return run(problem, rows, lambda where: space, margin, max_compiles, min_compiles, progress)
 
@@ -116,6 +109,7 @@ def run(
         # not count against max_compiles.
         bound = max_compiles + 1 + MAX_FAILURES
         total, done, found = bound * len(rows), 0, {}
+        limits: dict = dict(margin=margin, max_compiles=max_compiles, min_compiles=min_compiles)
         for where in sorted(rows, key=lambda w: -w.devices):
             start = compiler.compiles
 
@@ -123,30 +117,27 @@ def run(
                 if progress:
                     progress(done + compiler.compiles - start, total, what)
 
-            found[where] = search_row(
-                problem,
-                where,
-                space_for(where),
-                compiler,
-                margin=margin,
-                max_compiles=max_compiles,
-                min_compiles=min_compiles,
-                on_compile=tick,
-            )
+            space = space_for(where)
+            found[where] = search_row(problem, where, space, compiler, on_compile=tick, **limits)
             done += bound
             if progress:
                 progress(done, total, f"{where.title} done")
-        rows_found = [found[w] for w in rows]
-        plan = Plan(problem.title, rows_found, margin, compiler, problem)
-        if isinstance(problem, ConfigProblem):
-            for row in plan.rows:
-                if row.best is None and row.candidates:
-                    space = space_for(row.where)
-                    plan.advice[row.where.title] = advise(problem, row, space, compiler)
+        plan = Plan(problem.title, [found[w] for w in rows], margin, compiler, problem)
+        for row in plan.rows if isinstance(problem, ConfigProblem) else ():
+            if row.best is None and row.candidates:
+                plan.advice[row.where.title] = advise(problem, row, space_for(row.where), compiler)
     return plan
 
 
-def space_for(model, where: Where, *, stages, remats, attentions, zeropp, grad_accums) -> Space:
+def space_for(
+    model,
+    where: Where,
+    stages=STAGES,
+    remats=REMATS,
+    attentions=None,
+    zeropp=True,
+    grad_accums=None,
+) -> Space:
     """The search space of a config's GPT ``model`` at ``where``: on GPUs the model's attention
     and cuDNN's unless given, less cuDNN where the target's GPUs cannot run its head dim (the
     reason kept as the space's note); on XLA:CPU no cuDNN, and no activation offload (its host
@@ -164,14 +155,8 @@ def space_for(model, where: Where, *, stages, remats, attentions, zeropp, grad_a
         own = "xla" if model.attention == "cudnn" else model.attention
         kernels = [a for a in (attentions or [own]) if a != "cudnn"] or ["xla"]
         kept = [r for r in remats if r != "offload_dots"]
-    return Space(
-        stages=tuple(stages),
-        remats=tuple(kept),
-        attentions=tuple(kernels),
-        grad_accums=grad_accums,
-        zeropp=zeropp,
-        notes=notes,
-    )
+    space = dict(remats=tuple(kept), attentions=tuple(kernels), notes=notes)
+    return Space(tuple(stages), grad_accums=grad_accums, zeropp=zeropp, **space)
 
 
 NO_KERNEL = "nothing planned (--attentions leaves no other attention; try --attentions xla)"
@@ -208,26 +193,15 @@ def plan_config(
     device_memory: int | None = None,
     max_compiles: int = 3,
     min_compiles: int = 2,
-    stages: Sequence[int] = (0, 1, 2, 3),
-    remats: Sequence[str] = REMATS,
-    attentions: Sequence[str] | None = None,
-    zeropp: bool = True,
-    grad_accums: Sequence[int] | None = None,
     progress: Progress | None = None,
+    **space,
 ) -> Plan:
     """The plan of ``cfg`` on each GPU x device count (this machine's devices without
-    ``gpus``), with advice for the rows where nothing fits."""
+    ``gpus``), with advice for the rows where nothing fits; ``space``: ``space_for``'s
+    ``stages``, ``remats``, ``attentions``, ``zeropp`` and ``grad_accums``."""
     if gpus:
         targets.use_cpu_for_targets()
     rows = rows_of(gpus, devices, device_memory)
     problem = ConfigProblem(cfg, name)
-    space = functools.partial(
-        space_for,
-        problem.model,
-        stages=stages,
-        remats=remats,
-        attentions=attentions,
-        zeropp=zeropp,
-        grad_accums=grad_accums,
-    )
-    return run(problem, rows, space, margin, max_compiles, min_compiles, progress)
+    space_at = functools.partial(space_for, problem.model, **space)
+    return run(problem, rows, space_at, margin, max_compiles, min_compiles, progress)

@@ -1,14 +1,8 @@
-"""What the planner plans, as a problem: one compile per plan, the facts its what-if reads and
-the model FLOPs its MFU counts.
-
-- ``ModelProblem``: any JAX model (``zf.plan``): ``loss_fn``, abstract ``params``, a global
-  ``batch``, an optax ``tx`` and a ``zf.Precision``, compiled with ``zf.make_train_step``
-  (``zf.memory.compile_step``). Remat and attention are the model's own business.
-- ``ConfigProblem``: a trainer config (``python -m zeroflow.planner`` / ``zeroflow.memory``):
-  each plan is the config with ``section.key=value`` overrides, compiled as the trainer builds
-  its step (``zeroflow.trainer.planning.compile_config``), so the overrides the planner writes
-  are the ones it compiled.
-"""
+"""What the planner plans: ``ModelProblem`` (``zf.plan``: any JAX loss, compiled with
+``zf.make_train_step``) and ``ConfigProblem`` (a trainer config: each plan is the config with
+``section.key=value`` overrides, compiled as the trainer builds its step, so the overrides the
+planner writes are the ones it compiled). Each gives its compile, the what-if's facts and the
+model FLOPs its MFU counts."""
 
 from __future__ import annotations
 
@@ -24,14 +18,7 @@ from zeroflow.engine.frozen import trainable_mask
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.memory.estimate import DTYPE_BYTES
 from zeroflow.memory.measure import compile_step, itemsize
-from zeroflow.models import flops_per_token
-from zeroflow.models.spec import (
-    activations,
-    count_gpt_params,
-    offloaded_activations,
-    optimizer_bytes_per_param,
-    stored_frozen_bytes_per_param,
-)
+from zeroflow.models.spec import activations, offloaded_activations, run_spec
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where
@@ -42,53 +29,30 @@ from zeroflow.trainer.setup import run_model_config
 class ModelProblem:
     """``zf.plan``'s problem (see ``zeroflow.planner.library.plan``)."""
 
-    def __init__(
-        self,
-        loss_fn,
-        params,
-        batch,
-        tx,
-        prec,
-        *,
-        trainable=None,
-        gather_per_layer: str | None = None,
-        tokens_per_example: int | None = None,
-    ):
+    def __init__(self, loss_fn, params, batch, tx, prec, *, tokens_per_example=None, **step):
+        """``step``: ``compile_step``'s ``trainable`` and ``gather_per_layer``."""
         self.loss_fn, self.params, self.batch, self.tx, self.prec = loss_fn, params, batch, tx, prec
-        self.trainable, self.gather_per_layer = trainable, gather_per_layer
-        self.tokens_per_example = tokens_per_example
+        self.step, self.tokens_per_example = step, tokens_per_example
+        trainable = step.get("trainable")
         leaves = jax.tree.leaves(batch)
         if not leaves or not np.shape(leaves[0]):
             raise ValueError("zf.plan: batch must hold arrays with a leading batch dimension")
         batch_size = int(np.shape(leaves[0])[0])
         total = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
         frozen, frozen_bytes = _frozen(params, trainable, DTYPE_BYTES[prec.params])
-        self.facts = ModelFacts(
-            params=total,
-            tokens_per_step=batch_size * (tokens_per_example or 1),
-            batch_size=batch_size,
-            compute_dtype=prec.params,
-            frozen_params=frozen,
-            frozen_bytes_per_param=frozen_bytes / frozen if frozen else None,
-            optimizer_bytes=_optimizer_bytes(tx, params, total),
-        )
+        tokens = batch_size * (tokens_per_example or 1)
+        self.facts = ModelFacts(total, tokens, batch_size, prec.params, frozen)
+        self.facts.frozen_bytes_per_param = frozen_bytes / frozen if frozen else None
+        self.facts.optimizer_bytes = _optimizer_bytes(tx, params, total)
         self.title = f"{total:,} params, batch {batch_size}"
-        if gather_per_layer is None:  # loss_fn(params, batch, gather_layer): the step's alone
+        if step.get("gather_per_layer") is None:  # else loss_fn(params, batch, gather_layer)
             _check_traces(loss_fn, params, batch, prec.params)
 
     def compile(self, choice: Choice, where: Where, options: dict):
         plan = ZeroPlan(where.mesh(), **choice.plan_settings())
+        args = (self.loss_fn, self.params, self.batch, self.tx, plan, self.prec)
         return compile_step(
-            self.loss_fn,
-            self.params,
-            self.batch,
-            self.tx,
-            plan,
-            self.prec,
-            grad_accum=choice.grad_accum,
-            gather_per_layer=self.gather_per_layer,
-            trainable=self.trainable,
-            compiler_options=options,
+            *args, grad_accum=choice.grad_accum, compiler_options=options, **self.step
         )
 
     def model_flops(self) -> float | None:
@@ -150,20 +114,26 @@ def _optimizer_bytes(tx, params, total: int) -> float:
 
 class ConfigProblem:
     """The trainer's GPT step of ``cfg`` (the config as loaded; ``model.init_from``'s
-    architecture is read from its config.json)."""
+    architecture is read from its config.json). Its sizes and FLOPs are the config's
+    ``RunSpec`` (``zeroflow.models.spec.run_spec``), split over ``parallel.model`` as
+    ``RunSpec.model_states`` splits them."""
 
     def __init__(self, cfg, name: str = "config"):
         self.cfg, self.name = cfg, name
         self.model = run_model_config(cfg)
-        prec = cfg.precision.params
+        own = dataclasses.replace(cfg, model=self.model)
+        self.spec = run_spec(own, num_devices=1, frozen_params=count_frozen_params(own))
+        split = lambda n: math.ceil(n / self.spec.model_parallel)  # noqa: E731
+        prec = self.spec.precision
         self.facts = ModelFacts(
-            params=count_gpt_params(self.model),
-            tokens_per_step=cfg.train.batch_size * cfg.model.seq_len,
+            params=split(self.spec.num_params),
+            resident_params=split(self.spec.resident_params),
+            tokens_per_step=self.spec.tokens_per_step,
             batch_size=cfg.train.batch_size,
             compute_dtype=prec,
-            frozen_params=count_frozen_params(dataclasses.replace(cfg, model=self.model)),
-            frozen_bytes_per_param=stored_frozen_bytes_per_param(self.model, prec),
-            optimizer_bytes=optimizer_bytes_per_param(self.model, cfg.train.optimizer),
+            frozen_params=split(self.spec.frozen_params),
+            frozen_bytes_per_param=self.spec.frozen_bytes_per_param,
+            optimizer_bytes=self.spec.optimizer_bytes_per_param,
             activations=lambda c, micro: activations(
                 self._model_of(c), micro_batch=micro, precision=prec
             ),
@@ -175,23 +145,17 @@ class ConfigProblem:
         # plan of a config with LoRA, and with LoRA on 4-bit weights).
         self.key = repr(cfg)
         self.title = (
-            f"{name}: {self.facts.params:,} params, batch {cfg.train.batch_size} x "
+            f"{name}: {self.spec.num_params:,} params, batch {cfg.train.batch_size} x "
             f"{cfg.model.seq_len} tokens, {prec}"
         )
 
     def own_choice(self, stage: int, offload: str, remat: str) -> Choice:
         """``stage``/``offload``/``remat`` with everything else as the config says."""
         par = self.cfg.parallel
+        update_on = par.update_on if offload != "none" else "device"
+        qw, qg = (None if q == "none" else q for q in (par.quantize_weights, par.quantize_grads))
         return Choice(
-            stage,
-            offload,
-            par.update_on if offload != "none" else "device",
-            par.grad_accum,
-            remat,
-            None,
-            None if par.quantize_weights == "none" else par.quantize_weights,
-            None if par.quantize_grads == "none" else par.quantize_grads,
-            par.hierarchical,
+            stage, offload, update_on, par.grad_accum, remat, None, qw, qg, par.hierarchical
         )
 
     def overrides(self, choice: Choice, devices: int) -> list[str]:
@@ -217,29 +181,24 @@ class ConfigProblem:
 
     def compile(self, choice: Choice, where: Where, options: dict):
         cfg = apply_overrides(self.cfg, self.overrides(choice, where.devices))
+        plan = dict(stage=choice.stage, offload=choice.offload, update_on=choice.update_on)
+        target = dict(target=None if where.local else where.name, hosts=where.hosts)
         compiled, setup = compile_config(
             cfg,
             num_devices=where.devices,
-            stage=choice.stage,
-            offload=choice.offload,
-            update_on=choice.update_on,
             remat=cfg.model.remat,
-            target=None if where.local else where.name,
-            hosts=where.hosts,
+            **plan,
+            **target,
             compiler_options=options,
         )
         return compiled, setup.state
 
     def model_flops(self) -> float:
-        """The model's FLOPs per step as the trainer's MFU counts them
-        (``zeroflow.models.flops_per_token``: 6 per trained matmul weight, 4 per frozen one,
-        6 per LoRA adapter element, plus attention's) x tokens."""
-        return flops_per_token(self.model, self.cfg.train.freeze) * self.facts.tokens_per_step
+        """The model's FLOPs per step, the RunSpec's (as the trainer's MFU counts them)."""
+        return self.spec.flops_per_token * self.spec.tokens_per_step
 
     def _model_of(self, choice: Choice):
+        keys = ("remat", "attention", "remat_dtype")
         return dataclasses.replace(
-            self.model,
-            remat=choice.remat or self.model.remat,
-            attention=choice.attention or self.model.attention,
-            remat_dtype=choice.remat_dtype or self.model.remat_dtype,
+            self.model, **{k: getattr(choice, k) or getattr(self.model, k) for k in keys}
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 from zeroflow.config.io import apply_overrides, save_config
 from zeroflow.memory.estimate import format_bytes
 from zeroflow.planner.compiling import Compiler
-from zeroflow.planner.search import COMPILED, FAILED, Candidate, Row, step_seconds
+from zeroflow.planner.search import COMPILED, FAILED, Candidate, Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +66,8 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
     if best is None:
         return Summary(row, None)
     where, got = row.where, best.got
-    step_ms = got.step_ms(compiler.rates, where)
-    costed = got.costed_by(compiler.rates, where) if step_ms is not None else "what-if"
-    seconds = step_seconds(best, compiler, where)
-    flops = problem.model_flops()
-    mfu = None
-    if flops is not None and costed != "what-if":
-        mfu = flops / where.devices / seconds / where.peak_flops
-    if mfu is not None and mfu > 1:  # XLA's cost model left work out (custom calls such as
-        # cuDNN attention): the model's FLOPs at the dense peak bound the step instead
-        seconds, costed, mfu = seconds * mfu, "model-flops", None
+    ms, costed, mfu = got.step(compiler.rates, where, problem.model_flops())
+    seconds = best.what_if.prior_s if ms is None else ms / 1e3
     return Summary(
         row=row,
         best=best,
@@ -92,19 +84,15 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
 
 
 def _candidate_json(cand: Candidate, compiler: Compiler, where) -> dict:
-    out = {
-        "choice": cand.choice.as_json(),
-        "status": cand.status,
-        "what_if": {
-            "floor_bytes": round(cand.what_if.floor_bytes),
-            "predicted_bytes": round(cand.what_if.predicted_bytes),
-            "host_bytes_per_process": round(cand.what_if.host_bytes),
-            "prior_ms": round(cand.what_if.prior_s * 1e3, 3),
-        },
+    w, got = cand.what_if, cand.measured
+    out = {"choice": cand.choice.as_json(), "status": cand.status}
+    out["what_if"] = {
+        "floor_bytes": round(w.floor_bytes),
+        "predicted_bytes": round(w.predicted_bytes),
+        "host_bytes_per_process": round(w.host_bytes),
+        "prior_ms": round(w.prior_s * 1e3, 3),
     }
-    if cand.reason:
-        out["reason"] = cand.reason
-    got = cand.measured
+    out |= {"reason": cand.reason} if cand.reason else {}
     if got is not None:
         step = got.step_ms(compiler.rates, where)
         out["xla"] = {
@@ -119,7 +107,7 @@ def _candidate_json(cand: Candidate, compiler: Compiler, where) -> dict:
 
 
 def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
-    where = s.row.where
+    where, best = s.row.where, s.best
     return {
         "gpu": where.name,
         "device_kind": where.device_kind,
@@ -128,11 +116,10 @@ def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
         "compiled_for": "this machine" if where.local else "target (XLA:GPU, no GPU)",
         "device_memory_bytes": where.memory_bytes,
         "usable_bytes": round(s.row.usable_bytes),
-        "best": None
-        if s.best is None
-        else {
-            "choice": s.best.choice.as_json(),
-            "label": s.best.choice.label(),
+        "best": best
+        and {
+            "choice": best.choice.as_json(),
+            "label": best.choice.label(),
             "peak_bytes": round(s.peak_bytes),
             "host_bytes_per_process": round(s.host_bytes_per_process),
             "step_ms": round(s.step_ms, 3),
@@ -147,17 +134,7 @@ def _row_json(s: Summary, compiler: Compiler, advice: list) -> dict:
     }
 
 
-COLUMNS = (
-    "GPU",
-    "devices",
-    "best plan",
-    "peak/device (XLA)",
-    "host RAM/process",
-    "est. step",
-    "tokens/s",
-    "MFU",
-    "compiled",
-)
+COLUMNS = "GPU|devices|best plan|peak/device (XLA)|host RAM/process|est. step|tokens/s|MFU|compiled"
 STEP_MARK = {
     "xla": "",
     "xla-target": "~ ",
@@ -165,33 +142,32 @@ STEP_MARK = {
     "model-flops": "≥ ",
     "what-if": "what-if ",
 }
+"How a step's loops were costed (``Measured.step``), as the tables mark it."
 
 
 def cells(s: Summary) -> list[str]:
-    where = s.row.where
-    tried = len(s.row.compiled()) + sum(c.status == FAILED for c in s.row.candidates)
-    compiled = f"{tried} of {len(s.row.candidates)}"
-    head = [where.name, str(where.devices)]
-    if unplanned(s.row):  # every attention asked for was ruled out: the row says why
-        return head + [s.row.gpu_notes[0], "-", "-", "-", "-", "-", compiled]
-    if s.best is None:
-        return head + ["nothing fits", "-", "-", "-", "-", "-", compiled]
-    return head + [
-        s.best.choice.label(),
-        format_bytes(s.peak_bytes),
-        format_bytes(s.host_bytes_per_process) if s.host_bytes_per_process else "0",
-        f"{STEP_MARK[s.step_costed_by]}{s.step_ms:.1f} ms",
-        f"{s.tokens_per_s:,.0f}",
-        _mfu_cell(s),
-        compiled,
-    ]
-
-
-def _mfu_cell(s: Summary) -> str:
-    """The MFU; from a step costed at the dense peak (a lower bound) it is an upper bound."""
-    if s.mfu is None:
-        return "-"
-    return ("≤ " if s.step_costed_by == "peak" else "") + f"{100 * s.mfu:.0f}%"
+    where, row = s.row.where, s.row
+    tried = len(row.compiled()) + row.failures()
+    head, tail = [where.name, str(where.devices)], [f"{tried} of {len(row.candidates)}"]
+    if unplanned(row) or s.best is None:  # no attention to plan with: the row says why
+        return head + [row.gpu_notes[0] if unplanned(row) else "nothing fits"] + ["-"] * 5 + tail
+    mfu = (
+        "-"
+        if s.mfu is None
+        else ("≤ " if s.step_costed_by == "peak" else "") + f"{100 * s.mfu:.0f}%"
+    )
+    return (
+        head
+        + [
+            s.best.choice.label(),
+            format_bytes(s.peak_bytes),
+            format_bytes(s.host_bytes_per_process) if s.host_bytes_per_process else "0",
+            f"{STEP_MARK[s.step_costed_by]}{s.step_ms:.1f} ms",
+            f"{s.tokens_per_s:,.0f}",
+            mfu,
+        ]
+        + tail
+    )
 
 
 def render(plan: Plan, console=None) -> None:
@@ -206,7 +182,7 @@ def render(plan: Plan, console=None) -> None:
             f"{here.device_kind}); name GPUs with --gpus h100,a100,l4"
         )
     table = Table(title=plan.title)
-    for name in COLUMNS:
+    for name in COLUMNS.split("|"):
         table.add_column(name, justify="left" if name in ("GPU", "best plan") else "right")
     summaries = plan.summaries()
     for s in summaries:
@@ -216,56 +192,43 @@ def render(plan: Plan, console=None) -> None:
         console.print(line)
 
 
+NOTES = {
+    "fits": "fits: XLA's compiled peak is at most {usable:.0f}% of the GPU's memory (--margin "
+    "{margin:g}: CUDA context, NCCL and cuDNN workspaces live there too); host RAM/process: pinned "
+    "host memory for the offloaded state of one process's GPUs, to provision beyond the "
+    "process's own.",
+    "xla": "est. step: XLA:GPU's latency-hiding scheduler's cost model of the compiled step "
+    "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no collective in them, "
+    "e.g. on one device) are costed at the time per matmul flop XLA gave this GPU's other "
+    "programs; ≥: at the dense bf16 peak, a lower bound (its MFU then an upper bound, ≤). MFU: "
+    "the model's FLOPs per step (a config's as the trainer counts them: 6 per trained matmul "
+    "weight, 4 per frozen one, 6 per LoRA adapter element, plus attention; zf.plan's: 6 per "
+    "trained param, 4 per frozen one) / est. step / dense bf16 peak.",
+    "model-flops": "≥ without an MFU: XLA's estimate was below the model's FLOPs at the dense "
+    "bf16 peak (its cost model leaves custom calls such as cuDNN attention out); the step shown "
+    "is that bound, and tokens/s an upper bound.",
+    "what-if": "est. step 'what-if': this backend gives no step estimate (XLA:CPU); the figure "
+    "is the planner's roofline, which only orders the plans.",
+    "one device": "1 device: stages 1-2 shard over one device and equal stage 0, so they are "
+    "not listed; stage 3 differs only where it drops the compute-weight copy.",
+}
+"The lines under the planner's table, each where its case is in it."
+
+
 def notes(plan: Plan, summaries: list[Summary]) -> list[str]:
-    out = [
-        f"fits: XLA's compiled peak is at most {100 * (1 - plan.margin):.0f}% of the GPU's "
-        f"memory (--margin {plan.margin:g}: CUDA context, NCCL and cuDNN workspaces live "
-        "there too); host RAM/process: pinned host memory for the offloaded state of one "
-        "process's GPUs, to provision beyond the process's own."
-    ]
     marks = {s.step_costed_by for s in summaries if s.best is not None}
-    if marks & {"xla", "xla-target", "peak"}:
-        out.append(
-            "est. step: XLA:GPU's latency-hiding scheduler's cost model of the compiled step "
-            "(nothing ran; not a measurement). ~: loops XLA prints no cost for (no "
-            "collective in them, e.g. on one device) are costed at the time per matmul flop "
-            "XLA gave this GPU's other programs; ≥: at the dense bf16 peak, a lower bound "
-            "(its MFU then an upper bound, ≤). "
-            "MFU: the model's FLOPs per step (a config's as the trainer counts them: 6 per "
-            "trained matmul weight, 4 per frozen one, 6 per LoRA adapter element, plus "
-            "attention; zf.plan's: 6 per trained param, 4 per frozen one) / est. step / dense bf16 "
-            "peak."
-        )
-    if "model-flops" in marks:
-        out.append(
-            "≥ without an MFU: XLA's estimate was below the model's FLOPs at the dense bf16 "
-            "peak (its cost model leaves custom calls such as cuDNN attention out); the step "
-            "shown is that bound, and tokens/s an upper bound."
-        )
-    if "what-if" in marks:
-        out.append(
-            "est. step 'what-if': this backend gives no step estimate (XLA:CPU); the figure "
-            "is the planner's roofline, which only orders the plans."
-        )
-    if any(s.row.where.devices == 1 for s in summaries):
-        out.append(
-            "1 device: stages 1-2 shard over one device and equal stage 0, so they are not "
-            "listed; stage 3 differs only where it drops the compute-weight copy."
-        )
+    out = [NOTES["fits"].format(usable=100 * (1 - plan.margin), margin=plan.margin)]
+    out += [NOTES["xla"]] if marks & {"xla", "xla-target", "peak"} else []
+    out += [NOTES[mark] for mark in ("model-flops", "what-if") if mark in marks]
+    out += [NOTES["one device"]] if any(s.row.where.devices == 1 for s in summaries) else []
     out += _slow_model_notes(plan)
-    said = set()
-    for s in summaries:  # what a GPU cannot run, once per GPU
-        for line in s.row.gpu_notes:
-            if (s.row.where.name, line) not in said:
-                said.add((s.row.where.name, line))
-                out.append(f"{s.row.where.name}: {line}")
+    gpu_notes = (f"{s.row.where.name}: {line}" for s in summaries for line in s.row.gpu_notes)
+    out += list(dict.fromkeys(gpu_notes))  # what a GPU cannot run, once per GPU
     for s in summaries:
-        for line in s.row.notes:
-            out.append(f"{s.row.where.title}: {line}")
-        out += failure_lines(s.row)
-        for advice in plan.advice.get(s.row.where.title, []):
-            out.append(f"{s.row.where.title}, nothing fits; could work: {advice.line()}")
-        if s.best is None and not plan.advice.get(s.row.where.title) and not unplanned(s.row):
+        title, advice = s.row.where.title, plan.advice.get(s.row.where.title, [])
+        out += [f"{title}: {line}" for line in s.row.notes] + failure_lines(s.row)
+        out += [f"{title}, nothing fits; could work: {a.line()}" for a in advice]
+        if s.best is None and not advice and not unplanned(s.row):
             out.append(_nothing_fits(s))
     return out
 
@@ -278,16 +241,23 @@ def unplanned(row: Row) -> bool:
 def failure_lines(row: Row) -> list[str]:
     """One line per reason the row's compiles failed for, naming the first plan it failed
     and how many more (a failed compile is not a plan that does not fit)."""
-    by_reason: dict[str, list[Candidate]] = {}
-    for cand in row.candidates:
-        if cand.status == FAILED:
-            by_reason.setdefault(cand.reason, []).append(cand)
+    failed = [(c.reason, c.choice.label()) for c in row.candidates if c.status == FAILED]
+    return [
+        f"{row.where.title}: did not compile ({which}): {why}"
+        for why, which in grouped_failures(failed, 1)
+    ]
+
+
+def grouped_failures(failed: list[tuple[str, str]], named: int) -> list[tuple[str, str]]:
+    """``(reason, which)`` per reason of ``(reason, what failed)`` pairs, ``which`` naming the
+    first ``named`` and how many more."""
+    by_reason: dict[str, list[str]] = {}
+    for reason, what in failed:
+        by_reason.setdefault(reason, []).append(what)
     out = []
-    for reason, cands in by_reason.items():
-        more = f" and {len(cands) - 1} more" if len(cands) > 1 else ""
-        out.append(
-            f"{row.where.title}: did not compile ({cands[0].choice.label()}{more}): {reason}"
-        )
+    for reason, whats in by_reason.items():
+        more = f" and {len(whats) - named} more" if len(whats) > named else ""
+        out.append((reason, ", ".join(whats[:named]) + more))
     return out
 
 

@@ -1,33 +1,10 @@
-"""The bounded search of one row (one GPU x device count): what-if every choice, compile the
-most promising few, pick the fastest that fits.
-
-1. Every choice the engine accepts gets the instant what-if (``zeroflow.planner.whatif``). A
-   choice whose state alone, by the ZeRO formula, exceeds the usable memory cannot fit and is
-   never compiled; one XLA is known to refuse is skipped with XLA's reason.
-2. The rest are ordered by the what-if's step time, fastest first, those the formula predicts
-   to fit (scaled by the last compile's ratio of XLA's peak to the formula's) ahead; where none
-   is predicted to fit, the smallest prediction goes first.
-3. They are compiled in that order. A plan whose compiled peak does not fit rules out every
-   plan that needs at least as much memory (``choices.needs_more``). The search stops after
-   ``max_compiles``, or once ``min_compiles`` are done, one fits, and the next plan could not
-   beat it even at the most favourable ratio of XLA's step to the what-if's seen so far.
-   Where ``max_compiles`` found nothing that fits, one more compile tries the plainest open
-   plan the formula predicts to fit (else the one it predicts smallest).
-   A compile that fails (an error, not a peak over the memory) does not count against
-   ``max_compiles``: it is reported with its reason, and the next plans avoid its attention
-   kernel while plans of another are open (cuDNN failing for every plan of a model must not
-   hide the XLA plans that fit). ``max_failures`` failed compiles end the row (a config
-   that cannot compile at all ends fast), last resort included.
-4. The best plan is the fitting one with the shortest step by XLA's estimate (by the what-if
-   where the backend gives none, as XLA:CPU).
-
-FP8 residuals (``model.remat_dtype: fp8``) change the numerics a little, so a plan with them
-is held back while the same plan in the compute dtype may fit: it opens once that one is
-expected not to (compiled over the memory, ruled out, its state alone too big, or predicted
-over by the formula scaled as in step 2), and it is never the best where that one compiled
-and fits. Otherwise it competes as any other plan: it is picked where it is the fastest that
-fits, e.g. remat save_dots in fp8 ahead of remat full in the compute dtype.
-"""
+"""The bounded search of one row (one GPU x device count), as docs/planner.md "How it searches"
+tells it: the what-if of every choice (those whose state alone cannot fit, or that XLA is known
+to refuse, never compiled), then compiles in the what-if's order until one fits and no open plan
+could beat it, a plan over the memory ruling out every plan that needs more. A failed compile is
+kept with its reason and not counted against ``max_compiles``; ``MAX_FAILURES`` end the row.
+FP8 residuals approximate the gradients, so such a plan waits until the same plan in the compute
+dtype is expected not to fit, and never beats it where it fits."""
 
 from __future__ import annotations
 
@@ -43,20 +20,16 @@ from zeroflow.util.settings import MAX_FAILED_COMPILES
 
 OPEN, COMPILED, FAILED = "open", "compiled", "failed"
 EXPLORE = 1.3
-"A plan of an untried stage / offload is compiled before a tried one up to this much slower"
-" by the what-if."
+"A plan of an untried stage / offload goes before a tried one up to this much slower (what-if)."
 MAX_FAILURES = MAX_FAILED_COMPILES
-"Failed compiles after which a row's search stops (they do not count against max_compiles)."
 CANNOT_FIT, SKIPPED, RULED_OUT, NOT_COMPILED = "cannot fit", "skipped", "ruled out", "not compiled"
 HELD_BACK = (
     "FP8 residuals: tried only where the same plan in the compute dtype does not fit, which "
     "no compile showed"
 )
 OTHER_GPU_SPREAD = 0.05
-"How far one program's compiled peak may differ between GPU targets for the planner to reuse it:"
-" XLA:GPU's buffer assignment hardly depends on the GPU (gpt-1b's plans on 8 and on 1 x H100"
-" and A100: within 0.3%), so a peak this far over a GPU's usable memory elsewhere rules the"
-" plan out there without compiling it."
+"A peak this far over a GPU's usable memory on another GPU rules the plan out without a compile"
+" (XLA:GPU's buffers hardly depend on the GPU: gpt-1b's plans on H100 and A100, within 0.3%)."
 
 
 @dataclasses.dataclass
@@ -69,7 +42,6 @@ class Candidate:
 
     @property
     def got(self) -> Measured:
-        """What XLA measured, for a candidate that was compiled."""
         if self.measured is None:
             raise ValueError(f"{self.choice.label()} was not compiled")
         return self.measured
@@ -85,9 +57,9 @@ class Row:
     best: Candidate | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
     gpu_notes: tuple[str, ...] = ()
-    "The space's notes: what its GPU cannot run, left out before compiling (``Space.notes``)."
+    "What its GPU cannot run (``Space.notes``)."
     scale: float = 1.0
-    "The last compile's ratio of XLA's peak to the formula's (1 before any)."
+    "The last compile's ratio of XLA's peak to the formula's."
 
     def compiled(self) -> list[Candidate]:
         return [c for c in self.candidates if c.status == COMPILED]
@@ -100,18 +72,13 @@ class Row:
 
 
 def candidates_for(problem, where: Where, space: Space, usable: float) -> list[Candidate]:
-    """Every choice of ``space`` at ``where`` with its what-if, the ones that cannot fit or that
-    XLA refuses marked (step 1)."""
-    choices = enumerate_choices(
-        space,
-        devices=where.devices,
-        batch_size=problem.facts.batch_size,
-        hosts=where.hosts,
-        compute_dtype=problem.facts.compute_dtype,
-    )
-    out = []
-    for choice in choices:
-        est = what_if(problem.facts, choice, where)
+    """Every choice of ``space`` at ``where`` with its what-if, those that cannot fit or that
+    XLA refuses marked."""
+    facts, out = problem.facts, []
+    for choice in enumerate_choices(
+        space, where.devices, facts.batch_size, where.hosts, facts.compute_dtype
+    ):
+        est = what_if(facts, choice, where)
         cand = Candidate(choice, est)
         refused = known_failure(choice, where.is_gpu)
         if est.floor_bytes > usable:
@@ -155,7 +122,7 @@ def search_row(
         if nxt.what_if.predicted_bytes > 0:
             scale = row.scale = got.peak_bytes / nxt.what_if.predicted_bytes
         if not row.fits(nxt):
-            _rule_out_bigger(row, nxt)
+            _rule_out_bigger(row, nxt, got.peak_bytes)
         elif done >= min_compiles and _cannot_be_beaten(row, compiler, scale):
             break
     if row.failures() < max_failures:
@@ -212,14 +179,10 @@ def _held_back(row: Row) -> set[int]:
     row, may fit: compiled and fitting, or open and predicted to fit (the formula scaled by
     the last compile's ratio), or skipped or failed (no memory said it cannot fit)."""
     by_choice = {c.choice: c for c in row.candidates}
-    held = set()
-    for cand in row.candidates:
-        twin = (
-            by_choice.get(cand.choice.in_compute_dtype()) if cand.choice.fp8_residuals() else None
-        )
-        if twin is not None and not _over(row, twin):
-            held.add(id(cand))
-    return held
+    twins = [(c, by_choice.get(c.choice.in_compute_dtype())) for c in row.candidates]
+    return {
+        id(c) for c, twin in twins if c.choice.fp8_residuals() and twin and not _over(row, twin)
+    }
 
 
 def _over(row: Row, cand: Candidate) -> bool:
@@ -267,14 +230,12 @@ def _family(choice: Choice) -> tuple:
     return (choice.stage, choice.offload, choice.update_on)
 
 
-def _rule_out_bigger(row: Row, compiled: Candidate) -> None:
+def _rule_out_bigger(row: Row, than: Candidate, peak: float, on: str = "") -> None:
+    """Every open plan needing at least the memory of ``than``, whose peak was ``peak``."""
+    why = f"needs at least the {format_bytes(peak)} XLA compiled for {than.choice.label()}{on}"
     for cand in row.candidates:
-        if cand.status == OPEN and needs_more(cand.choice, compiled.choice):
-            cand.status = RULED_OUT
-            cand.reason = (
-                f"needs at least the {format_bytes(compiled.got.peak_bytes)} XLA "
-                f"compiled for {compiled.choice.label()}"
-            )
+        if cand.status == OPEN and (cand is than or needs_more(cand.choice, than.choice)):
+            cand.status, cand.reason = RULED_OUT, why
 
 
 def _too_big_elsewhere(problem, row: Row, cand: Candidate, compiler: Compiler) -> bool:
@@ -283,11 +244,7 @@ def _too_big_elsewhere(problem, row: Row, cand: Candidate, compiler: Compiler) -
     seen = compiler.peak_elsewhere(problem, cand.choice, row.where)
     if seen is None or seen[0] <= row.usable_bytes * (1 + OTHER_GPU_SPREAD):
         return False
-    peak, gpu = seen
-    why = f"needs at least the {format_bytes(peak)} XLA compiled for {cand.choice.label()} on {gpu}"
-    for other in row.candidates:
-        if other.status == OPEN and (other is cand or needs_more(other.choice, cand.choice)):
-            other.status, other.reason = RULED_OUT, why
+    _rule_out_bigger(row, cand, seen[0], f" on {seen[1]}")
     return True
 
 
@@ -300,18 +257,14 @@ def step_seconds(cand: Candidate, compiler: Compiler, where: Where) -> float:
 def best_of(row: Row, compiler: Compiler) -> Candidate | None:
     """The fitting plan with the shortest step; never one with FP8 residuals whose same plan
     in the compute dtype fits."""
-    fits = {c.choice for c in row.compiled() if row.fits(c)}
+    fits = {c.choice: c for c in row.compiled() if row.fits(c)}
     fitting = [
         c
-        for c in row.compiled()
-        if row.fits(c) and not (c.choice.fp8_residuals() and c.choice.in_compute_dtype() in fits)
+        for c in fits.values()
+        if c.choice.in_compute_dtype() not in fits or not c.choice.fp8_residuals()
     ]
-    if not fitting:
-        return None
-    return min(
-        fitting,
-        key=lambda c: (step_seconds(c, compiler, row.where), c.got.peak_bytes),
-    )
+    key = lambda c: (step_seconds(c, compiler, row.where), c.got.peak_bytes)  # noqa: E731
+    return min(fitting, key=key, default=None)
 
 
 def _cannot_be_beaten(row: Row, compiler: Compiler, scale: float) -> bool:
@@ -321,11 +274,9 @@ def _cannot_be_beaten(row: Row, compiler: Compiler, scale: float) -> bool:
     open_ = _likely(row, scale)
     if best is None or not open_:
         return best is not None
-    ratios = [
-        step_seconds(c, compiler, row.where) / c.what_if.prior_s
-        for c in row.compiled()
-        if c.what_if.prior_s > 0
-    ]
-    ratio = min(ratios) if ratios else 1.0
-    fastest = min(c.what_if.prior_s for c in open_)
-    return fastest * ratio >= step_seconds(best, compiler, row.where)
+    seconds = lambda c: step_seconds(c, compiler, row.where)  # noqa: E731
+    ratio = min(
+        (seconds(c) / c.what_if.prior_s for c in row.compiled() if c.what_if.prior_s > 0),
+        default=1.0,
+    )
+    return min(c.what_if.prior_s for c in open_) * ratio >= seconds(best)

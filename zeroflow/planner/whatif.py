@@ -1,15 +1,7 @@
-"""The instant what-if: what a plan needs and roughly how fast it runs, from the ZeRO paper's
-formula and a roofline, before anything is compiled.
-
-Nothing here is a figure the planner reports as a plan's peak or step time: those come from
-XLA's compiles. The what-if does two things only:
-
-- proves a plan cannot fit (``floor_bytes``: the state the plan keeps on each device between
-  steps, by the ZeRO formula; a compiled peak is never below it), so it is never compiled;
-- orders the rest, fastest first (``prior_s``: a roofline of the model's matmul flops, the
-  bytes each stage moves between devices and over PCIe, and the recompute of each remat
-  policy), so that the few compiles the search affords go to the plans most likely to win.
-"""
+"""The instant what-if: the ZeRO formula and a roofline, before anything is compiled. It never
+gives a reported figure (XLA's compiles do); it proves a plan cannot fit (``floor_bytes``, the
+state kept between steps: no compiled peak is below it) and orders the rest fastest first
+(``prior_s``), so that the few compiles a row affords go to the likeliest winners."""
 
 from __future__ import annotations
 
@@ -32,20 +24,14 @@ WEIGHT_READS = 3
 UNHIDDEN = 0.1
 "Share of an overlapped collective's time the roofline still charges: overlapped transfers"
 " compete with the compute for memory bandwidth and SMs, so moving fewer bytes stays better."
-RECOMPUTE = {
-    None: 1.0,
-    "none": 1.0,
-    "save_dots": 1.05,
-    "offload_dots": 1.05,
-    "full": 4 / 3,
-    "offload_input": 4 / 3,
-}
+RECOMPUTE = {None: 1, "none": 1, "save_dots": 1.05, "offload_dots": 1.05, "full": 4 / 3}
+RECOMPUTE["offload_input"] = RECOMPUTE["full"]
 "Step flops relative to no remat: full remat (and offload_input, which recomputes as much) runs"
 " the forward pass twice (8 instead of 6 flops per parameter and token); save_dots recomputes"
 " only what lies between matmuls."
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class ModelFacts:
     """What the what-if knows of a model: its parameter counts, the tokens (or examples) in
     one optimizer step, its precision and, where a formula exists (the trainer's GPT), its
@@ -59,6 +45,8 @@ class ModelFacts:
     frozen_bytes_per_param: float | None = None
     "Stored bytes per frozen parameter; None: the compute dtype's (4-bit ones: a quantized base)."
     optimizer_bytes: float = 8.0
+    resident_params: int | None = None
+    "Parameters on the device at once when offload streams the layers in (None: all)."
     activations: Callable[[Choice, int], float] | None = None
     "(choice, micro-batch per device) -> activation bytes per device; None: unknown."
     offloaded_activations: Callable[[Choice, int], float] | None = None
@@ -75,10 +63,17 @@ class WhatIf:
     "Pinned host memory per process: offloaded state and activations."
     prior_s: float
     "The roofline's step time, only to order compiles."
+    model_states: float = 0.0
+    "The formula's parts of ``predicted_bytes``: model states at their largest, ..."
+    activations: float = 0.0
+    "... activations per micro-batch, and the update's peak."
+    update_bytes: float = 0.0
 
 
-def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
-    """The instant figures of ``choice`` at ``where`` (see the module doc)."""
+def what_if(facts: ModelFacts, choice: Choice, where: Where, per_process=None) -> WhatIf:
+    """The instant figures of ``choice`` at ``where`` (see the module doc); ``per_process``:
+    devices sharing a host process, else ``where``'s."""
+    per_process = per_process or where.per_process
     states = estimate(
         num_params=facts.params,
         num_devices=where.devices,
@@ -86,11 +81,12 @@ def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
         offload=choice.offload,
         update_on=choice.update_on,
         precision=facts.compute_dtype,
-        devices_per_process=where.per_process,
+        devices_per_process=per_process,
         gradient_bytes=4,
         optimizer_bytes=facts.optimizer_bytes,
         frozen_params=facts.frozen_params,
         frozen_bytes_per_param=facts.frozen_bytes_per_param,
+        resident_params=facts.resident_params,
     )
     micro = max(facts.batch_size // (where.devices * choice.grad_accum), 1)
     acts = facts.activations(choice, micro) if facts.activations else 0.0
@@ -98,8 +94,11 @@ def what_if(facts: ModelFacts, choice: Choice, where: Where) -> WhatIf:
     return WhatIf(
         floor_bytes=states.between_steps_bytes,
         predicted_bytes=max(states.device.total + acts, states.update_bytes),
-        host_bytes=states.host_bytes + host_acts * where.per_process,
+        host_bytes=states.host_bytes + host_acts * per_process,
         prior_s=prior_seconds(facts, choice, where, host_acts),
+        model_states=states.device.total,
+        activations=acts,
+        update_bytes=states.update_bytes,
     )
 
 

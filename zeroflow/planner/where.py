@@ -12,9 +12,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zeroflow.backend import targets
-from zeroflow.backend.accelerators import ACCELERATORS, CPU_LINKS, Links
+from zeroflow.backend.accelerators import ACCELERATORS, CPU_LINKS, Links, peak_flops
 from zeroflow.backend.mesh import DATA, MODEL
-from zeroflow.memory.schedule import peak_bf16_flops
 
 LINKS = {a.name: a.links for a in ACCELERATORS if a.links is not None}
 "Interconnect per GPU (``zeroflow.backend.accelerators``), by target name."
@@ -82,7 +81,7 @@ def target(name: str, devices: int, device_memory: int | None = None) -> Where:
         devices=devices,
         hosts=hosts,
         memory_bytes=device_memory or int(targets.spec_field(spec, "device_memory_size")),
-        peak_flops=peak_bf16_flops(kind) or UNKNOWN_GPU_FLOPS,
+        peak_flops=peak_flops(kind) or UNKNOWN_GPU_FLOPS,
         links=dataclasses.replace(
             LINKS.get(name.lower(), LINKS["h100"]),
             memory=float(targets.spec_field(spec, "memory_bandwidth")),
@@ -110,7 +109,7 @@ def local(devices: int, device_memory: int | None = None) -> Where:
         devices=devices,
         hosts=max(jax.process_count(), 1),
         memory_bytes=int(device_memory),
-        peak_flops=(peak_bf16_flops(kind) or UNKNOWN_GPU_FLOPS) if gpu else CPU_FLOPS,
+        peak_flops=(peak_flops(kind) or UNKNOWN_GPU_FLOPS) if gpu else CPU_FLOPS,
         links=LINKS.get(name, CPU_LINKS) if gpu else CPU_LINKS,
         local=True,
         device_kind=kind,

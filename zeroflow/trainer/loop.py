@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import time
 from collections.abc import Iterator
@@ -11,13 +12,14 @@ from typing import Any
 
 import jax
 
+from zeroflow.backend import accelerators
 from zeroflow.config.io import save_config
 from zeroflow.config.schema import Config
 from zeroflow.data import RecordData, TokenData, train_batch
 from zeroflow.engine import frozen as frozen_weights
 from zeroflow.engine import quantized
 from zeroflow.engine.distributed import InLockstep, StopVote
-from zeroflow.models import flops_per_token
+from zeroflow.models.spec import run_spec
 from zeroflow.trainer import adapters, loggers, optim, recovery, run_folder, sizes
 from zeroflow.trainer.checkpoints import RunCheckpoints
 from zeroflow.trainer.checkpoints import checkpoints_dir as checkpoint_folder
@@ -170,14 +172,20 @@ def _train_held(cfg: Config, run_dir: Path, held, progress) -> TrainResult:
 
 def _reporter(run: Run, start: int, progress, *, resumed: bool, rollbacks: int = 0) -> Reporter:
     """The run's progress bar, metrics file and plot, from ``start`` on."""
-    cfg = run.cfg
+    cfg, par = run.cfg, run.cfg.parallel
+    device = accelerators.of_kind(jax.devices()[0].device_kind)
+    spec = run_spec(
+        dataclasses.replace(cfg, model=run.model_cfg),
+        num_devices=max(jax.device_count() // (par.model * par.context), 1),
+        target=device.name if device else None,
+    )
     return Reporter(
         Path(cfg.run.dir),
         cfg.train.steps,
         start,
         progress=cfg.run.progress if progress is None else progress,
         cfg=cfg,
-        flops_per_token=flops_per_token(run.model_cfg, cfg.train.freeze),
+        spec=spec,
         num_devices=jax.device_count(),
         resumed=resumed,
         rollbacks=rollbacks,

@@ -31,19 +31,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Column
 
-from zeroflow.backend.accelerators import peak_flops
 from zeroflow.config.schema import Config
+from zeroflow.memory.spec import RunSpec
 from zeroflow.trainer import loggers
 from zeroflow.trainer.plot import write_plot
 from zeroflow.trainer.run_folder import writing
 from zeroflow.util import lines
 
 log = logging.getLogger("zeroflow")
-
-
-def device_peak_flops(device: jax.Device | None = None) -> float | None:
-    """The device's dense bf16 peak (``zeroflow.backend.accelerators``), for the MFU."""
-    return peak_flops((device or jax.devices()[0]).device_kind)
 
 
 METRICS = "metrics.jsonl"
@@ -107,15 +102,17 @@ class Reporter:
         *,
         progress: bool,
         cfg: Config,
-        flops_per_token: float,
+        spec: RunSpec,
         num_devices: int,
         resumed: bool = False,
         rollbacks: int = 0,
     ):
-        """``rollbacks``: the rollbacks the start state has made (the run's checkpoint's)."""
+        """``spec``: the run described once (``zeroflow.memory.spec``), whose FLOPs per token
+        and target's dense peak the MFU reads; ``num_devices``: every device of the mesh.
+        ``rollbacks``: the rollbacks the start state has made (the run's checkpoint's)."""
         self.is_main = jax.process_index() == 0
-        self.peak = device_peak_flops()
-        self.flops_per_token = flops_per_token
+        self.peak = spec.peak_flops
+        self.flops_per_token = spec.flops_per_token
         self.num_devices = num_devices
         self.total_steps = total_steps
         self.out = Console(soft_wrap=True, highlight=False)  # stdout, whatever its width
