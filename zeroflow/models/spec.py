@@ -123,16 +123,6 @@ def optimizer_bytes_per_param(model, optimizer: str) -> float:
     return RunSpec(abstract_params(model)[0], optimizer=optimizer).optimizer_bytes_per_param
 
 
-def stored_frozen_bytes_per_param(model, precision: str) -> float:
-    """Bytes per frozen parameter of the GPT as the trainer stores it (``RunSpec``)."""
-    return RunSpec(
-        abstract_params(model)[0],
-        precision=precision_name(precision),
-        layer_stack=LAYER_STACK,
-        quantize=model.lora.quantize if model.lora.rank else "none",
-    ).frozen_bytes_per_param
-
-
 def _check_micro_batch(micro_batch: Any) -> None:
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch must be an int >= 1, got {micro_batch!r}")
