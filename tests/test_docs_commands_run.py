@@ -95,6 +95,8 @@ RUN = {
     ],
     "autocast (autocast.md)": [(("configs/tiny.yaml precision.autocast=bf16",), SHORT)],
     "FP8 autocast (autocast.md)": [(("precision.autocast=fp8 precision.fp8_select=all",), SHORT)],
+    "FP8 delayed scaling (autocast.md)": [
+        (("precision.fp8_scaling=delayed precision.fp8_select=all",), SHORT)],
     "FP8 saved activations (autocast.md)": [
         (("model.remat=save_dots model.remat_dtype=fp8",), SHORT)],
     "QLoRA on the tiny model (nf4.md)": [(("model.lora.quantize=nf4",), SHORT)],
