@@ -48,7 +48,13 @@ VARIANTS = {
     "bf16 autocast": dict(autocast="bf16", quantize_weights=None),
     "fp8": dict(autocast="fp8", quantize_weights=None),
     "fp8 + fp8 gathers": dict(autocast="fp8", quantize_weights="fp8"),
+    "fp8 delayed": dict(autocast="fp8", quantize_weights=None, fp8_scaling="delayed"),
+    "fp8 delayed + fp8 gathers": dict(autocast="fp8", quantize_weights="fp8",
+                                      fp8_scaling="delayed"),
 }
+# The "delayed" variants scale each FP8 cast from the amax history the train state carries
+# (zf.Precision(fp8_scaling="delayed"), as the train run "fp8 delayed"), not from the amax of
+# the tensor being cast (current scaling, the other FP8 variants).
 
 
 def _child_env() -> dict:
@@ -93,7 +99,8 @@ def compile_row(row: dict) -> dict:
         variant = VARIANTS[row["variant"]]
         plan = zf.ZeroPlan(mesh, stage=3, quantize_weights=variant["quantize_weights"])
         prec = zf.Precision(params="bf16", autocast=variant["autocast"],
-                            reduce=row.get("reduce", "fp32"))
+                            reduce=row.get("reduce", "fp32"),
+                            fp8_scaling=variant.get("fp8_scaling", "tensor"))
 
         def compile_it():
             return zf.memory.compile_step(loss, params, batch, tx, plan, prec)[0]
