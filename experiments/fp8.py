@@ -30,8 +30,10 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -115,7 +117,31 @@ def compile_row(row: dict) -> dict:
             "fp8_flops": gemms.fp8_flops, "other_flops": gemms.other_flops,
             "fp8_bytes": gemms.fp8_bytes, "other_bytes": gemms.other_bytes,
             "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
-            "gather_types": _gather_types(text), "step_gemms": step_gemms(text)}
+            "gather_types": _gather_types(text), "step_gemms": step_gemms(text),
+            "max_reduces": max_reduces_per_step(text),
+            "computations": [{"name": c.name, "trips": c.trips, "us": round(c.total_us, 1),
+                              "exposed_us": {k: round(v, 1) for k, v in c.wasted_us.items()}}
+                             for c in est.computations]}
+
+
+def max_reduces_per_step(text: str) -> float:
+    """Max-reductions (``reduce`` with a ``maximum`` combiner: the amaxes of FP8 scaling, and
+    any other max) the compiled program runs per step, each counted as often as the
+    computation holding it runs (a scanned layer's once per layer)."""
+    from gemm_steps import runs_per_step
+    from zeroflow.autocast.fp8_hlo import _computations
+
+    bodies = _computations(text)
+    combiners = {name for name, lines in bodies.items()
+                 if sum(" = " in ln for ln in lines) == 3 and any(" maximum(" in ln for ln in lines)}
+    runs = runs_per_step(text)
+    total = 0.0
+    for name, lines in bodies.items():
+        for line in lines:
+            combiner = re.search(r" reduce\(.*\bto_apply=%?([\w.\-]+)", line)
+            if combiner and combiner[1] in combiners:
+                total += runs.get(name, 0.0)
+    return total
 
 
 def _attention_lowering(attention: str):
@@ -201,13 +227,20 @@ def train_tiny(steps: int, runs: list[str]) -> dict:
     training loss over the last 20 logged steps and the last held-out loss of each."""
     out = {}
     for name in runs:
-        run_dir = Path("/tmp/zeroflow-fp8-tiny-" + re.sub(r"\W+", "-", name))
+        # A fresh folder per run: the trainer resumes a run folder it finds, so a fixed one
+        # would report an earlier invocation's (finished) run instead of training this one.
+        run_dir = Path(tempfile.mkdtemp(prefix="zeroflow-fp8-tiny-" + re.sub(r"\W+", "-", name)
+                                        + "-"))
         cmd = [sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml",
                *TRAIN_RUNS[name], f"train.steps={steps}", "train.log_every=1",
                f"run.dir={run_dir}", "run.tensorboard=false"]
         start = time.time()
-        subprocess.run(cmd, cwd=HERE.parent, check=True, capture_output=True)
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        try:
+            subprocess.run(cmd, cwd=HERE.parent, check=True, capture_output=True)
+            metrics = (run_dir / "metrics.jsonl").read_text()
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        rows = [json.loads(line) for line in metrics.splitlines()]
         train = [r["loss"] for r in rows if "loss" in r]
         evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
         out[name] = {"final": sum(train[-20:]) / len(train[-20:]),
