@@ -5,12 +5,15 @@ The loss is ``experiments/llama_shapes.py``'s plain-JAX Llama (bf16 compute writ
 model, layers scanned under remat), the same as ``experiments/vs_gspmd.py``'s zeroflow rows.
 Rows: bf16 (``Precision(params="bf16")``), FP8 matmuls (``autocast="fp8"``: the roofline of
 ``zeroflow.autocast.cost`` picks the matmuls), and FP8 matmuls with FP8 weight gathers
-(``ZeroPlan(quantize_weights="fp8")``). Per row: XLA:GPU's peak per device, its *estimated*
-step (the latency-hiding scheduler's cost model, ``zeroflow.memory.schedule``; not a
-measurement), the GEMMs whose operands are float8 and the flops and bytes of the GEMMs by
-kind (``zeroflow.autocast.fp8_hlo``; XLA's ``cost_analysis`` gives nothing for these
-deviceless compiles). Then the tiny trainer config trained
-300 steps in bf16 and in FP8 (every eligible matmul), the final losses side by side.
+(``ZeroPlan(quantize_weights="fp8")``); the "fp8 delayed" variants scale from amax histories
+in the train state (``Precision(fp8_scaling="delayed")``) instead. Per row: XLA:GPU's peak per
+device, its *estimated* step (the latency-hiding scheduler's cost model,
+``zeroflow.memory.schedule``; not a measurement), the GEMMs whose operands are float8 and the
+flops and bytes of the GEMMs by kind (``zeroflow.autocast.fp8_hlo``; XLA's ``cost_analysis``
+gives nothing for these deviceless compiles); each row's printed JSON also holds the GEMMs per
+step, XLA's estimate per scheduled computation (the scanned layers' forward and backward
+bodies) and the max-reductions per step. Then the tiny trainer config trained 300 steps in bf16
+and in FP8 (every eligible matmul), the final losses side by side.
 
     python experiments/fp8.py                       # 8B shape, writes experiments/results/fp8.md
     python experiments/fp8.py --layers 4 --skip-train --remat full   # 4 8B-shaped layers
@@ -133,7 +136,8 @@ def max_reduces_per_step(text: str) -> float:
 
     bodies = _computations(text)
     combiners = {name for name, lines in bodies.items()
-                 if sum(" = " in ln for ln in lines) == 3 and any(" maximum(" in ln for ln in lines)}
+                 if sum(" = " in ln for ln in lines) == 3
+                 and any(" maximum(" in ln for ln in lines)}
     runs = runs_per_step(text)
     total = 0.0
     for name, lines in bodies.items():
