@@ -5,12 +5,15 @@ The loss is ``experiments/llama_shapes.py``'s plain-JAX Llama (bf16 compute writ
 model, layers scanned under remat), the same as ``experiments/vs_gspmd.py``'s zeroflow rows.
 Rows: bf16 (``Precision(params="bf16")``), FP8 matmuls (``autocast="fp8"``: the roofline of
 ``zeroflow.autocast.cost`` picks the matmuls), and FP8 matmuls with FP8 weight gathers
-(``ZeroPlan(quantize_weights="fp8")``). Per row: XLA:GPU's peak per device, its *estimated*
-step (the latency-hiding scheduler's cost model, ``zeroflow.memory.schedule``; not a
-measurement), the GEMMs whose operands are float8 and the flops and bytes of the GEMMs by
-kind (``zeroflow.autocast.fp8_hlo``; XLA's ``cost_analysis`` gives nothing for these
-deviceless compiles). Then the tiny trainer config trained
-300 steps in bf16 and in FP8 (every eligible matmul), the final losses side by side.
+(``ZeroPlan(quantize_weights="fp8")``); the "fp8 delayed" variants scale from amax histories
+in the train state (``Precision(fp8_scaling="delayed")``) instead. Per row: XLA:GPU's peak per
+device, its *estimated* step (the latency-hiding scheduler's cost model,
+``zeroflow.memory.schedule``; not a measurement), the GEMMs whose operands are float8 and the
+flops and bytes of the GEMMs by kind (``zeroflow.autocast.fp8_hlo``; XLA's ``cost_analysis``
+gives nothing for these deviceless compiles); each row's printed JSON also holds the GEMMs per
+step, XLA's estimate per scheduled computation (the scanned layers' forward and backward
+bodies) and the max-reductions per step. Then the tiny trainer config trained 300 steps in bf16
+and in FP8 (every eligible matmul), the final losses side by side.
 
     python experiments/fp8.py                       # 8B shape, writes experiments/results/fp8.md
     python experiments/fp8.py --layers 4 --skip-train --remat full   # 4 8B-shaped layers
@@ -30,8 +33,10 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +53,13 @@ VARIANTS = {
     "bf16 autocast": dict(autocast="bf16", quantize_weights=None),
     "fp8": dict(autocast="fp8", quantize_weights=None),
     "fp8 + fp8 gathers": dict(autocast="fp8", quantize_weights="fp8"),
+    "fp8 delayed": dict(autocast="fp8", quantize_weights=None, fp8_scaling="delayed"),
+    "fp8 delayed + fp8 gathers": dict(autocast="fp8", quantize_weights="fp8",
+                                      fp8_scaling="delayed"),
 }
+# The "delayed" variants scale each FP8 cast from the amax history the train state carries
+# (zf.Precision(fp8_scaling="delayed"), as the train run "fp8 delayed"), not from the amax of
+# the tensor being cast (current scaling, the other FP8 variants).
 
 
 def _child_env() -> dict:
@@ -93,7 +104,8 @@ def compile_row(row: dict) -> dict:
         variant = VARIANTS[row["variant"]]
         plan = zf.ZeroPlan(mesh, stage=3, quantize_weights=variant["quantize_weights"])
         prec = zf.Precision(params="bf16", autocast=variant["autocast"],
-                            reduce=row.get("reduce", "fp32"))
+                            reduce=row.get("reduce", "fp32"),
+                            fp8_scaling=variant.get("fp8_scaling", "tensor"))
 
         def compile_it():
             return zf.memory.compile_step(loss, params, batch, tx, plan, prec)[0]
@@ -108,7 +120,32 @@ def compile_row(row: dict) -> dict:
             "fp8_flops": gemms.fp8_flops, "other_flops": gemms.other_flops,
             "fp8_bytes": gemms.fp8_bytes, "other_bytes": gemms.other_bytes,
             "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
-            "gather_types": _gather_types(text), "step_gemms": step_gemms(text)}
+            "gather_types": _gather_types(text), "step_gemms": step_gemms(text),
+            "max_reduces": max_reduces_per_step(text),
+            "computations": [{"name": c.name, "trips": c.trips, "us": round(c.total_us, 1),
+                              "exposed_us": {k: round(v, 1) for k, v in c.wasted_us.items()}}
+                             for c in est.computations]}
+
+
+def max_reduces_per_step(text: str) -> float:
+    """Max-reductions (``reduce`` with a ``maximum`` combiner: the amaxes of FP8 scaling, and
+    any other max) the compiled program runs per step, each counted as often as the
+    computation holding it runs (a scanned layer's once per layer)."""
+    from gemm_steps import runs_per_step
+    from zeroflow.autocast.fp8_hlo import _computations
+
+    bodies = _computations(text)
+    combiners = {name for name, lines in bodies.items()
+                 if sum(" = " in ln for ln in lines) == 3
+                 and any(" maximum(" in ln for ln in lines)}
+    runs = runs_per_step(text)
+    total = 0.0
+    for name, lines in bodies.items():
+        for line in lines:
+            combiner = re.search(r" reduce\(.*\bto_apply=%?([\w.\-]+)", line)
+            if combiner and combiner[1] in combiners:
+                total += runs.get(name, 0.0)
+    return total
 
 
 def _attention_lowering(attention: str):
@@ -194,13 +231,20 @@ def train_tiny(steps: int, runs: list[str]) -> dict:
     training loss over the last 20 logged steps and the last held-out loss of each."""
     out = {}
     for name in runs:
-        run_dir = Path("/tmp/zeroflow-fp8-tiny-" + re.sub(r"\W+", "-", name))
+        # A fresh folder per run: the trainer resumes a run folder it finds, so a fixed one
+        # would report an earlier invocation's (finished) run instead of training this one.
+        run_dir = Path(tempfile.mkdtemp(prefix="zeroflow-fp8-tiny-" + re.sub(r"\W+", "-", name)
+                                        + "-"))
         cmd = [sys.executable, "-m", "zeroflow.train", "--config", "configs/tiny.yaml",
                *TRAIN_RUNS[name], f"train.steps={steps}", "train.log_every=1",
                f"run.dir={run_dir}", "run.tensorboard=false"]
         start = time.time()
-        subprocess.run(cmd, cwd=HERE.parent, check=True, capture_output=True)
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        try:
+            subprocess.run(cmd, cwd=HERE.parent, check=True, capture_output=True)
+            metrics = (run_dir / "metrics.jsonl").read_text()
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        rows = [json.loads(line) for line in metrics.splitlines()]
         train = [r["loss"] for r in rows if "loss" in r]
         evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
         out[name] = {"final": sum(train[-20:]) / len(train[-20:]),

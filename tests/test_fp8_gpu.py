@@ -99,3 +99,28 @@ def test_offloading_remats_with_fp8_move_bytes_to_the_host(remat):
         return set(re.findall(r"\b(u8|bf16)\[2,2,128,[\d,]*\]\{[\d,]*:S\(5\)\}", text))
     assert host_types("compute") == {"bf16"}
     assert host_types("fp8") == {"u8"}
+
+
+def _entry_parameter_types(text: str) -> list[str]:
+    """The element type and shape of each parameter of the compiled program's ENTRY."""
+    entry = text[text.index("\nENTRY "):]
+    entry = entry[: entry.index("\n}")]
+    return re.findall(r"= (\w+\[[\d,]*\])\{?[\d,]*\}? parameter\(", entry)
+
+
+@pytest.mark.slow
+def test_delayed_scaling_compiles_for_an_h100_target_from_an_abstract_state():
+    """``zf.memory.compile_step`` lowers the step on an abstract state for devices that hold
+    no arrays: under delayed scaling the first FP8 state is made abstract too (it was put on
+    the target's devices, which failed). Every matmul is an FP8 GEMM, and the program takes
+    one scale and one amax history for each operand and incoming gradient of each matmul."""
+    history = 7  # a length nothing else in the program has
+    plan = zf.ZeroPlan(zf.target_mesh("h100", data=2), stage=3)
+    prec = zf.Precision(params="bf16", autocast="fp8", fp8_select="all",
+                        fp8_scaling="delayed", fp8_history=history)
+    compiled, _ = zf.memory.compile_step(loss_fn, _params(), BATCH, optax.adamw(1e-3), plan, prec)
+    text = compiled.as_text()
+    gemms = count_gemms(text)
+    matmuls = 2 * LAYERS + 1  # up, down per layer, and the head
+    assert gemms.fp8 == 3 * matmuls and gemms.other == 0
+    assert _entry_parameter_types(text).count(f"f32[{history}]") == 3 * matmuls

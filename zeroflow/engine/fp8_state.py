@@ -55,9 +55,15 @@ def loss_with_state(cast):
     return loss
 
 
-def fresh_state(found: dict, history: int, sharding) -> dict:
-    """The first step's state for the sites ``found`` (scale 1, empty histories), placed."""
+def fresh_state(found: dict, history: int, sharding, abstract: bool = False) -> dict:
+    """The first step's state for the sites ``found`` (scale 1, empty histories), placed;
+    ``abstract``: as ``ShapeDtypeStruct``s in ``sharding`` (an abstract state's step, e.g.
+    compiled for a ``zf.target_mesh``, whose devices cannot hold arrays)."""
     metas = {key: fp8_delayed.fresh_meta(shape, history) for key, shape in found.items()}
+    if abstract:
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), metas
+        )
     return jax.device_put(metas, sharding)
 
 

@@ -539,7 +539,8 @@ class TrainStep:
         with backend.tracing_for(self._plan.traits):
             jax.eval_shape(gradients, state, batch)
         history = self._prec.fp8_history
-        fresh = fp8_states.fresh_state(marker.found, history, self._plan.replicated())
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state.master))
+        fresh = fp8_states.fresh_state(marker.found, history, self._plan.replicated(), abstract)
         return dataclasses.replace(state, fp8=fresh)
 
 
