@@ -78,10 +78,10 @@ def compile_row(row: dict) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
-
-    import zeroflow as zf
     from gemm_steps import step_gemms
     from llama_shapes import SHAPES, abstract_params, num_params
+
+    import zeroflow as zf
     from zeroflow.autocast.fp8_hlo import count_gemms
     from zeroflow.memory import schedule
     from zeroflow.memory.measure import analysed
@@ -132,6 +132,7 @@ def max_reduces_per_step(text: str) -> float:
     any other max) the compiled program runs per step, each counted as often as the
     computation holding it runs (a scanned layer's once per layer)."""
     from gemm_steps import runs_per_step
+
     from zeroflow.autocast.fp8_hlo import _computations
 
     bodies = _computations(text)
@@ -167,8 +168,8 @@ def row_loss(shape: dict, remat: str, head_scope: bool = True, attention: str = 
     import jax
     import jax.numpy as jnp
     import optax
-
     from llama_shapes import POLICIES, _layer, _rms_norm
+
     from zeroflow.autocast.fp8_saved import checkpoint_fp8_dots
 
     def layer(x, p):
