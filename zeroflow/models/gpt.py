@@ -118,6 +118,22 @@ def check_config(cfg: ModelConfig) -> None:
             f"model.loss_chunk={cfg.loss_chunk} and model.mlp_chunk={cfg.mlp_chunk} must be >= 0 "
             f"and model.loss_vocab_chunk={cfg.loss_vocab_chunk} positive"
         )
+    _check_layer_chunk(cfg)
+
+
+def _check_layer_chunk(cfg: ModelConfig) -> None:
+    """``model.layer_chunk``: what the chunked block (``chunked_block``) cannot do."""
+    if cfg.layer_chunk < 0:
+        raise ValueError(f"model.layer_chunk={cfg.layer_chunk} must be >= 0 (0 = one piece)")
+    if cfg.layer_chunk and cfg.remat in FP8_DOTS_REMATS:
+        raise ValueError(
+            f"model.layer_chunk={cfg.layer_chunk} needs model.remat 'none', 'full' or "
+            f"'offload_input' (the matmul outputs {cfg.remat!r} keeps are inside its chunks)"
+        )
+    if cfg.layer_chunk and cfg.dropout:
+        raise ValueError(
+            f"model.layer_chunk={cfg.layer_chunk} needs model.dropout=0 (got {cfg.dropout})"
+        )
 
 
 def _check_kernel_options(cfg: ModelConfig) -> None:
@@ -414,9 +430,32 @@ def check_mosaic_gpu(setting: str, device_kind: str, instead: str) -> None:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention in three steps a chunked layer (``model.layer_chunk``) can also
+    call one at a time: ``project`` (q, k, v with their norms and rotation), ``attend`` (the
+    attention core) and ``output`` (the output projection)."""
+
     cfg: ModelConfig
 
-    @nn.compact
+    def setup(self):
+        cfg = self.cfg
+        heads, kv_heads, dim = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
+        qkv_bias = cfg.attn_bias in ("qkv", "all")
+        self.query = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), use_bias=qkv_bias)
+        self.key = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias)
+        self.value = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias)
+        if cfg.qk_norm:  # per head, over head_dim (Qwen3, Gemma 3)
+            self.query_norm = self._head_norm()
+            self.key_norm = self._head_norm()
+        # Row-parallel output projection, init scaled down so the residual stream does not grow
+        # with depth.
+        self.out = Dense(
+            (cfg.embed_dim,),
+            (HEADS, HEAD_DIM, EMBED),
+            contract=2,
+            stddev=_output_std(cfg),
+            use_bias=cfg.attn_bias == "all",
+        )
+
     def __call__(
         self,
         x: jax.Array,
@@ -424,51 +463,50 @@ class Attention(nn.Module):
         positions: jax.Array | None = None,
         layer: jax.Array | None = None,
     ) -> jax.Array:
+        q, k, v = self.project(x, positions, layer)
+        return self.output(self.attend(q, k, v, segment_ids, layer))
+
+    def project(self, x: jax.Array, positions: jax.Array | None, layer: jax.Array | None):
+        """``(q, k, v)`` of the normed input ``x`` [B, S, embed], rotated and scaled."""
         cfg = self.cfg
-        heads, kv_heads, dim = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
-        qkv_bias = cfg.attn_bias in ("qkv", "all")
-        q = Dense((heads, dim), (EMBED, HEADS, HEAD_DIM), use_bias=qkv_bias, name="query")(x)
-        k = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="key")(x)
-        v = Dense((kv_heads, dim), (EMBED, KV_HEADS, HEAD_DIM), use_bias=qkv_bias, name="value")(x)
+        q, k, v = self.query(x), self.key(x), self.value(x)
         q, k, v = (saved_output(cfg, t, n) for t, n in zip((q, k, v), MATMUL_OUTPUTS))
-        if cfg.qk_norm:  # per head, over head_dim (Qwen3, Gemma 3)
-            q = self._head_norm("query_norm")(q)
-            k = self._head_norm("key_norm")(k)
-        local = is_local_layer(cfg, layer)
+        if cfg.qk_norm:
+            q, k = self.query_norm(q), self.key_norm(k)
         if cfg.positions == "rope":
-            inv_freq = _layer_inv_freq(cfg, dim, local)
+            inv_freq = _layer_inv_freq(cfg, head_dim(cfg), is_local_layer(cfg, layer))
             q, k = rotate(q, inv_freq, positions), rotate(k, inv_freq, positions)
+        dim = head_dim(cfg)
         if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != dim:
             # Every attention path scales by 1 / sqrt(head_dim): fold the rest into q.
             q = (q * math.sqrt(dim / cfg.query_pre_attn_scalar)).astype(q.dtype)
+        return q, k, v
+
+    def attend(self, q, k, v, segment_ids, layer) -> jax.Array:
+        """The attention core over the whole row: [B, S, heads, head_dim]."""
+        cfg = self.cfg
+        local = is_local_layer(cfg, layer)
         # Initialisation only needs shapes (and runs on fp32 params, on any backend): use the
         # portable path there so a cuDNN/Pallas config can be initialised and inspected anywhere.
         implementation = "xla" if self.is_initializing() else cfg.attention
         if isinstance(local, bool):
-            out = self._attend(
+            return self._attend(
                 q, k, v, implementation, cfg.sliding_window if local else 0, segment_ids
             )
-        else:  # a layer index traced by the scan: both windows compiled, one run per layer
-            out = lax.cond(
-                local,
-                lambda: self._attend(q, k, v, implementation, cfg.sliding_window, segment_ids),
-                lambda: self._attend(q, k, v, implementation, 0, segment_ids),
-            )
-        # Row-parallel output projection, init scaled down so the residual stream does not grow
-        # with depth.
-        out = Dense(
-            (cfg.embed_dim,),
-            (HEADS, HEAD_DIM, EMBED),
-            contract=2,
-            stddev=_output_std(cfg),
-            use_bias=cfg.attn_bias == "all",
-            name="out",
-        )(out)
-        return saved_output(cfg, out, "attn_out")
+        # A layer index traced by the scan: both windows compiled, one run per layer.
+        return lax.cond(
+            local,
+            lambda: self._attend(q, k, v, implementation, cfg.sliding_window, segment_ids),
+            lambda: self._attend(q, k, v, implementation, 0, segment_ids),
+        )
 
-    def _head_norm(self, name: str) -> Norm:
+    def output(self, out: jax.Array) -> jax.Array:
+        """The output projection of the attention core's ``out``."""
+        return saved_output(self.cfg, self.out(out), "attn_out")
+
+    def _head_norm(self) -> Norm:
         cfg = self.cfg
-        return Norm("rmsnorm", cfg.norm_eps, cfg.norm_offset, HEAD_DIM, name=name)
+        return Norm("rmsnorm", cfg.norm_eps, cfg.norm_offset, HEAD_DIM)
 
     def _attend(self, q, k, v, implementation: str, window: int, segment_ids) -> jax.Array:
         cfg = self.cfg
@@ -555,6 +593,80 @@ def tiled_mlp(mlp: Mlp, x: jax.Array, chunk: int) -> jax.Array:
     return y.reshape(batch, chunks * chunk, width)[:, :seq]
 
 
+def over_chunks(fn: Callable, chunk: int, *arrays: jax.Array):
+    """``fn`` on each ``chunk`` positions of the [B, S, ...] ``arrays`` in turn (a scan), each
+    call under remat: the backward pass recomputes one chunk's intermediates at a time. Its
+    outputs, [B, chunk, ...] each, come back put together along the positions."""
+    seq = arrays[0].shape[1]
+    count = seq // chunk
+
+    def split(a):
+        return jnp.moveaxis(a.reshape(a.shape[0], count, chunk, *a.shape[2:]), 1, 0)
+
+    def merge(y):
+        return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], seq, *y.shape[3:])
+
+    step = jax.checkpoint(fn, prevent_cse=False)  # safe inside the scan
+    _, ys = lax.scan(lambda carry, xs: (carry, step(*xs)), None, tuple(map(split, arrays)))
+    return jax.tree.map(merge, ys)
+
+
+def chunks_layer(cfg: ModelConfig, seq: int) -> bool:
+    """Whether a block of ``seq`` positions runs chunked (``model.layer_chunk``)."""
+    if not 0 < cfg.layer_chunk < seq:
+        return False
+    if seq % cfg.layer_chunk:
+        raise ValueError(
+            f"model.layer_chunk={cfg.layer_chunk} must divide the row's {seq} positions "
+            "(or be 0, or at least the row)"
+        )
+    return True
+
+
+def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) -> jax.Array:
+    """``Block`` with ``params`` (its own) on ``x`` [B, S, embed], everything but the attention
+    core in ``cfg.layer_chunk``-position chunks under remat (``over_chunks``): the norms, the
+    q/k/v and output projections and the MLP. The backward pass then holds for the whole row
+    only the layer's input (or its e4m3 bytes), q, k, v, the attention output and their
+    gradients; the norm outputs, the rotary tables and the MLP's input live one chunk at a
+    time. Same values as the block in one piece; the residual stream adds in the same order."""
+    fp8 = cfg.remat_dtype == "fp8" and cfg.remat in FP8_INPUT_REMATS
+    # With FP8 layer inputs the chunks read the e4m3 bytes (one per element) and the scale of
+    # the whole input: what layer_input_read rounds through, in pieces.
+    q_bytes, scale = fp8_saved.fp8_parts(x) if fp8 else (None, None)
+    inputs = (x, q_bytes) if fp8 else (x,)
+
+    def read(x_c, q_c=None):
+        return fp8_saved.rounded(x_c, q_c, scale) if fp8 else x_c
+
+    def norm(name, y):
+        return Norm(cfg.norm, cfg.norm_eps, cfg.norm_offset).apply({"params": params[name]}, y)
+
+    def attn(*args, method):
+        return Attention(cfg).apply({"params": params["attn"]}, *args, method=method)
+
+    def qkv(pos_c, *x_c):
+        return attn(norm("attn_norm", read(*x_c)), pos_c, layer, method=Attention.project)
+
+    def branches(out_c, *x_c):
+        attn_out = attn(out_c, method=Attention.output)
+        if cfg.post_norms:
+            attn_out = norm("attn_post_norm", attn_out)
+        # As in Block: the MLP's norm reads the exact residual, or with FP8 inputs the rounded.
+        mlp_in = (read(*x_c) if fp8 else x_c[0]) + attn_out
+        mlp_out = Mlp(cfg).apply({"params": params["mlp"]}, norm("mlp_norm", mlp_in))
+        if cfg.post_norms:
+            mlp_out = norm("mlp_post_norm", mlp_out)
+        return attn_out, mlp_out
+
+    if positions is None:
+        positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+    q, k, v = over_chunks(qkv, cfg.layer_chunk, positions, *inputs)
+    out = attn(q, k, v, segment_ids, layer, method=Attention.attend)
+    attn_out, mlp_out = over_chunks(branches, cfg.layer_chunk, out, *inputs)
+    return x + attn_out + mlp_out
+
+
 class Block(nn.Module):
     """Pre-norm decoder block; ``(x, None)`` out so nn.scan can stack it. ``segment_ids`` and
     ``positions`` (packed examples, or None) are the same for every layer; ``layer`` (the
@@ -573,6 +685,9 @@ class Block(nn.Module):
     ) -> tuple[jax.Array, None]:
         cfg = self.cfg
         x = checkpoint_name(x, LAYER_INPUT)
+        if chunks_layer(cfg, x.shape[1]) and not self.is_initializing():
+            params = self.variables["params"]
+            return chunked_block(cfg, params, x, segment_ids, positions, layer), None
         read = layer_input_read(cfg, x)
         drop = functools.partial(nn.Dropout(cfg.dropout), deterministic=self.deterministic)
         attn_in = self._norm("attn_norm")(read)
