@@ -593,22 +593,98 @@ def tiled_mlp(mlp: Mlp, x: jax.Array, chunk: int) -> jax.Array:
     return y.reshape(batch, chunks * chunk, width)[:, :seq]
 
 
-def over_chunks(fn: Callable, chunk: int, *arrays: jax.Array):
-    """``fn`` on each ``chunk`` positions of the [B, S, ...] ``arrays`` in turn (a scan), each
-    call under remat: the backward pass recomputes one chunk's intermediates at a time. Its
-    outputs, [B, chunk, ...] each, come back put together along the positions."""
-    seq = arrays[0].shape[1]
-    count = seq // chunk
+def _chunk(tree, i, chunk: int):
+    """Positions ``[i * chunk, (i + 1) * chunk)`` of every [B, S, ...] array of ``tree``."""
+    return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1), tree)
 
-    def split(a):
-        return jnp.moveaxis(a.reshape(a.shape[0], count, chunk, *a.shape[2:]), 1, 0)
 
-    def merge(y):
-        return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], seq, *y.shape[3:])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def over_chunks(fn: Callable, chunk: int, unread: tuple, add_to, params, diff, sliced, whole):
+    """``fn(params, diff_chunk, sliced_chunk, whole)`` on each ``chunk`` positions in turn
+    (a loop), its outputs ([B, chunk, ...] arrays, a tuple) put back together along the
+    positions; with ``add_to`` (an index into ``diff``) instead one array, that input plus the
+    outputs in order (a residual stream: ``(x + a) + b``).
 
-    step = jax.checkpoint(fn, prevent_cse=False)  # safe inside the scan
-    _, ys = lax.scan(lambda carry, xs: (carry, step(*xs)), None, tuple(map(split, arrays)))
-    return jax.tree.map(merge, ys)
+    ``diff``: a tuple of [B, S, ...] arrays that get gradients, ``sliced``: a pytree of
+    [B, S, ...] arrays that do not (token positions, FP8 bytes), ``whole``: values every chunk
+    reads whole (no gradient). Remat by hand: the forward pass keeps nothing of a chunk, the
+    backward pass recomputes one chunk at a time and takes its vector-Jacobian product, so no
+    intermediate of ``fn`` is ever held for the whole row. The parameters' gradients are summed
+    over the chunks in fp32. ``unread``: per ``diff`` array, None, or its ShapeDtypeStruct
+    where the backward pass needs only its tangent, never its value (``fp8_saved.rounded``):
+    that array is then not kept for the backward pass, which passes zeros in its place."""
+    return _chunks_forward(fn, chunk, add_to, params, diff, sliced, whole)
+
+
+def _joined(y):
+    """[chunks, B, chunk, ...] -> [B, chunks * chunk, ...] (for one row, a reshape XLA makes
+    a bitcast)."""
+    return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], y.shape[0] * y.shape[2], *y.shape[3:])
+
+
+def _chunks_forward(fn, chunk, add_to, params, diff, sliced, whole):
+    seq = jax.tree.leaves((diff, sliced))[0].shape[1]
+
+    def step(carry, i):
+        outs = fn(params, _chunk(diff, i, chunk), _chunk(sliced, i, chunk), whole)
+        if add_to is not None:
+            outs = functools.reduce(jnp.add, outs, _chunk(diff[add_to], i, chunk))
+        return carry, outs
+
+    # Outputs as the scan's stacked results, written in place.
+    _, outs = lax.scan(step, None, jnp.arange(seq // chunk))
+    return jax.tree.map(_joined, outs)
+
+
+def _chunks_fwd(fn, chunk, unread, add_to, params, diff, sliced, whole):
+    kept = tuple(None if spec is not None else d for d, spec in zip(diff, unread))
+    outs = _chunks_forward(fn, chunk, add_to, params, diff, sliced, whole)
+    return outs, (params, kept, sliced, whole)
+
+
+def _chunks_bwd(fn, chunk, unread, add_to, residuals, cts):
+    params, kept, sliced, whole = residuals
+    specs = [spec or jax.ShapeDtypeStruct(d.shape, d.dtype) for d, spec in zip(kept, unread)]
+    rows = specs[0].shape[0]
+
+    def values(i):
+        return tuple(
+            jnp.zeros((rows, chunk, *s.shape[2:]), s.dtype) if d is None else _chunk(d, i, chunk)
+            for d, s in zip(kept, specs)
+        )
+
+    def step(carry, i):
+        summed, through = carry
+        _, vjp = jax.vjp(lambda p, d: fn(p, d, _chunk(sliced, i, chunk), whole), params, values(i))
+        out_cts = _chunk(cts, i, chunk)
+        if add_to is not None:  # every output was added to the residual: one cotangent
+            out_cts = (out_cts,) * outputs
+        d_params, d_diff = vjp(out_cts)
+        summed = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), summed, d_params)
+        if add_to is not None:  # the residual's gradient: the cotangent itself, plus its branch
+            start = i * chunk
+            part = lax.dynamic_slice_in_dim(through, start, chunk, axis=1) + d_diff[add_to]
+            through = lax.dynamic_update_slice_in_dim(through, part.astype(through.dtype), start, 1)
+        # Flattened per position: no other loop's stacked buffer has this shape, so XLA does
+        # not share one zeroed buffer between them (and keep it alive from one to the other).
+        grads = tuple(g.reshape(rows, chunk, -1).astype(s.dtype) for g, s in zip(d_diff, specs))
+        return (summed, through), grads
+
+    outputs = len(
+        jax.eval_shape(lambda p, d: fn(p, d, _chunk(sliced, 0, chunk), whole), params, values(0))
+    )
+    # The residual's gradient starts as the incoming cotangent, whose buffer it takes over.
+    start = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), cts)
+    start = start if add_to is not None else (start[0], jnp.zeros((), jnp.float32))
+    (summed, through), grads = lax.scan(step, start, jnp.arange(specs[0].shape[1] // chunk))
+    d_params = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, params)
+    d_diff = [_joined(g).reshape(s.shape) for g, s in zip(grads, specs)]
+    if add_to is not None:
+        d_diff[add_to] = through
+    return d_params, tuple(d_diff), None, None
+
+
+over_chunks.defvjp(_chunks_fwd, _chunks_bwd)
 
 
 def chunks_layer(cfg: ModelConfig, seq: int) -> bool:
@@ -625,46 +701,53 @@ def chunks_layer(cfg: ModelConfig, seq: int) -> bool:
 
 def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) -> jax.Array:
     """``Block`` with ``params`` (its own) on ``x`` [B, S, embed], everything but the attention
-    core in ``cfg.layer_chunk``-position chunks under remat (``over_chunks``): the norms, the
-    q/k/v and output projections and the MLP. The backward pass then holds for the whole row
-    only the layer's input (or its e4m3 bytes), q, k, v, the attention output and their
-    gradients; the norm outputs, the rotary tables and the MLP's input live one chunk at a
-    time. Same values as the block in one piece; the residual stream adds in the same order."""
+    core in ``cfg.layer_chunk``-position chunks (``over_chunks``): the norms, the q/k/v and
+    output projections and the MLP. The backward pass then holds for the whole row only the
+    layer's input (or its e4m3 bytes), q, k, v, the attention output and their gradients; the
+    norm outputs, the rotary tables and the MLP's input live one chunk at a time. Same values
+    as the block in one piece; the residual stream adds in the same order."""
     fp8 = cfg.remat_dtype == "fp8" and cfg.remat in FP8_INPUT_REMATS
     # With FP8 layer inputs the chunks read the e4m3 bytes (one per element) and the scale of
-    # the whole input: what layer_input_read rounds through, in pieces.
+    # the whole input, what layer_input_read rounds through; x only lends its tangent.
     q_bytes, scale = fp8_saved.fp8_parts(x) if fp8 else (None, None)
-    inputs = (x, q_bytes) if fp8 else (x,)
-
-    def read(x_c, q_c=None):
-        return fp8_saved.rounded(x_c, q_c, scale) if fp8 else x_c
-
-    def norm(name, y):
-        return Norm(cfg.norm, cfg.norm_eps, cfg.norm_offset).apply({"params": params[name]}, y)
-
-    def attn(*args, method):
-        return Attention(cfg).apply({"params": params["attn"]}, *args, method=method)
-
-    def qkv(pos_c, *x_c):
-        return attn(norm("attn_norm", read(*x_c)), pos_c, layer, method=Attention.project)
-
-    def branches(out_c, *x_c):
-        attn_out = attn(out_c, method=Attention.output)
-        if cfg.post_norms:
-            attn_out = norm("attn_post_norm", attn_out)
-        # As in Block: the MLP's norm reads the exact residual, or with FP8 inputs the rounded.
-        mlp_in = (read(*x_c) if fp8 else x_c[0]) + attn_out
-        mlp_out = Mlp(cfg).apply({"params": params["mlp"]}, norm("mlp_norm", mlp_in))
-        if cfg.post_norms:
-            mlp_out = norm("mlp_post_norm", mlp_out)
-        return attn_out, mlp_out
-
+    x_spec = jax.ShapeDtypeStruct(x.shape, x.dtype) if fp8 else None
     if positions is None:
         positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    q, k, v = over_chunks(qkv, cfg.layer_chunk, positions, *inputs)
-    out = attn(q, k, v, segment_ids, layer, method=Attention.attend)
-    attn_out, mlp_out = over_chunks(branches, cfg.layer_chunk, out, *inputs)
-    return x + attn_out + mlp_out
+
+    def read(x_c, bytes_c, scale):
+        return fp8_saved.rounded(x_c, bytes_c, scale) if fp8 else x_c
+
+    def norm(p, name, y):
+        return Norm(cfg.norm, cfg.norm_eps, cfg.norm_offset).apply({"params": p[name]}, y)
+
+    def attn(p, *args, method):
+        return Attention(cfg).apply({"params": p["attn"]}, *args, method=method)
+
+    def qkv(p, diff, sliced, whole):
+        (x_c,), (bytes_c, pos_c), (scale, layer) = diff, sliced, whole
+        normed = norm(p, "attn_norm", read(x_c, bytes_c, scale))
+        return attn(p, normed, pos_c, layer, method=Attention.project)
+
+    def branches(p, diff, sliced, whole):
+        (out_c, x_c), (bytes_c,), (scale,) = diff, sliced, whole
+        attn_out = attn(p, out_c, method=Attention.output)
+        if cfg.post_norms:
+            attn_out = norm(p, "attn_post_norm", attn_out)
+        # As in Block: the MLP's norm reads the exact residual, or with FP8 inputs the rounded.
+        mlp_in = read(x_c, bytes_c, scale) + attn_out
+        mlp_out = Mlp(cfg).apply({"params": p["mlp"]}, norm(p, "mlp_norm", mlp_in))
+        if cfg.post_norms:
+            mlp_out = norm(p, "mlp_post_norm", mlp_out)
+        return attn_out, mlp_out
+
+    chunk = cfg.layer_chunk
+    q, k, v = over_chunks(
+        qkv, chunk, (x_spec,), None, params, (x,), (q_bytes, positions), (scale, layer)
+    )
+    out = attn(params, q, k, v, segment_ids, layer, method=Attention.attend)
+    # x + attn_out + mlp_out, added chunk by chunk: the residual's gradient is accumulated in
+    # the buffer of the incoming one.
+    return over_chunks(branches, chunk, (None, x_spec), 1, params, (out, x), (q_bytes,), (scale,))
 
 
 class Block(nn.Module):
