@@ -16,7 +16,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import flax.linen as nn
 import jax
@@ -598,93 +598,35 @@ def _chunk(tree, i, chunk: int):
     return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1), tree)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def over_chunks(fn: Callable, chunk: int, unread: tuple, add_to, params, diff, sliced, whole):
-    """``fn(params, diff_chunk, sliced_chunk, whole)`` on each ``chunk`` positions in turn
-    (a loop), its outputs ([B, chunk, ...] arrays, a tuple) put back together along the
-    positions; with ``add_to`` (an index into ``diff``) instead one array, that input plus the
-    outputs in order (a residual stream: ``(x + a) + b``).
-
-    ``diff``: a tuple of [B, S, ...] arrays that get gradients, ``sliced``: a pytree of
-    [B, S, ...] arrays that do not (token positions, FP8 bytes), ``whole``: values every chunk
-    reads whole (no gradient). Remat by hand: the forward pass keeps nothing of a chunk, the
-    backward pass recomputes one chunk at a time and takes its vector-Jacobian product, so no
-    intermediate of ``fn`` is ever held for the whole row. The parameters' gradients are summed
-    over the chunks in fp32. ``unread``: per ``diff`` array, None, or its ShapeDtypeStruct
-    where the backward pass needs only its tangent, never its value (``fp8_saved.rounded``):
-    that array is then not kept for the backward pass, which passes zeros in its place."""
-    return _chunks_forward(fn, chunk, add_to, params, diff, sliced, whole)
+def _put(whole, part, i, chunk: int):
+    return lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), i * chunk, axis=1)
 
 
-def _joined(y):
-    """[chunks, B, chunk, ...] -> [B, chunks * chunk, ...] (for one row, a reshape XLA makes
-    a bitcast)."""
-    return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], y.shape[0] * y.shape[2], *y.shape[3:])
+def _padded(part, seq: int):
+    return jnp.pad(part, [(0, 0), (0, seq - part.shape[1])] + [(0, 0)] * (part.ndim - 2))
 
 
-def _chunks_forward(fn, chunk, add_to, params, diff, sliced, whole):
-    seq = jax.tree.leaves((diff, sliced))[0].shape[1]
-
-    def step(carry, i):
-        outs = fn(params, _chunk(diff, i, chunk), _chunk(sliced, i, chunk), whole)
-        if add_to is not None:
-            outs = functools.reduce(jnp.add, outs, _chunk(diff[add_to], i, chunk))
-        return carry, outs
-
-    # Outputs as the scan's stacked results, written in place.
-    _, outs = lax.scan(step, None, jnp.arange(seq // chunk))
-    return jax.tree.map(_joined, outs)
-
-
-def _chunks_fwd(fn, chunk, unread, add_to, params, diff, sliced, whole):
-    kept = tuple(None if spec is not None else d for d, spec in zip(diff, unread))
-    outs = _chunks_forward(fn, chunk, add_to, params, diff, sliced, whole)
-    return outs, (params, kept, sliced, whole)
-
-
-def _chunks_bwd(fn, chunk, unread, add_to, residuals, cts):
-    params, kept, sliced, whole = residuals
-    specs = [spec or jax.ShapeDtypeStruct(d.shape, d.dtype) for d, spec in zip(kept, unread)]
-    rows = specs[0].shape[0]
-
-    def values(i):
-        return tuple(
-            jnp.zeros((rows, chunk, *s.shape[2:]), s.dtype) if d is None else _chunk(d, i, chunk)
-            for d, s in zip(kept, specs)
-        )
-
-    def step(carry, i):
-        summed, through = carry
-        _, vjp = jax.vjp(lambda p, d: fn(p, d, _chunk(sliced, i, chunk), whole), params, values(i))
-        out_cts = _chunk(cts, i, chunk)
-        if add_to is not None:  # every output was added to the residual: one cotangent
-            out_cts = (out_cts,) * outputs
-        d_params, d_diff = vjp(out_cts)
-        summed = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), summed, d_params)
-        if add_to is not None:  # the residual's gradient: the cotangent itself, plus its branch
-            start = i * chunk
-            part = lax.dynamic_slice_in_dim(through, start, chunk, axis=1) + d_diff[add_to]
-            through = lax.dynamic_update_slice_in_dim(through, part.astype(through.dtype), start, 1)
-        # Flattened per position: no other loop's stacked buffer has this shape, so XLA does
-        # not share one zeroed buffer between them (and keep it alive from one to the other).
-        grads = tuple(g.reshape(rows, chunk, -1).astype(s.dtype) for g, s in zip(d_diff, specs))
-        return (summed, through), grads
-
-    outputs = len(
-        jax.eval_shape(lambda p, d: fn(p, d, _chunk(sliced, 0, chunk), whole), params, values(0))
+def chunk_loop(step: Callable, chunk: int, seq: int, carry):
+    """``step(i, carry) -> (parts, sums, carry)`` for each chunk ``i`` of ``seq`` positions:
+    ``parts`` (a pytree of [B, chunk, ...] arrays) written into whole-row arrays, ``sums``
+    (a pytree) summed in fp32, ``carry`` threaded through; returns the three. The first chunk
+    runs before the loop and its parts, padded, are the whole-row arrays' start: no zeroed
+    buffer that XLA could share between two loops and keep alive from one to the other."""
+    parts, sums, carry = step(0, carry)
+    state = (
+        jax.tree.map(lambda p: _padded(p, seq), parts),
+        jax.tree.map(lambda s: s.astype(jnp.float32), sums),
+        carry,
     )
-    # The residual's gradient starts as the incoming cotangent, whose buffer it takes over.
-    start = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), cts)
-    start = start if add_to is not None else (start[0], jnp.zeros((), jnp.float32))
-    (summed, through), grads = lax.scan(step, start, jnp.arange(specs[0].shape[1] // chunk))
-    d_params = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, params)
-    d_diff = [_joined(g).reshape(s.shape) for g, s in zip(grads, specs)]
-    if add_to is not None:
-        d_diff[add_to] = through
-    return d_params, tuple(d_diff), None, None
 
+    def body(i, state):
+        wholes, summed, carry = state
+        parts, sums, carry = step(i, carry)
+        wholes = jax.tree.map(lambda w, p: _put(w, p, i, chunk), wholes, parts)
+        summed = jax.tree.map(lambda a, s: a + s.astype(jnp.float32), summed, sums)
+        return wholes, summed, carry
 
-over_chunks.defvjp(_chunks_fwd, _chunks_bwd)
+    return lax.fori_loop(1, seq // chunk, body, state)
 
 
 def chunks_layer(cfg: ModelConfig, seq: int) -> bool:
@@ -699,23 +641,26 @@ def chunks_layer(cfg: ModelConfig, seq: int) -> bool:
     return True
 
 
-def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) -> jax.Array:
-    """``Block`` with ``params`` (its own) on ``x`` [B, S, embed], everything but the attention
-    core in ``cfg.layer_chunk``-position chunks (``over_chunks``): the norms, the q/k/v and
-    output projections and the MLP. The backward pass then holds for the whole row only the
-    layer's input (or its e4m3 bytes), q, k, v, the attention output and their gradients; the
-    norm outputs, the rotary tables and the MLP's input live one chunk at a time. Same values
-    as the block in one piece; the residual stream adds in the same order."""
-    fp8 = cfg.remat_dtype == "fp8" and cfg.remat in FP8_INPUT_REMATS
-    # With FP8 layer inputs the chunks read the e4m3 bytes (one per element) and the scale of
-    # the whole input, what layer_input_read rounds through; x only lends its tangent.
-    q_bytes, scale = fp8_saved.fp8_parts(x) if fp8 else (None, None)
-    x_spec = jax.ShapeDtypeStruct(x.shape, x.dtype) if fp8 else None
-    if positions is None:
-        positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+class _Pieces(NamedTuple):
+    """The chunked block's parts as functions of the block's params: ``read(x, saved, i)`` (the
+    input chunk ``i`` its branches read), ``qkv(p, read_c, i)``, ``attend(p, q, k, v)`` and
+    ``branches(p, out_c, read_c) -> (attn_out, mlp_out)``."""
 
-    def read(x_c, bytes_c, scale):
-        return fp8_saved.rounded(x_c, bytes_c, scale) if fp8 else x_c
+    read: Callable
+    qkv: Callable
+    attend: Callable
+    branches: Callable
+
+
+def _pieces(cfg: ModelConfig, chunk: int, context) -> _Pieces:
+    positions, segment_ids, layer = context
+    fp8 = cfg.remat_dtype == "fp8" and cfg.remat in FP8_INPUT_REMATS
+
+    def read(x, saved, i):
+        if not fp8:
+            return _chunk(x, i, chunk)
+        q_bytes, scale = saved  # the e4m3 bytes of the whole input, its one scale
+        return fp8_saved.dequantized(_chunk(q_bytes, i, chunk), scale, x.dtype)
 
     def norm(p, name, y):
         return Norm(cfg.norm, cfg.norm_eps, cfg.norm_offset).apply({"params": p[name]}, y)
@@ -723,31 +668,106 @@ def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) ->
     def attn(p, *args, method):
         return Attention(cfg).apply({"params": p["attn"]}, *args, method=method)
 
-    def qkv(p, diff, sliced, whole):
-        (x_c,), (bytes_c, pos_c), (scale, layer) = diff, sliced, whole
-        normed = norm(p, "attn_norm", read(x_c, bytes_c, scale))
-        return attn(p, normed, pos_c, layer, method=Attention.project)
+    def qkv(p, read_c, i):
+        normed = norm(p, "attn_norm", read_c)
+        return attn(p, normed, _chunk(positions, i, chunk), layer, method=Attention.project)
 
-    def branches(p, diff, sliced, whole):
-        (out_c, x_c), (bytes_c,), (scale,) = diff, sliced, whole
+    def attend(p, q, k, v):
+        return attn(p, q, k, v, segment_ids, layer, method=Attention.attend)
+
+    def branches(p, out_c, read_c):
         attn_out = attn(p, out_c, method=Attention.output)
         if cfg.post_norms:
             attn_out = norm(p, "attn_post_norm", attn_out)
-        # As in Block: the MLP's norm reads the exact residual, or with FP8 inputs the rounded.
-        mlp_in = read(x_c, bytes_c, scale) + attn_out
-        mlp_out = Mlp(cfg).apply({"params": p["mlp"]}, norm(p, "mlp_norm", mlp_in))
+        # As in Block: the MLP's norm reads the input (rounded, with FP8 inputs) + attn_out.
+        mlp_out = Mlp(cfg).apply({"params": p["mlp"]}, norm(p, "mlp_norm", read_c + attn_out))
         if cfg.post_norms:
             mlp_out = norm(p, "mlp_post_norm", mlp_out)
         return attn_out, mlp_out
 
-    chunk = cfg.layer_chunk
-    q, k, v = over_chunks(
-        qkv, chunk, (x_spec,), None, params, (x,), (q_bytes, positions), (scale, layer)
-    )
-    out = attn(params, q, k, v, segment_ids, layer, method=Attention.attend)
-    # x + attn_out + mlp_out, added chunk by chunk: the residual's gradient is accumulated in
-    # the buffer of the incoming one.
-    return over_chunks(branches, chunk, (None, x_spec), 1, params, (out, x), (q_bytes,), (scale,))
+    return _Pieces(read, qkv, attend, branches)
+
+
+def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) -> jax.Array:
+    """``Block`` with ``params`` (its own) on ``x`` [B, S, embed], everything but the attention
+    core in ``cfg.layer_chunk``-position chunks: the norms, the q/k/v and output projections,
+    the MLP and the residual adds. Its own backward pass (remat by hand) recomputes q, k, v a
+    chunk at a time, the attention over the whole row, then goes back through the chunks,
+    adding each chunk's input gradient into the buffer of the incoming one. For the whole row
+    it holds only that gradient, the input (or its e4m3 bytes), q, k, v, the attention output
+    and their gradients; norm outputs, rotary tables and MLP intermediates live one chunk at a
+    time. Parameter gradients are summed over the chunks in fp32. Same values as the block in
+    one piece, the residual stream added in the same order."""
+    if positions is None:
+        positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+    fp8 = cfg.remat_dtype == "fp8" and cfg.remat in FP8_INPUT_REMATS
+    # FP8 layer inputs: the branches read the e4m3 bytes and one scale, all the remat policy
+    # keeps of the layer (layer_input_read's rounding, in pieces).
+    saved = fp8_saved.fp8_parts(x) if fp8 else None
+    chunk, seq, shape, dtype = cfg.layer_chunk, x.shape[1], x.shape, x.dtype
+
+    @jax.custom_vjp
+    def layer_fn(params, x, saved, context):
+        parts = _pieces(cfg, chunk, context)
+        q, k, v = _qkv_rows(parts, params, x, saved, chunk, seq)
+        out = parts.attend(params, q, k, v)
+
+        def step(i, carry):
+            attn_out, mlp_out = parts.branches(
+                params, _chunk(out, i, chunk), parts.read(x, saved, i)
+            )
+            return _chunk(x, i, chunk) + attn_out + mlp_out, {}, carry
+
+        return chunk_loop(step, chunk, seq, None)[0]
+
+    def layer_fwd(params, x, saved, context):
+        kept = None if fp8 else x  # FP8 inputs: the backward pass reads the bytes only
+        return layer_fn(params, x, saved, context), (params, kept, saved, context)
+
+    def layer_bwd(residuals, d_y):
+        return _chunked_backward(cfg, chunk, residuals, d_y, shape, dtype)
+
+    layer_fn.defvjp(layer_fwd, layer_bwd)
+    return layer_fn(params, x, saved, (positions, segment_ids, layer))
+
+
+def _qkv_rows(parts: _Pieces, params, x, saved, chunk: int, seq: int):
+    """q, k, v of the whole row, computed a chunk at a time."""
+
+    def step(i, carry):
+        return parts.qkv(params, parts.read(x, saved, i), i), {}, carry
+
+    return chunk_loop(step, chunk, seq, None)[0]
+
+
+def _chunked_backward(cfg, chunk: int, residuals, d_y, shape, dtype):
+    """``chunked_block``'s vector-Jacobian product: ``(d_params, d_x, None, None)``."""
+    params, kept, saved, context = residuals
+    parts, seq = _pieces(cfg, chunk, context), shape[1]
+    x = kept if kept is not None else jax.ShapeDtypeStruct(shape, dtype)
+    q, k, v = _qkv_rows(parts, params, x, saved, chunk, seq)
+    out, attend_vjp = jax.vjp(lambda q, k, v: parts.attend(params, q, k, v), q, k, v)
+
+    def through_branches(i, d_x):
+        branch_vjp = jax.vjp(
+            parts.branches, params, _chunk(out, i, chunk), parts.read(x, saved, i)
+        )[1]
+        d_y_c = _chunk(d_y, i, chunk)
+        d_params, d_out, d_read = branch_vjp((d_y_c, d_y_c))
+        return d_out, d_params, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
+
+    # The input's gradient starts as the incoming one (the residual add) and takes its buffer.
+    d_out, d_params, d_x = chunk_loop(through_branches, chunk, seq, d_y)
+    d_q, d_k, d_v = attend_vjp(d_out)
+
+    def through_qkv(i, d_x):
+        qkv_vjp = jax.vjp(lambda p, r: parts.qkv(p, r, i), params, parts.read(x, saved, i))[1]
+        more, d_read = qkv_vjp(_chunk((d_q, d_k, d_v), i, chunk))
+        return (), more, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
+
+    _, more, d_x = chunk_loop(through_qkv, chunk, seq, d_x)
+    d_params = jax.tree.map(lambda a, b, p: (a + b).astype(p.dtype), d_params, more, params)
+    return d_params, d_x, None, None
 
 
 class Block(nn.Module):
