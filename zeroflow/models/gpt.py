@@ -748,26 +748,51 @@ def _chunked_backward(cfg, chunk: int, residuals, d_y, shape, dtype):
     q, k, v = _qkv_rows(parts, params, x, saved, chunk, seq)
     out, attend_vjp = jax.vjp(lambda q, k, v: parts.attend(params, q, k, v), q, k, v)
 
+    branch_params, qkv_params = _split_params(params)
+
     def through_branches(i, d_x):
         branch_vjp = jax.vjp(
-            parts.branches, params, _chunk(out, i, chunk), parts.read(x, saved, i)
+            parts.branches, branch_params, _chunk(out, i, chunk), parts.read(x, saved, i)
         )[1]
         d_y_c = _chunk(d_y, i, chunk)
         d_params, d_out, d_read = branch_vjp((d_y_c, d_y_c))
         return d_out, d_params, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
 
     # The input's gradient starts as the incoming one (the residual add) and takes its buffer.
-    d_out, d_params, d_x = chunk_loop(through_branches, chunk, seq, d_y)
+    d_out, summed, d_x = chunk_loop(through_branches, chunk, seq, d_y)
+    d_branch = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, branch_params)
     d_q, d_k, d_v = attend_vjp(d_out)
 
     def through_qkv(i, d_x):
-        qkv_vjp = jax.vjp(lambda p, r: parts.qkv(p, r, i), params, parts.read(x, saved, i))[1]
-        more, d_read = qkv_vjp(_chunk((d_q, d_k, d_v), i, chunk))
-        return (), more, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
+        qkv_vjp = jax.vjp(lambda p, r: parts.qkv(p, r, i), qkv_params, parts.read(x, saved, i))[1]
+        d_params, d_read = qkv_vjp(_chunk((d_q, d_k, d_v), i, chunk))
+        return (), d_params, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
 
-    _, more, d_x = chunk_loop(through_qkv, chunk, seq, d_x)
-    d_params = jax.tree.map(lambda a, b, p: (a + b).astype(p.dtype), d_params, more, params)
-    return d_params, d_x, None, None
+    _, summed, d_x = chunk_loop(through_qkv, chunk, seq, d_x)
+    d_qkv = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, qkv_params)
+    return _merged(d_branch, d_qkv), d_x, None, None
+
+
+QKV_PARAMS = ("query", "key", "value", "query_norm", "key_norm")
+"The attention's weights the chunked block's q/k/v part reads (the rest: its output part)."
+
+
+def _split_params(params) -> tuple[dict, dict]:
+    """A block's params as the chunked block's two parts read them: (output projection, MLP
+    and their norms; input norm and q/k/v projections)."""
+    attn = params["attn"]
+    qkv = {"attn_norm": params["attn_norm"], "attn": {k: attn[k] for k in attn if k in QKV_PARAMS}}
+    rest = {k: v for k, v in params.items() if k not in ("attn_norm", "attn")}
+    rest["attn"] = {k: attn[k] for k in attn if k not in QKV_PARAMS}
+    return rest, qkv
+
+
+def _merged(a: dict, b: dict) -> dict:
+    """Two nested dicts with disjoint leaves as one."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _merged(out[key], value) if key in out else value
+    return out
 
 
 class Block(nn.Module):
