@@ -709,12 +709,12 @@ def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) ->
     @jax.custom_vjp
     def layer_fn(params, x, saved, context):
         parts = _pieces(cfg, chunk, context)
-        q, k, v = _qkv_rows(parts, params, x, saved, chunk, seq)
-        out = parts.attend(params, q, k, v)
+        qs, ks, vs = _qkv_rows(parts, params, x, saved, chunk, seq)
+        outs = tuple(map(functools.partial(parts.attend, params), qs, ks, vs))
 
         def step(i, carry):
             attn_out, mlp_out = parts.branches(
-                params, _chunk(out, i, chunk), parts.read(x, saved, i)
+                params, _joined_heads(outs, i, chunk), parts.read(x, saved, i)
             )
             return _chunk(x, i, chunk) + attn_out + mlp_out, {}, carry
 
@@ -732,40 +732,61 @@ def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) ->
 
 
 def _qkv_rows(parts: _Pieces, params, x, saved, chunk: int, seq: int):
-    """q, k, v of the whole row, computed a chunk at a time."""
+    """q, k, v of the whole row, computed a chunk at a time, each as a tuple of one array per
+    key/value head and the query heads that share it (``_by_group``)."""
 
-    def step(i, carry):
-        return parts.qkv(params, parts.read(x, saved, i), i), {}, carry
+    def with_kv(i, carry):
+        q, k, v = parts.qkv(params, parts.read(x, saved, i), i)
+        groups = k.shape[2]
+        return (_by_group(q, groups), _by_group(k, groups), _by_group(v, groups)), {}, carry
 
-    return chunk_loop(step, chunk, seq, None)[0]
+    return chunk_loop(with_kv, chunk, seq, None)[0]
+
+
+def _by_group(t: jax.Array, groups: int) -> tuple:
+    """[B, S, heads, D] as ``groups`` arrays [B, S, heads / groups, D]: the attention of one
+    key/value head group needs nothing of the others, and each group's arrays can be freed
+    as soon as its backward pass is done."""
+    size = t.shape[2] // groups
+    return tuple(t[:, :, g * size : (g + 1) * size] for g in range(groups))
+
+
+def _joined_heads(groups: tuple, i, chunk: int) -> jax.Array:
+    """Chunk ``i`` of every group's array (``_by_group``), the heads back together."""
+    return jnp.concatenate(_chunk(groups, i, chunk), axis=2)
 
 
 def _chunked_backward(cfg, chunk: int, residuals, d_y, shape, dtype):
-    """``chunked_block``'s vector-Jacobian product: ``(d_params, d_x, None, None)``."""
+    """``chunked_block``'s vector-Jacobian product: ``(d_params, d_x, None, None)``. The
+    attention runs per key/value head group (``_by_group``): each group's q, output and
+    output gradient are freed once its backward pass is done, so the whole-row attention
+    tensors of all heads are never held together with their gradients."""
     params, kept, saved, context = residuals
     parts, seq = _pieces(cfg, chunk, context), shape[1]
     x = kept if kept is not None else jax.ShapeDtypeStruct(shape, dtype)
-    q, k, v = _qkv_rows(parts, params, x, saved, chunk, seq)
-    out, attend_vjp = jax.vjp(lambda q, k, v: parts.attend(params, q, k, v), q, k, v)
-
+    qs, ks, vs = _qkv_rows(parts, params, x, saved, chunk, seq)
+    outs, attend_vjps = zip(
+        *(jax.vjp(functools.partial(parts.attend, params), *qkv) for qkv in zip(qs, ks, vs))
+    )
     branch_params, qkv_params = _split_params(params)
 
     def through_branches(i, d_x):
         branch_vjp = jax.vjp(
-            parts.branches, branch_params, _chunk(out, i, chunk), parts.read(x, saved, i)
+            parts.branches, branch_params, _joined_heads(outs, i, chunk), parts.read(x, saved, i)
         )[1]
         d_y_c = _chunk(d_y, i, chunk)
         d_params, d_out, d_read = branch_vjp((d_y_c, d_y_c))
-        return d_out, d_params, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
+        d_x = _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
+        return _by_group(d_out, len(outs)), d_params, d_x
 
     # The input's gradient starts as the incoming one (the residual add) and takes its buffer.
-    d_out, summed, d_x = chunk_loop(through_branches, chunk, seq, d_y)
+    d_outs, summed, d_x = chunk_loop(through_branches, chunk, seq, d_y)
     d_branch = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, branch_params)
-    d_q, d_k, d_v = attend_vjp(d_out)
+    d_qs, d_ks, d_vs = zip(*(attend_vjp(d_out) for attend_vjp, d_out in zip(attend_vjps, d_outs)))
 
     def through_qkv(i, d_x):
         qkv_vjp = jax.vjp(lambda p, r: parts.qkv(p, r, i), qkv_params, parts.read(x, saved, i))[1]
-        d_params, d_read = qkv_vjp(_chunk((d_q, d_k, d_v), i, chunk))
+        d_params, d_read = qkv_vjp(tuple(_joined_heads(d, i, chunk) for d in (d_qs, d_ks, d_vs)))
         return (), d_params, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
 
     _, summed, d_x = chunk_loop(through_qkv, chunk, seq, d_x)
