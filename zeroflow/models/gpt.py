@@ -774,12 +774,13 @@ def _chunked_backward(cfg, chunk: int, residuals, d_y, shape, dtype):
         branch_vjp = jax.vjp(
             parts.branches, branch_params, _joined_heads(outs, i, chunk), parts.read(x, saved, i)
         )[1]
-        d_y_c = _chunk(d_y, i, chunk)
+        d_y_c = _chunk(d_x, i, chunk)  # not yet updated: the incoming gradient
         d_params, d_out, d_read = branch_vjp((d_y_c, d_y_c))
-        d_x = _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
+        d_x = _put(d_x, d_y_c + d_read, i, chunk)
         return _by_group(d_out, len(outs)), d_params, d_x
 
-    # The input's gradient starts as the incoming one (the residual add) and takes its buffer.
+    # The input's gradient starts as the incoming one (the residual add), which the loop reads
+    # from its own buffer, chunk by chunk before adding to it: one whole-row gradient, not two.
     d_outs, summed, d_x = chunk_loop(through_branches, chunk, seq, d_y)
     d_branch = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, branch_params)
     d_qs, d_ks, d_vs = zip(*(attend_vjp(d_out) for attend_vjp, d_out in zip(attend_vjps, d_outs)))
