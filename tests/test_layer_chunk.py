@@ -1,8 +1,9 @@
 """``model.layer_chunk``: each decoder layer's per-position work (norms, q/k/v and output
-projections, the MLP) in chunks of positions under remat. The option must be exact: its loss
-and gradients are checked against the same GPT in one piece (float32), with grouped-query
-attention, packed rows and FP8 layer inputs; and what the chunks hold: no value of the step
-has the MLP width over more than one chunk."""
+projections, the MLP) in chunks of positions, with its own backward pass and the attention per
+key/value head group. The option must be exact: its loss and gradients are checked against the
+same GPT in one piece (float32), with grouped-query attention, packed rows, FP8 layer inputs,
+the Gemma/Qwen options and sliding windows on every other layer; and what the chunks hold: no
+value of the step has the MLP width over more than one chunk."""
 import dataclasses
 import warnings
 
@@ -51,7 +52,8 @@ def loss_and_grads(cfg, params, data):
     dict(),
     dict(remat="offload_input", remat_dtype="fp8"),
     dict(remat="none", qk_norm=True, post_norms=True, attn_bias="all", norm="layernorm"),
-], ids=["full", "fp8-inputs", "qknorm-postnorms-bias"])
+    dict(sliding_window=6, global_every=2, num_kv_heads=4),
+], ids=["full", "fp8-inputs", "qknorm-postnorms-bias", "windows-every-other-layer-mha"])
 def test_the_chunked_layer_gives_the_loss_and_gradients_of_the_layer_in_one_piece(packed,
                                                                                    variant):
     plain = dataclasses.replace(CFG, **variant)
