@@ -109,3 +109,16 @@ def test_what_the_chunked_layer_cannot_do_is_one_line_naming_it(change, named):
     with pytest.raises(ValueError, match=named) as caught:
         loss_and_grads(cfg, params, batch(cfg, packed=False))
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_the_chunked_layer_with_the_row_split_over_devices_matches_whole_rows(strategy):
+    """parallel.context=2 (each device holds half of every row: 16 of 32 positions, two
+    chunks of 8) against the plain model on whole rows on one device (packed rows, fp32)."""
+    from test_context_parallel import CFG as SPLIT, assert_grads_close, one_step, whole_rows
+
+    cfg = dataclasses.replace(SPLIT, context_attention=strategy, layer_chunk=CHUNK)
+    params, metrics, grads, _ = one_step(cfg, context=2, data=2, stage=3)
+    (loss, _), want = whole_rows(params, 2)
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
+    assert_grads_close(grads, want, rtol=2e-5)
