@@ -643,13 +643,16 @@ def chunks_layer(cfg: ModelConfig, seq: int) -> bool:
 
 class _Pieces(NamedTuple):
     """The chunked block's parts as functions of the block's params: ``read(x, saved, i)`` (the
-    input chunk ``i`` its branches read), ``qkv(p, read_c, i)``, ``attend(p, q, k, v)`` and
-    ``branches(p, out_c, read_c) -> (attn_out, mlp_out)``."""
+    input chunk ``i`` its branches read), ``qkv(p, read_c, i)``, ``attend(p, q, k, v)``,
+    ``branches(p, out_c, read_c) -> (attn_out, mlp_out)`` and its two halves, the output
+    projection ``project_out(p, out_c)`` and ``after_projection(p, projected_c, read_c)``."""
 
     read: Callable
     qkv: Callable
     attend: Callable
     branches: Callable
+    project_out: Callable
+    after_projection: Callable
 
 
 def _pieces(cfg: ModelConfig, chunk: int, context) -> _Pieces:
@@ -675,8 +678,10 @@ def _pieces(cfg: ModelConfig, chunk: int, context) -> _Pieces:
     def attend(p, q, k, v):
         return attn(p, q, k, v, segment_ids, layer, method=Attention.attend)
 
-    def branches(p, out_c, read_c):
-        attn_out = attn(p, out_c, method=Attention.output)
+    def project_out(p, out_c):
+        return attn(p, out_c, method=Attention.output)
+
+    def after_projection(p, attn_out, read_c):
         if cfg.post_norms:
             attn_out = norm(p, "attn_post_norm", attn_out)
         # As in Block: the MLP's norm reads the input (rounded, with FP8 inputs) + attn_out.
@@ -685,7 +690,10 @@ def _pieces(cfg: ModelConfig, chunk: int, context) -> _Pieces:
             mlp_out = norm(p, "mlp_post_norm", mlp_out)
         return attn_out, mlp_out
 
-    return _Pieces(read, qkv, attend, branches)
+    def branches(p, out_c, read_c):
+        return after_projection(p, project_out(p, out_c), read_c)
+
+    return _Pieces(read, qkv, attend, branches, project_out, after_projection)
 
 
 def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) -> jax.Array:
@@ -758,9 +766,12 @@ def _joined_heads(groups: tuple, i, chunk: int) -> jax.Array:
 
 def _chunked_backward(cfg, chunk: int, residuals, d_y, shape, dtype):
     """``chunked_block``'s vector-Jacobian product: ``(d_params, d_x, None, None)``. The
-    attention runs per key/value head group (``_by_group``): each group's q, output and
-    output gradient are freed once its backward pass is done, so the whole-row attention
-    tensors of all heads are never held together with their gradients."""
+    attention runs per key/value head group (``_by_group``): each group's q and output are
+    freed once its backward pass is done. The output projection's backward pass runs per group
+    on the whole row, from the gradient of its output, which without post-norms is the input's
+    gradient itself (``x + attn_out + mlp(norm(read + attn_out))``: both receive the incoming
+    gradient plus the MLP input's), so no gradient of the attention output is held for all
+    heads at once."""
     params, kept, saved, context = residuals
     parts, seq = _pieces(cfg, chunk, context), shape[1]
     x = kept if kept is not None else jax.ShapeDtypeStruct(shape, dtype)
@@ -768,45 +779,79 @@ def _chunked_backward(cfg, chunk: int, residuals, d_y, shape, dtype):
     outs, attend_vjps = zip(
         *(jax.vjp(functools.partial(parts.attend, params), *qkv) for qkv in zip(qs, ks, vs))
     )
-    branch_params, qkv_params = _split_params(params)
+    tail_params, out_params, qkv_params = _split_params(params)
 
     def through_branches(i, d_x):
-        branch_vjp = jax.vjp(
-            parts.branches, branch_params, _joined_heads(outs, i, chunk), parts.read(x, saved, i)
-        )[1]
+        projected = parts.project_out(params, _joined_heads(outs, i, chunk))
+        tail_vjp = jax.vjp(parts.after_projection, tail_params, projected, parts.read(x, saved, i))[
+            1
+        ]
         d_y_c = _chunk(d_x, i, chunk)  # not yet updated: the incoming gradient
-        d_params, d_out, d_read = branch_vjp((d_y_c, d_y_c))
+        d_params, d_projected, d_read = tail_vjp((d_y_c, d_y_c))
         d_x = _put(d_x, d_y_c + d_read, i, chunk)
-        return _by_group(d_out, len(outs)), d_params, d_x
+        return (d_projected if cfg.post_norms else ()), d_params, d_x
 
     # The input's gradient starts as the incoming one (the residual add), which the loop reads
     # from its own buffer, chunk by chunk before adding to it: one whole-row gradient, not two.
-    d_outs, summed, d_x = chunk_loop(through_branches, chunk, seq, d_y)
-    d_branch = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, branch_params)
-    d_qs, d_ks, d_vs = zip(*(attend_vjp(d_out) for attend_vjp, d_out in zip(attend_vjps, d_outs)))
+    d_projected, summed, d_x = chunk_loop(through_branches, chunk, seq, d_y)
+    d_tail = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, tail_params)
+    d_out_params, d_qkv_rows = _attention_backward(
+        out_params, outs, attend_vjps, d_projected if cfg.post_norms else d_x
+    )
 
     def through_qkv(i, d_x):
         qkv_vjp = jax.vjp(lambda p, r: parts.qkv(p, r, i), qkv_params, parts.read(x, saved, i))[1]
-        d_params, d_read = qkv_vjp(tuple(_joined_heads(d, i, chunk) for d in (d_qs, d_ks, d_vs)))
+        d_params, d_read = qkv_vjp(tuple(_joined_heads(d, i, chunk) for d in d_qkv_rows))
         return (), d_params, _put(d_x, _chunk(d_x, i, chunk) + d_read, i, chunk)
 
     _, summed, d_x = chunk_loop(through_qkv, chunk, seq, d_x)
     d_qkv = jax.tree.map(lambda a, p: a.astype(p.dtype), summed, qkv_params)
-    return _merged(d_branch, d_qkv), d_x, None, None
+    return _merged(_merged(d_tail, d_out_params), d_qkv), d_x, None, None
+
+
+def _attention_backward(out_params, outs, attend_vjps, d_projected):
+    """The output projection's and the attention's backward passes, one key/value head group
+    at a time, from ``d_projected`` [B, S, embed], the gradient of the projection's output:
+    ``(d_out_params, (d_qs, d_ks, d_vs))``, the latter tuples of one array per group."""
+    proj = out_params["attn"]["out"]
+    kernel = proj["kernel"]  # [heads, head_dim, embed]
+    size = kernel.shape[0] // len(outs)
+    d_kernels, grads = [], []
+    for g, (out_g, attend_vjp) in enumerate(zip(outs, attend_vjps)):
+        kernel_g = kernel[g * size : (g + 1) * size]
+        d_out_g = jnp.einsum("bse,hde->bshd", d_projected.astype(kernel.dtype), kernel_g)
+        d_kernels.append(
+            jnp.einsum(
+                "bshd,bse->hde",
+                out_g.astype(kernel.dtype),
+                d_projected.astype(kernel.dtype),
+                preferred_element_type=jnp.float32,
+            ).astype(kernel.dtype)
+        )
+        grads.append(attend_vjp(d_out_g.astype(out_g.dtype)))
+        # The next group starts once this one is done: XLA would otherwise interleave them and
+        # hold every group's output and gradients together.
+        d_projected, (d_kernels[-1], grads[-1]) = lax.optimization_barrier(
+            (d_projected, (d_kernels[-1], grads[-1]))
+        )
+    d_proj = {"kernel": jnp.concatenate(d_kernels, axis=0)}
+    if "bias" in proj:
+        d_proj["bias"] = d_projected.sum((0, 1), dtype=jnp.float32).astype(proj["bias"].dtype)
+    return {"attn": {"out": d_proj}}, tuple(zip(*grads))
 
 
 QKV_PARAMS = ("query", "key", "value", "query_norm", "key_norm")
 "The attention's weights the chunked block's q/k/v part reads (the rest: its output part)."
 
 
-def _split_params(params) -> tuple[dict, dict]:
-    """A block's params as the chunked block's two parts read them: (output projection, MLP
-    and their norms; input norm and q/k/v projections)."""
+def _split_params(params) -> tuple[dict, dict, dict]:
+    """A block's params as the chunked block's backward pass reads them: (the MLP and the
+    norms after the attention; the output projection; the input norm and q/k/v projections)."""
     attn = params["attn"]
     qkv = {"attn_norm": params["attn_norm"], "attn": {k: attn[k] for k in attn if k in QKV_PARAMS}}
-    rest = {k: v for k, v in params.items() if k not in ("attn_norm", "attn")}
-    rest["attn"] = {k: attn[k] for k in attn if k not in QKV_PARAMS}
-    return rest, qkv
+    tail = {k: v for k, v in params.items() if k not in ("attn_norm", "attn")}
+    out = {"attn": {k: attn[k] for k in attn if k not in QKV_PARAMS}}
+    return tail, out, qkv
 
 
 def _merged(a: dict, b: dict) -> dict:
