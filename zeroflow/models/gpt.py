@@ -699,12 +699,14 @@ def _pieces(cfg: ModelConfig, chunk: int, context) -> _Pieces:
 def chunked_block(cfg: ModelConfig, params, x, segment_ids, positions, layer) -> jax.Array:
     """``Block`` with ``params`` (its own) on ``x`` [B, S, embed], everything but the attention
     core in ``cfg.layer_chunk``-position chunks: the norms, the q/k/v and output projections,
-    the MLP and the residual adds. Its own backward pass (remat by hand) recomputes q, k, v a
-    chunk at a time, the attention over the whole row, then goes back through the chunks,
-    adding each chunk's input gradient into the buffer of the incoming one. For the whole row
-    it holds only that gradient, the input (or its e4m3 bytes), q, k, v, the attention output
-    and their gradients; norm outputs, rotary tables and MLP intermediates live one chunk at a
-    time. Parameter gradients are summed over the chunks in fp32. Same values as the block in
+    the MLP and the residual adds. Its own backward pass (remat by hand, ``_chunked_backward``)
+    recomputes q, k, v a chunk at a time and the attention over the whole row per key/value
+    head group, goes back through the MLP chunks adding each chunk's input gradient into the
+    buffer of the incoming one, then through the output projection and the attention one head
+    group at a time, then through the q/k/v chunks. For the whole row it holds at most the
+    input's gradient, the input (or its e4m3 bytes), q, k, v and the attention output, and one
+    head group's gradients; norm outputs, rotary tables and MLP intermediates live one chunk at
+    a time. Parameter gradients are summed over the chunks in fp32. Same values as the block in
     one piece, the residual stream added in the same order."""
     if positions is None:
         positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
