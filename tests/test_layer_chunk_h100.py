@@ -4,7 +4,7 @@ compiled at two row lengths. What grows with the row is the one layer the backwa
 recomputes. The chunked layer holds for the whole row at most its input gradient, q and the
 attention output (8,192 bytes per token each), the FP8 input bytes and k, v (4,096 each), and
 one key/value head group's attention-output gradient and q/k/v gradients (2,560) with the
-softmax statistics (128): 35,264 bytes per token. The plain layer holds 66,176: the incoming
+softmax statistics (128): 35,456 bytes per token. The plain layer holds 66,176: the incoming
 gradient, the attention norm's output, q, the attention output, the MLP norm's input and
 output and a stacked copy of it (8,192 each), the FP8 bytes, k and v (8,192) and fp32 rotary
 tables and softmax statistics (640)."""
