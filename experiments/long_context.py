@@ -4,6 +4,7 @@ peak per device, the host memory, the longest sequence that fits, and XLA's esti
     python experiments/long_context.py peaks     # the peak table at fixed lengths
     python experiments/long_context.py search    # the longest sequence, 1 and 8 x H100
     python experiments/long_context.py speed     # XLA's step estimate at 256K on 8 x H100
+    python experiments/long_context.py chunked   # one H100, model.layer_chunk: peaks, longest row
 
 The step is the trainer's (``configs/long-context-llama3-8b.yaml``: ZeRO stage 3, the fp32
 master, Adam moments and bf16 weights in pinned host memory and streamed one layer at a time,
@@ -111,6 +112,46 @@ def search(device_memory: float, max_compiles: int) -> None:
         )
 
 
+CHUNKED = {
+    "fp8": ("model.remat_dtype=fp8",),
+    "bf16": (),
+}
+"The layer inputs the chunked-layer runs keep on the host: e4m3 bytes, or the compute dtype."
+
+
+def chunked(inputs: str, chunk: int, rows, device_memory: float, max_compiles: int) -> None:
+    """One H100 with ``model.layer_chunk=chunk`` and the layer inputs ``inputs``: the peak at
+    each of ``rows``, then (``max_compiles`` > 0) the longest row, bisected in 16,384-token
+    steps from the last of ``rows``."""
+    overrides = (*CHUNKED[inputs], f"model.layer_chunk={chunk}")
+    probe = probe_config(config(overrides), devices=1, target="h100")
+    print("| layer inputs | layer_chunk | sequence | device peak GB | host GB |")
+    print("|---|---:|---:|---:|---:|")
+    for seq in rows:
+        got = probe(seq)
+        peak = "-" if got.peak_bytes is None else f"{got.peak_bytes / GB:.2f}"
+        print(f"| {inputs} | {chunk:,} | {seq:,} | {peak} | {(got.host_bytes or 0) / GB:.1f} |")
+    if max_compiles:
+        found = longest_fitting(
+            probe,
+            device_memory,
+            start=rows[-1],
+            granule=16384,
+            limit=1 << 26,
+            max_compiles=max_compiles,
+            log=lambda p, left: print(f"  {p}", file=sys.stderr, flush=True),
+        )
+        best, over = found.best, found.first_too_long
+        print(
+            f"\nlongest row within {device_memory / GB:.0f} GB: "
+            f"{'-' if best is None else f'{best.seq:,} ({(best.peak_bytes or 0) / GB:.2f} GB, '}"
+            f"{'' if best is None else f'host {(best.host_bytes or 0) / GB:.1f} GB)'}; first too "
+            f"long: {'-' if over is None else f'{over.seq:,} ({(over.peak_bytes or 0) / GB:.2f} GB)'}"
+            f"; {len(found.probes)} compiles",
+            flush=True,
+        )
+
+
 def speed(seq: int) -> None:
     cfg = config(EIGHT + (f"model.seq_len={seq}",))
     par = cfg.parallel
@@ -140,11 +181,27 @@ def speed(seq: int) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("peaks", "search", "speed"))
+    parser.add_argument("part", choices=("peaks", "search", "speed", "chunked"))
     parser.add_argument("--device-memory", type=float, default=80e9, help="bytes per GPU")
     parser.add_argument("--max-compiles", type=int, default=7)
     parser.add_argument("--speed-seq", type=int, default=262144)
+    parser.add_argument(
+        "--inputs",
+        choices=tuple(CHUNKED),
+        default="fp8",
+        help="chunked: the layer inputs on the host, e4m3 or bf16",
+    )
+    parser.add_argument("--layer-chunk", type=int, default=8192, help="chunked: model.layer_chunk")
+    parser.add_argument(
+        "--rows",
+        default="1212416",
+        help="chunked: comma-separated row lengths to compile (the search starts from the last)",
+    )
     args = parser.parse_args(argv)
+    if args.part == "chunked":
+        rows = [int(n) for n in args.rows.split(",")]
+        chunked(args.inputs, args.layer_chunk, rows, args.device_memory, args.max_compiles)
+        return
     if args.part == "peaks":
         peaks()
     elif args.part == "search":

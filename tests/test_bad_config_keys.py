@@ -46,6 +46,7 @@ RANGES = {
     "model.embed_dim": ([0, -4], 4), "model.num_heads": ([0], 1), "model.num_kv_heads": ([-1], 0),
     "model.head_dim": ([-1], 0), "model.mlp_dim": ([0], 1), "model.rope_base": ([0, -1], 0.5),
     "model.loss_chunk": ([-1], 0), "model.loss_vocab_chunk": ([0], 1), "model.mlp_chunk": ([-1], 0),
+    "model.layer_chunk": ([-1], 0),
     "model.mlp_density": ([0, 1.01], 1), "model.mlp_block_size": ([0, 16, 48, 256], 32),
     "model.dropout": ([-0.1, 1], 0.99), "model.max_positions": ([-1], 0),
     "model.norm_eps": ([0, -1e-6], 1e-12), "model.rope_scaling_factor": ([0], 0.5),

@@ -65,10 +65,22 @@ def _dequantize(q, scale, dtype):
 def saved_in_fp8(x: jax.Array) -> jax.Array:
     """``x`` rounded through e4m3 with a per-tensor scale, its bytes and scale named
     ``FP8_BYTES`` / ``FP8_SCALE`` for ``policy()``; gradient: the identity."""
+    return _dequantized(x, *fp8_parts(x))
+
+
+def fp8_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The e4m3 bytes (``uint8``, ``x``'s shape) and the fp32 scale ``saved_in_fp8`` rounds
+    ``x`` through, named ``FP8_BYTES`` / ``FP8_SCALE``: a caller that reads ``x`` in pieces
+    slices the bytes and calls ``dequantized`` on each piece with the whole tensor's scale."""
     frozen = lax.stop_gradient(x)
     scale = checkpoint_name(scale_of(frozen, E4M3), FP8_SCALE)
     q = lax.bitcast_convert_type(quantize(frozen, scale, E4M3), jnp.uint8)
-    return _dequantized(x, checkpoint_name(q, FP8_BYTES), scale)
+    return checkpoint_name(q, FP8_BYTES), scale
+
+
+def dequantized(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """The value of the bytes ``q`` (``fp8_parts``) with ``scale``, in ``dtype``."""
+    return _dequantize(q, scale, dtype)
 
 
 def policy(offload: bool = False):

@@ -394,6 +394,7 @@ def _model_problems(m) -> list[str]:
             (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0 = the plain loss)"),
             (m.loss_vocab_chunk > 0, "model.loss_vocab_chunk must be positive"),
             (m.mlp_chunk >= 0, "model.mlp_chunk must be >= 0 (0 = untiled)"),
+            (m.layer_chunk >= 0, "model.layer_chunk must be >= 0 (0 = one piece)"),
             (
                 m.remat_dtype != "fp8" or m.remat in FP8_REMATS,
                 f"model.remat_dtype='fp8' keeps saved activations in FP8: it needs a "

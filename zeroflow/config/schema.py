@@ -103,6 +103,8 @@ class ModelConfig:
     "Vocabulary entries per tile of the chunked cross-entropy (model.loss_chunk > 0)."
     mlp_chunk: int = 0
     "Positions per chunk of the tiled MLP: each chunk runs under remat, so its [tokens, mlp_dim] intermediates are recomputed for the backward pass and never held for the whole sequence; 0 = untiled."
+    layer_chunk: int = 0
+    "Positions per chunk of each decoder layer's per-position work (norms, q/k/v and output projections, the MLP), each chunk under remat: the backward pass holds for the whole row only the layer input, q, k, v, the attention output and their gradients; needs remat 'none', 'full' or 'offload_input' and dropout 0, must divide the row; takes the place of mlp_chunk; 0 = one piece."
     attention: str = one_of("xla", "cudnn", "pallas")
     "Attention implementation: 'xla', 'cudnn' (GPU only) or 'pallas'."
     context_attention: str = one_of(*CONTEXT_CHUNKS)

@@ -29,6 +29,7 @@ RUNTIME_FIELDS = (
     "loss_chunk",
     "loss_vocab_chunk",
     "mlp_chunk",
+    "layer_chunk",
 )
 "ModelConfig fields a run chooses for itself; config.json decides every other one."
 
