@@ -142,6 +142,10 @@ def test_only_xla_notes_that_change_no_answer_are_dropped(line, dropped):
 
 @pytest.mark.parametrize("kind, bf16, fp8", [
     ("NVIDIA H100 80GB HBM3", 989e12, 1979e12),  # H100 SXM5 datasheet, dense
+    # H100 datasheet "with sparsity" figures halved: PCIe 1,513 / 3,026, NVL 1,671 / 3,341.
+    ("NVIDIA H100 PCIe", 756.5e12, 1513e12),
+    ("NVIDIA H100 NVL", 835.5e12, 1670.5e12),
+    ("NVIDIA GH200 480GB", 989e12, 1979e12),
     ("NVIDIA A100-SXM4-80GB", 312e12, None),
     ("NVIDIA L4", 121e12, 242e12),
     ("TPU v5 lite", 197e12, None),

@@ -3,7 +3,9 @@ moves bytes over. The trainer's MFU, the memory CLI's and the planner's step est
 it; a GPU's memory size comes from its target spec (``zeroflow.backend.targets``), never from
 here.
 
-Figures: vendor datasheets, dense (no structured sparsity); SXM parts where there are two.
+Figures: vendor datasheets, dense (no structured sparsity, half the "with sparsity" figure);
+a plain name is the SXM part, and the H100's PCIe and NVL cards (lower peaks) have rows of
+their own, matched before it. A device's memory bandwidth is in its target spec too.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ class Accelerator:
 
 
 ACCELERATORS = (
+    # H100 PCIe and NVL: 1,513 and 1,671 TFLOP/s bf16 "with sparsity" (3,026 and 3,341 fp8).
+    Accelerator("h100-pcie", "H100 PCIe", 756.5e12, 1513e12),
+    Accelerator("h100-nvl", "H100 NVL", 835.5e12, 1670.5e12),
     # NVLink 4 (900 GB/s both ways), PCIe Gen5 x16, one 400 Gb/s NIC per GPU (DGX H100).
     Accelerator("h100", "H100", 989e12, 1979e12, Links(peer=450e9, host=64e9, network=50e9)),
     Accelerator("h200", "H200", 989e12, 1979e12, Links(peer=450e9, host=64e9, network=50e9)),
+    Accelerator("gh200", "GH200", 989e12, 1979e12),
     Accelerator("h800", "H800", 989e12, 1979e12),
     # NVLink 3 (600 GB/s both ways), PCIe Gen4 x16, one 200 Gb/s NIC per GPU (DGX A100).
     Accelerator("a100", "A100", 312e12, None, Links(peer=300e9, host=32e9, network=25e9)),

@@ -23,7 +23,6 @@ import tempfile
 import threading
 import types
 
-from zeroflow.backend import accelerators
 from zeroflow.memory import hlo
 from zeroflow.util import xla_log
 
@@ -247,12 +246,6 @@ NOT_ENABLED = (
     "TF_CPP_VMODULE=latency_hiding_scheduler=1 (XLA reads them at start-up; "
     "zeroflow.memory.schedule.enable(env) sets them for a subprocess)"
 )
-
-
-def peak_bf16_flops(device_kind: str) -> float | None:
-    """The dense bf16 peak of a GPU from its device kind ('NVIDIA H100 80GB HBM3'), or None
-    (``zeroflow.backend.accelerators``)."""
-    return accelerators.peak_flops(device_kind, "bf16")
 
 
 def timed(compile_fn, text_of=lambda compiled: compiled.as_text(), peak_flops=None):

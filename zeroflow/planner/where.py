@@ -84,7 +84,7 @@ def target(name: str, devices: int, device_memory: int | None = None) -> Where:
         peak_flops=peak_flops(kind) or UNKNOWN_GPU_FLOPS,
         links=dataclasses.replace(
             LINKS.get(name.lower(), LINKS["h100"]),
-            memory=float(targets.spec_field(spec, "memory_bandwidth")),
+            memory=targets.memory_bandwidth(name),
         ),
         device_kind=kind,
     )
