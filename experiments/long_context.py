@@ -167,7 +167,7 @@ def speed(seq: int) -> None:
             target="h100",
         ),
         text_of=lambda result: result[0].as_text(),
-        peak_flops=accelerators.named("h100").bf16_flops,
+        peak_flops=accelerators.required("h100").bf16_flops,
     )
     by_flops = {c.name: c.costed_by for c in est.computations if c.costed_by != "xla"}
     print(

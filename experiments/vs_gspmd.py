@@ -165,7 +165,7 @@ def compile_row(row: dict) -> dict:
                 return plain_compile()
     if row["target"] not in TIMED_TARGETS:
         return _untimed(row, compile_it(), shape, start)
-    peak = accelerators.named(row["target"]).bf16_flops
+    peak = accelerators.required(row["target"]).bf16_flops
     compiled, est = schedule.timed(compile_it, peak_flops=peak)
     psi, n = num_params(shape), row["devices"]
     peak = analysed(compiled).total_bytes

@@ -97,7 +97,7 @@ def size_of(aval) -> int:
 # each GEMM takes max(flops / peak, bytes / bandwidth), plus the quantization passes.
 # The rates are an H100 SXM's (the accelerator table and its target spec); only their ratios
 # decide.
-ROOFLINE_GPU = accelerators.named("h100")
+ROOFLINE_GPU = accelerators.required("h100")
 HBM_BYTES_PER_S = targets.memory_bandwidth(ROOFLINE_GPU.name)
 FP8_MIN_DIM = 16
 "A matmul with a side shorter than this stays bf16 (FP8 GEMMs want multiples of 16)."
@@ -126,6 +126,7 @@ def gemm_seconds(flops: float, nbytes: float, fp8: bool) -> float:
     """A GEMM's roofline time on an H100: its flops at the tensor cores' dense rate for its
     operand type, or its operand + result bytes at the memory's bandwidth, the larger."""
     peak = ROOFLINE_GPU.fp8_flops if fp8 else ROOFLINE_GPU.bf16_flops
+    assert peak is not None  # an H100 has FP8 tensor cores
     return max(flops / peak, nbytes / HBM_BYTES_PER_S)
 
 

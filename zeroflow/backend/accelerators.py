@@ -69,6 +69,16 @@ def named(name: str) -> Accelerator | None:
     return next((a for a in ACCELERATORS if a.name == name.lower()), None)
 
 
+def required(name: str) -> Accelerator:
+    """The accelerator a target name stands for; a one-line ValueError naming the table's
+    otherwise."""
+    found = named(name)
+    if found is None:
+        names = [a.name for a in ACCELERATORS]
+        raise ValueError(f"unknown target {name!r}; choose one of {names}")
+    return found
+
+
 def of_kind(device_kind: str) -> Accelerator | None:
     """The accelerator a ``device_kind`` ('NVIDIA H100 80GB HBM3', 'TPU v5 lite') names."""
     for a in ACCELERATORS:
