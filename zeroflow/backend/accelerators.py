@@ -1,11 +1,11 @@
 """The one table of accelerator facts: dense peak FLOP/s (bf16, fp8) and the links one device
-moves bytes over. The trainer's MFU, the memory CLI's and the planner's step estimates read
-it; a GPU's memory size comes from its target spec (``zeroflow.backend.targets``), never from
-here.
+moves bytes over. The trainer's MFU, the memory CLI's and the planner's step estimates,
+autocast's FP8 roofline, the GPU report and the experiments read it; a GPU's memory size and
+bandwidth come from its target spec (``zeroflow.backend.targets``), never from here.
 
 Figures: vendor datasheets, dense (no structured sparsity, half the "with sparsity" figure);
 a plain name is the SXM part, and the H100's PCIe and NVL cards (lower peaks) have rows of
-their own, matched before it. A device's memory bandwidth is in its target spec too.
+their own, matched before it.
 """
 
 from __future__ import annotations
