@@ -6,8 +6,9 @@ once per trip). Here each GEMM fusion is weighted by how many times the computat
 it run per step: a ``while`` body its known trip count times its caller's, any other called
 computation as often as its callers. The roofline time of one GEMM is the larger of its flops at
 the tensor cores' dense rate for its operand type and its operand + result bytes at HBM
-bandwidth (H100 SXM data sheet: 989 TFLOPS bf16, 1,979 TFLOPS FP8, 3.35 TB/s): what the GEMM
-costs where nothing but the hardware's rates limits it; not XLA's model and not a measurement.
+bandwidth (``zeroflow.autocast.cost.gemm_seconds``: an H100 SXM's rates from the accelerator
+table and its target spec): what the GEMM costs where nothing but the hardware's rates limits
+it; not XLA's model and not a measurement.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from zeroflow.cli.common import start_script
 
 start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
 
+from zeroflow.autocast.cost import gemm_seconds  # noqa: E402
 from zeroflow.autocast.fp8_hlo import F8, _computations, _fusion_dots  # noqa: E402
 
-H100 = {"bf16_flops": 989e12, "fp8_flops": 1979e12, "hbm_bytes": 3.35e12}
 _CALLS = re.compile(r"\b(calls|body|to_apply|condition|branch_computations)="
                     r"(\{[%\w.\-, ]+\}|%?[\w.\-]+)")
 _TRIPS = re.compile(r'known_trip_count"?:\{"n":"(\d+)"')
@@ -55,7 +56,7 @@ def runs_per_step(hlo_text: str) -> dict[str, float]:
     return {name: runs(name) for name in set(callers) | {entry}}
 
 
-def step_gemms(hlo_text: str, rates: dict = H100) -> dict:
+def step_gemms(hlo_text: str) -> dict:
     """Per step, for FP8 GEMMs ("fp8": both operands float8) and the rest ("other"): GEMMs
     run, flops, bytes (operands + results), and their roofline time in ms."""
     runs = runs_per_step(hlo_text)
@@ -67,8 +68,7 @@ def step_gemms(hlo_text: str, rates: dict = H100) -> dict:
         n = runs.get(name, 0.0)
         for lt, rt, flops, nbytes in _fusion_dots(lines):
             kind = "fp8" if lt in F8 and rt in F8 else "other"
-            rate = rates["fp8_flops" if kind == "fp8" else "bf16_flops"]
-            seconds = max(flops / rate, nbytes / rates["hbm_bytes"])
+            seconds = gemm_seconds(flops, nbytes, fp8=kind == "fp8")
             row = out[kind]
             row["gemms"] += n
             row["flops"] += n * flops

@@ -8,7 +8,9 @@ inside the loss); nothing here knows about zeroflow.
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 from zeroflow.cli.common import start_script
 
@@ -18,13 +20,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
+HF_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "hf"
+
+
+def hf_shape(name: str) -> dict:
+    """A shape from the Hugging Face ``config.json`` the repo ships (``configs/hf/<name>``)."""
+    c = json.loads((HF_CONFIGS / name / "config.json").read_text())
+    keys = dict(layers="num_hidden_layers", d="hidden_size", ffn="intermediate_size",
+                heads="num_attention_heads", kv="num_key_value_heads", vocab="vocab_size")
+    return {k: c[v] for k, v in keys.items()}
+
+
 SHAPES = {
     "tiny": dict(layers=4, d=256, ffn=512, heads=4, kv=2, vocab=1024),
     "1b": dict(layers=16, d=2048, ffn=8192, heads=16, kv=8, vocab=32000),
-    "8b": dict(layers=32, d=4096, ffn=14336, heads=32, kv=8, vocab=128256),
-    "70b": dict(layers=80, d=8192, ffn=28672, heads=64, kv=8, vocab=128256),
+    "8b": hf_shape("llama-3.1-8b"),
+    "70b": hf_shape("llama-3.1-70b"),
 }
-"Llama-3-8B and -70B shapes, a ~1B one with Llama-2's vocabulary, and a tiny one for CPU runs."
+"Llama-3-8B and -70B shapes (Llama 3.1's configs: the same shapes), a ~1B one with Llama-2's"
+" vocabulary, and a tiny one for CPU runs."
 
 POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 

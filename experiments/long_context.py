@@ -40,6 +40,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from zeroflow.backend import accelerators  # noqa: E402
 from zeroflow.cli.max_seq import probe_config  # noqa: E402
 from zeroflow.config.io import load_config  # noqa: E402
 from zeroflow.memory.max_seq import longest_fitting  # noqa: E402
@@ -166,7 +167,7 @@ def speed(seq: int) -> None:
             target="h100",
         ),
         text_of=lambda result: result[0].as_text(),
-        peak_flops=989e12,
+        peak_flops=accelerators.required("h100").bf16_flops,
     )
     by_flops = {c.name: c.costed_by for c in est.computations if c.costed_by != "xla"}
     print(

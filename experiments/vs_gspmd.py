@@ -47,8 +47,6 @@ start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax wit
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "vs_gspmd.md"
-PEAK_BF16 = {"h100": 989e12, "a100": 312e12}
-"Dense bf16 tensor-core peaks: H100 SXM 989 TFLOPS, A100 SXM 312 TFLOPS (vendor data sheets)."
 SEQ = 2048
 DATE = "2026-11-27"
 "When this version's rows were compiled (rows a --resume keeps from an earlier run say theirs)."
@@ -131,6 +129,7 @@ def compile_row(row: dict) -> dict:
     from llama_shapes import SHAPES, abstract_params, batch_constraint, make_loss, num_params
     from xla_option_sets import option_set
     from zeroflow import backend
+    from zeroflow.backend import accelerators
     from zeroflow.memory import schedule
     from zeroflow.memory.measure import analysed
     from zeroflow.util.compat import cudnn_for_target
@@ -166,7 +165,8 @@ def compile_row(row: dict) -> dict:
                 return plain_compile()
     if row["target"] not in TIMED_TARGETS:
         return _untimed(row, compile_it(), shape, start)
-    compiled, est = schedule.timed(compile_it, peak_flops=PEAK_BF16[row["target"]])
+    peak = accelerators.required(row["target"]).bf16_flops
+    compiled, est = schedule.timed(compile_it, peak_flops=peak)
     psi, n = num_params(shape), row["devices"]
     peak = analysed(compiled).total_bytes
     flops = 6 * psi * PER_DEVICE[row["shape"]] * SEQ
@@ -176,7 +176,7 @@ def compile_row(row: dict) -> dict:
             "formula_bytes": formula_bytes(system, psi, n), "step_ms": est.step_ms,
             "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
             "overlapped": f"{total['overlapped']}/{total['count']}",
-            "mfu": est.mfu(flops, PEAK_BF16[row["target"]]), "uncosted": list(est.uncosted),
+            "mfu": est.mfu(flops, peak), "uncosted": list(est.uncosted),
             "costed_by_flops": {c.name: c.costed_by for c in est.computations
                                 if c.costed_by != "xla"},
             "by_computation": [[c.name, c.trips, round(c.total_us * c.trips / 1e3, 2),

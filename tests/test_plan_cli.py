@@ -142,6 +142,10 @@ def test_only_xla_notes_that_change_no_answer_are_dropped(line, dropped):
 
 @pytest.mark.parametrize("kind, bf16, fp8", [
     ("NVIDIA H100 80GB HBM3", 989e12, 1979e12),  # H100 SXM5 datasheet, dense
+    # H100 datasheet "with sparsity" figures halved: PCIe 1,513 / 3,026, NVL 1,671 / 3,341.
+    ("NVIDIA H100 PCIe", 756.5e12, 1513e12),
+    ("NVIDIA H100 NVL", 835.5e12, 1670.5e12),
+    ("NVIDIA GH200 480GB", 989e12, 1979e12),
     ("NVIDIA A100-SXM4-80GB", 312e12, None),
     ("NVIDIA L4", 121e12, 242e12),
     ("TPU v5 lite", 197e12, None),
@@ -194,3 +198,56 @@ def test_an_mfu_from_a_step_costed_at_the_peak_is_shown_as_an_upper_bound():
     assert s.step_costed_by == "peak" and s.mfu == pytest.approx(0.5)
     cells = results.cells(s)
     assert cells[5] == f"≥ {1e12 / 989e12 * 1e3:.1f} ms" and cells[7] == "≤ 50%"
+
+
+def _scheduled(name: str, total: float, wasted: float = 0.0) -> str:
+    """What XLA:GPU's scheduler prints for one computation, as ``schedule.capture`` reads it."""
+    return (f"I0000 x.cc:1] Statistics after scheduling:\nI0000 x.cc:1] For computation: {name}, "
+            f"module m(0)\nI0000 x.cc:1] Total cycles: {total}\n"
+            f"I0000 x.cc:1] Wasted cycles for reduce-scatter: {wasted}\n")
+
+
+STEP_HLO = """HloModule m
+
+%dot64 (p0: bf16[64,128], p1: bf16[128,32]) -> bf16[64,32] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,32]{1,0} parameter(1)
+  ROOT %d = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fwd.body (p: (s32[])) -> (s32[]) {
+  %f = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%dot64
+  ROOT %t = (s32[]) tuple(%p)
+}
+
+%bwd.body (p: (s32[])) -> (s32[]) {
+  %f1 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%dot64
+  %f2 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%dot64
+  ROOT %t = (s32[]) tuple(%p)
+}
+
+ENTRY %main (a: s32[]) -> s32[] {
+  %w1 = (s32[]) while(%a), condition=%c, body=%fwd.body, backend_config={"known_trip_count":{"n":"4"}}
+  %w2 = (s32[]) while(%a), condition=%c, body=%bwd.body, backend_config={"known_trip_count":{"n":"4"}}
+  %head = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%dot64
+}
+"""
+
+
+def test_step_parts_split_what_xla_costed_from_the_matmul_flops_it_did_not():
+    """A backward loop XLA costed (6 us per trip, 1 of them waiting on a reduce-scatter) and a
+    forward loop it printed nothing for, 4 trips each, 2 x 64 x 32 x 128 flops per dot: XLA's
+    time is its costed computations', the forward loop's flops are left to cost, and XLA's
+    time per flop is the backward loop's compute (waits left out) over its flops. Without
+    statistics for the entry (one device), the entry's own dot is left to cost too."""
+    from zeroflow.planner.compiling import step_parts
+
+    dot = 2 * 64 * 32 * 128
+    log = _scheduled("main", 10.0) + _scheduled("bwd.body", 6.0, wasted=1.0)
+    xla_us, uncosted, per_flop = step_parts(schedule.parse(log, STEP_HLO), STEP_HLO)
+    assert xla_us == pytest.approx(10 + 4 * 6)
+    assert uncosted == pytest.approx(4 * dot)
+    assert per_flop == pytest.approx(4 * (6 - 1) / (4 * 2 * dot))
+    alone = _scheduled("bwd.body", 6.0, wasted=1.0)
+    xla_us, uncosted, _ = step_parts(schedule.parse(alone, STEP_HLO), STEP_HLO)
+    assert (xla_us, uncosted) == (pytest.approx(4 * 6), pytest.approx(4 * dot + dot))

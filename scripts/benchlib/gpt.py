@@ -30,9 +30,6 @@ PRESETS: dict[str, dict] = {
 }
 TIMING_FIELDS = ("steps", "warmup")
 
-TARGET_OF_DEVICE = {"H100": "h100", "A100": "a100", "L4": "l4"}
-"zf.target_mesh names for the GPUs whose specs zeroflow ships, by a part of their device kind."
-
 
 def train_spec(model: dict, *, batch: int, params: str = "bf16", autocast: str | None = None,
                offload: str = "none", update_on: str = "device", stage: int = 0, steps: int = 8,
@@ -165,7 +162,10 @@ def deviceless_memory(spec: dict, device_kind: str) -> dict:
     """The same step compiled for this GPU's abstract twin (``zf.target_mesh``) in a child
     process on the CPU platform: the prediction a machine without a GPU makes, recorded beside
     what this GPU's compiler and allocator say."""
-    target = next((t for k, t in TARGET_OF_DEVICE.items() if k in device_kind), None)
+    from zeroflow.backend import accelerators, targets
+
+    found = accelerators.of_kind(device_kind)  # a zf.target_mesh name where zeroflow ships a spec
+    target = found.name if found and found.name in targets.TARGETS else None
     if target is None:
         return {"note": f"no target spec for {device_kind}"}
     code = ("import json, sys; from benchlib.gpt import deviceless_child; "

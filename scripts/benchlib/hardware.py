@@ -5,19 +5,10 @@ import importlib.metadata
 import platform
 import sys
 
-# Dense (not 2:4 sparse) bf16 tensor-core peaks from NVIDIA's datasheets: the H100 datasheet
-# lists 1,979 TFLOP/s "with sparsity" for H100 SXM (989.4 dense), 1,671 for H100 NVL (835.5)
-# and 1,513 for H100 PCIe (756.5); the H200 datasheet gives the same 1,979 as H100 SXM; the
-# A100 datasheet 312 dense. Matched in order against jax's device_kind.
-PEAK_BF16_FLOPS = (
-    ("H100 PCIe", 756.5e12),
-    ("H100 NVL", 835.5e12),
-    ("GH200", 989.4e12),
-    ("H200", 989.4e12),
-    ("H100", 989.4e12),  # SXM: device_kind "NVIDIA H100 80GB HBM3"
-    ("A100", 312e12),
-)
-PEAK_SOURCE = "NVIDIA datasheet, dense bf16 tensor-core peak (half the 'with sparsity' figure)"
+from zeroflow.backend import accelerators
+
+PEAK_SOURCE = ("zeroflow/backend/accelerators.py: vendor datasheet, dense bf16 tensor-core peak "
+               "(half the 'with sparsity' figure)")
 CPU_MATMUL_MAX = 512
 "Largest matmul side the environment probe runs on a CPU."
 PACKAGE_PREFIXES = ("jax", "flax", "optax", "orbax", "numpy", "triton", "nvidia-cudnn",
@@ -25,11 +16,9 @@ PACKAGE_PREFIXES = ("jax", "flax", "optax", "orbax", "numpy", "triton", "nvidia-
 
 
 def peak_bf16_flops(device_kind: str) -> tuple[float | None, str | None]:
-    """``(FLOP/s, where the number comes from)`` for a known GPU, else ``(None, None)``."""
-    for needle, flops in PEAK_BF16_FLOPS:
-        if needle in device_kind:
-            return flops, PEAK_SOURCE
-    return None, None
+    """``(FLOP/s, where the number comes from)`` for a known accelerator, else ``(None, None)``."""
+    flops = accelerators.peak_flops(device_kind, "bf16")
+    return (flops, PEAK_SOURCE) if flops else (None, None)
 
 
 def package_versions() -> dict[str, str]:

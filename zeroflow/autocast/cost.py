@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zeroflow.backend import accelerators, targets
+
 HALF_BYTES, FULL_BYTES = 2, 4
 CAST_BYTES = HALF_BYTES + FULL_BYTES
 
@@ -93,10 +95,10 @@ def size_of(aval) -> int:
 # written at 1 byte before the GEMM reads it at 1), so a bytes-only model would never choose
 # it: its gain is the tensor cores' doubled rate. The FP8 judgement is therefore a roofline:
 # each GEMM takes max(flops / peak, bytes / bandwidth), plus the quantization passes.
-# The figures are an H100 SXM's published dense rates; only their ratios decide.
-BF16_FLOPS = 989e12
-FP8_FLOPS = 1979e12
-HBM_BYTES_PER_S = 3.35e12
+# The rates are an H100 SXM's (the accelerator table and its target spec); only their ratios
+# decide.
+ROOFLINE_GPU = accelerators.required("h100")
+HBM_BYTES_PER_S = targets.memory_bandwidth(ROOFLINE_GPU.name)
 FP8_MIN_DIM = 16
 "A matmul with a side shorter than this stays bf16 (FP8 GEMMs want multiples of 16)."
 QUANTIZE_BYTES = 5
@@ -120,7 +122,11 @@ class Fp8Verdict:
         )
 
 
-def _gemm_seconds(flops: float, nbytes: float, peak: float) -> float:
+def gemm_seconds(flops: float, nbytes: float, fp8: bool) -> float:
+    """A GEMM's roofline time on an H100: its flops at the tensor cores' dense rate for its
+    operand type, or its operand + result bytes at the memory's bandwidth, the larger."""
+    peak = ROOFLINE_GPU.fp8_flops if fp8 else ROOFLINE_GPU.bf16_flops
+    assert peak is not None  # an H100 has FP8 tensor cores
     return max(flops / peak, nbytes / HBM_BYTES_PER_S)
 
 
@@ -131,12 +137,12 @@ def judge_fp8(batch: int, m: int, k: int, n: int, *, train: bool) -> Fp8Verdict:
         return Fp8Verdict(False, 0.0, 0.0, f"skinny: a side below {FP8_MIN_DIM}")
     a, b, out = batch * m * k, batch * k * n, batch * m * n
     flops = 2.0 * batch * m * k * n
-    bf16 = _gemm_seconds(flops, 2 * (a + b + out), BF16_FLOPS)
-    fp8 = _gemm_seconds(flops, a + b + 2 * out, FP8_FLOPS)
+    bf16 = gemm_seconds(flops, 2 * (a + b + out), fp8=False)
+    fp8 = gemm_seconds(flops, a + b + 2 * out, fp8=True)
     fp8 += QUANTIZE_BYTES * (a + b) / HBM_BYTES_PER_S
     if train:  # d_lhs = g @ rhs.T, d_rhs = lhs.T @ g; the gradient is quantized once for both
-        bf16 += 2 * _gemm_seconds(flops, 2 * (a + b + out), BF16_FLOPS)
-        fp8 += _gemm_seconds(flops, out + b + 2 * a, FP8_FLOPS)
-        fp8 += _gemm_seconds(flops, out + a + 2 * b, FP8_FLOPS)
+        bf16 += 2 * gemm_seconds(flops, 2 * (a + b + out), fp8=False)
+        fp8 += gemm_seconds(flops, out + b + 2 * a, fp8=True)
+        fp8 += gemm_seconds(flops, out + a + 2 * b, fp8=True)
         fp8 += QUANTIZE_BYTES * out / HBM_BYTES_PER_S
     return Fp8Verdict(fp8 < bf16, fp8, bf16)

@@ -1,9 +1,11 @@
 """The one table of accelerator facts: dense peak FLOP/s (bf16, fp8) and the links one device
-moves bytes over. The trainer's MFU, the memory CLI's and the planner's step estimates read
-it; a GPU's memory size comes from its target spec (``zeroflow.backend.targets``), never from
-here.
+moves bytes over. The trainer's MFU, the memory CLI's and the planner's step estimates,
+autocast's FP8 roofline, the GPU report and the experiments read it; a GPU's memory size and
+bandwidth come from its target spec (``zeroflow.backend.targets``), never from here.
 
-Figures: vendor datasheets, dense (no structured sparsity); SXM parts where there are two.
+Figures: vendor datasheets, dense (no structured sparsity, half the "with sparsity" figure);
+a plain name is the SXM part, and the H100's PCIe and NVL cards (lower peaks) have rows of
+their own, matched before it.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ class Accelerator:
 
 
 ACCELERATORS = (
+    # H100 PCIe and NVL: 1,513 and 1,671 TFLOP/s bf16 "with sparsity" (3,026 and 3,341 fp8).
+    Accelerator("h100-pcie", "H100 PCIe", 756.5e12, 1513e12),
+    Accelerator("h100-nvl", "H100 NVL", 835.5e12, 1670.5e12),
     # NVLink 4 (900 GB/s both ways), PCIe Gen5 x16, one 400 Gb/s NIC per GPU (DGX H100).
     Accelerator("h100", "H100", 989e12, 1979e12, Links(peer=450e9, host=64e9, network=50e9)),
     Accelerator("h200", "H200", 989e12, 1979e12, Links(peer=450e9, host=64e9, network=50e9)),
+    Accelerator("gh200", "GH200", 989e12, 1979e12),
     Accelerator("h800", "H800", 989e12, 1979e12),
     # NVLink 3 (600 GB/s both ways), PCIe Gen4 x16, one 200 Gb/s NIC per GPU (DGX A100).
     Accelerator("a100", "A100", 312e12, None, Links(peer=300e9, host=32e9, network=25e9)),
@@ -61,6 +67,16 @@ CPU_LINKS = Links(peer=10e9, host=10e9, network=10e9, memory=20e9)
 def named(name: str) -> Accelerator | None:
     """The accelerator a target name ('h100') stands for, or None."""
     return next((a for a in ACCELERATORS if a.name == name.lower()), None)
+
+
+def required(name: str) -> Accelerator:
+    """The accelerator a target name stands for; a one-line ValueError naming the table's
+    otherwise."""
+    found = named(name)
+    if found is None:
+        names = [a.name for a in ACCELERATORS]
+        raise ValueError(f"unknown target {name!r}; choose one of {names}")
+    return found
 
 
 def of_kind(device_kind: str) -> Accelerator | None:

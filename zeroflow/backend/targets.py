@@ -69,6 +69,11 @@ def spec_field(text: str, field: str) -> str:
     raise KeyError(field)
 
 
+def memory_bandwidth(gpu: str) -> float:
+    """Bytes per second a target GPU reads from its own memory (its spec's figure)."""
+    return float(spec_field(spec_text(gpu), "memory_bandwidth"))
+
+
 def install_hint() -> str:
     import jaxlib.version
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 
+from zeroflow.backend import accelerators
 from zeroflow.engine.state import abstract_master, init_train_state, state_shardings
 from zeroflow.engine.step import make_train_step
 from zeroflow.memory import on_target, schedule
@@ -177,7 +178,7 @@ def step_time(loss_fn, params, batch, tx, plan, prec, **options):
 def compile_step_timed(loss_fn, params, batch, tx, plan, prec, **options):
     """``(compiled step, abstract state, StepTime)``: ``compile_step`` and ``step_time`` from
     one compile (the peak and the estimate of the same program)."""
-    peak = schedule.peak_bf16_flops(str(plan.mesh.devices.flat[0].device_kind))
+    peak = accelerators.peak_flops(str(plan.mesh.devices.flat[0].device_kind), "bf16")
     (compiled, state), est = schedule.timed(
         lambda: compile_step(loss_fn, params, batch, tx, plan, prec, **options),
         text_of=lambda result: result[0].as_text(),

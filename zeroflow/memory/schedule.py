@@ -23,7 +23,6 @@ import tempfile
 import threading
 import types
 
-from zeroflow.backend import accelerators
 from zeroflow.memory import hlo
 from zeroflow.util import xla_log
 
@@ -114,7 +113,7 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
             prefix = "Wasted cycles for "
             wasted = {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
             stats[name[1]] = (values.get("Total cycles", 0.0), wasted)
-    bodies = computations_of(hlo_text)
+    bodies = hlo.computations(hlo_text)
     runs = hlo.runs(bodies, hlo.entry(hlo_text))
     comps = [
         Computation(name, runs.get(name, 1), total, {k: v for k, v in wasted.items() if v})
@@ -146,11 +145,6 @@ def _cost_by_flops(uncosted, costed, bodies, trips, runs, peak_flops) -> list:
 
 _CALLED = re.compile(r"calls=\{?([%\w.\-, ]+)\}?")
 _DOT = re.compile(r" dot\(%([\w.\-]+).*lhs_contracting_dims=\{([\d,]*)\}")
-
-
-def computations_of(hlo_text: str) -> dict:
-    """``{computation name: its lines}`` of a module's text."""
-    return hlo.computations(hlo_text)
 
 
 def gemm_flops(bodies: dict, name: str) -> float:
@@ -247,12 +241,6 @@ NOT_ENABLED = (
     "TF_CPP_VMODULE=latency_hiding_scheduler=1 (XLA reads them at start-up; "
     "zeroflow.memory.schedule.enable(env) sets them for a subprocess)"
 )
-
-
-def peak_bf16_flops(device_kind: str) -> float | None:
-    """The dense bf16 peak of a GPU from its device kind ('NVIDIA H100 80GB HBM3'), or None
-    (``zeroflow.backend.accelerators``)."""
-    return accelerators.peak_flops(device_kind, "bf16")
 
 
 def timed(compile_fn, text_of=lambda compiled: compiled.as_text(), peak_flops=None):

@@ -104,7 +104,7 @@ class RunSpec:
 
     @property
     def peak_flops(self) -> float | None:
-        """The target's dense peak FLOP/s in the compute dtype (fp8 where it trains in fp8)."""
+        """The target's dense bf16 peak FLOP/s: what an MFU divides by, FP8 matmuls or not."""
         return None if self.target is None else self.target.bf16_flops
 
     def model_states(

@@ -45,10 +45,7 @@ def run_spec(
     if n is None:
         raise ValueError("parallel.data is -1 (all devices); pass num_devices")
     offload = par.offload if offload is None else offload
-    found = None if target is None else accelerators.named(target)
-    if target is not None and found is None:
-        names = [a.name for a in accelerators.ACCELERATORS]
-        raise ValueError(f"unknown target {target!r}; choose one of {names}")
+    found = None if target is None else accelerators.required(target)
     return RunSpec(
         params=abstract_params(model)[0],
         num_devices=n,

@@ -13,7 +13,7 @@ import os
 import re
 import time
 
-from zeroflow.memory import schedule
+from zeroflow.memory import hlo, schedule
 from zeroflow.memory.collectives import collectives, overlap
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.planner.choices import XLA_FAILURE_TEXT, Choice
@@ -149,15 +149,14 @@ class Compiler:
         )
         if not timed or log is None:
             return measured
-        hlo = compiled.as_text()
-        xla_us, uncosted, own = step_parts(log.text, hlo, where.peak_flops)
-        exposed = schedule.parse(log.text, hlo).exposed_by_kind()
+        est = schedule.parse(log.text, compiled.as_text())
+        xla_us, uncosted, own = step_parts(est, compiled.as_text())
         measured = dataclasses.replace(
             measured,
             xla_us=xla_us,
             uncosted_flops=uncosted,
             own_us_per_flop=own,
-            exposed_us=exposed,
+            exposed_us=est.exposed_by_kind(),
             timed=True,
         )
         # XLA's time per flop for a GPU: the fastest of programs whose loops wait on no host copy
@@ -174,30 +173,25 @@ def problem_key(problem) -> object:
     return getattr(problem, "key", problem)
 
 
-def step_parts(log_text: str, hlo: str, peak_flops: float) -> tuple[float, float, float | None]:
+def step_parts(est: schedule.StepTime, text: str) -> tuple[float, float, float | None]:
     """``(microseconds XLA's scheduler costed, matmul flops per step of the loops it did not,
-    XLA's microseconds per flop in its costed loops less their exposed collectives)``; the
-    last is None where no costed loop has a matmul."""
-    est = schedule.parse(log_text, hlo, peak_flops=peak_flops)
-    bodies = schedule.computations_of(hlo)
-    trips, _ = schedule.loop_trips(hlo)
-    xla = [c for c in est.computations if c.costed_by == "xla"]
-    loops = [(c, schedule.gemm_flops(bodies, c.name) * c.trips) for c in xla if c.name in trips]
-    loops = [(c, f) for c, f in loops if f]
+    XLA's microseconds per flop in its costed loops less their exposed collectives)`` of the
+    compiled module ``text`` and its estimate ``est`` (``schedule.parse`` without a peak: no
+    loop costed by flops); the last is None where no costed loop has a matmul."""
+    bodies, entry = hlo.computations(text), hlo.entry(text)
+    runs, (trips, _) = hlo.runs(bodies, entry), schedule.loop_trips(text)
+    loops = [(c, schedule.gemm_flops(bodies, c.name) * c.trips) for c in est.computations]
+    loops = [(c, f) for c, f in loops if f and c.name in trips]
     flops = sum(f for _, f in loops)
-    # ``parse`` costs the loops it has no statistics for at its own rate (whole loop time per
-    # flop, else the peak): dividing by that rate gives back their flops.
-    parse_rate = sum(c.total_us * c.trips for c, _ in loops) / flops if flops else 1e6 / peak_flops
-    by_flops = sum(c.total_us * c.trips for c in est.computations if c.costed_by != "xla")
     compute_us = sum((c.total_us - sum(c.wasted_us.values())) * c.trips for c, _ in loops)
+    uncosted = sum(schedule.gemm_flops(bodies, n) * runs.get(n, 1) for n in est.uncosted)
     # Without any collective (one device) XLA prints nothing for the entry computation either:
     # its own matmuls (a vocabulary projection outside the layer loop) are costed by flops too.
-    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.MULTILINE)
-    unseen = entry is not None and all(c.name != entry.group(1) for c in xla)
-    entry_flops = schedule.gemm_flops(bodies, entry.group(1)) if entry and unseen else 0.0
+    if entry is not None and all(c.name != entry for c in est.computations):
+        uncosted += schedule.gemm_flops(bodies, entry)
     return (
-        sum(c.total_us * c.trips for c in xla),
-        by_flops / parse_rate + entry_flops,
+        sum(c.total_us * c.trips for c in est.computations),
+        uncosted,
         compute_us / flops if flops else None,
     )
 

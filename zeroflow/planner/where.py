@@ -11,12 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflow.backend import targets
-from zeroflow.backend.accelerators import ACCELERATORS, CPU_LINKS, Links, peak_flops
+from zeroflow.backend import accelerators, targets
+from zeroflow.backend.accelerators import CPU_LINKS, Accelerator, Links
 from zeroflow.backend.mesh import DATA, MODEL
-
-LINKS = {a.name: a.links for a in ACCELERATORS if a.links is not None}
-"Interconnect per GPU (``zeroflow.backend.accelerators``), by target name."
 
 GPUS_PER_HOST = 8
 "Devices per host of a target: an 8-GPU server (HGX/DGX, or 8 x L4), beyond that more hosts."
@@ -81,10 +78,9 @@ def target(name: str, devices: int, device_memory: int | None = None) -> Where:
         devices=devices,
         hosts=hosts,
         memory_bytes=device_memory or int(targets.spec_field(spec, "device_memory_size")),
-        peak_flops=peak_flops(kind) or UNKNOWN_GPU_FLOPS,
+        peak_flops=accelerators.peak_flops(kind) or UNKNOWN_GPU_FLOPS,
         links=dataclasses.replace(
-            LINKS.get(name.lower(), LINKS["h100"]),
-            memory=float(targets.spec_field(spec, "memory_bandwidth")),
+            _links(accelerators.named(name)), memory=targets.memory_bandwidth(name)
         ),
         device_kind=kind,
     )
@@ -103,14 +99,20 @@ def local(devices: int, device_memory: int | None = None) -> Where:
         else:
             device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
     gpu = platform != "cpu"
-    name = next((k for k in LINKS if k.upper() in kind.upper()), platform)
+    found = accelerators.of_kind(kind) if gpu else None
     return Where(
-        name=name if gpu else "cpu",
+        name=found.name if found else platform if gpu else "cpu",
         devices=devices,
         hosts=max(jax.process_count(), 1),
         memory_bytes=int(device_memory),
-        peak_flops=(peak_flops(kind) or UNKNOWN_GPU_FLOPS) if gpu else CPU_FLOPS,
-        links=LINKS.get(name, CPU_LINKS) if gpu else CPU_LINKS,
+        peak_flops=(accelerators.peak_flops(kind) or UNKNOWN_GPU_FLOPS) if gpu else CPU_FLOPS,
+        links=_links(found) if found else CPU_LINKS,
         local=True,
         device_kind=kind,
     )
+
+
+def _links(gpu: Accelerator | None) -> Links:
+    """A GPU's links from the accelerator table; an H100's where the table has none."""
+    links = gpu.links if gpu is not None else None
+    return links or next(a.links for a in accelerators.ACCELERATORS if a.name == "h100" and a.links)
