@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     add("--attentions", type=flags.attentions, help="default: the config's, and cudnn on GPUs")
     add("--grad-accums", type=flags.counts, help="micro-batch splits (default: all)")
     add("--no-zeropp", action="store_true", help="leave out ZeRO++ options")
+    add("--fp8", action="store_true", help="also try FP8 matmuls and gathers (approximate)")
     return add_config_arguments(p)
 
 
@@ -61,7 +62,7 @@ def main_args(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     keys = ["gpus", "devices", "margin", "device_memory", "max_compiles", "min_compiles"]
-    keys += ["stages", "remats", "attentions", "grad_accums"]
+    keys += ["stages", "remats", "attentions", "grad_accums", "fp8"]
     with _progress() as tick:
         plan = plan_config(
             cfg,

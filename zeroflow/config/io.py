@@ -331,6 +331,13 @@ CONFIG_KEYS = Keys(
 "How the engine's rules name the settings in a config's messages."
 
 
+FP8_CHUNK = (
+    "precision.autocast=fp8 does not reach the layers of model.layer_chunk (each runs as one "
+    "custom_vjp, whose matmuls autocast leaves as declared): their matmuls would stay in "
+    "precision.params; set one of the two"
+)
+
+
 def validate_config(cfg: Config) -> Config:
     """Check choices, ranges and cross-field rules; return ``cfg`` or raise ConfigError."""
     problems = (
@@ -341,6 +348,7 @@ def validate_config(cfg: Config) -> Config:
         + _train_problems(cfg.train)
         + _parallel_problems(cfg)
         + _precision_problems(cfg.precision)
+        + _failed([(not (cfg.model.layer_chunk and cfg.precision.autocast == "fp8"), FP8_CHUNK)])
         + _checkpoint_problems(cfg.checkpoint)
         + _fusemix_problems(cfg.fusemix)
         + _run_problems(cfg.run)

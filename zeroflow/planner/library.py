@@ -17,7 +17,7 @@ from zeroflow.models.cudnn_rules import HOPPER, cudnn_attention_problem, cudnn_m
 from zeroflow.models.gpt import head_dim
 from zeroflow.planner import where as places
 from zeroflow.planner.advice import advise
-from zeroflow.planner.choices import OFFLOAD_PAIRS, Space
+from zeroflow.planner.choices import OFFLOAD_PAIRS, Space, check_fp8_rows, with_fp8
 from zeroflow.planner.compiling import Compiler
 from zeroflow.planner.problems import ConfigProblem, ModelProblem
 from zeroflow.planner.results import Plan
@@ -49,6 +49,7 @@ def plan(
     tokens_per_example: int | None = None,
     device_memory: int | None = None,
     progress: Progress | None = None,
+    fp8: bool = False,
 ) -> Plan:
     """Search ZeRO stage, offload (and where the update runs), micro-batch split and ZeRO++
     options for ``zf.make_train_step(loss_fn, tx, plan, precision)`` on each GPU of ``targets``
@@ -60,15 +61,20 @@ def plan(
     ``max_compiles`` bounds the compiles per row that give a peak: one that fails is kept with
     its reason and not counted (``search.MAX_FAILURES`` failures end a row).
     ``tokens_per_example``: to report tokens/s and MFU (else examples/s, no MFU).
+    ``fp8``: also try FP8 matmuls (``Space.fp8_matmuls``).
     Returns a ``Plan``: ``plan.summaries()`` per row, ``plan.as_json()`` the whole search."""
     options = dict(trainable=trainable, gather_per_layer=gather_per_layer)
     prec = precision or Precision()
     problem = ModelProblem(
         loss_fn, params, batch, tx, prec, **options, tokens_per_example=tokens_per_example
     )
-    space = Space(tuple(stages), tuple(offloads), grad_accums=grad_accums, zeropp=zeropp)
+    space = Space(
+        tuple(stages), tuple(offloads), grad_accums=grad_accums, zeropp=zeropp, fp8_matmuls=fp8
+    )
     rows = rows_of(targets, devices, device_memory)
-    return run(problem, rows, lambda where: space, margin, max_compiles, min_compiles, progress)
+    check_fp8_rows(rows, fp8, problem.fp8_problem())
+    space_at = functools.partial(with_fp8, space)
+    return run(problem, rows, space_at, margin, max_compiles, min_compiles, progress)
 
 
 def rows_of(
@@ -137,11 +143,13 @@ def space_for(
     attentions=None,
     zeropp=True,
     grad_accums=None,
+    fp8=False,
 ) -> Space:
     """The search space of a config's GPT ``model`` at ``where``: on GPUs the model's attention
     and cuDNN's unless given, less cuDNN where the target's GPUs cannot run its head dim (the
     reason kept as the space's note); on XLA:CPU no cuDNN, and no activation offload (its host
-    memory is the device's, so offload_dots is save_dots there)."""
+    memory is the device's, so offload_dots is save_dots there); ``fp8``: FP8 matmuls too,
+    where the GPU has them."""
     notes: tuple[str, ...] = ()
     if where.is_gpu:
         kernels = list(attentions or dict.fromkeys([model.attention, "cudnn"]))
@@ -155,8 +163,8 @@ def space_for(
         own = "xla" if model.attention == "cudnn" else model.attention
         kernels = [a for a in (attentions or [own]) if a != "cudnn"] or ["xla"]
         kept = [r for r in remats if r != "offload_dots"]
-    space = dict(remats=tuple(kept), attentions=tuple(kernels), notes=notes)
-    return Space(tuple(stages), grad_accums=grad_accums, zeropp=zeropp, **space)
+    space = dict(remats=tuple(kept), attentions=tuple(kernels), notes=notes, fp8_matmuls=fp8)
+    return with_fp8(Space(tuple(stages), grad_accums=grad_accums, zeropp=zeropp, **space), where)
 
 
 NO_KERNEL = "nothing planned (--attentions leaves no other attention; try --attentions xla)"
@@ -198,10 +206,11 @@ def plan_config(
 ) -> Plan:
     """The plan of ``cfg`` on each GPU x device count (this machine's devices without
     ``gpus``), with advice for the rows where nothing fits; ``space``: ``space_for``'s
-    ``stages``, ``remats``, ``attentions``, ``zeropp`` and ``grad_accums``."""
+    ``stages``, ``remats``, ``attentions``, ``zeropp``, ``grad_accums`` and ``fp8``."""
     if gpus:
         targets.use_cpu_for_targets()
     rows = rows_of(gpus, devices, device_memory)
     problem = ConfigProblem(cfg, name)
+    check_fp8_rows(rows, space.get("fp8", False), problem.fp8_problem())
     space_at = functools.partial(space_for, problem.model, **space)
     return run(problem, rows, space_at, margin, max_compiles, min_compiles, progress)

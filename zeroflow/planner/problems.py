@@ -50,10 +50,19 @@ class ModelProblem:
 
     def compile(self, choice: Choice, where: Where, options: dict):
         plan = ZeroPlan(where.mesh(), **choice.plan_settings())
-        args = (self.loss_fn, self.params, self.batch, self.tx, plan, self.prec)
+        prec = dataclasses.replace(self.prec, autocast=choice.autocast or self.prec.autocast)
+        args = (self.loss_fn, self.params, self.batch, self.tx, plan, prec)
         return compile_step(
             *args, grad_accum=choice.grad_accum, compiler_options=options, **self.step
         )
+
+    def fp8_problem(self) -> str | None:
+        """Why the precision cannot take FP8 matmuls (its own rule, one line), else None."""
+        try:
+            dataclasses.replace(self.prec, autocast="fp8")
+        except ValueError as e:
+            return str(e)
+        return None
 
     def model_flops(self) -> float | None:
         """(6 per trained parameter + 4 per frozen one: no weight gradient, as
@@ -160,7 +169,8 @@ class ConfigProblem:
 
     def overrides(self, choice: Choice, devices: int) -> list[str]:
         """The config keys that make ``choice`` on ``devices`` data devices
-        (``model.remat_dtype`` where it keeps FP8 residuals or the config's differs)."""
+        (``model.remat_dtype`` where it keeps FP8 residuals or the config's differs,
+        ``precision.autocast`` with FP8 matmuls)."""
         out = [
             f"parallel.data={devices}",
             f"parallel.zero_stage={choice.stage}",
@@ -177,7 +187,15 @@ class ConfigProblem:
             out.append(f"model.remat_dtype={choice.remat_dtype}")
         if choice.attention is not None:
             out.append(f"model.attention={choice.attention}")
-        return out
+        return out + [f"precision.autocast={choice.autocast}"] * bool(choice.autocast)
+
+    def fp8_problem(self) -> str | None:
+        """Why the config cannot take FP8 matmuls (its own rule, one line), else None."""
+        try:
+            apply_overrides(self.cfg, ["precision.autocast=fp8"])
+        except ValueError as e:
+            return str(e)
+        return None
 
     def compile(self, choice: Choice, where: Where, options: dict):
         cfg = apply_overrides(self.cfg, self.overrides(choice, where.devices))

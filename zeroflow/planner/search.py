@@ -4,7 +4,9 @@ to refuse, never compiled), then compiles in the what-if's order until one fits 
 could beat it, a plan over the memory ruling out every plan that needs more. A failed compile is
 kept with its reason and not counted against ``max_compiles``; ``MAX_FAILURES`` end the row.
 FP8 residuals approximate the gradients, so such a plan waits until the same plan in the compute
-dtype is expected not to fit, and never beats it where it fits."""
+dtype is expected not to fit, and never beats it where it fits. FP8 matmuls (asked for) compete
+on speed: where one is the pick, the same plan without them is compiled too (XLA's estimate
+decides), and they never win a tie."""
 
 from __future__ import annotations
 
@@ -127,6 +129,7 @@ def search_row(
             break
     if row.failures() < max_failures:
         _last_resort(problem, row, compiler, on_compile)
+        _against_its_twin(problem, row, compiler, on_compile)
     held = _held_back(row)
     for cand in row.candidates:
         if cand.status == OPEN:
@@ -154,6 +157,16 @@ def _last_resort(problem, row: Row, compiler: Compiler, on_compile) -> None:
         return (not fits, fits and c.choice.offload != "none", extras, c.what_if.predicted_bytes)
 
     _compile(problem, row, min(open_, key=plainness), compiler, on_compile)
+
+
+def _against_its_twin(problem, row: Row, compiler: Compiler, on_compile) -> None:
+    """Where the pick has FP8 matmuls, compile the same plan without them if still open: XLA's
+    estimate, not the roofline's, then says whether FP8 is faster."""
+    best = best_of(row, compiler)
+    twin = best and best.choice.fp8_matmuls() and best.choice.without_fp8_matmuls()
+    same = [c for c in row.candidates if c.choice == twin and c.status == OPEN]
+    if same:
+        _compile(problem, row, same[0], compiler, on_compile)
 
 
 def _compile(problem, row: Row, cand: Candidate, compiler: Compiler, on_compile):
@@ -255,15 +268,19 @@ def step_seconds(cand: Candidate, compiler: Compiler, where: Where) -> float:
 
 
 def best_of(row: Row, compiler: Compiler) -> Candidate | None:
-    """The fitting plan with the shortest step; never one with FP8 residuals whose same plan
-    in the compute dtype fits."""
+    """The fitting plan with the shortest step, on a tie one without FP8 matmuls; never one
+    with FP8 residuals whose same plan in the compute dtype fits."""
     fits = {c.choice: c for c in row.compiled() if row.fits(c)}
     fitting = [
         c
         for c in fits.values()
         if c.choice.in_compute_dtype() not in fits or not c.choice.fp8_residuals()
     ]
-    key = lambda c: (step_seconds(c, compiler, row.where), c.got.peak_bytes)  # noqa: E731
+    key = lambda c: (  # noqa: E731
+        step_seconds(c, compiler, row.where),
+        c.choice.fp8_matmuls(),
+        c.got.peak_bytes,
+    )
     return min(fitting, key=key, default=None)
 
 

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from zeroflow.backend.accelerators import peak_flops
 from zeroflow.memory.estimate import DTYPE_BYTES, estimate
 from zeroflow.planner.choices import Choice
 
@@ -103,16 +104,16 @@ def what_if(facts: ModelFacts, choice: Choice, where: Where, per_process=None) -
 
 
 def prior_seconds(facts: ModelFacts, choice: Choice, where: Where, host_acts: float) -> float:
-    """Roofline step time: matmuls at ``MATMUL_EFFICIENCY`` of the peak and each micro-batch's
+    """Roofline step time: matmuls at ``MATMUL_EFFICIENCY`` of the peak (FP8's with FP8
+    matmuls) and each micro-batch's
     reads of the weights, plus the collectives the compute cannot hide (and ``UNHIDDEN`` of
     those it can), plus the PCIe traffic of offloading and the host's update."""
     n, m, links = where.devices, choice.grad_accum, where.links
     trained = facts.params - facts.frozen_params
     width = DTYPE_BYTES[facts.compute_dtype]
     tokens = facts.tokens_per_step / n
-    flops = (
-        6 * facts.params * tokens * RECOMPUTE[choice.remat] / (MATMUL_EFFICIENCY * where.peak_flops)
-    )
+    peak = choice.fp8_matmuls() and peak_flops(where.device_kind, "fp8") or where.peak_flops
+    flops = 6 * facts.params * tokens * RECOMPUTE[choice.remat] / (MATMUL_EFFICIENCY * peak)
     compute = flops + m * WEIGHT_READS * width * facts.params / links.memory
     ring = (n - 1) / n
     link = links.peer if where.hosts <= 1 else links.network
