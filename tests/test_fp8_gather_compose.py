@@ -1,0 +1,280 @@
+"""FP8 stage-3 weight gathers (``ZeroPlan(quantize_weights="fp8")``) combined with hpZ, host
+offload and LoRA / QLoRA frozen base weights, each against references written here:
+
+- numerics on 8 emulated CPU devices: the step's loss is plain JAX's loss at the weights
+  rounded by hand (NumPy and ml_dtypes: one scale per weight, ``amax / 448``, each entry to
+  e4m3), and its gradient plain autodiff's there; an NF4 base is rounded by
+  ``tests/nf4_reference.py`` instead, and never cast to e4m3;
+- bytes on the wire from XLA:GPU programs compiled for abstract H100s: the all-gathers'
+  result types read from the compiled HLO text, e4m3 weight bytes exactly half of the bf16
+  gathers' and the rest one scale per device; hpZ's within-host gathers in e4m3, its refresh
+  across hosts in bf16 (2 bytes per parameter over the host's devices).
+"""
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import nf4_reference
+import numpy as np
+import optax
+import pytest
+
+import zeroflow as zf
+
+pytestmark = pytest.mark.fast
+
+LR = 0.5
+RANK, ALPHA = 2, 4.0
+
+
+def np_gathered(w):
+    """``w`` (as stored: fp32 or bf16) as an FP8 gather hands it to the loss, in fp32: one scale
+    for the whole weight, its largest magnitude over 448 (1 when all zero), each entry divided
+    by it, rounded to e4m3 and multiplied back in fp32, then cast to the stored dtype."""
+    stored = np.asarray(w)
+    w32 = stored.astype(np.float32)
+    amax = np.float32(np.abs(w32).max())
+    scale = amax / np.float32(448.0) if amax > 0 else np.float32(1.0)
+    q = np.clip(w32 / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return (q.astype(np.float32) * scale).astype(stored.dtype).astype(np.float32)
+
+
+def np_bf16(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16), tree)
+
+
+def loss_fn(p, b):
+    """fp32 arithmetic on whatever dtype the weights arrive in: the loss then reads exactly
+    the gathered values, and a reference in fp32 computes the same numbers."""
+    h = jnp.tanh(b["x"] @ p["w1"].astype(jnp.float32))
+    return jnp.mean((h @ p["w2"].astype(jnp.float32) - b["y"]) ** 2)
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w1": rng.normal(size=(64, 32)).astype(np.float32) * 0.2,
+            "w2": rng.normal(size=(32, 8)).astype(np.float32) * 0.2}
+
+
+_rng = np.random.default_rng(9)
+BATCH = {"x": _rng.normal(size=(16, 64)).astype(np.float32),
+         "y": _rng.normal(size=(16, 8)).astype(np.float32)}
+
+
+def one_step(params, loss, prec, trainable=None, **options):
+    """``(loss, gradient of the trained leaves, lowered text)`` of one stage-3 SGD step on 8
+    devices; the gradient read back from the fp32 master's update."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, **options)
+    tx = optax.sgd(LR)
+    state = zf.init_train_state(params, tx, plan, prec, trainable=trainable)
+    step = zf.make_train_step(loss, tx, plan, prec)
+    text = step.lower(state, BATCH).as_text()
+    before = jax.tree.map(np.asarray, state.master_params)
+    state, metrics = step(state, BATCH)
+    grads = jax.tree.map(lambda a, b: (a - np.asarray(b)) / LR, before, state.master_params)
+    return float(metrics["loss"]), grads, text
+
+
+def reference(seen, loss, argnums=0):
+    """Plain JAX on one device: the loss and gradient at the weights the gathers hand over."""
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*seen, BATCH)
+    return float(value), grads
+
+
+def assert_close_to_max(got, want, tol):
+    """Every entry within ``tol`` of the largest magnitude of ``want``, leaf by leaf: bf16
+    weights make the per-device gradients bf16 before the fp32 sum over devices."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        w = np.asarray(w, np.float32)
+        assert np.abs(np.asarray(g) - w).max() <= tol * np.abs(w).max()
+
+
+def gather_types(text):
+    """Element types of the all_gather results in lowered (StableHLO) text."""
+    found = re.findall(r"all_gather.*->\s*tensor<([^>]*)>", text)
+    return [t.rsplit("x", 1)[-1] for t in found]
+
+
+def check_at_rounded_weights(got_loss, grads, seen, plain, loss, tol, argnums=0):
+    """The step's loss equals plain JAX's at the rounded weights, its gradient autodiff's
+    there; and the rounding matters: at the unrounded weights both are further off."""
+    want_loss, want_grads = reference(seen, loss, argnums)
+    plain_loss, plain_grads = reference(plain, loss, argnums)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    assert abs(plain_loss - want_loss) > 100 * 1e-5 * abs(want_loss)
+    assert_close_to_max(grads, want_grads, tol)
+    gaps = [np.abs(np.asarray(p) - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+            for p, w in zip(jax.tree.leaves(plain_grads), jax.tree.leaves(want_grads))]
+    assert max(gaps) > 3 * tol, gaps
+
+
+def test_hpz_gathers_within_the_host_in_e4m3_at_plain_autodiffs_gradient():
+    """hpZ on 2 hosts of 4 devices with bf16 weights: each host's secondary copy is gathered
+    among its 4 devices as e4m3 with the whole weight's scale (the copy is whole within the
+    host, so the host's amax is the weight's)."""
+    params = _params()
+    bf16 = np_bf16(params)
+    loss, grads, text = one_step(params, loss_fn, zf.Precision(params="bf16"),
+                                 quantize_weights="fp8", hierarchical=True, hosts=2)
+    seen = {k: np_gathered(v) for k, v in bf16.items()}
+    plain = jax.tree.map(lambda x: x.astype(np.float32), bf16)
+    check_at_rounded_weights(loss, grads, (seen,), (plain,), loss_fn, tol=1e-2)
+    weights = re.findall(r"all_gather.*->\s*tensor<(\d+)x[^>]*xf8E4M3FN>", text)
+    assert weights and set(weights) == {"4"}  # one piece from each of the host's 4 devices
+
+
+@pytest.mark.parametrize("offload, update_on",
+                         [("optimizer", "host"), ("optimizer+params", "device")])
+def test_offload_gathers_e4m3_at_plain_autodiffs_gradient(offload, update_on):
+    """The master and optimizer state in host memory (and the bf16 weights too, with
+    optimizer+params): every weight gather still moves e4m3."""
+    params = _params(1)
+    bf16 = np_bf16(params)
+    loss, grads, text = one_step(params, loss_fn, zf.Precision(params="bf16"),
+                                 quantize_weights="fp8", offload=offload, update_on=update_on)
+    seen = {k: np_gathered(v) for k, v in bf16.items()}
+    plain = jax.tree.map(lambda x: x.astype(np.float32), bf16)
+    check_at_rounded_weights(loss, grads, (seen,), (plain,), loss_fn, tol=1e-2)
+    assert set(gather_types(text)) == {"f8E4M3FN", "f32"}  # weights, and one amax each
+
+
+def _lora():
+    """The MLP with rank-2 adapters on both weights, factors perturbed off LoRA's zero B."""
+    params = _params(2)
+    lo = zf.lora(loss_fn, rank=RANK, alpha=ALPHA, targets=r"^w")
+    adapters = lo.init(jax.random.key(3), params, BATCH)
+    rng = np.random.default_rng(4)
+    adapters = jax.tree.map(
+        lambda a: np.asarray(a) + 0.3 * rng.normal(size=a.shape).astype(np.float32), adapters)
+    trainable = {"base": jax.tree.map(lambda _: False, params),
+                 "lora": jax.tree.map(lambda _: True, adapters)}
+    return lo, params, adapters, trainable
+
+
+def _adapted(lo):
+    return lambda base, adapters, batch: lo.loss({"base": base, "lora": adapters}, batch)
+
+
+def test_lora_frozen_bf16_base_gathers_e4m3_at_plain_autodiffs_gradient():
+    """LoRA at stage 3 with bf16 weights: the frozen base (stored bf16, no master) and the
+    adapters are gathered as e4m3; the adapters' gradient is autodiff's at both rounded."""
+    lo, params, adapters, trainable = _lora()
+    loss, grads, text = one_step({"base": params, "lora": adapters}, lo.loss,
+                                 zf.Precision(params="bf16"), trainable=trainable,
+                                 quantize_weights="fp8")
+    base, ad = np_bf16(params), np_bf16(adapters)
+    seen = (jax.tree.map(np_gathered, base), jax.tree.map(np_gathered, ad))
+    plain = jax.tree.map(lambda x: x.astype(np.float32), (base, ad))
+    check_at_rounded_weights(loss, grads["lora"], seen, plain, _adapted(lo), tol=1e-2,
+                             argnums=1)
+    assert set(gather_types(text)) == {"f8E4M3FN", "f32"}
+
+
+def test_qlora_nf4_base_is_gathered_as_its_packed_bytes_and_the_adapters_in_e4m3():
+    """QLoRA: the NF4 base (about half a byte a weight) is gathered as the packed bytes it is
+    stored in, never cast to e4m3 (that would double its bytes and round it twice); the
+    adapters are gathered in e4m3. fp32 weights: the loss reads the NF4 round trip of the
+    format's NumPy reference exactly."""
+    lo, params, adapters, trainable = _lora()
+    qparams, qtrainable = zf.quantize_frozen({"base": params, "lora": adapters}, trainable,
+                                             kind="nf4")
+    loss, grads, text = one_step(qparams, lo.loss, zf.Precision(), trainable=qtrainable,
+                                 quantize_weights="fp8")
+    base = {k: nf4_reference.round_trip(v) for k, v in params.items()}
+    seen = (base, jax.tree.map(np_gathered, adapters))
+    plain = (base, adapters)
+    check_at_rounded_weights(loss, grads["lora"], seen, plain, _adapted(lo), tol=1e-5,
+                             argnums=1)
+    types = gather_types(text)
+    assert "ui8" in types and "f8E4M3FN" in types
+    assert set(types) == {"ui8", "f8E4M3FN", "f32"}
+
+
+# -- bytes on the wire: XLA:GPU programs compiled for abstract H100s --------------------------
+
+ITEMSIZE = {"f8e4m3fn": 1, "bf16": 2, "f32": 4, "u8": 1}
+
+
+def compiled_gathers(text):
+    """``[(element type, result bytes, replica groups)]`` of every all-gather in compiled HLO
+    text, one row per gathered array (an async start's type is (operands, results): the
+    second half are the results)."""
+    rows = []
+    for line in text.splitlines():
+        m = re.search(r"= (.+?) all-gather(-start)?\(", line)
+        if not m:
+            continue
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        if m.group(2):
+            shapes = shapes[len(shapes) // 2:]
+        listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+        assert listed, f"replica groups not listed: {line.strip()[:160]}"
+        groups = [tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}",
+                                                                    listed.group(1))]
+        for dtype, dims in shapes:
+            size = math.prod(int(d) for d in dims.split(",") if d)
+            rows.append((dtype, ITEMSIZE[dtype] * size, groups))
+    return rows
+
+
+def _mlp_on_h100(params_bf16=True):
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"])
+        return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
+
+    params = jax.eval_shape(lambda: {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512, 256))})
+    batch = {"x": jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)}
+    return loss, params, batch
+
+
+def _compiled_rows(data, hosts=1, trainable=None, **options):
+    from helpers import require_cuda_plugin
+    require_cuda_plugin()
+    loss, params, batch = _mlp_on_h100()
+    plan = zf.ZeroPlan(zf.target_mesh("h100", data=data, hosts=hosts), stage=3, **options)
+    compiled, _ = zf.memory.compile_step(loss, params, batch, optax.sgd(0.1), plan,
+                                         zf.Precision(params="bf16"), trainable=trainable)
+    return compiled_gathers(compiled.as_text())
+
+
+def _bytes(rows, dtype):
+    return sum(b for t, b, _ in rows if t == dtype)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-w1"])
+def test_e4m3_gathers_move_half_the_bytes_of_bf16_on_h100(frozen):
+    """8 H100s, bf16 weights: the e4m3 weight gathers' bytes are exactly half of plain stage
+    3's bf16 gathers; all else gathered is one scale per device. ``frozen-w1``: w1 frozen, as
+    a LoRA base is (stored bf16, no master)."""
+    trainable = {"w1": not frozen, "w2": True}
+    plain = _compiled_rows(8, trainable=trainable)
+    fp8 = _compiled_rows(8, trainable=trainable, quantize_weights="fp8")
+    assert plain and {t for t, _, _ in plain} == {"bf16"}
+    weights = [b for t, b, _ in fp8 if t == "f8e4m3fn"]
+    assert len(weights) == len(plain) and sum(weights) * 2 == _bytes(plain, "bf16")
+    scales = [(t, b) for t, b, _ in fp8 if t != "f8e4m3fn"]
+    assert len(scales) == len(plain) and all(b == 8 * ITEMSIZE[t] for t, b in scales)
+
+
+def test_hpz_gathers_in_host_move_e4m3_and_its_refresh_across_hosts_bf16_on_h100():
+    """2 hosts of 8 H100s: with hpZ every gather inside a host moves e4m3 (half of hpZ's bf16
+    gathers there); the refresh of the secondary copy after the update crosses hosts in bf16,
+    2 bytes per parameter over the host's 8 devices, as without FP8."""
+    hpz = _compiled_rows(16, hosts=2, hierarchical=True)
+    both = _compiled_rows(16, hosts=2, hierarchical=True, quantize_weights="fp8")
+
+    def split(rows):
+        inside = [r for r in rows if all(max(g) // 8 == min(g) // 8 for g in r[2])]
+        across = [r for r in rows if all(len({d // 8 for d in g}) == 2 for g in r[2])]
+        assert len(inside) + len(across) == len(rows)
+        return inside, across
+
+    (hpz_in, hpz_across), (in_host, across) = split(hpz), split(both)
+    params = 2 * 256 * 512
+    assert {t for t, _, _ in hpz_in} == {"bf16"}
+    assert _bytes(in_host, "f8e4m3fn") * 2 == _bytes(hpz_in, "bf16")
+    assert all(b == 8 * ITEMSIZE[t] for t, b, _ in in_host if t != "f8e4m3fn")
+    assert {t for t, _, _ in across} == {"bf16"} and _bytes(across, "bf16") == 2 * params // 8
+    assert _bytes(hpz_across, "bf16") == _bytes(across, "bf16")
