@@ -10,6 +10,7 @@ offload and LoRA / QLoRA frozen base weights, each against references written he
   gathers' and the rest one scale per device; hpZ's within-host gathers in e4m3, its refresh
   across hosts in bf16 (2 bytes per parameter over the host's devices).
 """
+
 import math
 import re
 
@@ -54,13 +55,17 @@ def loss_fn(p, b):
 
 def _params(seed=0):
     rng = np.random.default_rng(seed)
-    return {"w1": rng.normal(size=(64, 32)).astype(np.float32) * 0.2,
-            "w2": rng.normal(size=(32, 8)).astype(np.float32) * 0.2}
+    return {
+        "w1": rng.normal(size=(64, 32)).astype(np.float32) * 0.2,
+        "w2": rng.normal(size=(32, 8)).astype(np.float32) * 0.2,
+    }
 
 
 _rng = np.random.default_rng(9)
-BATCH = {"x": _rng.normal(size=(16, 64)).astype(np.float32),
-         "y": _rng.normal(size=(16, 8)).astype(np.float32)}
+BATCH = {
+    "x": _rng.normal(size=(16, 64)).astype(np.float32),
+    "y": _rng.normal(size=(16, 8)).astype(np.float32),
+}
 
 
 def one_step(params, loss, prec, trainable=None, **options):
@@ -105,8 +110,10 @@ def check_at_rounded_weights(got_loss, grads, seen, plain, loss, tol, argnums=0)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     assert abs(plain_loss - want_loss) > 100 * 1e-5 * abs(want_loss)
     assert_close_to_max(grads, want_grads, tol)
-    gaps = [np.abs(np.asarray(p) - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
-            for p, w in zip(jax.tree.leaves(plain_grads), jax.tree.leaves(want_grads))]
+    gaps = [
+        np.abs(np.asarray(p) - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+        for p, w in zip(jax.tree.leaves(plain_grads), jax.tree.leaves(want_grads))
+    ]
     assert max(gaps) > 3 * tol, gaps
 
 
@@ -116,8 +123,14 @@ def test_hpz_gathers_within_the_host_in_e4m3_at_plain_autodiffs_gradient():
     host, so the host's amax is the weight's)."""
     params = _params()
     bf16 = np_bf16(params)
-    loss, grads, text = one_step(params, loss_fn, zf.Precision(params="bf16"),
-                                 quantize_weights="fp8", hierarchical=True, hosts=2)
+    loss, grads, text = one_step(
+        params,
+        loss_fn,
+        zf.Precision(params="bf16"),
+        quantize_weights="fp8",
+        hierarchical=True,
+        hosts=2,
+    )
     seen = {k: np_gathered(v) for k, v in bf16.items()}
     plain = jax.tree.map(lambda x: x.astype(np.float32), bf16)
     check_at_rounded_weights(loss, grads, (seen,), (plain,), loss_fn, tol=1e-2)
@@ -125,15 +138,22 @@ def test_hpz_gathers_within_the_host_in_e4m3_at_plain_autodiffs_gradient():
     assert weights and set(weights) == {"4"}  # one piece from each of the host's 4 devices
 
 
-@pytest.mark.parametrize("offload, update_on",
-                         [("optimizer", "host"), ("optimizer+params", "device")])
+@pytest.mark.parametrize(
+    "offload, update_on", [("optimizer", "host"), ("optimizer+params", "device")]
+)
 def test_offload_gathers_e4m3_at_plain_autodiffs_gradient(offload, update_on):
     """The master and optimizer state in host memory (and the bf16 weights too, with
     optimizer+params): every weight gather still moves e4m3."""
     params = _params(1)
     bf16 = np_bf16(params)
-    loss, grads, text = one_step(params, loss_fn, zf.Precision(params="bf16"),
-                                 quantize_weights="fp8", offload=offload, update_on=update_on)
+    loss, grads, text = one_step(
+        params,
+        loss_fn,
+        zf.Precision(params="bf16"),
+        quantize_weights="fp8",
+        offload=offload,
+        update_on=update_on,
+    )
     seen = {k: np_gathered(v) for k, v in bf16.items()}
     plain = jax.tree.map(lambda x: x.astype(np.float32), bf16)
     check_at_rounded_weights(loss, grads, (seen,), (plain,), loss_fn, tol=1e-2)
@@ -147,9 +167,12 @@ def _lora():
     adapters = lo.init(jax.random.key(3), params, BATCH)
     rng = np.random.default_rng(4)
     adapters = jax.tree.map(
-        lambda a: np.asarray(a) + 0.3 * rng.normal(size=a.shape).astype(np.float32), adapters)
-    trainable = {"base": jax.tree.map(lambda _: False, params),
-                 "lora": jax.tree.map(lambda _: True, adapters)}
+        lambda a: np.asarray(a) + 0.3 * rng.normal(size=a.shape).astype(np.float32), adapters
+    )
+    trainable = {
+        "base": jax.tree.map(lambda _: False, params),
+        "lora": jax.tree.map(lambda _: True, adapters),
+    }
     return lo, params, adapters, trainable
 
 
@@ -161,14 +184,17 @@ def test_lora_frozen_bf16_base_gathers_e4m3_at_plain_autodiffs_gradient():
     """LoRA at stage 3 with bf16 weights: the frozen base (stored bf16, no master) and the
     adapters are gathered as e4m3; the adapters' gradient is autodiff's at both rounded."""
     lo, params, adapters, trainable = _lora()
-    loss, grads, text = one_step({"base": params, "lora": adapters}, lo.loss,
-                                 zf.Precision(params="bf16"), trainable=trainable,
-                                 quantize_weights="fp8")
+    loss, grads, text = one_step(
+        {"base": params, "lora": adapters},
+        lo.loss,
+        zf.Precision(params="bf16"),
+        trainable=trainable,
+        quantize_weights="fp8",
+    )
     base, ad = np_bf16(params), np_bf16(adapters)
     seen = (jax.tree.map(np_gathered, base), jax.tree.map(np_gathered, ad))
     plain = jax.tree.map(lambda x: x.astype(np.float32), (base, ad))
-    check_at_rounded_weights(loss, grads["lora"], seen, plain, _adapted(lo), tol=1e-2,
-                             argnums=1)
+    check_at_rounded_weights(loss, grads["lora"], seen, plain, _adapted(lo), tol=1e-2, argnums=1)
     assert set(gather_types(text)) == {"f8E4M3FN", "f32"}
 
 
@@ -178,15 +204,16 @@ def test_qlora_nf4_base_is_gathered_as_its_packed_bytes_and_the_adapters_in_e4m3
     adapters are gathered in e4m3. fp32 weights: the loss reads the NF4 round trip of the
     format's NumPy reference exactly."""
     lo, params, adapters, trainable = _lora()
-    qparams, qtrainable = zf.quantize_frozen({"base": params, "lora": adapters}, trainable,
-                                             kind="nf4")
-    loss, grads, text = one_step(qparams, lo.loss, zf.Precision(), trainable=qtrainable,
-                                 quantize_weights="fp8")
+    qparams, qtrainable = zf.quantize_frozen(
+        {"base": params, "lora": adapters}, trainable, kind="nf4"
+    )
+    loss, grads, text = one_step(
+        qparams, lo.loss, zf.Precision(), trainable=qtrainable, quantize_weights="fp8"
+    )
     base = {k: nf4_reference.round_trip(v) for k, v in params.items()}
     seen = (base, jax.tree.map(np_gathered, adapters))
     plain = (base, adapters)
-    check_at_rounded_weights(loss, grads["lora"], seen, plain, _adapted(lo), tol=1e-5,
-                             argnums=1)
+    check_at_rounded_weights(loss, grads["lora"], seen, plain, _adapted(lo), tol=1e-5, argnums=1)
     types = gather_types(text)
     assert "ui8" in types and "f8E4M3FN" in types
     assert set(types) == {"ui8", "f8E4M3FN", "f32"}
@@ -208,11 +235,12 @@ def compiled_gathers(text):
             continue
         shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
         if m.group(2):
-            shapes = shapes[len(shapes) // 2:]
+            shapes = shapes[len(shapes) // 2 :]
         listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
         assert listed, f"replica groups not listed: {line.strip()[:160]}"
-        groups = [tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}",
-                                                                    listed.group(1))]
+        groups = [
+            tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", listed.group(1))
+        ]
         for dtype, dims in shapes:
             size = math.prod(int(d) for d in dims.split(",") if d)
             rows.append((dtype, ITEMSIZE[dtype] * size, groups))
@@ -231,11 +259,13 @@ def _mlp_on_h100(params_bf16=True):
 
 def _compiled_rows(data, hosts=1, trainable=None, **options):
     from helpers import require_cuda_plugin
+
     require_cuda_plugin()
     loss, params, batch = _mlp_on_h100()
     plan = zf.ZeroPlan(zf.target_mesh("h100", data=data, hosts=hosts), stage=3, **options)
-    compiled, _ = zf.memory.compile_step(loss, params, batch, optax.sgd(0.1), plan,
-                                         zf.Precision(params="bf16"), trainable=trainable)
+    compiled, _ = zf.memory.compile_step(
+        loss, params, batch, optax.sgd(0.1), plan, zf.Precision(params="bf16"), trainable=trainable
+    )
     return compiled_gathers(compiled.as_text())
 
 
