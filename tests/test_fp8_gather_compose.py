@@ -2,9 +2,12 @@
 offload and LoRA / QLoRA frozen base weights, each against references written here:
 
 - numerics on 8 emulated CPU devices: the step's loss is plain JAX's loss at the weights
-  rounded by hand (NumPy and ml_dtypes: one scale per weight, ``amax / 448``, each entry to
-  e4m3), and its gradient plain autodiff's there; an NF4 base is rounded by
-  ``tests/nf4_reference.py`` instead, and never cast to e4m3;
+  rounded by hand (NumPy and ml_dtypes: one scale per matrix, ``amax / 448``, each entry to
+  e4m3; a scanned stack one scale per layer), and its gradient plain autodiff's there;
+  vectors (norm gains) are not rounded, an NF4 base is rounded by ``tests/nf4_reference.py``
+  instead and never cast to e4m3;
+- the gathered types read from the lowered program: matrices in e4m3 (NF4 bases as their
+  packed bytes), vectors in the compute dtype, one fp32 amax per device and matrix;
 - bytes on the wire from XLA:GPU programs compiled for abstract H100s: the all-gathers'
   result types read from the compiled HLO text, e4m3 weight bytes exactly half of the bf16
   gathers' and the rest one scale per device; hpZ's within-host gathers in e4m3, its refresh
@@ -36,30 +39,44 @@ def np_gathered(w):
     by it, rounded to e4m3 and multiplied back in fp32, then cast to the stored dtype. XLA
     divides by the constant 448 as a product with its fp32 reciprocal, a scale one ulp above
     the quotient for some weights; with bf16 weights entries then often sit on an exact tie
-    between two e4m3 values, which that ulp decides (either way the error is half a step)."""
+    between two e4m3 values, which that ulp decides (either way the error is half a step).
+    A vector (fewer than 2 dimensions) is gathered as it is stored."""
     stored = np.asarray(w)
     w32 = stored.astype(np.float32)
+    if stored.ndim < 2:
+        return w32
     amax = np.float32(np.abs(w32).max())
     scale = amax * np.float32(1.0 / 448.0) if amax > 0 else np.float32(1.0)
     q = np.clip(w32 / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return (q.astype(np.float32) * scale).astype(stored.dtype).astype(np.float32)
 
 
+def np_nf4(w):
+    """A frozen matrix as ``zf.quantize_frozen(kind="nf4")`` keeps it (vectors stay as they are)."""
+    return nf4_reference.round_trip(w) if np.ndim(w) >= 2 else np.asarray(w, np.float32)
+
+
 def np_bf16(tree):
     return jax.tree.map(lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16), tree)
+
+
+def as_fp32(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
 
 
 def loss_fn(p, b):
     """fp32 arithmetic on whatever dtype the weights arrive in: the loss then reads exactly
     the gathered values, and a reference in fp32 computes the same numbers."""
-    h = jnp.tanh(b["x"] @ p["w1"].astype(jnp.float32))
+    h = jnp.tanh(b["x"] @ p["w1"].astype(jnp.float32)) * p["gain"].astype(jnp.float32)
     return jnp.mean((h @ p["w2"].astype(jnp.float32) - b["y"]) ** 2)
 
 
 def _params(seed=0):
+    """Two matrices and a gain vector far from e4m3's values (1 + 0.3 x normal)."""
     rng = np.random.default_rng(seed)
     return {
         "w1": rng.normal(size=(64, 32)).astype(np.float32) * 0.2,
+        "gain": 1 + 0.3 * rng.normal(size=(32,)).astype(np.float32),
         "w2": rng.normal(size=(32, 8)).astype(np.float32) * 0.2,
     }
 
@@ -99,12 +116,6 @@ def assert_close_to_max(got, want, tol):
         assert np.abs(np.asarray(g) - w).max() <= tol * np.abs(w).max()
 
 
-def gather_types(text):
-    """Element types of the all_gather results in lowered (StableHLO) text."""
-    found = re.findall(r"all_gather.*->\s*tensor<([^>]*)>", text)
-    return [t.rsplit("x", 1)[-1] for t in found]
-
-
 def check_at_rounded_weights(got_loss, grads, seen, plain, loss, tol, argnums=0):
     """The step's loss equals plain JAX's at the rounded weights, its gradient autodiff's
     there; and the rounding matters: at the unrounded weights both are further off."""
@@ -118,6 +129,35 @@ def check_at_rounded_weights(got_loss, grads, seen, plain, loss, tol, argnums=0)
         for p, w in zip(jax.tree.leaves(plain_grads), jax.tree.leaves(want_grads))
     ]
     assert max(gaps) > 3 * tol, gaps
+
+
+def lowered_gathers(text, local=8):
+    """``[(result shape, element type, crosses hosts)]`` of the all_gathers in lowered
+    (StableHLO) text; a group crosses hosts when its devices are on two hosts of ``local``."""
+    rows = []
+    for groups, result in re.findall(
+        r"all_gather.*replica_groups = dense<(\[\[.*?\]\])>.*->\s*tensor<([^>]*)>", text
+    ):
+        *dims, dtype = result.split("x")
+        members = [[int(d) for d in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", groups)]
+        across = any(len({d // local for d in g}) > 1 for g in members)
+        rows.append((tuple(int(d) for d in dims), dtype, across))
+    return rows
+
+
+def check_gathers(text, compute, packed=False, local=8):
+    """Every matrix gathered as e4m3 (an NF4 base, ``packed``, as bytes), vectors in the
+    ``compute`` dtype, one fp32 amax per device and matrix; a gather across hosts (hpZ's
+    refresh, hosts of ``local`` devices) in bf16."""
+    rows = lowered_gathers(text, local)
+    inside = [(shape, t) for shape, t, across in rows if not across]
+    matrices = {t for shape, t in inside if len(shape) >= 2}
+    vectors = {t for shape, t in inside if len(shape) < 2}
+    bytes_ = {"ui8"} if packed else set()  # packed bytes: flat, or one row per layer
+    assert "f8E4M3FN" in matrices and matrices <= {"f8E4M3FN"} | bytes_, matrices
+    assert {"f32", compute} <= vectors <= {"f32", compute} | bytes_, vectors
+    assert bytes_ <= matrices | vectors
+    assert {t for _, t, across in rows if across} <= {"bf16"}
 
 
 def test_hpz_gathers_within_the_host_in_e4m3_at_plain_autodiffs_gradient():
@@ -134,11 +174,11 @@ def test_hpz_gathers_within_the_host_in_e4m3_at_plain_autodiffs_gradient():
         hierarchical=True,
         hosts=2,
     )
-    seen = {k: np_gathered(v) for k, v in bf16.items()}
-    plain = jax.tree.map(lambda x: x.astype(np.float32), bf16)
-    check_at_rounded_weights(loss, grads, (seen,), (plain,), loss_fn, tol=1e-2)
-    weights = re.findall(r"all_gather.*->\s*tensor<(\d+)x[^>]*xf8E4M3FN>", text)
-    assert weights and set(weights) == {"4"}  # one piece from each of the host's 4 devices
+    seen = jax.tree.map(np_gathered, bf16)
+    check_at_rounded_weights(loss, grads, (seen,), (as_fp32(bf16),), loss_fn, tol=1e-2)
+    check_gathers(text, "bf16", local=4)
+    weights = [shape[0] for shape, t, _ in lowered_gathers(text, 4) if t == "f8E4M3FN"]
+    assert weights and set(weights) == {4}  # one piece from each of the host's 4 devices
 
 
 @pytest.mark.parametrize(
@@ -146,7 +186,7 @@ def test_hpz_gathers_within_the_host_in_e4m3_at_plain_autodiffs_gradient():
 )
 def test_offload_gathers_e4m3_at_plain_autodiffs_gradient(offload, update_on):
     """The master and optimizer state in host memory (and the bf16 weights too, with
-    optimizer+params): every weight gather still moves e4m3."""
+    optimizer+params): every matrix gather still moves e4m3."""
     params = _params(1)
     bf16 = np_bf16(params)
     loss, grads, text = one_step(
@@ -157,19 +197,19 @@ def test_offload_gathers_e4m3_at_plain_autodiffs_gradient(offload, update_on):
         offload=offload,
         update_on=update_on,
     )
-    seen = {k: np_gathered(v) for k, v in bf16.items()}
-    plain = jax.tree.map(lambda x: x.astype(np.float32), bf16)
-    check_at_rounded_weights(loss, grads, (seen,), (plain,), loss_fn, tol=1e-2)
-    assert set(gather_types(text)) == {"f8E4M3FN", "f32"}  # weights, and one amax each
+    seen = jax.tree.map(np_gathered, bf16)
+    check_at_rounded_weights(loss, grads, (seen,), (as_fp32(bf16),), loss_fn, tol=1e-2)
+    check_gathers(text, "bf16")
 
 
 def stack_loss(p, b):
-    """A scanned stack of 3 layers (each fetched on its own) and a head, fp32 arithmetic."""
+    """A scanned stack of 3 layers (each fetched on its own, a gain vector per layer) and a
+    head, fp32 arithmetic."""
 
     def layer(h, w):
-        return jnp.tanh(h @ w.astype(jnp.float32)), None
+        return jnp.tanh(h @ w["w"].astype(jnp.float32)) * w["gain"].astype(jnp.float32), None
 
-    h, _ = jax.lax.scan(layer, b["x"], p["layers"]["w"])
+    h, _ = jax.lax.scan(layer, b["x"], p["layers"])
     return jnp.mean((h @ p["head"].astype(jnp.float32) - b["y"]) ** 2)
 
 
@@ -179,14 +219,17 @@ def _stack_params():
     rng = np.random.default_rng(5)
     sizes = np.array([0.15, 0.45, 0.05], np.float32)[:, None, None]
     return {
-        "layers": {"w": rng.normal(size=(3, 64, 64)).astype(np.float32) * sizes},
+        "layers": {
+            "w": rng.normal(size=(3, 64, 64)).astype(np.float32) * sizes,
+            "gain": 1 + 0.3 * rng.normal(size=(3, 64)).astype(np.float32),
+        },
         "head": rng.normal(size=(64, 8)).astype(np.float32) * 0.2,
     }
 
 
 MODELS = {
     "mlp": (loss_fn, lambda: _params(2), r"^w"),
-    "stack": (stack_loss, _stack_params, "layers"),
+    "stack": (stack_loss, _stack_params, "layers/w"),
 }
 
 
@@ -195,15 +238,11 @@ def per_layer(round_trip, model):
     time (each layer with its own scale), any other leaf whole."""
 
     def one(path, x):
-        if model == "stack" and "layers" in zf_path(path):
+        if model == "stack" and jax.tree_util.keystr(path).find("layers") >= 0:
             return np.stack([round_trip(layer) for layer in np.asarray(x)])
         return round_trip(x)
 
     return lambda tree: jax.tree_util.tree_map_with_path(one, tree)
-
-
-def zf_path(path):
-    return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
 def _lora(model):
@@ -237,10 +276,11 @@ OFFLOAD = {"offload": "optimizer+params"}
     ids=["mlp", "stack", "mlp-hpz", "stack-offload"],
 )
 def test_lora_frozen_bf16_base_gathers_e4m3_at_plain_autodiffs_gradient(model, options):
-    """LoRA at stage 3 with bf16 weights: the frozen base (stored bf16, no master) and the
-    adapters are gathered as e4m3, a scanned stack's layers each with its own scale; the
-    adapters' gradient is autodiff's at both rounded. With hpZ the frozen base's copy per
-    host is gathered within the host; with offload it streams from host memory."""
+    """LoRA at stage 3 with bf16 weights: the frozen base's matrices (stored bf16, no master)
+    and the adapters are gathered as e4m3, a scanned stack's layers each with its own scale,
+    the base's gains in bf16; the adapters' gradient is autodiff's at those weights. With hpZ
+    the frozen base's copy per host is gathered within the host; with offload it streams from
+    host memory."""
     lo, params, adapters, trainable = _lora(model)
     loss, grads, text = one_step(
         {"base": params, "lora": adapters},
@@ -253,12 +293,9 @@ def test_lora_frozen_bf16_base_gathers_e4m3_at_plain_autodiffs_gradient(model, o
     base, ad = np_bf16(params), np_bf16(adapters)
     rounded = per_layer(np_gathered, model)
     seen = (rounded(base), rounded(ad))
-    plain = jax.tree.map(lambda x: x.astype(np.float32), (base, ad))
+    plain = as_fp32((base, ad))
     check_at_rounded_weights(loss, grads["lora"], seen, plain, _adapted(lo), tol=1e-2, argnums=1)
-    weights = {t for t in gather_types(text) if t != "f32"}
-    if "hierarchical" in options:
-        weights -= {"bf16"}  # the adapters' copy per host, refreshed across hosts after the update
-    assert weights == {"f8E4M3FN"}
+    check_gathers(text, "bf16", local=4 if "hierarchical" in options else 8)
 
 
 @pytest.mark.parametrize(
@@ -269,8 +306,8 @@ def test_lora_frozen_bf16_base_gathers_e4m3_at_plain_autodiffs_gradient(model, o
 def test_qlora_nf4_base_is_gathered_as_its_packed_bytes_and_the_adapters_in_e4m3(model, options):
     """QLoRA: the NF4 base (about half a byte a weight) is gathered as the packed bytes it is
     stored in, never cast to e4m3 (that would double its bytes and round it twice); the
-    adapters are gathered in e4m3. The loss reads the NF4 round trip of the format's NumPy
-    reference (in bf16 with hpZ, which keeps a bf16 copy of the adapters)."""
+    adapters are gathered in e4m3, the base's gains as they are. The loss reads the NF4 round
+    trip of the format's NumPy reference (in bf16 with hpZ, which keeps a bf16 copy)."""
     lo, params, adapters, trainable = _lora(model)
     qparams, qtrainable = zf.quantize_frozen(
         {"base": params, "lora": adapters},
@@ -278,22 +315,32 @@ def test_qlora_nf4_base_is_gathered_as_its_packed_bytes_and_the_adapters_in_e4m3
         kind="nf4",
         stacked="base/layers" if model == "stack" else None,
     )
-    prec = zf.Precision(params="bf16" if "hierarchical" in options else "fp32")
+    bf16 = "hierarchical" in options
+    prec = zf.Precision(params="bf16" if bf16 else "fp32")
     loss, grads, text = one_step(
         qparams, lo.loss, prec, trainable=qtrainable, quantize_weights="fp8", **options
     )
-    base, ad = per_layer(nf4_reference.round_trip, model)(params), adapters
-    if "hierarchical" in options:  # bf16 weights (hpZ keeps a bf16 copy): NF4 dequantized to bf16
+    base, ad = per_layer(np_nf4, model)(params), adapters
+    if bf16:  # NF4 dequantized to bf16, the adapters' bf16 copy gathered
         base, ad = np_bf16(base), np_bf16(adapters)
-    as_fp32 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float32), tree)  # noqa: E731
     seen = as_fp32((base, per_layer(np_gathered, model)(ad)))
-    base, ad = as_fp32((base, ad))
-    tol = 1e-2 if "hierarchical" in options else 1e-5
-    check_at_rounded_weights(loss, grads["lora"], seen, (base, ad), _adapted(lo), tol, argnums=1)
-    types = set(gather_types(text))
-    if "hierarchical" in options:
-        types -= {"bf16"}  # the adapters' copy per host, refreshed across hosts
-    assert types == {"ui8", "f8E4M3FN", "f32"}
+    tol = 1e-2 if bf16 else 1e-5
+    check_at_rounded_weights(loss, grads["lora"], seen, as_fp32((base, ad)), _adapted(lo), tol, 1)
+    check_gathers(text, "bf16" if bf16 else "f32", packed=True, local=4 if bf16 else 8)
+
+
+def test_hpz_with_offload_is_one_line_with_fp8_gathers_too():
+    """hpZ keeps its copy in device memory, which offload does not: refused, naming both."""
+    with pytest.raises(ValueError, match=r"^hierarchical=True .*offload='optimizer'") as e:
+        zf.ZeroPlan(
+            zf.make_mesh(),
+            stage=3,
+            quantize_weights="fp8",
+            hierarchical=True,
+            hosts=2,
+            offload="optimizer",
+        )
+    assert "\n" not in str(e.value)
 
 
 # -- bytes on the wire: XLA:GPU programs compiled for abstract H100s --------------------------
