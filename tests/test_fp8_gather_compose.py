@@ -33,21 +33,27 @@ LR = 0.5
 RANK, ALPHA = 2, 4.0
 
 
-def np_gathered(w):
-    """``w`` (as stored: fp32 or bf16) as an FP8 gather hands it to the loss, in fp32: one scale
-    for the whole weight, its largest magnitude over 448 (1 when all zero), each entry divided
-    by it, rounded to e4m3 and multiplied back in fp32, then cast to the stored dtype. XLA
-    divides by the constant 448 as a product with its fp32 reciprocal, a scale one ulp above
-    the quotient for some weights; with bf16 weights entries then often sit on an exact tie
-    between two e4m3 values, which that ulp decides (either way the error is half a step).
-    A vector (fewer than 2 dimensions) is gathered as it is stored."""
-    stored = np.asarray(w)
-    w32 = stored.astype(np.float32)
-    if stored.ndim < 2:
-        return w32
+def np_e4m3(w, scale_of=lambda amax: amax * np.float32(1.0 / 448.0)):
+    """``(e4m3 values, scale)`` of the matrix ``w``: one scale for the whole weight, its largest
+    magnitude over 448 (1 when all zero), each entry divided by it and rounded to e4m3. XLA
+    divides by the constant 448 as a product with its fp32 reciprocal (``scale_of``), a scale
+    one ulp above the quotient for some weights; with bf16 weights entries then often sit on
+    an exact tie between two e4m3 values, which that ulp decides (the error is half a step
+    either way)."""
+    w32 = np.asarray(w).astype(np.float32)
     amax = np.float32(np.abs(w32).max())
-    scale = amax * np.float32(1.0 / 448.0) if amax > 0 else np.float32(1.0)
-    q = np.clip(w32 / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    scale = scale_of(amax) if amax > 0 else np.float32(1.0)
+    return np.clip(w32 / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def np_gathered(w):
+    """``w`` (as stored: fp32 or bf16) as an FP8 gather hands it to the loss, in fp32: its
+    e4m3 values (``np_e4m3``) times the scale in fp32, cast to the stored dtype. A vector
+    (fewer than 2 dimensions) is gathered as it is stored."""
+    stored = np.asarray(w)
+    if stored.ndim < 2:
+        return stored.astype(np.float32)
+    q, scale = np_e4m3(stored)
     return (q.astype(np.float32) * scale).astype(stored.dtype).astype(np.float32)
 
 
@@ -329,6 +335,30 @@ def test_qlora_nf4_base_is_gathered_as_its_packed_bytes_and_the_adapters_in_e4m3
     check_gathers(text, "bf16" if bf16 else "f32", packed=True, local=4 if bf16 else 8)
 
 
+def test_the_fp8_matmul_recasts_jitted_bf16_gathers_to_the_numpy_bytes():
+    """Compiled (where XLA's reciprocal of 448 decides the ties of bf16 weights), the e4m3
+    bytes of a bf16 weight, and those the FP8 matmul's own cast makes of the bf16 weight the
+    gather hands back, are both the NumPy reference's: the weight is rounded once."""
+    from zeroflow.autocast import fp8
+
+    def cast_twice(w):
+        q = fp8.quantize(w, fp8.scale_of(w, fp8.E4M3), fp8.E4M3)
+        gathered = fp8.dequantize(q, fp8.scale_of(w, fp8.E4M3), jnp.bfloat16)
+        return q, fp8.quantize(gathered, fp8.scale_of(gathered, fp8.E4M3), fp8.E4M3)
+
+    rng = np.random.default_rng(7)
+    ties = 0
+    for size in np.geomspace(0.01, 100.0, 24):
+        w = (rng.normal(size=(64, 64)) * size).astype(ml_dtypes.bfloat16)
+        first, again = jax.jit(cast_twice)(jnp.asarray(w))
+        want = np_e4m3(w)[0].view(np.uint8)
+        quotient = np_e4m3(w, scale_of=lambda amax: amax / np.float32(448.0))[0]
+        ties += int(np.sum(quotient.view(np.uint8) != want))
+        for got in (first, again):
+            assert np.array_equal(np.asarray(got).view(np.uint8), want)
+    assert ties > 0  # the reciprocal's ulp decided some ties: the check sees it
+
+
 def test_hpz_with_offload_is_one_line_with_fp8_gathers_too():
     """hpZ keeps its copy in device memory, which offload does not: refused, naming both."""
     with pytest.raises(ValueError, match=r"^hierarchical=True .*offload='optimizer'") as e:
@@ -371,7 +401,7 @@ def compiled_gathers(text):
     return rows
 
 
-def _mlp_on_h100(params_bf16=True):
+def _mlp_on_h100():
     def loss(p, b):
         h = jnp.tanh(b["x"] @ p["w1"])
         return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
