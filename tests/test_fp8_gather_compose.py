@@ -359,6 +359,21 @@ def test_the_fp8_matmul_recasts_jitted_bf16_gathers_to_the_numpy_bytes():
     assert ties > 0  # the reciprocal's ulp decided some ties: the check sees it
 
 
+def test_trainer_qlora_keys_gather_nf4_bytes_adapters_in_e4m3_and_gains_in_bf16():
+    """The trainer's GPT with ``model.lora.quantize=nf4`` and ``parallel.quantize_weights=fp8``
+    at stage 3 (the config's keys reach the step): its lowered step gathers the NF4 base as
+    bytes, the adapters in e4m3, the frozen norms' gains in bf16."""
+    from zeroflow.config.io import load_config
+    from zeroflow.trainer.setup import abstract_batch, build_run
+
+    keys = ["parallel.zero_stage=3", "parallel.quantize_weights=fp8", "model.lora.rank=4"]
+    keys += ["model.lora.quantize=nf4", "precision.params=bf16"]
+    cfg = load_config("configs/tiny.yaml", keys)
+    run = build_run(cfg, with_data=False)
+    text = run.make_step().lower(run.abstract_state(), abstract_batch(cfg)).as_text()
+    check_gathers(text, "bf16", packed=True)
+
+
 def test_hpz_with_offload_is_one_line_with_fp8_gathers_too():
     """hpZ keeps its copy in device memory, which offload does not: refused, naming both."""
     with pytest.raises(ValueError, match=r"^hierarchical=True .*offload='optimizer'") as e:
