@@ -73,7 +73,7 @@ class Stage3Collectives:
       copy between them (each host's; the copy is ``zeroflow.engine.zeropp.hierarchical``'s);
     - qwZ, ``weight_block``: gathered as int8 blocks of that many entries
       (``zeroflow.engine.zeropp.gather``), or with ``weight_format="fp8"`` as e4m3 with one
-      scale per weight (``zeroflow.engine.zeropp.fp8_gather``);
+      scale per weight (``zeroflow.engine.zeropp.fp8_gather``; matrices only, see ``gather``);
     - qgZ, ``grad_hosts``: gradients reduce-scattered as int8 blocks of ``grad_block``
       entries, within and then across these hosts (``zeroflow.engine.zeropp.reduce``).
     The gradient always reaches the 1/N shard of the master over all devices."""
@@ -111,9 +111,14 @@ class Stage3Collectives:
         return self.grad_hosts is None
 
     def gather(self, shard, dim: int, dtype, size: int | None = None, *, sliced: bool = False):
-        """The whole weight in ``dtype`` from this device's ``shard`` (see ``all_gather``)."""
+        """The whole weight in ``dtype`` from this device's ``shard`` (see ``all_gather``).
+        FP8 gathers take matrices only: a vector (a norm's gain, a bias; a layer's slice of a
+        stack of them) is no FP8 matmul's operand, moves few bytes, and in e4m3 would be off
+        by up to 1/16 of itself in the forward pass (a frozen, pretrained gain for good)."""
         if self.weight_block is not None and self.weight_format == "fp8":
-            return fp8_all_gather(shard, dim, dtype, size, self.groups, sliced=sliced)
+            if shard.ndim >= 2:
+                return fp8_all_gather(shard, dim, dtype, size, self.groups, sliced=sliced)
+            return all_gather(shard, dim, dtype, size, self.groups, sliced=sliced)
         if self.weight_block is not None:
             return quantized_all_gather(shard, dim, dtype, self.weight_block, size, self.groups)
         return all_gather(shard, dim, dtype, size, self.groups, sliced=sliced)
