@@ -104,10 +104,13 @@ def test_fp8_that_cannot_be_planned_is_one_line_before_any_compile(
     assert asked == [] and not out.exists()
 
 
-def test_a_config_refuses_fp8_matmuls_with_layer_chunk():
-    """The chunked layer is a custom_vjp autocast does not enter: FP8 would do nothing."""
-    with pytest.raises(ConfigError, match="model.layer_chunk"):
-        apply_overrides(load_config(TINY), ["model.layer_chunk=64", "precision.autocast=fp8"])
+@pytest.mark.parametrize("autocast", ["fp8", "bf16"])
+def test_a_config_refuses_autocast_with_layer_chunk(autocast):
+    """The chunked layer is a custom_vjp autocast does not enter: its matmuls would stay in
+    precision.params, whatever autocast was asked for."""
+    with pytest.raises(ConfigError, match=f"precision.autocast={autocast} .*model.layer_chunk"):
+        overrides = ["precision.params=fp32", "model.layer_chunk=64"]
+        apply_overrides(load_config(TINY), [*overrides, f"precision.autocast={autocast}"])
 
 
 def test_the_roofline_runs_fp8_matmuls_faster_only_where_the_gpu_has_fp8(problem):

@@ -331,11 +331,24 @@ CONFIG_KEYS = Keys(
 "How the engine's rules name the settings in a config's messages."
 
 
-FP8_CHUNK = (
-    "precision.autocast=fp8 does not reach the layers of model.layer_chunk (each runs as one "
-    "custom_vjp, whose matmuls autocast leaves as declared): their matmuls would stay in "
-    "precision.params; set one of the two"
-)
+def _layer_chunk_autocast(cfg: Config) -> list[str]:
+    """Autocast leaves a custom_vjp's matmuls in their declared dtype, and each layer of
+    model.layer_chunk is one: under autocast its matmuls would silently stay in
+    precision.params."""
+    autocast = cfg.precision.autocast
+    ok = not (cfg.model.layer_chunk and autocast != "none")
+    return _failed(
+        [
+            (
+                ok,
+                (
+                    f"precision.autocast={autocast} does not reach the layers of model.layer_chunk (each "
+                    "runs as one custom_vjp, whose matmuls autocast leaves as declared): their matmuls "
+                    "would stay in precision.params; set one of the two"
+                ),
+            )
+        ]
+    )
 
 
 def validate_config(cfg: Config) -> Config:
@@ -348,7 +361,7 @@ def validate_config(cfg: Config) -> Config:
         + _train_problems(cfg.train)
         + _parallel_problems(cfg)
         + _precision_problems(cfg.precision)
-        + _failed([(not (cfg.model.layer_chunk and cfg.precision.autocast == "fp8"), FP8_CHUNK)])
+        + _layer_chunk_autocast(cfg)
         + _checkpoint_problems(cfg.checkpoint)
         + _fusemix_problems(cfg.fusemix)
         + _run_problems(cfg.run)
