@@ -9,23 +9,41 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 from zeroflow.autocast import fp8_delayed, fp8_marks
 from zeroflow.engine.zeropp import fp8_dot
 
 
 @dataclasses.dataclass(eq=False)
 class Pending:
-    """A stored weight (``(shard, stand_in)``) of ``source`` not fetched yet."""
+    """A stored weight (``(shard, stand_in)``) of ``source`` not fetched yet; ``dtype``: the
+    float dtype the program casts it to before its use (None: as fetched)."""
 
     stored: Any
     source: Any
-    _fetched: Any = None
+    dtype: Any = None
+    cache: dict = dataclasses.field(default_factory=dict)
+    "The fetched weight, once fetched: shared by a weight's casts."
 
     def fetched(self):
-        """The weight fetched as ``source.fetch_for_grad`` fetches it (once)."""
-        if self._fetched is None:
-            self._fetched = self.source.fetch_for_grad(self.stored)
-        return self._fetched
+        """The weight fetched as ``source.fetch_for_grad`` fetches it (once), in ``dtype``."""
+        if "weight" not in self.cache:
+            self.cache["weight"] = self.source.fetch_for_grad(self.stored)
+        weight = self.cache["weight"]
+        return weight if self.dtype is None else weight.astype(self.dtype)
+
+
+def cast(eqn, values) -> list | None:
+    """A float cast of a ``Pending`` weight (autocast's cast of an fp32 weight to bf16 before
+    its FP8 matmul): still pending, in the new dtype; None for any other equation."""
+    if eqn.primitive.name != "convert_element_type" or not isinstance(values[0], Pending):
+        return None
+    new = jnp.dtype(eqn.params["new_dtype"])
+    if not jnp.issubdtype(new, jnp.floating) or jnp.dtype(new).itemsize < 2:
+        return None
+    weight = values[0]
+    return [Pending(weight.stored, weight.source, new, weight.cache)]
 
 
 def pending(weight_only: dict, sources) -> set[int]:
@@ -65,4 +83,5 @@ def dot(eqn, values) -> list | None:
     else:
         meta = ()
     shard, stand_in = rhs.stored
-    return [fp8_dot.gathered_dot(lhs, shard, stand_in, meta, rhs.source, spec)]
+    source = rhs.source if rhs.dtype is None else dataclasses.replace(rhs.source, dtype=rhs.dtype)
+    return [fp8_dot.gathered_dot(lhs, shard, stand_in, meta, source, spec)]

@@ -316,7 +316,7 @@ class _Replay:
         if body is not None:
             outs = self.run(*open_jaxpr(body), values, [d for _, d in ins])
             return [fp8_fetch.fetched(v) for v, _ in outs]
-        fused = fp8_fetch.dot(eqn, values)
+        fused = fp8_fetch.cast(eqn, values) or fp8_fetch.dot(eqn, values)
         return fused if fused is not None else bind(eqn, [fp8_fetch.fetched(v) for v in values])
 
     def _lookup(self, eqn, values):
