@@ -8,13 +8,12 @@ summed, plain SGD. The gathered e4m3 weight must reach the GEMM as gathered (no 
 cast again)."""
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from fp8_reference import E4M3, E5M2, NpTensor, np_bf16
 
 import zeroflow as zf
-from fp8_reference import E4M3, E5M2, NpTensor, np_bf16
 
 pytestmark = pytest.mark.fast
 
@@ -60,7 +59,7 @@ class Recipe:
 
     def __init__(self, w, delayed):
         self.w, self.delayed = w, delayed
-        self.hist = {(k, l): NpTensor(fmt, 16, 0) for l in range(LAYERS)
+        self.hist = {(k, i): NpTensor(fmt, 16, 0) for i in range(LAYERS)
                      for k, fmt in (("lhs", E4M3), ("rhs", E4M3), ("grad", E5M2))}
 
     def cast(self, kind, layer, parts, fmt):
