@@ -116,3 +116,24 @@ def test_the_step_follows_the_recipe_with_the_gathered_e4m3_weight_in_the_gemm(s
     # the gathered weight (D x D, e4m3) reaches the GEMM as gathered: never converted back
     whole = f"tensor<{D}x{D}xf8E4M3FN>"
     assert "all_gather" in text and f"{whole}) -> tensor<{D}x{D}xf32>" not in text
+
+
+@pytest.mark.parametrize("reduce,autocast,pipelined", [
+    ("bf16", "fp8", True), ("fp32", "fp8", False), ("bf16", "bf16", False)])
+def test_fp8_steps_summing_in_bf16_pipeline_their_reduce_scatters_on_gpus(reduce, autocast,
+                                                                         pipelined):
+    """On an abstract H100 mesh: the collective pipeliner may move the backward loop's
+    reduce-scatters only for FP8 matmuls with a bf16 reduction (XLA's option spelled by
+    jaxlib version); an explicit option of the caller still wins."""
+    import jaxlib
+
+    plan = zf.ZeroPlan(zf.target_mesh("h100", data=8), stage=3, quantize_weights="fp8")
+    prec = zf.Precision(params="bf16", autocast=autocast, reduce=reduce)
+    old = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) < (0, 11)
+    key = "xla_gpu_enable_pipelined_reduce_scatter" if old else "xla_gpu_pipeline_reduce_scatter"
+    on = True if old else "COLLECTIVE_PIPELINING_MODE_ON"
+    options = zf.make_train_step(stack_loss, optax.sgd(LR), plan, prec).compiler_options
+    assert (options[key] == on) is pipelined
+    off = {key: False if old else "COLLECTIVE_PIPELINING_MODE_OFF"}
+    kept = zf.make_train_step(stack_loss, optax.sgd(LR), plan, prec, compiler_options=off)
+    assert kept.compiler_options[key] == off[key]
