@@ -57,8 +57,8 @@ class Recipe:
     """The step in NumPy. ``scales(kind, layer, tensors)``: one scale per device tensor
     (current: each its own amax; delayed: the history's, the global amax recorded)."""
 
-    def __init__(self, w, delayed):
-        self.w, self.delayed = w, delayed
+    def __init__(self, w, delayed, bf16_weights=False):
+        self.w, self.delayed, self.bf16_weights = w, delayed, bf16_weights
         self.hist = {(k, i): NpTensor(fmt, 16, 0) for i in range(LAYERS)
                      for k, fmt in (("lhs", E4M3), ("rhs", E4M3), ("grad", E5M2))}
 
@@ -76,7 +76,8 @@ class Recipe:
         hs = [np_bf16(batch["x"][i * r:(i + 1) * r]) for i in range(N_DEV)]
         saved = []
         for layer in range(LAYERS):
-            (qw, sw), = self.cast("rhs", layer, [self.w[layer]], E4M3)
+            w = np_bf16(self.w[layer]) if self.bf16_weights else self.w[layer]
+            (qw, sw), = self.cast("rhs", layer, [w], E4M3)
             qs = self.cast("lhs", layer, hs, E4M3)
             saved.append((qs, qw, sw))
             hs = [np_bf16((q @ qw) * (s * sw)) for q, s in qs]
@@ -91,9 +92,10 @@ class Recipe:
         self.w = (self.w - LR * grads).astype(np.float32)
 
 
-def zeroflow_steps(w, batches, scaling):
-    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, quantize_weights="fp8")
-    prec = zf.Precision(autocast="fp8", fp8_select="all", fp8_scaling=scaling, fp8_history=16)
+def zeroflow_steps(w, batches, scaling, params="fp32", **options):
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=3, quantize_weights="fp8", **options)
+    prec = zf.Precision(params=params, autocast="fp8", fp8_select="all", fp8_scaling=scaling,
+                        fp8_history=16)
     tx = optax.sgd(LR)
     state = zf.init_train_state({"w": w}, tx, plan, prec)
     step = zf.make_train_step(stack_loss, tx, plan, prec)
@@ -103,11 +105,16 @@ def zeroflow_steps(w, batches, scaling):
     return np.asarray(state.master_params["w"]), text
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "delayed"])
-def test_the_step_follows_the_recipe_with_the_gathered_e4m3_weight_in_the_gemm(scaling):
+@pytest.mark.parametrize("scaling,options", [
+    ("tensor", {}), ("delayed", {}),
+    ("delayed", {"hierarchical": True, "hosts": 2, "params": "bf16"})])
+def test_the_step_follows_the_recipe_with_the_gathered_e4m3_weight_in_the_gemm(scaling, options):
+    """Also with hpZ (each host's 4 devices gather from their bf16 copy: the weights the
+    matmuls cast are the bf16 ones)."""
     params, batches = data(2)
-    got, text = zeroflow_steps(params["w"], batches, scaling)
-    recipe = Recipe(params["w"].astype(np.float64), delayed=scaling == "delayed")
+    got, text = zeroflow_steps(params["w"], batches, scaling, **options)
+    recipe = Recipe(params["w"].astype(np.float64), delayed=scaling == "delayed",
+                    bf16_weights=options.get("params") == "bf16")
     for batch in batches:
         recipe.step(batch)
     moved = np.abs(recipe.w - params["w"]).max()
