@@ -108,8 +108,14 @@ def compile_row(row: dict) -> dict:
                             reduce=row.get("reduce", "fp32"),
                             fp8_scaling=variant.get("fp8_scaling", "tensor"))
 
+        extra = {}
+        if row.get("zf_options"):  # an option set over zeroflow's own (xla_option_sets.py)
+            from xla_option_sets import option_set
+
+            extra = {"compiler_options": option_set(row["zf_options"])}
+
         def compile_it():
-            return zf.memory.compile_step(loss, params, batch, tx, plan, prec)[0]
+            return zf.memory.compile_step(loss, params, batch, tx, plan, prec, **extra)[0]
     start = time.time()
     with _attention_lowering(attention):
         peak = accelerators.required("h100").bf16_flops
@@ -289,7 +295,8 @@ def _variant(row: dict) -> str:
     fp8 = VARIANTS[row["variant"]]["autocast"] == "fp8"
     state = ", 8-bit AdamW state" if row.get("state") == "8bit" else ""
     reduce = ", bf16 reduction" if row.get("reduce") == "bf16" else ""
-    return row["variant"] + (f", head {head}" if fp8 else "") + state + reduce
+    options = f", XLA options +{row['zf_options']}" if row.get("zf_options") else ""
+    return row["variant"] + (f", head {head}" if fp8 else "") + state + reduce + options
 
 
 def _shape(row: dict) -> str:
@@ -369,8 +376,9 @@ def planned_rows(args, layers: int) -> list[dict]:
         base = dict(shape=args.shape, layers=layers, devices=8, seq=seq,
                     attention=args.attention)
         for remat in args.remat.split(","):
+            extra = {"zf_options": args.zf_options} if args.zf_options else {}
             rows += [{**base, "remat": remat, "variant": variant, "state": state,
-                      "reduce": args.reduce, "head": "fp8" if args.head_fp8 else "bf16"}
+                      "reduce": args.reduce, "head": "fp8" if args.head_fp8 else "bf16", **extra}
                      for variant in args.variants.split(",") for state in args.state.split(",")]
             if args.gspmd and remat in ("full", "dots"):
                 rows += [{**base, "remat": remat, "system": system, "variant": variant,
@@ -407,6 +415,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gspmd-options", default="recipe-triton+2",
                         help="the XLA option set of the GSPMD rows "
                              "(experiments/xla_option_sets.py; default %(default)s)")
+    parser.add_argument("--zf-options", default="",
+                        help="an XLA option set of experiments/xla_option_sets.py given to "
+                             "zeroflow's rows over zeroflow's own options (e.g. rs: "
+                             "reduce-scatters pipelined across loop iterations)")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-compile", action="store_true", help="only the tiny runs")
     parser.add_argument("--long-rows", default="",

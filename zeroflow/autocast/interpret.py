@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from zeroflow.autocast import fp8, fp8_delayed, lists, paint
+from zeroflow.autocast import fp8, fp8_delayed, fp8_marks, lists, paint
 from zeroflow.autocast.policy import AutocastPolicy
 from zeroflow.util import jaxprs
 
@@ -137,11 +137,8 @@ def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
         slot.value if dtype is None else slot.copies.get(dtype)
         for slot, dtype in zip(slots, plan.in_dtypes)
     ]
-    if plan.fp8 == "delayed":
-        out = [_delayed_dot(args, eqn, plan.outs[0].dtype)]
-    elif plan.fp8 is not None:
-        dims = fp8.as_dims(eqn.params["dimension_numbers"])
-        out = [fp8.scaled_dot(*args, dims, plan.outs[0].dtype, plan.fp8)]
+    if plan.fp8 is not None:
+        out = [_fp8_dot(args, eqn, plan)]
     else:
         out = jaxprs.bind(eqn, args, plan.params)
     result = []
@@ -152,15 +149,22 @@ def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
     return result
 
 
-def _delayed_dot(args, eqn, out_dtype):
-    sites = fp8_delayed.active()
-    if sites is None:
-        raise ValueError(
-            "fp8_scaling='delayed' needs its state: call the autocast function as "
-            "f(fp8_state, *args) with fp8_state = f.init(*args)"
-        )
+def _fp8_dot(args, eqn, plan: paint.EqnPlan):
+    """The FP8 matmul of ``eqn``, bound in the name scope that marks it (``fp8_marks``)."""
     dims = fp8.as_dims(eqn.params["dimension_numbers"])
-    return fp8_delayed.scaled_dot_delayed(*args, sites.take(), dims, out_dtype, sites.margin)
+    out_dtype = plan.outs[0].dtype
+    sites = fp8_delayed.active() if plan.fp8 == "delayed" else None
+    margin = sites.margin if sites is not None else 0
+    spec = fp8_marks.DotSpec(dims, str(jnp.dtype(out_dtype)), plan.fp8, margin)
+    with jax.named_scope(fp8_marks.scope(spec)):
+        if plan.fp8 != "delayed":
+            return fp8.scaled_dot(*args, dims, out_dtype, plan.fp8)
+        if sites is None:
+            raise ValueError(
+                "fp8_scaling='delayed' needs its state: call the autocast function as "
+                "f(fp8_state, *args) with fp8_state = f.init(*args)"
+            )
+        return fp8_delayed.scaled_dot_delayed(*args, sites.take(), dims, out_dtype, margin)
 
 
 # --------------------------------------------------------------------------- the transform

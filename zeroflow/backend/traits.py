@@ -174,6 +174,8 @@ def compiler_options(traits: Traits) -> dict:
     iteration's own weight gather needs it, so the backward loop's gather ran synchronously.
     Each iteration reduce-scatters its own gradient instead (scan model: 3/5 -> 4/4 gathers
     overlapped, 1.46x -> 1.39x of the formula; gpt2-small at 8 x 128 tokens: 1.52x -> 1.32x).
+    A stage-3 step with FP8 matmuls and a bf16 reduction turns it back on
+    (``zeroflow.engine.step.fp8_overlap_options``).
     Its all-gather pipelining is what we want: a scanned stack's next slice is gathered during
     this iteration (the forward loop of a Llama-8B shape waits on no gather).
 

@@ -111,6 +111,14 @@ def no_pipelined_reduce_scatter() -> dict:
     return {"xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_OFF"}
 
 
+def pipelined_reduce_scatter() -> dict:
+    """The XLA:GPU compile option that lets its collective pipeliner move a loop's
+    reduce-scatter into the next iteration (the opposite of ``no_pipelined_reduce_scatter``)."""
+    if _jaxlib_version() < (0, 11):
+        return {"xla_gpu_enable_pipelined_reduce_scatter": True}
+    return {"xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON"}
+
+
 def pipelined_all_gather(on: bool = True) -> dict:
     """The XLA:GPU compile option that lets (``on``) or stops its collective pipeliner moving
     the all-gather of a loop's next iteration into the current one (a bool up to jaxlib 0.10,

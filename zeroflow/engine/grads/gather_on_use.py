@@ -35,7 +35,7 @@ import jax
 from jax.extend.core import Literal
 
 from zeroflow.backend.mesh import zero_axes
-from zeroflow.engine.grads import row_lookup, split_columns
+from zeroflow.engine.grads import fp8_fetch, row_lookup, split_columns
 from zeroflow.engine.grads.collectives import save_all_but_fetched
 from zeroflow.engine.grads.fetch_unit import run_unit, token
 from zeroflow.engine.grads.sources import Frozen, Sharded, Source, Whole  # noqa: F401 (re-exported)
@@ -137,7 +137,9 @@ class _Replay:
             ins = [read(v) for v in eqn.invars]
             values = [v for v, _ in ins]
             any_dynamic = any(d for _, d in ins)
-            if not any(isinstance(v, _WeightOnly) for v in values):
+            if any(isinstance(v, fp8_fetch.Pending) for v in values):
+                outs = [(o, any_dynamic) for o in self._with_pending(eqn, ins)]
+            elif not any(isinstance(v, _WeightOnly) for v in values):
                 outs = [(o, any_dynamic) for o in bind(eqn, values)]
             elif call_body(eqn) is not None:  # replayed equation by equation
                 outs = self.run(*open_jaxpr(call_body(eqn)), values, [d for _, d in ins])
@@ -284,20 +286,38 @@ class _Replay:
         ops = _Operands(eqn, values)
         remat = eqn.primitive.name in REMAT_PRIMITIVES
 
+        pending = fp8_fetch.pending(ops.weight_only, self.sources)
+
         def run(stored, side_list, data):
-            full = {i: self.sources[i].fetch_for_grad(x) for i, x in zip(ops.order, stored)}
+            full = {
+                i: fp8_fetch.Pending(x, self.sources[i])
+                if i in pending
+                else self.sources[i].fetch_for_grad(x)
+                for i, x in zip(ops.order, stored)
+            }
             vals = ops.values_with(full, side_list, data)
-            if not remat:
-                return bind(eqn, vals)
             body = _Replay([], [], order=False)
-            return [
-                v for v, _ in body.run(*open_jaxpr(eqn.params["jaxpr"]), vals, [True] * len(vals))
-            ]
+            if not remat:
+                return body._with_pending(eqn, [(v, True) for v in vals])
+            outs = body.run(*open_jaxpr(eqn.params["jaxpr"]), vals, [True] * len(vals))
+            return [fp8_fetch.fetched(v) for v, _ in outs]
 
         policy = _but_fetched(eqn.params.get("policy") if remat else None)
         return jax.checkpoint(run, policy=policy, prevent_cse=False)(
             [self.stored[i] for i in ops.order], ops.side_values, ops.data
         )
+
+    def _with_pending(self, eqn, ins):
+        """Outputs of ``eqn`` where weights gathered in FP8 are still ``Pending``
+        (``fp8_fetch``): a call is replayed inline, an FP8 matmul reading one gathers it
+        itself, any other use fetches it."""
+        values = [v for v, _ in ins]
+        body = call_body(eqn)
+        if body is not None:
+            outs = self.run(*open_jaxpr(body), values, [d for _, d in ins])
+            return [fp8_fetch.fetched(v) for v, _ in outs]
+        fused = fp8_fetch.cast(eqn, values) or fp8_fetch.dot(eqn, values)
+        return fused if fused is not None else bind(eqn, [fp8_fetch.fetched(v) for v in values])
 
     def _lookup(self, eqn, values):
         """A row lookup in a table split by rows (``row_lookup``), or None when ``eqn`` is not

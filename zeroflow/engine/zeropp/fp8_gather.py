@@ -11,6 +11,10 @@ weight is rounded to FP8 once, not twice. (XLA still runs that elementwise dequa
 requantize on the gathered weight; the wire carries FP8.) Only the forward use changes: the
 gradient is plain stage 3's exact reduce-scatter, and the fp32 master never passes through
 the cast.
+
+In a layer scan fetched on use (``zeroflow.engine.grads.gather_on_use``) an FP8 matmul of
+autocast that reads such a weight gathers it itself instead (``fp8_dot``): the shard cast with
+the matmul's own scale, the e4m3 bytes fed to the GEMM, no dequantize and requantize.
 """
 
 from __future__ import annotations
