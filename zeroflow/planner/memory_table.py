@@ -206,7 +206,7 @@ def build(
             choice = dataclasses.replace(
                 problem.own_choice(stage, offload, remat), remat_dtype=dtype
             )
-            table.rows.append(Candidate(choice, what_if(problem.facts, choice, where, per_process)))
+            table.rows.append(Candidate(choice, what_if(problem, choice, where, per_process)))
     if measure == "always":
         with tempfile.TemporaryDirectory(prefix="zeroflow-memory-") as scratch:
             table.compiler = Compiler(scratch, overlaps=True)
@@ -235,7 +235,7 @@ def _measure(table: Table, c: Candidate, log) -> None:
     assert compiler is not None
     if where.devices == 1:
         stage = first_equal_stage(
-            choice.stage, choice.offload, choice.update_on, table.problem.facts.compute_dtype
+            choice.stage, choice.offload, choice.update_on, table.problem.spec.precision
         )
         choice = dataclasses.replace(choice, stage=stage)
     if log and (table.problem.key, where, choice) not in compiler.results:

@@ -77,7 +77,7 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
         ),
         step_ms=seconds * 1e3,
         step_costed_by=costed,
-        tokens_per_s=problem.facts.tokens_per_step / seconds,
+        tokens_per_s=problem.spec.tokens_per_step / seconds,
         mfu=mfu,
         overrides=problem.overrides(best.choice, where.devices),
     )

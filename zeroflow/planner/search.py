@@ -76,11 +76,11 @@ class Row:
 def candidates_for(problem, where: Where, space: Space, usable: float) -> list[Candidate]:
     """Every choice of ``space`` at ``where`` with its what-if, those that cannot fit or that
     XLA refuses marked."""
-    facts, out = problem.facts, []
+    out = []
     for choice in enumerate_choices(
-        space, where.devices, facts.batch_size, where.hosts, facts.compute_dtype
+        space, where.devices, problem.batch_size, where.hosts, problem.spec.precision
     ):
-        est = what_if(facts, choice, where)
+        est = what_if(problem, choice, where)
         cand = Candidate(choice, est)
         refused = known_failure(choice, where.is_gpu)
         if est.floor_bytes > usable:
