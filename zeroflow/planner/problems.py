@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroflow.autocast.precision import DTYPES
 from zeroflow.config.io import apply_overrides
 from zeroflow.engine.frozen import trainable_mask
 from zeroflow.engine.plan import ZeroPlan
@@ -89,11 +90,10 @@ def _check_traces(loss_fn, params, batch, compute: str) -> None:
     """Trace ``loss_fn`` once on abstract values (the weights in the compute dtype, as the step
     passes them): a loss that cannot trace is one error before anything is compiled, not the
     same failure in every plan's compile."""
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute, jnp.float32)
 
     def cast(x):
         floating = jnp.issubdtype(x.dtype, jnp.floating)
-        return jax.ShapeDtypeStruct(np.shape(x), dtype if floating else x.dtype)
+        return jax.ShapeDtypeStruct(np.shape(x), DTYPES[compute] if floating else x.dtype)
 
     try:
         jax.eval_shape(loss_fn, jax.tree.map(cast, params), batch)
