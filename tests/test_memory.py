@@ -300,8 +300,8 @@ def test_estimate_counts_a_quantized_base_at_its_stored_bytes(kind):
     assert est.device.gradients == est.device.master == est.device.optimizer == 0
     # The planner's instant what-if reads the same stored bytes.
     from zeroflow.planner.problems import ConfigProblem
-    facts = ConfigProblem(cfg).facts
-    assert facts.frozen_bytes_per_param * facts.frozen_params == pytest.approx(stored, rel=1e-12)
+    spec = ConfigProblem(cfg).spec
+    assert spec.frozen_bytes_per_param * spec.frozen_params == pytest.approx(stored, rel=1e-12)
 
 
 def test_planner_counts_a_quantize_frozen_tree_at_its_packed_bytes():
@@ -314,8 +314,8 @@ def test_planner_counts_a_quantize_frozen_tree_at_its_packed_bytes():
     problem = ModelProblem(lambda p, b: 0.0, qparams, batch, optax.adam(1e-3),
                            zf.Precision(params="bf16"), trainable=qmask)
     stored = qparams["w"].data.size * 1 + 128 * 2  # uint8 bytes, the bias in bf16
-    facts = problem.facts
-    assert facts.frozen_bytes_per_param * facts.frozen_params == stored
+    spec = problem.spec
+    assert spec.frozen_bytes_per_param * spec.frozen_params == stored
 
 
 def test_cli_estimate_of_qlora_tiny_drops_by_the_packed_base(tmp_path, capsys):

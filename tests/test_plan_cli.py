@@ -171,7 +171,7 @@ def test_the_planner_shows_no_mfu_above_100_percent():
     cand = Candidate(Choice(stage=0), WhatIf(0, 0, 0, 1.0), "compiled", measured=got)
     row = Row(where.target("h100", 1), 80e9, [cand], best=cand)
     problem = SimpleNamespace(model_flops=lambda: 1e13, overrides=lambda c, n: [],
-                              facts=SimpleNamespace(tokens_per_step=1000))
+                              spec=SimpleNamespace(tokens_per_step=1000))
     s = results.summarize(row, problem, Compiler("unused"))
     assert s.mfu is None and s.step_ms == pytest.approx(1e13 / 989e12 * 1e3)
     cells = results.cells(s)
@@ -193,7 +193,7 @@ def test_an_mfu_from_a_step_costed_at_the_peak_is_shown_as_an_upper_bound():
     cand = Candidate(Choice(stage=0), WhatIf(0, 0, 0, 1.0), "compiled", measured=got)
     row = Row(where.target("h100", 1), 80e9, [cand], best=cand)
     problem = SimpleNamespace(model_flops=lambda: 5e11, overrides=lambda c, n: [],
-                              facts=SimpleNamespace(tokens_per_step=1000))
+                              spec=SimpleNamespace(tokens_per_step=1000))
     s = results.summarize(row, problem, Compiler("unused"))
     assert s.step_costed_by == "peak" and s.mfu == pytest.approx(0.5)
     cells = results.cells(s)

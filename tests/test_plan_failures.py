@@ -49,7 +49,7 @@ class StandIn(Compiler):
         self.tried.append(choice)
         if choice.attention in self.failing:
             return failure_reason(RuntimeError(f"INTERNAL: no {choice.attention} kernel\nmore"))
-        peak = what_if(problem.facts, choice, where).predicted_bytes
+        peak = what_if(problem, choice, where).predicted_bytes
         return Measured(peak_bytes=peak, host_bytes=0.0, compile_s=0.0)
 
 

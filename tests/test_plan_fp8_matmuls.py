@@ -118,7 +118,7 @@ def test_the_roofline_runs_fp8_matmuls_faster_only_where_the_gpu_has_fp8(problem
     TFLOP/s), an A100 has none, the emulated CPU devices none."""
     for where, faster in [(places.target("h100", 8), True), (places.target("a100", 8), False),
                           (places.local(1), False)]:
-        bf, f8 = (what_if(problem.facts, Choice(0, autocast=a), where).prior_s
+        bf, f8 = (what_if(problem, Choice(0, autocast=a), where).prior_s
                   for a in (None, "fp8"))
         assert (f8 < bf) if faster else (f8 == bf), where.name
 

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 
 from zeroflow.backend.accelerators import Accelerator
 from zeroflow.engine.quantized import quantized_bytes
@@ -38,14 +39,18 @@ class RunSpec:
     remat: str | None = None
     precision: str = "bf16"
     "Compute dtype of the weights ('bf16', 'fp16', 'fp32')."
-    optimizer: str = "adamw"
-    "An optimizer name ``zeroflow.optim.moment_bytes`` knows ('adamw', 'adamw_8bit', ...)."
+    optimizer: str | float = "adamw"
+    "An optimizer name ``zeroflow.optim.moment_bytes`` knows ('adamw', 'adamw_8bit', ...), or"
+    " its state's bytes per parameter where read from the optimizer's own ``init`` (``zf.plan``)."
     layer_stack: str | None = None
     "Top-level key of ``params`` whose leaves stack the layers on their leading axis."
     frozen_params: int = 0
     "How many parameters are frozen (stored once, no gradient, master or moments)."
     quantize: str = "none"
     "How the frozen matrices are stored: 'none' (compute dtype), 'nf4', 'int8'."
+    frozen_bytes: float | None = None
+    "The frozen leaves' stored bytes where counted from the leaves themselves (``zf.plan``'s"
+    " tree, ``zf.quantize_frozen``'s packed); None: as ``quantize`` stores them."
     model_parallel: int = 1
     "Tensor-parallel ways the weights are split over besides the data devices."
     flops_per_token: float = 0.0
@@ -61,7 +66,7 @@ class RunSpec:
             rest = {k: v for k, v in self.params.items() if k != self.layer_stack}
         else:
             stack, rest = {}, self.params
-        shapes = lambda tree: [tuple(x.shape) for x in jax.tree.leaves(tree)]  # noqa: E731
+        shapes = lambda tree: [tuple(np.shape(x)) for x in jax.tree.leaves(tree)]  # noqa: E731
         return shapes(stack), shapes(rest)
 
     @property
@@ -81,6 +86,8 @@ class RunSpec:
     def optimizer_bytes_per_param(self) -> float:
         """Optimizer-state bytes per parameter, counted tensor by tensor (8-bit moments keep
         one fp32 scale per block along the last axis, small tensors fp32 moments)."""
+        if not isinstance(self.optimizer, str):
+            return float(self.optimizer)
         shapes = sum(self._shapes(), [])
         total = sum(moment_bytes(self.optimizer, shape) for shape in shapes)
         return total / max(1, sum(math.prod(shape) for shape in shapes))
@@ -91,6 +98,8 @@ class RunSpec:
         quantized base its matrices packed as ``zf.quantize_frozen`` packs them (the layer
         stack a layer's tensor at a time, each tensor's scales and padding included) and its
         vectors in the compute dtype."""
+        if self.frozen_bytes is not None and self.frozen_params:
+            return self.frozen_bytes / self.frozen_params
         width = DTYPE_BYTES[self.precision]
         if self.quantize == "none":
             return float(width)
@@ -107,13 +116,17 @@ class RunSpec:
         """The target's dense bf16 peak FLOP/s: what an MFU divides by, FP8 matmuls or not."""
         return None if self.target is None else self.target.bf16_flops
 
+    def per_way(self, count: int) -> int:
+        """``count`` parameters' share on one of the ``model_parallel`` tensor-parallel ways."""
+        return math.ceil(count / max(self.model_parallel, 1))
+
     def model_states(
         self, *, activation_bytes: float = 0.0, devices_per_process: int | None = None
     ) -> MemoryEstimate:
         """The ZeRO paper's accounting of this run's parameters (``zf.memory.estimate``),
         gradients in fp32 as zeroflow's engine reduces them, per device of the data group
         (tensor parallelism splits every weight over ``model_parallel`` more)."""
-        split = lambda n: math.ceil(n / max(self.model_parallel, 1))  # noqa: E731
+        split = self.per_way
         return estimate(
             num_params=split(self.num_params),
             resident_params=split(self.resident_params),

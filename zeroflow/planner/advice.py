@@ -86,7 +86,7 @@ def _frugal(problem, where, space: Space, usable: float) -> Choice | None:
 
 def _compiled(problem, choice, where, compiler: Compiler, usable: float, what: str) -> Advice:
     got = compiler.measure(problem, choice, where)
-    predicted = what_if(problem.facts, choice, where).predicted_bytes
+    predicted = what_if(problem, choice, where).predicted_bytes
     overrides = problem.overrides(choice, where.devices)
     if isinstance(got, str):
         return Advice(what, overrides, None, predicted, False, failure=got)
@@ -116,11 +116,11 @@ def _more_devices(problem, where, space: Space, usable: float, compiler) -> list
     plain = dataclasses.replace(space, offloads=PLAIN)
     out = []
     for count in MORE_DEVICES:
-        if count <= where.devices or count > problem.facts.batch_size:
+        if count <= where.devices or count > problem.batch_size:
             continue
         wider = places.target(where.name, count, where.memory_bytes)
         choice = _frugal(problem, wider, plain, usable)
-        if choice is None or what_if(problem.facts, choice, wider).predicted_bytes > usable:
+        if choice is None or what_if(problem, choice, wider).predicted_bytes > usable:
             continue
         out.append(_compiled(problem, choice, wider, compiler, usable, f"{count} devices"))
         if out[-1].fits or len(out) == MORE_DEVICE_COMPILES:

@@ -12,9 +12,9 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from zeroflow.autocast.fp8 import FP8_COMPUTE_CAPABILITY, device_problem
+from zeroflow.autocast.precision import DTYPES
 from zeroflow.backend import targets
 from zeroflow.backend.mesh import planning_mesh
 from zeroflow.engine.plan import ZeroPlan
@@ -214,11 +214,10 @@ def first_equal_stage(stage: int, offload: str, update_on: str, compute_dtype: s
     """The lowest stage whose program equals ``stage``'s on one device: every split is whole
     there, so stages differ only in what the engine keeps (whether the state holds a
     compute-dtype copy of the weights)."""
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute_dtype, jnp.float32)
 
     def keeps(s: int) -> bool:
         plan = ZeroPlan(planning_mesh(1), stage=s, offload=offload, update_on=update_on)
-        return plan.keeps_compute_copy(dtype)
+        return plan.keeps_compute_copy(DTYPES[compute_dtype])
 
     return next(s for s in range(stage + 1) if keeps(s) == keeps(stage))
 

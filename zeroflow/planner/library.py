@@ -105,7 +105,7 @@ def run(
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     if max_compiles < 1 or min_compiles < 1:
         raise ValueError("max_compiles and min_compiles must be >= 1")
-    batch = problem.facts.batch_size
+    batch = problem.batch_size
     for n in sorted({w.devices for w in rows if batch % w.devices}):
         fits = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
         raise ValueError(f"{n} devices do not split the batch of {batch}; device counts: {fits}")

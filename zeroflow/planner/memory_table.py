@@ -31,7 +31,7 @@ from zeroflow.planner.compiling import Compiler
 from zeroflow.planner.library import cudnn_refusal
 from zeroflow.planner.problems import ConfigProblem
 from zeroflow.planner.results import STEP_MARK, grouped_failures
-from zeroflow.planner.search import COMPILED, FAILED, Candidate
+from zeroflow.planner.search import FAILED, Candidate
 from zeroflow.planner.whatif import what_if
 from zeroflow.trainer.planning import attention_note
 from zeroflow.trainer.setup import run_model_config
@@ -63,11 +63,7 @@ class Table:
         return c.what_if.predicted_bytes if c.measured is None else c.measured.peak_bytes
 
     def host(self, c: Candidate) -> float:
-        """Pinned host memory per process: XLA's host buffers where it reports them, else the
-        formula's."""
-        if c.measured is not None and c.measured.host_bytes:
-            return c.measured.host_bytes * self.per_process
-        return c.what_if.host_bytes
+        return c.host_bytes(self.per_process)
 
     def fits(self, c: Candidate) -> bool:
         return self.need(c) <= self.device_memory
@@ -206,7 +202,7 @@ def build(
             choice = dataclasses.replace(
                 problem.own_choice(stage, offload, remat), remat_dtype=dtype
             )
-            table.rows.append(Candidate(choice, what_if(problem.facts, choice, where, per_process)))
+            table.rows.append(Candidate(choice, what_if(problem, choice, where, per_process)))
     if measure == "always":
         with tempfile.TemporaryDirectory(prefix="zeroflow-memory-") as scratch:
             table.compiler = Compiler(scratch, overlaps=True)
@@ -235,16 +231,12 @@ def _measure(table: Table, c: Candidate, log) -> None:
     assert compiler is not None
     if where.devices == 1:
         stage = first_equal_stage(
-            choice.stage, choice.offload, choice.update_on, table.problem.facts.compute_dtype
+            choice.stage, choice.offload, choice.update_on, table.problem.spec.precision
         )
         choice = dataclasses.replace(choice, stage=stage)
     if log and (table.problem.key, where, choice) not in compiler.results:
         log(f"compiling stage {choice.stage}, offload {choice.offload}, remat {remat_label(c)} ...")
-    got = compiler.measure(table.problem, choice, where)
-    if isinstance(got, str):
-        c.status, c.reason = FAILED, got
-    else:
-        c.status, c.measured = COMPILED, got
+    c.record(compiler.measure(table.problem, choice, where))
 
 
 def show(table: Table, *, as_json: bool, show_all: bool) -> None:

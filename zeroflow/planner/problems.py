@@ -1,7 +1,7 @@
 """What the planner plans: ``ModelProblem`` (``zf.plan``: any JAX loss, compiled with
 ``zf.make_train_step``) and ``ConfigProblem`` (a trainer config: each plan is the config with
 ``section.key=value`` overrides, compiled as the trainer builds its step, so the overrides the
-planner writes are the ones it compiled). Each gives its compile, the what-if's facts and the
+planner writes are the ones it compiled). Each gives its compile, its run (a ``RunSpec``) and the
 model FLOPs its MFU counts."""
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroflow.autocast.precision import DTYPES
 from zeroflow.config.io import apply_overrides
 from zeroflow.engine.frozen import trainable_mask
 from zeroflow.engine.plan import ZeroPlan
 from zeroflow.memory.estimate import DTYPE_BYTES
 from zeroflow.memory.measure import compile_step, itemsize
+from zeroflow.memory.spec import RunSpec
 from zeroflow.models.spec import activations, offloaded_activations, run_spec
 from zeroflow.planner.choices import Choice
-from zeroflow.planner.whatif import ModelFacts
 from zeroflow.planner.where import Where
 from zeroflow.trainer.planning import compile_config, count_frozen_params
 from zeroflow.trainer.setup import run_model_config
@@ -37,14 +38,21 @@ class ModelProblem:
         leaves = jax.tree.leaves(batch)
         if not leaves or not np.shape(leaves[0]):
             raise ValueError("zf.plan: batch must hold arrays with a leading batch dimension")
-        batch_size = int(np.shape(leaves[0])[0])
+        self.batch_size = int(np.shape(leaves[0])[0])
         total = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
         frozen, frozen_bytes = _frozen(params, trainable, DTYPE_BYTES[prec.params])
-        tokens = batch_size * (tokens_per_example or 1)
-        self.facts = ModelFacts(total, tokens, batch_size, prec.params, frozen)
-        self.facts.frozen_bytes_per_param = frozen_bytes / frozen if frozen else None
-        self.facts.optimizer_bytes = _optimizer_bytes(tx, params, total)
-        self.title = f"{total:,} params, batch {batch_size}"
+        # 6 FLOPs per trained parameter and token, 4 per frozen one (no weight gradient), as
+        # ``zeroflow.models.flops_per_token`` counts them.
+        self.spec = RunSpec(
+            params,
+            precision=prec.params,
+            optimizer=_optimizer_bytes(tx, params, total),
+            frozen_params=frozen,
+            frozen_bytes=frozen_bytes,
+            flops_per_token=6.0 * (total - frozen) + 4.0 * frozen,
+            tokens_per_step=self.batch_size * (tokens_per_example or 1),
+        )
+        self.title = f"{total:,} params, batch {self.batch_size}"
         if step.get("gather_per_layer") is None:  # else loss_fn(params, batch, gather_layer)
             _check_traces(loss_fn, params, batch, prec.params)
 
@@ -65,14 +73,14 @@ class ModelProblem:
         return None
 
     def model_flops(self) -> float | None:
-        """(6 per trained parameter + 4 per frozen one: no weight gradient, as
-        ``zeroflow.models.flops_per_token`` counts them) x tokens per step, when tokens per
-        example are known."""
+        """The run's FLOPs per token x tokens per step, when tokens per example are known."""
         if self.tokens_per_example is None:
             return None
-        frozen = self.facts.frozen_params
-        per_token = 6.0 * (self.facts.params - frozen) + 4.0 * frozen
-        return per_token * self.facts.tokens_per_step
+        return self.spec.flops_per_token * self.spec.tokens_per_step
+
+    def activations(self, choice: Choice, micro: int) -> tuple[float, float]:
+        """A loss given as a function has no activation formula: the what-if counts its state."""
+        return 0.0, 0.0
 
     def overrides(self, choice: Choice, devices: int) -> None:
         return None
@@ -82,11 +90,10 @@ def _check_traces(loss_fn, params, batch, compute: str) -> None:
     """Trace ``loss_fn`` once on abstract values (the weights in the compute dtype, as the step
     passes them): a loss that cannot trace is one error before anything is compiled, not the
     same failure in every plan's compile."""
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(compute, jnp.float32)
 
     def cast(x):
         floating = jnp.issubdtype(x.dtype, jnp.floating)
-        return jax.ShapeDtypeStruct(np.shape(x), dtype if floating else x.dtype)
+        return jax.ShapeDtypeStruct(np.shape(x), DTYPES[compute] if floating else x.dtype)
 
     try:
         jax.eval_shape(loss_fn, jax.tree.map(cast, params), batch)
@@ -124,32 +131,15 @@ def _optimizer_bytes(tx, params, total: int) -> float:
 class ConfigProblem:
     """The trainer's GPT step of ``cfg`` (the config as loaded; ``model.init_from``'s
     architecture is read from its config.json). Its sizes and FLOPs are the config's
-    ``RunSpec`` (``zeroflow.models.spec.run_spec``), split over ``parallel.model`` as
-    ``RunSpec.model_states`` splits them."""
+    ``RunSpec`` (``zeroflow.models.spec.run_spec``)."""
 
     def __init__(self, cfg, name: str = "config"):
         self.cfg, self.name = cfg, name
         self.model = run_model_config(cfg)
         own = dataclasses.replace(cfg, model=self.model)
         self.spec = run_spec(own, num_devices=1, frozen_params=count_frozen_params(own))
-        split = lambda n: math.ceil(n / self.spec.model_parallel)  # noqa: E731
+        self.batch_size = cfg.train.batch_size
         prec = self.spec.precision
-        self.facts = ModelFacts(
-            params=split(self.spec.num_params),
-            resident_params=split(self.spec.resident_params),
-            tokens_per_step=self.spec.tokens_per_step,
-            batch_size=cfg.train.batch_size,
-            compute_dtype=prec,
-            frozen_params=split(self.spec.frozen_params),
-            frozen_bytes_per_param=self.spec.frozen_bytes_per_param,
-            optimizer_bytes=self.spec.optimizer_bytes_per_param,
-            activations=lambda c, micro: activations(
-                self._model_of(c), micro_batch=micro, precision=prec
-            ),
-            offloaded_activations=lambda c, micro: offloaded_activations(
-                self._model_of(c), micro_batch=micro, precision=prec
-            ),
-        )
         # What keeps two problems' compiles apart: their configs (the advice compiles the same
         # plan of a config with LoRA, and with LoRA on 4-bit weights).
         self.key = repr(cfg)
@@ -214,6 +204,15 @@ class ConfigProblem:
     def model_flops(self) -> float:
         """The model's FLOPs per step, the RunSpec's (as the trainer's MFU counts them)."""
         return self.spec.flops_per_token * self.spec.tokens_per_step
+
+    def activations(self, choice: Choice, micro: int) -> tuple[float, float]:
+        """``(on the device, in host memory)``: the GPT's activation bytes per device of
+        ``choice`` with ``micro`` examples per device (``zeroflow.models.spec``)."""
+        model, prec = self._model_of(choice), self.spec.precision
+        return (
+            activations(model, micro_batch=micro, precision=prec),
+            offloaded_activations(model, micro_batch=micro, precision=prec),
+        )
 
     def _model_of(self, choice: Choice):
         keys = ("remat", "attention", "remat_dtype")

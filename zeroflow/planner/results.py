@@ -72,12 +72,10 @@ def summarize(row: Row, problem, compiler: Compiler) -> Summary:
         row=row,
         best=best,
         peak_bytes=got.peak_bytes,
-        host_bytes_per_process=(
-            got.host_bytes * where.per_process if got.host_bytes else best.what_if.host_bytes
-        ),
+        host_bytes_per_process=best.host_bytes(where.per_process),
         step_ms=seconds * 1e3,
         step_costed_by=costed,
-        tokens_per_s=problem.facts.tokens_per_step / seconds,
+        tokens_per_s=problem.spec.tokens_per_step / seconds,
         mfu=mfu,
         overrides=problem.overrides(best.choice, where.devices),
     )

@@ -48,6 +48,21 @@ class Candidate:
             raise ValueError(f"{self.choice.label()} was not compiled")
         return self.measured
 
+    def record(self, got: Measured | str) -> Measured | None:
+        """Keep a compile's figures, or the one-line reason it failed (then None)."""
+        if isinstance(got, str):
+            self.status, self.reason = FAILED, got
+            return None
+        self.status, self.measured = COMPILED, got
+        return got
+
+    def host_bytes(self, per_process: int) -> float:
+        """Pinned host memory per process of ``per_process`` devices: XLA's host buffers
+        where it reports them, else the what-if's."""
+        if self.measured is not None and self.measured.host_bytes:
+            return self.measured.host_bytes * per_process
+        return self.what_if.host_bytes
+
 
 @dataclasses.dataclass
 class Row:
@@ -76,11 +91,11 @@ class Row:
 def candidates_for(problem, where: Where, space: Space, usable: float) -> list[Candidate]:
     """Every choice of ``space`` at ``where`` with its what-if, those that cannot fit or that
     XLA refuses marked."""
-    facts, out = problem.facts, []
+    out = []
     for choice in enumerate_choices(
-        space, where.devices, facts.batch_size, where.hosts, facts.compute_dtype
+        space, where.devices, problem.batch_size, where.hosts, problem.spec.precision
     ):
-        est = what_if(facts, choice, where)
+        est = what_if(problem, choice, where)
         cand = Candidate(choice, est)
         refused = known_failure(choice, where.is_gpu)
         if est.floor_bytes > usable:
@@ -173,12 +188,7 @@ def _compile(problem, row: Row, cand: Candidate, compiler: Compiler, on_compile)
     """Compile ``cand``: its figures, or None where it failed (its reason kept)."""
     if on_compile:
         on_compile(f"{row.where.title}: {cand.choice.label()}")
-    got = compiler.measure(problem, cand.choice, row.where)
-    if isinstance(got, str):
-        cand.status, cand.reason = FAILED, got
-        return None
-    cand.status, cand.measured = COMPILED, got
-    return got
+    return cand.record(compiler.measure(problem, cand.choice, row.where))
 
 
 def _open(row: Row) -> list[Candidate]:

@@ -6,11 +6,11 @@ state kept between steps: no compiled peak is below it) and orders the rest fast
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from zeroflow.backend.accelerators import peak_flops
-from zeroflow.memory.estimate import DTYPE_BYTES, estimate
+from zeroflow.memory.estimate import DTYPE_BYTES
+from zeroflow.memory.spec import RunSpec
 from zeroflow.planner.choices import Choice
 
 if TYPE_CHECKING:
@@ -32,28 +32,6 @@ RECOMPUTE["offload_input"] = RECOMPUTE["full"]
 " only what lies between matmuls."
 
 
-@dataclasses.dataclass
-class ModelFacts:
-    """What the what-if knows of a model: its parameter counts, the tokens (or examples) in
-    one optimizer step, its precision and, where a formula exists (the trainer's GPT), its
-    activations per device."""
-
-    params: int
-    tokens_per_step: int
-    batch_size: int
-    compute_dtype: str = "bf16"
-    frozen_params: int = 0
-    frozen_bytes_per_param: float | None = None
-    "Stored bytes per frozen parameter; None: the compute dtype's (4-bit ones: a quantized base)."
-    optimizer_bytes: float = 8.0
-    resident_params: int | None = None
-    "Parameters on the device at once when offload streams the layers in (None: all)."
-    activations: Callable[[Choice, int], float] | None = None
-    "(choice, micro-batch per device) -> activation bytes per device; None: unknown."
-    offloaded_activations: Callable[[Choice, int], float] | None = None
-    "(choice, micro-batch per device) -> activation bytes per device kept in host memory."
-
-
 @dataclasses.dataclass(frozen=True)
 class WhatIf:
     floor_bytes: float
@@ -71,54 +49,49 @@ class WhatIf:
     update_bytes: float = 0.0
 
 
-def what_if(facts: ModelFacts, choice: Choice, where: Where, per_process=None) -> WhatIf:
-    """The instant figures of ``choice`` at ``where`` (see the module doc); ``per_process``:
-    devices sharing a host process, else ``where``'s."""
+def what_if(problem, choice: Choice, where: Where, per_process=None) -> WhatIf:
+    """The instant figures of ``choice`` at ``where`` (see the module doc) of ``problem``: its
+    run (``problem.spec``, a ``RunSpec``), global batch and activations per device, where it
+    has a formula for them; ``per_process``: devices sharing a host process, else ``where``'s."""
     per_process = per_process or where.per_process
-    states = estimate(
-        num_params=facts.params,
+    run = dataclasses.replace(
+        problem.spec,
         num_devices=where.devices,
         stage=choice.stage,
         offload=choice.offload,
         update_on=choice.update_on,
-        precision=facts.compute_dtype,
-        devices_per_process=per_process,
-        gradient_bytes=4,
-        optimizer_bytes=facts.optimizer_bytes,
-        frozen_params=facts.frozen_params,
-        frozen_bytes_per_param=facts.frozen_bytes_per_param,
-        resident_params=facts.resident_params,
     )
-    micro = max(facts.batch_size // (where.devices * choice.grad_accum), 1)
-    acts = facts.activations(choice, micro) if facts.activations else 0.0
-    host_acts = facts.offloaded_activations(choice, micro) if facts.offloaded_activations else 0.0
+    states = run.model_states(devices_per_process=per_process)
+    micro = max(problem.batch_size // (where.devices * choice.grad_accum), 1)
+    acts, host_acts = problem.activations(choice, micro)
     return WhatIf(
         floor_bytes=states.between_steps_bytes,
         predicted_bytes=max(states.device.total + acts, states.update_bytes),
         host_bytes=states.host_bytes + host_acts * per_process,
-        prior_s=prior_seconds(facts, choice, where, host_acts),
+        prior_s=prior_seconds(run, choice, where, host_acts),
         model_states=states.device.total,
         activations=acts,
         update_bytes=states.update_bytes,
     )
 
 
-def prior_seconds(facts: ModelFacts, choice: Choice, where: Where, host_acts: float) -> float:
+def prior_seconds(run: RunSpec, choice: Choice, where: Where, host_acts: float) -> float:
     """Roofline step time: matmuls at ``MATMUL_EFFICIENCY`` of the peak (FP8's with FP8
     matmuls) and each micro-batch's
     reads of the weights, plus the collectives the compute cannot hide (and ``UNHIDDEN`` of
     those it can), plus the PCIe traffic of offloading and the host's update."""
     n, m, links = where.devices, choice.grad_accum, where.links
-    trained = facts.params - facts.frozen_params
-    width = DTYPE_BYTES[facts.compute_dtype]
-    tokens = facts.tokens_per_step / n
+    params, frozen = run.per_way(run.num_params), run.per_way(run.frozen_params)
+    trained = params - frozen
+    width = DTYPE_BYTES[run.precision]
+    tokens = run.tokens_per_step / n
     peak = choice.fp8_matmuls() and peak_flops(where.device_kind, "fp8") or where.peak_flops
-    flops = 6 * facts.params * tokens * RECOMPUTE[choice.remat] / (MATMUL_EFFICIENCY * peak)
-    compute = flops + m * WEIGHT_READS * width * facts.params / links.memory
+    flops = 6 * params * tokens * RECOMPUTE[choice.remat] / (MATMUL_EFFICIENCY * peak)
+    compute = flops + m * WEIGHT_READS * width * params / links.memory
     ring = (n - 1) / n
     link = links.peer if where.hosts <= 1 else links.network
     grads = (1 if choice.quantize_grads else 4) * trained * ring / link
-    weights = (1 if choice.quantize_weights else width) * facts.params * ring / link
+    weights = (1 if choice.quantize_weights else width) * params * ring / link
     if choice.hierarchical and where.hosts > 1:
         weights *= links.network / links.peer
     # Stage 0-1 reduce once per step after the backward pass (exposed); stage 1-2 then gather
@@ -127,14 +100,15 @@ def prior_seconds(facts: ModelFacts, choice: Choice, where: Where, host_acts: fl
     exposed = {0: 2 * grads, 1: 2 * grads + weights, 2: weights}.get(choice.stage, 0.0)
     hidden = {2: m * grads, 3: m * (grads + 2 * weights)}.get(choice.stage, 0.0)
     comm = exposed + max(0.0, hidden - compute) + UNHIDDEN * min(hidden, compute)
-    return compute + comm + _offload_seconds(facts, choice, where, width, host_acts)
+    host = _offload_seconds(run, params, trained, choice, where, width, host_acts)
+    return compute + comm + host
 
 
-def _offload_seconds(facts, choice, where, width, host_acts) -> float:
+def _offload_seconds(run, params, trained, choice, where, width, host_acts) -> float:
     """PCIe traffic of the offloaded state and activations, and the host's update."""
     host = where.links.host
-    shard = (facts.params - facts.frozen_params) / (where.devices if choice.stage >= 1 else 1)
-    state = (4 + facts.optimizer_bytes) * shard
+    shard = trained / (where.devices if choice.stage >= 1 else 1)
+    state = (4 + run.optimizer_bytes_per_param) * shard
     seconds = 2 * host_acts * choice.grad_accum / host
     if choice.offload == "none":
         return seconds
@@ -144,5 +118,5 @@ def _offload_seconds(facts, choice, where, width, host_acts) -> float:
         seconds += (4 + width) * shard / host
         seconds += 2 * state * where.per_process / HOST_UPDATE_BYTES_PER_S
     if choice.offload == "optimizer+params":  # the weights come in for every micro-batch
-        seconds += choice.grad_accum * width * facts.params / host
+        seconds += choice.grad_accum * width * params / host
     return seconds
