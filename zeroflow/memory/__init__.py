@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from zeroflow.util import lazy as _lazy
 
-if TYPE_CHECKING:  # what a type checker and an editor see; __getattr__ reads it (util.lazy)
+if TYPE_CHECKING:  # what a type checker and an editor see: the names __getattr__ resolves
     from zeroflow.memory.collectives import Collective as Collective
     from zeroflow.memory.collectives import collectives as collectives
     from zeroflow.memory.collectives import overlap as overlap
@@ -50,6 +50,19 @@ if TYPE_CHECKING:  # what a type checker and an editor see; __getattr__ reads it
     from zeroflow.memory.schedule import StepTime as StepTime
     from zeroflow.memory.spec import RunSpec as RunSpec
 
+_NAMES = {
+    "collectives": "Collective collectives overlap traffic",
+    "estimate": "MemoryEstimate ModelStates estimate format_bytes hierarchical_copy_bytes "
+    "parse_bytes",
+    "instant": "StepEstimate estimate_step estimate_traced",
+    "measure": "MeasuredMemory compile_step compile_step_timed measure measure_step state_bytes "
+    "step_time",
+    "schedule": "StepTime",
+    "spec": "RunSpec",
+}
+_WHERE = {name: f"zeroflow.memory.{m}" for m, names in _NAMES.items() for name in names.split()}
+"Where each public name lives (imported the first time it is read)."
+
 GPT_NAMES = {
     name: "zeroflow.models.spec"
     for name in ("activations", "count_gpt_params", "estimate_config", "offloaded_activations")
@@ -58,4 +71,8 @@ GPT_NAMES = {
 own init, which lives in the models layer above this one. No module of this package imports
 them; tests/test_import_graph.py allows these names and no other upward one."""
 
-__all__ = sorted(_lazy.install(__name__, GPT_NAMES))
+_WHERE.update(GPT_NAMES)
+
+_lazy.install(__name__, _WHERE)
+
+__all__ = sorted(_WHERE)

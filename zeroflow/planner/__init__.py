@@ -13,11 +13,22 @@ from typing import TYPE_CHECKING
 
 from zeroflow.util import lazy as _lazy
 
-if TYPE_CHECKING:  # what a type checker and an editor see; __getattr__ reads it (util.lazy)
+if TYPE_CHECKING:  # what a type checker and an editor see: the names __getattr__ resolves
     from zeroflow.planner.choices import Choice as Choice
     from zeroflow.planner.choices import Space as Space
     from zeroflow.planner.library import plan as plan
     from zeroflow.planner.results import Plan as Plan
     from zeroflow.planner.results import Summary as Summary
 
-__all__ = sorted(_lazy.install(__name__))
+_WHERE = {
+    "Choice": "zeroflow.planner.choices",
+    "Space": "zeroflow.planner.choices",
+    "plan": "zeroflow.planner.library",
+    "Plan": "zeroflow.planner.results",
+    "Summary": "zeroflow.planner.results",
+}
+"Where each public name lives (imported the first time it is read)."
+
+_lazy.install(__name__, _WHERE)
+
+__all__ = ["Choice", "Plan", "Space", "Summary", "plan"]

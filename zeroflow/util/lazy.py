@@ -4,11 +4,9 @@ a program that needs one name does not pay for the rest."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 
@@ -26,14 +24,11 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
 
 
-def install(package: str, where: dict[str, str] | None = None) -> dict[str, str]:
-    """Give ``package`` (being imported) the names its ``if TYPE_CHECKING:`` block imports
-    (``from m import n as n``: what a type checker sees, written once) and those of ``where``:
-    ``n`` is its module's attribute of the same name, imported when first read and kept in
-    the package after. Returns ``{name: module}`` of them all."""
+def install(package: str, where: dict[str, str]) -> None:
+    """Give ``package`` (being imported) the names of ``where``: ``n`` is ``where[n]``'s
+    attribute of the same name, imported when first read and kept in the package after."""
     module = sys.modules[package]
     namespace = module.__dict__
-    where = {**_checked_imports(module.__file__), **(where or {})}
 
     def __getattr__(name: str) -> Any:
         if name not in where:
@@ -47,24 +42,3 @@ def install(package: str, where: dict[str, str] | None = None) -> dict[str, str]
 
     namespace.update(__getattr__=__getattr__, __dir__=__dir__, _lazy_where=where)
     module.__class__ = _Package
-    return where
-
-
-def _checked_imports(path: str) -> dict[str, str]:
-    """``{name: module}`` of the ``from module import name`` lines in the top-level
-    ``if TYPE_CHECKING:`` blocks of the source at ``path``."""
-    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
-    blocks = [
-        node.body
-        for node in tree.body
-        if isinstance(node, ast.If)
-        and isinstance(node.test, ast.Name)
-        and node.test.id == "TYPE_CHECKING"
-    ]
-    return {
-        alias.asname or alias.name: line.module
-        for body in blocks
-        for line in body
-        if isinstance(line, ast.ImportFrom) and line.module
-        for alias in line.names
-    }
