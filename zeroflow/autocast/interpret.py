@@ -152,13 +152,14 @@ def _bind(plan: paint.EqnPlan, slots: list[Slot]) -> list[Slot]:
 def _fp8_dot(args, eqn, plan: paint.EqnPlan):
     """The FP8 matmul of ``eqn``, bound in the name scope that marks it (``fp8_marks``)."""
     dims = fp8.as_dims(eqn.params["dimension_numbers"])
-    out_dtype = plan.outs[0].dtype
-    sites = fp8_delayed.active() if plan.fp8 == "delayed" else None
+    out_dtype, scaling = plan.outs[0].dtype, plan.fp8
+    assert scaling is not None  # _bind calls this for FP8 matmuls only
+    sites = fp8_delayed.active() if scaling == "delayed" else None
     margin = sites.margin if sites is not None else 0
-    spec = fp8_marks.DotSpec(dims, str(jnp.dtype(out_dtype)), plan.fp8, margin)
+    spec = fp8_marks.DotSpec(dims, str(jnp.dtype(out_dtype)), scaling, margin)
     with jax.named_scope(fp8_marks.scope(spec)):
-        if plan.fp8 != "delayed":
-            return fp8.scaled_dot(*args, dims, out_dtype, plan.fp8)
+        if scaling != "delayed":
+            return fp8.scaled_dot(*args, dims, out_dtype, scaling)
         if sites is None:
             raise ValueError(
                 "fp8_scaling='delayed' needs its state: call the autocast function as "

@@ -77,11 +77,11 @@ def dot(eqn, values) -> list | None:
         if len(rest) != 6:
             return None
         scale_metas = [fp8_delayed.ScaleMeta(*rest[k : k + 2]) for k in (0, 2, 4)]
-        meta = fp8_delayed.SiteMeta(*scale_metas)
+        meta: fp8_delayed.SiteMeta | tuple = fp8_delayed.SiteMeta(*scale_metas)
     elif rest:
         return None
     else:
-        meta = ()
+        meta = ()  # current scaling: no state
     shard, stand_in = rhs.stored
     source = rhs.source if rhs.dtype is None else dataclasses.replace(rhs.source, dtype=rhs.dtype)
     return [fp8_dot.gathered_dot(lhs, shard, stand_in, meta, source, spec)]
