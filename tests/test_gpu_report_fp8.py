@@ -131,16 +131,21 @@ def _records():
             "scaled_dot": {"ms": 1.6, "tflops": 687.0, "speedup": 2.0 / 1.6}}
     variant = {"compiled": {"temp_bytes": 5e9}, "gemms": {"fp8": 0, "other": 126}, "speedup_iqr": [1, 1],
                "loss": 10.3, "loss_finite": True}
-    step = {"baseline": "bf16 autocast", "params": 0.99e9, "tokens_per_step": 8192, "steps": 8,
-            "allocated_peak_all": 50e9, "variants": {
-                "bf16 autocast": {**variant, "step_s": 0.4, "tokens_per_s": 20480.0, "speedup": 1.0},
-                "fp8 tensor": {**variant, "step_s": 0.35, "tokens_per_s": 23405.7, "speedup": 0.4 / 0.35},
-                "fp8 delayed": {**variant, "step_s": 0.32, "tokens_per_s": 25600.0, "speedup": 0.4 / 0.32}}}
+    head = {"baseline": "bf16 autocast", "params": 0.99e9, "tokens_per_step": 8192, "steps": 8}
+    # one case per FP8 variant, each against the baseline timed in its own rounds
+    tensor = {**head, "allocated_peak_all": 40e9, "variants": {
+        "bf16 autocast": {**variant, "step_s": 0.4, "tokens_per_s": 20480.0, "speedup": 1.0},
+        "fp8 tensor": {**variant, "step_s": 0.35, "tokens_per_s": 23405.7, "speedup": 0.4 / 0.35}}}
+    delayed = {**head, "allocated_peak_all": 50e9, "variants": {
+        "bf16 autocast": {**variant, "step_s": 0.41, "tokens_per_s": 19980.5, "speedup": 1.0},
+        "fp8 delayed": {**variant, "step_s": 0.32, "tokens_per_s": 25600.0, "speedup": 0.4 / 0.32}}}
     saved = [_record(f"fp8 saved activations save_dots/{dtype}",
                      {"params": 0.99e9, "tokens_per_s": 30000.0, "loss": 10.3,
                       "memory": {"allocated_peak": peak, "compiled": {"total_bytes": total}}})
              for dtype, peak, total in (("compute", 40e9, 38e9), ("fp8", 32e9, 30.4e9))]
-    return [_record("fp8 GEMM 8192^3", gemm, "8192^3 fwd"), _record("fp8 step", step, "x")] + saved
+    return [_record("fp8 GEMM 8192^3", gemm, "8192^3 fwd"),
+            _record("fp8 step", tensor, "bf16 autocast vs fp8 tensor"),
+            _record("fp8 step", delayed, "bf16 autocast vs fp8 delayed")] + saved
 
 
 @pytest.mark.fast
@@ -151,7 +156,7 @@ def test_fp8_targets_from_records():
     assert "(scaled_dot) 1.25x" in gemm.value
     assert step.value == "fp8 tensor 1.14x, fp8 delayed 1.25x" and step.met  # 0.4/0.35, 0.4/0.32
     slower = _records()
-    slower[1]["result"]["variants"]["fp8 delayed"]["speedup"] = 1.1
+    slower[2]["result"]["variants"]["fp8 delayed"]["speedup"] = 1.1
     assert _fp8_targets(slower)["FP8 step"].met is False
     assert {t.value for t in _fp8_targets([]).values()} == {"not measured"}
 
@@ -161,6 +166,8 @@ def test_fp8_section_tables_from_records():
     text = "\n".join(fp8.render(_records()))
     assert "| 8192^3 | fwd | e4m3 | 2.000 | 1.180 | 550.0 | 932.0 | 1.69x |" in text
     assert "| fp8 delayed | 25,600 | 320.0 | 1.25x | 1.00-1.00 | 0/126 | 5.00 GB | 10.300 |" in text
+    assert "| bf16 autocast | 20,480 | 400.0 | 1.00x |" in text  # the first comparison's baseline
+    assert text.count("| bf16 autocast |") == 1 and "(all variants): 50.00 GB." in text
     # allocated peak 32 / 40 GB, compiled 30.4 / 38 GB
     assert "| save_dots/fp8 | 990M | 32.00 GB | 0.80x | 30.40 GB | 0.80x | 30,000 | 10.300 |" in text
     assert "not applicable" not in text.lower()
@@ -212,7 +219,7 @@ def test_quick_fp8_stage_runs_every_item_in_its_own_process(tmp_path):
     report = json.loads((tmp_path / files.REPORT_JSON).read_text())
     own = [r for r in report["records"] if r["stage"] == "fp8"]
     assert [(r["item"], r["status"]) for r in own] == [
-        ("fp8 GEMM 64^3", "ok"), ("fp8 GEMM 64^3", "ok"), ("fp8 step", "ok"),
+        ("fp8 GEMM 64^3", "ok"), ("fp8 GEMM 64^3", "ok"), ("fp8 step", "ok"), ("fp8 step", "ok"),
         ("fp8 saved activations save_dots/compute", "ok"), ("fp8 saved activations save_dots/fp8", "ok")]
     step = fp8.step_result(own)
     assert list(step["variants"]) == ["bf16 autocast", "fp8 tensor", "fp8 delayed"]

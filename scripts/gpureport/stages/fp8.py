@@ -1,6 +1,6 @@
 """Stage fp8: what FP8 buys on this GPU, each figure next to its bf16 baseline from the same
 process: an e4m3 GEMM against bf16 ``jnp.dot``; the trainer's GPT step with bf16 weights under
-``precision.autocast=bf16`` against ``fp8`` (current and delayed scaling), timed interleaved;
+``precision.autocast=bf16`` against ``fp8`` (current, then delayed scaling), timed interleaved;
 and the allocated peak with saved activations in e4m3 (``model.remat_dtype=fp8``) against the
 compute dtype (one process each, so that each peak is its own). On a GPU without FP8 tensor
 cores every item is "not applicable"."""
@@ -75,8 +75,19 @@ def gemm_rows(records: list[dict]) -> list[dict]:
 
 
 def step_result(records: list[dict]) -> dict | None:
+    """The step item's comparisons (the baseline against one variant each) as one result: the
+    baseline's row from the first, each variant's (its speed-up over the baseline timed in the
+    same rounds) from its own."""
     found = [res for _, res in _results(records, STEP) if "variants" in res]
-    return found[-1] if found else None
+    if not found:
+        return None
+    merged = {**found[0], "variants": dict(found[0]["variants"])}
+    for res in found[1:]:
+        merged["variants"].update({label: var for label, var in res["variants"].items()
+                                   if label != res["baseline"]})
+    peaks = [res.get("allocated_peak_all") for res in found if res.get("allocated_peak_all")]
+    merged["allocated_peak_all"] = max(peaks, default=None)
+    return merged
 
 
 def _compiled_total(row: dict) -> float | None:
@@ -140,9 +151,10 @@ def _step_table(records: list[dict]) -> list[str]:
                      size((var.get("compiled") or {}).get("temp_bytes")), loss])
     return ([f"**FP8 step**: the trainer's GPT ({params(res['params'])} parameters, "
              f"{res['tokens_per_step']:,} tokens per step, bf16 weights) under each precision, "
-             f"one process, one step of each per round ({res['steps']} rounds, medians); the "
-             f"variants share a train state where its layout is the same. Allocated peak of the "
-             f"process (all variants): {size(res.get('allocated_peak_all'))}.", ""]
+             f"one process, {res['baseline']} against each variant in turn, one step of each "
+             f"per round ({res['steps']} rounds, medians); the variants share a train state "
+             f"where its layout is the same. Allocated peak of the process (all variants): "
+             f"{size(res.get('allocated_peak_all'))}.", ""]
             + table(["precision", "tokens/s", "step ms", f"vs {res['baseline']}", "round IQR",
                      "GEMMs fp8/other (XLA:GPU)", "XLA temp", "loss"], rows) + [""])
 
