@@ -199,6 +199,40 @@ def test_the_gemm_item_computes_fp8_products_on_the_cpu():
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
 
 
+@pytest.mark.fast
+def test_the_gemm_items_programs_are_fp8_gemms_on_an_h100():
+    """Before a GPU visit: the GEMM item's programs at the GPU profile's size, compiled for an
+    abstract H100, run their products as FP8 GEMMs (e4m3 x e4m3 forward; e5m2 x e4m3 and
+    e4m3 x e5m2 for scaled_dot's two gradients) and the baseline as a bf16 one."""
+    from helpers import require_cuda_plugin
+    require_cuda_plugin()
+    import jax
+    import jax.numpy as jnp
+    from benchlib.timing import forward_and_backward
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from zeroflow.autocast.fp8_hlo import count_gemms
+    from zeroflow.backend import target_mesh
+
+    on_h100 = NamedSharding(target_mesh("h100", data=1), PartitionSpec())
+    n = FULL.fp8["gemm"]["size"]
+
+    def gemms(fn, *dtypes):
+        args = [jax.ShapeDtypeStruct((n, n) if dt != jnp.float32 else (), dt, sharding=on_h100)
+                for dt in dtypes]
+        with jax.sharding.use_abstract_mesh(on_h100.mesh.abstract_mesh):
+            found = count_gemms(jax.jit(fn).trace(*args).lower().compile().as_text())
+        return found.fp8, found.other, sorted(found.fp8_operand_types)
+
+    bf16, e4m3, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+    assert gemms(jnp.dot, bf16, bf16) == (0, 1, [])
+    assert gemms(bench_fp8.e4m3_product, e4m3, e4m3, f32, f32) == (1, 0, [("f8e4m3fn", "f8e4m3fn")])
+    assert gemms(bench_fp8._scaled, bf16, bf16) == (1, 0, [("f8e4m3fn", "f8e4m3fn")])
+    both = forward_and_backward(bench_fp8._scaled)
+    assert gemms(both, bf16, bf16, bf16) == (3, 0, [("f8e4m3fn", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2"),
+                                                    ("f8e5m2", "f8e4m3fn")])
+
+
 # --------------------------------------------------------------------------- end to end (slow)
 @pytest.mark.slow
 def test_quick_fp8_stage_runs_every_item_in_its_own_process(tmp_path):
