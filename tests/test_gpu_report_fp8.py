@@ -187,6 +187,9 @@ def test_the_gemm_item_computes_fp8_products_on_the_cpu():
             got = res[impl]
             assert got["tflops"] == pytest.approx(flops / (got["ms"] / 1e3) / 1e12)
             assert got["speedup"] == pytest.approx(res["bf16"]["ms"] / got["ms"], rel=1e-9)
+    # the progress line's figure: the FP8 GEMM alone forward, scaled_dot forward+backward
+    assert (forward["fp8_speedup"], backward["fp8_speedup"]) == (
+        forward["e4m3"]["speedup"], backward["scaled_dot"]["speedup"])
     import jax.numpy as jnp
 
     from zeroflow.autocast import fp8 as zf_fp8
@@ -245,12 +248,14 @@ def test_quick_fp8_stage_runs_every_item_in_its_own_process(tmp_path):
                                                      "XLA_FLAGS": one_cpu_env()["XLA_FLAGS"]})
     saved = dict(os.environ)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
             run_report(profile, options)
     finally:  # the report pins this process to the CPU platform
         os.environ.clear()
         os.environ.update(saved)
     report = json.loads((tmp_path / files.REPORT_JSON).read_text())
+    assert "fp8 step | bf16 autocast vs fp8 delayed -> ok" in printed.getvalue()
+    assert "x bf16" in printed.getvalue().split("fp8 delayed -> ok")[1].splitlines()[0]
     own = [r for r in report["records"] if r["stage"] == "fp8"]
     assert [(r["item"], r["status"]) for r in own] == [
         ("fp8 GEMM 64^3", "ok"), ("fp8 GEMM 64^3", "ok"), ("fp8 step", "ok"), ("fp8 step", "ok"),

@@ -86,7 +86,8 @@ def time_gemm_forward(size: int, warmup: int, iters: int) -> dict:
     bf16, raw, scaled = jax.jit(jnp.dot), jax.jit(e4m3_product), jax.jit(_scaled)
     calls = {"bf16": lambda: bf16(a, b), "e4m3": lambda: raw(q_a, q_b, s_a, s_b),
              "scaled_dot": lambda: scaled(a, b)}
-    return {"size": size, "pass": "fwd", **_compare(calls, 2.0 * size**3, warmup, iters),
+    timed = _compare(calls, 2.0 * size**3, warmup, iters)
+    return {"size": size, "pass": "fwd", **timed, "fp8_speedup": timed["e4m3"]["speedup"],
             "gemms": {"e4m3": _gemm_counts(e4m3_product, q_a, q_b, s_a, s_b),
                       "bf16": _gemm_counts(jnp.dot, a, b)}}
 
@@ -100,7 +101,8 @@ def time_gemm_backward(size: int, warmup: int, iters: int) -> dict:
     a, b, d_out = _operands(size)
     bf16, scaled = forward_and_backward(jnp.dot), forward_and_backward(_scaled)
     calls = {"bf16": lambda: bf16(a, b, d_out), "scaled_dot": lambda: scaled(a, b, d_out)}
-    return {"size": size, "pass": "fwd+bwd", **_compare(calls, 6.0 * size**3, warmup, iters),
+    timed = _compare(calls, 6.0 * size**3, warmup, iters)
+    return {"size": size, "pass": "fwd+bwd", **timed, "fp8_speedup": timed["scaled_dot"]["speedup"],
             "gemms": {"scaled_dot": _gemm_counts(forward_and_backward(_scaled), a, b, d_out)}}
 
 
@@ -181,6 +183,7 @@ def compare_steps(base: dict, variants: list, warmup: int, steps: int) -> dict:
                       "loss": loss, "loss_finite": math.isfinite(loss)}
     stats = jax.devices()[0].memory_stats() or {}
     return {"baseline": labels[0], "variants": out, "params": gpt.num_params(base),
+            "fp8_speedup": out[labels[-1]]["speedup"],  # for the progress line
             "tokens_per_step": tokens, "steps": steps,
             "allocated_peak_all": stats.get("peak_bytes_in_use")}
 
