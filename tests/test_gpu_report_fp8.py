@@ -195,7 +195,7 @@ def test_the_gemm_item_computes_fp8_products_on_the_cpu():
     import jax.numpy as jnp
 
     from zeroflow.autocast import fp8 as zf_fp8
-    a, b, _ = bench_fp8._operands(32)
+    a, b, _ = bench_fp8.random_operands(32)
     s_a, s_b = zf_fp8.scale_of(a, zf_fp8.E4M3), zf_fp8.scale_of(b, zf_fp8.E4M3)
     q_a, q_b = zf_fp8.quantize(a, s_a, zf_fp8.E4M3), zf_fp8.quantize(b, s_b, zf_fp8.E4M3)
     want = (np.asarray(q_a, np.float32) @ np.asarray(q_b, np.float32)) * float(s_a) * float(s_b)
@@ -232,8 +232,8 @@ def test_the_gemm_items_programs_are_fp8_gemms_on_an_h100():
     bf16, e4m3, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
     assert gemms(jnp.dot, bf16, bf16) == (0, 1, [])
     assert gemms(bench_fp8.e4m3_product, e4m3, e4m3, f32, f32) == (1, 0, [("f8e4m3fn", "f8e4m3fn")])
-    assert gemms(bench_fp8._scaled, bf16, bf16) == (1, 0, [("f8e4m3fn", "f8e4m3fn")])
-    both = forward_and_backward(bench_fp8._scaled)
+    assert gemms(bench_fp8.scaled_dot_bf16, bf16, bf16) == (1, 0, [("f8e4m3fn", "f8e4m3fn")])
+    both = forward_and_backward(bench_fp8.scaled_dot_bf16)
     assert gemms(both, bf16, bf16, bf16) == (3, 0, [("f8e4m3fn", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2"),
                                                     ("f8e5m2", "f8e4m3fn")])
 

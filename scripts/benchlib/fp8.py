@@ -44,7 +44,8 @@ def _gemm_counts(fn, *args) -> dict:
     return {"fp8": found.fp8, "other": found.other}
 
 
-def _operands(size: int):
+def random_operands(size: int):
+    """Three [size, size] bf16 matrices, standard normal, made on the device."""
     keys = jax.random.split(jax.random.key(0), 3)
     return [jax.random.normal(k, (size, size), jnp.float32).astype(jnp.bfloat16) for k in keys]
 
@@ -56,7 +57,8 @@ def e4m3_product(q_a, q_b, s_a, s_b):
     return (acc.astype(jnp.float32) * (s_a * s_b)).astype(jnp.bfloat16)
 
 
-def _scaled(a, b):
+def scaled_dot_bf16(a, b):
+    """``a @ b`` through ``zeroflow.autocast.fp8.scaled_dot`` (tensor scaling), bf16 out."""
     from zeroflow.autocast import fp8
     return fp8.scaled_dot(a, b, MATMUL, jnp.bfloat16)
 
@@ -80,10 +82,10 @@ def time_gemm_forward(size: int, warmup: int, iters: int) -> dict:
     problem = _problem()
     if problem:
         return {"not_applicable": problem}
-    a, b, _ = _operands(size)
+    a, b, _ = random_operands(size)
     s_a, s_b = fp8.scale_of(a, fp8.E4M3), fp8.scale_of(b, fp8.E4M3)
     q_a, q_b = fp8.quantize(a, s_a, fp8.E4M3), fp8.quantize(b, s_b, fp8.E4M3)
-    bf16, raw, scaled = jax.jit(jnp.dot), jax.jit(e4m3_product), jax.jit(_scaled)
+    bf16, raw, scaled = jax.jit(jnp.dot), jax.jit(e4m3_product), jax.jit(scaled_dot_bf16)
     calls = {"bf16": lambda: bf16(a, b), "e4m3": lambda: raw(q_a, q_b, s_a, s_b),
              "scaled_dot": lambda: scaled(a, b)}
     timed = _compare(calls, 2.0 * size**3, warmup, iters)
@@ -98,12 +100,12 @@ def time_gemm_backward(size: int, warmup: int, iters: int) -> dict:
     problem = _problem()
     if problem:
         return {"not_applicable": problem}
-    a, b, d_out = _operands(size)
-    bf16, scaled = forward_and_backward(jnp.dot), forward_and_backward(_scaled)
+    a, b, d_out = random_operands(size)
+    bf16, scaled = forward_and_backward(jnp.dot), forward_and_backward(scaled_dot_bf16)
     calls = {"bf16": lambda: bf16(a, b, d_out), "scaled_dot": lambda: scaled(a, b, d_out)}
     timed = _compare(calls, 6.0 * size**3, warmup, iters)
     return {"size": size, "pass": "fwd+bwd", **timed, "fp8_speedup": timed["scaled_dot"]["speedup"],
-            "gemms": {"scaled_dot": _gemm_counts(forward_and_backward(_scaled), a, b, d_out)}}
+            "gemms": {"scaled_dot": _gemm_counts(forward_and_backward(scaled_dot_bf16), a, b, d_out)}}
 
 
 def gemm_cases(size: int, warmup: int, iters: int) -> Iterator[Case]:
