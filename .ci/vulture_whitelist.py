@@ -38,6 +38,8 @@ train_case
 deviceless_case
 deviceless_child
 compile_fit_case
+gemm_cases
+step_cases
 
 # A pytest fixture, requested by parameter name.
 target_cudnn

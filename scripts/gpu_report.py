@@ -1,5 +1,5 @@
 """Every GPU measurement zeroflow reports, in one command that no single measurement can bring
-down: kernel correctness, kernel speed, training MFU, memory, offload, autocast.
+down: kernel correctness, kernel speed, training MFU, FP8 speed, memory, offload, autocast.
 
     PYTHONPATH=. python scripts/gpu_report.py --out $OUT                       # on a GPU, < 9 min
     PYTHONPATH=. python scripts/gpu_report.py --out $OUT --stages offload,autocast   # what a run left

@@ -109,7 +109,8 @@ def test_quick_markdown_has_each_section_and_its_table(quick):
                    "| run | params | tokens/step |",
                    "| configuration | estimate | deviceless | compiled |",
                    "| offload/update_on | params | step s |",
-                   "| offload/update_on | largest that fit (params) |"):
+                   "| offload/update_on | largest that fit (params) |",
+                   "| shape | pass | fp8 | bf16 ms |", "| precision | tokens/s | step ms |"):
         assert header in text, header
     assert "n/a (smoke test)" in text and "| met |" in text
 
@@ -609,6 +610,9 @@ def test_the_gpu_profile_plans_every_stage(tmp_path):
     expected = ([label for label, *_ in FULL.autocast["modes"]] if autocast.autocast_available()
                 else ["autocast"])
     assert names["autocast"] == expected
+    # an env record without a compute capability or a known device kind: FP8 is measured
+    assert names["fp8"] == ["fp8 GEMM 8192^3", "fp8 step", "fp8 saved activations save_dots/compute",
+                            "fp8 saved activations save_dots/fp8"]
 
 
 def test_mfu_falls_back_to_the_measured_matmul_for_an_unknown_gpu():

@@ -4,7 +4,8 @@ memory XLA plans for the compiled step, the memory actually allocated, and what
 
 A configuration is a plain dict (a "spec", JSON-able so that it can cross to a child
 process): ``model`` (``ModelConfig`` fields), ``batch`` (sequences per step), ``params``
-(compute dtype), ``autocast`` (None or a dtype: ``zf.Precision(autocast=...)``), ``offload``,
+(compute dtype), ``autocast`` (None or a dtype: ``zf.Precision(autocast=...)``), optionally
+``precision`` (more ``zf.Precision`` fields under autocast, e.g. ``fp8_scaling``), ``offload``,
 ``update_on``, ``stage``, and how many ``warmup`` and timed ``steps`` to run. The step is the
 trainer's own (``zeroflow.trainer.setup.build_run``: layer-wise loss, AdamW with clipping).
 """
@@ -87,8 +88,8 @@ def _compiled_memory(compiled) -> dict | None:
     return {**dataclasses.asdict(got), "total_bytes": got.total_bytes}
 
 
-def _build(spec: dict):
-    """(cfg, run, state, batch) on the first device, as the trainer builds them."""
+def build_without_state(spec: dict):
+    """(cfg, run, batch) on the first device, as the trainer builds them; no state yet."""
     import jax
     import numpy as np
 
@@ -97,11 +98,19 @@ def _build(spec: dict):
     cfg = config_for(spec)
     run = build_run(cfg, with_data=False, devices=jax.devices()[:1])
     if spec["autocast"]:  # the issue-12 contract: Precision(..., autocast="bf16")
-        run = dataclasses.replace(run, prec=zf.Precision(params=spec["params"], autocast=spec["autocast"]))
-    state = run.init_state()
+        # "precision": more Precision fields (e.g. fp8_scaling), before the state is made
+        # (delayed FP8 scaling puts its amax histories in it).
+        prec = zf.Precision(params=spec["params"], autocast=spec["autocast"], **spec.get("precision", {}))
+        run = dataclasses.replace(run, prec=prec)
     tokens = np.random.default_rng(0).integers(
         0, cfg.model.vocab_size, (spec["batch"], cfg.model.seq_len + 1), dtype=np.int32)
-    return cfg, run, state, run.global_batch(tokens)
+    return cfg, run, run.global_batch(tokens)
+
+
+def _build(spec: dict):
+    """(cfg, run, state, batch) on the first device, as the trainer builds them."""
+    cfg, run, batch = build_without_state(spec)
+    return cfg, run, run.init_state(), batch
 
 
 @contextlib.contextmanager

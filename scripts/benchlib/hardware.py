@@ -52,6 +52,8 @@ def environment(matmul_size: int) -> dict:
     return {
         "backend": jax.default_backend(),
         "device_kind": device.device_kind,
+        # "9.0" on an H100: whether it has FP8 tensor cores (the fp8 stage); None off NVIDIA GPUs
+        "compute_capability": getattr(device, "compute_capability", None),
         "device_count": jax.device_count(),
         "bytes_limit": stats.get("bytes_limit"),
         "jax": jax.__version__,

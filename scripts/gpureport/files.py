@@ -86,7 +86,8 @@ def brief(result: dict | None) -> str:
     parts = []
     for key, fmt in (("tflops", "{:.1f} TFLOP/s"), ("ms", "{:.3f} ms"), ("mfu", "MFU {:.1%}"),
                      ("tokens_per_s", "{:,.0f} tok/s"), ("passed", "passed={}"), ("fits", "fits={}"),
-                     ("device_kind", "{}"), ("largest_fits", "largest {} layers")):
+                     ("device_kind", "{}"), ("largest_fits", "largest {} layers"),
+                     ("fp8_speedup", "FP8 {:.2f}x bf16")):
         value = result.get(key)
         if value is not None:
             parts.append(fmt.format(value))

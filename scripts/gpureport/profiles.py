@@ -10,7 +10,9 @@ import dataclasses
 
 from benchlib.gpt import PRESETS, train_spec
 
-STAGE_ORDER = ("env", "correctness", "kernels", "training", "memory", "offload", "autocast")
+STAGE_ORDER = ("env", "correctness", "kernels", "training", "fp8", "memory", "offload", "autocast")
+"""fp8 right after training: a first 540 s call on an H100 reaches it (the later stages need a
+second call anyway)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,9 @@ class Profile:
     "base spec (layers vary), searches, fit_by ('run' or 'compile'), limits."
     autocast: dict
     "base spec and the modes (label, params dtype, autocast dtype)."
+    fp8: dict
+    """gemm (size, warmup, iters); step (base spec, variants (label, autocast, more Precision
+    fields; the first is the baseline), warmup, steps); saved (base spec, remat dtypes)."""
     device_memory: float
     "Device bytes assumed when the env stage did not report the allocator's limit."
 
@@ -63,10 +68,15 @@ def _gpt_runs(entries, steps: int, warmup: int) -> tuple:
     return tuple(runs)
 
 
+FP8_VARIANTS = [["bf16 autocast", "bf16", {}], ["fp8 tensor", "fp8", {}],
+                ["fp8 delayed", "fp8", {"fp8_scaling": "delayed"}]]
+"""The fp8 stage's step: (label, precision.autocast, more precision fields), the baseline first:
+FP8 with current (per-tensor) scaling and with delayed scaling against bf16 autocast."""
+
 FULL = Profile(
     name="full",
     time_limit_s=540,
-    budgets={"env": 60, "correctness": 75, "kernels": 130, "training": 170, "memory": 240,
+    budgets={"env": 60, "correctness": 75, "kernels": 130, "training": 170, "fp8": 130, "memory": 240,
              "offload": 240, "autocast": 100},
     # The allocator takes 92% of the GPU instead of 75%: the largest-model search needs it.
     child_vars={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"},
@@ -125,6 +135,16 @@ FULL = Profile(
     autocast=dict(
         base=train_spec(PRESETS["gpt-125m"], batch=32, attention="xla", remat="none", steps=10, warmup=3),
         modes=[["fp32", "fp32", None], ["autocast bf16", "fp32", "bf16"], ["hand bf16", "bf16", None]]),
+    fp8=dict(
+        gemm=dict(size=8192, warmup=3, iters=20),
+        # Batch 8: the three variants hold two train states (delayed scaling's has amax histories)
+        # and one step's activations, within the 92% of an 80 GB GPU the children get.
+        step=dict(base=train_spec(PRESETS["gpt-1b"], batch=8, attention="cudnn", remat="none"),
+                  variants=FP8_VARIANTS, warmup=2, steps=8),
+        # The compute-dtype run is the training stage's "gpt-1b cudnn remat=save_dots batch=16".
+        saved=dict(base=train_spec(PRESETS["gpt-1b"], batch=16, attention="cudnn", remat="save_dots",
+                                   steps=2, warmup=1),
+                   remat_dtypes=["compute", "fp8"])),
     device_memory=80e9,
 )
 
@@ -133,7 +153,7 @@ _TINY_TILES = {"block_k": 64, "block_k_dq": 64}
 QUICK = Profile(
     name="quick",
     time_limit_s=600,
-    budgets={"env": 60, "correctness": 120, "kernels": 120, "training": 120, "memory": 240,
+    budgets={"env": 60, "correctness": 120, "kernels": 120, "training": 120, "fp8": 180, "memory": 240,
              "offload": 180, "autocast": 120},
     child_vars={"JAX_PLATFORMS": "cpu",
                 # Compile fast: the smoke test checks that every path runs, not CPU speed.
@@ -162,6 +182,16 @@ QUICK = Profile(
     autocast=dict(
         base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="none", steps=2, warmup=1),
         modes=[["fp32", "fp32", None], ["autocast bf16", "fp32", "bf16"], ["hand bf16", "bf16", None]]),
+    fp8=dict(
+        gemm=dict(size=64, warmup=1, iters=2),
+        # fp8_select='all': the roofline keeps a tiny model's matmuls in bf16, and the smoke test
+        # is there to run the FP8 path (XLA:CPU computes with the float8 types).
+        step=dict(base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="none"),
+                  variants=[[label, autocast, {**fields, "fp8_select": "all"} if autocast == "fp8" else fields]
+                            for label, autocast, fields in FP8_VARIANTS], warmup=1, steps=2),
+        saved=dict(base=train_spec(PRESETS["tiny"], batch=4, attention="xla", remat="save_dots",
+                                   steps=1, warmup=1),
+                   remat_dtypes=["compute", "fp8"])),
     device_memory=80e9,
 )
 

@@ -1,11 +1,12 @@
-"""The headline table: each target of issue 14 (and issue 12's autocast goal), its measured value
-and whether it is met, computed from the records. "not measured" when the items did not run."""
+"""The headline table: each target of issue 14 (and issue 12's autocast goal, issue 55's FP8
+speed), its measured value and whether it is met, computed from the records. "not measured"
+when the items did not run ("not applicable: why" for FP8 on a GPU without it)."""
 from __future__ import annotations
 
 import dataclasses
 import statistics
 
-from gpureport.stages import autocast, kernels, offload, training
+from gpureport.stages import autocast, fp8, kernels, offload, training
 from gpureport.tables import good, of_stage, params
 
 ONE_B = 0.8e9
@@ -110,8 +111,40 @@ def autocast_speed(records: list[dict]) -> Target:
                   res["vs_fp32"] >= 1.4 and res["vs_hand_bf16"] >= 0.95)
 
 
+def _fp8_not_measured(records: list[dict], name: str, goal: str) -> Target:
+    """"not applicable: why" on a GPU without FP8 tensor cores, else "not measured"."""
+    note = fp8.not_applicable_note(records)
+    return Target(name, goal, note) if note else Target(name, goal)
+
+
+def fp8_gemm(records: list[dict]) -> Target:
+    name, goal = "FP8 GEMM (e4m3 x e4m3, operands in e4m3) vs bf16, forward", ">= 1.6x"
+    rows = [row for row in fp8.gemm_rows(records) if row["pass"] == "fwd" and "e4m3" in row]
+    if not rows:
+        return _fp8_not_measured(records, name, goal)
+    row = max(rows, key=lambda r: r["size"])
+    raw, scaled = row["e4m3"]["speedup"], row.get("scaled_dot", {}).get("speedup")
+    value = f"{raw:.2f}x at {row['size']}^3 ({row['e4m3']['tflops']:.0f} TFLOP/s)"
+    if scaled is not None:
+        value += f"; with the bf16 operands' casts (scaled_dot) {scaled:.2f}x"
+    return Target(name, goal, value, raw >= 1.6)
+
+
+def fp8_step(records: list[dict]) -> Target:
+    name = "FP8 step tokens/s vs bf16 autocast, ~1B GPT (issue 55; torchao: +25%)"
+    goal = ">= 1.2x"
+    res = fp8.step_result(records)
+    if res is None:
+        return _fp8_not_measured(records, name, goal)
+    others = {label: var["speedup"] for label, var in res["variants"].items() if label != res["baseline"]}
+    if not others:
+        return Target(name, goal)
+    value = ", ".join(f"{label} {speedup:.2f}x" for label, speedup in others.items())
+    return Target(name, goal, value, max(others.values()) >= 1.2)
+
+
 CHECKS = (kernels_correct, flash_vs_cudnn, block_sparse_90, mfu_1b, offload_ratio, largest_ratio,
-          autocast_speed)
+          autocast_speed, fp8_gemm, fp8_step)
 
 
 def evaluate(records: list[dict]) -> list[Target]:
