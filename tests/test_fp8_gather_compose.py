@@ -164,17 +164,12 @@ def lowered_gathers(text, local=8):
 
 
 def _lowered_groups(groups, meshes):
-    """Device ids of each replica group: listed, or every device along the named mesh axes
-    (the others fixed), devices numbered row-major over the mesh."""
+    """Device ids of each replica group: listed, or every device along the named mesh axes."""
     if groups.startswith("dense<"):
         return [[int(d) for d in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", groups)]
     axes = meshes[re.search(r"mesh = @(\w+)", groups)[1]]
-    names, sizes = [a for a, _ in axes], [n for _, n in axes]
     grouped = re.findall(r'axis_ref<name = "(\w+)"', groups)
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
-    rest = [k for k, a in enumerate(names) if a not in grouped]
-    ids = ids.transpose(rest + [names.index(g) for g in grouped])
-    return ids.reshape(-1, math.prod(sizes[names.index(g)] for g in grouped)).tolist()
+    return hlo.mesh_axis_groups([a for a, _ in axes], [n for _, n in axes], grouped)
 
 
 def check_gathers(text, compute, packed=False, local=8):

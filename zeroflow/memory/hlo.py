@@ -145,11 +145,18 @@ def groups_of(line: str, num_devices: int) -> list[list[int]] | None:
         grouped = re.findall(r"'([^']+)'", mesh[2])
         if not axes or any(g not in names for g in grouped):
             return None  # sub-axes ('axis_0':(1)2) are not read
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        rest = [k for k, a in enumerate(names) if a not in grouped]
-        ids = ids.transpose(rest + [names.index(g) for g in grouped])
-        return ids.reshape(-1, math.prod(sizes[names.index(g)] for g in grouped)).tolist()
+        return mesh_axis_groups(names, sizes, grouped)
     return None
+
+
+def mesh_axis_groups(names: list[str], sizes: list[int], grouped: list[str]) -> list[list[int]]:
+    """The device groups of a collective over the mesh axes ``grouped`` of a mesh with axes
+    ``names`` of ``sizes``: every device along those axes, the others fixed, devices numbered
+    row-major over the mesh."""
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    rest = [k for k, a in enumerate(names) if a not in grouped]
+    ids = ids.transpose(rest + [names.index(g) for g in grouped])
+    return ids.reshape(-1, math.prod(sizes[names.index(g)] for g in grouped)).tolist()
 
 
 def permute_pairs(line: str) -> list[tuple[int, int]] | None:

@@ -296,6 +296,8 @@ class _Replay:
                 for i, x in zip(ops.order, stored)
             }
             vals = ops.values_with(full, side_list, data)
+            if not remat and not pending:
+                return bind(eqn, vals)
             body = _Replay([], [], order=False)
             if not remat:
                 return body._with_pending(eqn, [(v, True) for v in vals])
