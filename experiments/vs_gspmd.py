@@ -165,8 +165,8 @@ def compile_row(row: dict) -> dict:
                 return plain_compile()
     if row["target"] not in TIMED_TARGETS:
         return _untimed(row, compile_it(), shape, start)
-    peak = accelerators.required(row["target"]).bf16_flops
-    compiled, est = schedule.timed(compile_it, peak_flops=peak)
+    peak_flops = accelerators.required(row["target"]).bf16_flops
+    compiled, est = schedule.timed(compile_it, peak_flops=peak_flops)
     psi, n = num_params(shape), row["devices"]
     peak = analysed(compiled).total_bytes
     flops = 6 * psi * PER_DEVICE[row["shape"]] * SEQ
@@ -176,7 +176,7 @@ def compile_row(row: dict) -> dict:
             "formula_bytes": formula_bytes(system, psi, n), "step_ms": est.step_ms,
             "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
             "overlapped": f"{total['overlapped']}/{total['count']}",
-            "mfu": est.mfu(flops, peak), "uncosted": list(est.uncosted),
+            "mfu": est.mfu(flops, peak_flops), "uncosted": list(est.uncosted),
             "costed_by_flops": {c.name: c.costed_by for c in est.computations
                                 if c.costed_by != "xla"},
             "by_computation": [[c.name, c.trips, round(c.total_us * c.trips / 1e3, 2),
