@@ -95,3 +95,29 @@ def test_a_lone_data_file_that_is_not_utf8_is_an_error_naming_it(tmp_path):
     data.write_bytes("caf\u00e9 ".encode("latin-1") * 100)
     with pytest.raises(ValueError, match="corpus.txt is not readable UTF-8"):
         list(iter_documents(data, val_fraction=0.1))
+
+
+def test_a_failed_run_ends_on_its_one_line_though_writes_were_left_pending(tmp_path):
+    # A checkpoint that runs out of room leaves the array writes it had started as coroutines
+    # nobody awaits; Python reports each at exit ("sys:1: RuntimeWarning: coroutine ... was never
+    # awaited") under the error line unless the command drops them.
+    import subprocess
+    import sys
+
+    program = tmp_path / "pending.py"
+    program.write_text(
+        "import argparse, errno\n"
+        "from zeroflow.cli.common import run_cli\n"
+        "async def write_fragment():\n"
+        "    pass\n"
+        "class Save:\n"
+        "    pass\n"
+        "def main(args):\n"
+        "    save = Save()\n"
+        "    save.pending, save.itself = write_fragment(), save  # a cycle: freed at exit\n"
+        "    raise OSError(errno.EFBIG, 'File too large')\n"
+        "raise SystemExit(run_cli('zeroflow.train', main, argparse.ArgumentParser(), []))\n")
+    done = subprocess.run([sys.executable, str(program)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["zeroflow.train: error: [Errno 27] File too large"]

@@ -164,7 +164,16 @@ def run_cli(
         if isinstance(e, OSError) and e.errno == errno.ENOSPC and e.filename:
             message = f"{message} ({_free_bytes(e.filename)} bytes free there)"
         print(error_line(prog, message), file=sys.stderr)
+        _forget_abandoned_writes()
         return 2 if isinstance(e, BAD_INPUT) else 1
+
+
+def _forget_abandoned_writes() -> None:
+    """After the error line, the process ends with the failed operation's pending work dropped:
+    e.g. the array writes of a checkpoint that ran out of room, whose coroutines Python would
+    report one by one at exit ("coroutine ... was never awaited") under the line that already
+    said what failed."""
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _free_bytes(path) -> str:
