@@ -173,7 +173,9 @@ def _forget_abandoned_writes() -> None:
     e.g. the array writes of a checkpoint that ran out of room, whose coroutines Python would
     report one by one at exit ("coroutine ... was never awaited") under the line that already
     said what failed."""
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    warnings.filterwarnings(
+        "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+    )
 
 
 def _free_bytes(path) -> str:
