@@ -23,8 +23,8 @@ import tempfile
 import threading
 import types
 
-from zeroflow.memory import hlo
 from zeroflow.util import xla_log
+from zeroflow.xla import hlo
 
 # Re-exported: the environment is set before jax starts (zeroflow.util.xla_log).
 LOG_ENV, enable, enabled = xla_log.LOG_ENV, xla_log.enable, xla_log.enabled
@@ -239,7 +239,7 @@ def drop_info_lines() -> None:
 NOT_ENABLED = (
     "XLA:GPU's step estimate needs the process started with TF_CPP_MIN_LOG_LEVEL=0 "
     "TF_CPP_VMODULE=latency_hiding_scheduler=1 (XLA reads them at start-up; "
-    "zeroflow.memory.schedule.enable(env) sets them for a subprocess)"
+    "zeroflow.xla.schedule.enable(env) sets them for a subprocess)"
 )
 
 

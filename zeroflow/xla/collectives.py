@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from zeroflow.engine.hosts import hosts_of
-from zeroflow.memory import hlo
-from zeroflow.memory.hlo import INSTRUCTION as _INSTRUCTION
+from zeroflow.xla import hlo
+from zeroflow.xla.hlo import INSTRUCTION as _INSTRUCTION
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _COMPUTE = re.compile(
