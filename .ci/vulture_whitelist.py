@@ -4,8 +4,8 @@ Run as CI does: vulture zeroflow tests scripts experiments .ci/vulture_whitelist
 """
 # ruff: noqa
 from zeroflow.autocast.policy import AutocastPolicy
-from zeroflow.memory.collectives import Collective
 from zeroflow.memory.measure import MeasuredMemory
+from zeroflow.xla.collectives import Collective
 
 # Fields read through getattr by name (policy.py's _PRIMITIVE_FIELDS loop over them).
 AutocastPolicy.fp32

@@ -6,7 +6,7 @@ ZeRO stage 3, remat full, one layer gathered at a time) for 8 abstract H100s
 data group, for C = 1, 2, 4, 8 and each way attention crosses the split
 (``model.context_attention``: allgather, ring). Reports XLA:GPU's peak per device
 (``memory_analysis``), the tokens each device holds, and XLA:GPU's own estimate of the step's
-time (its latency-hiding scheduler's model, ``zf.memory.schedule``).
+time (its latency-hiding scheduler's model, ``zeroflow.xla.schedule``).
 
     python experiments/context_axis.py     # writes experiments/results/context_axis.md
 
@@ -23,7 +23,7 @@ from zeroflow.cli.common import start_script  # noqa: E402
 
 start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
 
-from zeroflow.memory import schedule  # noqa: E402  (its logging must be on before jax starts)
+from zeroflow.xla import schedule  # noqa: E402  (its logging must be on before jax starts)
 
 schedule.enable()
 

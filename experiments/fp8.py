@@ -8,7 +8,7 @@ Rows: bf16 (``Precision(params="bf16")``), FP8 matmuls (``autocast="fp8"``: the 
 (``ZeroPlan(quantize_weights="fp8")``); the "fp8 delayed" variants scale from amax histories
 in the train state (``Precision(fp8_scaling="delayed")``) instead. Per row: XLA:GPU's peak per
 device, its *estimated* step (the latency-hiding scheduler's cost model,
-``zeroflow.memory.schedule``; not a measurement), the GEMMs whose operands are float8 and the
+``zeroflow.xla.schedule``; not a measurement), the GEMMs whose operands are float8 and the
 flops and bytes of the GEMMs by kind (``zeroflow.autocast.fp8_hlo``; XLA's ``cost_analysis``
 gives nothing for these deviceless compiles); each row's printed JSON also holds the GEMMs per
 step, XLA's estimate per scheduled computation (the scanned layers' forward and backward
@@ -63,7 +63,7 @@ VARIANTS = {
 
 
 def _child_env() -> dict:
-    from zeroflow.memory import schedule
+    from zeroflow.xla import schedule
 
     env = schedule.enable(dict(os.environ))
     env["JAX_PLATFORMS"] = "cpu"
@@ -84,8 +84,8 @@ def compile_row(row: dict) -> dict:
     import zeroflow as zf
     from zeroflow.autocast.fp8_hlo import count_gemms
     from zeroflow.backend import accelerators
-    from zeroflow.memory import schedule
     from zeroflow.memory.measure import analysed
+    from zeroflow.xla import schedule
 
     shape = dict(SHAPES[row["shape"]], layers=row["layers"])
     mesh = zf.target_mesh("h100", data=row["devices"])

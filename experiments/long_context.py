@@ -30,7 +30,7 @@ from zeroflow.cli.common import start_script  # noqa: E402
 
 start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
 
-from zeroflow.memory import schedule  # its logging must be on before jax starts
+from zeroflow.xla import schedule  # its logging must be on before jax starts
 
 schedule.enable()
 

@@ -14,7 +14,7 @@ shapes of ``--cudnn-shapes``;
 each compiled for abstract GPUs (``zf.target_mesh``: 8 x H100, 8 x A100) by XLA:GPU, on a
 machine without them. Per row: XLA:GPU's peak per device (``memory_analysis``), its ratio to
 the ZeRO paper's model-state formula, XLA:GPU's *estimated* step time (its latency-hiding
-scheduler's cost model, ``zeroflow.memory.schedule``; not a measurement), exposed time per
+scheduler's cost model, ``zeroflow.xla.schedule``; not a measurement), exposed time per
 collective kind, how many all-gathers / reduce-scatters have compute beside them, and the
 estimated MFU (6 x parameters x tokens / step / the GPU's dense bf16 peak; attention's own
 flops are left out). Then the tiny shape actually run on 8 emulated CPU devices: zeroflow
@@ -61,7 +61,7 @@ ZEROPP = {"qwZ": {"quantize_weights": "int8"}, "qgZ": {"quantize_grads": "int8"}
 
 
 def _child_env() -> dict:
-    from zeroflow.memory import schedule
+    from zeroflow.xla import schedule
 
     env = schedule.enable(dict(os.environ))
     env["JAX_PLATFORMS"] = "cpu"
@@ -130,7 +130,7 @@ def compile_row(row: dict) -> dict:
     from xla_option_sets import option_set
     from zeroflow import backend
     from zeroflow.backend import accelerators
-    from zeroflow.memory import schedule
+    from zeroflow.xla import schedule
     from zeroflow.memory.measure import analysed
     from zeroflow.util.compat import cudnn_for_target
 
@@ -543,7 +543,7 @@ def main(argv=None) -> int:
     if args.cpu:
         print(json.dumps(run_cpu()))
         return 0
-    from zeroflow.memory import schedule
+    from zeroflow.xla import schedule
 
     schedule.drop_info_lines()  # jax's start-up INFO lines, in this process too
     if args.quick:

@@ -1,6 +1,6 @@
 """Compiles the cases of tests/test_schedule.py for 8 abstract H100s and prints one JSON line of
 what XLA:GPU's scheduler estimated. Run in a process started with
-``zeroflow.memory.schedule.LOG_ENV`` (XLA reads the log level at start-up)."""
+``zeroflow.xla.schedule.LOG_ENV`` (XLA reads the log level at start-up)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zeroflow as zf
 from zeroflow.util import compat
-from zeroflow.memory import schedule
+from zeroflow.xla import schedule
 
 try:
     from jax import shard_map

@@ -1,4 +1,4 @@
-"""zeroflow.memory.collectives on HLO text in each form XLA:GPU prints it, reduced to a few lines
+"""zeroflow.xla.collectives on HLO text in each form XLA:GPU prints it, reduced to a few lines
 of real compiled programs: the stage-3 step of a scanned 16-layer model (512 x 512 bf16 weights,
 512 biases, a 512 x 10 head, fp32 gradients) compiled for 8 abstract H100s by jax 0.10.2, 0.11.2
 and 0.12.0.1. What each collective holds (an all-gather's gathered result, a reduce-scatter's
@@ -12,8 +12,8 @@ import pytest
 pytestmark = pytest.mark.fast
 
 # the module, not the function zeroflow.memory re-exports under the same name
-collectives = importlib.import_module("zeroflow.memory.collectives")
-hlo = importlib.import_module("zeroflow.memory.hlo")
+collectives = importlib.import_module("zeroflow.xla.collectives")
+hlo = importlib.import_module("zeroflow.xla.hlo")
 
 BF16, F32 = 2, 4
 WEIGHT, BIAS, HEAD = 512 * 512, 512, 512 * 10  # elements of one layer's slice, and the head's

@@ -1,4 +1,4 @@
-"""zeroflow.memory.collectives on a real XLA:GPU program: the stage-3 step of a scanned model
+"""zeroflow.xla.collectives on a real XLA:GPU program: the stage-3 step of a scanned model
 compiled for 8 abstract H100s. Whichever jax compiles it (0.10.2 schedules the backward loop's
 reduce-scatter as an asynchronous pair and prints a single gathered operand alone, 0.11 and 0.12
 run it in line and print the operand as a tuple), each collective's bytes are those of whole

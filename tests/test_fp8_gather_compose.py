@@ -26,7 +26,7 @@ import optax
 import pytest
 
 import zeroflow as zf
-from zeroflow.memory import hlo
+from zeroflow.xla import hlo
 
 pytestmark = pytest.mark.fast
 

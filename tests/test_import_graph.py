@@ -2,8 +2,10 @@
 functions included (a lazy import must not hide a cycle or a reach upward).
 
 One layer per package, lowest first; a module imports only from its own package or below:
-  util -> backend -> ops -> optim -> autocast -> engine -> memory -> config -> data -> models
-  -> hf -> lora -> trainer -> planner -> fusemix -> cli.
+  util -> backend -> ops -> optim -> autocast -> engine -> xla -> memory -> config -> data
+  -> models -> hf -> lora -> trainer -> planner -> fusemix -> cli.
+``xla`` (what XLA says about a compiled step: its HLO, collectives and XLA:GPU's time estimate)
+sits just above the engine, whose hosts it reads, and below everything that reads it.
 ``ops`` (computations in plain JAX any model calls, such as the chunked cross-entropy) sits
 just above ``backend``: it may ask what the device offers, and knows nothing of training.
 Inside a package a sub-package (``engine/grads``, ``engine/zeropp``) is one node: the modules it
@@ -22,14 +24,15 @@ pytestmark = pytest.mark.fast
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "zeroflow"
 
-LAYERS = ["util", "backend", "ops", "optim", "autocast", "engine", "memory", "config", "data",
-          "models", "hf", "lora", "trainer", "planner", "fusemix", "cli"]
+LAYERS = ["util", "backend", "ops", "optim", "autocast", "engine", "xla", "memory", "config",
+          "data", "models", "hf", "lora", "trainer", "planner", "fusemix", "cli"]
 RANK = {package: rank for rank, package in enumerate(LAYERS)}
 ENTRY_POINTS = {"zeroflow", "zeroflow.train", "zeroflow.sample", "zeroflow.export",
                 "zeroflow.launch", "zeroflow.memory.__main__",
                 "zeroflow.planner.__main__"}
 # What the engine layer must never reach, even lazily: it is the library other code imports.
-ABOVE_ENGINE = {"trainer", "cli", "config", "models", "data", "hf", "fusemix", "memory", "lora"}
+ABOVE_ENGINE = {"trainer", "cli", "config", "models", "data", "hf", "fusemix", "memory", "lora",
+                "xla"}
 
 
 def _module_name(path: pathlib.Path) -> str:

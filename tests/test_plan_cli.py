@@ -9,8 +9,8 @@ import pytest
 from zeroflow.backend import accelerators
 from zeroflow.cli import memory as memory_cli
 from zeroflow.cli import plan_flags, planner
-from zeroflow.memory import schedule
 from zeroflow.planner import memory_table
+from zeroflow.xla import schedule
 
 pytestmark = pytest.mark.fast
 

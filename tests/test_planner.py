@@ -231,7 +231,7 @@ def test_xla_gpu_estimate_picks_stage_0_over_stage_3():
     all-reduce does not (two small XLA:GPU compiles, in a process started with the
     scheduler's logging, which XLA reads at start-up)."""
     from zeroflow.backend import targets
-    from zeroflow.memory import schedule
+    from zeroflow.xla import schedule
     if not targets.plugin_installed():
         pytest.skip("compiling for GPU targets needs the CUDA plugin (jax-cuda12-plugin)")
     env = schedule.enable({**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})

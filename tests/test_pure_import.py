@@ -26,7 +26,7 @@ def _json_of(run: subprocess.CompletedProcess):
 
 
 HIGH_LAYERS = ("zeroflow.planner", "zeroflow.trainer", "zeroflow.cli", "zeroflow.lora",
-               "zeroflow.hf", "zeroflow.fusemix", "zeroflow.memory")
+               "zeroflow.hf", "zeroflow.fusemix", "zeroflow.memory", "zeroflow.xla")
 
 
 @pytest.mark.fast

@@ -1,4 +1,4 @@
-"""zeroflow.memory.schedule: XLA:GPU's step estimate read from its scheduler's statistics.
+"""zeroflow.xla.schedule: XLA:GPU's step estimate read from its scheduler's statistics.
 
 The parser on a synthetic log and module; then, in processes started with the logging on,
 programs compiled for 8 abstract H100s whose estimate can be reasoned about: an all-gather
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import require_cuda_plugin
 
-from zeroflow.memory import schedule
+from zeroflow.xla import schedule
 
 pytestmark = pytest.mark.slow
 

@@ -190,6 +190,6 @@ def start_xla(prog: str, devices: int, gpus: bool, command_line: bool) -> None:
 def drop_xla_info() -> None:
     """In the restarted command: drop XLA's notes that change no answer."""
     if os.environ.get("ZEROFLOW_QUIET_XLA_INFO"):
-        from zeroflow.memory import schedule  # imports jax: after the restart
+        from zeroflow.xla import schedule  # imports jax: after the restart
 
         schedule.drop_info_lines()

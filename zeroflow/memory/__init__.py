@@ -15,7 +15,9 @@ backward pass saves and its largest temporary); ``measure*`` and ``compile_step`
 and are the step's peak (``measure`` a compiled step's ``memory_analysis()``, ``measure_step``
 compile and read it, ``step_time`` XLA:GPU's own step-time estimate of that compile). A step's
 peak is XLA's: its compile (for abstract GPUs too, ``zf.target_mesh``) is the only model of its
-fusion, layouts and buffer reuse that holds across XLA versions.
+fusion, layouts and buffer reuse that holds across XLA versions. ``collectives``, ``overlap``,
+``traffic``, ``Collective`` and ``StepTime`` are read from a compiled step by ``zeroflow.xla``
+and named here too.
 
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
 offload x remat choice and names the cheapest that fits (the trainer's side of planning, a
@@ -27,10 +29,6 @@ from typing import TYPE_CHECKING
 from zeroflow.util import lazy as _lazy
 
 if TYPE_CHECKING:  # what a type checker and an editor see: the names __getattr__ resolves
-    from zeroflow.memory.collectives import Collective as Collective
-    from zeroflow.memory.collectives import collectives as collectives
-    from zeroflow.memory.collectives import overlap as overlap
-    from zeroflow.memory.collectives import traffic as traffic
     from zeroflow.memory.estimate import MemoryEstimate as MemoryEstimate
     from zeroflow.memory.estimate import ModelStates as ModelStates
     from zeroflow.memory.estimate import estimate as estimate
@@ -47,20 +45,25 @@ if TYPE_CHECKING:  # what a type checker and an editor see: the names __getattr_
     from zeroflow.memory.measure import measure_step as measure_step
     from zeroflow.memory.measure import state_bytes as state_bytes
     from zeroflow.memory.measure import step_time as step_time
-    from zeroflow.memory.schedule import StepTime as StepTime
     from zeroflow.memory.spec import RunSpec as RunSpec
+    from zeroflow.xla.collectives import Collective as Collective
+    from zeroflow.xla.collectives import collectives as collectives
+    from zeroflow.xla.collectives import overlap as overlap
+    from zeroflow.xla.collectives import traffic as traffic
+    from zeroflow.xla.schedule import StepTime as StepTime
 
 _NAMES = {
-    "collectives": "Collective collectives overlap traffic",
-    "estimate": "MemoryEstimate ModelStates estimate format_bytes hierarchical_copy_bytes "
-    "parse_bytes",
-    "instant": "StepEstimate estimate_step estimate_traced",
-    "measure": "MeasuredMemory compile_step compile_step_timed measure measure_step state_bytes "
-    "step_time",
-    "schedule": "StepTime",
-    "spec": "RunSpec",
+    "zeroflow.memory.estimate": "MemoryEstimate ModelStates estimate format_bytes "
+    "hierarchical_copy_bytes parse_bytes",
+    "zeroflow.memory.instant": "StepEstimate estimate_step estimate_traced",
+    "zeroflow.memory.measure": "MeasuredMemory compile_step compile_step_timed measure "
+    "measure_step state_bytes step_time",
+    "zeroflow.memory.spec": "RunSpec",
+    # what XLA says about a compiled step: read in the layer below (zeroflow.xla), named here
+    "zeroflow.xla.collectives": "Collective collectives overlap traffic",
+    "zeroflow.xla.schedule": "StepTime",
 }
-_WHERE = {name: f"zeroflow.memory.{m}" for m, names in _NAMES.items() for name in names.split()}
+_WHERE = {name: module for module, names in _NAMES.items() for name in names.split()}
 "Where each public name lives (imported the first time it is read)."
 
 GPT_NAMES = {

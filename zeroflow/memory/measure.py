@@ -17,8 +17,9 @@ import numpy as np
 from zeroflow.backend import accelerators
 from zeroflow.engine.state import abstract_master, init_train_state, state_shardings
 from zeroflow.engine.step import make_train_step
-from zeroflow.memory import on_target, schedule
+from zeroflow.memory import on_target
 from zeroflow.memory.traced import itemsize
+from zeroflow.xla import schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +168,7 @@ def abstract_step(
 
 
 def step_time(loss_fn, params, batch, tx, plan, prec, **options):
-    """XLA:GPU's estimated step (``zeroflow.memory.schedule.StepTime``: ``step_ms``,
+    """XLA:GPU's estimated step (``zeroflow.xla.schedule.StepTime``: ``step_ms``,
     ``exposed_us(kind)``, ``exposed_by_kind()``, ``mfu(...)``) of the step ``compile_step``
     compiles for the same arguments, on a ``zf.target_mesh`` (or GPUs). An estimate of XLA's
     cost model, not a measurement; the process must have been started with

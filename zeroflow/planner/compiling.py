@@ -1,5 +1,5 @@
 """One plan compiled by XLA for where it runs: its device peak and host memory (XLA's memory
-analysis) and on GPUs XLA:GPU's step estimate (``zeroflow.memory.schedule``). Compiles share one
+analysis) and on GPUs XLA:GPU's step estimate (``zeroflow.xla.schedule``). Compiles share one
 kernel cache per GPU target and cheap kernel code generation, which change no HLO, schedule or
 buffer (docs/planner.md, "Compiles are shared"). XLA:GPU costs no computation without an
 asynchronous collective: those loops are costed at their matmul flops at XLA's time per flop
@@ -13,11 +13,11 @@ import os
 import re
 import time
 
-from zeroflow.memory import hlo, schedule
-from zeroflow.memory.collectives import collectives, overlap
 from zeroflow.memory.measure import analysed, device_peak
 from zeroflow.planner.choices import XLA_FAILURE_TEXT, Choice
 from zeroflow.planner.where import Where
+from zeroflow.xla import hlo, schedule
+from zeroflow.xla.collectives import collectives, overlap
 
 CODEGEN_OPTIONS = {
     "xla_gpu_disable_gpuasm_optimizations": True,
@@ -46,7 +46,7 @@ class Measured:
     timed: bool = False
     "Whether XLA:GPU's scheduler estimate was read (a GPU compile with its logging on)."
     overlap: dict | None = None
-    "``zeroflow.memory.collectives.overlap`` of the compiled step, where asked for."
+    "``zeroflow.xla.collectives.overlap`` of the compiled step, where asked for."
 
     def step_ms(self, rates: Rates, where: Where) -> float | None:
         """XLA's step estimate, the loops it did not cost at the best time per flop known."""

@@ -11,15 +11,21 @@ from typing import Any
 
 
 class _Package(types.ModuleType):
-    """A package some of whose public functions share their module's name (``memory.estimate``
-    is ``memory.estimate.estimate``): importing that module records it on the package, which
-    would hide the function; the function stays what the name reads."""
+    """A package some of whose public functions share a module's name (``memory.estimate`` is
+    ``memory.estimate.estimate``; ``memory.collectives`` is ``xla.collectives.collectives``, and
+    ``memory.collectives`` is also the module kept where it used to live): importing that module
+    records it on the package, which would hide the function; the function stays what the name
+    reads."""
 
     _lazy_where: dict[str, str]
 
     def __setattr__(self, name: str, value: Any) -> None:
         where = self.__dict__.get("_lazy_where", {})
-        if isinstance(value, types.ModuleType) and where.get(name) == f"{self.__name__}.{name}":
+        if (
+            isinstance(value, types.ModuleType)
+            and name in where
+            and value.__name__ == f"{self.__name__}.{name}"
+        ):
             return
         super().__setattr__(name, value)
 

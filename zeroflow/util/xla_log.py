@@ -1,6 +1,6 @@
 """What makes XLA print its schedule statistics, importable without jax: XLA reads these
 variables when it starts, so a command sets them in its own environment and starts itself again
-before it imports jax (``zeroflow.memory.schedule`` reads the statistics)."""
+before it imports jax (``zeroflow.xla.schedule`` reads the statistics)."""
 
 from __future__ import annotations
 
