@@ -153,3 +153,25 @@ def test_a_loop_without_statistics_is_costed_from_its_matmul_flops():
     assert {c.costed_by for c in alone.computations if c.name != "main"} == {"peak-flops"}
     assert alone.step_us == pytest.approx(10 + 4 * 3 * flops / 1e12 * 1e6)
     assert schedule.parse(log, FLOPS_HLO).step_us == pytest.approx(10 + 4 * 6)  # left out
+
+
+def test_an_asynchronous_fusion_placeholder_and_other_modules_are_not_the_steps_time():
+    """Newer XLA:GPU slices a loop's operand with an asynchronous fusion, which its latency
+    estimator charges a fixed 5,000 cycles, and prints statistics for modules it builds of
+    single fusions: the loop keeps its exposed reduce-scatter, its matmuls are costed by flops,
+    and the other module's figure is left out."""
+    flops = 2 * 64 * 32 * 128
+    hlo = FLOPS_HLO.replace(
+        "  %f2 = ", "  %s = ((bf16[8,64]), bf16[64]) fusion-start(%a), kind=kLoop, calls=%x\n"
+                    "  %f2 = ")
+    other = _stats("entry_computation", 5000.0).replace("module m(0)",
+                                                        "module loop_dynamic_slice_fusion(7)")
+    log = other + _stats("main", 10.0) + _stats("bwd.body", 5006.0, reduce_scatter=1.0)
+    at_peak = flops / 1e12 * 1e6  # one matmul at the peak, in microseconds
+    est = schedule.parse(log, hlo, peak_flops=1e12)
+    assert "entry_computation" not in {c.name for c in est.computations}
+    assert est.uncosted == ("bwd.body", "fwd.body")
+    bwd = next(c for c in est.computations if c.name == "bwd.body")
+    assert (bwd.costed_by, bwd.wasted_us) == ("peak-flops", {"reduce-scatter": 1.0})
+    assert est.step_us == pytest.approx(10 + 4 * at_peak + 4 * (1.0 + 2 * at_peak))
+    assert schedule.parse(log, hlo).step_us == pytest.approx(10 + 4 * 1.0)

@@ -181,13 +181,14 @@ def step_parts(est: schedule.StepTime, text: str) -> tuple[float, float, float |
     bodies, entry = hlo.computations(text), hlo.entry(text)
     runs, (trips, _) = hlo.runs(bodies, entry), schedule.loop_trips(text)
     loops = [(c, schedule.gemm_flops(bodies, c.name) * c.trips) for c in est.computations]
-    loops = [(c, f) for c, f in loops if f and c.name in trips]
+    loops = [(c, f) for c, f in loops if f and c.name in trips and c.name not in est.uncosted]
     flops = sum(f for _, f in loops)
     compute_us = sum((c.total_us - sum(c.wasted_us.values())) * c.trips for c, _ in loops)
     uncosted = sum(schedule.gemm_flops(bodies, n) * runs.get(n, 1) for n in est.uncosted)
     # Without any collective (one device) XLA prints nothing for the entry computation either:
     # its own matmuls (a vocabulary projection outside the layer loop) are costed by flops too.
-    if entry is not None and all(c.name != entry for c in est.computations):
+    costed = {c.name for c in est.computations} | set(est.uncosted)
+    if entry is not None and entry not in costed:
         uncosted += schedule.gemm_flops(bodies, entry)
     return (
         sum(c.total_us * c.trips for c in est.computations),

@@ -30,6 +30,9 @@ from zeroflow.xla import hlo
 LOG_ENV, enable, enabled = xla_log.LOG_ENV, xla_log.enable, xla_log.enabled
 
 _BLOCK = "Statistics after scheduling:"
+_MODULE = re.compile(r"^HloModule ([\w.\-]+)", re.M)
+_ASYNC_COMPUTE = re.compile(r" (?:fusion|call)-start\(")
+"An asynchronous computation that is not a collective or a copy (its start)."
 _STAT = re.compile(r"\] (Total wasted cycles|Wasted cycles for [\w-]+|Total cycles): ([-\d.e+]+)")
 
 
@@ -55,7 +58,8 @@ class StepTime:
 
     computations: tuple
     uncosted: tuple
-    "Loop bodies XLA printed no statistics for (no asynchronous collective in them)."
+    "Loop bodies XLA printed no statistics for (no asynchronous collective in them), and the"
+    " computations its figure for is a placeholder (an asynchronous fusion; see ``parse``)."
 
     @property
     def step_us(self) -> float:
@@ -103,27 +107,51 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
     XLA printed nothing for (no asynchronous collective inside) is costed from its matmuls'
     flops, at the time per flop XLA's model gave the program's costed loops (the same layers'
     matmuls: a stage-2 forward loop beside its costed backward loop), or at the peak where no
-    loop is costed (a lower bound); it stays listed in ``uncosted``."""
+    loop is costed (a lower bound); it stays listed in ``uncosted``. So does a computation that
+    starts an asynchronous fusion (newer XLA:GPU runs a loop's dynamic slice on the side):
+    XLA's latency estimator has no model of those and charges each its fixed 5,000-cycle
+    placeholder, a computation's whole estimate for a 2 KB copy: such a computation keeps the
+    collective waits XLA's schedule exposes, and its matmuls are costed as an uncosted loop's.
+    Statistics of other modules (XLA schedules some fusions as modules of their own while it
+    compiles the step) are not the step's and are left out."""
+    module = _MODULE.search(hlo_text)
     stats = {}  # by computation: the last block printed for it
     for block in log_text.split(_BLOCK)[1:]:
         block = block.split("Statistics before scheduling")[0]
-        name = re.search(r"For computation: ([^,\s]+)", block)
-        if name is not None:
+        name = re.search(r"For computation: ([^,\s]+)(?:, module ([\w.\-]+))?", block)
+        if name is not None and not (module and name[2] and name[2] != module[1]):
             values = {k: float(v) for k, v in _STAT.findall(block)}
             prefix = "Wasted cycles for "
             wasted = {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
             stats[name[1]] = (values.get("Total cycles", 0.0), wasted)
     bodies = hlo.computations(hlo_text)
     runs = hlo.runs(bodies, hlo.entry(hlo_text))
-    comps = [
-        Computation(name, runs.get(name, 1), total, {k: v for k, v in wasted.items() if v})
-        for name, (total, wasted) in stats.items()
-    ]
+    placeholder = {n for n in stats if any(map(_ASYNC_COMPUTE.search, bodies.get(n, ())))}
+    comps = []
+    for name, (total, wasted) in stats.items():
+        wasted = {k: v for k, v in wasted.items() if v}
+        # A placeholder's computation keeps its exposed collectives; its compute is costed below.
+        total = sum(wasted.values()) if name in placeholder else total
+        comps.append(Computation(name, runs.get(name, 1), total, wasted))
     trips, unknown = loop_trips(hlo_text)
-    uncosted = tuple(sorted((set(trips) | unknown) - {c.name for c in comps}))
+    uncosted = (set(trips) | unknown) - {c.name for c in comps} | placeholder
+    uncosted = tuple(sorted(uncosted))
     if peak_flops and uncosted:
-        comps += _cost_by_flops(uncosted, comps, bodies, trips, runs, peak_flops)
+        costed = [c for c in comps if c.name not in placeholder]
+        by_flops = {
+            c.name: c for c in _cost_by_flops(uncosted, costed, bodies, trips, runs, peak_flops)
+        }
+        comps = [_plus(c, by_flops.pop(c.name, None)) for c in comps] + list(by_flops.values())
     return StepTime(tuple(comps), uncosted)
+
+
+def _plus(waits: Computation, compute: Computation | None) -> Computation:
+    """A placeholder's computation: its exposed collectives, plus its matmuls costed by flops."""
+    if compute is None:
+        return waits
+    return dataclasses.replace(
+        compute, total_us=waits.total_us + compute.total_us, wasted_us=waits.wasted_us
+    )
 
 
 def _cost_by_flops(uncosted, costed, bodies, trips, runs, peak_flops) -> list:
