@@ -11,9 +11,10 @@
 Two verbs: ``estimate*`` is the instant what-if, no compile (``estimate`` the ZeRO paper's
 model states from a parameter count, ``estimate_config`` a trainer config's with the GPT's
 activation formula, ``estimate_step`` any JAX loss's step from its traced program: what its
-backward pass saves and its largest temporary); ``measure*`` and ``compile_step`` ask XLA, by compiling,
-and are the step's peak (``measure`` a compiled step's ``memory_analysis()``, ``measure_step``
-compile and read it, ``step_time`` XLA:GPU's own step-time estimate of that compile). A step's
+backward pass saves and its largest temporary); ``measure*`` and ``compile_step`` ask XLA, by
+compiling, and are the step's peak (``measure`` a compiled step's ``memory_analysis()``,
+``measure_step`` compile and read it, ``step_time`` XLA:GPU's own step-time estimate of that
+compile). A step's
 peak is XLA's: its compile (for abstract GPUs too, ``zf.target_mesh``) is the only model of its
 fusion, layouts and buffer reuse that holds across XLA versions. ``collectives``, ``overlap``,
 ``traffic``, ``Collective`` and ``StepTime`` are read from a compiled step by ``zeroflow.xla``

@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 class CompiledOnTarget:
     """An XLA:GPU executable with the parts of ``jax.stages.Compiled`` that
-    ``zf.memory.analysed`` and ``zf.memory.collectives`` read."""
+    ``zeroflow.memory.measure.analysed`` and ``zf.memory.collectives`` read."""
 
     def __init__(self, executable, mesh: Mesh):
         self._executable = executable

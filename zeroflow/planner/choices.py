@@ -239,8 +239,8 @@ def needs_more(a: Choice, b: Choice) -> bool:
     """Whether ``a`` needs at least the device memory ``b`` needs, knob by knob: a plan that
     did not fit rules out every plan that needs more. Only orders that hold for every model
     are used (a lower stage, less remat, bigger micro-batches, the state on the device);
-    anything else (ZeRO++, another attention kernel, FP8 matmuls) is not compared. FP8 residuals need less
-    than the compute dtype's at the same remat, never more."""
+    anything else (ZeRO++, another attention kernel, FP8 matmuls) is not compared. FP8
+    residuals need less than the compute dtype's at the same remat, never more."""
     same = ("attention", "quantize_weights", "quantize_grads", "hierarchical", "autocast")
     if any(getattr(a, k) != getattr(b, k) for k in same) or (a.remat is None) != (b.remat is None):
         return False
