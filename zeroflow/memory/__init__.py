@@ -14,11 +14,10 @@ activation formula, ``estimate_step`` any JAX loss's step from its traced progra
 backward pass saves and its largest temporary); ``measure*`` and ``compile_step`` ask XLA, by
 compiling, and are the step's peak (``measure`` a compiled step's ``memory_analysis()``,
 ``measure_step`` compile and read it, ``step_time`` XLA:GPU's own step-time estimate of that
-compile). A step's
-peak is XLA's: its compile (for abstract GPUs too, ``zf.target_mesh``) is the only model of its
-fusion, layouts and buffer reuse that holds across XLA versions. ``collectives``, ``overlap``,
-``traffic``, ``Collective`` and ``StepTime`` are read from a compiled step by ``zeroflow.xla``
-and named here too.
+compile). A step's peak is XLA's: its compile (for abstract GPUs too, ``zf.target_mesh``) is
+the only model of its fusion, layouts and buffer reuse that holds across XLA versions.
+``collectives``, ``overlap``, ``traffic``, ``Collective`` and ``StepTime`` are read from a
+compiled step by ``zeroflow.xla`` and named here too.
 
 ``python -m zeroflow.memory --config X --devices N --device-memory 80GB`` prints every stage x
 offload x remat choice and names the cheapest that fits (the trainer's side of planning, a
