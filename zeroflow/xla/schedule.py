@@ -128,14 +128,13 @@ def parse(log_text: str, hlo_text: str, peak_flops: float | None = None) -> Step
     runs = hlo.runs(bodies, hlo.entry(hlo_text))
     placeholder = {n for n in stats if any(map(_ASYNC_COMPUTE.search, bodies.get(n, ())))}
     comps = []
-    for name, (total, wasted) in stats.items():
-        wasted = {k: v for k, v in wasted.items() if v}
+    for comp, (total, printed) in stats.items():
+        waits = {k: v for k, v in printed.items() if v}
         # A placeholder's computation keeps its exposed collectives; its compute is costed below.
-        total = sum(wasted.values()) if name in placeholder else total
-        comps.append(Computation(name, runs.get(name, 1), total, wasted))
+        total = sum(waits.values()) if comp in placeholder else total
+        comps.append(Computation(comp, runs.get(comp, 1), total, waits))
     trips, unknown = loop_trips(hlo_text)
-    uncosted = (set(trips) | unknown) - {c.name for c in comps} | placeholder
-    uncosted = tuple(sorted(uncosted))
+    uncosted = tuple(sorted((set(trips) | unknown) - {c.name for c in comps} | placeholder))
     if peak_flops and uncosted:
         costed = [c for c in comps if c.name not in placeholder]
         by_flops = {
