@@ -65,6 +65,7 @@ def compile_row(row: dict) -> dict:
     from zeroflow.backend.targets import compute_capability
     from zeroflow.config.io import load_config
     from zeroflow.memory.measure import analysed
+    from zeroflow.memory.on_target import compile_for
     from zeroflow.models import LAYER_STACK
     from zeroflow.trainer import setup
     from zeroflow.trainer.planning import abstract_setup
@@ -80,14 +81,23 @@ def compile_row(row: dict) -> dict:
             cfg,
             num_devices=8,
             stage=3,
-            offload="none",
-            update_on="device",
+            offload=row.get("offload", "none"),
+            update_on=cfg.parallel.update_on,
             remat=cfg.model.remat,
             target="h100",
         )
-        lowered = made.step.lower(made.state, made.batch)
+        if made.target is None:
+            lowered = made.step.lower(made.state, made.batch)
+            compile_it = lowered.compile
+        else:  # offloaded: planned on CPU stand-ins, compiled for the GPUs (on_target)
+            traced = made.step.jitted(made.state).trace(made.state, made.batch)
+            lowered = traced.lower(lowering_platforms=("cuda",))
+
+            def compile_it():
+                return compile_for(made.step, made.state, made.batch, made.target)
+
         compiled, est = schedule.timed(
-            lowered.compile, peak_flops=accelerators.required("h100").bf16_flops
+            compile_it, peak_flops=accelerators.required("h100").bf16_flops
         )
     text = compiled.as_text()
     if row.get("dump"):
@@ -152,6 +162,8 @@ def run_child(row: dict, timeout: float) -> dict:
 
     env = schedule.enable(dict(os.environ))
     env.update(JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
+    # an offloaded step is planned on 8 CPU devices standing in for the GPUs
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(HERE), str(HERE.parent), env.get("PYTHONPATH")])
     )
@@ -196,6 +208,7 @@ def main() -> int:
     p.add_argument("--scalings", default="delayed,tensor")
     p.add_argument("--routes", default=",".join(ROUTES))
     p.add_argument("--set", action="append", default=[], help="more config overrides")
+    p.add_argument("--offload", default="none", help="parallel.offload (update_on: the config's)")
     p.add_argument("--timeout", type=float, default=3000)
     p.add_argument("--dump", default=None, help="write each compiled module to DUMP.<row>.hlo")
     args = p.parse_args()
@@ -218,6 +231,7 @@ def main() -> int:
                 scaling=scaling,
                 route=route,
                 extra=args.set,
+                offload=args.offload,
             )
             if args.dump:
                 row["dump"] = f"{args.dump}.{scaling}.{route}.hlo"
