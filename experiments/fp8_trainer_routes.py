@@ -107,6 +107,7 @@ def compile_row(row: dict) -> dict:
         **row,
         "compile_s": round(time.time() - start, 1),
         "peak_bytes": analysed(compiled).total_bytes,
+        "temp_bytes": analysed(compiled).temp_bytes,
         "step_ms": est.step_ms,
         "exposed_ms": {k: v / 1e3 for k, v in est.exposed_by_kind().items()},
         "fp8_gemms": gemms["fp8"]["gemms"],
