@@ -37,7 +37,7 @@ def make_eval(run: Run):
         # Offloaded weights are read from host memory like the train step reads them: the
         # scanned layers one at a time as they run, the rest whole (no-ops when not offloaded).
         # No rng: evaluation is deterministic (dropout off).
-        if run.gather_per_layer is None:  # LoRA: the adapted loss reads every weight whole
+        if run.gather_per_layer is None:  # LoRA, FP8 gathers on use: the loss reads weights whole
             return run.loss_fn(offload.to_device(state.params), batch)[0]
         params = {
             k: v if k == LAYER_STACK else offload.to_device(v) for k, v in state.params.items()
