@@ -177,6 +177,41 @@ def test_a_skipped_step_keeps_the_old_fp8_state():
     assert np.all(np.isfinite(x_history))
 
 
+def test_a_checkpoint_with_other_matmul_sites_restores_the_weights_and_starts_the_histories_afresh(
+        tmp_path, caplog):
+    """Amax histories are keyed by the traced step's matmul sites: a checkpoint of a step
+    traced another way (here: the same weights, one matmul reading w1 @ w2 folded first, so
+    one site instead of two) restores its weights and optimizer state, and its histories are
+    replaced by a first step's (scale 1, empty history), said in a warning."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    prec = zf.Precision(autocast="fp8", fp8_scaling="delayed", fp8_select="all",
+                        fp8_history=HISTORY)
+    tx = optax.adam(LR)
+    saved = zf.init_train_state(init_params(), tx, plan, prec)
+    saved, _ = zf.make_train_step(two_matmuls, tx, plan, prec)(saved, batches(1, N_DEV * ROWS)[0])
+    zf.save_checkpoint(tmp_path / "ck", saved)
+
+    def folded(params, batch):  # the same function of the weights, traced with other sites
+        w = jax.lax.stop_gradient(params["w1"]) @ params["w2"]
+        return jnp.mean(jnp.sum((batch["x"] @ w + 0 * params["w1"].sum()) * batch["c"], -1))
+
+    like = zf.init_train_state(init_params(), tx, plan, prec)
+    like, _ = zf.make_train_step(folded, tx, plan, prec)(like, batches(1, N_DEV * ROWS)[0])
+    assert sorted(like.fp8) != sorted(saved.fp8) or jax.tree.map(
+        np.shape, like.fp8) != jax.tree.map(np.shape, saved.fp8)
+    with caplog.at_level("WARNING"):
+        back = zf.restore_checkpoint(tmp_path / "ck", like)
+    assert "other matmul sites" in caplog.text
+    for name, w in saved.master_params.items():
+        np.testing.assert_array_equal(np.asarray(back.master_params[name]), np.asarray(w))
+    for a, b in zip(jax.tree.leaves(back.opt_state), jax.tree.leaves(saved.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for site in back.fp8.values():
+        for meta in (site.lhs, site.rhs, site.grad):
+            assert np.all(np.asarray(meta.scale) == 1.0)
+            assert not np.any(np.asarray(meta.history))
+
+
 # --------------------------------------------------------------------------- the trainer
 SHRUNK = TINY_TRAINER + ["data.max_bytes=200000", "train.eval_every=0"]
 FP8_DELAYED = ["precision.autocast=fp8", "precision.fp8_scaling=delayed",

@@ -232,13 +232,28 @@ def _loss_scale(restored, like: TrainState, place):
 
 
 def _fp8(restored, like: TrainState, place):
-    """The saved amax histories; a checkpoint without them (saved under current scaling)
-    resumes delayed scaling from a first step's state."""
+    """The saved amax histories; a checkpoint without them (saved under current scaling), or
+    with those of other matmul sites (``_other_sites``), resumes delayed scaling from a first
+    step's state."""
     if like.fp8 is None or not jax.tree.leaves(like.fp8):
         return like.fp8
     if "fp8" not in restored:
         return fp8_state.fresh_like(like.fp8)
+    if _other_sites(restored["fp8"], like.fp8):
+        log.warning(
+            "the checkpoint's FP8 amax histories are of other matmul sites than this step's (it "
+            "was traced another way, e.g. by another zeroflow's stage-3 gather route): delayed "
+            "scaling starts them afresh; the weights and optimizer state are restored"
+        )
+        return fp8_state.fresh_like(like.fp8)
     return jax.tree.map(place, restored["fp8"], like.fp8)
+
+
+def _other_sites(saved, wanted) -> bool:
+    """Whether two amax-history trees name other sites or shapes: they are keyed by where the
+    traced step's FP8 matmuls are, so a step traced another way has others. Histories are
+    statistics of recent steps, not weights: a step without its own starts them afresh."""
+    return _leaf_table(saved) != _leaf_table(wanted)
 
 
 def _rng(restored, like: TrainState):
@@ -258,6 +273,8 @@ def restore_target(like: TrainState, saved_keys) -> dict[str, Any]:
     for key in OPTIONAL:
         if key not in saved_keys:
             target.pop(key, None)
+    if "fp8" in saved_keys and "fp8" in target and _other_sites(saved_keys["fp8"], target["fp8"]):
+        del target["fp8"]  # other sites' histories: read as saved, then dropped (``_fp8``)
     for key in ("loss_scale", "rng", "fp8"):  # saved, not wanted here: read, then dropped
         if key in saved_keys and key not in target:
             target[key] = jax.tree.map(
