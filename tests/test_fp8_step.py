@@ -212,6 +212,29 @@ def test_a_checkpoint_with_other_matmul_sites_restores_the_weights_and_starts_th
             assert not np.any(np.asarray(meta.history))
 
 
+def test_a_checkpoint_with_another_history_length_restores_with_fresh_histories(tmp_path):
+    """The same sites with a longer ``fp8_history``: the weights come back, the histories start
+    afresh in the new length."""
+    plan = zf.ZeroPlan(zf.make_mesh(), stage=1)
+    tx = optax.sgd(LR)
+    batch = batches(1, N_DEV * ROWS)[0]
+
+    def trained(history):
+        prec = zf.Precision(autocast="fp8", fp8_scaling="delayed", fp8_select="all",
+                            fp8_history=history)
+        state = zf.init_train_state(init_params(), tx, plan, prec)
+        return zf.make_train_step(two_matmuls, tx, plan, prec)(state, batch)[0]
+
+    saved = trained(HISTORY)
+    zf.save_checkpoint(tmp_path / "ck", saved)
+    back = zf.restore_checkpoint(tmp_path / "ck", trained(HISTORY + 2))
+    for name, w in saved.master_params.items():
+        np.testing.assert_array_equal(np.asarray(back.master_params[name]), np.asarray(w))
+    for site in back.fp8.values():
+        assert np.shape(site.lhs.history)[-1] == HISTORY + 2
+        assert not np.any(np.asarray(site.lhs.history))
+
+
 # --------------------------------------------------------------------------- the trainer
 SHRUNK = TINY_TRAINER + ["data.max_bytes=200000", "train.eval_every=0"]
 FP8_DELAYED = ["precision.autocast=fp8", "precision.fp8_scaling=delayed",

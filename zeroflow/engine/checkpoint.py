@@ -241,18 +241,20 @@ def _fp8(restored, like: TrainState, place):
         return fp8_state.fresh_like(like.fp8)
     if _other_sites(restored["fp8"], like.fp8):
         log.warning(
-            "the checkpoint's FP8 amax histories are of other matmul sites than this step's (it "
-            "was traced another way, e.g. by another zeroflow's stage-3 gather route): delayed "
-            "scaling starts them afresh; the weights and optimizer state are restored"
+            "the checkpoint's FP8 amax histories are of other matmul sites or history lengths "
+            "than this step's (it was traced another way, e.g. by another stage-3 gather route, "
+            "or precision.fp8_history changed): delayed scaling starts them afresh; the "
+            "weights and optimizer state are restored"
         )
         return fp8_state.fresh_like(like.fp8)
     return jax.tree.map(place, restored["fp8"], like.fp8)
 
 
 def _other_sites(saved, wanted) -> bool:
-    """Whether two amax-history trees name other sites or shapes: they are keyed by where the
-    traced step's FP8 matmuls are, so a step traced another way has others. Histories are
-    statistics of recent steps, not weights: a step without its own starts them afresh."""
+    """Whether two amax-history trees name other sites or shapes (history lengths): they are
+    keyed by where the traced step's FP8 matmuls are, so a step traced another way has others.
+    Histories are statistics of recent steps, not weights: a step without its own starts them
+    afresh."""
     return _leaf_table(saved) != _leaf_table(wanted)
 
 
