@@ -201,6 +201,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _bad_input(args) -> str | None:
+    """What is wrong with the command line, in one line, before any row is compiled: an unknown
+    route, or a config that does not load with a row's overrides."""
+    from zeroflow.config.io import ConfigError, load_config
+
+    routes = [r for r in args.routes.split(",") if r not in ROUTES]
+    if routes:
+        return f"unknown route(s) {routes}; choose from {list(ROUTES)}"
+    for scaling in args.scalings.split(","):
+        row = dict(scaling=scaling, layers=args.layers, extra=args.set)
+        try:
+            load_config(args.config, route_overrides(row))
+        except (ConfigError, OSError) as e:
+            return str(e).splitlines()[0]
+    return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--row", help=argparse.SUPPRESS)
@@ -216,6 +233,10 @@ def main() -> int:
     if args.row:
         print(json.dumps(compile_row(json.loads(args.row))), flush=True)
         return 0
+    problem = _bad_input(args)
+    if problem:
+        print(f"fp8_trainer_routes.py: error: {problem}", file=sys.stderr)
+        return 2
     print(
         f"# {datetime.date.today()}, {platform.machine()} CPU ({platform.node()}), "
         f"XLA:GPU estimate (deviceless compile): {' '.join(sys.argv)}",
