@@ -114,3 +114,19 @@ def require_cuda_plugin():
     if cuda_plugin_module() is None:
         pytest.skip("no CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin) is installed: "
                     "pip install -e '.[test]'", allow_module_level=True)
+
+
+def printed_by(run, *args) -> str:
+    """What ``run(*args)`` prints, with ``os.environ`` put back as it was after it (the GPU
+    report pins its own process to the CPU platform)."""
+    import contextlib
+    import io
+
+    saved = dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            run(*args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return printed.getvalue()

@@ -4,9 +4,7 @@ exit, segfault, hang, a broken stage plan, an exhausted budget) is recorded whil
 on."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
@@ -30,7 +28,7 @@ from gpureport.profiles import QUICK, STAGE_ORDER  # noqa: E402
 from gpureport.runner import Context, Item, Runner, Summary  # noqa: E402
 from gpureport.session import RunOptions, run_report  # noqa: E402
 from gpureport.stages import STAGES  # noqa: E402
-from helpers import one_cpu_env  # noqa: E402
+from helpers import one_cpu_env, printed_by  # noqa: E402
 
 GOOD = ("ok", "reused")
 STATUSES = {"ok", "reused", "error", "oom", "timeout", "crash", "skipped", "unavailable"}
@@ -60,15 +58,9 @@ def quick(tmp_path_factory):
     options = RunOptions(out=out, command="python scripts/gpu_report.py --quick", time_limit_s=300000,
                          budgets={name: 30000 for name in STAGE_ORDER}, require_gpu=False,
                          timeout_scale=1000)
-    saved = dict(os.environ)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            run_report(SMOKE, options)
-    finally:  # the report pins this process to the CPU platform
-        os.environ.clear()
-        os.environ.update(saved)
+    printed = printed_by(run_report, SMOKE, options)
     report = json.loads((out / files.REPORT_JSON).read_text())
-    return out, report, printed.getvalue()
+    return out, report, printed
 
 
 def _results(report, stage, item_prefix=""):

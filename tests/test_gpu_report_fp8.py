@@ -4,12 +4,9 @@ run on the CPU (XLA:CPU computes with the float8 types), and (slow) every item o
 run by the report in --quick, each in its own process as on the GPU."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from gpureport.profiles import FULL, QUICK, STAGE_ORDER  # noqa: E402
 from gpureport.runner import Context, Item, Outcome, Runner, Summary  # noqa: E402
 from gpureport.session import RunOptions, run_report  # noqa: E402
 from gpureport.stages import fp8  # noqa: E402
-from helpers import one_cpu_env  # noqa: E402
+from helpers import one_cpu_env, printed_by  # noqa: E402
 
 A100 = {"backend": "gpu", "device_kind": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
 H100 = {"backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}
@@ -248,16 +245,10 @@ def test_quick_fp8_stage_runs_every_item_in_its_own_process(tmp_path):
                          budgets={"fp8": 30000}, require_gpu=False, timeout_scale=1000)
     profile = dataclasses.replace(QUICK, child_vars={**QUICK.child_vars,
                                                      "XLA_FLAGS": one_cpu_env()["XLA_FLAGS"]})
-    saved = dict(os.environ)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            run_report(profile, options)
-    finally:  # the report pins this process to the CPU platform
-        os.environ.clear()
-        os.environ.update(saved)
+    printed = printed_by(run_report, profile, options)
     report = json.loads((tmp_path / files.REPORT_JSON).read_text())
-    assert "fp8 step | bf16 autocast vs fp8 delayed -> ok" in printed.getvalue()
-    assert "x bf16" in printed.getvalue().split("fp8 delayed -> ok")[1].splitlines()[0]
+    assert "fp8 step | bf16 autocast vs fp8 delayed -> ok" in printed
+    assert "x bf16" in printed.split("fp8 delayed -> ok")[1].splitlines()[0]
     own = [r for r in report["records"] if r["stage"] == "fp8"]
     assert [(r["item"], r["status"]) for r in own] == [
         ("fp8 GEMM 64^3", "ok"), ("fp8 GEMM 64^3", "ok"), ("fp8 step", "ok"), ("fp8 step", "ok"),
