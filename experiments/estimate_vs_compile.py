@@ -5,7 +5,9 @@
 Cases: the trainer's GPT at configs/tiny.yaml's shape widened as below, at every ZeRO stage x
 remat policy on 8 emulated CPU devices (XLA:CPU); GPT-2 small (configs/gpt2-small.yaml) on 8
 abstract H100s (XLA:GPU, needs the CUDA plugin; skipped with a note without it); a plain-JAX
-scanned residual MLP; the model corpus's Equinox transformer (tests/model_corpus.py). Each
+scanned residual MLP; the model corpus's Equinox transformer (tests/model_corpus.py); host
+offload of state and activations on abstract H100s (configs/tiny.yaml, and the 8B long-context
+config at 884,736 tokens). Each
 row: the estimate, its parts, XLA's peak per device (``measure``'s, less offloaded state) and
 the ratio. Writes ``estimate_vs_compile.md`` to ``--out``; about 10 minutes on 2 busy cores.
 """
@@ -20,8 +22,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import contextlib
 import datetime
+import itertools
 import pathlib
 import sys
 import time
@@ -40,10 +42,9 @@ from experiments.machine import cpu_name
 from zeroflow.autocast.precision import Precision
 from zeroflow.config.io import load_config
 from zeroflow.engine.plan import ZeroPlan
-from zeroflow.memory.instant import estimate_step, estimate_traced
+from zeroflow.memory.instant import estimate_step
 from zeroflow.memory.measure import device_peak, measure_step
-from zeroflow.trainer.planning import abstract_setup, compile_config
-from zeroflow.util import compat
+from zeroflow.trainer.planning import compile_config, trace_config
 
 MB = 1e6
 TINY = [
@@ -61,10 +62,7 @@ def config_row(name, cfg, **choice) -> dict:
     from zeroflow.memory.measure import analysed
 
     t0 = time.time()
-    setup = abstract_setup(cfg, **choice)
-    cudnn = choice.get("target") and cfg.model.attention == "cudnn"
-    with compat.cudnn_for_target() if cudnn else contextlib.nullcontext():
-        est = estimate_traced(setup.step, setup.state, setup.batch)
+    est = trace_config(cfg, **choice)
     est_s = time.time() - t0
     t0 = time.time()
     compiled, setup = compile_config(cfg, **choice)
@@ -183,6 +181,30 @@ def cases(quick: bool):
                     target="h100",
                 ),
             )
+        yield from offload_cases()
+
+
+def offload_cases():
+    """Host offload on abstract H100s (XLA:GPU keeps host memory apart): the small GPT's state
+    and activations, and the 8B long-context run of docs/long_context.md."""
+    tiny = load_config("configs/tiny.yaml", [])
+    for stage, offload, remat in itertools.product(
+        (0, 3), ("none", "optimizer", "optimizer+params"), ("full", "offload_dots", "offload_input")
+    ):
+        choice = dict(num_devices=8, stage=stage, offload=offload, remat=remat)
+        yield (
+            f"tiny GPT (bf16) on 8 x H100, stage {stage}, offload {offload}, remat {remat}",
+            lambda n, c=choice: config_row(n, tiny, update_on="device", target="h100", **c),
+        )
+    llama = load_config("configs/long-context-llama3-8b.yaml", ["model.seq_len=884736"])
+    for offload, remat in itertools.product(
+        ("none", "optimizer", "optimizer+params"), ("full", "offload_input")
+    ):
+        choice = dict(num_devices=1, stage=0, offload=offload, remat=remat)
+        yield (
+            f"Llama 3.1 8B, 884,736 tokens, 1 x H100, offload {offload}, remat {remat}",
+            lambda n, c=choice: config_row(n, llama, update_on="device", target="h100", **c),
+        )
 
 
 def table(rows) -> str:

@@ -54,7 +54,14 @@ def estimate_traced(step, state, batch) -> StepEstimate:
             f"{len(leaves)}"
         )
     shares = [sharding_share(x.sharding, x.shape) for x in leaves]
-    walked = walk(jaxpr, shares, reusable=range(len(state_leaves)), overlap=_on_gpus(leaves))
+    homes = [sharding_share(x.sharding, x.shape, in_device_memory=True) for x in leaves]
+    walked = walk(
+        jaxpr,
+        shares,
+        reusable=range(len(state_leaves)),
+        overlap=_on_gpus(leaves),
+        in_homes=homes,
+    )
     kinds = state_bytes(state)
     batch_shares = shares[len(state_leaves) :]
     return StepEstimate(

@@ -60,6 +60,9 @@ class Walk(NamedTuple):
     reused: list
     at: str = ""
     "The operation at the peak (its path through calls and loops)."
+    out_homes: list[float] = []
+    "Each output's share per device were it in device memory (a host-memory one's 0 share"
+    " above says nothing of what its copy back to the device takes)."
 
 
 class _Buffer(NamedTuple):
@@ -85,10 +88,10 @@ def aval_bytes(aval) -> int:
     return 0 if shape is None or dtype is None else math.prod(shape) * itemsize(dtype)
 
 
-def sharding_share(sharding, shape: Sequence[int]) -> float:
+def sharding_share(sharding, shape: Sequence[int], *, in_device_memory: bool = False) -> float:
     """The fraction of a ``shape``d value one device holds under ``sharding`` (0 for host
-    memory, 1 where the sharding is not a concrete one)."""
-    if getattr(sharding, "memory_kind", None) == "pinned_host":
+    memory unless ``in_device_memory``, 1 where the sharding is not a concrete one)."""
+    if _space(sharding) == "host" and not in_device_memory:
         return 0.0
     try:
         local = sharding.shard_shape(tuple(shape))
@@ -96,6 +99,18 @@ def sharding_share(sharding, shape: Sequence[int]) -> float:
         return 1.0
     whole = math.prod(shape)
     return math.prod(local) / whole if whole else 1.0
+
+
+def _space(dest) -> str | None:
+    """Which memory a ``device_put`` destination names: 'host', 'device', or None (a
+    sharding that leaves the memory as it is): a sharding's memory kind, or ``jax.memory.Space``
+    (how the engine streams offloaded state and JAX's remat offloads residuals)."""
+    kind = getattr(dest, "memory_kind", None)
+    name = kind if isinstance(kind, str) else getattr(dest, "name", None)
+    if not isinstance(name, str):
+        return None
+    name = name.lower()
+    return "host" if "host" in name else "device" if name == "device" else None
 
 
 def _vars(values) -> list:
@@ -114,6 +129,7 @@ def walk(
     reusable=(),
     sliced=(),
     overlap: bool = False,
+    in_homes: Sequence[float] | None = None,
 ) -> Walk:
     """Walk ``jaxpr`` (open) in ``_scheduled``'s order, each value kept from the operation that
     makes it to its last use (an output to the end). Inputs and constants are the caller's and
@@ -121,8 +137,10 @@ def walk(
     ``reusable``: positions of inputs whose buffers a result may take over at their last use
     (donated, or dying at the call). ``sliced``: positions of inputs that are one step's slice
     of a stacked operand (a scan's; ``_copied_slices``). ``overlap``: collectives overlap the
-    computation before them (XLA:GPU's scheduler, ``_started_in_loop``)."""
+    computation before them (XLA:GPU's scheduler, ``_started_in_loop``). ``in_homes``: the
+    inputs' shares were they in device memory (those in host memory come in at these)."""
     shares: dict = dict(zip(jaxpr.invars, in_shares))
+    homes: dict = dict(zip(jaxpr.invars, in_homes or in_shares))
     runs = _psum_runs(jaxpr)  # as traced: XLA combines before it schedules
     jaxpr = _scheduled(jaxpr)
     last_use = _last_uses(jaxpr, runs)
@@ -136,8 +154,8 @@ def walk(
     for i, eqn in enumerate(jaxpr.eqns):
         dying = [v for v in _vars(eqn.invars) if last_use.get(v) == i]
         donors = {v for v in dying if any(b.size for b in live.get(v, ()))}
-        inner = _inner_walks(eqn, shares, local, donors, overlap)
-        _set_shares(eqn, shares, inner, local)
+        inner = _inner_walks(eqn, shares, homes, local, donors, overlap)
+        _set_shares(eqn, shares, homes, inner, local)
         pool = {v: live.pop(v) for v in dying if v in live}
         held = {id(b): b for bufs in [*live.values(), *pool.values()] for b in bufs}
         before = sum(b.counted for b in held.values())
@@ -159,19 +177,43 @@ def walk(
         else None
         for v in jaxpr.outvars
     ]
-    return best._replace(out_shares=[_share(v, shares) for v in jaxpr.outvars], reused=taken_over)
+    return best._replace(
+        out_shares=[_share(v, shares) for v in jaxpr.outvars],
+        reused=taken_over,
+        out_homes=[_home(v, shares, homes) for v in jaxpr.outvars],
+    )
 
 
-def _inner_walks(eqn, shares: dict, local: bool, reusable: set, overlap: bool) -> list[Walk]:
-    """Walks of the jaxprs inside ``eqn`` (a call, a loop's body, a branch, ``shard_map``),
-    their inputs' shares taken from the operands they line up with from the end; an operand
-    in ``reusable`` (it dies here) may give its buffer to a result of a call's jaxpr."""
-    walks = []
+def _home(var, shares: dict, homes: dict) -> float:
+    return 1.0 if isinstance(var, Literal) else homes.get(var, _share(var, shares))
+
+
+def _on_host(eqn) -> bool:
+    """Whether ``eqn`` runs on the host's CPU (``compute_on("device_host")``, how the engine
+    runs an optimizer update in host memory): its working set is host memory."""
+    ctx = getattr(eqn, "ctx", None)
+    params = eqn.params
+    return "host" in str(getattr(ctx, "compute_type", None) or params.get("compute_type", ""))
+
+
+def _inner_walks(
+    eqn, shares: dict, homes: dict, local: bool, reusable: set, overlap: bool
+) -> list[Walk]:
+    """Walks of the jaxprs inside ``eqn`` (a call, a loop's body, a branch, ``shard_map``; not
+    one run on the host), their inputs' shares taken from the operands they line up with from
+    the end; an operand in ``reusable`` (it dies here) may give its buffer to a result of a
+    call's jaxpr."""
+    walks: list[Walk] = []
+    if _on_host(eqn):
+        return walks
     inside = local or eqn.primitive.name == "shard_map"
     for inner in jaxprs_in_params(eqn.params):
         outer = list(eqn.invars)[-len(inner.invars) :] if inner.invars else []
         pad = len(inner.invars) - len(outer)
-        in_shares = [1.0] * pad + [1.0 if inside else _share(v, shares) for v in outer]
+        in_shares = [1.0] * pad + [
+            (0.0 if _share(v, shares) == 0 else 1.0) if inside else _share(v, shares) for v in outer
+        ]
+        in_homes = [1.0] * pad + [1.0 if inside else _home(v, shares, homes) for v in outer]
         donors = {
             pad + k
             for k, v in enumerate(outer)
@@ -179,7 +221,15 @@ def _inner_walks(eqn, shares: dict, local: bool, reusable: set, overlap: bool) -
         }
         sliced = _scanned_slices(eqn, inner)
         walks.append(
-            walk(inner, in_shares, local=inside, reusable=donors, sliced=sliced, overlap=overlap)
+            walk(
+                inner,
+                in_shares,
+                local=inside,
+                reusable=donors,
+                sliced=sliced,
+                overlap=overlap,
+                in_homes=in_homes,
+            )
         )
     return walks
 
@@ -214,17 +264,45 @@ def _copied_slices(jaxpr, sliced) -> set:
     }
 
 
-def _set_shares(eqn, shares: dict, inner: list[Walk], local: bool) -> None:
-    """Record the per-device shares of ``eqn``'s results: 1 inside ``shard_map``; where the
-    operation places them, that placement; a call's or loop's, its inner jaxpr's outputs' (a
-    loop's stacked outputs keep their per-step share); else the smallest of its operands'."""
+def _set_shares(eqn, shares: dict, homes: dict, inner: list[Walk], local: bool) -> None:
+    """Record the per-device shares of ``eqn``'s results: a move to host memory 0, back to
+    the device its share there; where the operation places them, that placement (1 inside
+    ``shard_map``); a call's or loop's, its inner jaxpr's outputs' (a loop's stacked outputs
+    keep their per-step share); else the smallest of its operands' (0: made in host memory). A
+    result in host memory keeps its share on the device in ``homes``."""
     n = len(eqn.outvars)
-    placed = [1.0] * n if local else _placed(eqn, shares)
+    if _moved(eqn, shares, homes, local):
+        return
+    placed = None if local else _placed(eqn, shares)
     if placed is None and inner and eqn.primitive.name != "shard_map":
         placed = ([1.0] * n + list(inner[0].out_shares))[-n:] if n else []
+        if inner[0].out_homes:
+            homes.update(zip(eqn.outvars, ([1.0] * n + list(inner[0].out_homes))[-n:]))
+    operands = [v for v in eqn.invars if not isinstance(v, Literal)]
     if not placed:
-        placed = [min((_share(v, shares) for v in eqn.invars), default=1.0)] * n
+        placed = [min((_share(v, shares) for v in operands), default=1.0)] * n
+        if any(_share(v, shares) == 0 for v in operands):  # made in host memory
+            home = min((_home(v, shares, homes) for v in operands), default=1.0)
+            homes.update((out, home) for out in eqn.outvars)
+    if local:  # one device's shapes: whole, unless in host memory
+        placed = [1.0 if share else 0.0 for share in placed]
     shares.update(zip(eqn.outvars, placed))
+
+
+def _moved(eqn, shares: dict, homes: dict, local: bool) -> bool:
+    """Record the shares of a ``device_put`` that moves values between host and device memory
+    (False for any other operation)."""
+    dests = eqn.params.get("devices") or () if eqn.primitive.name == "device_put" else ()
+    spaces = [_space(d) for d in dests]
+    if not any(spaces) or len(dests) != len(eqn.outvars):
+        return False
+    for var, out, dest, space in zip(eqn.invars, eqn.outvars, dests, spaces):
+        home = _home(var, shares, homes)
+        if hasattr(dest, "shard_shape") and not local:
+            home = sharding_share(dest, out.aval.shape, in_device_memory=True)
+        homes[out] = 1.0 if local else home
+        shares[out] = 0.0 if space == "host" else homes[out] if space else _share(var, shares)
+    return True
 
 
 def _placed(eqn, shares: dict) -> list[float] | None:

@@ -1,14 +1,16 @@
 """``python -m zeroflow.memory``'s table, a view of the planner's core: one row per ZeRO stage x
 offload x remat of a trainer config, each a planner ``Candidate`` (``zeroflow.planner.search``)
-of the config's own plan with that stage, offload and remat: the what-if's formula figures and,
-where compiled (small configs on emulated CPU devices, always for a GPU target), the planner's
-compile of it (``zeroflow.planner.compiling``). ``zeroflow.cli.memory`` parses the flags.
+of the config's own plan with that stage, offload and remat: the what-if's formula figures, the
+instant estimate of its step where it can be traced here (``zf.memory.estimate_traced``, no
+compile) and, where compiled (small configs on emulated CPU devices, always for a GPU target),
+the planner's compile of it (``zeroflow.planner.compiling``). ``zeroflow.cli.memory`` parses
+the flags.
 
 "Cheapest" ranks choices by their usual cost in step time: no offload before offload
 (PCIe traffic), then remat none < save_dots < offload_dots (activations over PCIe) < full
 (recompute) < offload_input (recompute, and the layer inputs over PCIe), then a lower stage
 (stage 3 adds an all-gather per use). A choice fits when its peak is at most the device
-memory: XLA's compiled peak where it was compiled, else the formula's.
+memory: XLA's compiled peak where it was compiled, else the traced step's, else the formula's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from zeroflow.models.gpt import head_dim
 from zeroflow.models.spec import count_gpt_params
 from zeroflow.planner import where as places
 from zeroflow.planner.choices import first_equal_stage, remat_dtypes_of
-from zeroflow.planner.compiling import Compiler
+from zeroflow.planner.compiling import Compiler, failure_reason
 from zeroflow.planner.library import cudnn_refusal
 from zeroflow.planner.problems import ConfigProblem
 from zeroflow.planner.results import STEP_MARK, grouped_failures
@@ -58,9 +60,20 @@ class Table:
     compiler: Compiler | None = None
     attention_why: str = ""
     "Why the target's GPUs cannot run the config's cuDNN attention, where XLA's is figured."
+    traced: dict = dataclasses.field(default_factory=dict)
+    "Choice -> its step's instant estimate (``StepEstimate``), or why it did not trace."
+
+    def instant(self, c: Candidate) -> float | None:
+        """The peak per device of the row's traced step (no compile), where it was traced."""
+        got = self.traced.get(c.choice)
+        return None if got is None or isinstance(got, str) else got.peak_bytes
 
     def need(self, c: Candidate) -> float:
-        return c.what_if.predicted_bytes if c.measured is None else c.measured.peak_bytes
+        """XLA's compiled peak, else the traced step's, else the formula's."""
+        if c.measured is not None:
+            return c.measured.peak_bytes
+        instant = self.instant(c)
+        return c.what_if.predicted_bytes if instant is None else instant
 
     def host(self, c: Candidate) -> float:
         return c.host_bytes(self.per_process)
@@ -86,7 +99,7 @@ class Table:
         return min(filter(self.fits, self.rows), key=cost, default=None)
 
     def as_json(self, c: Candidate) -> dict:
-        ch, w, got = c.choice, c.what_if, c.measured
+        ch, w, got, instant = c.choice, c.what_if, c.measured, self.instant(c)
         ms, costed, mfu = self.step(c)
         formula = dict(
             model_states=w.model_states, activations=w.activations, update=w.update_bytes
@@ -106,6 +119,7 @@ class Table:
         out |= {"attention": self.attention_why and "xla", "attention_why": self.attention_why}
         out |= {
             "estimated_peak_bytes": round(w.predicted_bytes),
+            "instant_peak_bytes": None if instant is None else round(instant),
             "measured_peak_bytes": got and round(got.peak_bytes),
             "measured_host_bytes": got and round(got.host_bytes),
             "host_bytes_per_process": round(self.host(c)),
@@ -184,6 +198,7 @@ def build(
     config's ``model.remat_dtype``."""
     cfg, why = runnable_attention(cfg, target)
     problem = ConfigProblem(cfg)
+    trace = measure != "never"
     if measure == "auto":
         small = problem.spec.num_params <= MEASURE_MAX_PARAMS
         few = devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
@@ -203,6 +218,8 @@ def build(
                 problem.own_choice(stage, offload, remat), remat_dtype=dtype
             )
             table.rows.append(Candidate(choice, what_if(problem, choice, where, per_process)))
+    if trace and _traceable(table):
+        _trace(table, log)
     if measure == "always":
         with tempfile.TemporaryDirectory(prefix="zeroflow-memory-") as scratch:
             table.compiler = Compiler(scratch, overlaps=True)
@@ -224,16 +241,48 @@ def runnable_attention(cfg, target: str | None) -> tuple:
     return apply_overrides(cfg, ["model.attention=xla"]), note
 
 
+def _traceable(table: Table) -> bool:
+    """Whether the rows' steps can be traced here: a target's abstract GPUs, or as many of
+    this machine's devices as the mesh holds."""
+    import jax
+
+    par = table.problem.cfg.parallel
+    return table.target is not None or (
+        jax.device_count() >= table.where.devices * par.model * par.context
+    )
+
+
+def _trace(table: Table, log) -> None:
+    """Each row's instant estimate: its step traced (``zf.memory.estimate_traced``), or the
+    one-line reason it did not trace."""
+    if log:
+        log(f"tracing {len(table.rows)} choices (the instant estimate, no compile) ...")
+    for c in table.rows:
+        choice = _program_of(table, c.choice)
+        if choice not in table.traced:
+            try:
+                table.traced[choice] = table.problem.trace(choice, table.where)
+            except Exception as e:  # a step that cannot trace is a row with its reason
+                table.traced[choice] = failure_reason(e)
+        table.traced[c.choice] = table.traced[choice]
+
+
+def _program_of(table: Table, choice):
+    """``choice``, or on one device the lowest stage whose program it is."""
+    if table.where.devices > 1:
+        return choice
+    stage = first_equal_stage(
+        choice.stage, choice.offload, choice.update_on, table.problem.spec.precision
+    )
+    return dataclasses.replace(choice, stage=stage)
+
+
 def _measure(table: Table, c: Candidate, log) -> None:
     """Compile ``c``'s plan (on one device, the lowest stage with its program): its figures,
     or the one-line reason it did not compile."""
-    choice, where, compiler = c.choice, table.where, table.compiler
+    compiler = table.compiler
     assert compiler is not None
-    if where.devices == 1:
-        stage = first_equal_stage(
-            choice.stage, choice.offload, choice.update_on, table.problem.spec.precision
-        )
-        choice = dataclasses.replace(choice, stage=stage)
+    choice, where = _program_of(table, c.choice), table.where
     if log and (table.problem.key, where, choice) not in compiler.results:
         log(f"compiling stage {choice.stage}, offload {choice.offload}, remat {remat_label(c)} ...")
     c.record(compiler.measure(table.problem, choice, where))
@@ -264,14 +313,15 @@ def render(table: Table, console=None, show_all: bool = False) -> Candidate | No
     collectives = any(total.get("count") for total in overlaps)
     timed = [c for _, c in shown if table.step(c)[0] is not None]
     exposed = any(c.measured and c.measured.exposed_us for c in timed)
-    columns = ["stage", "offload", "remat", "formula/dev", "XLA/dev", "host/process", "fits"]
+    first = "instant/dev" if table.traced else "formula/dev"
+    columns = ["stage", "offload", "remat", first, "XLA/dev", "host/process", "fits"]
     columns += ["overlapped collectives"] * collectives + ["est. step (XLA:GPU)"] * bool(timed)
     columns += ["exposed comm."] * exposed + ["est. MFU"] * bool(timed)
     for name in columns:
         grid.add_column(name, justify="right" if "/" in name else "left")
     for stages, c in shown:
         got = c.measured
-        cells = [stages, c.choice.offload, remat_label(c), format_bytes(c.what_if.predicted_bytes)]
+        cells = [stages, c.choice.offload, remat_label(c), _first_cell(table, c)]
         cells += ["-" if got is None else format_bytes(got.peak_bytes)]
         cells += [format_bytes(table.host(c)), "yes" if table.fits(c) else "no"]
         if collectives:
@@ -290,13 +340,22 @@ def render(table: Table, console=None, show_all: bool = False) -> Candidate | No
     return best
 
 
+def _first_cell(table: Table, c: Candidate) -> str:
+    """The instant figure: the traced step's peak where the table traced its rows ("-" for a
+    row that did not trace), else the formula's."""
+    if not table.traced:
+        return format_bytes(c.what_if.predicted_bytes)
+    instant = table.instant(c)
+    return "-" if instant is None else format_bytes(instant)
+
+
 def _merged(table: Table) -> list[tuple[str, Candidate]]:
     """``(stages, row)``: rows that differ only in their stage (stages 0-2 on one device are
     the same program) said once, with their stages."""
     groups: dict = {}
     for c in table.rows:
-        key = (c.choice.offload, remat_label(c), table.need(c), table.host(c), table.note(c))
-        groups.setdefault((*key, table.step(c)), []).append(c)
+        shown = (_first_cell(table, c), table.host(c), table.note(c), table.step(c))
+        groups.setdefault((c.choice.offload, remat_label(c), table.need(c), *shown), []).append(c)
     out = []
     for same in groups.values():
         stages = [c.choice.stage for c in same]
@@ -356,10 +415,17 @@ def _timing_cells(table: Table, c: Candidate) -> list[str]:
 def _notes(table: Table, with_timing: bool) -> list[str]:
     """The lines under the table: what the columns are, what the compiles measured, once,
     and one line per reason a choice did not compile."""
+    first = (
+        "instant: the step's peak from its traced program (zf.memory.estimate_traced: the state, "
+        "what the backward pass saves, the largest temporary; no compile), which decides what "
+        "fits where nothing was compiled"
+        if table.traced
+        else "formula: the ZeRO formula with the GPT's activation formula (no compile)"
+    )
     out = [
-        "formula: the ZeRO formula with the GPT's activation formula (no compile); XLA: the "
-        "compiled step's peak, which decides what fits where it was compiled; host/process: "
-        "XLA's host buffers per device (else the formula's) x the devices of a process"
+        f"{first}; XLA: the compiled step's peak, which decides what fits where it was compiled; "
+        "host/process: XLA's host buffers per device (else the formula's) x the devices of a "
+        "process"
     ]
     if with_timing:
         out.append(
@@ -378,4 +444,10 @@ def _notes(table: Table, with_timing: bool) -> list[str]:
         for s, c in _merged(table)
         if c.status == FAILED
     ]
+    untraced = [
+        (got, f"{s}/{c.choice.offload}/{remat_label(c)}")
+        for s, c in _merged(table)
+        if isinstance(got := table.traced.get(c.choice), str)
+    ]
+    out += [f"did not trace ({which}): {why}" for why, which in grouped_failures(untraced, 2)]
     return out + [f"did not compile ({which}): {why}" for why, which in grouped_failures(failed, 2)]

@@ -23,7 +23,7 @@ from zeroflow.memory.spec import RunSpec
 from zeroflow.models.spec import activations, offloaded_activations, run_spec
 from zeroflow.planner.choices import Choice
 from zeroflow.planner.where import Where
-from zeroflow.trainer.planning import compile_config, count_frozen_params
+from zeroflow.trainer.planning import compile_config, count_frozen_params, trace_config
 from zeroflow.trainer.setup import run_model_config
 
 
@@ -188,18 +188,27 @@ class ConfigProblem:
         return None
 
     def compile(self, choice: Choice, where: Where, options: dict):
+        cfg, args = self._step_of(choice, where)
+        compiled, setup = compile_config(cfg, **args, compiler_options=options)
+        return compiled, setup.state
+
+    def trace(self, choice: Choice, where: Where):
+        """The instant estimate of the step ``compile`` compiles (``StepEstimate``)."""
+        cfg, args = self._step_of(choice, where)
+        return trace_config(cfg, **args)
+
+    def _step_of(self, choice: Choice, where: Where) -> tuple:
+        """The config of ``choice`` at ``where`` and ``compile_config``'s keywords for it."""
         cfg = apply_overrides(self.cfg, self.overrides(choice, where.devices))
-        plan = dict(stage=choice.stage, offload=choice.offload, update_on=choice.update_on)
-        target = dict(target=None if where.local else where.name, hosts=where.hosts)
-        compiled, setup = compile_config(
-            cfg,
+        return cfg, dict(
             num_devices=where.devices,
             remat=cfg.model.remat,
-            **plan,
-            **target,
-            compiler_options=options,
+            stage=choice.stage,
+            offload=choice.offload,
+            update_on=choice.update_on,
+            target=None if where.local else where.name,
+            hosts=where.hosts,
         )
-        return compiled, setup.state
 
     def model_flops(self) -> float:
         """The model's FLOPs per step, the RunSpec's (as the trainer's MFU counts them)."""

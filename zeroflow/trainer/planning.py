@@ -1,9 +1,11 @@
 """The trainer's GPT step of a ``Config``, for memory planning: abstract compiled steps for
-XLA's own numbers, one stage / offload / remat choice at a time. ``zeroflow.memory`` stays the
-engine's (any model); this is where it meets configs.
+XLA's own numbers, or the same steps traced for the instant estimate, one stage / offload /
+remat choice at a time. ``zeroflow.memory`` stays the engine's (any model); this is where it
+meets configs.
 
     compiled, setup = compile_config(cfg, num_devices=8, stage=3, offload="none",
                                      update_on="device", remat="full", target="h100")
+    est = trace_config(cfg, num_devices=8, stage=3, ...)   # no compile: est.peak_bytes
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from zeroflow import backend
 from zeroflow.backend import target_mesh
 from zeroflow.backend.targets import compute_capability
 from zeroflow.engine.padding import unpadded_shapes
+from zeroflow.memory.instant import StepEstimate, estimate_traced
 from zeroflow.memory.measure import MeasuredMemory, analysed, state_bytes
 from zeroflow.memory.on_target import compile_for, stand_in_mesh
 from zeroflow.models import abstract_params
@@ -146,17 +149,27 @@ def compile_config(cfg, **choice):
     ``target`` with ``model.attention: cudnn`` and no local cuDNN, cuDNN attention is lowered
     for the oldest cuDNN the CUDA plugin accepts (``compat.cudnn_for_target``); the setup is
     made under it too, as a LoRA run's setup traces the loss (its adapters' sites)."""
-    target = choice.get("target")
-    cudnn = (
-        compat.cudnn_for_target(compute_capability(target))
-        if target and cfg.model.attention == "cudnn"
-        else contextlib.nullcontext()
-    )
-    with cudnn:
+    with _cudnn_for(cfg, choice.get("target")):
         setup = abstract_setup(cfg, **choice)
         if setup.target is not None:
             return compile_for(setup.step, setup.state, setup.batch, setup.target), setup
         return setup.step.lower(setup.state, setup.batch).compile(), setup
+
+
+def trace_config(cfg, **choice) -> StepEstimate:
+    """The instant answer to ``compile_config``: the same step traced, not compiled
+    (``zf.memory.estimate_traced``: its state's bytes, what its backward pass saves and its
+    largest temporary, per device)."""
+    with _cudnn_for(cfg, choice.get("target")):
+        setup = abstract_setup(cfg, **choice)
+        return estimate_traced(setup.step, setup.state, setup.batch)
+
+
+def _cudnn_for(cfg, target: str | None):
+    """Where cuDNN attention is lowered for ``target``'s GPUs without a local cuDNN."""
+    if target and cfg.model.attention == "cudnn":
+        return compat.cudnn_for_target(compute_capability(target))
+    return contextlib.nullcontext()
 
 
 def attention_note(cfg, target: str | None) -> str:
