@@ -112,7 +112,7 @@ def measure(label, config, overrides, gpu, devices, stage, offload, remat):
     update_on = cfg.parallel.update_on if offload != "none" else "device"
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, update_on=update_on))
     (r,) = memory_table.build(cfg, devices=devices, stages=[stage], offloads=[offload],
-                              remats=[remat], measure="always", target=gpu).rows
+                              remats=[remat], measure="always", target=gpu, instant=False).rows
     if r.measured is None:
         raise RuntimeError(f"{label}: {r.reason}")
     memory = _card_memory(gpu)

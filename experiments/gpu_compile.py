@@ -113,7 +113,7 @@ def config_row(config, target, devices, stage, remat, overrides=(), label=""):
         cfg = dataclasses.replace(cfg, model=run_model_config(cfg))
     start = time.perf_counter()
     (r,) = memory_table.build(cfg, devices=devices, stages=[stage], offloads=["none"],
-                              remats=[remat], measure="always", target=target).rows
+                              remats=[remat], measure="always", target=target, instant=False).rows
     if r.measured is None:
         raise RuntimeError(f"{config}: {r.reason}")
     psi = zf.memory.count_gpt_params(cfg.model)

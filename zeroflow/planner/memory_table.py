@@ -189,16 +189,18 @@ def build(
     log=None,
     target: str | None = None,
     remat_dtypes: Sequence[str] | None = None,
+    instant: bool = True,
 ) -> Table:
     """One row per choice with the what-if's figures and, where compiled (``measure``), the
     planner's compile of it (for ``target``'s abstract GPUs XLA:GPU's peak and step estimate;
     offloaded choices through CPU stand-ins). On one device a stage that makes the engine's
     decisions of a lower one is that stage's compile. ``remat_dtypes``: each remat in each of
     these dtypes where it applies (FP8 only where the policy saves something); None: the
-    config's ``model.remat_dtype``."""
+    config's ``model.remat_dtype``. ``instant``: trace each row's step for its instant
+    estimate too, where ``measure`` is not 'never' and the mesh's devices are here."""
     cfg, why = runnable_attention(cfg, target)
     problem = ConfigProblem(cfg)
-    trace = measure != "never"
+    trace = instant and measure != "never"
     if measure == "auto":
         small = problem.spec.num_params <= MEASURE_MAX_PARAMS
         few = devices * cfg.parallel.model <= MEASURE_MAX_DEVICES
