@@ -1,8 +1,9 @@
 """``python -m zeroflow.memory --config X [--devices N --device-memory 80GB] [key=value ...]``
 
-Every ZeRO stage x offload x remat choice of a trainer config's GPT, the formula's bytes and,
-where compiled (ahead of time, abstract inputs: nothing model-sized is allocated), XLA's, then
-the cheapest choice that fits (``zeroflow.planner.memory_table``). ``--max-seq`` instead answers
+Every ZeRO stage x offload x remat choice of a trainer config's GPT, its step's instant peak
+(traced, not compiled; the formula's bytes where it cannot be traced here) and, where compiled
+(ahead of time, abstract inputs: nothing model-sized is allocated), XLA's, then the cheapest
+choice that fits (``zeroflow.planner.memory_table``). ``--max-seq`` instead answers
 the longest sequence the config's own choice fits (``zeroflow.cli.max_seq``)."""
 
 from __future__ import annotations
