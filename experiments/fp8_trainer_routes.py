@@ -29,11 +29,11 @@ import datetime
 import json
 import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from child_rows import child_env, run_row
 from zeroflow.cli.common import start_script
 
 start_script()
@@ -157,27 +157,13 @@ def gathered_uses(mlir: str) -> dict[str, int]:
 
 
 def run_child(row: dict, timeout: float) -> dict:
-    import os
-
-    from zeroflow.xla import schedule
-
-    env = schedule.enable(dict(os.environ))
-    env.update(JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
+    """One row's compile in a fresh process; its failure becomes the row's note."""
+    env = child_env()
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     # an offloaded step is planned on 8 CPU devices standing in for the GPUs
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(HERE), str(HERE.parent), env.get("PYTHONPATH")])
-    )
     cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(row)]
-    try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**row, "note": f"compile over {timeout:.0f} s"}
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    errors = [ln for ln in out.stderr.splitlines() if "Error" in ln]
-    return {**row, "note": (errors[-1] if errors else f"exit {out.returncode}").strip()[:300]}
+    return run_row(cmd, env, row, timeout, note_width=300)
 
 
 def table(rows: list[dict]) -> str:

@@ -31,16 +31,15 @@ at start-up), so a crash or an out-of-memory compile is one row's note.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from child_rows import child_env, run_row
 from zeroflow.cli.common import start_script
 
 start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
@@ -58,16 +57,6 @@ Hopper); for an A100 target it uses a coarser estimator (the plain jit steps pri
 and zeroflow's come out 7-10x the H100's), so those rows give peak and overlap only."""
 ZEROPP = {"qwZ": {"quantize_weights": "int8"}, "qgZ": {"quantize_grads": "int8"},
           "hpZ": {"hierarchical": True}}
-
-
-def _child_env() -> dict:
-    from zeroflow.xla import schedule
-
-    env = schedule.enable(dict(os.environ))
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(HERE.parent),
-                                                      env.get("PYTHONPATH")]))
-    return env
 
 
 def fsdp_spec(shape, devices: int, replicate: bool):
@@ -302,20 +291,12 @@ def _tuned_rows(base: dict, args) -> list[dict]:
 def run_child(payload: dict, mode: str, timeout: float) -> dict:
     """One compile (or the CPU run) in a fresh process; its failure becomes the row's note."""
     cmd = [sys.executable, str(Path(__file__).resolve()), f"--{mode}", json.dumps(payload)]
-    env = _child_env()
+    env = child_env()
     if mode == "cpu":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
         env.pop("TF_CPP_VMODULE", None)
         env["TF_CPP_MIN_LOG_LEVEL"] = "1"
-    try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**payload, "note": f"compile over {timeout:.0f} s"}
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    errors = [ln for ln in out.stderr.splitlines() if "Error" in ln or "error" in ln]
-    return {**payload, "note": (errors[-1] if errors else f"exit {out.returncode}").strip()[:160]}
+    return run_row(cmd, env, payload, timeout, note_width=160)
 
 
 def _label(row: dict) -> str:
