@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import re
 import shlex
@@ -40,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from child_rows import child_env, run_row
 from zeroflow.cli.common import start_script
 
 start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
@@ -60,17 +60,6 @@ VARIANTS = {
 # The "delayed" variants scale each FP8 cast from the amax history the train state carries
 # (zf.Precision(fp8_scaling="delayed"), as the train run "fp8 delayed"), not from the amax of
 # the tensor being cast (current scaling, the other FP8 variants).
-
-
-def _child_env() -> dict:
-    from zeroflow.xla import schedule
-
-    env = schedule.enable(dict(os.environ))
-    env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(HERE.parent),
-                                                      env.get("PYTHONPATH")]))
-    return env
 
 
 def compile_row(row: dict) -> dict:
@@ -211,16 +200,8 @@ def _gather_types(text: str) -> list[str]:
 
 def run_child(payload: dict, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(payload)]
-    try:
-        out = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True,
-                             timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**payload, "note": f"compile over {timeout:.0f} s"}
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    errors = [ln for ln in out.stderr.splitlines() if "Error" in ln or "error" in ln]
-    return {**payload, "note": (errors[-1] if errors else f"exit {out.returncode}").strip()[:200]}
+    env = {**child_env(), "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    return run_row(cmd, env, payload, timeout, note_width=200)
 
 
 TRAIN_RUNS = {
