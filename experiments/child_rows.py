@@ -8,6 +8,10 @@ import os
 import subprocess
 from pathlib import Path
 
+from zeroflow.cli.common import start_script
+
+start_script()  # before jax: where the CUDA plugin has no driver, a CPU jax without its noise
+
 HERE = Path(__file__).resolve().parent
 
 
