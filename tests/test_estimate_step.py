@@ -11,7 +11,7 @@ import zeroflow as zf
 pytestmark = pytest.mark.fast
 
 LAYERS, WIDTH, ROWS = 4, 256, 1024
-TOLERANCE = 0.11  # measured: 0.93x-1.03x of XLA:CPU on jax 0.10.2, 0.899x at worst on 0.11-0.12
+TOLERANCE = 0.10  # measured: 0.94x-1.05x of XLA:CPU on jax 0.10.2, 0.91x at worst on 0.11-0.12
 
 
 def _scanned(remat: bool, rows: int = ROWS):

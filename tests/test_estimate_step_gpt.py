@@ -1,6 +1,5 @@
 """``zf.memory.estimate_step`` on the trainer's GPT against XLA:CPU's compiled peak of the same
 step (the reference), at the stages and remat policies whose peaks hold different things."""
-import jax
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -28,15 +27,14 @@ def test_the_trainer_gpt_estimate_is_near_its_compiled_peak(stage, remat):
     assert abs(est / xla - 1) <= TOLERANCE, (est, xla)
 
 
-@pytest.mark.xfail(
-    jax.__version__.startswith("0.11."), strict=True,
-    reason="jaxlib 0.11's XLA:GPU starts the gather after the backward loop, not inside its "
-           "last step: the estimate lands at 1.14x (0.10.2 and 0.12 overlap it, 1.005x)")
 def test_gpt2_small_on_h100s_stage_3_is_near_xla_gpus_peak():
     """GPT-2 small (configs/gpt2-small.yaml, cuDNN attention) at stage 3 with full remat on 8
-    abstract H100s, against XLA:GPU's compiled peak: XLA:GPU starts the gather of the input
-    gradient that follows the backward loop inside the loop's last step, so it is live at the
-    loop's fullest (``traced._started_in_loop``)."""
+    abstract H100s, against XLA:GPU's compiled peak: the stacked gradients are live through the
+    backward loop, the layer norms' fp32 upcasts fuse into their reductions, and the gather of
+    the input gradient that follows the loop starts inside its last step
+    (``traced._started_in_loop``; jaxlib 0.11's XLA:GPU starts it after the loop, and the
+    estimate is within 10% of all three: 1.03x, 1.02x and 0.96x on jax 0.10.2, 0.11.2 and
+    0.12.0.1)."""
     from helpers import require_cuda_plugin
 
     from zeroflow.config.io import load_config

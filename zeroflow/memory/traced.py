@@ -23,7 +23,8 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 _ELEMENTWISE = frozenset(
     "abs add add_any and broadcast_in_dim clamp convert_element_type cos div eq exp exp2 "
-    "expm1 ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg not or "
+    "expm1 ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg not "
+    "one_minus_square or "
     "pow reduce_precision rem rsqrt select_n sign sin sqrt square sub tan tanh xor".split()
 )
 "Operations XLA fuses into their consumer: a result only such operations read is never kept."
@@ -43,6 +44,8 @@ _COLLECTIVES = frozenset(
     "all_gather psum psum_invariant psum_scatter reduce_scatter all_to_all".split()
 )
 _PSUMS = frozenset({"psum", "psum_invariant"})
+_SCATTERS = frozenset({"psum_scatter", "reduce_scatter"})
+_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod argmax argmin".split())
 COMBINE_BYTES = 30 * 1024 * 1024
 "XLA's all-reduce combiner's default threshold (``xla_gpu_all_reduce_combine_threshold_bytes``)."
 
@@ -165,6 +168,7 @@ def walk(
         new = sum(b.counted for k, b in fresh.items() if k not in held)
         # An inner jaxpr's peak counts the results it has made by then: they are the eqn's.
         working = max((w.peak for w in inner), default=0.0)
+        working += _stacked_outputs(eqn, size) if inner else 0.0
         working += _started_in_loop(jaxpr, i) if overlap and inner else 0.0
         if before + max(new, working) > best.peak:
             deepest = max(inner, key=lambda w: w.peak).at if working > new else ""
@@ -351,14 +355,48 @@ def _scheduled(jaxpr):
             ]
             order.append(eqn)
     order += movable.values()  # read by nothing but the outputs
-    return jaxpr.replace(eqns=order)
+    return jaxpr.replace(eqns=_scattered_early(order))
+
+
+def _scattered_early(eqns: list) -> list:
+    """``eqns`` with each reduce-scatter moved up to just after the operation that makes its
+    operand: it frees all but one device's share of it, so a scheduler that keeps memory low
+    runs it there, not where JAX's transpose emits it (after the rest of the layer's backward
+    pass)."""
+    out: list = []
+    for eqn in eqns:
+        operands = _vars(eqn.invars)
+        if eqn.primitive.name not in _SCATTERS or len(operands) != 1:
+            out.append(eqn)
+            continue
+        made_at = [k for k, e in enumerate(out) if operands[0] in e.outvars]
+        out.insert(made_at[0] + 1 if made_at else len(out), eqn)
+    return out
+
+
+def _stacked_outputs(eqn, size) -> float:
+    """Bytes of a scan's stacked outputs: XLA allocates each whole before the loop and copies
+    every step's slice into it, so all of it is live beside the body's working set (whose walk
+    counts only the slice it makes). Told from the carries by shape, as ``_scanned_slices``
+    tells the inputs apart."""
+    if eqn.primitive.name != "scan":
+        return 0.0
+    body = next(iter(jaxprs_in_params(eqn.params)))
+    length = eqn.params["length"]
+    return sum(
+        size(out)
+        for out, step in zip(eqn.outvars, body.outvars)
+        if tuple(getattr(out.aval, "shape", ())) == (length, *getattr(step.aval, "shape", ()))
+    )
 
 
 def _started_in_loop(jaxpr, i: int) -> float:
     """Bytes of the collectives that read a result of the loop at ``i`` directly: XLA:GPU
     peels the loop's last step and starts them inside it, overlapping the step's remaining
     work, so their results are live at the loop's fullest (one device's shapes: inside
-    ``shard_map``, where collectives are)."""
+    ``shard_map``, where collectives are). Not all-reduces: XLA:GPU does not pipeline them
+    (the option is off by default and the engine leaves it so), and starts one after the
+    loop ends."""
     eqn = jaxpr.eqns[i]
     if eqn.primitive.name not in ("scan", "while"):
         return 0.0
@@ -367,7 +405,8 @@ def _started_in_loop(jaxpr, i: int) -> float:
         sum(
             aval_bytes(out.aval)
             for later in jaxpr.eqns[i + 1 :]
-            if later.primitive.name in _COLLECTIVES and results.intersection(_vars(later.invars))
+            if later.primitive.name in _COLLECTIVES - _PSUMS
+            and results.intersection(_vars(later.invars))
             for out in later.outvars
         )
     )
@@ -469,7 +508,8 @@ def _elementwise_call(eqn) -> bool:
 
 def _fused(jaxpr) -> set:
     """Results XLA never writes out (not outputs): an elementwise operation's read only by
-    elementwise ones (computed inside their fused loop), a transpose's read only by matmuls
+    elementwise ones or reductions (computed inside their fused loop: a layer norm's fp32 copy
+    of its input), a transpose's read only by matmuls
     or elementwise operations (their operand's layout). Of several results (an elementwise
     call's), XLA fuses each into a consumer only where it has just one."""
     readers: dict = {}
@@ -480,7 +520,7 @@ def _fused(jaxpr) -> set:
     fused: set = set()
     for eqn in jaxpr.eqns:
         name, several = eqn.primitive.name, len(eqn.outvars) > 1
-        into = _ELEMENTWISE | {"dot_general"} if name == "transpose" else _ELEMENTWISE
+        into = _ELEMENTWISE | {"dot_general"} if name == "transpose" else _ELEMENTWISE | _REDUCTIONS
         if name in _ELEMENTWISE or name == "transpose" or (several and _elementwise_call(eqn)):
             fused.update(
                 v
