@@ -1,7 +1,7 @@
 """The instant estimate's walk where XLA's buffers and schedule differ from the jaxpr's order: a
 scan's stacked outputs are allocated whole before the loop, a reduce-scatter runs where its
-operand is made, not where JAX's transpose emits it, and elementwise work feeding a reduction is
-fused into it. Reference: bytes written out by hand (XLA:CPU compiles the first two programs at
+operand is made, not where JAX's transpose emits it, elementwise work feeding a reduction is
+fused into it, and a transpose that only moves axes of length 1 is a bitcast. Reference: bytes written out by hand (XLA:CPU compiles the first two programs at
 these same figures on jax 0.10.2: outputs plus temporaries)."""
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,22 @@ def test_elementwise_work_read_by_reductions_is_fused_into_them():
     w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(norm_then_matmul)(x, w).jaxpr
     assert walk(jaxpr, [1.0, 1.0]).peak == MB / 2 + MB / 2
+
+
+def test_a_transpose_moving_only_unit_axes_is_a_view():
+    """``[1, chunks, rows, width]`` turned ``[chunks, 1, rows, width]`` (how a sequence split
+    into chunks is handed to the loop over them) keeps every byte where it was: XLA makes it a
+    bitcast. What is kept is the matmul's product alone, 1 MB; copying the input for the
+    transpose, the walk said 2 MB."""
+
+    def chunked_matmul(x, w):
+        chunks = jnp.transpose(x, (1, 0, 2, 3))
+        return chunks.reshape(1024, 256) @ w
+
+    x = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.float32)
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    jaxpr = jax.make_jaxpr(chunked_matmul)(x, w).jaxpr
+    assert walk(jaxpr, [1.0, 1.0]).peak == MB
 
 
 def test_on_gpus_a_reduce_scatter_starts_in_the_loop_and_an_all_reduce_after_it():

@@ -448,11 +448,22 @@ def _results(eqn, inner: list[Walk], live: dict, pool: dict, fused: set, size) -
 def _views(eqn, size) -> dict:
     """``{result: the operand it views}`` for a view operation whose result has its operand's
     bytes on the device (else empty: the result is a copy, a gather or a move)."""
-    if eqn.primitive.name not in _VIEWS:
+    if eqn.primitive.name not in _VIEWS and not _moves_unit_axes_only(eqn):
         return {}
     pairs = zip(eqn.outvars, eqn.invars if eqn.primitive.name == "device_put" else eqn.invars[:1])
     views = {out: v for out, v in pairs if not isinstance(v, Literal) and size(out) == size(v)}
     return views if len(views) == len(eqn.outvars) else {}
+
+
+def _moves_unit_axes_only(eqn) -> bool:
+    """A transpose that keeps the order of its operand's axes longer than 1 (a chunked
+    sequence's ``[1, chunks, ...]`` turned ``[chunks, 1, ...]``): its bytes are the operand's,
+    in the same order, so XLA makes it a bitcast."""
+    if eqn.primitive.name != "transpose":
+        return False
+    shape = eqn.invars[0].aval.shape
+    kept = [axis for axis in eqn.params["permutation"] if shape[axis] != 1]
+    return kept == sorted(kept)
 
 
 def _last_uses(jaxpr, runs=()) -> dict:
