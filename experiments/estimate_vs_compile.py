@@ -9,7 +9,8 @@ scanned residual MLP; the model corpus's Equinox transformer (tests/model_corpus
 offload of state and activations on abstract H100s (configs/tiny.yaml, and the 8B long-context
 config at 884,736 tokens). Each
 row: the estimate, its parts, XLA's peak per device (``measure``'s, less offloaded state) and
-the ratio. Writes ``estimate_vs_compile.md`` to ``--out``; about 10 minutes on 2 busy cores.
+the ratio. Writes ``estimate_vs_compile.md`` to ``--out``; about 4 minutes on 2 idle cores
+(2026-12-06), longer on busy ones.
 """
 
 from __future__ import annotations
