@@ -247,11 +247,17 @@ def _scanned_slices(eqn, inner) -> range:
         return range(0)
     start = len(inner.invars)
     for outer, body in zip(reversed(eqn.invars), reversed(inner.invars)):
-        shape, step = getattr(outer.aval, "shape", ()), getattr(body.aval, "shape", None)
-        if not shape or shape[0] != eqn.params["length"] or tuple(shape[1:]) != step:
+        if not _stacked(outer, body, eqn.params["length"]):
             break
         start -= 1
     return range(start, len(inner.invars))
+
+
+def _stacked(whole, step, length: int) -> bool:
+    """Whether ``whole`` is ``length`` of the scan body's ``step`` value stacked on a leading
+    axis (a carry has the body's shape itself)."""
+    shape = tuple(getattr(whole.aval, "shape", ()))
+    return shape == (length, *getattr(step.aval, "shape", (None,)))
 
 
 def _copied_slices(jaxpr, sliced) -> set:
@@ -384,9 +390,7 @@ def _stacked_outputs(eqn, size) -> float:
     body = next(iter(jaxprs_in_params(eqn.params)))
     length = eqn.params["length"]
     return sum(
-        size(out)
-        for out, step in zip(eqn.outvars, body.outvars)
-        if tuple(getattr(out.aval, "shape", ())) == (length, *getattr(step.aval, "shape", ()))
+        size(out) for out, step in zip(eqn.outvars, body.outvars) if _stacked(out, step, length)
     )
 
 
